@@ -1,0 +1,341 @@
+"""One round of the DiLoCo exchange: a deadline-bounded reduce-scatter + all-gather.
+
+Every member holds a flat fp32 pseudo-gradient Δ of the same length. A round runs in three steps:
+
+1. **Gather.** Each member tells every peer it expects that it is ready (`ready`, carrying the
+   digest of its global state) and waits until all of them are ready too, or until
+   `gather_timeout`. The round's *view* is the sorted set of ready members with the same digest.
+   A peer that learns that others closed the round without it gives up at once ("late").
+2. **Reduce.** Δ is cut into one span per view member; member i owns span i. Everyone sends each
+   span, encoded with the wire codec, to its owner. The owner waits for all view members until
+   `reduce_timeout`, averages what arrived in fp32, encodes the mean once, and sends the *same
+   bytes* to every member (including itself, by decoding them), so all peers apply identical values.
+3. **Gather results.** A member commits the round when it holds a result for every span, all
+   tagged with its view id, by `result_timeout`. Each result names the members it averaged.
+
+Failure semantics:
+- A dead or slow member is not waited for past a deadline: a missing contribution is left out
+  of its span's mean (the result lists who was averaged); a missing *owner* means its span has
+  no result, so nobody with that view commits the round, and all of them retry it as the next
+  attempt of the same round (their local progress is kept: the next Δ covers it).
+- Peers whose views differ cannot mix data: frames carry the view id and are rejected otherwise.
+  At most one view can commit a given round key, since committing needs a result from every
+  member of the view and each member holds exactly one view.
+- Malformed or unexpected frames are rejected with a `Reason`, counted in `rejections`, and
+  never raise out of a handler.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+import torch
+
+from diloco.compression import PayloadRejected, Reason, get_codec
+
+from . import messages as msg
+from .spans import RoundKey, make_view, span_bounds, view_id
+from .transport import PeerId, Transport, TransportError
+
+log = logging.getLogger(__name__)
+
+_MAX_VIEWS_PER_ROUND = 8  # bounded buffering of frames from views other than ours
+
+
+@dataclass(frozen=True, kw_only=True)
+class CollectiveConfig:
+    gather_timeout: float = 30.0
+    """Seconds a ready peer waits for the other expected peers before closing the round without them."""
+    reduce_timeout: float = 20.0
+    """Seconds after the gather closes that a span owner waits for contributions."""
+    result_timeout: float = 30.0
+    """Seconds after the gather closes that a peer waits for every span's result; > reduce_timeout."""
+    call_timeout: float = 15.0
+    """Seconds any single message may take before its peer is treated as unreachable."""
+    min_peers: int = 1
+    """Fewest members (self included) a round needs to commit."""
+    wire: str = "fp32"
+    """Codec of contributions and results on the wire (fp32 or fp16)."""
+    max_payload: int = 1 << 30
+    """Largest frame body accepted from the network, in bytes."""
+
+    def __post_init__(self) -> None:
+        get_codec(self.wire)  # raises ValueError naming the valid codecs
+        for name in ("gather_timeout", "reduce_timeout", "result_timeout", "call_timeout"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0 seconds, got {getattr(self, name)}")
+        if self.result_timeout <= self.reduce_timeout:
+            raise ValueError(
+                f"result_timeout ({self.result_timeout}) must exceed reduce_timeout ({self.reduce_timeout}) "
+                "so that owners' results can arrive after they close their reduce"
+            )
+        if self.min_peers < 1:
+            raise ValueError(f"min_peers must be >= 1, got {self.min_peers}")
+
+
+@dataclass
+class RoundOutcome:
+    """What one round produced for this peer."""
+
+    key: RoundKey
+    committed: bool
+    reason: str
+    view: tuple[PeerId, ...] = ()
+    aggregate: torch.Tensor | None = None
+    contributors: list[tuple[PeerId, ...]] = field(default_factory=list)
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    seconds: float = 0.0
+
+
+@dataclass
+class _RoundState:
+    """Everything received for one round key; created by whichever message arrives first."""
+
+    ready: dict[PeerId, str] = field(default_factory=dict)
+    view: tuple[PeerId, ...] | None = None  # set when this peer closes its gather
+    vid: str = ""  # the view's id, set with `view`
+    contribs: dict[tuple[str, int], dict[PeerId, torch.Tensor]] = field(default_factory=dict)
+    results: dict[tuple[str, int], tuple[PeerId, torch.Tensor, tuple[int, ...]]] = field(default_factory=dict)
+    changed: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def views_buffered(self) -> set[str]:
+        return {v for v, _ in self.contribs} | {v for v, _ in self.results}
+
+
+class Collective:
+    """The round protocol of one peer over a `Transport`. Create with `await Collective.create(...)`."""
+
+    def __init__(self, transport: Transport, run_id: str, cfg: CollectiveConfig) -> None:
+        self.transport = transport
+        self.run_id = run_id
+        self.cfg = cfg
+        self.codec = get_codec(cfg.wire)
+        self.me = transport.peer_id
+        self.rejections: Counter[str] = Counter()
+        self._rounds: dict[RoundKey, _RoundState] = {}
+        self._floor = RoundKey(0, 0)  # frames for earlier keys are stale
+
+    @classmethod
+    async def create(cls, transport: Transport, run_id: str, cfg: CollectiveConfig) -> Collective:
+        self = cls(transport, run_id, cfg)
+        await transport.register("diloco.ready", self._on_ready)
+        await transport.register("diloco.contrib", self._on_contrib)
+        await transport.register("diloco.result", self._on_result)
+        return self
+
+    # ---------------------------------------------------------------- the round, from our side
+
+    async def run_round(
+        self, key: RoundKey, digest: str, expected: list[PeerId], delta: torch.Tensor
+    ) -> RoundOutcome:
+        """Run round `key` with our pseudo-gradient `delta` (1-D fp32); never blocks past the deadlines."""
+        started, (sent0, recv0) = time.monotonic(), self.transport.counter.snapshot()
+        if key < self._floor:
+            raise ValueError(f"round {key} is older than the last round run ({self._floor}); round keys must grow")
+        self._floor = key
+        self._forget_before(key)
+        try:
+            outcome = await self._run(key, digest, [p for p in expected if p != self.me], delta)
+        finally:
+            self._floor = RoundKey(key.round, key.attempt + 1)
+            self._forget_before(self._floor)
+        sent, recv = self.transport.counter.snapshot()
+        outcome.bytes_sent, outcome.bytes_received = sent - sent0, recv - recv0
+        outcome.seconds = time.monotonic() - started
+        return outcome
+
+    async def _run(self, key: RoundKey, digest: str, others: list[PeerId], delta: torch.Tensor) -> RoundOutcome:
+        rs = self._state(key)
+        rs.ready[self.me] = digest
+        ready_frame = msg.encode(msg.READY, run=self.run_id, sender=self.me, key=key, meta={"digest": digest})
+        replies = await asyncio.gather(*(self._call(p, "diloco.ready", ready_frame) for p in others))
+        closed_without_us = [p for p, r in zip(others, replies) if r and r.get("closed") and not r.get("in_view")]
+        if closed_without_us:
+            rs.view = ()
+            return RoundOutcome(key, False, f"late: {len(closed_without_us)} peer(s) closed round {key} without us")
+
+        gather_deadline = time.monotonic() + self.cfg.gather_timeout
+        await self._wait(rs, lambda: all(p in rs.ready for p in others), gather_deadline)
+        view = make_view([p for p, d in rs.ready.items() if d == digest])
+        vid = view_id(key, view)
+        rs.view, rs.vid = view, vid
+        closed_at = time.monotonic()
+        if len(view) < self.cfg.min_peers:
+            return RoundOutcome(key, False, f"only {len(view)} of min_peers={self.cfg.min_peers} ready", view)
+
+        bounds = span_bounds(delta.numel(), len(view))
+        mine = view.index(self.me)
+        own = self.codec.decode(self.codec.encode(delta[slice(*bounds[mine])].contiguous()), bounds[mine][1] - bounds[mine][0])
+        rs.contribs.setdefault((vid, mine), {})[self.me] = own
+
+        async def send_contributions() -> None:
+            await asyncio.gather(*(
+                self._call(owner, "diloco.contrib", msg.encode(
+                    msg.CONTRIB, run=self.run_id, sender=self.me, key=key, view=vid, span=i,
+                    codec=self.codec.name, numel=hi - lo, body=self.codec.encode(delta[lo:hi].contiguous())))
+                for i, (owner, (lo, hi)) in enumerate(zip(view, bounds)) if owner != self.me
+            ))
+
+        async def reduce_and_broadcast() -> None:
+            got = rs.contribs.setdefault((vid, mine), {})
+            await self._wait(rs, lambda: len(got) == len(view), closed_at + self.cfg.reduce_timeout)
+            senders = [p for p in view if p in got]  # fixed order: the mean is deterministic
+            total = torch.zeros(bounds[mine][1] - bounds[mine][0], dtype=torch.float32)
+            for p in senders:
+                total += got[p]
+            body = self.codec.encode(total / len(senders))
+            idx = tuple(view.index(p) for p in senders)
+            rs.results[(vid, mine)] = (self.me, self.codec.decode(body, total.numel()), idx)
+            rs.changed.set()
+            frame = msg.encode(
+                msg.RESULT, run=self.run_id, sender=self.me, key=key, view=vid, span=mine,
+                codec=self.codec.name, numel=total.numel(), meta={"contributors": list(idx)}, body=body)
+            await asyncio.gather(*(self._call(p, "diloco.result", frame) for p in view if p != self.me))
+
+        tasks = [asyncio.create_task(send_contributions()), asyncio.create_task(reduce_and_broadcast())]
+        try:
+            complete = await self._wait(
+                rs, lambda: all((vid, i) in rs.results for i in range(len(view))), closed_at + self.cfg.result_timeout
+            )
+        finally:
+            for t in tasks:  # late sends are pointless once the round is decided
+                t.cancel()
+        if not complete:
+            missing = [view[i] for i in range(len(view)) if (vid, i) not in rs.results]
+            return RoundOutcome(key, False, f"no result for {len(missing)} span(s) (owners {_short(missing)})", view)
+        parts = [rs.results[(vid, i)] for i in range(len(view))]
+        aggregate = torch.cat([t for _, t, _ in parts])
+        contributors = [tuple(view[j] for j in idx) for _, _, idx in parts]
+        return RoundOutcome(key, True, "committed", view, aggregate, contributors)
+
+    # ---------------------------------------------------------------- handlers (from the network)
+
+    async def _on_ready(self, caller: PeerId, data: bytes) -> bytes:
+        try:
+            header, _, key = msg.decode(data, run=self.run_id, kind=msg.READY, caller=caller, max_body=0)
+            digest = header.meta.get("digest")
+            if not isinstance(digest, str) or len(digest) > 128:
+                raise PayloadRejected(Reason.BAD_HEADER, "ready needs a string meta.digest")
+            rs = self._accepting(key)
+            if rs.view is not None:
+                return msg.ack(run=self.run_id, sender=self.me, closed=True, in_view=caller in rs.view)
+            rs.ready[caller] = digest
+            rs.changed.set()
+            return msg.ack(run=self.run_id, sender=self.me, closed=False, in_view=False)
+        except PayloadRejected as e:
+            return self._reject(caller, e)
+
+    async def _on_contrib(self, caller: PeerId, data: bytes) -> bytes:
+        try:
+            header, body, key = msg.decode(data, run=self.run_id, kind=msg.CONTRIB, caller=caller, max_body=self.cfg.max_payload)
+            rs = self._accepting(key)
+            self._check_view_slot(rs, header.view, caller, owner=self.me, span=header.span)
+            tensor = self._decode_body(header, body)
+            bucket = rs.contribs.setdefault((header.view, header.span), {})
+            if caller in bucket:
+                raise PayloadRejected(Reason.DUPLICATE, f"second contribution from {caller} for span {header.span}")
+            bucket[caller] = tensor
+            rs.changed.set()
+            return msg.ack(run=self.run_id, sender=self.me)
+        except PayloadRejected as e:
+            return self._reject(caller, e)
+
+    async def _on_result(self, caller: PeerId, data: bytes) -> bytes:
+        try:
+            header, body, key = msg.decode(data, run=self.run_id, kind=msg.RESULT, caller=caller, max_body=self.cfg.max_payload)
+            rs = self._accepting(key)
+            self._check_view_slot(rs, header.view, caller, owner=caller, span=header.span)
+            idx = header.meta.get("contributors")
+            if not isinstance(idx, list) or not idx or not all(isinstance(i, int) and i >= 0 for i in idx):
+                raise PayloadRejected(Reason.BAD_HEADER, "result needs a non-empty list of contributor indices")
+            if rs.view and (max(idx) >= len(rs.view) or len(set(idx)) != len(idx)):
+                raise PayloadRejected(Reason.BAD_HEADER, f"contributor indices {idx} do not fit a view of {len(rs.view)}")
+            tensor = self._decode_body(header, body)
+            if (header.view, header.span) in rs.results:
+                raise PayloadRejected(Reason.DUPLICATE, f"second result for span {header.span}")
+            rs.results[(header.view, header.span)] = (caller, tensor, tuple(idx))
+            rs.changed.set()
+            return msg.ack(run=self.run_id, sender=self.me)
+        except PayloadRejected as e:
+            return self._reject(caller, e)
+
+    # ---------------------------------------------------------------- checks and plumbing
+
+    def _accepting(self, key: RoundKey) -> _RoundState:
+        """The state of round `key` if frames for it are acceptable now (not stale, not far ahead)."""
+        if key < self._floor:
+            raise PayloadRejected(Reason.WRONG_ROUND, f"round {key} is over here (now at {self._floor})")
+        if key.round > self._floor.round + 1:
+            raise PayloadRejected(Reason.WRONG_ROUND, f"round {key} is too far ahead of {self._floor}")
+        return self._state(key)
+
+    def _check_view_slot(self, rs: _RoundState, vid: str, sender: PeerId, *, owner: PeerId, span: int) -> None:
+        if rs.view is None:  # our gather is still open: buffer, boundedly, and check later by view id
+            if vid not in rs.views_buffered() and len(rs.views_buffered()) >= _MAX_VIEWS_PER_ROUND:
+                raise PayloadRejected(Reason.WRONG_VIEW, "too many distinct views buffered for this round")
+            if not 0 <= span < 1024:
+                raise PayloadRejected(Reason.WRONG_SPAN, f"span {span} out of range")
+            return
+        if not rs.view or rs.vid != vid:
+            raise PayloadRejected(Reason.WRONG_VIEW, f"frame for view {vid}, ours is {rs.vid or 'none'}")
+        if sender not in rs.view:
+            raise PayloadRejected(Reason.NOT_MEMBER, f"{sender} is not in this round's view")
+        if not 0 <= span < len(rs.view) or rs.view[span] != owner:
+            raise PayloadRejected(Reason.WRONG_SPAN, f"span {span} is not owned by {owner}")
+
+    def _decode_body(self, header, body: memoryview) -> torch.Tensor:
+        if header.codec != self.codec.name:
+            raise PayloadRejected(Reason.BAD_DTYPE, f"codec {header.codec!r}, this swarm uses {self.codec.name!r}")
+        tensor = self.codec.decode(body, header.numel)
+        if not bool(torch.isfinite(tensor).all()):
+            raise PayloadRejected(Reason.NON_FINITE, "payload holds NaN or Inf")
+        return tensor
+
+    def _reject(self, caller: PeerId, e: PayloadRejected) -> bytes:
+        self.rejections[e.reason.value] += 1
+        log.warning("event=payload_rejected reason=%s peer=%s detail=%s", e.reason.value, caller, e.detail)
+        return msg.ack(run=self.run_id, sender=self.me, ok=False, reason=e.reason.value)
+
+    async def _call(self, peer: PeerId, name: str, frame: bytes) -> dict | None:
+        """Send one frame; the reply's meta, or None when the peer could not be reached."""
+        try:
+            reply = await self.transport.call(peer, name, frame, self.cfg.call_timeout)
+            meta = msg.read_ack(reply, run=self.run_id, caller=peer)
+        except (TransportError, PayloadRejected) as e:
+            log.info("event=call_failed handler=%s peer=%s reason=%s", name, peer, e)
+            return None
+        if not meta.get("ok", False):
+            log.info("event=frame_refused handler=%s peer=%s reason=%s", name, peer, meta.get("reason"))
+        return meta
+
+    def _state(self, key: RoundKey) -> _RoundState:
+        if key not in self._rounds:
+            self._rounds[key] = _RoundState()
+        return self._rounds[key]
+
+    def _forget_before(self, key: RoundKey) -> None:
+        for k in [k for k in self._rounds if k < key]:
+            del self._rounds[k]
+
+    @staticmethod
+    async def _wait(rs: _RoundState, done, deadline: float) -> bool:
+        """Wait until `done()` or the deadline; True if done. Handlers wake us through `rs.changed`."""
+        while not done():
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return False
+            rs.changed.clear()
+            try:
+                await asyncio.wait_for(rs.changed.wait(), remaining)
+            except asyncio.TimeoutError:
+                pass
+        return True
+
+
+def _short(peers: list[PeerId]) -> str:
+    return ", ".join(p[-6:] for p in peers)

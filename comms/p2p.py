@@ -1,0 +1,130 @@
+"""The real transport: hivemind's libp2p daemon (p2pd), one stream per call.
+
+Each call opens a libp2p stream to the peer's named handler, writes one length-prefixed request,
+reads one length-prefixed reply, and closes the stream. libp2p encrypts the connection and
+authenticates the remote peer id (`StreamInfo.peer_id`), which is what handlers receive as the
+caller. Large payloads are fine: the stream is raw bytes, not a size-limited unary protobuf.
+
+Failure semantics: every call has a timeout; an unreachable, dead or slow peer surfaces as
+`TransportError`, never as a hang. A request larger than `max_message` is refused before it is
+read into memory. The daemon is a child process: `diloco.peers.reaper` makes sure it dies with
+us even when we are SIGKILLed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from contextlib import suppress
+
+from hivemind.p2p import P2P, PeerID
+
+from .transport import ByteCounter, Handler, PeerId, TransportError
+
+log = logging.getLogger(__name__)
+
+_LEN = 8  # bytes of the length prefix, as hivemind's P2P.send_raw_data writes it
+_BYTEORDER = "big"
+
+
+async def _send(writer: asyncio.StreamWriter, data: bytes) -> None:
+    await P2P.send_raw_data(data, writer, chunk_size=1 << 20)
+
+
+async def _receive(reader: asyncio.StreamReader, max_message: int) -> bytes:
+    header = await reader.readexactly(_LEN)
+    length = int.from_bytes(header, _BYTEORDER)
+    if length > max_message:
+        raise TransportError(f"message of {length} bytes exceeds the limit of {max_message} bytes")
+    return await reader.readexactly(length)
+
+
+class P2PTransport:
+    """A `Transport` over a hivemind `P2P` instance (create it with `await P2PTransport.create()`)."""
+
+    def __init__(self, p2p: P2P, max_message: int) -> None:
+        self.p2p = p2p
+        self.peer_id = PeerId(p2p.peer_id.to_base58())
+        self.counter = ByteCounter()
+        self.max_message = max_message
+
+    @classmethod
+    async def create(
+        cls,
+        *,
+        initial_peers: list[str] | None = None,
+        host_maddrs: list[str] | None = None,
+        announce_maddrs: list[str] | None = None,
+        max_message: int = 1 << 30,
+        identity_path: str | None = None,
+    ) -> P2PTransport:
+        p2p = await P2P.create(
+            initial_peers=initial_peers or None,
+            host_maddrs=host_maddrs or ["/ip4/127.0.0.1/tcp/0"],
+            announce_maddrs=announce_maddrs or None,
+            identity_path=identity_path,
+            # A LAN/WAN swarm of explicitly addressed peers: no IPFS, no NAT port mapping probes.
+            nat_port_map=False,
+            auto_nat=False,
+            startup_timeout=30,
+        )
+        return cls(p2p, max_message)
+
+    @property
+    def daemon_pid(self) -> int | None:
+        child = getattr(self.p2p, "_child", None)
+        return child.pid if child is not None else None
+
+    @property
+    def socket_paths(self) -> list[str]:
+        """The unix sockets the daemon and client use; left behind if we are SIGKILLed."""
+        paths = []
+        for attr in ("_daemon_listen_maddr", "_client_listen_maddr"):
+            maddr = getattr(self.p2p, attr, None)
+            with suppress(Exception):
+                paths.append(maddr["unix"])
+        return paths
+
+    async def visible_addresses(self) -> list[str]:
+        return [str(m) for m in await self.p2p.get_visible_maddrs()]
+
+    async def register(self, name: str, handler: Handler) -> None:
+        async def serve(info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            caller = PeerId(info.peer_id.to_base58())
+            try:
+                request = await _receive(reader, self.max_message)
+                self.counter.add(caller, received=len(request) + _LEN)
+                reply = await handler(caller, request)
+                await _send(writer, reply)
+                self.counter.add(caller, sent=len(reply) + _LEN)
+            except (TransportError, asyncio.IncompleteReadError, ConnectionError) as e:
+                log.debug("event=stream_dropped handler=%s peer=%s reason=%s", name, caller, e)
+            finally:
+                writer.close()
+
+        await self.p2p.add_binary_stream_handler(name, serve)
+
+    async def call(self, peer: PeerId, name: str, payload: bytes, timeout: float) -> bytes:
+        async def exchange() -> bytes:
+            _, reader, writer = await self.p2p.call_binary_stream_handler(PeerID.from_base58(peer), name)
+            try:
+                await _send(writer, payload)
+                self.counter.add(peer, sent=len(payload) + _LEN)
+                reply = await _receive(reader, self.max_message)
+                self.counter.add(peer, received=len(reply) + _LEN)
+                return reply
+            finally:
+                writer.close()
+
+        try:
+            return await asyncio.wait_for(exchange(), timeout)
+        except asyncio.TimeoutError as e:
+            raise TransportError(f"call {name!r} to {peer} timed out after {timeout:.1f}s") from e
+        except TransportError:
+            raise
+        except Exception as e:  # p2pd control errors, resets, refused dials: all mean "unreachable"
+            raise TransportError(f"call {name!r} to {peer} failed: {type(e).__name__}: {e}") from e
+
+    async def close(self) -> None:
+        with suppress(Exception):
+            await asyncio.wait_for(self.p2p.shutdown(), 10)

@@ -1,0 +1,51 @@
+"""Pure helpers of the round protocol: span partition, view identity, round keys.
+
+Every member of a round's view owns one span of the flat pseudo-gradient. Span i belongs to the
+i-th member of the sorted view; all peers that hold the same view compute the same partition,
+and the view id (a hash of round key and members) travels in every frame so that a peer with a
+different view can never mix its data into ours.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from typing import Sequence
+
+from .transport import PeerId
+
+
+@dataclass(frozen=True, order=True)
+class RoundKey:
+    """Which exchange this is: `round` is the global state's version (committed rounds so far),
+    `attempt` counts exchanges that failed for everyone at that version (e.g. a span owner died)."""
+
+    round: int
+    attempt: int = 0
+
+    def __str__(self) -> str:
+        return f"{self.round}" if self.attempt == 0 else f"{self.round}.{self.attempt}"
+
+
+def span_bounds(numel: int, parts: int) -> list[tuple[int, int]]:
+    """Split [0, numel) into `parts` contiguous spans whose sizes differ by at most one."""
+    if parts < 1:
+        raise ValueError(f"parts must be >= 1, got {parts}")
+    base, extra = divmod(numel, parts)
+    bounds, start = [], 0
+    for i in range(parts):
+        end = start + base + (1 if i < extra else 0)
+        bounds.append((start, end))
+        start = end
+    return bounds
+
+
+def make_view(members: Sequence[PeerId]) -> tuple[PeerId, ...]:
+    """The canonical (sorted, de-duplicated) form of a round's membership."""
+    return tuple(sorted(set(members)))
+
+
+def view_id(key: RoundKey, view: Sequence[PeerId]) -> str:
+    """A short SHA-256 digest naming (round key, members); equal only for identical views."""
+    text = f"{key.round}.{key.attempt}|" + ",".join(view)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]

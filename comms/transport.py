@@ -1,0 +1,116 @@
+"""Transports: how the round protocol moves bytes between peers.
+
+A transport offers exactly two things: register a named async handler, and call a named handler on
+another peer with one request and get one reply back, under a timeout. Every message of the round
+protocol (ready, contribution, result) and the state download are such calls. Two implementations:
+
+- `InProcNetwork` / `InProcTransport` (this module): peers in one process, for fast tests and
+  simulation. Calls go straight to the other peer's handler; killing a peer makes calls to it fail.
+- `P2PTransport` (`p2p.py`): hivemind's libp2p daemon, one stream per call, for real swarms.
+
+Both count the bytes of every request and reply they send and receive (`ByteCounter`), so the
+round protocol can report exact bytes on the wire per peer per round.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from typing import Awaitable, Callable, NewType, Protocol
+
+PeerId = NewType("PeerId", str)
+Handler = Callable[[PeerId, bytes], Awaitable[bytes]]
+
+
+class TransportError(Exception):
+    """A call could not be completed: the peer is unreachable, gone, too slow, or refused."""
+
+
+@dataclass
+class ByteCounter:
+    """Bytes this peer sent and received, in total and per remote peer."""
+
+    sent: int = 0
+    received: int = 0
+    per_peer: dict[PeerId, list[int]] = field(default_factory=dict)
+
+    def add(self, peer: PeerId, sent: int = 0, received: int = 0) -> None:
+        self.sent += sent
+        self.received += received
+        row = self.per_peer.setdefault(peer, [0, 0])
+        row[0] += sent
+        row[1] += received
+
+    def snapshot(self) -> tuple[int, int]:
+        return self.sent, self.received
+
+
+class Transport(Protocol):
+    """What the round protocol needs from a transport."""
+
+    peer_id: PeerId
+    counter: ByteCounter
+
+    async def register(self, name: str, handler: Handler) -> None: ...
+
+    async def call(self, peer: PeerId, name: str, payload: bytes, timeout: float) -> bytes: ...
+
+    async def close(self) -> None: ...
+
+
+class InProcNetwork:
+    """A registry of in-process peers; `transport(peer_id)` creates one peer's endpoint.
+
+    `latency` (seconds) is added to every call, to give tests a realistic ordering of events.
+    """
+
+    def __init__(self, latency: float = 0.0) -> None:
+        self.latency = latency
+        self._peers: dict[PeerId, InProcTransport] = {}
+
+    def transport(self, peer_id: str) -> InProcTransport:
+        if peer_id in self._peers:
+            raise ValueError(f"peer id {peer_id!r} is already on this in-process network")
+        endpoint = InProcTransport(self, PeerId(peer_id))
+        self._peers[endpoint.peer_id] = endpoint
+        return endpoint
+
+    def kill(self, peer_id: str) -> None:
+        """Drop a peer at once, as if its process was SIGKILLed: calls to it fail from now on."""
+        self._peers.pop(PeerId(peer_id), None)
+
+    def lookup(self, peer_id: PeerId) -> InProcTransport | None:
+        return self._peers.get(peer_id)
+
+
+class InProcTransport:
+    def __init__(self, network: InProcNetwork, peer_id: PeerId) -> None:
+        self.network = network
+        self.peer_id = peer_id
+        self.counter = ByteCounter()
+        self.handlers: dict[str, Handler] = {}
+
+    async def register(self, name: str, handler: Handler) -> None:
+        self.handlers[name] = handler
+
+    async def call(self, peer: PeerId, name: str, payload: bytes, timeout: float) -> bytes:
+        if self.network.lookup(self.peer_id) is not self:
+            raise TransportError(f"this peer ({self.peer_id}) has been removed from the network")
+        target = self.network.lookup(peer)
+        if target is None or name not in target.handlers:
+            raise TransportError(f"peer {peer} is not reachable (no handler {name!r})")
+        try:
+            if self.network.latency:
+                await asyncio.sleep(self.network.latency)
+            reply = await asyncio.wait_for(target.handlers[name](self.peer_id, bytes(payload)), timeout)
+        except asyncio.TimeoutError as e:
+            raise TransportError(f"call {name!r} to {peer} timed out after {timeout:.1f}s") from e
+        if self.network.lookup(peer) is not target:
+            raise TransportError(f"peer {peer} died during call {name!r}")
+        self.counter.add(peer, sent=len(payload), received=len(reply))
+        target.counter.add(self.peer_id, sent=len(reply), received=len(payload))
+        return reply
+
+    async def close(self) -> None:
+        if self.network.lookup(self.peer_id) is self:
+            self.network.kill(self.peer_id)

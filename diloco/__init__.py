@@ -1,0 +1,20 @@
+"""diloco: DiLoCo training across machines joined by slow, unreliable links.
+
+Workers take many local inner steps, then exchange pseudo-gradients (θ_global − θ_local) over a
+hivemind peer-to-peer swarm and apply them with an outer Nesterov optimizer. See README.md.
+
+    import diloco
+    swarm = diloco.Swarm.join([ADDR], diloco.SwarmConfig(run_id="my-run"))
+    with diloco.DiLoCo(model, optimizer, swarm=swarm, inner_steps=100) as d:
+        ...  # your loop, unchanged
+"""
+
+from .config import ConfigError, DiLoCoConfig, SwarmConfig
+from .outer import nesterov
+from .swarm import Swarm, SwarmError
+from .wrapper import DiLoCo, RoundReport
+
+__version__ = "0.1.0"
+
+__all__ = ["ConfigError", "DiLoCo", "DiLoCoConfig", "RoundReport", "Swarm", "SwarmConfig", "SwarmError",
+           "nesterov", "__version__"]

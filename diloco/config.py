@@ -1,0 +1,84 @@
+"""Configuration: frozen, keyword-only dataclasses validated at construction.
+
+Every field has a one-line docstring; a bad value raises `ConfigError` (a `ValueError`) saying
+what is wrong and how to fix it, before any network I/O happens.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from diloco.comms import CollectiveConfig
+from diloco.compression import CODECS
+
+
+class ConfigError(ValueError):
+    """A setting is invalid; the message names the field, the constraint and the fix."""
+
+
+_RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+
+
+@dataclass(frozen=True, kw_only=True)
+class SwarmConfig:
+    run_id: str = "diloco"
+    """Namespace of the swarm: peers only see and talk to peers with the same run id."""
+    wire: str = "fp32"
+    """Codec of pseudo-gradients on the wire: fp32 or fp16."""
+    min_peers: int = 1
+    """Fewest peers (self included) that may commit a round."""
+    gather_timeout: float = 60.0
+    """Seconds a ready peer waits for slower peers before starting the round without them."""
+    reduce_timeout: float = 20.0
+    """Seconds after the gather closes that a span owner waits for contributions."""
+    result_timeout: float = 30.0
+    """Seconds after the gather closes that a peer waits for all results (> reduce_timeout)."""
+    call_timeout: float = 15.0
+    """Seconds one message may take before its peer is treated as unreachable."""
+    heartbeat_interval: float = 1.0
+    """Seconds between refreshes of this peer's record in the DHT."""
+    heartbeat_ttl: float = 6.0
+    """Seconds a record lives without refresh: a crashed peer is dropped after this long."""
+    max_payload: int = 1 << 30
+    """Largest frame body accepted from the network, in bytes."""
+
+    def __post_init__(self) -> None:
+        if not _RUN_ID.match(self.run_id):
+            raise ConfigError(f"run_id {self.run_id!r} must be 1-64 characters of letters, digits, '_', '.', '-'")
+        if self.wire not in CODECS:
+            raise ConfigError(f"wire {self.wire!r} is not a wire codec; choose one of: {', '.join(CODECS)}")
+        if self.heartbeat_interval <= 0 or self.heartbeat_ttl <= 2 * self.heartbeat_interval:
+            raise ConfigError(
+                f"heartbeat_ttl ({self.heartbeat_ttl}) must exceed twice heartbeat_interval "
+                f"({self.heartbeat_interval}) > 0, or live peers would flicker out of the swarm"
+            )
+        try:
+            self.collective()
+        except ValueError as e:
+            raise ConfigError(str(e)) from e
+
+    def collective(self) -> CollectiveConfig:
+        return CollectiveConfig(
+            gather_timeout=self.gather_timeout, reduce_timeout=self.reduce_timeout,
+            result_timeout=self.result_timeout, call_timeout=self.call_timeout,
+            min_peers=self.min_peers, wire=self.wire, max_payload=self.max_payload,
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
+class DiLoCoConfig:
+    inner_steps: int = 100
+    """H: inner optimizer steps between synchronizations."""
+    outer_lr: float = 0.7
+    """Learning rate of the default outer optimizer (SGD, Nesterov)."""
+    outer_momentum: float = 0.9
+    """Momentum of the default outer optimizer; 0 turns Nesterov off."""
+
+    def __post_init__(self) -> None:
+        if self.inner_steps < 1:
+            raise ConfigError(f"inner_steps must be >= 1, got {self.inner_steps}")
+        if self.outer_lr <= 0:
+            raise ConfigError(f"outer_lr must be > 0, got {self.outer_lr}")
+        if not 0 <= self.outer_momentum < 1:
+            raise ConfigError(f"outer_momentum must be in [0, 1), got {self.outer_momentum}")

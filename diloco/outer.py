@@ -1,0 +1,58 @@
+"""The DiLoCo math: pseudo-gradients and the outer step (Douillard et al., arXiv 2311.08105).
+
+Each worker starts a round at the global parameters θ, takes H inner steps to θ_m, and forms the
+pseudo-gradient Δ_m = θ − θ_m. The swarm averages Δ_m into Δ̄, which an outer optimizer (by
+default SGD, lr 0.7, momentum 0.9, Nesterov) uses as the gradient of θ. Two identities pin the
+math down (tests/test_outer.py): one worker with outer SGD lr 1 and no momentum is plain local
+training, and H=1 with inner SGD and that outer optimizer is data-parallel SGD.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Iterable, Sequence
+
+import torch
+
+OuterFactory = Callable[[list[torch.Tensor]], torch.optim.Optimizer]
+
+
+def nesterov(lr: float = 0.7, momentum: float = 0.9) -> OuterFactory:
+    """The paper's outer optimizer: SGD with Nesterov momentum."""
+    return lambda params: torch.optim.SGD(params, lr=lr, momentum=momentum, nesterov=True)
+
+
+def flatten(tensors: Iterable[torch.Tensor]) -> torch.Tensor:
+    """All tensors as one contiguous fp32 vector (a copy)."""
+    return torch.cat([t.detach().reshape(-1).to(torch.float32) for t in tensors])
+
+
+def unflatten(flat: torch.Tensor, like: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Views of `flat` shaped like `like`."""
+    out, offset = [], 0
+    for t in like:
+        out.append(flat[offset : offset + t.numel()].view(t.shape))
+        offset += t.numel()
+    if offset != flat.numel():
+        raise ValueError(f"flat vector has {flat.numel()} values, the parameters need {offset}")
+    return out
+
+
+def pseudo_gradient(global_params: Sequence[torch.Tensor], local_params: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Δ = θ_global − θ_local, flat fp32."""
+    return flatten(global_params) - flatten(local_params)
+
+
+@torch.no_grad()
+def outer_step(outer: torch.optim.Optimizer, global_params: Sequence[torch.Tensor], aggregate: torch.Tensor) -> None:
+    """Use the averaged pseudo-gradient as the gradient of θ and step the outer optimizer."""
+    for p, g in zip(global_params, unflatten(aggregate, global_params)):
+        p.grad = g.clone()
+    outer.step()
+    for p in global_params:
+        p.grad = None
+
+
+@torch.no_grad()
+def copy_into(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor]) -> None:
+    for d, s in zip(dst, src):
+        d.copy_(s)

@@ -1,0 +1,248 @@
+"""The swarm handle: one peer's connection to a DiLoCo swarm, for synchronous training code.
+
+    swarm = Swarm.start(SwarmConfig(run_id="my-run"))               # the first peer
+    print(swarm.join_command())                                     # what to run elsewhere
+    swarm = Swarm.join(["/ip4/1.2.3.4/tcp/4000/p2p/Qm…"], cfg)      # any later peer
+
+A `Swarm` owns: a transport (hivemind's libp2p daemon, or an in-process network for tests), a
+directory of peer records (hivemind's DHT, or an in-process board) refreshed by a heartbeat, the
+round collective, and a handler that serves our global state to peers that need to catch up.
+All asynchronous work runs on a background event loop; every public method is synchronous and
+bounded by the configured timeouts.
+
+Failure semantics: the peer that ran `start` is only the first address others dial; once others
+joined, it may leave or crash and the swarm goes on. A bootstrap address that does not answer
+is skipped for the next one given; when none answers, `join` raises `SwarmError` listing them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Callable
+
+from diloco.comms import Collective, PeerId, RoundKey, RoundOutcome, Transport
+from diloco.comms import messages as msg
+from diloco.comms.loop import LoopThread
+from diloco.comms.transport import InProcNetwork
+from diloco.compression import PayloadRejected
+from diloco.peers import Directory, InProcBoard, PeerRecord
+
+from .config import SwarmConfig
+
+log = logging.getLogger(__name__)
+
+StateProvider = Callable[[], tuple[int, str, bytes]]  # () -> (round, digest, state bytes)
+
+
+class SwarmError(RuntimeError):
+    """The swarm could not be started or joined; the message says what was tried and what to do."""
+
+
+class Swarm:
+    def __init__(self, loop: LoopThread, transport: Transport, directory: Directory, collective: Collective,
+                 cfg: SwarmConfig, *, owns_loop: bool, addresses: list[str], on_close=None,
+                 bootstrapped: bool = False) -> None:
+        self.bootstrapped = bootstrapped
+        """True when this peer joined through another peer's address (so a swarm should be visible)."""
+        self.loop, self.transport, self.directory, self.collective = loop, transport, directory, collective
+        self.cfg = cfg
+        self.addresses = addresses
+        self._owns_loop = owns_loop
+        self._on_close = on_close
+        self._record = PeerRecord(peer=self.peer_id, status="joining", round=0, addrs=tuple(addresses))
+        self._state_provider: StateProvider | None = None
+        self._closed = False
+        loop.run(transport.register("diloco.state", self._on_state))
+        self._heartbeat = loop.submit(self._heartbeat_loop())
+
+    # ------------------------------------------------------------------ construction
+
+    @classmethod
+    def start(cls, cfg: SwarmConfig, *, host: str = "127.0.0.1", port: int = 0,
+              announce: list[str] | None = None) -> Swarm:
+        """Start a new swarm (or a peer no one has dialed yet) listening on host:port."""
+        return cls._create_p2p(cfg, [], host, port, announce)
+
+    @classmethod
+    def join(cls, initial_peers: list[str], cfg: SwarmConfig, *, host: str = "127.0.0.1", port: int = 0,
+             announce: list[str] | None = None) -> Swarm:
+        """Join the swarm reachable at any of `initial_peers`, tried in order."""
+        if not initial_peers:
+            raise SwarmError("join needs at least one address, e.g. /ip4/1.2.3.4/tcp/31337/p2p/12D3Koo…")
+        tried = []
+        for addr in initial_peers:
+            try:
+                return cls._create_p2p(cfg, [addr], host, port, announce)
+            except Exception as e:  # noqa: BLE001 - any failure to bootstrap means "try the next address"
+                tried.append(f"{addr} ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})")
+                log.warning("event=bootstrap_failed addr=%s reason=%s", addr, e)
+        raise SwarmError("could not join the swarm; no bootstrap address answered:\n  " + "\n  ".join(tried) +
+                         "\nCheck the address (copy it from the `diloco start` output) and that the peer is up.")
+
+    @classmethod
+    def _create_p2p(cls, cfg: SwarmConfig, initial: list[str], host: str, port: int,
+                    announce: list[str] | None) -> Swarm:
+        from diloco.comms.p2p import P2PTransport
+        from diloco.peers import DHTDirectory
+        from diloco.peers.reaper import Reaper
+
+        _validate_addrs(initial)
+        loop = LoopThread()
+        reaper = Reaper()
+        proto = "ip6" if ":" in host else "ip4"
+
+        async def build():
+            transport = await P2PTransport.create(initial_peers=initial, host_maddrs=[f"/{proto}/{host}/tcp/{port}"],
+                                                  announce_maddrs=announce, max_message=cfg.max_payload + (1 << 20))
+            if transport.daemon_pid:
+                reaper.watch_pid(transport.daemon_pid)
+            for path in transport.socket_paths:
+                reaper.watch_file(path)
+            try:
+                directory = await asyncio.wait_for(DHTDirectory.create(transport.p2p, cfg.run_id, initial), 30)
+                collective = await Collective.create(transport, cfg.run_id, cfg.collective())
+                addresses = await transport.visible_addresses()
+            except BaseException:
+                await transport.close()
+                raise
+            return transport, directory, collective, addresses
+
+        try:
+            transport, directory, collective, addresses = loop.run(build(), timeout=60)
+        except BaseException:
+            loop.stop()
+            reaper.close()
+            raise
+
+        def finish():
+            loop.run(directory.close(), timeout=10)
+            loop.run(transport.close(), timeout=15)
+            reaper.close()
+
+        return cls(loop, transport, directory, collective, cfg, owns_loop=True, addresses=addresses,
+                   on_close=finish, bootstrapped=bool(initial))
+
+    @classmethod
+    def in_process(cls, network: InProcNetwork, board: InProcBoard, peer_id: str, cfg: SwarmConfig,
+                   loop: LoopThread, *, bootstrapped: bool = False) -> Swarm:
+        """A peer on an in-process network (tests, simulation); many peers share one `loop`."""
+        transport = network.transport(peer_id)
+        collective = loop.run(Collective.create(transport, cfg.run_id, cfg.collective()))
+        return cls(loop, transport, board, collective, cfg, owns_loop=False, addresses=[f"inproc:{peer_id}"],
+                   bootstrapped=bootstrapped)
+
+    # ------------------------------------------------------------------ identity and records
+
+    @property
+    def peer_id(self) -> PeerId:
+        return self.transport.peer_id
+
+    def join_command(self) -> str:
+        addr = next((a for a in self.addresses if "/127.0.0.1/" not in a), self.addresses[0])
+        return f"diloco join {addr} --run-id {self.cfg.run_id}"
+
+    def update(self, **fields) -> None:
+        """Change our record (status, round, attempt, digest, step, loss) and publish it now."""
+        self._record = PeerRecord(**{**self._record.__dict__, **fields})
+        self.loop.submit(self._publish())
+
+    def records(self) -> list[PeerRecord]:
+        """Everyone's current record (ours included), as the directory shows them now."""
+        try:
+            found = self.loop.run(self.directory.read(), timeout=self.cfg.call_timeout)
+        except Exception as e:  # noqa: BLE001 - a failed read is an empty view, never a crash
+            log.warning("event=directory_read_failed reason=%s", e)
+            found = []
+        others = [r for r in found if r.peer != self.peer_id]
+        return [self._record, *others]
+
+    async def _publish(self) -> None:
+        try:
+            await self.directory.publish(self._record, self.cfg.heartbeat_ttl)
+        except Exception as e:  # noqa: BLE001
+            log.warning("event=heartbeat_failed reason=%s", e)
+
+    async def _heartbeat_loop(self) -> None:
+        while not self._closed:
+            await self._publish()
+            await asyncio.sleep(self.cfg.heartbeat_interval)
+
+    # ------------------------------------------------------------------ rounds and state
+
+    def exchange(self, key: RoundKey, digest: str, expected: list[PeerId], delta) -> RoundOutcome:
+        """Run one round of the collective with our pseudo-gradient; returns within the deadlines."""
+        limit = self.cfg.gather_timeout + self.cfg.result_timeout + 2 * self.cfg.call_timeout
+        return self.loop.run(self.collective.run_round(key, digest, expected, delta), timeout=limit)
+
+    def serve_state(self, provider: StateProvider) -> None:
+        """Let peers that are behind download our global state: `provider()` -> (round, digest, bytes)."""
+        self._state_provider = provider
+
+    def fetch_state(self, peer: PeerId) -> tuple[int, str, bytes]:
+        """Download (round, digest, state bytes) from `peer`; raises SwarmError if it cannot."""
+        request = msg.encode(msg.STATE, run=self.cfg.run_id, sender=self.peer_id)
+
+        async def get():
+            reply = await self.transport.call(peer, "diloco.state", request, self.cfg.call_timeout * 4)
+            header, body, _ = msg.decode(reply, run=self.cfg.run_id, kind=msg.STATE, caller=peer,
+                                         max_body=self.cfg.max_payload)
+            rnd, digest = header.round, header.meta.get("digest")
+            if not isinstance(digest, str) or not header.meta.get("ok", True):
+                raise SwarmError(f"peer {peer} has no state to serve ({header.meta.get('reason', 'no digest')})")
+            return rnd, digest, bytes(body)
+
+        try:
+            return self.loop.run(get(), timeout=self.cfg.call_timeout * 4 + 5)
+        except (PayloadRejected, TimeoutError, Exception) as e:
+            if isinstance(e, SwarmError):
+                raise
+            raise SwarmError(f"state download from {peer} failed: {e}") from e
+
+    async def _on_state(self, caller: PeerId, data: bytes) -> bytes:
+        try:
+            msg.decode(data, run=self.cfg.run_id, kind=msg.STATE, caller=caller, max_body=0)
+        except PayloadRejected as e:
+            self.collective.rejections[e.reason.value] += 1
+            return msg.encode(msg.STATE, run=self.cfg.run_id, sender=self.peer_id, meta={"ok": False, "reason": e.reason.value})
+        if self._state_provider is None:
+            return msg.encode(msg.STATE, run=self.cfg.run_id, sender=self.peer_id, meta={"ok": False, "reason": "no state yet"})
+        rnd, digest, body = self._state_provider()
+        return msg.encode(msg.STATE, run=self.cfg.run_id, sender=self.peer_id, key=RoundKey(rnd),
+                          meta={"ok": True, "digest": digest}, body=body)
+
+    # ------------------------------------------------------------------ leaving
+
+    def close(self, *, announce: bool = True) -> None:
+        """Leave: tell the swarm at once (status=left), stop the heartbeat, shut the daemon down."""
+        if self._closed:
+            return
+        if announce:
+            self._record = PeerRecord(**{**self._record.__dict__, "status": "left"})
+            try:
+                self.loop.run(self._publish(), timeout=5)
+            except Exception:  # noqa: BLE001 - leaving must never fail
+                pass
+        self._closed = True
+        self._heartbeat.cancel()
+        if self._on_close is not None:
+            self._on_close()
+        else:
+            self.loop.run(self.transport.close(), timeout=5)
+        if self._owns_loop:
+            self.loop.stop()
+
+    def __enter__(self) -> Swarm:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _validate_addrs(addrs: list[str]) -> None:
+    for a in addrs:
+        if not a.startswith("/") or "/p2p/" not in a:
+            raise SwarmError(
+                f"{a!r} is not a swarm address; it looks like /ip4/1.2.3.4/tcp/31337/p2p/12D3KooW… "
+                "(copy it from the output of `diloco start`)"
+            )

@@ -1,0 +1,256 @@
+"""`DiLoCo`: turn an existing PyTorch training loop into a DiLoCo worker with one line.
+
+    swarm = diloco.Swarm.join([ADDR], diloco.SwarmConfig(run_id="my-run"))
+    with diloco.DiLoCo(model, optimizer, swarm=swarm, inner_steps=100) as d:   # the one new line
+        for x, y in loader:                  # the loop stays yours
+            loss = loss_fn(model(x), y)
+            loss.backward()
+            optimizer.step()                 # every inner_steps-th step also synchronizes
+            optimizer.zero_grad()
+        with d.global_weights():             # evaluate the global (outer) parameters
+            evaluate(model)
+
+The wrapper hooks `optimizer.step` (a post-step hook); after every H-th step it forms the
+pseudo-gradient Δ = θ_global − θ_local, runs one round of the swarm's collective, applies the
+averaged Δ̄ with the outer optimizer (default SGD lr 0.7, momentum 0.9, Nesterov; any torch
+optimizer via `outer_optimizer=lambda params: ...`) and loads the new θ into the model. The inner
+optimizer is never touched: its state persists across rounds.
+
+Failure semantics: if a round does not commit (a span owner died, too few peers), θ stays as it
+was and the model keeps its local progress, so the next round's Δ still carries it. If the swarm
+has moved past us (we were late, hung or partitioned), we download θ, the outer optimizer state
+and the round number from a peer and continue from there; only our local work since the last
+commit is lost. With `swarm=None` it is single-worker DiLoCo (useful to test and debug).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Callable, Iterator
+
+import torch
+
+from diloco.comms import RoundKey, RoundOutcome
+from diloco.peers import expected_peers, resync_source, round_key_for
+from diloco.peers.records import PeerRecord
+
+from .config import DiLoCoConfig
+from .outer import OuterFactory, copy_into, nesterov, outer_step, pseudo_gradient
+from .state import GlobalState, StateError
+from .swarm import Swarm, SwarmError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RoundReport:
+    """What one synchronization did, for logs, metrics and the live view."""
+
+    round: int  # the global round reached after this sync
+    committed: bool
+    reason: str
+    peers: int
+    bytes_sent: int
+    bytes_received: int
+    seconds: float
+    step: int
+    resynced: bool = False
+
+
+class DiLoCo:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        *,
+        swarm: Swarm | None = None,
+        inner_steps: int = 100,
+        outer_optimizer: OuterFactory | None = None,
+        on_round: Callable[[RoundReport], None] | None = None,
+        join_timeout: float = 10.0,
+    ) -> None:
+        self.cfg = DiLoCoConfig(inner_steps=inner_steps)
+        self.model, self.optimizer, self.swarm = model, optimizer, swarm
+        self.local_params = list(model.parameters())
+        self._outer_factory = outer_optimizer or nesterov(self.cfg.outer_lr, self.cfg.outer_momentum)
+        self.state = GlobalState(self.local_params, self._outer_factory)
+        self.on_round = on_round
+        self.join_timeout = join_timeout
+        self.steps = 0
+        self.attempt = 0
+        self.loss: float | None = None
+        self.reports: list[RoundReport] = []
+        self._hook = None
+        self._snapshot: tuple[int, str, bytes] | None = None
+        self._digest = ""
+        self._state_changed()
+
+    # ------------------------------------------------------------------ attaching to the loop
+
+    def __enter__(self) -> DiLoCo:
+        self.attach()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.detach()
+
+    def attach(self) -> None:
+        """Catch up with the swarm (download θ if others are ahead) and hook the optimizer."""
+        if self.swarm is not None:
+            self.swarm.serve_state(self._serve)
+            self._catch_up_on_join()
+            self._publish("training")
+        if self._hook is None:
+            self._hook = self.optimizer.register_step_post_hook(lambda *_: self._after_step())
+
+    def detach(self) -> None:
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
+
+    def _after_step(self) -> None:
+        self.steps += 1
+        if self.steps % self.cfg.inner_steps == 0:
+            self.sync()
+        elif self.swarm is not None and self.steps % 10 == 0:
+            self._publish("training")
+
+    def report_loss(self, loss: float) -> None:
+        """Optional: tell the swarm's live view our latest inner loss."""
+        self.loss = float(loss)
+
+    # ------------------------------------------------------------------ the outer round
+
+    def sync(self) -> RoundReport:
+        """One synchronization: exchange Δ, apply the outer step, load the new θ into the model."""
+        started = time.monotonic()
+        if self.swarm is None:
+            delta = pseudo_gradient(self.state.params, self.local_params)
+            outcome = RoundOutcome(RoundKey(self.state.round), True, "local", (), delta, [()])
+            return self._finish(outcome, started)
+        records = self.swarm.records()
+        source, why = resync_source(records, self.swarm.peer_id, self.state.round, self.digest)
+        if source is not None:
+            return self._finish_resync(source, why, started)
+        key = round_key_for(records, self.state.round, self.attempt)
+        expected = expected_peers(records, key, self.swarm.peer_id)
+        delta = pseudo_gradient(self.state.params, self.local_params)
+        outcome = self.swarm.exchange(key, self.digest, expected, delta)
+        report = self._finish(outcome, started)
+        if not outcome.committed:  # maybe the others committed without us: catch up now, not H steps later
+            source, why = resync_source(self.swarm.records(), self.swarm.peer_id, self.state.round, self.digest)
+            if source is not None:
+                return self._finish_resync(source, why, started)
+        return report
+
+    def _finish(self, outcome: RoundOutcome, started: float) -> RoundReport:
+        if outcome.committed:
+            assert outcome.aggregate is not None
+            outer_step(self.state.outer, self.state.params, outcome.aggregate)
+            self.state.round += 1
+            self.attempt = 0
+            copy_into(self.local_params, self.state.params)
+            self._state_changed()
+            log.info("event=round_committed round=%d peers=%d", self.state.round, len(outcome.view))
+        else:
+            self.attempt = outcome.key.attempt + 1
+            log.warning("event=round_failed round=%s reason=%s", outcome.key, outcome.reason)
+        report = RoundReport(self.state.round, outcome.committed, outcome.reason, max(1, len(outcome.view)),
+                             outcome.bytes_sent, outcome.bytes_received, time.monotonic() - started, self.steps)
+        return self._report(report)
+
+    def _finish_resync(self, source: PeerRecord, why: str, started: float) -> RoundReport:
+        sent0, recv0 = self._bytes()
+        ok = self._resync(source, why)
+        sent, recv = self._bytes()
+        report = RoundReport(self.state.round, False, f"resynced: {why}" if ok else f"resync failed: {why}", 1,
+                             sent - sent0, recv - recv0, time.monotonic() - started, self.steps, resynced=ok)
+        return self._report(report)
+
+    def _report(self, report: RoundReport) -> RoundReport:
+        self.reports.append(report)
+        self._publish("training")
+        if self.on_round is not None:
+            self.on_round(report)
+        return report
+
+    # ------------------------------------------------------------------ catching up
+
+    def _catch_up_on_join(self) -> None:
+        """On joining a running swarm, start from its θ rather than from our own initialization."""
+        assert self.swarm is not None
+        deadline = time.monotonic() + self.join_timeout
+        while True:
+            records = self.swarm.records()
+            source, why = resync_source(records, self.swarm.peer_id, self.state.round, self.digest)
+            others = [r for r in records if r.peer != self.swarm.peer_id and r.status == "training"]
+            if source is not None and self._resync(source, why):
+                return
+            if others or not self.swarm.bootstrapped or time.monotonic() > deadline:
+                return  # first peer, or everyone holds our state already
+            time.sleep(0.25)
+
+    def _resync(self, source: PeerRecord, why: str) -> bool:
+        """Download global state from `source`, verify it against the digest it advertised, adopt it."""
+        assert self.swarm is not None
+        log.info("event=resync peer=%s reason=%s", source.peer, why)
+        self._publish("joining")
+        try:
+            rnd, digest, body = self.swarm.fetch_state(source.peer)
+            fresh = GlobalState(self.state.params, self._outer_factory)
+            fresh.load_bytes(body)
+            if fresh.digest() != digest or digest != source.digest:
+                raise StateError(f"state digest {fresh.digest()} != advertised {digest}/{source.digest}")
+        except (SwarmError, StateError) as e:
+            log.warning("event=resync_failed peer=%s reason=%s", source.peer, e)
+            self._publish("training")
+            return False
+        self.state = fresh
+        self.attempt = 0
+        self._state_changed()
+        copy_into(self.local_params, self.state.params)
+        self._publish("training")
+        return True
+
+    # ------------------------------------------------------------------ helpers
+
+    @property
+    def digest(self) -> str:
+        """Short SHA-256 of the global state (θ, outer optimizer state, round)."""
+        return self._digest
+
+    def _state_changed(self) -> None:
+        """Recompute the digest and, in a swarm, the bytes we serve to peers catching up. Done here, in
+        the training thread, so the loop thread never reads state in the middle of an outer step."""
+        self._digest = self.state.digest()
+        if self.swarm is not None:
+            self._snapshot = (self.state.round, self._digest, self.state.to_bytes())
+
+    @property
+    def round(self) -> int:
+        return self.state.round
+
+    @contextmanager
+    def global_weights(self) -> Iterator[None]:
+        """Temporarily load the global (outer) parameters into the model, e.g. for evaluation."""
+        saved = [p.detach().clone() for p in self.local_params]
+        copy_into(self.local_params, self.state.params)
+        try:
+            yield
+        finally:
+            copy_into(self.local_params, saved)
+
+    def _serve(self) -> tuple[int, str, bytes]:
+        assert self._snapshot is not None
+        return self._snapshot
+
+    def _publish(self, status: str) -> None:
+        if self.swarm is not None:
+            self.swarm.update(status=status, round=self.state.round, attempt=self.attempt, digest=self.digest,
+                              step=self.steps, loss=self.loss)
+
+    def _bytes(self) -> tuple[int, int]:
+        return self.swarm.transport.counter.snapshot() if self.swarm is not None else (0, 0)

@@ -1,0 +1,146 @@
+"""Peer records: who is in the swarm, published with a time-to-live (heartbeats).
+
+Each peer keeps one record in a shared directory under its run's namespace and refreshes it every
+`heartbeat_interval` seconds with an expiration `heartbeat_ttl` ahead; a peer that stops
+refreshing (crashed, partitioned) disappears when its record expires. A peer that leaves on
+purpose publishes `status="left"` so others drop it at once.
+
+Two directories implement the same two calls (`publish`, `read`):
+- `DHTDirectory`: hivemind's Kademlia DHT (`DHTNode`) running on the peer's own libp2p daemon.
+- `InProcBoard`: a dict with expirations, for in-process swarms (tests, simulation).
+
+Records read from the network are validated field by field; malformed ones are dropped and
+counted, never trusted.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass
+from typing import Any, Protocol
+
+from diloco.comms import PeerId
+
+STATUSES = ("joining", "training", "left")
+
+
+@dataclass(frozen=True, kw_only=True)
+class PeerRecord:
+    peer: PeerId
+    status: str
+    """joining (fetching state), training (takes part in rounds) or left (gone on purpose)."""
+    round: int
+    """Committed rounds of the global state this peer holds."""
+    attempt: int = 0
+    """Failed exchange attempts at this round (see RoundKey)."""
+    digest: str = ""
+    """Short digest of the peer's global state at `round`."""
+    step: int = 0
+    """Inner steps taken so far."""
+    loss: float | None = None
+    """Latest inner training loss."""
+    addrs: tuple[str, ...] = ()
+    """Multiaddresses others can dial."""
+
+    def to_wire(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["addrs"] = list(self.addrs)
+        return out
+
+
+def parse_record(peer: str, value: Any) -> PeerRecord | None:
+    """A record from the network, or None if anything about it is malformed."""
+    if not isinstance(value, dict):
+        return None
+    try:
+        status, rnd, attempt = value["status"], value["round"], value.get("attempt", 0)
+        digest, step, loss = value.get("digest", ""), value.get("step", 0), value.get("loss")
+        addrs = value.get("addrs", [])
+    except (KeyError, TypeError):
+        return None
+    ints_ok = all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in (rnd, attempt, step))
+    loss_ok = loss is None or (isinstance(loss, (int, float)) and math.isfinite(loss))
+    addrs_ok = isinstance(addrs, list) and len(addrs) <= 16 and all(isinstance(a, str) and len(a) < 512 for a in addrs)
+    if not (status in STATUSES and ints_ok and loss_ok and addrs_ok and isinstance(digest, str) and len(digest) <= 64):
+        return None
+    if value.get("peer", peer) != peer:
+        return None
+    return PeerRecord(peer=PeerId(peer), status=status, round=rnd, attempt=attempt, digest=digest,
+                      step=step, loss=None if loss is None else float(loss), addrs=tuple(addrs))
+
+
+class Directory(Protocol):
+    dropped: Counter[str]
+
+    async def publish(self, record: PeerRecord, ttl: float) -> None: ...
+
+    async def read(self) -> list[PeerRecord]: ...
+
+    async def close(self) -> None: ...
+
+
+class InProcBoard:
+    """An in-process directory shared by in-process peers. Uses the monotonic clock."""
+
+    def __init__(self) -> None:
+        self._records: dict[PeerId, tuple[float, dict[str, Any]]] = {}
+        self.dropped: Counter[str] = Counter()
+
+    async def publish(self, record: PeerRecord, ttl: float) -> None:
+        self._records[record.peer] = (time.monotonic() + ttl, record.to_wire())
+
+    async def read(self) -> list[PeerRecord]:
+        now = time.monotonic()
+        out = []
+        for peer, (expires, value) in list(self._records.items()):
+            rec = parse_record(peer, value) if expires > now else None
+            if rec is not None:
+                out.append(rec)
+        return out
+
+    async def close(self) -> None:
+        pass
+
+    def expire(self, peer: str) -> None:
+        """Forget a peer's record at once (its heartbeat stopped long ago)."""
+        self._records.pop(PeerId(peer), None)
+
+
+class DHTDirectory:
+    """Records under the DHT key `diloco/<run_id>/peers`, one subkey per peer id."""
+
+    def __init__(self, node: Any, run_id: str) -> None:
+        self.node = node
+        self.key = f"diloco/{run_id}/peers"
+        self.dropped: Counter[str] = Counter()
+
+    @classmethod
+    async def create(cls, p2p: Any, run_id: str, initial_peers: list[str]) -> DHTDirectory:
+        from hivemind.dht.node import DHTNode
+
+        node = await DHTNode.create(p2p=p2p, initial_peers=initial_peers or None, num_workers=4,
+                                    cache_locally=False, ensure_bootstrap_success=bool(initial_peers))
+        return cls(node, run_id)
+
+    async def publish(self, record: PeerRecord, ttl: float) -> None:
+        from hivemind.utils import get_dht_time
+
+        await self.node.store(self.key, record.to_wire(), get_dht_time() + ttl, subkey=record.peer)
+
+    async def read(self) -> list[PeerRecord]:
+        found = await self.node.get(self.key, latest=True)
+        if found is None or not isinstance(found.value, dict):
+            return []
+        out = []
+        for peer, item in found.value.items():
+            rec = parse_record(peer, getattr(item, "value", None)) if isinstance(peer, str) else None
+            if rec is None:
+                self.dropped["malformed_record"] += 1
+            else:
+                out.append(rec)
+        return out
+
+    async def close(self) -> None:
+        await self.node.shutdown()
