@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from typing import Callable
 
 from diloco.comms import Collective, PeerId, RoundKey, RoundOutcome, Transport
@@ -156,6 +157,16 @@ class Swarm:
             found = []
         others = [r for r in found if r.peer != self.peer_id]
         return [self._record, *others]
+
+    def wait_for_peers(self, count: int, timeout: float) -> int:
+        """Block until `count` peers (self included) are training in the swarm, or `timeout` passes;
+        returns how many were seen."""
+        deadline = time.monotonic() + timeout
+        while True:
+            seen = sum(r.status == "training" for r in self.records())
+            if seen >= count or time.monotonic() >= deadline:
+                return seen
+            time.sleep(0.25)
 
     async def _publish(self) -> None:
         try:

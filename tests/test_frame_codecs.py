@@ -343,10 +343,24 @@ def test_unpack_truncated_header() -> None:
     assert rejected(raw_frame(valid_fields(), body=b"", header_len=60000)) is Reason.TRUNCATED
 
 
-def test_unpack_header_not_msgpack() -> None:
-    assert rejected(raw_frame(b"\xc1" * 10)) is Reason.BAD_HEADER  # 0xc1 is never valid
-    assert rejected(raw_frame(msgpack.packb(valid_fields()) + b"\x00")) is Reason.BAD_HEADER  # extra data
-    assert rejected(raw_frame([1, 2, 3])) is Reason.BAD_HEADER  # not a map
+@pytest.mark.parametrize(
+    "header",
+    [
+        b"\xc1" * 10,  # 0xc1 is never valid msgpack
+        msgpack.packb(valid_fields()) + b"\x00",  # extra data after the map
+        msgpack.packb([1, 2, 3]),  # not a map
+        b"\x91" * 60000,  # nesting deeper than msgpack's stack
+        b"\xdc\xff\xff",  # claims a 65535-element array (over max_array_len)
+        b"\xdb\xff\xff\xff\xff",  # claims a 4 GiB string
+        b"\xc6\x00\x00\x00\x01a",  # bin type: never used in headers
+        b"\xd6\xff\x00\x00\x00\x00",  # ext type (timestamp)
+        b"\x81\x01\x02",  # non-string map key
+        b"\xa2\xff\xfe",  # invalid UTF-8
+    ],
+    ids=["invalid", "extra-data", "not-a-map", "deep", "huge-array", "huge-str", "bin", "ext", "int-key", "utf8"],
+)
+def test_unpack_header_not_msgpack(header: bytes) -> None:
+    assert rejected(raw_frame(header)) is Reason.BAD_HEADER
 
 
 def test_unpack_missing_field() -> None:

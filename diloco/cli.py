@@ -1,0 +1,189 @@
+"""The `diloco` command line: start a swarm, join one, or run a local demo swarm.
+
+    diloco start                       # first peer; prints its address and the join line
+    diloco join /ip4/…/p2p/12D3Koo…    # any other peer, on any machine that can reach it
+    diloco demo                        # 4 peers on this machine, live view, summary
+
+Bad input exits with status 2 and a message that names the fix, before any network I/O.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+import threading
+from pathlib import Path
+from typing import List, Optional
+
+import typer
+
+from .config import ConfigError, SwarmConfig
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__.split("\n\n")[0])
+
+# Options shared by start and join (and passed through by demo).
+RunId = typer.Option("diloco", "--run-id", help="Swarm namespace; peers only see peers with the same run id.")
+Host = typer.Option("127.0.0.1", help="Address to listen on; 0.0.0.0 to accept peers from other machines.")
+Port = typer.Option(0, help="TCP port to listen on (0: any free port).")
+Announce = typer.Option(None, help="Multiaddr others should dial, e.g. /ip4/203.0.113.5/tcp/31337 (behind NAT).")
+Rounds = typer.Option(10, help="Train until the swarm has committed this many rounds.")
+InnerSteps = typer.Option(50, "--inner-steps", "-H", help="Inner steps per round (H).")
+Wire = typer.Option("fp32", help="Pseudo-gradient codec on the wire: fp32 or fp16.")
+MinPeers = typer.Option(1, help="Fewest peers that may commit a round.")
+Metrics = typer.Option(None, help="Append one JSON line per round (and a final one) to this file.")
+
+
+def _fail(message: str, code: int = 2) -> None:
+    typer.echo(f"error: {message}", err=True)
+    raise typer.Exit(code)
+
+
+def _setup_logging(verbose: bool) -> None:
+    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING,
+                        format="%(asctime)s %(levelname)s %(name)s %(message)s", stream=sys.stderr)
+    for noisy in ("hivemind", "asyncio"):
+        logging.getLogger(noisy).setLevel(logging.ERROR)
+
+
+def _configs(run_id, wire, min_peers, rounds, inner_steps, batch_size, seed, shard, d_model, layers, threads,
+             gather_timeout, eval_every, wait_for):
+    from .train import JobConfig
+
+    try:
+        swarm_cfg = SwarmConfig(run_id=run_id, wire=wire, min_peers=min_peers, gather_timeout=gather_timeout)
+        job = JobConfig(rounds=rounds, inner_steps=inner_steps, batch_size=batch_size, seed=seed, shard=shard,
+                        d_model=d_model, n_layer=layers, threads=threads, eval_every=eval_every,
+                        wait_for=wait_for)
+    except ConfigError as e:
+        _fail(str(e))
+    return swarm_cfg, job
+
+
+def _run_peer(initial: list[str], *, host, port, announce, address_file, metrics, status_file, swarm_cfg, job) -> None:
+    from .metrics import MetricsWriter
+    from .swarm import Swarm, SwarmError
+    from .train import run_job
+
+    try:
+        swarm = Swarm.join(initial, swarm_cfg, host=host, port=port, announce=announce) if initial else \
+            Swarm.start(swarm_cfg, host=host, port=port, announce=announce)
+    except SwarmError as e:
+        _fail(str(e), code=1)
+    stop = threading.Event()
+
+    def on_signal(signum, _frame):
+        typer.echo(f"received {signal.Signals(signum).name}: finishing the current round, then leaving", err=True)
+        stop.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    try:
+        typer.echo(f"peer {swarm.peer_id} in run {swarm_cfg.run_id!r}")
+        for addr in swarm.addresses:
+            typer.echo(f"  address: {addr}")
+        if not initial:
+            typer.echo(f"others join with:\n  {swarm.join_command()}")
+        if address_file:
+            tmp = Path(str(address_file) + ".tmp")
+            tmp.write_text("\n".join(swarm.addresses) + "\n")
+            os.replace(tmp, address_file)
+        summary = run_job(job, swarm, metrics=MetricsWriter(metrics), status_path=status_file, stop=stop)
+        typer.echo(f"done: round {summary['round']}, held-out loss {summary['eval_loss']:.4f}, "
+                   f"sent {summary['bytes_sent'] / 1e6:.1f} MB, received {summary['bytes_received'] / 1e6:.1f} MB")
+    finally:
+        swarm.close()
+
+
+@app.command()
+def start(
+    run_id: str = RunId, host: str = Host, port: int = Port, announce: Optional[List[str]] = Announce,
+    rounds: int = Rounds, inner_steps: int = InnerSteps, wire: str = Wire, min_peers: int = MinPeers,
+    metrics: Optional[Path] = Metrics,
+    batch_size: int = typer.Option(8, help="Sequences per inner step."),
+    seed: int = typer.Option(0, help="Model initialization seed (the same on every peer)."),
+    shard: Optional[int] = typer.Option(None, help="Data shard of this peer (default: from its peer id)."),
+    d_model: int = typer.Option(192, help="Model width."),
+    layers: int = typer.Option(4, help="Transformer blocks."),
+    threads: int = typer.Option(1, help="torch CPU threads."),
+    gather_timeout: float = typer.Option(60.0, help="Seconds to wait for slow peers before a round starts without them."),
+    eval_every: int = typer.Option(0, help="Evaluate held-out loss every N rounds (0: only at the end)."),
+    wait_for: int = typer.Option(1, help="Wait (up to 120 s) until this many peers are in the swarm before training."),
+    address_file: Optional[Path] = typer.Option(None, help="Write this peer's addresses to this file once up."),
+    status_file: Optional[Path] = typer.Option(None, hidden=True),
+    verbose: bool = typer.Option(False, "--verbose", "-v", help="Log every round event."),
+) -> None:
+    """Start a swarm: train the bundled model and print the line others run to join."""
+    _setup_logging(verbose)
+    swarm_cfg, job = _configs(run_id, wire, min_peers, rounds, inner_steps, batch_size, seed, shard, d_model, layers,
+                              threads, gather_timeout, eval_every, wait_for)
+    _run_peer([], host=host, port=port, announce=announce, address_file=address_file, metrics=metrics,
+              status_file=status_file, swarm_cfg=swarm_cfg, job=job)
+
+
+@app.command()
+def join(
+    addresses: List[str] = typer.Argument(..., help="Address(es) of running peers, tried in order."),
+    run_id: str = RunId, host: str = Host, port: int = Port, announce: Optional[List[str]] = Announce,
+    rounds: int = Rounds, inner_steps: int = InnerSteps, wire: str = Wire, min_peers: int = MinPeers,
+    metrics: Optional[Path] = Metrics,
+    batch_size: int = typer.Option(8, help="Sequences per inner step."),
+    seed: int = typer.Option(0, help="Model initialization seed (the same on every peer)."),
+    shard: Optional[int] = typer.Option(None, help="Data shard of this peer (default: from its peer id)."),
+    d_model: int = typer.Option(192, help="Model width."),
+    layers: int = typer.Option(4, help="Transformer blocks."),
+    threads: int = typer.Option(1, help="torch CPU threads."),
+    gather_timeout: float = typer.Option(60.0, help="Seconds to wait for slow peers before a round starts without them."),
+    eval_every: int = typer.Option(0, help="Evaluate held-out loss every N rounds (0: only at the end)."),
+    wait_for: int = typer.Option(1, help="Wait (up to 120 s) until this many peers are in the swarm before training."),
+    address_file: Optional[Path] = typer.Option(None, help="Write this peer's addresses to this file once up."),
+    status_file: Optional[Path] = typer.Option(None, hidden=True),
+    verbose: bool = typer.Option(False, "--verbose", "-v", help="Log every round event."),
+) -> None:
+    """Join a running swarm at ADDRESSES and train with it."""
+    _setup_logging(verbose)
+    from .swarm import SwarmError, _validate_addrs
+
+    try:
+        _validate_addrs(addresses)
+    except SwarmError as e:
+        _fail(str(e))
+    swarm_cfg, job = _configs(run_id, wire, min_peers, rounds, inner_steps, batch_size, seed, shard, d_model, layers,
+                              threads, gather_timeout, eval_every, wait_for)
+    _run_peer(addresses, host=host, port=port, announce=announce, address_file=address_file, metrics=metrics,
+              status_file=status_file, swarm_cfg=swarm_cfg, job=job)
+
+
+@app.command()
+def demo(
+    peers: int = typer.Option(4, help="Peers to run on this machine."),
+    rounds: int = typer.Option(8, help="Rounds to train."),
+    inner_steps: int = typer.Option(25, "--inner-steps", "-H", help="Inner steps per round (H)."),
+    wire: str = typer.Option("fp16", help="Pseudo-gradient codec on the wire: fp32 or fp16."),
+    batch_size: int = typer.Option(8, help="Sequences per inner step."),
+    d_model: int = typer.Option(192, help="Model width."),
+    layers: int = typer.Option(4, help="Transformer blocks."),
+    metrics: Optional[Path] = typer.Option(None, help="Append every peer's round lines (with a 'peer' field) here."),
+    json_path: Optional[Path] = typer.Option(None, "--json", help="Write the final summary as JSON here."),
+    workdir: Optional[Path] = typer.Option(None, help="Keep peers' logs and metrics here (default: a temp dir)."),
+    live: bool = typer.Option(True, help="Show the live view (off: plain progress lines)."),
+) -> None:
+    """Run a local swarm of PEERS processes on 127.0.0.1 training the bundled model, with a live view."""
+    from .demo import DemoConfig, run_demo
+
+    try:
+        cfg = DemoConfig(peers=peers, rounds=rounds, inner_steps=inner_steps, wire=wire, batch_size=batch_size,
+                         d_model=d_model, layers=layers)
+    except ConfigError as e:
+        _fail(str(e))
+    code = run_demo(cfg, workdir=workdir, metrics=metrics, json_path=json_path, live=live)
+    raise typer.Exit(code)
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,65 @@
+"""The demo's live view and summary, as rich renderables built from plain data (no I/O here)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from rich.console import Group
+from rich.table import Table
+from rich.text import Text
+
+
+@dataclass(frozen=True)
+class PeerView:
+    index: int
+    alive: bool
+    exit_code: int | None
+    round: int
+    step: int
+    loss: float | None
+    bytes_sent: int
+    bytes_received: int
+    done: bool = False
+
+
+def _mb(n: int) -> str:
+    return f"{n / 1e6:.1f} MB"
+
+
+def render(peers: list[PeerView], elapsed: float, target_rounds: int) -> Group:
+    alive = sum(p.alive for p in peers)
+    table = Table(title=f"diloco demo — {alive}/{len(peers)} peers alive — {elapsed:.0f}s", expand=False)
+    for col in ("peer", "state", "round", "step", "inner loss", "sent", "received"):
+        table.add_column(col, justify="right" if col not in ("peer", "state") else "left")
+    for p in peers:
+        if p.alive:
+            state = Text("training", style="green")
+        elif p.done or p.exit_code == 0:
+            state = Text("done", style="cyan")
+        else:
+            state = Text(f"exited {p.exit_code}", style="red")
+        loss = "-" if p.loss is None else f"{p.loss:.3f}"
+        table.add_row(f"peer {p.index}", state, f"{p.round}/{target_rounds}", str(p.step), loss,
+                      _mb(p.bytes_sent), _mb(p.bytes_received))
+    return Group(table)
+
+
+def summary_table(s: dict) -> Table:
+    table = Table(title="diloco demo — summary", show_header=False)
+    table.add_column("what")
+    table.add_column("value", justify="right")
+    if not s.get("peers_finished"):
+        table.add_row("result", Text(f"failed: {s.get('reason')}", style="red"))
+        return table
+    table.add_row("peers finished", str(s["peers_finished"]))
+    table.add_row("rounds committed", str(s["rounds"]))
+    table.add_row("held-out loss (global model)", f"{s['heldout_loss']:.4f}  (untrained: {s['initial_loss_reference']})")
+    table.add_row("global state identical on all peers", "yes" if s["digests_agree"] else Text("NO", style="red"))
+    table.add_row("parameters", f"{s['params']:,}")
+    table.add_row("inner steps (all peers)", f"{s['inner_steps_total']:,}")
+    table.add_row("bytes sent (all peers)", _mb(s["bytes_sent_total"]))
+    table.add_row("per-step data-parallel would send", _mb(s["data_parallel_bytes"]))
+    if s.get("reduction_vs_data_parallel"):
+        table.add_row("reduction vs data-parallel", f"{s['reduction_vs_data_parallel']}×")
+    table.add_row("wall time", f"{s['wall_seconds']:.0f} s")
+    return table

@@ -1,0 +1,141 @@
+"""The default job: the bundled byte-level GPT on the bundled corpus (Python's standard library
+source), trained by one DiLoCo worker. `diloco start`, `diloco join` and `diloco demo` run it, so a
+swarm can be tried with the CLI alone.
+
+Every peer builds the model from the same seed (so a swarm starts from one θ even before anyone
+downloads state), draws batches from its own data shard, takes `inner_steps` AdamW steps per
+round, and stops when the swarm's global round reaches `rounds`. The held-out loss is always
+measured on the global (outer) parameters.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+import zlib
+from dataclasses import dataclass
+
+import torch
+
+from .config import ConfigError
+from .corpus import BatchSampler, Corpus, CorpusConfig, evaluate, heldout_batches
+from .metrics import MetricsWriter, write_status
+from .model import GPTConfig, build_model
+from .swarm import Swarm
+from .wrapper import DiLoCo, RoundReport
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, kw_only=True)
+class JobConfig:
+    rounds: int = 10
+    """Stop when the global round reaches this many committed rounds."""
+    inner_steps: int = 50
+    """H: inner AdamW steps per round."""
+    batch_size: int = 8
+    """Sequences per inner step."""
+    lr: float = 2e-3
+    """Inner AdamW learning rate (after a linear warmup of `warmup` steps)."""
+    warmup: int = 20
+    """Inner steps of linear learning-rate warmup."""
+    outer_lr: float = 0.7
+    """Outer SGD (Nesterov) learning rate."""
+    outer_momentum: float = 0.9
+    """Outer SGD momentum."""
+    seed: int = 0
+    """Model initialization seed; the same on every peer."""
+    shard: int | None = None
+    """Data shard of this peer (default: derived from its peer id)."""
+    d_model: int = 192
+    """Width of the GPT."""
+    n_layer: int = 4
+    """Transformer blocks of the GPT."""
+    context: int = 128
+    """Bytes of context."""
+    corpus_bytes: int = 8 << 20
+    """Bytes of the standard library taken as the corpus."""
+    eval_batches: int = 8
+    """Held-out batches for the final evaluation."""
+    eval_every: int = 0
+    """Also evaluate every this many rounds (0: only at the end)."""
+    threads: int = 1
+    """torch CPU threads for this peer."""
+    wait_for: int = 1
+    """Peers (self included) to wait for before the first inner step."""
+    wait_timeout: float = 120.0
+    """Seconds to wait for them; then train with whoever is there."""
+
+    def __post_init__(self) -> None:
+        for name in ("rounds", "inner_steps", "batch_size", "d_model", "n_layer", "context", "eval_batches", "threads",
+                     "wait_for"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not 0 < self.lr < 1:
+            raise ConfigError(f"lr must be in (0, 1), got {self.lr}")
+        if self.d_model % 4:
+            raise ConfigError(f"d_model ({self.d_model}) must be divisible by the 4 attention heads")
+
+
+def run_job(cfg: JobConfig, swarm: Swarm | None, *, metrics: MetricsWriter | None = None,
+            status_path: str | None = None, stop: threading.Event | None = None) -> dict:
+    """Train until the global round reaches cfg.rounds (or `stop` is set); returns the final summary."""
+    stop = stop or threading.Event()
+    metrics = metrics or MetricsWriter(None)
+    torch.set_num_threads(cfg.threads)
+    corpus = Corpus.load(CorpusConfig(max_bytes=cfg.corpus_bytes, context=cfg.context))
+    model = build_model(GPTConfig(context=cfg.context, d_model=cfg.d_model, n_layer=cfg.n_layer), seed=cfg.seed)
+    inner = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.1)
+    peer = swarm.peer_id if swarm is not None else "local"
+    shard = cfg.shard if cfg.shard is not None else zlib.crc32(peer.encode()) % 100_000
+    sampler = BatchSampler(corpus.train, batch_size=cfg.batch_size, context=cfg.context, seed=cfg.seed,
+                           shard=shard, num_shards=100_000)
+    heldout = heldout_batches(corpus.heldout, batch_size=16, context=cfg.context, max_batches=cfg.eval_batches)
+    started = time.monotonic()
+    state = {"loss": math.nan}
+
+    def on_round(r: RoundReport) -> None:
+        fields = dict(peer=peer, round=r.round, committed=r.committed, reason=r.reason, peers=r.peers,
+                      loss=state["loss"], bytes_sent=r.bytes_sent, bytes_received=r.bytes_received,
+                      seconds=round(r.seconds, 3), step=r.step, digest=d.digest)
+        if cfg.eval_every and r.committed and r.round % cfg.eval_every == 0:
+            with d.global_weights():
+                fields["eval_loss"] = evaluate(model, heldout)
+        metrics.write("round", **fields)
+
+    d = DiLoCo(model, inner, swarm=swarm, inner_steps=cfg.inner_steps, on_round=on_round,
+               outer_optimizer=lambda ps: torch.optim.SGD(ps, lr=cfg.outer_lr, momentum=cfg.outer_momentum,
+                                                          nesterov=cfg.outer_momentum > 0))
+    with d:
+        if swarm is not None and cfg.wait_for > 1:
+            seen = swarm.wait_for_peers(cfg.wait_for, cfg.wait_timeout)
+            log.info("event=peers_present count=%d wanted=%d", seen, cfg.wait_for)
+        max_steps = cfg.rounds * cfg.inner_steps * 4  # a safety net if the swarm never commits
+        while d.round < cfg.rounds and not stop.is_set() and d.steps < max_steps:
+            for group in inner.param_groups:
+                group["lr"] = cfg.lr * min(1.0, (d.steps + 1) / max(1, cfg.warmup))
+            x, y = sampler.next()
+            _, loss = model(x, y)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            state["loss"] = loss.item()
+            d.report_loss(state["loss"])
+            inner.step()  # the wrapper's hook synchronizes every inner_steps-th call
+            inner.zero_grad(set_to_none=True)
+            if status_path and (d.steps % 5 == 0 or d.steps == 1):
+                sent, recv = d._bytes()
+                write_status(status_path, peer=peer, round=d.round, step=d.steps, loss=state["loss"],
+                             bytes_sent=sent, bytes_received=recv)
+    with d.global_weights():
+        eval_loss = evaluate(model, heldout)
+    sent, recv = d._bytes()
+    summary = dict(peer=peer, round=d.round, eval_loss=eval_loss, digest=d.digest, steps=d.steps,
+                   params=sum(p.numel() for p in model.parameters()), bytes_sent=sent, bytes_received=recv,
+                   committed_rounds=sum(r.committed for r in d.reports), wall_seconds=round(time.monotonic() - started, 2),
+                   stopped=stop.is_set())
+    metrics.write("final", **summary)
+    if status_path:
+        write_status(status_path, done=True, **summary)
+    return summary
