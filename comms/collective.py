@@ -38,6 +38,7 @@ import torch
 from diloco.compression import PayloadRejected, Reason, get_codec
 
 from . import messages as msg
+from .faults import FaultPlan
 from .spans import RoundKey, make_view, span_bounds, view_id
 from .transport import PeerId, Transport, TransportError
 
@@ -119,6 +120,7 @@ class Collective:
         self.rejections: Counter[str] = Counter()
         self._rounds: dict[RoundKey, _RoundState] = {}
         self._floor = RoundKey(0, 0)  # frames for earlier keys are stale
+        self.faults = FaultPlan.from_env()
 
     @classmethod
     async def create(cls, transport: Transport, run_id: str, cfg: CollectiveConfig) -> Collective:
@@ -154,13 +156,15 @@ class Collective:
         rs.ready[self.me] = digest
         ready_frame = msg.encode(msg.READY, run=self.run_id, sender=self.me, key=key, meta={"digest": digest})
         replies = await asyncio.gather(*(self._call(p, "diloco.ready", ready_frame) for p in others))
+        self.faults.hit("gather", key.round)
         closed_without_us = [p for p, r in zip(others, replies) if r and r.get("closed") and not r.get("in_view")]
         if closed_without_us:
             rs.view = ()
             return RoundOutcome(key, False, f"late: {len(closed_without_us)} peer(s) closed round {key} without us")
-
+        # A peer that could not even take our ready message (its daemon is gone) is not waited for.
+        reachable = [p for p, r in zip(others, replies) if r is not None]
         gather_deadline = time.monotonic() + self.cfg.gather_timeout
-        await self._wait(rs, lambda: all(p in rs.ready for p in others), gather_deadline)
+        await self._wait(rs, lambda: all(p in rs.ready for p in reachable), gather_deadline)
         view = make_view([p for p, d in rs.ready.items() if d == digest])
         vid = view_id(key, view)
         rs.view, rs.vid = view, vid
@@ -180,6 +184,7 @@ class Collective:
                     codec=self.codec.name, numel=hi - lo, body=self.codec.encode(delta[lo:hi].contiguous())))
                 for i, (owner, (lo, hi)) in enumerate(zip(view, bounds)) if owner != self.me
             ))
+            self.faults.hit("reduce", key.round)
 
         async def reduce_and_broadcast() -> None:
             got = rs.contribs.setdefault((vid, mine), {})
@@ -202,8 +207,10 @@ class Collective:
             complete = await self._wait(
                 rs, lambda: all((vid, i) in rs.results for i in range(len(view))), closed_at + self.cfg.result_timeout
             )
+            # Having every result does not mean everyone has ours: let our sends finish (bounded).
+            await asyncio.wait(tasks, timeout=self.cfg.call_timeout)
         finally:
-            for t in tasks:  # late sends are pointless once the round is decided
+            for t in tasks:
                 t.cancel()
         if not complete:
             missing = [view[i] for i in range(len(view)) if (vid, i) not in rs.results]

@@ -48,11 +48,12 @@ def _setup_logging(verbose: bool) -> None:
 
 
 def _configs(run_id, wire, min_peers, rounds, inner_steps, batch_size, seed, shard, d_model, layers, threads,
-             gather_timeout, eval_every, wait_for):
+             gather_timeout, eval_every, wait_for, round_timeout):
     from .train import JobConfig
 
     try:
-        swarm_cfg = SwarmConfig(run_id=run_id, wire=wire, min_peers=min_peers, gather_timeout=gather_timeout)
+        swarm_cfg = SwarmConfig(run_id=run_id, wire=wire, min_peers=min_peers, gather_timeout=gather_timeout,
+                                result_timeout=round_timeout, reduce_timeout=round_timeout * 2 / 3)
         job = JobConfig(rounds=rounds, inner_steps=inner_steps, batch_size=batch_size, seed=seed, shard=shard,
                         d_model=d_model, n_layer=layers, threads=threads, eval_every=eval_every,
                         wait_for=wait_for)
@@ -110,6 +111,7 @@ def start(
     gather_timeout: float = typer.Option(60.0, help="Seconds to wait for slow peers before a round starts without them."),
     eval_every: int = typer.Option(0, help="Evaluate held-out loss every N rounds (0: only at the end)."),
     wait_for: int = typer.Option(1, help="Wait (up to 120 s) until this many peers are in the swarm before training."),
+    round_timeout: float = typer.Option(30.0, help="Seconds after a round starts by which it commits or is abandoned."),
     address_file: Optional[Path] = typer.Option(None, help="Write this peer's addresses to this file once up."),
     status_file: Optional[Path] = typer.Option(None, hidden=True),
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Log every round event."),
@@ -117,7 +119,7 @@ def start(
     """Start a swarm: train the bundled model and print the line others run to join."""
     _setup_logging(verbose)
     swarm_cfg, job = _configs(run_id, wire, min_peers, rounds, inner_steps, batch_size, seed, shard, d_model, layers,
-                              threads, gather_timeout, eval_every, wait_for)
+                              threads, gather_timeout, eval_every, wait_for, round_timeout)
     _run_peer([], host=host, port=port, announce=announce, address_file=address_file, metrics=metrics,
               status_file=status_file, swarm_cfg=swarm_cfg, job=job)
 
@@ -137,6 +139,7 @@ def join(
     gather_timeout: float = typer.Option(60.0, help="Seconds to wait for slow peers before a round starts without them."),
     eval_every: int = typer.Option(0, help="Evaluate held-out loss every N rounds (0: only at the end)."),
     wait_for: int = typer.Option(1, help="Wait (up to 120 s) until this many peers are in the swarm before training."),
+    round_timeout: float = typer.Option(30.0, help="Seconds after a round starts by which it commits or is abandoned."),
     address_file: Optional[Path] = typer.Option(None, help="Write this peer's addresses to this file once up."),
     status_file: Optional[Path] = typer.Option(None, hidden=True),
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Log every round event."),
@@ -150,7 +153,7 @@ def join(
     except SwarmError as e:
         _fail(str(e))
     swarm_cfg, job = _configs(run_id, wire, min_peers, rounds, inner_steps, batch_size, seed, shard, d_model, layers,
-                              threads, gather_timeout, eval_every, wait_for)
+                              threads, gather_timeout, eval_every, wait_for, round_timeout)
     _run_peer(addresses, host=host, port=port, announce=announce, address_file=address_file, metrics=metrics,
               status_file=status_file, swarm_cfg=swarm_cfg, job=job)
 

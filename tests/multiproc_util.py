@@ -1,0 +1,59 @@
+"""Helpers for multi-process tests: run real `diloco` peer processes on 127.0.0.1 and read their
+metrics. Every process started here is killed at teardown, whatever happened."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+TINY = ["--d-model", "32", "--layers", "1", "--batch-size", "4", "--gather-timeout", "20", "--round-timeout", "6"]
+
+
+class Peers:
+    def __init__(self, workdir: Path, run_id: str) -> None:
+        self.workdir, self.run_id = workdir, run_id
+        self.procs: list[subprocess.Popen] = []
+
+    def spawn(self, index: int, args: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
+        cmd = [sys.executable, "-m", "diloco", *args, "--run-id", self.run_id,
+               "--metrics", str(self.metrics(index)), "--address-file", str(self.workdir / f"peer{index}.addr"),
+               "--shard", str(index), "--verbose"]
+        log = open(self.workdir / f"peer{index}.log", "wb")
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                env={**os.environ, **(env or {})})
+        self.procs.append(proc)
+        return proc
+
+    def metrics(self, index: int) -> Path:
+        return self.workdir / f"peer{index}.jsonl"
+
+    def lines(self, index: int, event: str | None = None) -> list[dict]:
+        try:
+            rows = [json.loads(x) for x in self.metrics(index).read_text().splitlines() if x.strip()]
+        except FileNotFoundError:
+            return []
+        return [r for r in rows if event is None or r["event"] == event]
+
+    def address(self, index: int, timeout: float = 60) -> str:
+        path = self.workdir / f"peer{index}.addr"
+        deadline = time.monotonic() + timeout
+        while not path.exists():
+            assert time.monotonic() < deadline, f"peer {index} never wrote its address; log:\n{self.log(index)}"
+            time.sleep(0.1)
+        return path.read_text().split()[0]
+
+    def log(self, index: int) -> str:
+        return (self.workdir / f"peer{index}.log").read_text(errors="replace")[-4000:]
+
+    def wait(self, proc: subprocess.Popen, timeout: float) -> int:
+        return proc.wait(timeout=timeout)
+
+    def kill_all(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait()

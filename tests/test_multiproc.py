@@ -1,0 +1,103 @@
+"""Real peers: `diloco start` / `diloco join` processes with hivemind daemons on 127.0.0.1.
+
+Each test has a hard timeout (pytest-timeout) and the autouse `no_orphans` fixture fails it if any
+peer process or p2pd daemon survives it.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+
+from multiproc_util import TINY, Peers
+
+pytestmark = pytest.mark.multiproc
+
+
+@pytest.fixture
+def peers(tmp_path):
+    group = Peers(tmp_path, f"t-{secrets.token_hex(3)}")
+    yield group
+    group.kill_all()
+
+
+def test_three_peers_train_and_end_bit_identical(peers):
+    """3 real peers train 3 rounds together and end with the same global-state digest (SHA-256 over
+    every parameter and outer-optimizer buffer), i.e. bit-identical global parameters."""
+    common = ["--rounds", "3", "-H", "5", "--wait-for", "3", *TINY]
+    first = peers.spawn(0, ["start", *common])
+    addr = peers.address(0)
+    others = [peers.spawn(i, ["join", addr, *common]) for i in (1, 2)]
+    for i, p in enumerate([first, *others]):
+        assert peers.wait(p, 90) == 0, peers.log(i)
+    finals = [peers.lines(i, "final")[-1] for i in range(3)]
+    assert {f["round"] for f in finals} == {3}
+    assert len({f["digest"] for f in finals}) == 1, finals
+    assert len({f["eval_loss"] for f in finals}) == 1  # same global model, same held-out loss
+    committed = [r for i in range(3) for r in peers.lines(i, "round") if r["committed"]]
+    assert all(r["peers"] == 3 for r in committed), committed
+    assert all(r["bytes_sent"] > 0 for r in committed)
+
+
+def test_sigkill_mid_round_survivors_commit_next_round(peers):
+    """SIGKILL one of 3 peers in round 2 once its contributions are out: the survivors commit the
+    next round without it within the round deadline, agree bit for bit, and its daemon dies too."""
+    common = ["--rounds", "5", "-H", "5", "--wait-for", "3", *TINY]
+    first = peers.spawn(0, ["start", *common])
+    addr = peers.address(0)
+    second = peers.spawn(1, ["join", addr, *common])
+    victim = peers.spawn(2, ["join", addr, *common], env={"DILOCO_FAULTS": "kill@reduce:2"})
+    victim_children = []
+    deadline = time.monotonic() + 60
+    while not victim_children and time.monotonic() < deadline:  # its p2pd daemon, once started
+        try:
+            victim_children = psutil.Process(victim.pid).children(recursive=True)
+        except psutil.NoSuchProcess:
+            break
+        time.sleep(0.1)
+    assert peers.wait(victim, 90) == -signal.SIGKILL, peers.log(2)
+    killed_at = time.time()
+    for i, p in enumerate([first, second]):
+        assert peers.wait(p, 90) == 0, peers.log(i)
+    after = [r for r in peers.lines(0, "round") if r["time"] > killed_at and r["committed"]]
+    assert after, "survivors never committed after the kill"
+    first_commit = after[0]
+    assert first_commit["peers"] == 2
+    # deadline: the interrupted round is abandoned within --round-timeout (6 s) after it started,
+    # then the next round commits at once; 5 H=5 steps of the tiny model take well under a second.
+    assert first_commit["time"] - killed_at < 6 + 5, first_commit
+    finals = [peers.lines(i, "final")[-1] for i in (0, 1)]
+    assert finals[0]["digest"] == finals[1]["digest"] and finals[0]["round"] == 5
+    for child in victim_children:  # the reaper took the victim's daemon down with it
+        assert not child.is_running() or child.status() == psutil.STATUS_ZOMBIE, child
+
+
+def test_join_with_dead_bootstrap_exits_nonzero_listing_addresses(tmp_path):
+    dead = "/ip4/127.0.0.1/tcp/9/p2p/12D3KooWRQPiyGWQQdn3DaPhb84P9MBDWaM43QfaVX9YR9qxStbP"
+    proc = subprocess.run([sys.executable, "-m", "diloco", "join", dead, "--rounds", "1", *TINY],
+                          capture_output=True, text=True, timeout=90)
+    assert proc.returncode == 1
+    assert "no bootstrap address answered" in proc.stderr and dead in proc.stderr.replace("\n", "")
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["start", "--inner-steps", "0"], "inner_steps must be >= 1"),
+    (["start", "--wire", "int3"], "choose one of"),
+    (["start", "--run-id", "bad id!"], "run_id"),
+    (["join", "not-an-address"], "is not a swarm address"),
+    (["demo", "--peers", "0"], "peers must be between 1 and 16"),
+])
+def test_bad_cli_input_exits_2_naming_the_fix(args, needle):
+    started = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "diloco", *args], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "COLUMNS": "200"})
+    assert proc.returncode == 2, proc.stderr
+    assert needle in proc.stderr
+    assert time.monotonic() - started < 30
