@@ -1,0 +1,291 @@
+"""Membership decisions (peers/membership.py), peer records (peers/records.py) and the pure helpers
+of the round protocol (comms/spans.py). All deterministic: no network, no real clock."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from diloco.comms import RoundKey, span_bounds, view_id
+from diloco.comms.spans import make_view
+from diloco.peers import InProcBoard, PeerRecord, expected_peers, parse_record, resync_source, round_key_for
+from diloco.peers import records as records_mod
+
+pytestmark = pytest.mark.unit
+
+
+def rec(peer: str, rnd: int = 0, *, status: str = "training", attempt: int = 0, digest: str = "d0") -> PeerRecord:
+    return PeerRecord(peer=peer, status=status, round=rnd, attempt=attempt, digest=digest)
+
+
+# ---------------------------------------------------------------------- expected_peers
+
+
+def test_expected_peers_are_training_peers_at_our_round_or_one_behind():
+    records = [
+        rec("me", 5),
+        rec("same", 5),
+        rec("behind1", 4),
+        rec("behind2", 3),
+        rec("ahead", 6),
+        rec("joining", 5, status="joining"),
+        rec("left", 5, status="left"),
+        rec("a-first", 5),
+    ]
+    assert expected_peers(records, RoundKey(5, 2), "me") == ["a-first", "behind1", "same"]
+
+
+def test_expected_peers_excludes_self_even_if_listed_twice_and_is_sorted():
+    records = [rec("me", 0), rec("zz", 0), rec("me", 0), rec("b", 0)]
+    assert expected_peers(records, RoundKey(0), "me") == ["b", "zz"]
+
+
+def test_expected_peers_at_round_zero_and_nobody_else():
+    assert expected_peers([rec("me", 0)], RoundKey(0), "me") == []
+    assert expected_peers([rec("me", 0), rec("x", 1)], RoundKey(0), "me") == []
+
+
+# ---------------------------------------------------------------------- round_key_for
+
+
+def test_round_key_for_adopts_max_attempt_of_peers_at_our_round():
+    records = [rec("me", 3, attempt=0), rec("a", 3, attempt=2), rec("b", 3, attempt=1),
+               rec("c", 4, attempt=9), rec("d", 2, attempt=7), rec("e", 3, attempt=8, status="joining")]
+    assert round_key_for(records, 3, 0) == RoundKey(3, 2)
+    assert round_key_for(records, 3, 5) == RoundKey(3, 5)  # our own attempt is higher
+    assert round_key_for([], 7, 1) == RoundKey(7, 1)
+
+
+# ---------------------------------------------------------------------- resync_source
+
+
+def test_resync_none_without_other_training_peers():
+    records = [rec("me", 0, digest="x"), rec("j", 5, status="joining", digest="y"),
+               rec("l", 9, status="left", digest="z"), rec("nodigest", 9, digest="")]
+    source, why = resync_source(records, "me", 0, "x")
+    assert source is None and "no other" in why
+
+
+def test_resync_none_when_we_are_ahead():
+    records = [rec("me", 5, digest="mine"), rec("a", 4, digest="old"), rec("b", 3, digest="older")]
+    source, why = resync_source(records, "me", 5, "mine")
+    assert source is None and "ahead" in why
+
+
+def test_resync_when_behind_uses_majority_digest_of_newest_round_lowest_peer():
+    records = [
+        rec("me", 2, digest="mine"),
+        rec("p9", 4, digest="good"),
+        rec("p3", 4, digest="good"),
+        rec("p1", 4, digest="bad"),   # lowest id, but minority digest
+        rec("p5", 4, digest="good"),
+        rec("p0", 3, digest="good"),  # lower id, but an older round
+    ]
+    source, why = resync_source(records, "me", 2, "mine")
+    assert source is not None and (source.peer, source.digest, source.round) == ("p3", "good", 4)
+    assert "round 4" in why
+
+
+def test_resync_when_behind_single_peer_ahead():
+    source, _ = resync_source([rec("me", 0, digest="a"), rec("x", 1, digest="b")], "me", 0, "a")
+    assert source is not None and source.peer == "x"
+
+
+def test_resync_same_round_we_are_minority():
+    records = [rec("me", 3, digest="mine"), rec("b", 3, digest="theirs"), rec("a", 3, digest="theirs")]
+    source, why = resync_source(records, "me", 3, "mine")
+    assert source is not None and source.peer == "a" and source.digest == "theirs"
+    assert "minority" in why
+
+
+def test_resync_same_round_we_are_majority():
+    records = [rec("me", 3, digest="mine"), rec("b", 3, digest="mine"), rec("a", 3, digest="theirs")]
+    source, why = resync_source(records, "me", 3, "mine")
+    assert source is None and "majority" in why
+
+
+@pytest.mark.parametrize("mine, theirs, expect_resync", [("bbbb", "aaaa", True), ("aaaa", "bbbb", False)])
+def test_resync_tie_smaller_digest_wins(mine, theirs, expect_resync):
+    records = [rec("me", 3, digest=mine), rec("other", 3, digest=theirs)]
+    source, _ = resync_source(records, "me", 3, mine)
+    if expect_resync:
+        assert source is not None and source.digest == theirs
+    else:
+        assert source is None
+
+
+def test_resync_tie_among_others_when_behind_smaller_digest_wins():
+    records = [rec("me", 0, digest="m"), rec("p1", 2, digest="zz"), rec("p2", 2, digest="aa")]
+    source, _ = resync_source(records, "me", 0, "m")
+    assert source is not None and (source.peer, source.digest) == ("p2", "aa")
+
+
+def test_resync_ignores_our_own_record():
+    records = [rec("me", 9, digest="stale-self-record"), rec("a", 3, digest="mine")]
+    source, _ = resync_source(records, "me", 3, "mine")
+    assert source is None
+
+
+# ---------------------------------------------------------------------- parse_record
+
+
+VALID = {"peer": "p1", "status": "training", "round": 3, "attempt": 1, "digest": "abcd", "step": 40,
+         "loss": 0.5, "addrs": ["/ip4/1.2.3.4/tcp/5/p2p/Qm"]}
+
+
+def test_parse_record_accepts_valid_and_round_trips_to_wire():
+    r = parse_record("p1", dict(VALID))
+    assert r == PeerRecord(peer="p1", status="training", round=3, attempt=1, digest="abcd", step=40, loss=0.5,
+                           addrs=("/ip4/1.2.3.4/tcp/5/p2p/Qm",))
+    assert parse_record("p1", r.to_wire()) == r
+
+
+def test_parse_record_defaults_and_int_loss():
+    r = parse_record("p2", {"status": "joining", "round": 0, "loss": 2})
+    assert r == PeerRecord(peer="p2", status="joining", round=0)._replace() if False else r
+    assert (r.peer, r.status, r.round, r.attempt, r.digest, r.step, r.addrs) == ("p2", "joining", 0, 0, "", 0, ())
+    assert r.loss == 2.0 and isinstance(r.loss, float)
+
+
+BAD_VALUES = {
+    "not a dict": [("status", "training")],
+    "none": None,
+    "missing status": {k: v for k, v in VALID.items() if k != "status"},
+    "missing round": {k: v for k, v in VALID.items() if k != "round"},
+    "bad status": {**VALID, "status": "crashed"},
+    "status not str": {**VALID, "status": 1},
+    "round is str": {**VALID, "round": "3"},
+    "round is float": {**VALID, "round": 3.0},
+    "negative round": {**VALID, "round": -1},
+    "negative attempt": {**VALID, "attempt": -2},
+    "negative step": {**VALID, "step": -1},
+    "bool round": {**VALID, "round": True},
+    "bool attempt": {**VALID, "attempt": False},
+    "bool step": {**VALID, "step": True},
+    "nan loss": {**VALID, "loss": math.nan},
+    "inf loss": {**VALID, "loss": math.inf},
+    "string loss": {**VALID, "loss": "0.5"},
+    "digest not str": {**VALID, "digest": 1234},
+    "digest too long": {**VALID, "digest": "x" * 65},
+    "too many addrs": {**VALID, "addrs": [f"/ip4/1.2.3.{i}/tcp/1" for i in range(17)]},
+    "addrs not a list": {**VALID, "addrs": "/ip4/1.2.3.4/tcp/1"},
+    "addr not str": {**VALID, "addrs": [1]},
+    "addr too long": {**VALID, "addrs": ["/" + "a" * 600]},
+    "peer mismatch": {**VALID, "peer": "someone-else"},
+}
+
+
+@pytest.mark.parametrize("name", sorted(BAD_VALUES))
+def test_parse_record_rejects_malformed(name):
+    assert parse_record("p1", BAD_VALUES[name]) is None
+
+
+def test_parse_record_limits_are_inclusive():
+    assert parse_record("p1", {**VALID, "addrs": ["/a"] * 16}) is not None
+    assert parse_record("p1", {**VALID, "digest": "x" * 64}) is not None
+    assert parse_record("p1", {**VALID, "loss": None}) is not None
+
+
+# ---------------------------------------------------------------------- InProcBoard
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+
+def test_inproc_board_records_expire_after_ttl(monkeypatch):
+    clock = _Clock()
+    monkeypatch.setattr(records_mod, "time", clock)
+    board = InProcBoard()
+
+    async def scenario():
+        await board.publish(rec("a", 1), ttl=2.0)
+        await board.publish(rec("b", 1), ttl=5.0)
+        seen = [sorted(r.peer for r in await board.read())]
+        clock.now += 1.9
+        seen.append(sorted(r.peer for r in await board.read()))
+        clock.now += 0.2  # 2.1 s after a's publish: a expired, b not
+        seen.append(sorted(r.peer for r in await board.read()))
+        await board.publish(rec("a", 2), ttl=2.0)  # a heartbeat brings it back, with its new record
+        again = {r.peer: r.round for r in await board.read()}
+        clock.now += 3.0  # 5.1 s after b's only publish
+        seen.append(sorted(r.peer for r in await board.read()))
+        return seen, again
+
+    seen, again = asyncio.run(scenario())
+    assert seen == [["a", "b"], ["a", "b"], ["b"], []]
+    assert again == {"a": 2, "b": 1}
+
+
+def test_inproc_board_expire_and_malformed_records_are_dropped():
+    board = InProcBoard()
+
+    async def scenario():
+        await board.publish(rec("a"), ttl=60)
+        await board.publish(rec("b"), ttl=60)
+        board.expire("a")
+        board._records["evil"] = (float("inf"), {"status": "training", "round": -1})
+        return sorted(r.peer for r in await board.read())
+
+    assert asyncio.run(scenario()) == ["b"]
+
+
+# ---------------------------------------------------------------------- spans
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(0, 10_000), st.integers(1, 64))
+def test_span_bounds_partition_exactly(n, parts):
+    bounds = span_bounds(n, parts)
+    assert len(bounds) == parts
+    assert bounds[0][0] == 0 and bounds[-1][1] == n
+    for (_, hi), (lo, _) in zip(bounds, bounds[1:]):
+        assert hi == lo
+    sizes = [hi - lo for lo, hi in bounds]
+    assert all(s >= 0 for s in sizes)
+    assert sum(sizes) == n
+    assert max(sizes) - min(sizes) <= 1
+
+
+def test_span_bounds_examples_and_invalid_parts():
+    assert span_bounds(10, 3) == [(0, 4), (4, 7), (7, 10)]
+    assert span_bounds(2, 4) == [(0, 1), (1, 2), (2, 2), (2, 2)]
+    for bad in (0, -1):
+        with pytest.raises(ValueError):
+            span_bounds(10, bad)
+
+
+def test_make_view_sorts_and_deduplicates():
+    assert make_view(["c", "a", "b", "a"]) == ("a", "b", "c")
+    assert make_view([]) == ()
+
+
+def test_view_id_depends_on_members_and_key_not_order():
+    key = RoundKey(3, 0)
+    base = view_id(key, make_view(["a", "b", "c"]))
+    assert view_id(key, make_view(["c", "a", "b"])) == base
+    assert view_id(key, make_view(["b", "c", "a", "a"])) == base
+    others = {
+        view_id(key, make_view(["a", "b"])),
+        view_id(key, make_view(["a", "b", "d"])),
+        view_id(key, make_view(["a", "b", "c", "d"])),
+        view_id(RoundKey(3, 1), make_view(["a", "b", "c"])),
+        view_id(RoundKey(4, 0), make_view(["a", "b", "c"])),
+        view_id(key, make_view(["ab", "c"])),
+    }
+    assert base not in others
+    assert len(others) == 6
+    assert len(base) == 16 and int(base, 16) >= 0
+
+
+def test_round_key_order_and_str():
+    assert RoundKey(1, 5) < RoundKey(2, 0) < RoundKey(2, 1)
+    assert str(RoundKey(4)) == "4" and str(RoundKey(4, 2)) == "4.2"
