@@ -146,7 +146,6 @@ def test_parse_record_accepts_valid_and_round_trips_to_wire():
 
 def test_parse_record_defaults_and_int_loss():
     r = parse_record("p2", {"status": "joining", "round": 0, "loss": 2})
-    assert r == PeerRecord(peer="p2", status="joining", round=0)._replace() if False else r
     assert (r.peer, r.status, r.round, r.attempt, r.digest, r.step, r.addrs) == ("p2", "joining", 0, 0, "", 0, ())
     assert r.loss == 2.0 and isinstance(r.loss, float)
 
