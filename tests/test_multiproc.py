@@ -101,3 +101,25 @@ def test_bad_cli_input_exits_2_naming_the_fix(args, needle):
     assert proc.returncode == 2, proc.stderr
     assert needle in proc.stderr
     assert time.monotonic() - started < 30
+
+
+def test_sigterm_leaves_cleanly_and_the_swarm_goes_on(peers):
+    """SIGTERM: the peer finishes its round, announces that it leaves, writes its final line, exits 0;
+    the remaining peer keeps committing rounds without waiting for it."""
+    common = ["--rounds", "40", "-H", "20", "--wait-for", "2", *TINY, "--gather-timeout", "30"]
+    first = peers.spawn(0, ["start", *common])
+    leaver = peers.spawn(1, ["join", peers.address(0), *common])
+    deadline = time.monotonic() + 60
+    while not any(r["committed"] for r in peers.lines(1, "round")):
+        assert time.monotonic() < deadline, peers.log(1)
+        time.sleep(0.1)
+    leaver.send_signal(signal.SIGTERM)
+    assert peers.wait(leaver, 30) == 0, peers.log(1)
+    left_at = time.time()
+    final = peers.lines(1, "final")[-1]
+    assert final["stopped"] is True
+    assert peers.wait(first, 120) == 0, peers.log(0)
+    alone = [r for r in peers.lines(0, "round") if r["time"] > left_at and r["committed"]]
+    assert alone and alone[0]["peers"] == 1
+    # It did not sit out the 30 s gather timeout waiting for the peer that left.
+    assert alone[0]["seconds"] < 10, alone[0]
