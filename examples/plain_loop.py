@@ -22,7 +22,7 @@ import diloco
 def make_data(seed: int, n: int = 4096) -> tuple[torch.Tensor, torch.Tensor]:
     """A toy regression task: y = sin(x·w) with a fixed w, x drawn per worker."""
     g = torch.Generator().manual_seed(seed)
-    w = torch.linspace(-1, 1, 16)
+    w = 0.3 * torch.linspace(-1, 1, 16)
     x = torch.randn(n, 16, generator=g)
     return x, torch.sin(x @ w).unsqueeze(1)
 

@@ -21,5 +21,5 @@ def test_plain_loop_example_trains_with_one_line_change():
     m = re.search(r"rounds committed: (\d+)\s+held-out MSE of the global model: ([0-9.]+)", out.stdout)
     assert m, out.stdout
     assert int(m.group(1)) == 4
-    # y = sin(x·w) has variance ≈ 0.5; a trained global model is far better than predicting 0.
-    assert float(m.group(2)) < 0.25
+    # y = sin(x·w) has variance ≈ 0.33 (predicting 0 scores that); the trained global model does far better.
+    assert float(m.group(2)) < 0.1
