@@ -125,17 +125,17 @@ def run_job(cfg: JobConfig, swarm: Swarm | None, *, metrics: MetricsWriter | Non
             inner.step()  # the wrapper's hook synchronizes every inner_steps-th call
             inner.zero_grad(set_to_none=True)
             if status_path and (d.steps % 5 == 0 or d.steps == 1):
-                sent, recv = d._bytes()
+                sent, recv = d.bytes_on_wire()
                 write_status(status_path, peer=peer, round=d.round, step=d.steps, loss=state["loss"],
                              bytes_sent=sent, bytes_received=recv)
     with d.global_weights():
         eval_loss = evaluate(model, heldout)
-    sent, recv = d._bytes()
+    sent, recv = d.bytes_on_wire()
     summary = dict(peer=peer, round=d.round, eval_loss=eval_loss, digest=d.digest, steps=d.steps,
                    params=sum(p.numel() for p in model.parameters()), bytes_sent=sent, bytes_received=recv,
                    committed_rounds=sum(r.committed for r in d.reports), wall_seconds=round(time.monotonic() - started, 2),
                    stopped=stop.is_set())
     metrics.write("final", **summary)
     if status_path:
-        write_status(status_path, done=True, **summary)
+        write_status(status_path, done=True, step=d.steps, loss=state["loss"], **summary)
     return summary

@@ -163,9 +163,9 @@ class DiLoCo:
         return self._report(report)
 
     def _finish_resync(self, source: PeerRecord, why: str, started: float) -> RoundReport:
-        sent0, recv0 = self._bytes()
+        sent0, recv0 = self.bytes_on_wire()
         ok = self._resync(source, why)
-        sent, recv = self._bytes()
+        sent, recv = self.bytes_on_wire()
         report = RoundReport(self.state.round, False, f"resynced: {why}" if ok else f"resync failed: {why}", 1,
                              sent - sent0, recv - recv0, time.monotonic() - started, self.steps, resynced=ok)
         return self._report(report)
@@ -252,5 +252,6 @@ class DiLoCo:
             self.swarm.update(status=status, round=self.state.round, attempt=self.attempt, digest=self.digest,
                               step=self.steps, loss=self.loss)
 
-    def _bytes(self) -> tuple[int, int]:
+    def bytes_on_wire(self) -> tuple[int, int]:
+        """(sent, received) bytes of this peer so far, every message included."""
         return self.swarm.transport.counter.snapshot() if self.swarm is not None else (0, 0)
