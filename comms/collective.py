@@ -7,9 +7,11 @@ Every member holds a flat fp32 pseudo-gradient Δ of the same length. A round ru
    `gather_timeout`. The round's *view* is the sorted set of ready members with the same digest.
    A peer that learns that others closed the round without it gives up at once ("late").
 2. **Reduce.** Δ is cut into one span per view member; member i owns span i. Everyone sends each
-   span, encoded with the wire codec, to its owner. The owner waits for all view members until
-   `reduce_timeout`, averages what arrived in fp32, encodes the mean once, and sends the *same
-   bytes* to every member (including itself, by decoding them), so all peers apply identical values.
+   span, encoded with the compression pipeline, to its owner. The owner waits for all view
+   members until `reduce_timeout` and sends the *same bytes* to every member (itself included, by
+   decoding them), so all peers apply identical values. For dense pipelines those bytes are the
+   fp32 mean re-encoded once; for sparse ones (top-k, random-k) they are a *bundle* of the exact
+   payloads it included, which every member decodes and averages per coordinate in view order.
 3. **Gather results.** A member commits the round when it holds a result for every span, all
    tagged with its view id, by `result_timeout`. Each result names the members it averaged.
 
@@ -35,10 +37,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from diloco.compression import PayloadRejected, Reason, get_codec
+from diloco.compression import PayloadRejected, Reason
+from diloco.compression.pipeline import Decoded, Pipeline, parse
 
 from . import messages as msg
 from .faults import FaultPlan
+from .reduce import average
 from .spans import RoundKey, make_view, span_bounds, view_id
 from .transport import PeerId, Transport, TransportError
 
@@ -59,13 +63,13 @@ class CollectiveConfig:
     """Seconds any single message may take before its peer is treated as unreachable."""
     min_peers: int = 1
     """Fewest members (self included) a round needs to commit."""
-    wire: str = "fp32"
-    """Codec of contributions and results on the wire (fp32 or fp16)."""
+    compression: str = "fp32"
+    """Compression pipeline spec of contributions (see diloco.compression.pipeline)."""
     max_payload: int = 1 << 30
     """Largest frame body accepted from the network, in bytes."""
 
     def __post_init__(self) -> None:
-        get_codec(self.wire)  # raises ValueError naming the valid codecs
+        parse(self.compression)  # raises ValueError naming what is wrong and what is allowed
         for name in ("gather_timeout", "reduce_timeout", "result_timeout", "call_timeout"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0 seconds, got {getattr(self, name)}")
@@ -88,6 +92,10 @@ class RoundOutcome:
     view: tuple[PeerId, ...] = ()
     aggregate: torch.Tensor | None = None
     contributors: list[tuple[PeerId, ...]] = field(default_factory=list)
+    sent: torch.Tensor | None = None
+    """What of our Δ the aggregate includes, as decoded (0 where our span contribution was left out)."""
+    payload_bytes: int = 0
+    """Encoded size of our whole contribution (all spans): the codec's cost, without framing."""
     bytes_sent: int = 0
     bytes_received: int = 0
     seconds: float = 0.0
@@ -100,7 +108,7 @@ class _RoundState:
     ready: dict[PeerId, str] = field(default_factory=dict)
     view: tuple[PeerId, ...] | None = None  # set when this peer closes its gather
     vid: str = ""  # the view's id, set with `view`
-    contribs: dict[tuple[str, int], dict[PeerId, torch.Tensor]] = field(default_factory=dict)
+    contribs: dict[tuple[str, int], dict[PeerId, tuple[bytes, Decoded]]] = field(default_factory=dict)
     results: dict[tuple[str, int], tuple[PeerId, torch.Tensor, tuple[int, ...]]] = field(default_factory=dict)
     changed: asyncio.Event = field(default_factory=asyncio.Event)
 
@@ -115,7 +123,10 @@ class Collective:
         self.transport = transport
         self.run_id = run_id
         self.cfg = cfg
-        self.codec = get_codec(cfg.wire)
+        self.pipeline = Pipeline(cfg.compression)
+        self.mean_pipeline = self.pipeline.dense_only()
+        self.schema = ""
+        """Digest of the model schema and compression spec; frames with another schema are rejected."""
         self.me = transport.peer_id
         self.rejections: Counter[str] = Counter()
         self._rounds: dict[RoundKey, _RoundState] = {}
@@ -154,7 +165,8 @@ class Collective:
     async def _run(self, key: RoundKey, digest: str, others: list[PeerId], delta: torch.Tensor) -> RoundOutcome:
         rs = self._state(key)
         rs.ready[self.me] = digest
-        ready_frame = msg.encode(msg.READY, run=self.run_id, sender=self.me, key=key, meta={"digest": digest})
+        ready_frame = msg.encode(msg.READY, run=self.run_id, sender=self.me, schema=self.schema, key=key,
+                                 meta={"digest": digest})
         replies = await asyncio.gather(*(self._call(p, "diloco.ready", ready_frame) for p in others))
         self.faults.hit("gather", key.round)
         closed_without_us = [p for p, r in zip(others, replies) if r and r.get("closed") and not r.get("in_view")]
@@ -172,16 +184,17 @@ class Collective:
         if len(view) < self.cfg.min_peers:
             return RoundOutcome(key, False, f"only {len(view)} of min_peers={self.cfg.min_peers} ready", view)
 
-        bounds = span_bounds(delta.numel(), len(view))
+        chunk = self.pipeline.spec.chunk
+        bounds = span_bounds(delta.numel(), len(view), align=chunk.chunk if chunk else 1)
         mine = view.index(self.me)
-        own = self.codec.decode(self.codec.encode(delta[slice(*bounds[mine])].contiguous()), bounds[mine][1] - bounds[mine][0])
-        rs.contribs.setdefault((vid, mine), {})[self.me] = own
+        payloads = [self.pipeline.encode(delta[lo:hi]) for lo, hi in bounds]
+        own = self.pipeline.decode(payloads[mine], bounds[mine][1] - bounds[mine][0])
+        rs.contribs.setdefault((vid, mine), {})[self.me] = (payloads[mine], own)
 
         async def send_contributions() -> None:
             await asyncio.gather(*(
-                self._call(owner, "diloco.contrib", msg.encode(
-                    msg.CONTRIB, run=self.run_id, sender=self.me, key=key, view=vid, span=i,
-                    codec=self.codec.name, numel=hi - lo, body=self.codec.encode(delta[lo:hi].contiguous())))
+                self._call(owner, "diloco.contrib", self._frame(
+                    msg.CONTRIB, key, view=vid, span=i, numel=hi - lo, body=payloads[i]))
                 for i, (owner, (lo, hi)) in enumerate(zip(view, bounds)) if owner != self.me
             ))
             self.faults.hit("reduce", key.round)
@@ -189,17 +202,19 @@ class Collective:
         async def reduce_and_broadcast() -> None:
             got = rs.contribs.setdefault((vid, mine), {})
             await self._wait(rs, lambda: len(got) == len(view), closed_at + self.cfg.reduce_timeout)
-            senders = [p for p in view if p in got]  # fixed order: the mean is deterministic
-            total = torch.zeros(bounds[mine][1] - bounds[mine][0], dtype=torch.float32)
-            for p in senders:
-                total += got[p]
-            body = self.codec.encode(total / len(senders))
+            senders = [p for p in view if p in got]  # view order: the result is deterministic
             idx = tuple(view.index(p) for p in senders)
-            rs.results[(vid, mine)] = (self.me, self.codec.decode(body, total.numel()), idx)
+            numel = bounds[mine][1] - bounds[mine][0]
+            if self.pipeline.sparse:
+                body = msg.pack_bundle([(i, got[p][0]) for i, p in zip(idx, senders)])
+                kind = "bundle"
+            else:
+                body = self.mean_pipeline.encode(average([got[p][1] for p in senders], numel))
+                kind = "mean"
+            rs.results[(vid, mine)] = (self.me, self._decode_result(kind, memoryview(body), numel, idx), idx)
             rs.changed.set()
-            frame = msg.encode(
-                msg.RESULT, run=self.run_id, sender=self.me, key=key, view=vid, span=mine,
-                codec=self.codec.name, numel=total.numel(), meta={"contributors": list(idx)}, body=body)
+            frame = self._frame(msg.RESULT, key, view=vid, span=mine, numel=numel, body=body,
+                                meta={"contributors": list(idx), "result": kind})
             await asyncio.gather(*(self._call(p, "diloco.result", frame) for p in view if p != self.me))
 
         tasks = [asyncio.create_task(send_contributions()), asyncio.create_task(reduce_and_broadcast())]
@@ -212,19 +227,45 @@ class Collective:
         finally:
             for t in tasks:
                 t.cancel()
+        payload_bytes = sum(len(p) for p in payloads)
         if not complete:
             missing = [view[i] for i in range(len(view)) if (vid, i) not in rs.results]
-            return RoundOutcome(key, False, f"no result for {len(missing)} span(s) (owners {_short(missing)})", view)
+            return RoundOutcome(key, False, f"no result for {len(missing)} span(s) (owners {_short(missing)})", view,
+                                payload_bytes=payload_bytes)
         parts = [rs.results[(vid, i)] for i in range(len(view))]
         aggregate = torch.cat([t for _, t, _ in parts])
         contributors = [tuple(view[j] for j in idx) for _, _, idx in parts]
-        return RoundOutcome(key, True, "committed", view, aggregate, contributors)
+        sent = torch.zeros_like(delta)
+        for i, ((lo, hi), (_, _, idx)) in enumerate(zip(bounds, parts)):
+            if mine in idx:  # the owner of span i included our contribution: it counts as sent
+                sent[lo:hi] = own.dense(hi - lo) if i == mine else self.pipeline.decode(payloads[i], hi - lo).dense(hi - lo)
+        return RoundOutcome(key, True, "committed", view, aggregate, contributors, sent, payload_bytes)
+
+    def _frame(self, kind: str, key: RoundKey, **fields) -> bytes:
+        return msg.encode(kind, run=self.run_id, sender=self.me, schema=self.schema, key=key,
+                          codec=self.pipeline.name, **fields)
+
+    def _decode_result(self, kind: str, body: memoryview, numel: int, idx: tuple[int, ...]) -> torch.Tensor:
+        """The span's aggregate from a result body; identical on every peer for identical bytes."""
+        if kind == "mean" and not self.pipeline.sparse:
+            values = self.mean_pipeline.decode(body, numel).dense(numel)
+        elif kind == "bundle" and self.pipeline.sparse:
+            items = msg.unpack_bundle(body, max_items=1 << 15)
+            if tuple(i for i, _ in items) != idx:
+                raise PayloadRejected(Reason.BAD_HEADER, "bundle contributors differ from the frame's list")
+            values = average([self.pipeline.decode(p, numel) for _, p in items], numel)
+        else:
+            raise PayloadRejected(Reason.BAD_DTYPE, f"result kind {kind!r} does not fit pipeline {self.pipeline.name}")
+        if not bool(torch.isfinite(values).all()):
+            raise PayloadRejected(Reason.NON_FINITE, "result holds NaN or Inf")
+        return values
 
     # ---------------------------------------------------------------- handlers (from the network)
 
     async def _on_ready(self, caller: PeerId, data: bytes) -> bytes:
         try:
-            header, _, key = msg.decode(data, run=self.run_id, kind=msg.READY, caller=caller, max_body=0)
+            header, _, key = msg.decode(data, run=self.run_id, kind=msg.READY, caller=caller, max_body=0,
+                                        schema=self.schema)
             digest = header.meta.get("digest")
             if not isinstance(digest, str) or len(digest) > 128:
                 raise PayloadRejected(Reason.BAD_HEADER, "ready needs a string meta.digest")
@@ -239,14 +280,18 @@ class Collective:
 
     async def _on_contrib(self, caller: PeerId, data: bytes) -> bytes:
         try:
-            header, body, key = msg.decode(data, run=self.run_id, kind=msg.CONTRIB, caller=caller, max_body=self.cfg.max_payload)
+            header, body, key = msg.decode(data, run=self.run_id, kind=msg.CONTRIB, caller=caller,
+                                           max_body=self.cfg.max_payload, schema=self.schema)
             rs = self._accepting(key)
             self._check_view_slot(rs, header.view, caller, owner=self.me, span=header.span)
-            tensor = self._decode_body(header, body)
+            self._check_codec(header)
+            decoded = self.pipeline.decode(body, header.numel)
+            if not bool(torch.isfinite(decoded.values).all()):
+                raise PayloadRejected(Reason.NON_FINITE, "contribution holds NaN or Inf")
             bucket = rs.contribs.setdefault((header.view, header.span), {})
             if caller in bucket:
                 raise PayloadRejected(Reason.DUPLICATE, f"second contribution from {caller} for span {header.span}")
-            bucket[caller] = tensor
+            bucket[caller] = (bytes(body), decoded)
             rs.changed.set()
             return msg.ack(run=self.run_id, sender=self.me)
         except PayloadRejected as e:
@@ -254,7 +299,8 @@ class Collective:
 
     async def _on_result(self, caller: PeerId, data: bytes) -> bytes:
         try:
-            header, body, key = msg.decode(data, run=self.run_id, kind=msg.RESULT, caller=caller, max_body=self.cfg.max_payload)
+            header, body, key = msg.decode(data, run=self.run_id, kind=msg.RESULT, caller=caller,
+                                           max_body=self.cfg.max_payload, schema=self.schema)
             rs = self._accepting(key)
             self._check_view_slot(rs, header.view, caller, owner=caller, span=header.span)
             idx = header.meta.get("contributors")
@@ -262,7 +308,9 @@ class Collective:
                 raise PayloadRejected(Reason.BAD_HEADER, "result needs a non-empty list of contributor indices")
             if rs.view and (max(idx) >= len(rs.view) or len(set(idx)) != len(idx)):
                 raise PayloadRejected(Reason.BAD_HEADER, f"contributor indices {idx} do not fit a view of {len(rs.view)}")
-            tensor = self._decode_body(header, body)
+            self._check_codec(header)
+            kind = header.meta.get("result")
+            tensor = self._decode_result(kind if isinstance(kind, str) else "", body, header.numel, tuple(idx))
             if (header.view, header.span) in rs.results:
                 raise PayloadRejected(Reason.DUPLICATE, f"second result for span {header.span}")
             rs.results[(header.view, header.span)] = (caller, tensor, tuple(idx))
@@ -295,13 +343,9 @@ class Collective:
         if not 0 <= span < len(rs.view) or rs.view[span] != owner:
             raise PayloadRejected(Reason.WRONG_SPAN, f"span {span} is not owned by {owner}")
 
-    def _decode_body(self, header, body: memoryview) -> torch.Tensor:
-        if header.codec != self.codec.name:
-            raise PayloadRejected(Reason.BAD_DTYPE, f"codec {header.codec!r}, this swarm uses {self.codec.name!r}")
-        tensor = self.codec.decode(body, header.numel)
-        if not bool(torch.isfinite(tensor).all()):
-            raise PayloadRejected(Reason.NON_FINITE, "payload holds NaN or Inf")
-        return tensor
+    def _check_codec(self, header) -> None:
+        if header.codec != self.pipeline.name:
+            raise PayloadRejected(Reason.BAD_DTYPE, f"codec {header.codec!r}, this swarm uses {self.pipeline.name!r}")
 
     def _reject(self, caller: PeerId, e: PayloadRejected) -> bytes:
         self.rejections[e.reason.value] += 1

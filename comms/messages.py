@@ -4,7 +4,7 @@
 |-----------|----------------------|---------------------------|-------------------------------|
 | `ready`   | member → member      | empty                     | attempt, digest               |
 | `contrib` | member → span owner  | encoded span of Δ         | attempt                       |
-| `result`  | owner → every member | encoded mean of the span  | attempt, contributors (index) |
+| `result`  | owner → every member | mean, or bundle (sparse)  | attempt, contributors, result |
 | `ack`     | reply to any call    | empty                     | ok, reason, closed, in_view   |
 
 A frame is checked (magic, version, sizes before allocation, checksum, run id, kind) before any
@@ -13,6 +13,7 @@ field is used; the caller's libp2p-authenticated peer id must equal the frame's 
 
 from __future__ import annotations
 
+import struct
 from typing import Any
 
 from diloco.compression import Header, PayloadRejected, Reason, pack, unpack
@@ -28,6 +29,7 @@ def encode(
     *,
     run: str,
     sender: PeerId,
+    schema: str = "",
     key: RoundKey | None = None,
     view: str = "",
     span: int = -1,
@@ -42,6 +44,7 @@ def encode(
     return pack(
         kind=kind,
         run=run,
+        schema=schema,
         round=key.round if key is not None else 0,
         view=view,
         span=span,
@@ -53,9 +56,11 @@ def encode(
     )
 
 
-def decode(data: bytes, *, run: str, kind: str, caller: PeerId, max_body: int) -> tuple[Header, memoryview, RoundKey]:
+def decode(
+    data: bytes, *, run: str, kind: str, caller: PeerId, max_body: int, schema: str | None = None
+) -> tuple[Header, memoryview, RoundKey]:
     """Unpack and check a frame; raises `PayloadRejected` with a reason for anything wrong."""
-    header, body = unpack(data, max_body=max_body, expect_run=run, expect_kind=kind)
+    header, body = unpack(data, max_body=max_body, expect_run=run, expect_kind=kind, expect_schema=schema)
     if header.sender != caller:
         raise PayloadRejected(Reason.NOT_MEMBER, f"frame claims sender {header.sender} but came from {caller}")
     attempt = header.meta.get("attempt", 0)
@@ -71,3 +76,38 @@ def ack(*, run: str, sender: PeerId, ok: bool = True, reason: str = "", **meta: 
 def read_ack(data: bytes, *, run: str, caller: PeerId) -> dict[str, Any]:
     header, _, _ = decode(data, run=run, kind=ACK, caller=caller, max_body=0)
     return dict(header.meta)
+
+
+_BUNDLE_HEAD = struct.Struct("<H")
+_BUNDLE_ITEM = struct.Struct("<HI")
+
+
+def pack_bundle(items: list[tuple[int, bytes]]) -> bytes:
+    """A sparse span's result: the exact payloads the owner included, each with its contributor's
+    index in the view. Every member decodes and averages the same bytes, so all agree bit for bit."""
+    head = _BUNDLE_HEAD.pack(len(items)) + b"".join(_BUNDLE_ITEM.pack(i, len(p)) for i, p in items)
+    return head + b"".join(p for _, p in items)
+
+
+def unpack_bundle(body: memoryview, max_items: int) -> list[tuple[int, memoryview]]:
+    """Split a bundle; raises PayloadRejected if its table of contents does not fit the body."""
+    if body.nbytes < _BUNDLE_HEAD.size:
+        raise PayloadRejected(Reason.TRUNCATED, "bundle shorter than its item count")
+    (count,) = _BUNDLE_HEAD.unpack_from(body, 0)
+    if not 1 <= count <= max_items:
+        raise PayloadRejected(Reason.BAD_HEADER, f"bundle of {count} items, expected 1..{max_items}")
+    offset = _BUNDLE_HEAD.size + count * _BUNDLE_ITEM.size
+    if offset > body.nbytes:
+        raise PayloadRejected(Reason.TRUNCATED, "bundle table of contents truncated")
+    items = []
+    for j in range(count):
+        index, length = _BUNDLE_ITEM.unpack_from(body, _BUNDLE_HEAD.size + j * _BUNDLE_ITEM.size)
+        if offset + length > body.nbytes:
+            raise PayloadRejected(Reason.TRUNCATED, f"bundle item {j} runs past the body")
+        items.append((index, body[offset : offset + length]))
+        offset += length
+    if offset != body.nbytes:
+        raise PayloadRejected(Reason.WRONG_SIZE, f"{body.nbytes - offset} trailing bytes after the bundle")
+    if len({i for i, _ in items}) != count or [i for i, _ in items] != sorted(i for i, _ in items):
+        raise PayloadRejected(Reason.DUPLICATE, "bundle contributor indices must be unique and ascending")
+    return items

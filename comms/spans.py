@@ -27,14 +27,17 @@ class RoundKey:
         return f"{self.round}" if self.attempt == 0 else f"{self.round}.{self.attempt}"
 
 
-def span_bounds(numel: int, parts: int) -> list[tuple[int, int]]:
-    """Split [0, numel) into `parts` contiguous spans whose sizes differ by at most one."""
-    if parts < 1:
-        raise ValueError(f"parts must be >= 1, got {parts}")
-    base, extra = divmod(numel, parts)
+def span_bounds(numel: int, parts: int, align: int = 1) -> list[tuple[int, int]]:
+    """Split [0, numel) into `parts` contiguous spans as equal as possible, every boundary a
+    multiple of `align` (so a sparsifier's chunks never straddle two spans); sizes differ by at
+    most `align`, and a span may be empty when there are more parts than aligned blocks."""
+    if parts < 1 or align < 1:
+        raise ValueError(f"parts and align must be >= 1, got {parts} and {align}")
+    blocks = -(-numel // align)
+    base, extra = divmod(blocks, parts)
     bounds, start = [], 0
     for i in range(parts):
-        end = start + base + (1 if i < extra else 0)
+        end = min(numel, start + (base + (1 if i < extra else 0)) * align)
         bounds.append((start, end))
         start = end
     return bounds

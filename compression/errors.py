@@ -54,6 +54,8 @@ class Reason(str, enum.Enum):
     """A well-formed frame that belongs to another training run."""
     WRONG_KIND = "wrong_kind"
     """A well-formed frame of a message kind the receiver did not ask for."""
+    WRONG_SCHEMA = "wrong_schema"
+    """A well-formed frame for another model schema or codec spec (peers are configured differently)."""
     WRONG_ROUND = "wrong_round"
     """A well-formed frame for another outer round."""
     WRONG_VIEW = "wrong_view"

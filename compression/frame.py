@@ -15,9 +15,11 @@ The header map has exactly these keys, all required, with strict types
 =========  ======  =========================================================
 key        type    meaning
 =========  ======  =========================================================
-kind       str     message kind, e.g. "grad" or "result"
+kind       str     message kind, e.g. "contrib" or "result"
 run        str     training run id; frames of other runs are rejected
+schema     str     digest of the model schema and codec spec ("" if none)
 round      int>=0  outer round number
+fragment   int>=0  model fragment the body belongs to (0: the whole model)
 view       str     membership view id ("" when not applicable)
 span       int>=-1 parameter span (shard) index; -1 means "no span"
 sender     str     sender's peer id
@@ -39,7 +41,8 @@ msgpack decoding under small container limits (``BAD_HEADER``), every field's
 presence, type and range (``BAD_HEADER``), ``body_len`` against ``max_body``
 (``OVERSIZED``) and against the bytes present (``TRUNCATED`` if short,
 ``WRONG_SIZE`` if there are trailing bytes), the crc32 (``BAD_CHECKSUM``), and
-finally the caller's expected run and kind (``WRONG_RUN``, ``WRONG_KIND``).
+finally the caller's expected run, kind and schema (``WRONG_RUN``, ``WRONG_KIND``,
+``WRONG_SCHEMA``).
 It raises :class:`PayloadRejected` and nothing else. The body is returned as a
 zero-copy ``memoryview`` into the input; codecs copy when they decode it.
 
@@ -62,7 +65,7 @@ from .errors import PayloadRejected, Reason
 __all__ = ["MAGIC", "PROTOCOL_VERSION", "DEFAULT_MAX_HEADER", "MetaValue", "Header", "pack", "unpack"]
 
 MAGIC: Final[bytes] = b"DLC1"
-PROTOCOL_VERSION: Final[int] = 1
+PROTOCOL_VERSION: Final[int] = 2  # 2: added schema and fragment
 DEFAULT_MAX_HEADER: Final[int] = 64 * 1024
 
 _PREFIX: Final[struct.Struct] = struct.Struct("<4sBI")  # magic, version, header length
@@ -90,7 +93,9 @@ class Header:
 
     kind: str
     run: str
+    schema: str
     round: int
+    fragment: int
     view: str
     span: int
     sender: str
@@ -102,8 +107,8 @@ class Header:
 
 
 _FIELDS: Final[tuple[str, ...]] = tuple(f.name for f in dataclasses.fields(Header))
-_STR_FIELDS: Final[tuple[str, ...]] = ("kind", "run", "view", "sender", "codec")
-_INT_MINIMUM: Final[dict[str, int]] = {"round": 0, "span": -1, "numel": 0, "body_len": 0}
+_STR_FIELDS: Final[tuple[str, ...]] = ("kind", "run", "schema", "view", "sender", "codec")
+_INT_MINIMUM: Final[dict[str, int]] = {"round": 0, "fragment": 0, "span": -1, "numel": 0, "body_len": 0}
 
 
 def _short(value: object) -> str:
@@ -169,6 +174,8 @@ def pack(
     round: int,
     sender: str,
     body: bytes | bytearray | memoryview = b"",
+    schema: str = "",
+    fragment: int = 0,
     view: str = "",
     span: int = -1,
     codec: str = "",
@@ -187,7 +194,9 @@ def pack(
     fields: dict[str, object] = {
         "kind": kind,
         "run": run,
+        "schema": schema,
         "round": round,
+        "fragment": fragment,
         "view": view,
         "span": span,
         "sender": sender,
@@ -213,6 +222,7 @@ def unpack(
     max_header: int = DEFAULT_MAX_HEADER,
     expect_run: str | None = None,
     expect_kind: str | None = None,
+    expect_schema: str | None = None,
 ) -> tuple[Header, memoryview]:
     """Validate and split one frame into its :class:`Header` and body.
 
@@ -263,4 +273,8 @@ def unpack(
         raise PayloadRejected(Reason.WRONG_RUN, f"frame for run {_short(header.run)}, expected {_short(expect_run)}")
     if expect_kind is not None and header.kind != expect_kind:
         raise PayloadRejected(Reason.WRONG_KIND, f"frame of kind {_short(header.kind)}, expected {_short(expect_kind)}")
+    if expect_schema is not None and header.schema != expect_schema:
+        raise PayloadRejected(
+            Reason.WRONG_SCHEMA, f"frame for schema {_short(header.schema)}, ours is {_short(expect_schema)}"
+        )
     return header, body

@@ -21,6 +21,8 @@ import typer
 
 from .config import ConfigError, SwarmConfig
 
+DEFAULT_DEMO_COMPRESSION = "topk:64/4096+s2+ef:0.95"
+
 app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__.split("\n\n")[0])
 
 # Options shared by start and join (and passed through by demo).
@@ -30,7 +32,7 @@ Port = typer.Option(0, help="TCP port to listen on (0: any free port).")
 Announce = typer.Option(None, help="Multiaddr others should dial, e.g. /ip4/203.0.113.5/tcp/31337 (behind NAT).")
 Rounds = typer.Option(10, help="Train until the swarm has committed this many rounds.")
 InnerSteps = typer.Option(50, "--inner-steps", "-H", help="Inner steps per round (H).")
-Wire = typer.Option("fp32", help="Pseudo-gradient codec on the wire: fp32 or fp16.")
+Compression = typer.Option("fp32", help="Compression pipeline, e.g. fp16, e3m0, q8+zstd, topk:64/4096+s2+ef:0.95.")
 MinPeers = typer.Option(1, help="Fewest peers that may commit a round.")
 Metrics = typer.Option(None, help="Append one JSON line per round (and a final one) to this file.")
 
@@ -47,12 +49,12 @@ def _setup_logging(verbose: bool) -> None:
         logging.getLogger(noisy).setLevel(logging.ERROR)
 
 
-def _configs(run_id, wire, min_peers, rounds, inner_steps, batch_size, seed, shard, d_model, layers, threads,
+def _configs(run_id, compression, min_peers, rounds, inner_steps, batch_size, seed, shard, d_model, layers, threads,
              gather_timeout, eval_every, wait_for, round_timeout):
     from .train import JobConfig
 
     try:
-        swarm_cfg = SwarmConfig(run_id=run_id, wire=wire, min_peers=min_peers, gather_timeout=gather_timeout,
+        swarm_cfg = SwarmConfig(run_id=run_id, compression=compression, min_peers=min_peers, gather_timeout=gather_timeout,
                                 result_timeout=round_timeout, reduce_timeout=round_timeout * 2 / 3)
         job = JobConfig(rounds=rounds, inner_steps=inner_steps, batch_size=batch_size, seed=seed, shard=shard,
                         d_model=d_model, n_layer=layers, threads=threads, eval_every=eval_every,
@@ -100,7 +102,7 @@ def _run_peer(initial: list[str], *, host, port, announce, address_file, metrics
 @app.command()
 def start(
     run_id: str = RunId, host: str = Host, port: int = Port, announce: Optional[List[str]] = Announce,
-    rounds: int = Rounds, inner_steps: int = InnerSteps, wire: str = Wire, min_peers: int = MinPeers,
+    rounds: int = Rounds, inner_steps: int = InnerSteps, compression: str = Compression, min_peers: int = MinPeers,
     metrics: Optional[Path] = Metrics,
     batch_size: int = typer.Option(8, help="Sequences per inner step."),
     seed: int = typer.Option(0, help="Model initialization seed (the same on every peer)."),
@@ -118,7 +120,7 @@ def start(
 ) -> None:
     """Start a swarm: train the bundled model and print the line others run to join."""
     _setup_logging(verbose)
-    swarm_cfg, job = _configs(run_id, wire, min_peers, rounds, inner_steps, batch_size, seed, shard, d_model, layers,
+    swarm_cfg, job = _configs(run_id, compression, min_peers, rounds, inner_steps, batch_size, seed, shard, d_model, layers,
                               threads, gather_timeout, eval_every, wait_for, round_timeout)
     _run_peer([], host=host, port=port, announce=announce, address_file=address_file, metrics=metrics,
               status_file=status_file, swarm_cfg=swarm_cfg, job=job)
@@ -128,7 +130,7 @@ def start(
 def join(
     addresses: List[str] = typer.Argument(..., help="Address(es) of running peers, tried in order."),
     run_id: str = RunId, host: str = Host, port: int = Port, announce: Optional[List[str]] = Announce,
-    rounds: int = Rounds, inner_steps: int = InnerSteps, wire: str = Wire, min_peers: int = MinPeers,
+    rounds: int = Rounds, inner_steps: int = InnerSteps, compression: str = Compression, min_peers: int = MinPeers,
     metrics: Optional[Path] = Metrics,
     batch_size: int = typer.Option(8, help="Sequences per inner step."),
     seed: int = typer.Option(0, help="Model initialization seed (the same on every peer)."),
@@ -152,7 +154,7 @@ def join(
         _validate_addrs(addresses)
     except SwarmError as e:
         _fail(str(e))
-    swarm_cfg, job = _configs(run_id, wire, min_peers, rounds, inner_steps, batch_size, seed, shard, d_model, layers,
+    swarm_cfg, job = _configs(run_id, compression, min_peers, rounds, inner_steps, batch_size, seed, shard, d_model, layers,
                               threads, gather_timeout, eval_every, wait_for, round_timeout)
     _run_peer(addresses, host=host, port=port, announce=announce, address_file=address_file, metrics=metrics,
               status_file=status_file, swarm_cfg=swarm_cfg, job=job)
@@ -163,7 +165,7 @@ def demo(
     peers: int = typer.Option(4, help="Peers to run on this machine."),
     rounds: int = typer.Option(8, help="Rounds to train."),
     inner_steps: int = typer.Option(25, "--inner-steps", "-H", help="Inner steps per round (H)."),
-    wire: str = typer.Option("fp16", help="Pseudo-gradient codec on the wire: fp32 or fp16."),
+    compression: str = typer.Option(DEFAULT_DEMO_COMPRESSION, help="Compression pipeline (see README)."),
     batch_size: int = typer.Option(8, help="Sequences per inner step."),
     d_model: int = typer.Option(192, help="Model width."),
     layers: int = typer.Option(4, help="Transformer blocks."),
@@ -176,7 +178,7 @@ def demo(
     from .demo import DemoConfig, run_demo
 
     try:
-        cfg = DemoConfig(peers=peers, rounds=rounds, inner_steps=inner_steps, wire=wire, batch_size=batch_size,
+        cfg = DemoConfig(peers=peers, rounds=rounds, inner_steps=inner_steps, compression=compression, batch_size=batch_size,
                          d_model=d_model, layers=layers)
     except ConfigError as e:
         _fail(str(e))

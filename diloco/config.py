@@ -10,7 +10,7 @@ import re
 from dataclasses import dataclass
 
 from diloco.comms import CollectiveConfig
-from diloco.compression import CODECS
+from diloco.compression.pipeline import parse as parse_compression
 
 
 class ConfigError(ValueError):
@@ -24,8 +24,8 @@ _RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 class SwarmConfig:
     run_id: str = "diloco"
     """Namespace of the swarm: peers only see and talk to peers with the same run id."""
-    wire: str = "fp32"
-    """Codec of pseudo-gradients on the wire: fp32 or fp16."""
+    compression: str = "fp32"
+    """Compression pipeline of pseudo-gradients, e.g. fp16, e3m0, topk:64/4096+s2+ef:0.95 (README)."""
     min_peers: int = 1
     """Fewest peers (self included) that may commit a round."""
     gather_timeout: float = 60.0
@@ -46,8 +46,10 @@ class SwarmConfig:
     def __post_init__(self) -> None:
         if not _RUN_ID.match(self.run_id):
             raise ConfigError(f"run_id {self.run_id!r} must be 1-64 characters of letters, digits, '_', '.', '-'")
-        if self.wire not in CODECS:
-            raise ConfigError(f"wire {self.wire!r} is not a wire codec; choose one of: {', '.join(CODECS)}")
+        try:
+            parse_compression(self.compression)
+        except ValueError as e:
+            raise ConfigError(f"compression: {e}") from e
         if self.heartbeat_interval <= 0 or self.heartbeat_ttl <= 2 * self.heartbeat_interval:
             raise ConfigError(
                 f"heartbeat_ttl ({self.heartbeat_ttl}) must exceed twice heartbeat_interval "
@@ -62,7 +64,7 @@ class SwarmConfig:
         return CollectiveConfig(
             gather_timeout=self.gather_timeout, reduce_timeout=self.reduce_timeout,
             result_timeout=self.result_timeout, call_timeout=self.call_timeout,
-            min_peers=self.min_peers, wire=self.wire, max_payload=self.max_payload,
+            min_peers=self.min_peers, compression=self.compression, max_payload=self.max_payload,
         )
 
 

@@ -57,6 +57,7 @@ def summary_table(s: dict) -> Table:
     table.add_row("global state identical on all peers", "yes" if s["digests_agree"] else Text("NO", style="red"))
     table.add_row("parameters", f"{s['params']:,}")
     table.add_row("inner steps (all peers)", f"{s['inner_steps_total']:,}")
+    table.add_row("compression", f"{s.get('compression')}: {s.get('bits_per_param_sync', 0):.3f} bits/param/sync")
     table.add_row("bytes sent (all peers)", _mb(s["bytes_sent_total"]))
     table.add_row("per-step data-parallel would send", _mb(s["data_parallel_bytes"]))
     if s.get("reduction_vs_data_parallel"):

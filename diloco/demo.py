@@ -23,6 +23,8 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from diloco.compression.pipeline import parse as parse_compression
+
 from .config import ConfigError
 from .dashboard import PeerView, render, summary_table
 from .metrics import read_jsonl, read_status
@@ -36,8 +38,8 @@ class DemoConfig:
     """Rounds to train."""
     inner_steps: int = 25
     """Inner steps per round (H)."""
-    wire: str = "fp16"
-    """Codec on the wire."""
+    compression: str = "topk:64/4096+s2+ef:0.95"
+    """Compression pipeline of pseudo-gradients."""
     batch_size: int = 8
     """Sequences per inner step."""
     d_model: int = 192
@@ -53,15 +55,17 @@ class DemoConfig:
         for name in ("rounds", "inner_steps", "batch_size", "d_model", "layers"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.wire not in ("fp32", "fp16"):
-            raise ConfigError(f"wire {self.wire!r} is not a wire codec; choose fp32 or fp16")
+        try:
+            parse_compression(self.compression)
+        except ValueError as e:
+            raise ConfigError(f"compression: {e}") from e
 
 
 def peer_command(cfg: DemoConfig, index: int, run_id: str, workdir: Path, bootstrap: str | None) -> list[str]:
     cmd = [sys.executable, "-m", "diloco"]
     cmd += ["join", bootstrap] if bootstrap else ["start"]
     cmd += ["--run-id", run_id, "--rounds", str(cfg.rounds), "--inner-steps", str(cfg.inner_steps),
-            "--wire", cfg.wire, "--batch-size", str(cfg.batch_size), "--d-model", str(cfg.d_model),
+            "--compression", cfg.compression, "--batch-size", str(cfg.batch_size), "--d-model", str(cfg.d_model),
             "--layers", str(cfg.layers), "--shard", str(index), "--gather-timeout", "30",
             "--wait-for", str(cfg.peers),
             "--metrics", str(workdir / f"peer{index}.jsonl"), "--status-file", str(workdir / f"peer{index}.status.json"),
@@ -127,6 +131,8 @@ def summarize(cfg: DemoConfig, workdir: Path, wall: float) -> dict:
         "inner_steps_total": total_steps,
         "bytes_sent_total": total_sent,
         "bytes_received_total": sum(f["bytes_received"] for f in finals),
+        "compression": finals[0].get("compression"),
+        "bits_per_param_sync": finals[0].get("bits_per_param_sync"),
         "data_parallel_bytes": dp_bytes,
         "reduction_vs_data_parallel": round(dp_bytes / total_sent, 1) if total_sent else None,
         "wall_seconds": round(wall, 1),
@@ -144,7 +150,7 @@ def run_demo(cfg: DemoConfig, *, workdir: Path | None = None, metrics: Path | No
     workdir.mkdir(parents=True, exist_ok=True)
     run_id = f"demo-{secrets.token_hex(3)}"
     console.print(f"[bold]diloco demo[/]: {cfg.peers} peers, {cfg.rounds} rounds of H={cfg.inner_steps}, "
-                  f"wire {cfg.wire}; logs in {workdir}")
+                  f"compression {cfg.compression}; logs in {workdir}")
     started = time.monotonic()
     procs: list[subprocess.Popen] = []
     try:

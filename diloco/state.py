@@ -21,6 +21,15 @@ _DTYPES = {"float32": torch.float32, "float64": torch.float64, "float16": torch.
            "bfloat16": torch.bfloat16, "int64": torch.int64, "int32": torch.int32}
 
 
+def schema_digest(named_params: Sequence[tuple[str, torch.Tensor]], compression: str) -> str:
+    """SHA-256 over parameter names, shapes and dtypes and the compression spec: peers whose
+    digests differ cannot exchange pseudo-gradients (their frames are rejected as wrong_schema)."""
+    h = hashlib.sha256(f"compression={compression}".encode())
+    for name, p in named_params:
+        h.update(f"|{name}:{tuple(p.shape)}:{p.dtype}".encode())
+    return h.hexdigest()[:16]
+
+
 class StateError(ValueError):
     """Downloaded state does not fit this model (shape, dtype, count) or is malformed."""
 

@@ -116,10 +116,13 @@ class Swarm:
             reaper.close()
             raise
 
-        def finish():
-            loop.run(directory.close(), timeout=10)
-            loop.run(transport.close(), timeout=15)
-            reaper.close()
+        def finish():  # leaving must never fail: bound every step, log what did not finish
+            for name, step, limit in (("dht", directory.close, 5), ("p2p", transport.close, 15)):
+                try:
+                    loop.run(step(), timeout=limit)
+                except Exception as e:  # noqa: BLE001
+                    log.warning("event=shutdown_step_failed step=%s reason=%s", name, e)
+            reaper.close()  # kills the daemon if it is still there
 
         return cls(loop, transport, directory, collective, cfg, owns_loop=True, addresses=addresses,
                    on_close=finish, bootstrapped=bool(initial))

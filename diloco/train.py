@@ -99,6 +99,7 @@ def run_job(cfg: JobConfig, swarm: Swarm | None, *, metrics: MetricsWriter | Non
     def on_round(r: RoundReport) -> None:
         fields = dict(peer=peer, round=r.round, committed=r.committed, reason=r.reason, peers=r.peers,
                       loss=state["loss"], bytes_sent=r.bytes_sent, bytes_received=r.bytes_received,
+                      payload_bytes=r.payload_bytes, bits_per_param=round(r.bits_per_param, 5),
                       seconds=round(r.seconds, 3), step=r.step, digest=d.digest)
         if cfg.eval_every and r.committed and r.round % cfg.eval_every == 0:
             with d.global_weights():
@@ -131,7 +132,10 @@ def run_job(cfg: JobConfig, swarm: Swarm | None, *, metrics: MetricsWriter | Non
     with d.global_weights():
         eval_loss = evaluate(model, heldout)
     sent, recv = d.bytes_on_wire()
+    synced = [r for r in d.reports if r.committed]
+    bits = sum(r.bits_per_param for r in synced) / len(synced) if synced else 0.0
     summary = dict(peer=peer, round=d.round, eval_loss=eval_loss, digest=d.digest, steps=d.steps,
+                   compression=d.compression, bits_per_param_sync=round(bits, 5),
                    params=sum(p.numel() for p in model.parameters()), bytes_sent=sent, bytes_received=recv,
                    committed_rounds=sum(r.committed for r in d.reports), wall_seconds=round(time.monotonic() - started, 2),
                    stopped=stop.is_set())

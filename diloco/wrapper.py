@@ -21,6 +21,12 @@ was and the model keeps its local progress, so the next round's Δ still carries
 has moved past us (we were late, hung or partitioned), we download θ, the outer optimizer state
 and the round number from a peer and continue from there; only our local work since the last
 commit is lost. With `swarm=None` it is single-worker DiLoCo (useful to test and debug).
+
+Compression (`SwarmConfig(compression=...)`, or `compression=` without a swarm) encodes Δ before
+it leaves; with an error-feedback stage (`ef:BETA`) the peer keeps what was not delivered in a
+residual and adds it to the next Δ: a span whose contribution the round left out (dead owner,
+missed deadline) stays in the residual whole. If a round commits for nobody the residual is not
+touched (the local progress carries Δ); after a resync it is kept as it was.
 """
 
 from __future__ import annotations
@@ -34,12 +40,14 @@ from typing import Callable, Iterator
 import torch
 
 from diloco.comms import RoundKey, RoundOutcome
+from diloco.compression.ef import ErrorFeedback
+from diloco.compression.pipeline import Pipeline, parse
 from diloco.peers import expected_peers, resync_source, round_key_for
 from diloco.peers.records import PeerRecord
 
 from .config import DiLoCoConfig
 from .outer import OuterFactory, copy_into, nesterov, outer_step, pseudo_gradient
-from .state import GlobalState, StateError
+from .state import GlobalState, StateError, schema_digest
 from .swarm import Swarm, SwarmError
 
 log = logging.getLogger(__name__)
@@ -58,6 +66,13 @@ class RoundReport:
     seconds: float
     step: int
     resynced: bool = False
+    payload_bytes: int = 0  # encoded size of our contribution (all spans), without framing
+    numel: int = 0  # parameters synchronized
+
+    @property
+    def bits_per_param(self) -> float:
+        """What our contribution cost on the wire per parameter: the codec's bits/param/sync."""
+        return 8 * self.payload_bytes / self.numel if self.numel else 0.0
 
 
 class DiLoCo:
@@ -71,12 +86,23 @@ class DiLoCo:
         outer_optimizer: OuterFactory | None = None,
         on_round: Callable[[RoundReport], None] | None = None,
         join_timeout: float = 10.0,
+        compression: str | None = None,
     ) -> None:
         self.cfg = DiLoCoConfig(inner_steps=inner_steps)
         self.model, self.optimizer, self.swarm = model, optimizer, swarm
         self.local_params = list(model.parameters())
         self._outer_factory = outer_optimizer or nesterov(self.cfg.outer_lr, self.cfg.outer_momentum)
         self.state = GlobalState(self.local_params, self._outer_factory)
+        # Compression is a property of the swarm (every peer must agree); locally, take it from the
+        # argument. Error feedback (the spec's ef:BETA stage) keeps this peer's unsent residual.
+        self.compression = swarm.cfg.compression if swarm is not None else parse(compression or "fp32").text
+        if swarm is not None and compression is not None and parse(compression).text != parse(self.compression).text:
+            raise ValueError(f"compression={compression!r} differs from the swarm's {self.compression!r}; "
+                             "set it once, in SwarmConfig(compression=...)")
+        spec = parse(self.compression)
+        self._local_pipeline = Pipeline(spec) if swarm is None else None
+        self.ef = ErrorFeedback(spec.ef, self.state.numel) if spec.ef is not None else None
+        self.schema = schema_digest(list(model.named_parameters()), spec.text)
         self.on_round = on_round
         self.join_timeout = join_timeout
         self.steps = 0
@@ -100,6 +126,7 @@ class DiLoCo:
     def attach(self) -> None:
         """Catch up with the swarm (download θ if others are ahead) and hook the optimizer."""
         if self.swarm is not None:
+            self.swarm.collective.schema = self.schema
             self.swarm.serve_state(self._serve)
             self._catch_up_on_join()
             self._publish("training")
@@ -128,27 +155,35 @@ class DiLoCo:
         """One synchronization: exchange Δ, apply the outer step, load the new θ into the model."""
         started = time.monotonic()
         if self.swarm is None:
-            delta = pseudo_gradient(self.state.params, self.local_params)
-            outcome = RoundOutcome(RoundKey(self.state.round), True, "local", (), delta, [()])
-            return self._finish(outcome, started)
+            acc = self._accumulate(pseudo_gradient(self.state.params, self.local_params))
+            assert self._local_pipeline is not None
+            payload = self._local_pipeline.encode(acc)
+            sent = self._local_pipeline.decode(payload, acc.numel()).dense(acc.numel())
+            outcome = RoundOutcome(RoundKey(self.state.round), True, "local", (), sent, [()], sent, len(payload))
+            return self._finish(outcome, started, acc)
         records = self.swarm.records()
         source, why = resync_source(records, self.swarm.peer_id, self.state.round, self.digest)
         if source is not None:
             return self._finish_resync(source, why, started)
         key = round_key_for(records, self.state.round, self.attempt)
         expected = expected_peers(records, key, self.swarm.peer_id)
-        delta = pseudo_gradient(self.state.params, self.local_params)
-        outcome = self.swarm.exchange(key, self.digest, expected, delta)
-        report = self._finish(outcome, started)
+        acc = self._accumulate(pseudo_gradient(self.state.params, self.local_params))
+        outcome = self.swarm.exchange(key, self.digest, expected, acc)
+        report = self._finish(outcome, started, acc)
         if not outcome.committed:  # maybe the others committed without us: catch up now, not H steps later
             source, why = resync_source(self.swarm.records(), self.swarm.peer_id, self.state.round, self.digest)
             if source is not None:
                 return self._finish_resync(source, why, started)
         return report
 
-    def _finish(self, outcome: RoundOutcome, started: float) -> RoundReport:
+    def _accumulate(self, delta: torch.Tensor) -> torch.Tensor:
+        return self.ef.accumulate(delta) if self.ef is not None else delta
+
+    def _finish(self, outcome: RoundOutcome, started: float, acc: torch.Tensor) -> RoundReport:
         if outcome.committed:
-            assert outcome.aggregate is not None
+            assert outcome.aggregate is not None and outcome.sent is not None
+            if self.ef is not None:
+                self.ef.commit(acc, outcome.sent)
             outer_step(self.state.outer, self.state.params, outcome.aggregate)
             self.state.round += 1
             self.attempt = 0
@@ -159,7 +194,8 @@ class DiLoCo:
             self.attempt = outcome.key.attempt + 1
             log.warning("event=round_failed round=%s reason=%s", outcome.key, outcome.reason)
         report = RoundReport(self.state.round, outcome.committed, outcome.reason, max(1, len(outcome.view)),
-                             outcome.bytes_sent, outcome.bytes_received, time.monotonic() - started, self.steps)
+                             outcome.bytes_sent, outcome.bytes_received, time.monotonic() - started, self.steps,
+                             payload_bytes=outcome.payload_bytes, numel=self.state.numel)
         return self._report(report)
 
     def _finish_resync(self, source: PeerRecord, why: str, started: float) -> RoundReport:

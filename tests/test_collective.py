@@ -80,7 +80,8 @@ def test_four_peers_fp32_commit_the_mean_bit_identically():
 
 def test_fp16_wire_identical_across_peers_within_fp16_error():
     numel = 4099
-    cfg = CollectiveConfig(gather_timeout=0.5, reduce_timeout=0.5, result_timeout=1.0, call_timeout=1.0, wire="fp16")
+    cfg = CollectiveConfig(gather_timeout=0.5, reduce_timeout=0.5, result_timeout=1.0, call_timeout=1.0,
+                           compression="fp16")
 
     async def main():
         net16, net32 = InProcNetwork(), InProcNetwork()
@@ -411,9 +412,9 @@ def test_rejected_frames_are_counted_and_never_reach_the_aggregate():
         # b's span result, as the owner of span 1 it would be
         r1 = torch.linspace(-1, 1, hi1 - lo1)
         result = msg.encode(msg.RESULT, run=RUN, sender="b", key=key, view=vid, span=1, codec="fp32",
-                            numel=r1.numel(), meta={"contributors": [0, 1]}, body=codec.encode(r1))
+                            numel=r1.numel(), meta={"contributors": [0, 1], "result": "mean"}, body=codec.encode(r1))
         inf_result = msg.encode(msg.RESULT, run=RUN, sender="b", key=key, view=vid, span=1, codec="fp32",
-                                numel=r1.numel(), meta={"contributors": [0, 1]},
+                                numel=r1.numel(), meta={"contributors": [0, 1], "result": "mean"},
                                 body=codec.encode(torch.full_like(r1, float("inf"))))
         bad_inf = msg.read_ack(await b.call("a", "diloco.result", inf_result, 1), run=RUN, caller="a")
         ok_result = msg.read_ack(await b.call("a", "diloco.result", result, 1), run=RUN, caller="a")

@@ -58,7 +58,9 @@ def valid_fields(**overrides: Any) -> dict[str, Any]:
     fields: dict[str, Any] = {
         "kind": "grad",
         "run": "run-0",
+        "schema": "abc123",
         "round": 3,
+        "fragment": 0,
         "view": "v1",
         "span": 0,
         "sender": "peer-a",
@@ -107,7 +109,7 @@ def bits(t: torch.Tensor) -> bytes:
 
 
 def test_reasons_are_lower_snake_strings() -> None:
-    assert len(Reason) == 16
+    assert len(Reason) == 17
     for reason in Reason:
         assert reason.value == reason.name.lower()
         assert reason == reason.value
@@ -276,14 +278,15 @@ def test_fuzz_decode_body(name: str, payload: bytes, numel: int) -> None:
 
 def test_frame_golden_bytes() -> None:
     # A change here means a PROTOCOL_VERSION bump: these are the exact wire bytes.
-    frame = pack(kind="result", run="run-0", round=7, view="view-3", span=1, sender="peer-a",
-                 codec="fp32", numel=3, body=bytes.fromhex("0000803f000020c000005040"),
+    frame = pack(kind="result", run="run-0", schema="5e1f", round=7, fragment=2, view="view-3", span=1,
+                 sender="peer-a", codec="fp32", numel=3, body=bytes.fromhex("0000803f000020c000005040"),
                  meta={"final": True, "contributors": [0, 1, 4]})
     assert frame.hex() == (
-        "444c433101830000008ba46b696e64a6726573756c74a372756ea572756e2d30a5726f756e6407"
-        "a476696577a6766965772d33a47370616e01a673656e646572a6706565722d61a5636f646563a4"
-        "66703332a56e756d656c03a8626f64795f6c656e0ca56372633332ce4e863144a46d6574618"
-        "2ac636f6e7472696275746f727393000104a566696e616cc30000803f000020c000005040"
+        "444c433102990000008da46b696e64a6726573756c74a372756ea572756e2d30a6736368656d61"
+        "a435653166a5726f756e6407a8667261676d656e7402a476696577a6766965772d33a47370616e"
+        "01a673656e646572a6706565722d61a5636f646563a466703332a56e756d656c03a8626f64795f"
+        "6c656e0ca56372633332ce4e863144a46d65746182ac636f6e7472696275746f727393000104a5"
+        "66696e616cc30000803f000020c000005040"
     )
 
 
@@ -292,7 +295,7 @@ def test_frame_round_trip() -> None:
     frame = pack(kind="grad", run="r", round=0, sender="s", codec="fp16", numel=2, body=body,
                  meta={"n": -3, "x": 0.25, "s": "é", "b": False, "ids": [1, 2**64 - 1, -(2**63)]})
     header, payload = unpack(frame, max_body=64, expect_run="r", expect_kind="grad")
-    assert header == Header(kind="grad", run="r", round=0, view="", span=-1, sender="s", codec="fp16",
+    assert header == Header(kind="grad", run="r", schema="", round=0, fragment=0, view="", span=-1, sender="s", codec="fp16",
                             numel=2, body_len=4, crc32=zlib.crc32(body),
                             meta={"b": False, "ids": [1, 2**64 - 1, -(2**63)], "n": -3, "s": "é", "x": 0.25})
     assert isinstance(payload, memoryview) and bytes(payload) == body
@@ -377,7 +380,8 @@ def test_unpack_unexpected_field() -> None:
 
 @pytest.mark.parametrize(
     "overrides",
-    [{"round": "3"}, {"round": True}, {"run": b"run-0"}, {"numel": 1.0}, {"meta": []},
+    [{"round": "3"}, {"round": True}, {"run": b"run-0"}, {"numel": 1.0}, {"meta": []}, {"schema": 5},
+     {"fragment": -1}, {"fragment": False},
      {"meta": {"x": None}}, {"meta": {"x": [True]}}, {"crc32": -1}],
 )
 def test_unpack_wrong_type(overrides: dict[str, Any]) -> None:
@@ -389,6 +393,14 @@ def test_unpack_negative_round() -> None:
         unpack(raw_frame(valid_fields(round=-1)), max_body=MAX_BODY)
     assert info.value.reason is Reason.BAD_HEADER
     assert rejected(raw_frame(valid_fields(span=-2))) is Reason.BAD_HEADER
+
+
+def test_unpack_wrong_schema() -> None:
+    frame = pack(kind="k", run="r", schema="aaaa", round=0, sender="s")
+    with pytest.raises(PayloadRejected) as info:
+        unpack(frame, max_body=0, expect_schema="bbbb")
+    assert info.value.reason is Reason.WRONG_SCHEMA
+    assert unpack(frame, max_body=0, expect_schema="aaaa")[0].schema == "aaaa"
 
 
 def test_unpack_oversized_body_checked_before_allocation() -> None:

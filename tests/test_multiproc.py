@@ -89,7 +89,8 @@ def test_join_with_dead_bootstrap_exits_nonzero_listing_addresses(tmp_path):
 
 @pytest.mark.parametrize("args, needle", [
     (["start", "--inner-steps", "0"], "inner_steps must be >= 1"),
-    (["start", "--wire", "int3"], "choose one of"),
+    (["start", "--compression", "int3"], "unknown stage 'int3'"),
+    (["start", "--compression", "topk:64"], "topk needs K/C"),
     (["start", "--run-id", "bad id!"], "run_id"),
     (["join", "not-an-address"], "is not a swarm address"),
     (["demo", "--peers", "0"], "peers must be between 1 and 16"),

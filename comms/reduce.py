@@ -1,0 +1,36 @@
+"""How an owner combines the contributions to its span: pure, deterministic functions.
+
+- Dense contributions: the fp32 mean over contributors, summed in view order.
+- Sparse contributions (top-k / random-k): each coordinate is averaged over the contributors
+  that sent it (SparseLoCo's sparse aggregation); coordinates nobody sent stay 0.
+
+Every peer that holds the same inputs in the same order computes bit-identical outputs.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from diloco.compression.pipeline import Decoded
+
+
+def average(parts: Sequence[Decoded], numel: int) -> torch.Tensor:
+    """Per-coordinate mean of `parts` (in the given order) over the parts that hold the coordinate."""
+    if not parts:
+        raise ValueError("cannot average zero contributions")
+    total = torch.zeros(numel, dtype=torch.float32)
+    if all(p.indices is None for p in parts):
+        for p in parts:
+            total += p.values
+        return total / len(parts)
+    count = torch.zeros(numel, dtype=torch.float32)
+    for p in parts:
+        if p.indices is None:
+            total += p.values
+            count += 1
+        else:
+            total.index_add_(0, p.indices, p.values)
+            count.index_add_(0, p.indices, torch.ones_like(p.values))
+    return torch.where(count > 0, total / count.clamp(min=1), total)

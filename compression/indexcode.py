@@ -1,0 +1,376 @@
+"""Index codecs: how a chunked top-k selection becomes body bytes and back.
+
+A sparse message carries *which* entries were kept as well as their values.
+The selections of :mod:`.sparse` have a rigid shape -- strictly ascending
+global indices with exactly ``spec.counts(numel)[c]`` of them in chunk ``c`` --
+so an index codec only has to store each index *relative to its chunk*
+(``local = index - c * spec.chunk``), chunk after chunk; the counts, and so
+the chunk boundaries, are implied by ``(numel, spec)``, which the frame
+header carries. Two codecs are provided (:data:`INDEX_CODECS`):
+
+* ``idx12`` (:class:`Packed12`) -- every local index in 12 bits; needs
+  ``spec.chunk <= 4096``. Indices are taken in order and packed in pairs
+  ``(a, b)`` into the 24-bit little-endian word ``a | b << 12``, i.e. three
+  bytes ``a & 0xFF, (a >> 8) | (b & 0xF) << 4, b >> 4``. An odd final index
+  is written as the 16-bit little-endian word ``a`` whose top four (padding)
+  bits must be zero. The size is exactly ``ceil(12 * kept / 8)`` bytes.
+
+* ``rice`` (:class:`RiceGaps`) -- Rice-coded gaps, about 7.45 bits per index
+  for ``k = 64`` of ``C = 4096`` (the information bound is
+  ``log2 binom(4096, 64) / 64 = 7.36``) against 12 for ``idx12``. In each
+  chunk the sorted local indices ``l_0 < l_1 < ...`` become gaps
+  ``g_0 = l_0, g_i = l_i - l_{i-1} - 1 >= 0``, and each gap is split by the
+  chunk's Rice parameter ``r`` into a quotient ``q = g >> r`` (sent in unary)
+  and ``r`` low bits. The encoder picks, per chunk, the ``r`` in ``0..15``
+  that minimises the chunk's exact bit count (smallest ``r`` on a tie); the
+  decoder accepts any ``r`` in ``0..15``.
+
+Rice bit layout. The payload is one bit stream, **LSB-first**: stream bit
+``i`` is bit ``i % 8`` of byte ``i // 8``, and every multi-bit field is
+written least-significant bit first. It has three sections, one after the
+other, so that both directions are vectorised numpy (cumulative sums give
+every field's position; no per-index or per-chunk Python loop)::
+
+    section      bits                    content
+    parameters   4 * n_chunks            r of chunk 0, chunk 1, ... (4 bits each)
+    remainders   sum over indices of r   g & (2**r - 1) of every index, in order
+    quotients    sum over indices of q+1 q zeros then a one, for every index
+    padding      0..7                    zero bits up to the byte boundary
+
+The remainder section's length follows from the parameters and the implied
+counts, so the decoder reads it directly; the quotients are found as the
+positions of the first ``kept`` one-bits of the last section.
+
+Decoding treats the payload as hostile and raises :class:`PayloadRejected`
+and nothing else for a well-typed call (bytes-like payload, ``int`` numel,
+:class:`~.sparse.ChunkSpec`). ``numel`` is validated and the payload size is
+compared with bounds computed from ``(numel, spec)`` *before* anything is
+allocated, so every allocation is at most a small multiple of the payload
+already in memory. Reasons:
+
+=============  ==========================================================
+WRONG_SIZE     negative/non-int ``numel``; ``idx12`` byte count not exactly
+               ``ceil(12 * kept / 8)``; nonzero padding bits; ``rice``
+               payload above its maximum size, or extra one-bits or bytes
+               after the last index (trailing garbage)
+TRUNCATED      ``rice`` stream ends before all ``kept`` indices are read
+BAD_HEADER     an index outside its chunk (or beyond ``numel``), indices
+               out of order, a unary quotient larger than the chunk allows,
+               or a spec the codec cannot carry (``idx12`` with chunk > 4096)
+DUPLICATE      the same index twice in a chunk (``idx12``; Rice gaps are
+               non-negative by construction, so it cannot express one)
+=============  ==========================================================
+
+The decoded tensor is a new ``int64`` tensor, never aliasing the payload, in
+exactly the form :func:`~.sparse.topk_select` returns. Encoding is a pure
+function of the indices, and decoding of the bytes; changing either layout
+changes bytes on the wire and requires a protocol version bump.
+"""
+
+from __future__ import annotations
+
+from typing import Final, Protocol, runtime_checkable
+
+import numpy as np
+import torch
+
+from .errors import PayloadRejected, Reason
+from .sparse import ChunkSpec
+
+__all__ = [
+    "IndexCodec",
+    "Packed12",
+    "RiceGaps",
+    "INDEX_CODECS",
+    "get_index_codec",
+    "decode_indices",
+]
+
+PACKED12_MAX_CHUNK: Final[int] = 4096
+"""Largest chunk whose local indices fit the 12 bits of ``idx12``."""
+
+RICE_MAX_PARAMETER: Final[int] = 15
+"""Rice parameters are stored in 4 bits: 0..15."""
+
+
+@runtime_checkable
+class IndexCodec(Protocol):
+    """Encodes the chunked, sorted global indices of a selection into bytes."""
+
+    name: str
+    """Wire name, as recorded by the caller next to ``numel`` and the spec."""
+
+    def max_encoded_size(self, numel: int, spec: ChunkSpec) -> int:
+        """Upper bound on the payload length (for a receiver's size limit)."""
+        ...
+
+    def encode(self, indices: torch.Tensor, numel: int, spec: ChunkSpec) -> bytes:
+        """Encode ``indices`` shaped as :func:`~.sparse.topk_select` returns them.
+
+        Raises ``TypeError``/``ValueError`` if they are not (local misuse)."""
+        ...
+
+    def decode(self, payload: bytes | bytearray | memoryview, numel: int, spec: ChunkSpec) -> torch.Tensor:
+        """Decode into a new 1-D ``int64`` tensor of ``spec.kept(numel)`` validated
+        global indices; raises :class:`PayloadRejected` and nothing else."""
+        ...
+
+
+# --------------------------------------------------------------------------- shared helpers
+
+
+def _byte_view(payload: bytes | bytearray | memoryview) -> memoryview:
+    view = memoryview(payload)
+    if view.format != "B" or view.ndim != 1:
+        view = view.cast("B")
+    return view
+
+
+def _check_spec(spec: ChunkSpec) -> None:
+    if not isinstance(spec, ChunkSpec):
+        raise TypeError(f"expected a ChunkSpec, got {type(spec).__name__}")
+
+
+def _wire_shape(name: str, numel: int, spec: ChunkSpec) -> tuple[int, int]:
+    """``(n_chunks, kept)`` for a ``numel`` that came off the wire (pure arithmetic)."""
+    _check_spec(spec)
+    if type(numel) is not int or numel < 0:
+        raise PayloadRejected(Reason.WRONG_SIZE, f"{name}: invalid element count {numel!r}")
+    return spec.n_chunks(numel), spec.kept(numel)
+
+
+class _Layout:
+    """Per-chunk bookkeeping derived from ``(numel, spec)`` only (never from the wire)."""
+
+    def __init__(self, numel: int, spec: ChunkSpec) -> None:
+        self.counts = spec.counts(numel).numpy()  # kept per chunk, all >= 1
+        n = len(self.counts)
+        self.starts = np.cumsum(self.counts) - self.counts  # first position of each chunk
+        self.lengths = np.full(n, spec.chunk, dtype=np.int64)  # elements per chunk
+        if n:
+            self.lengths[-1] = numel - (n - 1) * spec.chunk
+        self.offsets = np.arange(n, dtype=np.int64) * spec.chunk  # global index of local 0
+
+    def per_index(self, per_chunk: np.ndarray) -> np.ndarray:
+        """Broadcast a per-chunk array to one entry per kept index."""
+        return np.repeat(per_chunk, self.counts)
+
+
+def _local_indices(name: str, indices: torch.Tensor, numel: int, spec: ChunkSpec) -> tuple[np.ndarray, _Layout]:
+    """Validate an encode() argument; return its chunk-local indices and the layout."""
+    if not isinstance(indices, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(indices).__name__}")
+    if indices.dtype != torch.int64 or indices.dim() != 1:
+        raise TypeError(f"{name}: expected a 1-D int64 tensor, got {indices.dtype} of shape {tuple(indices.shape)}")
+    _check_spec(spec)
+    kept = spec.kept(numel)  # also checks numel
+    if indices.numel() != kept:
+        raise ValueError(f"{name}: {spec} over {numel} elements keeps {kept} indices, got {indices.numel()}")
+    layout = _Layout(numel, spec)
+    idx = indices.detach().cpu().contiguous().numpy()
+    if kept == 0:
+        return idx.copy(), layout
+    if idx[0] < 0 or idx[-1] >= numel or bool((np.diff(idx) <= 0).any()):
+        raise ValueError(f"{name}: indices must be strictly ascending within [0, {numel})")
+    chunk_of = idx // spec.chunk
+    if not np.array_equal(np.bincount(chunk_of, minlength=len(layout.counts)), layout.counts):
+        raise ValueError(f"{name}: indices must hold exactly {spec.k} per chunk (fewer only in a short last chunk)")
+    return idx - chunk_of * spec.chunk, layout
+
+
+def _to_global(local: np.ndarray, layout: _Layout) -> torch.Tensor:
+    return torch.from_numpy(local + layout.per_index(layout.offsets))
+
+
+# --------------------------------------------------------------------------- idx12
+
+
+class Packed12:
+    """Chunk-local indices, 12 bits each, two per three bytes (``chunk <= 4096``)."""
+
+    name = "idx12"
+    bits_per_index = 12.0
+
+    def encoded_size(self, numel: int, spec: ChunkSpec) -> int:
+        """Exact payload length: ``ceil(12 * spec.kept(numel) / 8)`` bytes."""
+        return (12 * spec.kept(numel) + 7) // 8
+
+    def max_encoded_size(self, numel: int, spec: ChunkSpec) -> int:
+        return self.encoded_size(numel, spec)
+
+    def encode(self, indices: torch.Tensor, numel: int, spec: ChunkSpec) -> bytes:
+        _check_spec(spec)
+        if spec.chunk > PACKED12_MAX_CHUNK:
+            raise ValueError(f"idx12 needs spec.chunk <= {PACKED12_MAX_CHUNK}, got {spec.chunk}; use 'rice'")
+        local, _ = _local_indices(self.name, indices, numel, spec)
+        if len(local) % 2:
+            local = np.append(local, 0)
+        word = local[0::2] | (local[1::2] << 12)
+        out = np.empty((len(word), 3), dtype=np.uint8)
+        out[:, 0] = word & 0xFF
+        out[:, 1] = (word >> 8) & 0xFF
+        out[:, 2] = word >> 16
+        return out.tobytes()[: self.encoded_size(numel, spec)]
+
+    def decode(self, payload: bytes | bytearray | memoryview, numel: int, spec: ChunkSpec) -> torch.Tensor:
+        view = _byte_view(payload)
+        _, kept = _wire_shape(self.name, numel, spec)
+        if spec.chunk > PACKED12_MAX_CHUNK:
+            raise PayloadRejected(Reason.BAD_HEADER, f"idx12 cannot carry chunks of {spec.chunk} > {PACKED12_MAX_CHUNK}")
+        expected = (12 * kept + 7) // 8
+        if view.nbytes != expected:
+            raise PayloadRejected(Reason.WRONG_SIZE, f"idx12: {kept} indices need {expected} bytes, got {view.nbytes}")
+        pairs = -(-kept // 2)
+        raw = np.zeros(3 * pairs, dtype=np.uint8)
+        raw[:expected] = np.frombuffer(view, dtype=np.uint8)
+        triples = raw.reshape(pairs, 3).astype(np.int64)
+        word = triples[:, 0] | (triples[:, 1] << 8) | (triples[:, 2] << 16)
+        local = np.empty(2 * pairs, dtype=np.int64)
+        local[0::2] = word & 0xFFF
+        local[1::2] = word >> 12
+        if kept % 2 and local[kept] != 0:
+            raise PayloadRejected(Reason.WRONG_SIZE, "idx12: nonzero padding bits after the last index")
+        local = local[:kept]
+        layout = _Layout(numel, spec)
+        if kept == 0:
+            return torch.empty(0, dtype=torch.int64)
+        if bool((local >= layout.per_index(layout.lengths)).any()):
+            raise PayloadRejected(Reason.BAD_HEADER, "idx12: index outside its chunk")
+        step = np.diff(local)
+        step[layout.starts[1:] - 1] = 1  # a new chunk restarts the order
+        if bool((step < 0).any()):
+            raise PayloadRejected(Reason.BAD_HEADER, "idx12: indices not ascending within a chunk")
+        if bool((step == 0).any()):
+            raise PayloadRejected(Reason.DUPLICATE, "idx12: the same index twice in a chunk")
+        return _to_global(local, layout)
+
+    def __repr__(self) -> str:
+        return "<index codec idx12: 12 bits/index>"
+
+
+# --------------------------------------------------------------------------- rice
+
+
+def _rice_max_bits(numel: int, spec: ChunkSpec) -> int:
+    """Largest valid stream: per chunk the quotients sum to at most
+    ``sum(gaps) <= length - count``, plus ``1 + r <= 16`` bits per index."""
+    n, kept = spec.n_chunks(numel), spec.kept(numel)
+    return 4 * n + numel + RICE_MAX_PARAMETER * kept
+
+
+class RiceGaps:
+    """Per-chunk Rice-coded gaps between sorted local indices (see module docstring)."""
+
+    name = "rice"
+
+    def max_encoded_size(self, numel: int, spec: ChunkSpec) -> int:
+        return (_rice_max_bits(numel, spec) + 7) // 8
+
+    def encode(self, indices: torch.Tensor, numel: int, spec: ChunkSpec) -> bytes:
+        local, layout = _local_indices(self.name, indices, numel, spec)
+        kept, n = len(local), len(layout.counts)
+        if kept == 0:
+            return b""
+        gaps = np.empty_like(local)
+        gaps[0] = local[0]
+        gaps[1:] = local[1:] - local[:-1] - 1
+        gaps[layout.starts] = local[layout.starts]
+
+        # Exact cost of every parameter for every chunk; argmin keeps the smallest r on ties.
+        cost = np.empty((RICE_MAX_PARAMETER + 1, n), dtype=np.int64)
+        for r in range(RICE_MAX_PARAMETER + 1):
+            cost[r] = np.add.reduceat(gaps >> r, layout.starts) + layout.counts * (1 + r)
+        r_chunk = cost.argmin(axis=0).astype(np.int64)
+        r_idx = layout.per_index(r_chunk)
+        quotient = gaps >> r_idx
+        remainder = gaps & ((1 << r_idx) - 1)
+
+        rem_start = 4 * n
+        unary_start = rem_start + int(r_idx.sum())
+        total = unary_start + int(quotient.sum()) + kept
+        bits = np.zeros(-(-total // 8) * 8, dtype=np.uint8)
+        bits[:rem_start] = ((r_chunk[:, None] >> np.arange(4)) & 1).ravel()
+        position = rem_start + np.cumsum(r_idx) - r_idx
+        for j in range(int(r_chunk.max())):
+            has = r_idx > j
+            bits[position[has] + j] = (remainder[has] >> j) & 1
+        bits[unary_start + np.cumsum(quotient + 1) - 1] = 1
+        return np.packbits(bits, bitorder="little").tobytes()
+
+    def decode(self, payload: bytes | bytearray | memoryview, numel: int, spec: ChunkSpec) -> torch.Tensor:
+        view = _byte_view(payload)
+        n, kept = _wire_shape(self.name, numel, spec)
+        nbytes = view.nbytes
+        if kept == 0:
+            if nbytes:
+                raise PayloadRejected(Reason.WRONG_SIZE, f"rice: no indices expected, got {nbytes} bytes")
+            return torch.empty(0, dtype=torch.int64)
+        # Size bounds from (numel, spec) before anything is allocated.
+        if 8 * nbytes < 4 * n + kept:
+            raise PayloadRejected(Reason.TRUNCATED, f"rice: {nbytes} bytes cannot hold {kept} indices")
+        limit = self.max_encoded_size(numel, spec)
+        if nbytes > limit:
+            raise PayloadRejected(Reason.WRONG_SIZE, f"rice: {nbytes} bytes exceed the maximum {limit}")
+
+        bits = np.unpackbits(np.frombuffer(view, dtype=np.uint8), bitorder="little")
+        layout = _Layout(numel, spec)
+        rem_start = 4 * n
+        r_chunk = np.packbits(bits[:rem_start].reshape(n, 4), axis=1, bitorder="little")[:, 0].astype(np.int64)
+        r_idx = layout.per_index(r_chunk)
+        unary_start = rem_start + int(r_idx.sum())
+        if unary_start + kept > len(bits):
+            raise PayloadRejected(Reason.TRUNCATED, "rice: stream ends inside the remainders")
+
+        position = rem_start + np.cumsum(r_idx) - r_idx
+        remainder = np.zeros(kept, dtype=np.int64)
+        for j in range(int(r_chunk.max())):
+            has = r_idx > j
+            remainder[has] |= bits[position[has] + j].astype(np.int64) << j
+
+        ones = np.flatnonzero(bits[unary_start:])
+        if len(ones) < kept:
+            raise PayloadRejected(Reason.TRUNCATED, f"rice: stream ends after {len(ones)} of {kept} indices")
+        if len(ones) > kept:
+            raise PayloadRejected(Reason.WRONG_SIZE, "rice: one-bits after the last index (trailing garbage)")
+        used = unary_start + int(ones[-1]) + 1
+        if -(-used // 8) != nbytes:
+            raise PayloadRejected(Reason.WRONG_SIZE, f"rice: {nbytes - -(-used // 8)} trailing bytes after the last index")
+
+        quotient = np.diff(ones, prepend=-1) - 1
+        if bool((quotient > (layout.per_index(layout.lengths) - 1) >> r_idx).any()):
+            raise PayloadRejected(Reason.BAD_HEADER, "rice: unary run longer than the chunk allows")
+        step = ((quotient << r_idx) | remainder) + 1  # gap + 1: local_i - local_{i-1}
+        running = np.cumsum(step)
+        before_chunk = running[layout.starts] - step[layout.starts]
+        local = running - layout.per_index(before_chunk) - 1
+        last = local[layout.starts + layout.counts - 1]
+        if bool((last >= layout.lengths).any()):
+            raise PayloadRejected(Reason.BAD_HEADER, "rice: index outside its chunk")
+        return _to_global(local, layout)
+
+    def __repr__(self) -> str:
+        return "<index codec rice: Rice-coded gaps>"
+
+
+# --------------------------------------------------------------------------- registry
+
+
+INDEX_CODECS: Final[dict[str, IndexCodec]] = {"idx12": Packed12(), "rice": RiceGaps()}
+"""Index codecs by wire name."""
+
+
+def get_index_codec(name: str) -> IndexCodec:
+    """Return the index codec called ``name`` (local configuration: ``ValueError`` if unknown)."""
+    codec = INDEX_CODECS.get(name) if isinstance(name, str) else None
+    if codec is None:
+        raise ValueError(f"unknown index codec {name!r}; choose one of: {', '.join(INDEX_CODECS)}")
+    return codec
+
+
+def decode_indices(name: str, payload: bytes | bytearray | memoryview, numel: int, spec: ChunkSpec) -> torch.Tensor:
+    """Like ``get_index_codec(name).decode(...)`` for a name that came off the wire:
+    an unknown name raises ``PayloadRejected(BAD_DTYPE)`` instead of ``ValueError``."""
+    codec = INDEX_CODECS.get(name) if isinstance(name, str) else None
+    if codec is None:
+        raise PayloadRejected(Reason.BAD_DTYPE, f"unknown index codec {name!r}")
+    return codec.decode(payload, numel, spec)

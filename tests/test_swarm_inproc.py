@@ -1,0 +1,291 @@
+"""The full wrapper (`DiLoCo` + `Swarm.in_process`) with several peers in one process.
+
+Each peer trains in its own thread on a shared in-process network, board and event loop. Models
+are built in the test thread (torch's global RNG is shared by threads), and a barrier after
+attaching makes sure no peer starts its first round alone.
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+from typing import Callable
+
+import pytest
+import torch
+
+import diloco
+from diloco import DiLoCo
+from diloco.comms import InProcNetwork
+from diloco.comms.loop import LoopThread
+from diloco.outer import nesterov
+from diloco.peers import InProcBoard
+from diloco.state import GlobalState
+
+pytestmark = pytest.mark.swarm
+
+H = 3
+CFG = diloco.SwarmConfig(run_id="inproc", gather_timeout=3, reduce_timeout=1, result_timeout=2, call_timeout=1,
+                         heartbeat_interval=0.1, heartbeat_ttl=2)
+
+
+def _mlp(seed: int) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(6, 12), torch.nn.Tanh(), torch.nn.Linear(12, 1))
+
+
+def _batches(seed: int, count: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(count):
+        x = torch.randn(16, 6, generator=g)
+        out.append((x, x[:, :3].sum(1, keepdim=True)))
+    return out
+
+
+def _train(model: torch.nn.Module, opt: torch.optim.Optimizer, batches) -> None:
+    for x, y in batches:
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+
+
+class Harness:
+    """One in-process swarm: network, board, event loop; closes every peer it made."""
+
+    def __init__(self) -> None:
+        self.net, self.board, self.loop = InProcNetwork(), InProcBoard(), LoopThread()
+        self.swarms: list[diloco.Swarm] = []
+        self._lock = threading.Lock()
+
+    def swarm(self, name: str, *, bootstrapped: bool = False) -> diloco.Swarm:
+        s = diloco.Swarm.in_process(self.net, self.board, name, CFG, self.loop, bootstrapped=bootstrapped)
+        with self._lock:
+            self.swarms.append(s)
+        return s
+
+    def close(self) -> None:
+        for s in self.swarms:
+            s.close()
+        self.loop.stop()
+
+
+@pytest.fixture
+def harness():
+    h = Harness()
+    yield h
+    h.close()
+
+
+def _run_threads(targets: list[Callable[[], None]], barriers: list[threading.Barrier]) -> None:
+    errors: list[BaseException] = []
+
+    def wrap(fn):
+        def run():
+            try:
+                fn()
+            except BaseException as e:  # noqa: BLE001 - re-raised in the test thread
+                errors.append(e)
+                for b in barriers:
+                    b.abort()
+        return run
+
+    threads = [threading.Thread(target=wrap(t)) for t in targets]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(25)
+    assert not any(t.is_alive() for t in threads), "a peer thread hung"
+    if errors:
+        raise errors[0]
+
+
+# ---------------------------------------------------------------------- three peers, four rounds
+
+
+def test_three_peers_four_rounds_end_identical(harness):
+    rounds, M = 4, 3
+    base = _mlp(0)
+    models = [copy.deepcopy(base) for _ in range(M)]
+    data = [_batches(i, rounds * H) for i in range(M)]
+    start = threading.Barrier(M, timeout=10)
+    out: dict[int, DiLoCo] = {}
+
+    def peer(i):
+        def run():
+            model = models[i]
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+            with DiLoCo(model, opt, swarm=harness.swarm(f"peer{i}"), inner_steps=H) as d:
+                start.wait()
+                _train(model, opt, data[i])
+            out[i] = d
+        return run
+
+    _run_threads([peer(i) for i in range(M)], [start])
+
+    ds = [out[i] for i in range(M)]
+    assert {d.round for d in ds} == {rounds}
+    assert len({d.digest for d in ds}) == 1
+    for d in ds:
+        assert [(r.round, r.committed, r.peers, r.resynced) for r in d.reports] == [
+            (k + 1, True, M, False) for k in range(rounds)
+        ], d.reports
+        assert all(r.bytes_sent > 0 for r in d.reports)
+        assert d.steps == rounds * H
+    # identical global state, loaded into every model, which moved away from the initialization
+    for d in ds[1:]:
+        for p, q in zip(d.state.params, ds[0].state.params):
+            assert torch.equal(p, q)
+    for i in range(M):
+        for p, g in zip(models[i].parameters(), ds[0].state.params):
+            assert torch.equal(p.detach(), g)
+    assert max((p - b).abs().max().item() for p, b in zip(models[0].parameters(), base.parameters())) > 1e-2
+    # and the board shows all of them training at round 4 with that digest
+    records = {r.peer: r for r in ds[0].swarm.records()}
+    assert {(records[f"peer{i}"].round, records[f"peer{i}"].digest) for i in range(M)} == {(rounds, ds[0].digest)}
+
+
+# ---------------------------------------------------------------------- a peer joins a running swarm
+
+
+def test_late_joiner_downloads_state_and_ends_identical(harness):
+    """Three peers commit rounds 1 and 2; a fourth (bootstrapped, own initialization) attaches,
+    downloads the round-2 state, and all four commit rounds 3 and 4 together.
+
+    Ordering: the old peers start their third round only once the joiner has sent its first ready
+    message. A joiner's collective has not run a round yet, so until it starts round 2 it rejects
+    round-2 frames as "too far ahead" (wrong_round) and that round fails for everyone -- a product
+    bug described in the report that came with this file; this test pins the behaviour that works.
+    """
+    M = 3
+    base = _mlp(0)
+    models = [copy.deepcopy(base) for _ in range(M)]
+    joiner_model = _mlp(1)  # its own, different initialization: it must not be used
+    joiner_init = [p.detach().clone() for p in joiner_model.parameters()]
+    data = [_batches(i, 4 * H) for i in range(M + 1)]
+    start = threading.Barrier(M, timeout=10)
+    mid = threading.Barrier(M + 1, timeout=10)   # the first M peers are at round 2
+    go = threading.Barrier(M + 1, timeout=10)    # the joiner has attached
+    joiner_in_round = threading.Event()          # the joiner sent its first ready message
+    out: dict[str, object] = {}
+
+    def peer(i):
+        def run():
+            model = models[i]
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+            with DiLoCo(model, opt, swarm=harness.swarm(f"peer{i}"), inner_steps=H) as d:
+                start.wait()
+                _train(model, opt, data[i][: 2 * H])
+                out[f"mid{i}"] = (d.round, d.digest, [p.clone() for p in d.state.params])
+                mid.wait()
+                go.wait()
+                assert joiner_in_round.wait(10)
+                _train(model, opt, data[i][2 * H :])
+            out[i] = d
+        return run
+
+    def joiner():
+        mid.wait()
+        opt = torch.optim.AdamW(joiner_model.parameters(), lr=1e-2)
+        swarm = harness.swarm("peer9", bootstrapped=True)
+        call = swarm.transport.call
+
+        async def call_and_tell(peer, name, payload, timeout):
+            if name == "diloco.ready":
+                joiner_in_round.set()
+            return await call(peer, name, payload, timeout)
+
+        swarm.transport.call = call_and_tell
+        d = DiLoCo(joiner_model, opt, swarm=swarm, inner_steps=H, join_timeout=5)
+        out["joiner_before"] = d.digest
+        with d:
+            out["joiner_attached"] = (d.round, d.digest, [p.detach().clone() for p in joiner_model.parameters()],
+                                      len(d.reports))
+            go.wait()
+            _train(joiner_model, opt, data[M][: 2 * H])
+        out["joiner"] = d
+
+    _run_threads([peer(i) for i in range(M)] + [joiner], [start, mid, go])
+
+    mids = {out[f"mid{i}"][:2] for i in range(M)}
+    assert len(mids) == 1
+    (swarm_round, swarm_digest), = mids
+    assert swarm_round == 2
+    swarm_params = out["mid0"][2]
+
+    # the joiner adopted the swarm's state on attach, before its first step
+    assert out["joiner_before"] != swarm_digest
+    rnd, digest, params, n_reports = out["joiner_attached"]
+    assert (rnd, digest, n_reports) == (2, swarm_digest, 0)
+    for p, g, own in zip(params, swarm_params, joiner_init):
+        assert torch.equal(p, g)
+        assert not torch.equal(p, own)
+
+    # then all four took part in rounds 3 and 4 and ended identical
+    ds: list[DiLoCo] = [out[i] for i in range(M)] + [out["joiner"]]
+    assert {d.round for d in ds} == {4}
+    assert len({d.digest for d in ds}) == 1
+    for d in ds[:M]:
+        assert [(r.round, r.committed, r.peers) for r in d.reports] == [(1, True, 3), (2, True, 3),
+                                                                     (3, True, 4), (4, True, 4)], d.reports
+    assert [(r.round, r.committed, r.peers, r.resynced) for r in out["joiner"].reports] == [
+        (3, True, 4, False), (4, True, 4, False)]
+    for p, q in zip(out["joiner"].state.params, ds[0].state.params):
+        assert torch.equal(p, q)
+
+
+# ---------------------------------------------------------------------- a peer serves forged state
+
+
+@pytest.mark.parametrize("forgery", ["body_differs_from_advertised_digest", "digest_differs_from_record"])
+def test_joiner_rejects_state_that_does_not_match_the_digest(harness, monkeypatch, forgery):
+    """peer0 advertises its real digest in its record but serves the bytes of another state (with
+    the real digest in the reply, or with the forged state's own digest). The joiner must refuse
+    it, keep its own state, and report the failed resync; the honest state is then adopted."""
+    model0 = _mlp(0)
+    opt0 = torch.optim.SGD(model0.parameters(), lr=0.05)
+    d0 = DiLoCo(model0, opt0, swarm=harness.swarm("peer0"), inner_steps=H)
+    honest = d0._serve
+
+    def forged() -> tuple[int, str, bytes]:
+        rnd, digest, body = honest()
+        fake = GlobalState(d0.state.params, nesterov())
+        fake.load_bytes(body)
+        with torch.no_grad():
+            fake.params[0].add_(0.5)
+        assert fake.digest() != digest
+        return rnd, (digest if forgery == "body_differs_from_advertised_digest" else fake.digest()), fake.to_bytes()
+
+    monkeypatch.setattr(d0, "_serve", forged)
+    with d0:
+        _train(model0, opt0, _batches(0, H))  # one round, alone
+    assert d0.round == 1 and d0.reports[-1].committed
+
+    model1 = _mlp(1)
+    own = [p.detach().clone() for p in model1.parameters()]
+    opt1 = torch.optim.SGD(model1.parameters(), lr=0.05)
+    d1 = DiLoCo(model1, opt1, swarm=harness.swarm("peer1", bootstrapped=True), inner_steps=H, join_timeout=2)
+    own_digest = d1.digest
+    d1.attach()
+    try:
+        # the download on attach was refused: nothing of the forged (or the real) state was adopted
+        assert (d1.round, d1.digest) == (0, own_digest)
+        for p, q in zip(model1.parameters(), own):
+            assert torch.equal(p.detach(), q)
+        # the next sync sees the swarm ahead, tries again, fails again, and says so
+        report = d1.sync()
+        assert not report.committed and not report.resynced
+        assert report.reason.startswith("resync failed"), report.reason
+        assert (d1.round, d1.digest) == (0, own_digest)
+        for p, q in zip(model1.parameters(), own):
+            assert torch.equal(p.detach(), q)
+
+        # control: once peer0 serves its real state, the same joiner adopts it
+        d0.swarm.serve_state(honest)
+        report = d1.sync()
+        assert report.resynced and report.reason.startswith("resynced")
+        assert (d1.round, d1.digest) == (1, d0.digest)
+        for p, q in zip(model1.parameters(), d0.state.params):
+            assert torch.equal(p.detach(), q)
+    finally:
+        d1.detach()
