@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, field
-from typing import Awaitable, Callable, NewType, Protocol
+from typing import Awaitable, Callable, NewType, Optional, Protocol
 
 PeerId = NewType("PeerId", str)
 Handler = Callable[[PeerId, bytes], Awaitable[bytes]]
@@ -68,10 +68,11 @@ class InProcNetwork:
         self.latency = latency
         self._peers: dict[PeerId, InProcTransport] = {}
 
-    def transport(self, peer_id: str) -> InProcTransport:
+    def transport(self, peer_id: str, drop: Optional[Callable[[PeerId, str], bool]] = None) -> InProcTransport:
+        """A new peer. `drop(target, handler)` returning True loses that outgoing call (fault injection)."""
         if peer_id in self._peers:
             raise ValueError(f"peer id {peer_id!r} is already on this in-process network")
-        endpoint = InProcTransport(self, PeerId(peer_id))
+        endpoint = InProcTransport(self, PeerId(peer_id), drop)
         self._peers[endpoint.peer_id] = endpoint
         return endpoint
 
@@ -84,9 +85,11 @@ class InProcNetwork:
 
 
 class InProcTransport:
-    def __init__(self, network: InProcNetwork, peer_id: PeerId) -> None:
+    def __init__(self, network: InProcNetwork, peer_id: PeerId,
+                 drop: Optional[Callable[[PeerId, str], bool]] = None) -> None:
         self.network = network
         self.peer_id = peer_id
+        self.drop = drop
         self.counter = ByteCounter()
         self.handlers: dict[str, Handler] = {}
 
@@ -97,6 +100,8 @@ class InProcTransport:
         if self.network.lookup(self.peer_id) is not self:
             raise TransportError(f"this peer ({self.peer_id}) has been removed from the network")
         target = self.network.lookup(peer)
+        if self.drop is not None and self.drop(peer, name):
+            raise TransportError(f"call {name!r} to {peer} lost (injected)")
         if target is None or name not in target.handlers:
             raise TransportError(f"peer {peer} is not reachable (no handler {name!r})")
         try:

@@ -143,13 +143,16 @@ def _row_top_indices(keys: torch.Tensor, k: int) -> torch.Tensor:
     picked = mask.view(-1).nonzero().squeeze(1)
     if picked.numel() == rows * k:  # every row has >= k, so none has more: no ties
         return picked
-    over = torch.bincount(picked // width, minlength=rows) > k  # rows with ties at the cut-off
-    tied = over.nonzero().squeeze(1)
+    # Rows holding more than k keys >= threshold tie at the cut-off; picked is sorted,
+    # so per-row counts come from a binary search of the row boundaries.
+    bounds = torch.searchsorted(picked, torch.arange(rows + 1, device=keys.device) * width)
+    tied = (bounds.diff() > k).nonzero().squeeze(1)
     sub, cut = keys[tied], threshold[tied]
     above = sub > cut
     equal = sub == cut
-    need = k - above.sum(dim=1, keepdim=True)
-    mask[tied] = above | (equal & (equal.cumsum(dim=1) <= need))
+    small = torch.int16 if width < 2**15 else torch.int32  # ranks within a row fit
+    need = (k - above.sum(dim=1, keepdim=True)).to(small)  # how many equal keys still fit
+    mask[tied] = above | (equal & (equal.cumsum(dim=1, dtype=small) <= need))
     return mask.view(-1).nonzero().squeeze(1)
 
 

@@ -186,6 +186,51 @@ def demo(
     raise typer.Exit(code)
 
 
+bench_app = typer.Typer(add_completion=False, no_args_is_help=True, help="Benchmarks (results: docs/BENCHMARKS.md).")
+app.add_typer(bench_app, name="bench")
+
+
+@bench_app.command("codecs")
+def bench_codecs_cmd(
+    specs: Optional[List[str]] = typer.Option(None, "--spec", help="Pipeline to measure (repeatable; default: all)."),
+    sizes: List[int] = typer.Option([16 << 20, 64 << 20], "--size", help="Elements per input (repeatable)."),
+    inputs: List[str] = typer.Option(["gaussian", "demo"], "--input", help="gaussian and/or demo (repeatable)."),
+    repeats: int = typer.Option(3, help="Runs per measurement; the median is reported."),
+    threads: int = typer.Option(2, help="torch CPU threads."),
+    json_path: Optional[Path] = typer.Option(None, "--json", help="Write the results as JSON here."),
+) -> None:
+    """Encode/decode speed (as a ratio to torch.clone), bits/param and error of each pipeline."""
+    import platform
+
+    import torch
+    from rich.console import Console
+
+    from .bench import DEFAULT_SPECS, bench_codecs, make_inputs, markdown_table, write_json
+    from diloco.compression.pipeline import parse
+
+    specs = list(specs or DEFAULT_SPECS)
+    for spec in specs:
+        try:
+            parse(spec)
+        except ValueError as e:
+            _fail(f"--spec {spec!r}: {e}")
+    bad = [k for k in inputs if k not in ("gaussian", "demo")]
+    if bad or not inputs:
+        _fail(f"--input must be gaussian or demo, got {bad or inputs}")
+    if repeats < 1 or any(n < 1 for n in sizes):
+        _fail("--repeats and --size must be >= 1")
+    torch.set_num_threads(threads)
+    console = Console()
+    data = make_inputs(sizes, inputs)
+    results = bench_codecs(specs, data, repeats, progress=lambda r: console.print(
+        f"{r.input:>14} {r.spec:<32} {r.bits_per_param:8.4f} bits/param  err {r.rel_l2_error:.4f}  "
+        f"encode {r.encode_x:6.1f}× clone  decode {r.decode_x:6.1f}× clone"))
+    console.print(markdown_table(results), markup=False)
+    if json_path:
+        write_json(results, json_path, {"machine": platform.machine(), "threads": threads, "repeats": repeats,
+                                        "torch": torch.__version__, "cores": os.cpu_count()})
+
+
 def main() -> None:
     app()
 

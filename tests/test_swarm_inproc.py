@@ -153,9 +153,10 @@ def test_late_joiner_downloads_state_and_ends_identical(harness):
     downloads the round-2 state, and all four commit rounds 3 and 4 together.
 
     Ordering: the old peers start their third round only once the joiner has sent its first ready
-    message. A joiner's collective has not run a round yet, so until it starts round 2 it rejects
-    round-2 frames as "too far ahead" (wrong_round) and that round fails for everyone -- a product
-    bug described in the report that came with this file; this test pins the behaviour that works.
+    message. Known gap, deliberately not exercised: a joiner's collective has not run a round yet
+    (its floor is round 0), so until it starts round 2 itself it rejects round-2 frames as "too far
+    ahead" (wrong_round). If the old peers' ready messages arrive first, the joiner never sees them,
+    the views differ, and that round fails for everyone (or the joiner commits alone).
     """
     M = 3
     base = _mlp(0)

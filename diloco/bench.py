@@ -1,0 +1,137 @@
+"""`diloco bench codecs`: speed, size and error of every compression pipeline (benchmark B2).
+
+For each pipeline and each input it measures, in one run on one machine:
+
+- encode and decode time as a ratio to `torch.clone` of the same input in the same run (a memcpy
+  baseline: ratios travel between machines better than seconds);
+- bits per parameter of the encoded payload (everything the receiver needs: indices, scales,
+  codebooks, headers);
+- relative L2 error ‖x − decode(encode(x))‖ / ‖x‖ of one pass (no error feedback).
+
+Inputs: a synthetic Gaussian vector, and the bundled demo model's real pseudo-gradient (θ₀ − θ_H
+after H AdamW steps on the bundled corpus) tiled to the requested size, so codecs see a real
+pseudo-gradient's distribution at sizes where throughput is meaningful. Every figure is the
+median of `repeats` runs.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from diloco.compression.pipeline import Pipeline
+
+DEFAULT_SPECS = (
+    "fp32", "fp16", "bf16", "fp16+zstd", "q8", "q8+zstd", "q4", "q2", "s4", "s2", "fp8", "e3m0",
+    "topk:64/4096+fp16", "topk:64/4096+s2", "topk:64/4096+s2+idx12", "topk:64/4096+q2", "topk:32/4096+s2",
+    "randk:64/4096+s2",
+)
+DEFAULT_PIPELINE = "topk:64/4096+s2+ef:0.95"
+"""The demo's and the docs' default sparse pipeline."""
+
+
+@dataclass
+class CodecResult:
+    spec: str
+    input: str
+    numel: int
+    bits_per_param: float
+    rel_l2_error: float
+    encode_s: float
+    decode_s: float
+    clone_s: float
+
+    @property
+    def encode_x(self) -> float:
+        return self.encode_s / self.clone_s
+
+    @property
+    def decode_x(self) -> float:
+        return self.decode_s / self.clone_s
+
+    def row(self) -> dict:
+        return {**asdict(self), "encode_x_clone": round(self.encode_x, 2), "decode_x_clone": round(self.decode_x, 2),
+                "roundtrip_x_clone": round(self.encode_x + self.decode_x, 2)}
+
+
+def _median_time(fn: Callable[[], object], repeats: int) -> tuple[float, object]:
+    times, out = [], None
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        out = fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times), out
+
+
+def demo_pseudo_gradient(steps: int = 25, seed: int = 0) -> torch.Tensor:
+    """θ₀ − θ_H of the bundled GPT after `steps` AdamW steps on the bundled corpus (1.85M values)."""
+    from .corpus import BatchSampler, Corpus, CorpusConfig
+    from .model import GPTConfig, build_model
+    from .outer import flatten
+
+    corpus = Corpus.load(CorpusConfig(max_bytes=1 << 20))
+    model = build_model(GPTConfig(), seed=seed)
+    start = flatten(model.parameters())
+    opt = torch.optim.AdamW(model.parameters(), lr=2e-3, betas=(0.9, 0.95), weight_decay=0.1)
+    sampler = BatchSampler(corpus.train, batch_size=8, context=128, seed=seed)
+    for _ in range(steps):
+        x, y = sampler.next()
+        _, loss = model(x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    return start - flatten(model.parameters())
+
+
+def make_inputs(sizes: list[int], kinds: list[str], seed: int = 0) -> dict[str, torch.Tensor]:
+    inputs: dict[str, torch.Tensor] = {}
+    base = demo_pseudo_gradient() if "demo" in kinds else None
+    g = torch.Generator().manual_seed(seed)
+    for n in sizes:
+        if "gaussian" in kinds:
+            inputs[f"gaussian-{_size_name(n)}"] = torch.randn(n, generator=g)
+        if base is not None:
+            inputs[f"demo-{_size_name(n)}"] = base.repeat(-(-n // base.numel()))[:n].contiguous()
+    return inputs
+
+
+def _size_name(n: int) -> str:
+    return f"{n >> 20}M" if n >= 1 << 20 and n % (1 << 20) == 0 else str(n)
+
+
+def bench_codecs(specs: list[str], inputs: dict[str, torch.Tensor], repeats: int = 3,
+                 progress: Callable[[CodecResult], None] | None = None) -> list[CodecResult]:
+    results = []
+    for name, x in inputs.items():
+        clone_s, _ = _median_time(lambda: x.clone(), repeats)
+        for spec in specs:
+            pipe = Pipeline(spec)
+            encode_s, payload = _median_time(lambda: pipe.encode(x), repeats)
+            assert isinstance(payload, bytes)
+            decode_s, decoded = _median_time(lambda: pipe.decode(payload, x.numel()).dense(x.numel()), repeats)
+            assert isinstance(decoded, torch.Tensor)
+            err = float((x - decoded).norm() / x.norm().clamp(min=1e-30))
+            r = CodecResult(pipe.name, name, x.numel(), 8 * len(payload) / x.numel(), err, encode_s, decode_s, clone_s)
+            results.append(r)
+            if progress is not None:
+                progress(r)
+    return results
+
+
+def write_json(results: list[CodecResult], path: str | Path, meta: dict) -> None:
+    Path(path).write_text(json.dumps({"meta": meta, "results": [r.row() for r in results]}, indent=2) + "\n")
+
+
+def markdown_table(results: list[CodecResult]) -> str:
+    lines = ["| pipeline | input | bits/param | rel. L2 error | encode ×clone | decode ×clone |",
+             "|---|---|---|---|---|---|"]
+    for r in results:
+        lines.append(f"| `{r.spec}` | {r.input} | {r.bits_per_param:.4f} | {r.rel_l2_error:.4f} | "
+                     f"{r.encode_x:.1f} | {r.decode_x:.1f} |")
+    return "\n".join(lines)
