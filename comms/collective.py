@@ -141,6 +141,13 @@ class Collective:
         await transport.register("diloco.result", self._on_result)
         return self
 
+    def advance_to(self, key: RoundKey) -> None:
+        """We jumped to round `key` (downloaded state): frames for earlier rounds are stale from now on,
+        and frames for this round and the next are accepted."""
+        if key > self._floor:
+            self._floor = key
+            self._forget_before(key)
+
     # ---------------------------------------------------------------- the round, from our side
 
     async def run_round(
@@ -197,7 +204,6 @@ class Collective:
                     msg.CONTRIB, key, view=vid, span=i, numel=hi - lo, body=payloads[i]))
                 for i, (owner, (lo, hi)) in enumerate(zip(view, bounds)) if owner != self.me
             ))
-            self.faults.hit("reduce", key.round)
 
         async def reduce_and_broadcast() -> None:
             got = rs.contribs.setdefault((vid, mine), {})
@@ -211,6 +217,7 @@ class Collective:
             else:
                 body = self.mean_pipeline.encode(average([got[p][1] for p in senders], numel))
                 kind = "mean"
+            self.faults.hit("reduce", key.round)
             rs.results[(vid, mine)] = (self.me, self._decode_result(kind, memoryview(body), numel, idx), idx)
             rs.changed.set()
             frame = self._frame(msg.RESULT, key, view=vid, span=mine, numel=numel, body=body,
@@ -269,6 +276,8 @@ class Collective:
             digest = header.meta.get("digest")
             if not isinstance(digest, str) or len(digest) > 128:
                 raise PayloadRejected(Reason.BAD_HEADER, "ready needs a string meta.digest")
+            if key < self._floor:  # a round we already finished: tell the late peer at once
+                return msg.ack(run=self.run_id, sender=self.me, closed=True, in_view=False)
             rs = self._accepting(key)
             if rs.view is not None:
                 return msg.ack(run=self.run_id, sender=self.me, closed=True, in_view=caller in rs.view)

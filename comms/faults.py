@@ -1,11 +1,11 @@
 """Failure injection: crash this peer at an exact phase of an exact round, for tests and chaos runs.
 
-    DILOCO_FAULTS="kill@reduce:2"   # SIGKILL ourselves in round 2 once our contributions are out
+    DILOCO_FAULTS="kill@reduce:2"   # SIGKILL ourselves in round 2 before our span's result goes out
     DILOCO_FAULTS="kill@gather:1,kill@reduce:3"
 
-Phases: `gather` (after our ready messages went out: others count on us) and `reduce` (after all
-our contributions went out: others may be waiting for our span's result). Each entry fires at
-most once. The plan is read once, from the environment of the peer process.
+Phases: `gather` (after our ready messages went out: others count on us) and `reduce` (our span
+is reduced but its result not yet sent: no one can commit the round, the hardest case for the
+survivors). Each entry fires at most once. The plan is read once, from the environment of the peer process.
 """
 
 from __future__ import annotations

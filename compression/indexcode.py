@@ -15,8 +15,9 @@ header carries. Two codecs are provided (:data:`INDEX_CODECS`):
   is written as the 16-bit little-endian word ``a`` whose top four (padding)
   bits must be zero. The size is exactly ``ceil(12 * kept / 8)`` bytes.
 
-* ``rice`` (:class:`RiceGaps`) -- Rice-coded gaps, about 7.45 bits per index
-  for ``k = 64`` of ``C = 4096`` (the information bound is
+* ``rice`` (:class:`RiceGaps`) -- Rice-coded gaps: 7.56 bits per index for
+  uniformly spread ``k = 64`` of ``C = 4096`` (7.50 for the gaps plus 4/64 for
+  the chunk's parameter; the information bound is
   ``log2 binom(4096, 64) / 64 = 7.36``) against 12 for ``idx12``. In each
   chunk the sorted local indices ``l_0 < l_1 < ...`` become gaps
   ``g_0 = l_0, g_i = l_i - l_{i-1} - 1 >= 0``, and each gap is split by the
@@ -216,7 +217,8 @@ class Packed12:
         view = _byte_view(payload)
         _, kept = _wire_shape(self.name, numel, spec)
         if spec.chunk > PACKED12_MAX_CHUNK:
-            raise PayloadRejected(Reason.BAD_HEADER, f"idx12 cannot carry chunks of {spec.chunk} > {PACKED12_MAX_CHUNK}")
+            raise PayloadRejected(Reason.BAD_HEADER,
+                                  f"idx12 cannot carry chunks of {spec.chunk} > {PACKED12_MAX_CHUNK}")
         expected = (12 * kept + 7) // 8
         if view.nbytes != expected:
             raise PayloadRejected(Reason.WRONG_SIZE, f"idx12: {kept} indices need {expected} bytes, got {view.nbytes}")
@@ -333,8 +335,9 @@ class RiceGaps:
         if len(ones) > kept:
             raise PayloadRejected(Reason.WRONG_SIZE, "rice: one-bits after the last index (trailing garbage)")
         used = unary_start + int(ones[-1]) + 1
-        if -(-used // 8) != nbytes:
-            raise PayloadRejected(Reason.WRONG_SIZE, f"rice: {nbytes - -(-used // 8)} trailing bytes after the last index")
+        needed = -(-used // 8)
+        if needed != nbytes:
+            raise PayloadRejected(Reason.WRONG_SIZE, f"rice: {nbytes - needed} trailing bytes after the last index")
 
         quotient = np.diff(ones, prepend=-1) - 1
         if bool((quotient > (layout.per_index(layout.lengths) - 1) >> r_idx).any()):

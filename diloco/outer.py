@@ -28,12 +28,13 @@ def flatten(tensors: Iterable[torch.Tensor]) -> torch.Tensor:
 
 def unflatten(flat: torch.Tensor, like: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     """Views of `flat` shaped like `like`."""
+    need = sum(t.numel() for t in like)
+    if flat.numel() != need:
+        raise ValueError(f"flat vector has {flat.numel()} values, the parameters need {need}")
     out, offset = [], 0
     for t in like:
         out.append(flat[offset : offset + t.numel()].view(t.shape))
         offset += t.numel()
-    if offset != flat.numel():
-        raise ValueError(f"flat vector has {flat.numel()} values, the parameters need {offset}")
     return out
 
 

@@ -9,10 +9,10 @@ name, shape and dtype is checked against what we expect before anything is loade
 from __future__ import annotations
 
 import hashlib
+import math
 from typing import Any, Sequence
 
 import msgpack
-import numpy as np
 import torch
 
 from .outer import OuterFactory
@@ -52,8 +52,11 @@ class GlobalState:
             h.update(p.detach().contiguous().numpy().tobytes())
         for idx, entry in sorted(self.outer.state_dict()["state"].items()):
             for name, value in sorted(entry.items()):
-                h.update(f"|{idx}.{name}=".encode())
-                h.update(_tensor_bytes(value) if torch.is_tensor(value) else repr(value).encode())
+                if torch.is_tensor(value):
+                    h.update(f"|{idx}.{name}:{tuple(value.shape)}:{value.dtype}=".encode())
+                    h.update(_tensor_bytes(value))
+                else:
+                    h.update(f"|{idx}.{name}={value!r}".encode())
         return h.hexdigest()[:16]
 
     def to_bytes(self) -> bytes:
@@ -68,13 +71,25 @@ class GlobalState:
         }, use_bin_type=True)
 
     def load_bytes(self, data: bytes) -> None:
-        """Replace our state with `data` (from `to_bytes` on a peer); raises StateError if it does not fit."""
+        """Replace our state with `data` (from `to_bytes` on a peer); raises StateError if it does not fit.
+        Nothing else escapes: the bytes come from the network."""
+        try:
+            self._load(data)
+        except StateError:
+            raise
+        except Exception as e:  # noqa: BLE001 - any other failure on peer bytes is a bad state, not a crash
+            raise StateError(f"state does not load: {type(e).__name__}: {e}") from e
+
+    def _load(self, data: bytes) -> None:
         try:
             obj = msgpack.unpackb(data, raw=False, strict_map_key=True, max_bin_len=len(data))
         except Exception as e:  # msgpack raises many types on malformed input
             raise StateError(f"state is not valid msgpack: {e}") from e
-        if not isinstance(obj, dict) or not isinstance(obj.get("round"), int) or not isinstance(obj.get("params"), list):
-            raise StateError("state lacks round/params")
+        if not isinstance(obj, dict) or not isinstance(obj.get("params"), list):
+            raise StateError("state lacks params")
+        rnd = obj.get("round")
+        if not isinstance(rnd, int) or isinstance(rnd, bool) or rnd < 0:
+            raise StateError(f"state round must be a non-negative int, got {rnd!r}")
         if len(obj["params"]) != len(self.params):
             raise StateError(f"state has {len(obj['params'])} tensors, this model has {len(self.params)}")
         params = [_unpack_tensor(t, expect=p) for t, p in zip(obj["params"], self.params)]
@@ -95,7 +110,7 @@ class GlobalState:
             self.outer.load_state_dict(sd)
         except Exception as e:
             raise StateError(f"outer optimizer state does not fit: {e}") from e
-        self.round = obj["round"]
+        self.round = rnd
 
 
 def _tensor_bytes(t: torch.Tensor) -> bytes:
@@ -118,8 +133,11 @@ def _unpack_tensor(obj: Any, expect: torch.Tensor | None = None) -> torch.Tensor
     if expect is not None and (tuple(shape) != tuple(expect.shape) or dtype != expect.dtype):
         raise StateError(f"tensor {tuple(shape)} {dtype} does not match expected {tuple(expect.shape)} {expect.dtype}")
     itemsize = torch.empty((), dtype=dtype).element_size()
-    if len(data) != int(np.prod(shape, dtype=np.int64)) * itemsize:
-        raise StateError(f"tensor data has {len(data)} bytes, shape {shape} needs {int(np.prod(shape)) * itemsize}")
+    numel = math.prod(shape)  # Python ints: no overflow however large the claimed shape
+    if len(shape) > 8 or len(data) != numel * itemsize:
+        raise StateError(f"tensor data has {len(data)} bytes, shape {shape} needs {numel * itemsize}")
+    if numel == 0:
+        return torch.zeros(shape, dtype=dtype)
     raw = torch.frombuffer(bytearray(data), dtype=torch.int16 if dtype == torch.bfloat16 else dtype)
     return (raw.view(torch.bfloat16) if dtype == torch.bfloat16 else raw).reshape(shape).clone()
 
@@ -135,8 +153,8 @@ def _pack_value(v: Any) -> Any:
 def _unpack_value(v: Any, like: torch.Tensor) -> Any:
     if isinstance(v, dict) and "tensor" in v:
         t = _unpack_tensor(v["tensor"])
-        if t.numel() not in (1, like.numel()):
-            raise StateError(f"outer state tensor of {t.numel()} values for a parameter of {like.numel()}")
+        if tuple(t.shape) != tuple(like.shape) and t.dim() != 0:  # buffers match the parameter; scalars (step) are 0-d
+            raise StateError(f"outer state tensor of shape {tuple(t.shape)} for a parameter of {tuple(like.shape)}")
         return t
     if isinstance(v, dict) and "scalar" in v and (v["scalar"] is None or isinstance(v["scalar"], (int, float, bool))):
         return v["scalar"]

@@ -246,6 +246,7 @@ class DiLoCo:
             return False
         self.state = fresh
         self.attempt = 0
+        self.swarm.collective.advance_to(RoundKey(self.state.round))
         self._state_changed()
         copy_into(self.local_params, self.state.params)
         self._publish("training")

@@ -4,19 +4,26 @@ child process behind (a peer, a hivemind p2pd daemon) fails, and the leftovers a
 from __future__ import annotations
 
 import os
+import secrets
 import time
 
 import psutil
 import pytest
 
+# Every process this test session starts (peers, and their p2pd daemons, which copy the environment)
+# carries this token, so the guard below never mistakes another run's daemons for ours.
+_TOKEN = secrets.token_hex(8)
+os.environ["DILOCO_TEST_SESSION"] = _TOKEN
+
 
 def _p2pd_pids() -> set[int]:
+    """Our session's p2pd daemons, wherever they were reparented to."""
     pids = set()
-    for proc in psutil.process_iter(["name", "cmdline"]):
+    for proc in psutil.process_iter(["name"]):
         try:
-            if proc.info["name"] == "p2pd" or any("p2pd" in part for part in (proc.info["cmdline"] or [])[:1]):
+            if proc.info["name"] == "p2pd" and proc.environ().get("DILOCO_TEST_SESSION") == _TOKEN:
                 pids.add(proc.pid)
-        except (psutil.NoSuchProcess, psutil.AccessDenied):
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
             pass
     return pids
 

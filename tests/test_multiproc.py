@@ -47,8 +47,9 @@ def test_three_peers_train_and_end_bit_identical(peers):
 
 
 def test_sigkill_mid_round_survivors_commit_next_round(peers):
-    """SIGKILL one of 3 peers in round 2 once its contributions are out: the survivors commit the
-    next round without it within the round deadline, agree bit for bit, and its daemon dies too."""
+    """SIGKILL one of 3 peers in round 2 after it reduced its span but before it sent the result, so
+    no one can commit that round: the survivors commit the next attempt without it within the
+    round deadline, agree bit for bit, and the victim's daemon dies with it."""
     common = ["--rounds", "5", "-H", "5", "--wait-for", "3", *TINY]
     first = peers.spawn(0, ["start", *common])
     addr = peers.address(0)

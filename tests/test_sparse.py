@@ -246,10 +246,16 @@ def test_randk_select_is_roughly_uniform() -> None:
     observed = torch.bincount(local, minlength=4096).double()
     chi2 = float(((observed - 16.0) ** 2 / 16.0).sum())
     assert abs(chi2 - 4095) < 6 * math.sqrt(2 * 4095), chi2
-    # Coarser: first vs second half of a chunk, and the short last chunk gets its share too.
+    # Coarser: first vs second half of a chunk.
     assert abs(int((local < 2048).sum()) - 32768) < 6 * math.sqrt(32768 * 0.5)
-    tail = randk_select(4096 + 100, ChunkSpec(64, 4096), seed=7)[64:] - 4096
-    assert tail.tolist() == list(range(64)) or tail.max() >= 64
+    # A short last chunk (100 elements keeping 64) is uniform too: over 300 seeds each position
+    # is kept Binomial(300, 0.64) times (mean 192, variance 69.12); the normalised squared
+    # deviations sum to about 99 (the 64-per-draw constraint makes them slightly dependent).
+    tail = torch.cat([randk_select(4096 + 100, spec, seed)[64:] - 4096 for seed in range(300)])
+    observed = torch.bincount(tail, minlength=100).double()
+    assert observed.numel() == 100
+    chi2 = float(((observed - 192.0) ** 2 / 69.12).sum())
+    assert chi2 < 99 + 6 * math.sqrt(2 * 99), chi2
 
 
 # --------------------------------------------------------------------------- gather / scatter
@@ -300,7 +306,7 @@ def test_index_codecs_round_trip(numel: int, spec: ChunkSpec, seed: int, use_top
             continue
         payload = codec.encode(indices, numel, spec)
         assert len(payload) <= codec.max_encoded_size(numel, spec)
-        out = codec.decode(bytearray(payload), numel, spec)
+        out = codec.decode(memoryview(bytearray(payload)), numel, spec)
         assert torch.equal(out, indices), name
         check_selection(out, numel, spec)
 
@@ -433,7 +439,8 @@ def test_rice_rejections() -> None:
 def test_decode_rejects_bad_numel(name: str) -> None:
     codec = INDEX_CODECS[name]
     for numel in (-1, True, 2.0, None, 10**18):
-        assert rejected(codec, b"\x00\x00", numel, SPEC) in {Reason.WRONG_SIZE, Reason.TRUNCATED}  # type: ignore[arg-type]
+        reason = rejected(codec, b"\x00\x00", numel, SPEC)  # type: ignore[arg-type]
+        assert reason in {Reason.WRONG_SIZE, Reason.TRUNCATED}
 
 
 # --------------------------------------------------------------------------- fuzzing
