@@ -1,33 +1,30 @@
-"""Bytes on the wire: value codecs, the versioned frame, and typed rejection.
+"""Bytes on the wire: codecs, sparsifiers, index coding, error feedback, pipelines, the frame.
 
-This is the lowest layer of diloco and imports nothing else from the project: no
-network, no model, only bytes and tensors. A sender encodes a flat fp32 tensor
-with a :class:`Codec` (``get_codec("fp16").encode(t)``) and wraps the bytes in a
-checksummed, versioned frame with :func:`pack`; a receiver calls :func:`unpack`
-with its size limits and expectations, then decodes the body with the codec
-named in the :class:`Header` (:func:`decode_body` when that name came off the
-wire). Anything malformed, oversized, corrupted or addressed to another run or
-kind raises :class:`PayloadRejected` carrying a :class:`Reason` -- and never any
-other exception -- with sizes checked before anything is allocated. No pickle
-is used anywhere: headers are msgpack maps with strictly checked fields, bodies
-are raw little-endian values.
+This is the lowest layer of diloco and imports nothing else from the project: no network, no
+model, only bytes and tensors.
+
+- `pipeline.Pipeline("topk:64/4096+s2+ef:0.95")` encodes a flat fp32 pseudo-gradient to bytes
+  and decodes it back (`Decoded`: values, and indices when sparse); `pipeline.parse` validates a
+  spec string with messages that say what is allowed.
+- Stages: value codecs (`codecs.py`: fp32, fp16; `quant.py`: bf16, q8/q4/q2, s4/s2, fp8,
+  e3m0), sparsifiers (`sparse.py`: chunked top-k, seeded random-k), index codes (`indexcode.py`:
+  12-bit packed, Rice-coded gaps), zstd, and error feedback (`ef.py`, state kept by the caller).
+- `frame.pack` / `frame.unpack`: the versioned, checksummed msgpack frame every message travels
+  in, checked before anything sized from the wire is allocated.
+
+Anything malformed, oversized, corrupted or addressed to another run, kind or schema raises
+`PayloadRejected` carrying a `Reason`, and never any other exception. No pickle anywhere.
 """
 
 from __future__ import annotations
 
 from .codecs import CODECS, Codec, decode_body, get_codec
+from .ef import ErrorFeedback
 from .errors import PayloadRejected, Reason
 from .frame import PROTOCOL_VERSION, Header, pack, unpack
+from .pipeline import Decoded, Pipeline, parse
 
 __all__ = [
-    "CODECS",
-    "Codec",
-    "Header",
-    "PROTOCOL_VERSION",
-    "PayloadRejected",
-    "Reason",
-    "decode_body",
-    "get_codec",
-    "pack",
-    "unpack",
+    "CODECS", "Codec", "Decoded", "ErrorFeedback", "Header", "PROTOCOL_VERSION", "PayloadRejected", "Pipeline",
+    "Reason", "decode_body", "get_codec", "pack", "parse", "unpack",
 ]

@@ -183,7 +183,8 @@ def _unpack_words(packed: torch.Tensor, bits: int, count: int) -> torch.Tensor:
     out = torch.empty(groups, per_group, dtype=torch.int64)
     for j in range(per_group):
         out[:, j] = (word >> (bits * j)) & mask
-    return out.view(-1)[:count]
+    flat = out.view(-1)
+    return flat if flat.numel() == count else flat[:count].clone()
 
 
 def pack_bits(values: torch.Tensor, bits: int) -> bytes:

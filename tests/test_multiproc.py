@@ -28,10 +28,12 @@ def peers(tmp_path):
     group.kill_all()
 
 
-def test_three_peers_train_and_end_bit_identical(peers):
+@pytest.mark.parametrize("compression", ["fp32", "topk:16/256+s2+ef:0.95"])
+def test_three_peers_train_and_end_bit_identical(peers, compression):
     """3 real peers train 3 rounds together and end with the same global-state digest (SHA-256 over
-    every parameter and outer-optimizer buffer), i.e. bit-identical global parameters."""
-    common = ["--rounds", "3", "-H", "5", "--wait-for", "3", *TINY]
+    every parameter and outer-optimizer buffer), i.e. bit-identical global parameters; dense and
+    sparse (per-coordinate averaging of bundled payloads) alike."""
+    common = ["--rounds", "3", "-H", "5", "--wait-for", "3", "--compression", compression, *TINY]
     first = peers.spawn(0, ["start", *common])
     addr = peers.address(0)
     others = [peers.spawn(i, ["join", addr, *common]) for i in (1, 2)]
@@ -44,6 +46,9 @@ def test_three_peers_train_and_end_bit_identical(peers):
     committed = [r for i in range(3) for r in peers.lines(i, "round") if r["committed"]]
     assert all(r["peers"] == 3 for r in committed), committed
     assert all(r["bytes_sent"] > 0 for r in committed)
+    expected_bits = {"fp32": 32.0}.get(compression)
+    for r in committed:  # the codec's cost per parameter, as reported
+        assert r["bits_per_param"] == pytest.approx(expected_bits) if expected_bits else 0 < r["bits_per_param"] < 2
 
 
 def test_sigkill_mid_round_survivors_commit_next_round(peers):
