@@ -194,7 +194,8 @@ class Collective:
         chunk = self.pipeline.spec.chunk
         bounds = span_bounds(delta.numel(), len(view), align=chunk.chunk if chunk else 1)
         mine = view.index(self.me)
-        payloads = [self.pipeline.encode(delta[lo:hi]) for lo, hi in bounds]
+        # Encoding the whole Δ is the heavy part: off the event loop, so handlers keep answering peers.
+        payloads = await asyncio.to_thread(lambda: [self.pipeline.encode(delta[lo:hi]) for lo, hi in bounds])
         own = self.pipeline.decode(payloads[mine], bounds[mine][1] - bounds[mine][0])
         rs.contribs.setdefault((vid, mine), {})[self.me] = (payloads[mine], own)
 
