@@ -21,7 +21,7 @@ import typer
 
 from .config import ConfigError, SwarmConfig
 
-DEFAULT_DEMO_COMPRESSION = "topk:64/4096+s2+ef:0.95"
+DEFAULT_DEMO_COMPRESSION = "e3m0"
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__.split("\n\n")[0])
 
@@ -35,6 +35,8 @@ InnerSteps = typer.Option(50, "--inner-steps", "-H", help="Inner steps per round
 Compression = typer.Option("fp32", help="Compression pipeline, e.g. fp16, e3m0, q8+zstd, topk:64/4096+s2+ef:0.95.")
 MinPeers = typer.Option(1, help="Fewest peers that may commit a round.")
 Metrics = typer.Option(None, help="Append one JSON line per round (and a final one) to this file.")
+OuterLr = typer.Option(None, help="Outer SGD lr (default 0.7; 1.0 when the compression has error feedback).")
+OuterMomentum = typer.Option(None, help="Outer Nesterov momentum (default 0.9; 0 with error feedback).")
 
 
 def _fail(message: str, code: int = 2) -> None:
@@ -50,7 +52,7 @@ def _setup_logging(verbose: bool) -> None:
 
 
 def _configs(run_id, compression, min_peers, rounds, inner_steps, batch_size, seed, shard, d_model, layers, threads,
-             gather_timeout, eval_every, wait_for, round_timeout):
+             gather_timeout, eval_every, wait_for, round_timeout, outer_lr, outer_momentum):
     from .train import JobConfig
 
     try:
@@ -58,7 +60,7 @@ def _configs(run_id, compression, min_peers, rounds, inner_steps, batch_size, se
                                 result_timeout=round_timeout, reduce_timeout=round_timeout * 2 / 3)
         job = JobConfig(rounds=rounds, inner_steps=inner_steps, batch_size=batch_size, seed=seed, shard=shard,
                         d_model=d_model, n_layer=layers, threads=threads, eval_every=eval_every,
-                        wait_for=wait_for)
+                        wait_for=wait_for, outer_lr=outer_lr, outer_momentum=outer_momentum)
     except ConfigError as e:
         _fail(str(e))
     return swarm_cfg, job
@@ -114,6 +116,7 @@ def start(
     eval_every: int = typer.Option(0, help="Evaluate held-out loss every N rounds (0: only at the end)."),
     wait_for: int = typer.Option(1, help="Wait (up to 120 s) until this many peers are in the swarm before training."),
     round_timeout: float = typer.Option(30.0, help="Seconds after a round starts by which it commits or is abandoned."),
+    outer_lr: Optional[float] = OuterLr, outer_momentum: Optional[float] = OuterMomentum,
     address_file: Optional[Path] = typer.Option(None, help="Write this peer's addresses to this file once up."),
     status_file: Optional[Path] = typer.Option(None, hidden=True),
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Log every round event."),
@@ -121,7 +124,7 @@ def start(
     """Start a swarm: train the bundled model and print the line others run to join."""
     _setup_logging(verbose)
     swarm_cfg, job = _configs(run_id, compression, min_peers, rounds, inner_steps, batch_size, seed, shard, d_model, layers,
-                              threads, gather_timeout, eval_every, wait_for, round_timeout)
+                              threads, gather_timeout, eval_every, wait_for, round_timeout, outer_lr, outer_momentum)
     _run_peer([], host=host, port=port, announce=announce, address_file=address_file, metrics=metrics,
               status_file=status_file, swarm_cfg=swarm_cfg, job=job)
 
@@ -142,6 +145,7 @@ def join(
     eval_every: int = typer.Option(0, help="Evaluate held-out loss every N rounds (0: only at the end)."),
     wait_for: int = typer.Option(1, help="Wait (up to 120 s) until this many peers are in the swarm before training."),
     round_timeout: float = typer.Option(30.0, help="Seconds after a round starts by which it commits or is abandoned."),
+    outer_lr: Optional[float] = OuterLr, outer_momentum: Optional[float] = OuterMomentum,
     address_file: Optional[Path] = typer.Option(None, help="Write this peer's addresses to this file once up."),
     status_file: Optional[Path] = typer.Option(None, hidden=True),
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Log every round event."),
@@ -155,7 +159,7 @@ def join(
     except SwarmError as e:
         _fail(str(e))
     swarm_cfg, job = _configs(run_id, compression, min_peers, rounds, inner_steps, batch_size, seed, shard, d_model, layers,
-                              threads, gather_timeout, eval_every, wait_for, round_timeout)
+                              threads, gather_timeout, eval_every, wait_for, round_timeout, outer_lr, outer_momentum)
     _run_peer(addresses, host=host, port=port, announce=announce, address_file=address_file, metrics=metrics,
               status_file=status_file, swarm_cfg=swarm_cfg, job=job)
 
@@ -173,13 +177,14 @@ def demo(
     json_path: Optional[Path] = typer.Option(None, "--json", help="Write the final summary as JSON here."),
     workdir: Optional[Path] = typer.Option(None, help="Keep peers' logs and metrics here (default: a temp dir)."),
     live: bool = typer.Option(True, help="Show the live view (off: plain progress lines)."),
+    outer_lr: Optional[float] = OuterLr, outer_momentum: Optional[float] = OuterMomentum,
 ) -> None:
     """Run a local swarm of PEERS processes on 127.0.0.1 training the bundled model, with a live view."""
     from .demo import DemoConfig, run_demo
 
     try:
         cfg = DemoConfig(peers=peers, rounds=rounds, inner_steps=inner_steps, compression=compression, batch_size=batch_size,
-                         d_model=d_model, layers=layers)
+                         d_model=d_model, layers=layers, outer_lr=outer_lr, outer_momentum=outer_momentum)
     except ConfigError as e:
         _fail(str(e))
     code = run_demo(cfg, workdir=workdir, metrics=metrics, json_path=json_path, live=live)

@@ -72,15 +72,7 @@ class SwarmConfig:
 class DiLoCoConfig:
     inner_steps: int = 100
     """H: inner optimizer steps between synchronizations."""
-    outer_lr: float = 0.7
-    """Learning rate of the default outer optimizer (SGD, Nesterov)."""
-    outer_momentum: float = 0.9
-    """Momentum of the default outer optimizer; 0 turns Nesterov off."""
 
     def __post_init__(self) -> None:
         if self.inner_steps < 1:
             raise ConfigError(f"inner_steps must be >= 1, got {self.inner_steps}")
-        if self.outer_lr <= 0:
-            raise ConfigError(f"outer_lr must be > 0, got {self.outer_lr}")
-        if not 0 <= self.outer_momentum < 1:
-            raise ConfigError(f"outer_momentum must be in [0, 1), got {self.outer_momentum}")

@@ -19,10 +19,13 @@ from dataclasses import dataclass
 
 import torch
 
+from diloco.compression.pipeline import parse as parse_compression
+
 from .config import ConfigError
 from .corpus import BatchSampler, Corpus, CorpusConfig, evaluate, heldout_batches
 from .metrics import MetricsWriter, write_status
 from .model import GPTConfig, build_model
+from .outer import default_outer
 from .swarm import Swarm
 from .wrapper import DiLoCo, RoundReport
 
@@ -41,10 +44,10 @@ class JobConfig:
     """Inner AdamW learning rate (after a linear warmup of `warmup` steps)."""
     warmup: int = 20
     """Inner steps of linear learning-rate warmup."""
-    outer_lr: float = 0.7
-    """Outer SGD (Nesterov) learning rate."""
-    outer_momentum: float = 0.9
-    """Outer SGD momentum."""
+    outer_lr: float | None = None
+    """Outer SGD learning rate (default: 0.7, or 1.0 when the compression has error feedback)."""
+    outer_momentum: float | None = None
+    """Outer SGD Nesterov momentum (default: 0.9, or 0 when the compression has error feedback)."""
     seed: int = 0
     """Model initialization seed; the same on every peer."""
     shard: int | None = None
@@ -75,6 +78,10 @@ class JobConfig:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
         if not 0 < self.lr < 1:
             raise ConfigError(f"lr must be in (0, 1), got {self.lr}")
+        if self.outer_lr is not None and self.outer_lr <= 0:
+            raise ConfigError(f"outer_lr must be > 0, got {self.outer_lr}")
+        if self.outer_momentum is not None and not 0 <= self.outer_momentum < 1:
+            raise ConfigError(f"outer_momentum must be in [0, 1), got {self.outer_momentum}")
         if self.d_model % 4:
             raise ConfigError(f"d_model ({self.d_model}) must be divisible by the 4 attention heads")
 
@@ -106,9 +113,9 @@ def run_job(cfg: JobConfig, swarm: Swarm | None, *, metrics: MetricsWriter | Non
                 fields["eval_loss"] = evaluate(model, heldout)
         metrics.write("round", **fields)
 
-    d = DiLoCo(model, inner, swarm=swarm, inner_steps=cfg.inner_steps, on_round=on_round,
-               outer_optimizer=lambda ps: torch.optim.SGD(ps, lr=cfg.outer_lr, momentum=cfg.outer_momentum,
-                                                          nesterov=cfg.outer_momentum > 0))
+    error_feedback = swarm is not None and parse_compression(swarm.cfg.compression).ef is not None
+    outer = default_outer(error_feedback, cfg.outer_lr, cfg.outer_momentum)
+    d = DiLoCo(model, inner, swarm=swarm, inner_steps=cfg.inner_steps, on_round=on_round, outer_optimizer=outer)
     with d:
         if swarm is not None and cfg.wait_for > 1:
             seen = swarm.wait_for_peers(cfg.wait_for, cfg.wait_timeout)

@@ -46,7 +46,7 @@ from diloco.peers import expected_peers, resync_source, round_key_for
 from diloco.peers.records import PeerRecord
 
 from .config import DiLoCoConfig
-from .outer import OuterFactory, copy_into, nesterov, outer_step, pseudo_gradient
+from .outer import OuterFactory, copy_into, default_outer, outer_step, pseudo_gradient
 from .state import GlobalState, StateError, schema_digest
 from .swarm import Swarm, SwarmError
 
@@ -91,8 +91,6 @@ class DiLoCo:
         self.cfg = DiLoCoConfig(inner_steps=inner_steps)
         self.model, self.optimizer, self.swarm = model, optimizer, swarm
         self.local_params = list(model.parameters())
-        self._outer_factory = outer_optimizer or nesterov(self.cfg.outer_lr, self.cfg.outer_momentum)
-        self.state = GlobalState(self.local_params, self._outer_factory)
         # Compression is a property of the swarm (every peer must agree); locally, take it from the
         # argument. Error feedback (the spec's ef:BETA stage) keeps this peer's unsent residual.
         self.compression = swarm.cfg.compression if swarm is not None else parse(compression or "fp32").text
@@ -100,6 +98,8 @@ class DiLoCo:
             raise ValueError(f"compression={compression!r} differs from the swarm's {self.compression!r}; "
                              "set it once, in SwarmConfig(compression=...)")
         spec = parse(self.compression)
+        self._outer_factory = outer_optimizer or default_outer(spec.ef is not None)
+        self.state = GlobalState(self.local_params, self._outer_factory)
         self._local_pipeline = Pipeline(spec) if swarm is None else None
         self.ef = ErrorFeedback(spec.ef, self.state.numel) if spec.ef is not None else None
         self.schema = schema_digest(list(model.named_parameters()), spec.text)
