@@ -76,6 +76,8 @@ class RoundReport:
 
 
 class DiLoCo:
+    """A DiLoCo worker around the user's model and inner optimizer (see the module docstring)."""
+
     def __init__(
         self,
         model: torch.nn.Module,
@@ -93,11 +95,11 @@ class DiLoCo:
         self.local_params = list(model.parameters())
         # Compression is a property of the swarm (every peer must agree); locally, take it from the
         # argument. Error feedback (the spec's ef:BETA stage) keeps this peer's unsent residual.
-        self.compression = swarm.cfg.compression if swarm is not None else parse(compression or "fp32").text
-        if swarm is not None and compression is not None and parse(compression).text != parse(self.compression).text:
-            raise ValueError(f"compression={compression!r} differs from the swarm's {self.compression!r}; "
+        spec = parse(swarm.cfg.compression if swarm is not None else compression or "fp32")
+        if swarm is not None and compression is not None and parse(compression).text != spec.text:
+            raise ValueError(f"compression={compression!r} differs from the swarm's {spec.text!r}; "
                              "set it once, in SwarmConfig(compression=...)")
-        spec = parse(self.compression)
+        self.compression = spec.text
         self._outer_factory = outer_optimizer or default_outer(spec.ef is not None)
         self.state = GlobalState(self.local_params, self._outer_factory)
         self._local_pipeline = Pipeline(spec) if swarm is None else None
