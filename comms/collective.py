@@ -42,7 +42,7 @@ from diloco.compression.pipeline import Decoded, Pipeline, parse
 
 from . import messages as msg
 from .faults import FaultPlan
-from .reduce import average
+from .reduce import average, canonical_order
 from .spans import RoundKey, make_view, span_bounds, view_id
 from .transport import PeerId, Transport, TransportError
 
@@ -209,14 +209,15 @@ class Collective:
         async def reduce_and_broadcast() -> None:
             got = rs.contribs.setdefault((vid, mine), {})
             await self._wait(rs, lambda: len(got) == len(view), closed_at + self.cfg.reduce_timeout)
-            senders = [p for p in view if p in got]  # view order: the result is deterministic
+            senders = [p for p in view if p in got]
             idx = tuple(view.index(p) for p in senders)
             numel = bounds[mine][1] - bounds[mine][0]
             if self.pipeline.sparse:
                 body = msg.pack_bundle([(i, got[p][0]) for i, p in zip(idx, senders)])
                 kind = "bundle"
             else:
-                body = self.mean_pipeline.encode(average([got[p][1] for p in senders], numel))
+                order = canonical_order([got[p][0] for p in senders])
+                body = self.mean_pipeline.encode(average([got[senders[i]][1] for i in order], numel))
                 kind = "mean"
             self.faults.hit("reduce", key.round)
             rs.results[(vid, mine)] = (self.me, self._decode_result(kind, memoryview(body), numel, idx), idx)
@@ -261,7 +262,8 @@ class Collective:
             items = msg.unpack_bundle(body, max_items=1 << 15)
             if tuple(i for i, _ in items) != idx:
                 raise PayloadRejected(Reason.BAD_HEADER, "bundle contributors differ from the frame's list")
-            values = average([self.pipeline.decode(p, numel) for _, p in items], numel)
+            payloads = [p for _, p in items]
+            values = average([self.pipeline.decode(payloads[i], numel) for i in canonical_order(payloads)], numel)
         else:
             raise PayloadRejected(Reason.BAD_DTYPE, f"result kind {kind!r} does not fit pipeline {self.pipeline.name}")
         if not bool(torch.isfinite(values).all()):

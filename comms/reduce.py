@@ -4,16 +4,26 @@
 - Sparse contributions (top-k / random-k): each coordinate is averaged over the contributors
   that sent it (SparseLoCo's sparse aggregation); coordinates nobody sent stay 0.
 
-Every peer that holds the same inputs in the same order computes bit-identical outputs.
+Every peer that holds the same inputs in the same order computes bit-identical outputs. The order
+is canonical: contributions are summed sorted by a hash of their encoded bytes, not by who sent
+them, so a run's numbers depend only on its data and seeds, not on the random peer ids that
+order a view (float addition is not associative).
 """
 
 from __future__ import annotations
 
 from typing import Sequence
 
+import hashlib
+
 import torch
 
 from diloco.compression.pipeline import Decoded
+
+
+def canonical_order(payloads: Sequence[bytes | memoryview]) -> list[int]:
+    """Indices of `payloads` sorted by the BLAKE2b digest of their bytes (the summation order)."""
+    return sorted(range(len(payloads)), key=lambda i: hashlib.blake2b(payloads[i], digest_size=16).digest())
 
 
 def average(parts: Sequence[Decoded], numel: int) -> torch.Tensor:

@@ -51,6 +51,29 @@ def test_three_peers_train_and_end_bit_identical(peers, compression):
         assert r["bits_per_param"] == pytest.approx(expected_bits) if expected_bits else 0 < r["bits_per_param"] < 2
 
 
+def test_two_runs_of_the_same_swarm_reach_the_same_state(tmp_path):
+    """The global state depends on data and seeds only, not on the random peer ids that order a
+    view: two independent 3-peer runs end with the same digest (fp32 on the wire: any change in
+    summation order would show in the bits)."""
+    digests = []
+    for run in ("one", "two"):
+        group = Peers(tmp_path / run, f"repro-{run}-{secrets.token_hex(2)}")
+        (tmp_path / run).mkdir()
+        common = ["--rounds", "3", "-H", "5", "--wait-for", "3", "--compression", "fp32", *TINY]
+        try:
+            procs = [group.spawn(0, ["start", *common])]
+            addr = group.address(0)
+            procs += [group.spawn(i, ["join", addr, *common]) for i in (1, 2)]
+            for i, p in enumerate(procs):
+                assert group.wait(p, 90) == 0, group.log(i)
+        finally:
+            group.kill_all()
+        finals = [group.lines(i, "final")[-1] for i in range(3)]
+        assert len({f["digest"] for f in finals}) == 1
+        digests.append(finals[0]["digest"])
+    assert digests[0] == digests[1]
+
+
 def test_sigkill_mid_round_survivors_commit_next_round(peers):
     """SIGKILL one of 3 peers in round 2 after it reduced its span but before it sent the result, so
     no one can commit that round: the survivors commit the next attempt without it within the

@@ -1,0 +1,345 @@
+"""Block scaling: the plumbing every scaled quantizer in :mod:`.quant` shares.
+
+A scaled quantizer cuts the flat tensor into *blocks* of ``N`` values (the last
+may be shorter), stores one **fp32 scale** per block, and sends each value as a
+small code relative to its block's scale. Small blocks confine an outlier's
+damage to its own block; ``N = 0`` (``e3m0`` only) means one scale for the whole
+tensor. This module holds what that scheme needs, independent of the code
+format:
+
+* **Block sizes** -- :func:`_parse_block_args` / :func:`_check_block`: powers of
+  two between :data:`BLOCK_MIN` and :data:`BLOCK_MAX` (or 0 where allowed).
+* **Chunking** -- codecs walk the tensor in chunks of :data:`CHUNK` values
+  (:func:`_chunks`) with reused scratch (:func:`_scratch`): a few MB that stay in
+  the last-level cache, instead of tensor-sized temporaries whose page faults
+  alone cost as much as a clone. Each chunk gets a fixed number of vectorized
+  torch/numpy operations -- never a Python loop over elements.
+  :func:`_blockwise` applies ``op(value, its block's scale)`` to one chunk.
+* **Encoding** -- :func:`_block_absmax` (which also rejects non-finite input),
+  :func:`_safe` divisors, and :class:`_Dither`, the noise for stochastic rounding.
+* **Decoding** -- :func:`_read_f32` and :func:`_check_scales` read and vet the
+  scales, :func:`_check_padding` insists on zero padding bits, and
+  :func:`_decode_table` turns packed codes into values with a 256-row byte table
+  (:func:`_byte_table`) and one fp32 multiply per value.
+* :class:`BlockScaledCodec` -- the layout ``[fp32 scales][packed codes]`` with
+  its exact size and the checks every decoder runs before it reads a code.
+
+Why fp32 scales and not fp16: pseudo-gradient blocks with absmax below fp16's
+normal range (6e-5) are common and would lose precision or underflow, and 32
+bits per block is only 0.125 bits/value at ``N = 256``. Why the decoder is only
+table look-ups and IEEE multiplies: every peer must decode the same bits, so the
+encoder may be approximate (statistics in whatever order is fastest) but the
+decoder may not.
+
+:data:`CHUNK` is read at call time by the helpers here and nowhere else, so
+changing it (``quant.CHUNK = ...`` forwards to it) takes effect for every codec.
+"""
+
+from __future__ import annotations
+
+import abc
+import math
+import os
+import re
+import threading
+from collections.abc import Callable, Iterator
+from typing import Final
+
+import numpy as np
+import torch
+
+from .bits import packed_size, padding_bits_clear
+from .codecs import Codec, _byte_view, _expect_size
+from .errors import PayloadRejected, Reason
+
+__all__ = ["CHUNK", "BLOCK_MIN", "BLOCK_MAX", "FLT_MAX", "BlockScaledCodec"]
+
+CHUNK: int = 1 << 20
+"""Values processed per vectorized step (a tuning knob, not part of the format; it
+must stay a multiple of every block size, i.e. of 65536)."""
+
+BLOCK_MIN: Final[int] = 16
+BLOCK_MAX: Final[int] = 65536
+FLT_MAX: Final[float] = float(np.finfo(np.float32).max)
+
+_F32: Final[str] = "<f4"
+
+
+def _max_scale(top: float) -> float:
+    """Largest fp32 ``s`` whose fp32 product with ``top`` is still finite.
+
+    Encoders clamp block scales to it and decoders reject larger ones, so that
+    ``code * s`` can never overflow for any code of magnitude <= ``top``.
+    """
+    t = np.float32(top)
+    s = np.float32(FLT_MAX / top)
+    with np.errstate(over="ignore"):
+        while not np.isfinite(t * s):
+            s = np.nextafter(s, np.float32(0))
+        while np.isfinite(t * np.nextafter(s, np.float32(np.inf))):
+            s = np.nextafter(s, np.float32(np.inf))
+    return float(s)
+
+
+# --------------------------------------------------------------------------- block sizes
+
+
+def _parse_block(stage: str, text: str, *, per_tensor_ok: bool) -> int:
+    allowed = f"a power of two between {BLOCK_MIN} and {BLOCK_MAX}"
+    if per_tensor_ok:
+        allowed += " (or 0 for one scale per tensor)"
+    if not re.fullmatch(r"0|[1-9][0-9]{0,9}", text):
+        raise ValueError(f"{stage} block size must be {allowed}, got {text!r}")
+    block = int(text)
+    if block == 0 and per_tensor_ok:
+        return 0
+    if not (BLOCK_MIN <= block <= BLOCK_MAX and block & (block - 1) == 0):
+        raise ValueError(f"{stage} block size must be {allowed}, got {block}")
+    return block
+
+
+def _parse_block_args(stage: str, args: list[str], *, default_block: int, per_tensor_ok: bool = False,
+                      sr_ok: bool = True) -> tuple[int, bool]:
+    """Parse ``[BLOCK][:sr]`` stage arguments into (block, stochastic)."""
+    usage = f"{stage}[:BLOCK]" + ("[:sr]" if sr_ok else "")
+    if not isinstance(args, (list, tuple)) or not all(isinstance(a, str) for a in args):
+        raise ValueError(f"{stage} arguments must be a list of strings, got {args!r}")
+    rest = list(args)
+    stochastic = False
+    if rest and rest[-1] == "sr":
+        if not sr_ok:
+            raise ValueError(f"{stage} has no stochastic rounding; expected {usage}")
+        stochastic = True
+        rest.pop()
+    if len(rest) > 1:
+        raise ValueError(f"too many arguments for {stage}: {':'.join(args)!r}; expected {usage}")
+    block = _parse_block(stage, rest[0], per_tensor_ok=per_tensor_ok) if rest else default_block
+    return block, stochastic
+
+
+def _check_block(stage: str, block: int, *, per_tensor_ok: bool = False) -> int:
+    if type(block) is not int:
+        raise ValueError(f"{stage} block size must be an int, got {block!r}")
+    return _parse_block(stage, str(block), per_tensor_ok=per_tensor_ok)
+
+
+# --------------------------------------------------------------------------- chunking
+
+
+def _chunks(n: int) -> Iterator[tuple[int, int]]:
+    for start in range(0, n, CHUNK):
+        yield start, min(n, start + CHUNK)
+
+
+def _scratch(n: int, dtype: torch.dtype) -> torch.Tensor:
+    """Uninitialised scratch for one chunk of an ``n``-value tensor."""
+    return torch.empty(min(n, CHUNK), dtype=dtype)
+
+
+def _blockwise(op: Callable[..., torch.Tensor], src: torch.Tensor, scales: torch.Tensor, block: int,
+               out: torch.Tensor) -> None:
+    """``out = op(src, scale of each value's block)`` for a chunk that starts on a
+    block boundary; the chunk's last block may be partial."""
+    n = src.numel()
+    full = n // block
+    if full:
+        op(src[: full * block].view(full, block), scales[:full, None], out=out[: full * block].view(full, block))
+    if n > full * block:
+        op(src[full * block :], scales[full : full + 1], out=out[full * block :])
+
+
+# --------------------------------------------------------------------------- encoding
+
+
+def _block_absmax(x: torch.Tensor, block: int) -> np.ndarray:
+    """fp32 ``max |x|`` of each block of ``block`` values (the last may be partial).
+
+    NaN and inf propagate, so one look at the (small) result checks the whole
+    input for finiteness. ``-0.0`` is canonicalised to ``+0.0``.
+    """
+    a = x.numpy()
+    full = a.size // block
+    parts = []
+    if full:
+        rows = a[: full * block].reshape(full, block)
+        parts.append(np.maximum(rows.max(axis=1), -rows.min(axis=1)))
+    if a.size > full * block:
+        tail = a[full * block :]
+        parts.append(np.maximum(tail.max(keepdims=True), -tail.min(keepdims=True)))
+    absmax = np.abs(np.concatenate(parts))
+    if not np.isfinite(absmax).all():
+        raise ValueError("cannot quantize non-finite values (NaN or inf in the input)")
+    return absmax
+
+
+def _safe(scales: np.ndarray) -> torch.Tensor:
+    """Scales to divide by: a zero scale (all-zero block) becomes 1 (its codes are 0)."""
+    return torch.from_numpy(np.where(scales > 0, scales, np.float32(1.0)).astype(np.float32))
+
+
+class _Dither:
+    """Uniform [0, 1) noise for stochastic rounding, from a generator the codec owns.
+
+    torch's CPU ``uniform_`` draws fp32 values on a 2**-24 grid, so ``P(u < p)`` is within
+    2**-24 of ``p``: rounding up with that probability is unbiased to 2**-24 of a
+    quantization step. A lock makes one codec safe to share between threads.
+    """
+
+    def __init__(self, seed: int | None) -> None:
+        if seed is None:
+            seed = int.from_bytes(os.urandom(8), "little")
+        elif type(seed) is not int or not 0 <= seed < 2**64:
+            raise ValueError(f"seed must be an int in [0, 2**64), got {seed!r}")
+        self._generator = torch.Generator()
+        self._generator.manual_seed(seed)
+        self._lock = threading.Lock()
+
+    def fill(self, buffer: torch.Tensor) -> torch.Tensor:
+        with self._lock:
+            return buffer.uniform_(0.0, 1.0, generator=self._generator)
+
+
+
+# --------------------------------------------------------------------------- decoding
+
+
+def _read_f32(view: memoryview, offset: int, count: int) -> np.ndarray:
+    """``count`` little-endian fp32 values at ``offset``, as a new native array."""
+    return np.frombuffer(view, dtype=_F32, count=count, offset=offset).astype(np.float32)
+
+
+def _check_scales(codec: Codec, scales: np.ndarray, max_scale: float) -> None:
+    if not np.isfinite(scales).all():
+        raise PayloadRejected(Reason.NON_FINITE, f"{codec.name}: non-finite scale")
+    if (scales > np.float32(max_scale)).any():
+        raise PayloadRejected(Reason.NON_FINITE, f"{codec.name}: scale {float(scales.max()):g} would overflow fp32")
+    if np.signbit(scales).any():
+        raise PayloadRejected(Reason.BAD_HEADER, f"{codec.name}: negative scale")
+
+
+def _check_padding(codec: Codec, view: memoryview, bits: int, numel: int) -> None:
+    if not padding_bits_clear(view, bits, numel):
+        raise PayloadRejected(Reason.BAD_DTYPE, f"{codec.name}: non-zero padding bits")
+
+
+def _packed_chunk(view: memoryview, offset: int, bits: int, start: int, stop: int) -> np.ndarray:
+    """Read-only uint8 array of the packed codes of values ``start:stop`` (start % 8 == 0)."""
+    return np.frombuffer(view, dtype=np.uint8, count=packed_size(stop - start, bits),
+                         offset=offset + start * bits // 8)
+
+
+def _byte_table(values: np.ndarray, bits: int) -> np.ndarray:
+    """(256, 8 // bits) fp32 table: row ``b`` holds the values of the codes packed in byte ``b``."""
+    per_byte = 8 // bits
+    mask = (1 << bits) - 1
+    byte = np.arange(256)
+    codes = np.stack([(byte >> (bits * j)) & mask for j in range(per_byte)], axis=1)
+    return values.astype(np.float32)[codes]
+
+
+def _take_bytes(table: np.ndarray, packed: np.ndarray, out: np.ndarray) -> None:
+    """``out`` = the values of ``out.size`` codes packed in ``packed``, via a byte table."""
+    per_byte = table.shape[1]
+    full = out.size // per_byte
+    if full:
+        np.take(table, packed[:full], axis=0, out=out[: full * per_byte].reshape(full, per_byte), mode="clip")
+    if out.size > full * per_byte:
+        out[full * per_byte :] = table[packed[full], : out.size - full * per_byte]
+
+
+def _decode_table(codec: Codec, view: memoryview, numel: int, head: int, bits: int, table: np.ndarray,
+                  scales: torch.Tensor | None, block: int, reason: Reason, what: str) -> torch.Tensor:
+    """Decode ``numel`` packed codes after ``head`` header bytes: a byte-table look-up,
+    then (when ``scales`` is given) one fp32 multiply by each value's block scale.
+
+    Table entries that must never be received are NaN; one ``aminmax`` over the
+    result then rejects them with ``reason`` (finite entries times checked scales
+    cannot overflow).
+    """
+    out = np.empty(numel, dtype=np.float32)
+    result = torch.from_numpy(out)
+    for start, stop in _chunks(numel):
+        _take_bytes(table, _packed_chunk(view, head, bits, start, stop), out[start:stop])
+        if scales is not None:
+            o = result[start:stop]
+            _blockwise(torch.mul, o, scales[start // block :], block, o)
+    _require_finite_output(codec, result, reason, what)
+    return result
+
+
+def _require_finite_output(codec: Codec, out: torch.Tensor, reason: Reason, what: str) -> None:
+    if out.numel():
+        low, high = torch.aminmax(out)  # NaN propagates; one pass, no allocation
+        if not (math.isfinite(float(low)) and math.isfinite(float(high))):
+            raise PayloadRejected(reason, f"{codec.name}: {what}")
+
+
+def _empty() -> torch.Tensor:
+    return torch.empty(0, dtype=torch.float32)
+
+
+
+# --------------------------------------------------------------------------- the codec layout
+
+
+class BlockScaledCodec(Codec):
+    """A codec whose payload is ``[fp32 scale per block][bits-bit codes, packed]``.
+
+    Subclasses set ``block`` (0: one scale per tensor), ``bits`` (the code width)
+    and ``_max_scale`` (the largest scale a decoder accepts), write payloads with
+    :meth:`_new_payload`, and implement :meth:`_decode_codes`; :meth:`decode`
+    runs the checks every such decoder needs first, in this order: exact size
+    (``WRONG_SIZE``), the empty tensor, scales (``NON_FINITE`` / ``BAD_HEADER``),
+    padding bits (``BAD_DTYPE``).
+    """
+
+    block: int
+    bits: int
+    _max_scale: float
+
+    def _blocks(self, numel: int) -> int:
+        """How many scales ``numel`` values carry."""
+        if self.block == 0:
+            return min(numel, 1)
+        return -(-numel // self.block)
+
+    def encoded_size(self, numel: int) -> int:
+        if numel < 0:
+            raise ValueError(f"numel must be >= 0, got {numel}")
+        return 4 * self._blocks(numel) + packed_size(numel, self.bits)
+
+    def _clamped_scales(self, x: torch.Tensor, top: float) -> np.ndarray:
+        """Block scales ``absmax / top`` that map each block's largest value onto code
+        magnitude ``top``, clamped to ``_max_scale`` so ``top * s`` stays finite."""
+        absmax = _block_absmax(x, self.block)
+        return np.minimum(np.divide(absmax, np.float32(top), dtype=np.float32), np.float32(self._max_scale))
+
+    def _new_payload(self, scales: np.ndarray, numel: int) -> tuple[np.ndarray, torch.Tensor]:
+        """(payload with ``scales`` written, writable view of its code bytes)."""
+        head = 4 * scales.size
+        out = np.empty(self.encoded_size(numel), dtype=np.uint8)
+        out[:head].view(_F32)[:] = scales
+        return out, torch.from_numpy(out[head:])
+
+    def _chunk_scales(self, scales: np.ndarray, numel: int) -> tuple[int, torch.Tensor]:
+        """(block, per-block scales) to use chunk by chunk; a per-tensor scale is
+        repeated over virtual blocks of CHUNK values."""
+        table = torch.from_numpy(scales)
+        if self.block:
+            return self.block, table
+        return CHUNK, table.expand(-(-numel // CHUNK))
+
+    def decode(self, payload: bytes | bytearray | memoryview, numel: int) -> torch.Tensor:
+        view = _byte_view(payload)
+        _expect_size(self, view, numel)
+        if numel == 0:
+            return _empty()
+        scales = _read_f32(view, 0, self._blocks(numel))
+        _check_scales(self, scales, self._max_scale)
+        if self.bits < 8:
+            _check_padding(self, view, self.bits, numel)
+        return self._decode_codes(view, numel, scales)
+
+    @abc.abstractmethod
+    def _decode_codes(self, view: memoryview, numel: int, scales: np.ndarray) -> torch.Tensor:
+        """Decode the codes that follow the (checked) ``scales`` in ``view``."""
