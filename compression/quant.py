@@ -67,14 +67,12 @@ Where the code lives (imports run one way, top to bottom):
 * :mod:`.intquant` -- integer codes: ``q8``/``q4``/``q2`` and ``s4``/``s2``.
 * :mod:`.floatquant` -- float codes: ``bf16``, ``fp8``, ``e3m0``.
 * this module -- the registry: stage names, their factories, and
-  :func:`make_quantizer`. It re-exports the codecs and constants, and
-  ``quant.CHUNK`` reads and writes :data:`.blockscale.CHUNK`.
+  :func:`make_quantizer`. It re-exports the codecs and constants (the chunk
+  size knob itself is :data:`.blockscale.CHUNK`).
 """
 
 from __future__ import annotations
 
-import sys
-import types
 from typing import Final, Protocol
 
 from . import blockscale
@@ -84,7 +82,6 @@ from .floatquant import BF16_MAX, FP8_MAX, Bf16Codec, E3M0Codec, Fp8Codec  # noq
 from .intquant import BlockQuantCodec, StatCodec
 
 __all__ = [
-    "CHUNK",
     "Bf16Codec",
     "BlockQuantCodec",
     "StatCodec",
@@ -96,24 +93,6 @@ __all__ = [
 ]
 
 
-class _QuantModule(types.ModuleType):
-    """This module's type: ``CHUNK`` is a property, so that ``quant.CHUNK = n``
-    (a documented tuning knob; tests shrink it) changes the one value the codecs
-    read, :data:`.blockscale.CHUNK`, instead of a copy nobody reads."""
-
-    @property
-    def CHUNK(self) -> int:  # noqa: N802 -- a module constant
-        return blockscale.CHUNK
-
-    @CHUNK.setter
-    def CHUNK(self, value: int) -> None:  # noqa: N802
-        blockscale.CHUNK = value
-
-    def __dir__(self) -> list[str]:
-        return sorted({*super().__dir__(), "CHUNK"})
-
-
-sys.modules[__name__].__class__ = _QuantModule
 
 
 # --------------------------------------------------------------------------- registry

@@ -26,7 +26,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from diloco.compression import Codec, PayloadRejected, Reason, quant
+from diloco.compression import Codec, PayloadRejected, Reason, blockscale
 from diloco.compression.bits import (
     SUPPORTED_BITS,
     pack_bits,
@@ -231,11 +231,11 @@ def test_round_trip_across_chunks(spec: str, monkeypatch: pytest.MonkeyPatch) ->
     # Codecs work through CHUNK values at a time; shrink CHUNK (still a multiple of every
     # block size) so that a small tensor spans 4 chunks, the last one short, with a
     # partial last block and an odd count.
-    monkeypatch.setattr(quant, "CHUNK", 1 << 16)
-    size = 3 * quant.CHUNK + 777
+    monkeypatch.setattr(blockscale, "CHUNK", 1 << 16)
+    size = 3 * blockscale.CHUNK + 777
     g = torch.Generator().manual_seed(3)
     t = torch.randn(size, generator=g) * torch.rand(size, generator=g)
-    t[quant.CHUNK - 1] = 50.0  # an outlier right at a chunk boundary
+    t[blockscale.CHUNK - 1] = 50.0  # an outlier right at a chunk boundary
     check_round_trip(spec, t)
     c = codec(spec)
     if isinstance(c, BlockQuantCodec) and not c.stochastic:
