@@ -24,8 +24,8 @@ def nesterov(lr: float = 0.7, momentum: float = 0.9) -> OuterFactory:
 def default_outer(error_feedback: bool, lr: float | None = None, momentum: float | None = None) -> OuterFactory:
     """DiLoCo's Nesterov SGD (lr 0.7, momentum 0.9) for pipelines without error feedback; SparseLoCo's
     plain SGD (lr 1.0, no momentum) with it, where the residual plays momentum's part. Measured on the
-    demo (docs/BENCHMARKS.md): topk:64/4096+s2+ef:0.95 reaches 2.438 held-out loss with SparseLoCo's
-    outer step and 2.839 with Nesterov after the same 8 rounds. `lr` / `momentum` override either."""
+    demo (docs/BENCHMARKS.md): topk:64/4096+s2+ef:0.95 reaches 2.437 held-out loss with SparseLoCo's
+    outer step and 2.819 with Nesterov after the same 8 rounds. `lr` / `momentum` override either."""
     base_lr, base_momentum = (1.0, 0.0) if error_feedback else (0.7, 0.9)
     return nesterov(base_lr if lr is None else lr, base_momentum if momentum is None else momentum)
 
