@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test test-slow install clean
+.PHONY: demo test test-slow typecheck install clean
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -22,6 +22,10 @@ test: $(STAMP)
 
 test-slow: $(STAMP)
 	$(BIN)/python -m pytest -q -m slow
+
+typecheck: $(STAMP)
+	$(BIN)/pip install --quiet -c constraints.txt -e '.[dev]'
+	bash .ci/typecheck
 
 clean:
 	rm -rf $(VENV) build *.egg-info

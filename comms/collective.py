@@ -34,10 +34,11 @@ import logging
 import time
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import Any, Callable
 
 import torch
 
-from diloco.compression import PayloadRejected, Reason
+from diloco.compression import Header, PayloadRejected, Reason
 from diloco.compression.pipeline import Decoded, Pipeline, parse
 
 from . import messages as msg
@@ -250,7 +251,7 @@ class Collective:
                 sent[lo:hi] = own.dense(hi - lo) if i == mine else self.pipeline.decode(payloads[i], hi - lo).dense(hi - lo)
         return RoundOutcome(key, True, "committed", view, aggregate, contributors, sent, payload_bytes)
 
-    def _frame(self, kind: str, key: RoundKey, **fields) -> bytes:
+    def _frame(self, kind: str, key: RoundKey, **fields: Any) -> bytes:
         return msg.encode(kind, run=self.run_id, sender=self.me, schema=self.schema, key=key,
                           codec=self.pipeline.name, **fields)
 
@@ -355,7 +356,7 @@ class Collective:
         if not 0 <= span < len(rs.view) or rs.view[span] != owner:
             raise PayloadRejected(Reason.WRONG_SPAN, f"span {span} is not owned by {owner}")
 
-    def _check_codec(self, header) -> None:
+    def _check_codec(self, header: Header) -> None:
         if header.codec != self.pipeline.name:
             raise PayloadRejected(Reason.BAD_DTYPE, f"codec {header.codec!r}, this swarm uses {self.pipeline.name!r}")
 
@@ -364,7 +365,7 @@ class Collective:
         log.warning("event=payload_rejected reason=%s peer=%s detail=%s", e.reason.value, caller, e.detail)
         return msg.ack(run=self.run_id, sender=self.me, ok=False, reason=e.reason.value)
 
-    async def _call(self, peer: PeerId, name: str, frame: bytes) -> dict | None:
+    async def _call(self, peer: PeerId, name: str, frame: bytes) -> dict[str, Any] | None:
         """Send one frame; the reply's meta, or None when the peer could not be reached."""
         try:
             reply = await self.transport.call(peer, name, frame, self.cfg.call_timeout)
@@ -386,7 +387,7 @@ class Collective:
             del self._rounds[k]
 
     @staticmethod
-    async def _wait(rs: _RoundState, done, deadline: float) -> bool:
+    async def _wait(rs: _RoundState, done: Callable[[], bool], deadline: float) -> bool:
         """Wait until `done()` or the deadline; True if done. Handlers wake us through `rs.changed`."""
         while not done():
             remaining = deadline - time.monotonic()

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import threading
-from typing import Any, Awaitable, TypeVar
+from typing import Any, Coroutine, TypeVar
 
 T = TypeVar("T")
 
@@ -25,16 +25,16 @@ class LoopThread:
         asyncio.set_event_loop(self.loop)
         self.loop.run_forever()
 
-    def run(self, coro: Awaitable[T], timeout: float | None = None) -> T:
-        future = asyncio.run_coroutine_threadsafe(coro, self.loop)  # type: ignore[arg-type]
+    def run(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
+        future: concurrent.futures.Future[T] = asyncio.run_coroutine_threadsafe(coro, self.loop)
         try:
             return future.result(timeout)
         except concurrent.futures.TimeoutError:
             future.cancel()
             raise TimeoutError(f"operation did not finish within {timeout}s") from None
 
-    def submit(self, coro: Awaitable[Any]) -> concurrent.futures.Future:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop)  # type: ignore[arg-type]
+    def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
 
     def stop(self) -> None:
         if self.loop.is_running():

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from contextlib import suppress
+from typing import Any, Literal
 
 from hivemind.p2p import P2P, PeerID
 
@@ -24,7 +25,7 @@ from .transport import ByteCounter, Handler, PeerId, TransportError
 log = logging.getLogger(__name__)
 
 _LEN = 8  # bytes of the length prefix, as hivemind's P2P.send_raw_data writes it
-_BYTEORDER = "big"
+_BYTEORDER: Literal["big"] = "big"
 
 
 async def _send(writer: asyncio.StreamWriter, data: bytes) -> None:
@@ -78,18 +79,18 @@ class P2PTransport:
     @property
     def socket_paths(self) -> list[str]:
         """The unix sockets the daemon and client use; left behind if we are SIGKILLed."""
-        paths = []
+        paths: list[str] = []
         for attr in ("_daemon_listen_maddr", "_client_listen_maddr"):
-            maddr = getattr(self.p2p, attr, None)
+            maddr: Any = getattr(self.p2p, attr, None)
             with suppress(Exception):
-                paths.append(maddr["unix"])
+                paths.append(str(maddr["unix"]))
         return paths
 
     async def visible_addresses(self) -> list[str]:
         return [str(m) for m in await self.p2p.get_visible_maddrs()]
 
     async def register(self, name: str, handler: Handler) -> None:
-        async def serve(info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        async def serve(info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
             caller = PeerId(info.peer_id.to_base58())
             try:
                 request = await _receive(reader, self.max_message)

@@ -169,7 +169,7 @@ def _block_absmax(x: torch.Tensor, block: int) -> np.ndarray:
     absmax = np.abs(np.concatenate(parts))
     if not np.isfinite(absmax).all():
         raise ValueError("cannot quantize non-finite values (NaN or inf in the input)")
-    return absmax
+    return np.asarray(absmax, dtype=np.float32)
 
 
 def _safe(scales: np.ndarray) -> torch.Tensor:
@@ -312,7 +312,8 @@ class BlockScaledCodec(Codec):
         """Block scales ``absmax / top`` that map each block's largest value onto code
         magnitude ``top``, clamped to ``_max_scale`` so ``top * s`` stays finite."""
         absmax = _block_absmax(x, self.block)
-        return np.minimum(np.divide(absmax, np.float32(top), dtype=np.float32), np.float32(self._max_scale))
+        return np.asarray(np.minimum(np.divide(absmax, np.float32(top), dtype=np.float32),
+                                     np.float32(self._max_scale)), dtype=np.float32)
 
     def _new_payload(self, scales: np.ndarray, numel: int) -> tuple[np.ndarray, torch.Tensor]:
         """(payload with ``scales`` written, writable view of its code bytes)."""

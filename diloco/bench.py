@@ -21,7 +21,7 @@ import statistics
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
@@ -55,7 +55,7 @@ class CodecResult:
     def decode_x(self) -> float:
         return self.decode_s / self.clone_s
 
-    def row(self) -> dict:
+    def row(self) -> dict[str, Any]:
         return {**asdict(self), "encode_x_clone": round(self.encode_x, 2), "decode_x_clone": round(self.decode_x, 2),
                 "roundtrip_x_clone": round(self.encode_x + self.decode_x, 2)}
 
@@ -124,7 +124,7 @@ def bench_codecs(specs: list[str], inputs: dict[str, torch.Tensor], repeats: int
     return results
 
 
-def write_json(results: list[CodecResult], path: str | Path, meta: dict) -> None:
+def write_json(results: list[CodecResult], path: str | Path, meta: dict[str, Any]) -> None:
     Path(path).write_text(json.dumps({"meta": meta, "results": [r.row() for r in results]}, indent=2) + "\n")
 
 

@@ -15,11 +15,14 @@ import signal
 import sys
 import threading
 from pathlib import Path
-from typing import List, Optional
+from typing import TYPE_CHECKING, List, NoReturn, Optional
 
 import typer
 
 from .config import ConfigError, SwarmConfig
+
+if TYPE_CHECKING:  # the job module imports torch: keep `diloco --help` fast
+    from .train import JobConfig
 
 DEFAULT_DEMO_COMPRESSION = "e3m0"
 
@@ -39,7 +42,7 @@ OuterLr = typer.Option(None, help="Outer SGD lr (default 0.7; 1.0 when the compr
 OuterMomentum = typer.Option(None, help="Outer Nesterov momentum (default 0.9; 0 with error feedback).")
 
 
-def _fail(message: str, code: int = 2) -> None:
+def _fail(message: str, code: int = 2) -> NoReturn:
     typer.echo(f"error: {message}", err=True)
     raise typer.Exit(code)
 
@@ -51,8 +54,10 @@ def _setup_logging(verbose: bool) -> None:
         logging.getLogger(noisy).setLevel(logging.ERROR)
 
 
-def _configs(run_id, compression, min_peers, rounds, inner_steps, batch_size, seed, shard, d_model, layers, threads,
-             gather_timeout, eval_every, wait_for, round_timeout, outer_lr, outer_momentum):
+def _configs(run_id: str, compression: str, min_peers: int, rounds: int, inner_steps: int, batch_size: int,
+             seed: int, shard: Optional[int], d_model: int, layers: int, threads: int, gather_timeout: float,
+             eval_every: int, wait_for: int, round_timeout: float, outer_lr: Optional[float],
+             outer_momentum: Optional[float]) -> tuple[SwarmConfig, JobConfig]:
     from .train import JobConfig
 
     try:
@@ -66,7 +71,9 @@ def _configs(run_id, compression, min_peers, rounds, inner_steps, batch_size, se
     return swarm_cfg, job
 
 
-def _run_peer(initial: list[str], *, host, port, announce, address_file, metrics, status_file, swarm_cfg, job) -> None:
+def _run_peer(initial: list[str], *, host: str, port: int, announce: Optional[List[str]],
+              address_file: Optional[Path], metrics: Optional[Path], status_file: Optional[Path],
+              swarm_cfg: SwarmConfig, job: JobConfig) -> None:
     from .metrics import MetricsWriter
     from .swarm import Swarm, SwarmError
     from .train import run_job
@@ -78,7 +85,7 @@ def _run_peer(initial: list[str], *, host, port, announce, address_file, metrics
         _fail(str(e), code=1)
     stop = threading.Event()
 
-    def on_signal(signum, _frame):
+    def on_signal(signum: int, _frame: object) -> None:
         typer.echo(f"received {signal.Signals(signum).name}: finishing the current round, then leaving", err=True)
         stop.set()
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from rich.console import Group
 from rich.table import Table
@@ -44,7 +45,7 @@ def render(peers: list[PeerView], elapsed: float, target_rounds: int) -> Group:
     return Group(table)
 
 
-def summary_table(s: dict) -> Table:
+def summary_table(s: dict[str, Any]) -> Table:
     table = Table(title="diloco demo — summary", show_header=False)
     table.add_column("what")
     table.add_column("value", justify="right")

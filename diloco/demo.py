@@ -22,6 +22,7 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 from .config import ConfigError, SwarmConfig
 from .dashboard import PeerView, render, summary_table
@@ -75,13 +76,13 @@ def peer_command(cfg: DemoConfig, index: int, run_id: str, workdir: Path, bootst
     return cmd
 
 
-def _spawn(cmd: list[str], log_path: Path) -> subprocess.Popen:
+def _spawn(cmd: list[str], log_path: Path) -> subprocess.Popen[bytes]:
     log = open(log_path, "wb")
     return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
 
 
-def _stop_all(procs: list[subprocess.Popen], grace: float = 15.0) -> None:
+def _stop_all(procs: list[subprocess.Popen[bytes]], grace: float = 15.0) -> None:
     for p in procs:
         if p.poll() is None:
             p.send_signal(signal.SIGTERM)
@@ -94,7 +95,7 @@ def _stop_all(procs: list[subprocess.Popen], grace: float = 15.0) -> None:
             p.wait()
 
 
-def _views(procs: list[subprocess.Popen], workdir: Path) -> list[PeerView]:
+def _views(procs: list[subprocess.Popen[bytes]], workdir: Path) -> list[PeerView]:
     views = []
     for i, p in enumerate(procs):
         st = read_status(workdir / f"peer{i}.status.json") or {}
@@ -104,7 +105,7 @@ def _views(procs: list[subprocess.Popen], workdir: Path) -> list[PeerView]:
     return views
 
 
-def summarize(cfg: DemoConfig, workdir: Path, wall: float) -> dict:
+def summarize(cfg: DemoConfig, workdir: Path, wall: float) -> dict[str, Any]:
     """The demo's summary from every peer's metrics file (pure file reading; unit-testable)."""
     finals = []
     for i in range(cfg.peers):
@@ -154,7 +155,7 @@ def run_demo(cfg: DemoConfig, *, workdir: Path | None = None, metrics: Path | No
     console.print(f"[bold]diloco demo[/]: {cfg.peers} peers, {cfg.rounds} rounds of H={cfg.inner_steps}, "
                   f"compression {cfg.compression}; logs in {workdir}")
     started = time.monotonic()
-    procs: list[subprocess.Popen] = []
+    procs: list[subprocess.Popen[bytes]] = []
     try:
         procs.append(_spawn(peer_command(cfg, 0, run_id, workdir, None), workdir / "peer0.log"))
         addr_file = workdir / "peer0.addr"

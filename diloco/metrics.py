@@ -15,7 +15,7 @@ from typing import Any
 
 
 class MetricsWriter:
-    def __init__(self, path: str | os.PathLike | None) -> None:
+    def __init__(self, path: str | os.PathLike[str] | None) -> None:
         self.path = Path(path) if path else None
         if self.path is not None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -28,7 +28,7 @@ class MetricsWriter:
             f.write(line + "\n")
 
 
-def write_status(path: str | os.PathLike | None, **fields: Any) -> None:
+def write_status(path: str | os.PathLike[str] | None, **fields: Any) -> None:
     """Replace the status file atomically (write a temp file, then rename over)."""
     if not path:
         return
@@ -38,7 +38,7 @@ def write_status(path: str | os.PathLike | None, **fields: Any) -> None:
     os.replace(tmp, path)
 
 
-def read_jsonl(path: str | os.PathLike) -> list[dict[str, Any]]:
+def read_jsonl(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
     """All complete lines of a metrics file (a partially written last line is skipped)."""
     out = []
     try:
@@ -53,8 +53,9 @@ def read_jsonl(path: str | os.PathLike) -> list[dict[str, Any]]:
     return out
 
 
-def read_status(path: str | os.PathLike) -> dict[str, Any] | None:
+def read_status(path: str | os.PathLike[str]) -> dict[str, Any] | None:
     try:
-        return json.loads(Path(path).read_text(encoding="utf-8"))
+        status: dict[str, Any] = json.loads(Path(path).read_text(encoding="utf-8"))
+        return status
     except (FileNotFoundError, json.JSONDecodeError):
         return None

@@ -104,7 +104,8 @@ class CausalSelfAttention(nn.Module):
             q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True
         )
         y = y.transpose(1, 2).contiguous().view(b, t, c)
-        return self.resid_drop(self.proj(y))
+        out: torch.Tensor = self.resid_drop(self.proj(y))
+        return out
 
 
 class MLP(nn.Module):
@@ -117,7 +118,8 @@ class MLP(nn.Module):
         self.drop = nn.Dropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.drop(self.proj(F.gelu(self.fc(x))))
+        out: torch.Tensor = self.drop(self.proj(F.gelu(self.fc(x))))
+        return out
 
 
 class Block(nn.Module):
@@ -132,7 +134,8 @@ class Block(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln1(x))
-        return x + self.mlp(self.ln2(x))
+        out: torch.Tensor = x + self.mlp(self.ln2(x))
+        return out
 
 
 class GPT(nn.Module):

@@ -64,11 +64,11 @@ class GlobalState:
             str(idx): {name: _pack_value(v) for name, v in entry.items()}
             for idx, entry in self.outer.state_dict()["state"].items()
         }
-        return msgpack.packb({
+        return bytes(msgpack.packb({
             "round": self.round,
             "params": [_pack_tensor(p) for p in self.params],
             "outer": outer_state,
-        }, use_bin_type=True)
+        }, use_bin_type=True))
 
     def load_bytes(self, data: bytes) -> None:
         """Replace our state with `data` (from `to_bytes` on a peer); raises StateError if it does not fit.

@@ -20,7 +20,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Callable
+from typing import Any, Callable
+
+import torch
 
 from diloco.comms import Collective, PeerId, RoundKey, RoundOutcome, Transport
 from diloco.comms import messages as msg
@@ -42,7 +44,8 @@ class SwarmError(RuntimeError):
 
 class Swarm:
     def __init__(self, loop: LoopThread, transport: Transport, directory: Directory, collective: Collective,
-                 cfg: SwarmConfig, *, owns_loop: bool, addresses: list[str], on_close=None,
+                 cfg: SwarmConfig, *, owns_loop: bool, addresses: list[str],
+                 on_close: Callable[[], None] | None = None,
                  bootstrapped: bool = False) -> None:
         self.bootstrapped = bootstrapped
         """True when this peer joined through another peer's address (so a swarm should be visible)."""
@@ -93,7 +96,7 @@ class Swarm:
         reaper = Reaper()
         proto = "ip6" if ":" in host else "ip4"
 
-        async def build():
+        async def build() -> tuple[P2PTransport, DHTDirectory, Collective, list[str]]:
             transport = await P2PTransport.create(initial_peers=initial, host_maddrs=[f"/{proto}/{host}/tcp/{port}"],
                                                   announce_maddrs=announce, max_message=cfg.max_payload + (1 << 20))
             if transport.daemon_pid:
@@ -116,7 +119,7 @@ class Swarm:
             reaper.close()
             raise
 
-        def finish():  # leaving must never fail: bound every step, log what did not finish
+        def finish() -> None:  # leaving must never fail: bound every step, log what did not finish
             for name, step, limit in (("dht", directory.close, 5), ("p2p", transport.close, 15)):
                 try:
                     loop.run(step(), timeout=limit)
@@ -146,7 +149,7 @@ class Swarm:
         addr = next((a for a in self.addresses if "/127.0.0.1/" not in a), self.addresses[0])
         return f"diloco join {addr} --run-id {self.cfg.run_id}"
 
-    def update(self, **fields) -> None:
+    def update(self, **fields: Any) -> None:
         """Change our record (status, round, attempt, digest, step, loss) and publish it now."""
         self._record = PeerRecord(**{**self._record.__dict__, **fields})
         self.loop.submit(self._publish())
@@ -184,7 +187,7 @@ class Swarm:
 
     # ------------------------------------------------------------------ rounds and state
 
-    def exchange(self, key: RoundKey, digest: str, expected: list[PeerId], delta) -> RoundOutcome:
+    def exchange(self, key: RoundKey, digest: str, expected: list[PeerId], delta: torch.Tensor) -> RoundOutcome:
         """Run one round of the collective with our pseudo-gradient; returns within the deadlines."""
         limit = self.cfg.gather_timeout + self.cfg.result_timeout + 2 * self.cfg.call_timeout
         return self.loop.run(self.collective.run_round(key, digest, expected, delta), timeout=limit)
@@ -197,7 +200,7 @@ class Swarm:
         """Download (round, digest, state bytes) from `peer`; raises SwarmError if it cannot."""
         request = msg.encode(msg.STATE, run=self.cfg.run_id, sender=self.peer_id)
 
-        async def get():
+        async def get() -> tuple[int, str, bytes]:
             reply = await self.transport.call(peer, "diloco.state", request, self.cfg.call_timeout * 4)
             header, body, _ = msg.decode(reply, run=self.cfg.run_id, kind=msg.STATE, caller=peer,
                                          max_body=self.cfg.max_payload)
@@ -249,7 +252,7 @@ class Swarm:
     def __enter__(self) -> Swarm:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
 

@@ -11,11 +11,13 @@ measured on the global (outer) parameters.
 from __future__ import annotations
 
 import logging
+import os
 import math
 import threading
 import time
 import zlib
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -87,7 +89,7 @@ class JobConfig:
 
 
 def run_job(cfg: JobConfig, swarm: Swarm | None, *, metrics: MetricsWriter | None = None,
-            status_path: str | None = None, stop: threading.Event | None = None) -> dict:
+            status_path: str | os.PathLike[str] | None = None, stop: threading.Event | None = None) -> dict[str, Any]:
     """Train until the global round reaches cfg.rounds (or `stop` is set); returns the final summary."""
     stop = stop or threading.Event()
     metrics = metrics or MetricsWriter(None)

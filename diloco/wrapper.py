@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from typing import Callable, Iterator
 
 import torch
+from torch.utils.hooks import RemovableHandle
 
 from diloco.comms import RoundKey, RoundOutcome
 from diloco.compression.ef import ErrorFeedback
@@ -111,7 +112,7 @@ class DiLoCo:
         self.attempt = 0
         self.loss: float | None = None
         self.reports: list[RoundReport] = []
-        self._hook = None
+        self._hook: RemovableHandle | None = None
         self._snapshot: tuple[int, str, bytes] | None = None
         self._digest = ""
         self._state_changed()
@@ -122,7 +123,7 @@ class DiLoCo:
         self.attach()
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.detach()
 
     def attach(self) -> None:
