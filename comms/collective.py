@@ -33,88 +33,23 @@ import asyncio
 import logging
 import time
 from collections import Counter
-from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
 
 from diloco.compression import Header, PayloadRejected, Reason
-from diloco.compression.pipeline import Decoded, Pipeline, parse
+from diloco.compression.pipeline import Pipeline
 
 from . import messages as msg
 from .faults import FaultPlan
 from .reduce import average, canonical_order
+from .rounds import CollectiveConfig, Exchange, RoundOutcome, RoundState
 from .spans import RoundKey, make_view, span_bounds, view_id
 from .transport import PeerId, Transport, TransportError
 
 log = logging.getLogger(__name__)
 
 _MAX_VIEWS_PER_ROUND = 8  # bounded buffering of frames from views other than ours
-
-
-@dataclass(frozen=True, kw_only=True)
-class CollectiveConfig:
-    gather_timeout: float = 30.0
-    """Seconds a ready peer waits for the other expected peers before closing the round without them."""
-    reduce_timeout: float = 20.0
-    """Seconds after the gather closes that a span owner waits for contributions."""
-    result_timeout: float = 30.0
-    """Seconds after the gather closes that a peer waits for every span's result; > reduce_timeout."""
-    call_timeout: float = 15.0
-    """Seconds any single message may take before its peer is treated as unreachable."""
-    min_peers: int = 1
-    """Fewest members (self included) a round needs to commit."""
-    compression: str = "fp32"
-    """Compression pipeline spec of contributions (see diloco.compression.pipeline)."""
-    max_payload: int = 1 << 30
-    """Largest frame body accepted from the network, in bytes."""
-
-    def __post_init__(self) -> None:
-        parse(self.compression)  # raises ValueError naming what is wrong and what is allowed
-        for name in ("gather_timeout", "reduce_timeout", "result_timeout", "call_timeout"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be > 0 seconds, got {getattr(self, name)}")
-        if self.result_timeout <= self.reduce_timeout:
-            raise ValueError(
-                f"result_timeout ({self.result_timeout}) must exceed reduce_timeout ({self.reduce_timeout}) "
-                "so that owners' results can arrive after they close their reduce"
-            )
-        if self.min_peers < 1:
-            raise ValueError(f"min_peers must be >= 1, got {self.min_peers}")
-
-
-@dataclass
-class RoundOutcome:
-    """What one round produced for this peer."""
-
-    key: RoundKey
-    committed: bool
-    reason: str
-    view: tuple[PeerId, ...] = ()
-    aggregate: torch.Tensor | None = None
-    contributors: list[tuple[PeerId, ...]] = field(default_factory=list)
-    sent: torch.Tensor | None = None
-    """What of our Δ the aggregate includes, as decoded (0 where our span contribution was left out)."""
-    payload_bytes: int = 0
-    """Encoded size of our whole contribution (all spans): the codec's cost, without framing."""
-    bytes_sent: int = 0
-    bytes_received: int = 0
-    seconds: float = 0.0
-
-
-@dataclass
-class _RoundState:
-    """Everything received for one round key; created by whichever message arrives first."""
-
-    ready: dict[PeerId, str] = field(default_factory=dict)
-    view: tuple[PeerId, ...] | None = None  # set when this peer closes its gather
-    vid: str = ""  # the view's id, set with `view`
-    contribs: dict[tuple[str, int], dict[PeerId, tuple[bytes, Decoded]]] = field(default_factory=dict)
-    results: dict[tuple[str, int], tuple[PeerId, torch.Tensor, tuple[int, ...]]] = field(default_factory=dict)
-    changed: asyncio.Event = field(default_factory=asyncio.Event)
-
-    def views_buffered(self) -> set[str]:
-        return {v for v, _ in self.contribs} | {v for v, _ in self.results}
 
 
 class Collective:
@@ -130,7 +65,7 @@ class Collective:
         """Digest of the model schema and compression spec; frames with another schema are rejected."""
         self.me = transport.peer_id
         self.rejections: Counter[str] = Counter()
-        self._rounds: dict[RoundKey, _RoundState] = {}
+        self._rounds: dict[RoundKey, RoundState] = {}
         self._floor = RoundKey(0, 0)  # frames for earlier keys are stale
         self.faults = FaultPlan.from_env()
 
@@ -172,6 +107,34 @@ class Collective:
 
     async def _run(self, key: RoundKey, digest: str, others: list[PeerId], delta: torch.Tensor) -> RoundOutcome:
         rs = self._state(key)
+        late = await self._gather(rs, key, digest, others)
+        if late is not None:
+            return late
+        assert rs.view is not None
+        if len(rs.view) < self.cfg.min_peers:
+            return RoundOutcome(key, False, f"only {len(rs.view)} of min_peers={self.cfg.min_peers} ready", rs.view)
+        chunk = self.pipeline.spec.chunk
+        r = Exchange(key, rs, self.me, span_bounds(delta.numel(), len(rs.view), align=chunk.chunk if chunk else 1),
+                      closed_at=time.monotonic())
+        # Encoding the whole Δ is the heavy part: off the event loop, so handlers keep answering peers.
+        r.payloads = await asyncio.to_thread(lambda: [self.pipeline.encode(delta[lo:hi]) for lo, hi in r.bounds])
+        own = r.own = self.pipeline.decode(r.payloads[r.mine], r.numel(r.mine))
+        rs.contribs.setdefault((rs.vid, r.mine), {})[self.me] = (r.payloads[r.mine], own)
+
+        tasks = [asyncio.create_task(self._send_contributions(r)), asyncio.create_task(self._reduce_and_broadcast(r))]
+        try:
+            complete = await self._wait(rs, r.complete, r.closed_at + self.cfg.result_timeout)
+            # Having every result does not mean everyone has ours: let our sends finish (bounded).
+            await asyncio.wait(tasks, timeout=self.cfg.call_timeout)
+        finally:
+            for t in tasks:
+                t.cancel()
+        return self._assemble(r, delta) if complete else RoundOutcome(
+            key, False, f"no result for {len(r.missing())} span(s) (owners {_short(r.missing())})", rs.view,
+            payload_bytes=r.payload_bytes)
+
+    async def _gather(self, rs: RoundState, key: RoundKey, digest: str, others: list[PeerId]) -> RoundOutcome | None:
+        """Exchange ready messages and close the view; a RoundOutcome when we turn out to be late."""
         rs.ready[self.me] = digest
         ready_frame = msg.encode(msg.READY, run=self.run_id, sender=self.me, schema=self.schema, key=key,
                                  meta={"digest": digest})
@@ -183,73 +146,50 @@ class Collective:
             return RoundOutcome(key, False, f"late: {len(closed_without_us)} peer(s) closed round {key} without us")
         # A peer that could not even take our ready message (its daemon is gone) is not waited for.
         reachable = [p for p, r in zip(others, replies) if r is not None]
-        gather_deadline = time.monotonic() + self.cfg.gather_timeout
-        await self._wait(rs, lambda: all(p in rs.ready for p in reachable), gather_deadline)
+        await self._wait(rs, lambda: all(p in rs.ready for p in reachable), time.monotonic() + self.cfg.gather_timeout)
         view = make_view([p for p, d in rs.ready.items() if d == digest])
-        vid = view_id(key, view)
-        rs.view, rs.vid = view, vid
-        closed_at = time.monotonic()
-        if len(view) < self.cfg.min_peers:
-            return RoundOutcome(key, False, f"only {len(view)} of min_peers={self.cfg.min_peers} ready", view)
+        rs.view, rs.vid = view, view_id(key, view)
+        return None
 
-        chunk = self.pipeline.spec.chunk
-        bounds = span_bounds(delta.numel(), len(view), align=chunk.chunk if chunk else 1)
-        mine = view.index(self.me)
-        # Encoding the whole Δ is the heavy part: off the event loop, so handlers keep answering peers.
-        payloads = await asyncio.to_thread(lambda: [self.pipeline.encode(delta[lo:hi]) for lo, hi in bounds])
-        own = self.pipeline.decode(payloads[mine], bounds[mine][1] - bounds[mine][0])
-        rs.contribs.setdefault((vid, mine), {})[self.me] = (payloads[mine], own)
+    async def _send_contributions(self, r: Exchange) -> None:
+        await asyncio.gather(*(
+            self._call(owner, "diloco.contrib", self._frame(
+                msg.CONTRIB, r.key, view=r.rs.vid, span=i, numel=r.numel(i), body=r.payloads[i]))
+            for i, owner in enumerate(r.view) if owner != self.me
+        ))
 
-        async def send_contributions() -> None:
-            await asyncio.gather(*(
-                self._call(owner, "diloco.contrib", self._frame(
-                    msg.CONTRIB, key, view=vid, span=i, numel=hi - lo, body=payloads[i]))
-                for i, (owner, (lo, hi)) in enumerate(zip(view, bounds)) if owner != self.me
-            ))
+    async def _reduce_and_broadcast(self, r: Exchange) -> None:
+        """Owner's side: wait for contributions to our span until the deadline, then send one result."""
+        got = r.rs.contribs.setdefault((r.rs.vid, r.mine), {})
+        await self._wait(r.rs, lambda: len(got) == len(r.view), r.closed_at + self.cfg.reduce_timeout)
+        senders = [p for p in r.view if p in got]
+        idx = tuple(r.view.index(p) for p in senders)
+        numel = r.numel(r.mine)
+        if self.pipeline.sparse:
+            body = msg.pack_bundle([(i, got[p][0]) for i, p in zip(idx, senders)])
+            kind = "bundle"
+        else:
+            order = canonical_order([got[p][0] for p in senders])
+            body = self.mean_pipeline.encode(average([got[senders[i]][1] for i in order], numel))
+            kind = "mean"
+        self.faults.hit("reduce", r.key.round)
+        r.rs.results[(r.rs.vid, r.mine)] = (self.me, self._decode_result(kind, memoryview(body), numel, idx), idx)
+        r.rs.changed.set()
+        frame = self._frame(msg.RESULT, r.key, view=r.rs.vid, span=r.mine, numel=numel, body=body,
+                            meta={"contributors": list(idx), "result": kind})
+        await asyncio.gather(*(self._call(p, "diloco.result", frame) for p in r.view if p != self.me))
 
-        async def reduce_and_broadcast() -> None:
-            got = rs.contribs.setdefault((vid, mine), {})
-            await self._wait(rs, lambda: len(got) == len(view), closed_at + self.cfg.reduce_timeout)
-            senders = [p for p in view if p in got]
-            idx = tuple(view.index(p) for p in senders)
-            numel = bounds[mine][1] - bounds[mine][0]
-            if self.pipeline.sparse:
-                body = msg.pack_bundle([(i, got[p][0]) for i, p in zip(idx, senders)])
-                kind = "bundle"
-            else:
-                order = canonical_order([got[p][0] for p in senders])
-                body = self.mean_pipeline.encode(average([got[senders[i]][1] for i in order], numel))
-                kind = "mean"
-            self.faults.hit("reduce", key.round)
-            rs.results[(vid, mine)] = (self.me, self._decode_result(kind, memoryview(body), numel, idx), idx)
-            rs.changed.set()
-            frame = self._frame(msg.RESULT, key, view=vid, span=mine, numel=numel, body=body,
-                                meta={"contributors": list(idx), "result": kind})
-            await asyncio.gather(*(self._call(p, "diloco.result", frame) for p in view if p != self.me))
-
-        tasks = [asyncio.create_task(send_contributions()), asyncio.create_task(reduce_and_broadcast())]
-        try:
-            complete = await self._wait(
-                rs, lambda: all((vid, i) in rs.results for i in range(len(view))), closed_at + self.cfg.result_timeout
-            )
-            # Having every result does not mean everyone has ours: let our sends finish (bounded).
-            await asyncio.wait(tasks, timeout=self.cfg.call_timeout)
-        finally:
-            for t in tasks:
-                t.cancel()
-        payload_bytes = sum(len(p) for p in payloads)
-        if not complete:
-            missing = [view[i] for i in range(len(view)) if (vid, i) not in rs.results]
-            return RoundOutcome(key, False, f"no result for {len(missing)} span(s) (owners {_short(missing)})", view,
-                                payload_bytes=payload_bytes)
-        parts = [rs.results[(vid, i)] for i in range(len(view))]
+    def _assemble(self, r: Exchange, delta: torch.Tensor) -> RoundOutcome:
+        """Every span's result is in: the aggregate, who was averaged where, and what of ours counted."""
+        parts = [r.rs.results[(r.rs.vid, i)] for i in range(len(r.view))]
         aggregate = torch.cat([t for _, t, _ in parts])
-        contributors = [tuple(view[j] for j in idx) for _, _, idx in parts]
+        contributors = [tuple(r.view[j] for j in idx) for _, _, idx in parts]
         sent = torch.zeros_like(delta)
-        for i, ((lo, hi), (_, _, idx)) in enumerate(zip(bounds, parts)):
-            if mine in idx:  # the owner of span i included our contribution: it counts as sent
-                sent[lo:hi] = own.dense(hi - lo) if i == mine else self.pipeline.decode(payloads[i], hi - lo).dense(hi - lo)
-        return RoundOutcome(key, True, "committed", view, aggregate, contributors, sent, payload_bytes)
+        for i, ((lo, hi), (_, _, idx)) in enumerate(zip(r.bounds, parts)):
+            if r.mine in idx:  # the owner of span i included our contribution: it counts as sent
+                ours = r.own if i == r.mine and r.own is not None else self.pipeline.decode(r.payloads[i], hi - lo)
+                sent[lo:hi] = ours.dense(hi - lo)
+        return RoundOutcome(r.key, True, "committed", r.view, aggregate, contributors, sent, r.payload_bytes)
 
     def _frame(self, kind: str, key: RoundKey, **fields: Any) -> bytes:
         return msg.encode(kind, run=self.run_id, sender=self.me, schema=self.schema, key=key,
@@ -334,7 +274,7 @@ class Collective:
 
     # ---------------------------------------------------------------- checks and plumbing
 
-    def _accepting(self, key: RoundKey) -> _RoundState:
+    def _accepting(self, key: RoundKey) -> RoundState:
         """The state of round `key` if frames for it are acceptable now (not stale, not far ahead)."""
         if key < self._floor:
             raise PayloadRejected(Reason.WRONG_ROUND, f"round {key} is over here (now at {self._floor})")
@@ -342,7 +282,7 @@ class Collective:
             raise PayloadRejected(Reason.WRONG_ROUND, f"round {key} is too far ahead of {self._floor}")
         return self._state(key)
 
-    def _check_view_slot(self, rs: _RoundState, vid: str, sender: PeerId, *, owner: PeerId, span: int) -> None:
+    def _check_view_slot(self, rs: RoundState, vid: str, sender: PeerId, *, owner: PeerId, span: int) -> None:
         if rs.view is None:  # our gather is still open: buffer, boundedly, and check later by view id
             if vid not in rs.views_buffered() and len(rs.views_buffered()) >= _MAX_VIEWS_PER_ROUND:
                 raise PayloadRejected(Reason.WRONG_VIEW, "too many distinct views buffered for this round")
@@ -377,9 +317,9 @@ class Collective:
             log.info("event=frame_refused handler=%s peer=%s reason=%s", name, peer, meta.get("reason"))
         return meta
 
-    def _state(self, key: RoundKey) -> _RoundState:
+    def _state(self, key: RoundKey) -> RoundState:
         if key not in self._rounds:
-            self._rounds[key] = _RoundState()
+            self._rounds[key] = RoundState()
         return self._rounds[key]
 
     def _forget_before(self, key: RoundKey) -> None:
@@ -387,7 +327,7 @@ class Collective:
             del self._rounds[k]
 
     @staticmethod
-    async def _wait(rs: _RoundState, done: Callable[[], bool], deadline: float) -> bool:
+    async def _wait(rs: RoundState, done: Callable[[], bool], deadline: float) -> bool:
         """Wait until `done()` or the deadline; True if done. Handlers wake us through `rs.changed`."""
         while not done():
             remaining = deadline - time.monotonic()

@@ -149,10 +149,12 @@ class Swarm:
         addr = next((a for a in self.addresses if "/127.0.0.1/" not in a), self.addresses[0])
         return f"diloco join {addr} --run-id {self.cfg.run_id}"
 
-    def update(self, **fields: Any) -> None:
-        """Change our record (status, round, attempt, digest, step, loss) and publish it now."""
+    def update(self, *, now: bool = True, **fields: Any) -> None:
+        """Change our record (status, round, attempt, digest, step, loss); publish it at once when
+        `now`, else with the next heartbeat (progress between rounds needs no extra DHT traffic)."""
         self._record = PeerRecord(**{**self._record.__dict__, **fields})
-        self.loop.submit(self._publish())
+        if now:
+            self.loop.submit(self._publish())
 
     def records(self) -> list[PeerRecord]:
         """Everyone's current record (ours included), as the directory shows them now."""

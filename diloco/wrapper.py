@@ -146,7 +146,7 @@ class DiLoCo:
         if self.steps % self.cfg.inner_steps == 0:
             self.sync()
         elif self.swarm is not None and self.steps % 10 == 0:
-            self._publish("training")
+            self._publish("training", now=False)  # progress rides on the next heartbeat
 
     def report_loss(self, loss: float) -> None:
         """Optional: tell the swarm's live view our latest inner loss."""
@@ -287,10 +287,10 @@ class DiLoCo:
         assert self._snapshot is not None
         return self._snapshot
 
-    def _publish(self, status: str) -> None:
+    def _publish(self, status: str, now: bool = True) -> None:
         if self.swarm is not None:
-            self.swarm.update(status=status, round=self.state.round, attempt=self.attempt, digest=self.digest,
-                              step=self.steps, loss=self.loss)
+            self.swarm.update(now=now, status=status, round=self.state.round, attempt=self.attempt,
+                              digest=self.digest, step=self.steps, loss=self.loss)
 
     def bytes_on_wire(self) -> tuple[int, int]:
         """(sent, received) bytes of this peer so far, every message included."""

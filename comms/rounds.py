@@ -1,0 +1,120 @@
+"""The data of one round: its configuration, its outcome, and what a peer holds while it runs.
+
+`CollectiveConfig` bounds every wait of the round protocol (`collective.py`); `RoundOutcome` is what
+a round produced for this peer; `RoundState` collects the frames received for one round key (they
+may arrive before we are ready ourselves); `Exchange` is our side of a round once its view closed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+
+import torch
+
+from diloco.compression.pipeline import Decoded, parse
+
+from .spans import RoundKey
+from .transport import PeerId
+
+
+
+@dataclass(frozen=True, kw_only=True)
+class CollectiveConfig:
+    gather_timeout: float = 30.0
+    """Seconds a ready peer waits for the other expected peers before closing the round without them."""
+    reduce_timeout: float = 20.0
+    """Seconds after the gather closes that a span owner waits for contributions."""
+    result_timeout: float = 30.0
+    """Seconds after the gather closes that a peer waits for every span's result; > reduce_timeout."""
+    call_timeout: float = 15.0
+    """Seconds any single message may take before its peer is treated as unreachable."""
+    min_peers: int = 1
+    """Fewest members (self included) a round needs to commit."""
+    compression: str = "fp32"
+    """Compression pipeline spec of contributions (see diloco.compression.pipeline)."""
+    max_payload: int = 1 << 30
+    """Largest frame body accepted from the network, in bytes."""
+
+    def __post_init__(self) -> None:
+        parse(self.compression)  # raises ValueError naming what is wrong and what is allowed
+        for name in ("gather_timeout", "reduce_timeout", "result_timeout", "call_timeout"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0 seconds, got {getattr(self, name)}")
+        if self.result_timeout <= self.reduce_timeout:
+            raise ValueError(
+                f"result_timeout ({self.result_timeout}) must exceed reduce_timeout ({self.reduce_timeout}) "
+                "so that owners' results can arrive after they close their reduce"
+            )
+        if self.min_peers < 1:
+            raise ValueError(f"min_peers must be >= 1, got {self.min_peers}")
+
+
+@dataclass
+class RoundOutcome:
+    """What one round produced for this peer."""
+
+    key: RoundKey
+    committed: bool
+    reason: str
+    view: tuple[PeerId, ...] = ()
+    aggregate: torch.Tensor | None = None
+    contributors: list[tuple[PeerId, ...]] = field(default_factory=list)
+    sent: torch.Tensor | None = None
+    """What of our Δ the aggregate includes, as decoded (0 where our span contribution was left out)."""
+    payload_bytes: int = 0
+    """Encoded size of our whole contribution (all spans): the codec's cost, without framing."""
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    seconds: float = 0.0
+
+
+@dataclass
+class RoundState:
+    """Everything received for one round key; created by whichever message arrives first."""
+
+    ready: dict[PeerId, str] = field(default_factory=dict)
+    view: tuple[PeerId, ...] | None = None  # set when this peer closes its gather
+    vid: str = ""  # the view's id, set with `view`
+    contribs: dict[tuple[str, int], dict[PeerId, tuple[bytes, Decoded]]] = field(default_factory=dict)
+    results: dict[tuple[str, int], tuple[PeerId, torch.Tensor, tuple[int, ...]]] = field(default_factory=dict)
+    changed: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def views_buffered(self) -> set[str]:
+        return {v for v, _ in self.contribs} | {v for v, _ in self.results}
+
+
+@dataclass
+class Exchange:
+    """One round after its view closed: the span partition and our encoded contributions."""
+
+    key: RoundKey
+    rs: RoundState
+    me: PeerId
+    bounds: list[tuple[int, int]]
+    closed_at: float
+    payloads: list[bytes] = field(default_factory=list)
+    own: Decoded | None = None
+
+    @property
+    def view(self) -> tuple[PeerId, ...]:
+        assert self.rs.view is not None
+        return self.rs.view
+
+    @property
+    def mine(self) -> int:
+        return self.view.index(self.me)
+
+    @property
+    def payload_bytes(self) -> int:
+        return sum(len(p) for p in self.payloads)
+
+    def numel(self, span: int) -> int:
+        lo, hi = self.bounds[span]
+        return hi - lo
+
+    def missing(self) -> list[PeerId]:
+        return [self.view[i] for i in range(len(self.view)) if (self.rs.vid, i) not in self.rs.results]
+
+    def complete(self) -> bool:
+        return not self.missing()
