@@ -167,13 +167,15 @@ class Swarm:
         return [self._record, *others]
 
     def wait_for_peers(self, count: int, timeout: float) -> int:
-        """Block until `count` peers (self included) are training in the swarm, or `timeout` passes;
-        returns how many were seen."""
+        """Block until `count` peers (self included) are training in the swarm, the swarm has visibly
+        started without us (another peer took steps: waiting longer would only make us late for its
+        first round), or `timeout` passes; returns how many training peers were seen."""
         deadline = time.monotonic() + timeout
         while True:
-            seen = sum(r.status == "training" for r in self.records())
-            if seen >= count or time.monotonic() >= deadline:
-                return seen
+            training = [r for r in self.records() if r.status == "training"]
+            started = any(r.peer != self.peer_id and (r.step > 0 or r.round > 0) for r in training)
+            if len(training) >= count or started or time.monotonic() >= deadline:
+                return len(training)
             time.sleep(0.25)
 
     async def _publish(self) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import threading
+import time
 from typing import Callable
 
 import pytest
@@ -290,3 +291,18 @@ def test_joiner_rejects_state_that_does_not_match_the_digest(harness, monkeypatc
             assert torch.equal(p.detach(), q)
     finally:
         d1.detach()
+
+
+def test_wait_for_peers_stops_waiting_once_the_swarm_has_started(harness):
+    """--wait-for N: wait while fewer than N peers train, but not once another peer has started
+    (waiting longer would only make us late for its first round)."""
+    a, b = harness.swarm("a"), harness.swarm("b", bootstrapped=True)
+    a.update(status="training")
+    b.update(status="training")
+    started = time.monotonic()
+    assert a.wait_for_peers(3, timeout=0.6) == 2  # nobody has started: waits out its timeout
+    assert time.monotonic() - started >= 0.6
+    b.update(status="training", step=10)
+    started = time.monotonic()
+    assert a.wait_for_peers(3, timeout=30) == 2
+    assert time.monotonic() - started < 2
