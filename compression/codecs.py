@@ -85,14 +85,19 @@ class Codec(abc.ABC):
         return f"<codec {self.name}: {self.bits_per_value:g} bits/value>"
 
 
-def _check_input(t: torch.Tensor) -> torch.Tensor:
-    """Validate an encode() argument and return it detached, on CPU, contiguous."""
+def check_vector(t: torch.Tensor) -> None:
+    """Raise TypeError/ValueError unless ``t`` is a 1-D float32 tensor (what every stage takes)."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"expected a torch.Tensor, got {type(t).__name__}")
     if t.dtype != torch.float32:
         raise TypeError(f"expected a float32 tensor, got {t.dtype}")
     if t.dim() != 1:
         raise ValueError(f"expected a 1-D tensor, got shape {tuple(t.shape)}")
+
+
+def _check_input(t: torch.Tensor) -> torch.Tensor:
+    """Validate an encode() argument and return it detached, on CPU, contiguous."""
+    check_vector(t)
     return t.detach().cpu().contiguous()
 
 
@@ -114,16 +119,20 @@ def _expect_size(codec: Codec, view: memoryview, numel: int) -> None:
         )
 
 
-class Fp32Codec(Codec):
-    """Lossless little-endian IEEE-754 binary32."""
-
-    name = "fp32"
-    bits_per_value = 32.0
+class FixedWidthCodec(Codec):
+    """A codec that spends exactly ``bits_per_value / 8`` bytes per value and no header."""
 
     def encoded_size(self, numel: int) -> int:
         if numel < 0:
             raise ValueError(f"numel must be >= 0, got {numel}")
-        return 4 * numel
+        return int(self.bits_per_value) // 8 * numel
+
+
+class Fp32Codec(FixedWidthCodec):
+    """Lossless little-endian IEEE-754 binary32."""
+
+    name = "fp32"
+    bits_per_value = 32.0
 
     def encode(self, t: torch.Tensor) -> bytes:
         array = _check_input(t).numpy()
@@ -137,16 +146,11 @@ class Fp32Codec(Codec):
         return torch.from_numpy(native)
 
 
-class Fp16Codec(Codec):
+class Fp16Codec(FixedWidthCodec):
     """Little-endian IEEE-754 binary16, clamping finite values to +-65504."""
 
     name = "fp16"
     bits_per_value = 16.0
-
-    def encoded_size(self, numel: int) -> int:
-        if numel < 0:
-            raise ValueError(f"numel must be >= 0, got {numel}")
-        return 2 * numel
 
     def encode(self, t: torch.Tensor) -> bytes:
         source = _check_input(t)

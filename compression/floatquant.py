@@ -39,7 +39,7 @@ from .blockscale import (
     _safe,
     _scratch,
 )
-from .codecs import Codec, _byte_view, _check_input, _expect_size
+from .codecs import Codec, FixedWidthCodec, _byte_view, _check_input, _expect_size
 from .errors import Reason
 
 __all__ = ["BF16_MAX", "FP8_MAX", "Bf16Codec", "Fp8Codec", "E3M0Codec"]
@@ -53,7 +53,7 @@ FP8_MAX: Final[float] = 448.0
 # --------------------------------------------------------------------------- bf16
 
 
-class Bf16Codec(Codec):
+class Bf16Codec(FixedWidthCodec):
     """bfloat16: fp32's sign and 8-bit exponent with the mantissa rounded to 7 bits.
 
     Encoding is torch's round-to-nearest-even cast (``.to(torch.bfloat16)``), so
@@ -68,11 +68,6 @@ class Bf16Codec(Codec):
 
     name = "bf16"
     bits_per_value = 16.0
-
-    def encoded_size(self, numel: int) -> int:
-        if numel < 0:
-            raise ValueError(f"numel must be >= 0, got {numel}")
-        return 2 * numel
 
     def encode(self, t: torch.Tensor) -> bytes:
         x = _check_input(t)

@@ -54,6 +54,7 @@ from typing import Final
 
 import torch
 
+from .codecs import check_vector
 from .errors import PayloadRejected, Reason
 
 __all__ = ["ChunkSpec", "MAX_CHUNK", "topk_select", "randk_select", "gather", "scatter_dense"]
@@ -180,12 +181,7 @@ def topk_select(t: torch.Tensor, spec: ChunkSpec) -> torch.Tensor:
     Returns ``spec.kept(t.numel())`` strictly ascending ``int64`` indices on
     ``t``'s device. Ties go to the lower index; NaN ranks above infinity.
     """
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"expected a torch.Tensor, got {type(t).__name__}")
-    if t.dtype != torch.float32:
-        raise TypeError(f"expected a float32 tensor, got {t.dtype}")
-    if t.dim() != 1:
-        raise ValueError(f"expected a 1-D tensor, got shape {tuple(t.shape)}")
+    check_vector(t)
     _check_spec(spec)
     keys = t.detach().contiguous().view(torch.int32) & 0x7FFFFFFF  # |value| as an ordered int
     return _select_by_key(keys, spec)
