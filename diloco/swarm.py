@@ -215,9 +215,9 @@ class Swarm:
 
         try:
             return self.loop.run(get(), timeout=self.cfg.call_timeout * 4 + 5)
-        except (PayloadRejected, TimeoutError, Exception) as e:
-            if isinstance(e, SwarmError):
-                raise
+        except SwarmError:
+            raise
+        except Exception as e:  # noqa: BLE001 - rejected frames, timeouts, unreachable peers alike
             raise SwarmError(f"state download from {peer} failed: {e}") from e
 
     async def _on_state(self, caller: PeerId, data: bytes) -> bytes:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import logging
 import os
-import math
 import threading
 import time
 import zlib
@@ -103,11 +102,10 @@ def run_job(cfg: JobConfig, swarm: Swarm | None, *, metrics: MetricsWriter | Non
                            shard=shard, num_shards=100_000)
     heldout = heldout_batches(corpus.heldout, batch_size=16, context=cfg.context, max_batches=cfg.eval_batches)
     started = time.monotonic()
-    state = {"loss": math.nan}
 
     def on_round(r: RoundReport) -> None:
         fields = dict(peer=peer, round=r.round, committed=r.committed, reason=r.reason, peers=r.peers,
-                      loss=state["loss"], bytes_sent=r.bytes_sent, bytes_received=r.bytes_received,
+                      loss=d.loss, bytes_sent=r.bytes_sent, bytes_received=r.bytes_received,
                       payload_bytes=r.payload_bytes, bits_per_param=round(r.bits_per_param, 5),
                       seconds=round(r.seconds, 3), step=r.step, digest=d.digest)
         if cfg.eval_every and r.committed and r.round % cfg.eval_every == 0:
@@ -130,13 +128,12 @@ def run_job(cfg: JobConfig, swarm: Swarm | None, *, metrics: MetricsWriter | Non
             _, loss = model(x, y)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            state["loss"] = loss.item()
-            d.report_loss(state["loss"])
+            d.report_loss(loss.item())
             inner.step()  # the wrapper's hook synchronizes every inner_steps-th call
             inner.zero_grad(set_to_none=True)
             if status_path and (d.steps % 5 == 0 or d.steps == 1):
                 sent, recv = d.bytes_on_wire()
-                write_status(status_path, peer=peer, round=d.round, step=d.steps, loss=state["loss"],
+                write_status(status_path, peer=peer, round=d.round, step=d.steps, loss=d.loss,
                              bytes_sent=sent, bytes_received=recv)
     with d.global_weights():
         eval_loss = evaluate(model, heldout)
@@ -150,5 +147,5 @@ def run_job(cfg: JobConfig, swarm: Swarm | None, *, metrics: MetricsWriter | Non
                    stopped=stop.is_set())
     metrics.write("final", **summary)
     if status_path:
-        write_status(status_path, done=True, step=d.steps, loss=state["loss"], **summary)
+        write_status(status_path, done=True, step=d.steps, loss=d.loss, **summary)
     return summary
