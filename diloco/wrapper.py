@@ -32,6 +32,7 @@ touched (the local progress carries Δ); after a resync it is kept as it was.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -114,6 +115,9 @@ class DiLoCo:
         self.reports: list[RoundReport] = []
         self._hook: RemovableHandle | None = None
         self._snapshot: tuple[int, str, bytes] | None = None
+        # Held by the training thread while it changes the global state, and by the event-loop thread
+        # while it serializes that state for a peer catching up: neither sees a half-applied step.
+        self._state_lock = threading.Lock()
         self._digest = ""
         self._state_changed()
 
@@ -187,11 +191,12 @@ class DiLoCo:
             assert outcome.aggregate is not None and outcome.sent is not None
             if self.ef is not None:
                 self.ef.commit(acc, outcome.sent)
-            outer_step(self.state.outer, self.state.params, outcome.aggregate)
-            self.state.round += 1
+            with self._state_lock:
+                outer_step(self.state.outer, self.state.params, outcome.aggregate)
+                self.state.round += 1
+                self._state_changed()
             self.attempt = 0
             copy_into(self.local_params, self.state.params)
-            self._state_changed()
             log.info("event=round_committed round=%d peers=%d", self.state.round, len(outcome.view))
         else:
             self.attempt = outcome.key.attempt + 1
@@ -247,10 +252,11 @@ class DiLoCo:
             log.warning("event=resync_failed peer=%s reason=%s", source.peer, e)
             self._publish("training")
             return False
-        self.state = fresh
+        with self._state_lock:
+            self.state = fresh
+            self._state_changed()
         self.attempt = 0
         self.swarm.collective.advance_to(RoundKey(self.state.round))
-        self._state_changed()
         copy_into(self.local_params, self.state.params)
         self._publish("training")
         return True
@@ -263,11 +269,10 @@ class DiLoCo:
         return self._digest
 
     def _state_changed(self) -> None:
-        """Recompute the digest and, in a swarm, the bytes we serve to peers catching up. Done here, in
-        the training thread, so the loop thread never reads state in the middle of an outer step."""
+        """The global state changed (call with `_state_lock` held): new digest; the bytes we serve
+        to peers catching up are rebuilt only when one asks."""
         self._digest = self.state.digest()
-        if self.swarm is not None:
-            self._snapshot = (self.state.round, self._digest, self.state.to_bytes())
+        self._snapshot = None
 
     @property
     def round(self) -> int:
@@ -284,8 +289,11 @@ class DiLoCo:
             copy_into(self.local_params, saved)
 
     def _serve(self) -> tuple[int, str, bytes]:
-        assert self._snapshot is not None
-        return self._snapshot
+        """(round, digest, state bytes) for a peer catching up; runs on the event-loop thread."""
+        with self._state_lock:
+            if self._snapshot is None:
+                self._snapshot = (self.state.round, self._digest, self.state.to_bytes())
+            return self._snapshot
 
     def _publish(self, status: str, now: bool = True) -> None:
         if self.swarm is not None:
