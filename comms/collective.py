@@ -87,16 +87,18 @@ class Collective:
     # ---------------------------------------------------------------- the round, from our side
 
     async def run_round(
-        self, key: RoundKey, digest: str, expected: list[PeerId], delta: torch.Tensor
+        self, key: RoundKey, digest: str, expected: list[PeerId], delta: torch.Tensor, fragment: int = 0
     ) -> RoundOutcome:
-        """Run round `key` with our pseudo-gradient `delta` (1-D fp32); never blocks past the deadlines."""
+        """Run round `key` with our pseudo-gradient `delta` (1-D fp32) of model fragment `fragment`;
+        never blocks past the deadlines. The fragment is bound into the view id, so peers that
+        disagree on which fragment a round is cannot mix their data."""
         started, (sent0, recv0) = time.monotonic(), self.transport.counter.snapshot()
         if key < self._floor:
             raise ValueError(f"round {key} is older than the last round run ({self._floor}); round keys must grow")
         self._floor = key
         self._forget_before(key)
         try:
-            outcome = await self._run(key, digest, [p for p in expected if p != self.me], delta)
+            outcome = await self._run(key, digest, [p for p in expected if p != self.me], delta, fragment)
         finally:
             self._floor = RoundKey(key.round, key.attempt + 1)
             self._forget_before(self._floor)
@@ -105,8 +107,10 @@ class Collective:
         outcome.seconds = time.monotonic() - started
         return outcome
 
-    async def _run(self, key: RoundKey, digest: str, others: list[PeerId], delta: torch.Tensor) -> RoundOutcome:
+    async def _run(self, key: RoundKey, digest: str, others: list[PeerId], delta: torch.Tensor,
+                   fragment: int) -> RoundOutcome:
         rs = self._state(key)
+        rs.fragment = fragment
         late = await self._gather(rs, key, digest, others)
         if late is not None:
             return late
@@ -137,7 +141,7 @@ class Collective:
         """Exchange ready messages and close the view; a RoundOutcome when we turn out to be late."""
         rs.ready[self.me] = digest
         ready_frame = msg.encode(msg.READY, run=self.run_id, sender=self.me, schema=self.schema, key=key,
-                                 meta={"digest": digest})
+                                 fragment=rs.fragment, meta={"digest": digest})
         replies = await asyncio.gather(*(self._call(p, "diloco.ready", ready_frame) for p in others))
         self.faults.hit("gather", key.round)
         closed_without_us = [p for p, r in zip(others, replies) if r and r.get("closed") and not r.get("in_view")]
@@ -148,7 +152,7 @@ class Collective:
         reachable = [p for p, r in zip(others, replies) if r is not None]
         await self._wait(rs, lambda: all(p in rs.ready for p in reachable), time.monotonic() + self.cfg.gather_timeout)
         view = make_view([p for p, d in rs.ready.items() if d == digest])
-        rs.view, rs.vid = view, view_id(key, view)
+        rs.view, rs.vid = view, view_id(key, view, rs.fragment)
         return None
 
     async def _send_contributions(self, r: Exchange) -> None:
@@ -192,8 +196,9 @@ class Collective:
         return RoundOutcome(r.key, True, "committed", r.view, aggregate, contributors, sent, r.payload_bytes)
 
     def _frame(self, kind: str, key: RoundKey, **fields: Any) -> bytes:
+        fragment = self._rounds[key].fragment if key in self._rounds else 0
         return msg.encode(kind, run=self.run_id, sender=self.me, schema=self.schema, key=key,
-                          codec=self.pipeline.name, **fields)
+                          codec=self.pipeline.name, fragment=fragment, **fields)
 
     def _decode_result(self, kind: str, body: memoryview, numel: int, idx: tuple[int, ...]) -> torch.Tensor:
         """The span's aggregate from a result body; identical on every peer for identical bytes."""

@@ -35,6 +35,7 @@ def encode(
     span: int = -1,
     codec: str = "",
     numel: int = 0,
+    fragment: int = 0,
     meta: dict[str, Any] | None = None,
     body: bytes = b"",
 ) -> bytes:
@@ -51,6 +52,7 @@ def encode(
         sender=sender,
         codec=codec,
         numel=numel,
+        fragment=fragment,
         meta=meta,
         body=body,
     )

@@ -76,6 +76,7 @@ class RoundState:
     ready: dict[PeerId, str] = field(default_factory=dict)
     view: tuple[PeerId, ...] | None = None  # set when this peer closes its gather
     vid: str = ""  # the view's id, set with `view`
+    fragment: int = 0  # model fragment of this round (set when we run it)
     contribs: dict[tuple[str, int], dict[PeerId, tuple[bytes, Decoded]]] = field(default_factory=dict)
     results: dict[tuple[str, int], tuple[PeerId, torch.Tensor, tuple[int, ...]]] = field(default_factory=dict)
     changed: asyncio.Event = field(default_factory=asyncio.Event)

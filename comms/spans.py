@@ -48,7 +48,8 @@ def make_view(members: Sequence[PeerId]) -> tuple[PeerId, ...]:
     return tuple(sorted(set(members)))
 
 
-def view_id(key: RoundKey, view: Sequence[PeerId]) -> str:
-    """A short SHA-256 digest naming (round key, members); equal only for identical views."""
-    text = f"{key.round}.{key.attempt}|" + ",".join(view)
+def view_id(key: RoundKey, view: Sequence[PeerId], fragment: int = 0) -> str:
+    """A short SHA-256 digest naming (round key, model fragment, members); equal only for identical
+    views of the same fragment."""
+    text = f"{key.round}.{key.attempt}|" + ("" if fragment == 0 else f"f{fragment}|") + ",".join(view)
     return hashlib.sha256(text.encode()).hexdigest()[:16]

@@ -19,7 +19,7 @@ kind       str     message kind, e.g. "contrib" or "result"
 run        str     training run id; frames of other runs are rejected
 schema     str     digest of the model schema and codec spec ("" if none)
 round      int>=0  outer round number
-fragment   int>=0  model fragment the body belongs to (0: the whole model)
+fragment   int>=0  model fragment the body belongs to (0 when the model is one fragment)
 view       str     membership view id ("" when not applicable)
 span       int>=-1 parameter span (shard) index; -1 means "no span"
 sender     str     sender's peer id

@@ -66,3 +66,13 @@ def outer_step(outer: torch.optim.Optimizer, global_params: Sequence[torch.Tenso
 def copy_into(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor]) -> None:
     for d, s in zip(dst, src):
         d.copy_(s)
+
+
+@torch.no_grad()
+def mix_into(local: Sequence[torch.Tensor], global_: Sequence[torch.Tensor], alpha: float) -> None:
+    """Streaming DiLoCo's mixing: θ_local ← α·θ_local + (1−α)·θ_global (α = 0 copies θ_global exactly)."""
+    for d, g in zip(local, global_):
+        if alpha == 0.0:
+            d.copy_(g)
+        elif alpha != 1.0:
+            d.lerp_(g.to(d.dtype), 1.0 - alpha)

@@ -18,6 +18,7 @@ is skipped for the next one given; when none answers, `join` raises `SwarmError`
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import time
 from typing import Any, Callable
@@ -191,10 +192,25 @@ class Swarm:
 
     # ------------------------------------------------------------------ rounds and state
 
-    def exchange(self, key: RoundKey, digest: str, expected: list[PeerId], delta: torch.Tensor) -> RoundOutcome:
+    def exchange(self, key: RoundKey, digest: str, expected: list[PeerId], delta: torch.Tensor,
+                 fragment: int = 0) -> RoundOutcome:
         """Run one round of the collective with our pseudo-gradient; returns within the deadlines."""
+        return self.finish_exchange(self.exchange_async(key, digest, expected, delta, fragment=fragment), key)
+
+    def exchange_async(self, key: RoundKey, digest: str, expected: list[PeerId], delta: torch.Tensor,
+                       fragment: int = 0) -> concurrent.futures.Future[RoundOutcome]:
+        """Start one round in the background (training goes on); `finish_exchange` collects it."""
+        return self.loop.submit(self.collective.run_round(key, digest, expected, delta, fragment=fragment))
+
+    def finish_exchange(self, future: concurrent.futures.Future[RoundOutcome], key: RoundKey) -> RoundOutcome:
+        """The outcome of a round started with `exchange_async`, waiting (bounded by the round's own
+        deadlines) if it is still running; a round that overruns them is cancelled and reported failed."""
         limit = self.cfg.gather_timeout + self.cfg.result_timeout + 2 * self.cfg.call_timeout
-        return self.loop.run(self.collective.run_round(key, digest, expected, delta), timeout=limit)
+        try:
+            return future.result(limit)
+        except concurrent.futures.TimeoutError:
+            future.cancel()
+            return RoundOutcome(key, False, f"round did not finish within {limit:.0f}s")
 
     def serve_state(self, provider: StateProvider) -> None:
         """Let peers that are behind download our global state: `provider()` -> (round, digest, bytes)."""

@@ -31,6 +31,8 @@ touched (the local progress carries Δ); after a resync it is kept as it was.
 
 from __future__ import annotations
 
+import concurrent.futures
+import copy
 import logging
 import threading
 import time
@@ -47,8 +49,10 @@ from diloco.compression.pipeline import Pipeline, parse
 from diloco.peers import expected_peers, resync_source, round_key_for
 from diloco.peers.records import PeerRecord
 
+from .accounting import Accounting, Usage
 from .config import DiLoCoConfig
-from .outer import OuterFactory, copy_into, default_outer, outer_step, pseudo_gradient
+from .fragments import Fragment, StreamingConfig, check_schedule, fragment_of_round, partition, slot_due
+from .outer import OuterFactory, copy_into, default_outer, mix_into, outer_step, pseudo_gradient
 from .state import GlobalState, StateError, schema_digest
 from .swarm import Swarm, SwarmError
 
@@ -70,11 +74,27 @@ class RoundReport:
     resynced: bool = False
     payload_bytes: int = 0  # encoded size of our contribution (all spans), without framing
     numel: int = 0  # parameters synchronized
+    fragment: int = 0  # which fragment this round synchronized (0 when the model is one fragment)
+    blocked: bool = False  # the training loop had to wait for this round's result
 
     @property
     def bits_per_param(self) -> float:
         """What our contribution cost on the wire per parameter: the codec's bits/param/sync."""
         return 8 * self.payload_bytes / self.numel if self.numel else 0.0
+
+
+@dataclass
+class _Pending:
+    """A round in flight: what we sent (error-feedback accumulator) and when it must be applied."""
+
+    fragment: Fragment
+    acc: torch.Tensor
+    due: int  # inner step at which the result is applied
+    started: float
+    future: concurrent.futures.Future[RoundOutcome] | None = None
+    key: RoundKey = RoundKey(0)
+    outcome: RoundOutcome | None = None
+    blocked: bool = False
 
 
 class DiLoCo:
@@ -91,10 +111,15 @@ class DiLoCo:
         on_round: Callable[[RoundReport], None] | None = None,
         join_timeout: float = 10.0,
         compression: str | None = None,
+        streaming: StreamingConfig | None = None,
     ) -> None:
         self.cfg = DiLoCoConfig(inner_steps=inner_steps)
+        self.streaming = streaming or StreamingConfig()
         self.model, self.optimizer, self.swarm = model, optimizer, swarm
         self.local_params = list(model.parameters())
+        named = list(model.named_parameters())
+        self.fragments = partition([n for n, _ in named], [p.numel() for _, p in named], self.streaming)
+        check_schedule(inner_steps, len(self.fragments), self.streaming)
         # Compression is a property of the swarm (every peer must agree); locally, take it from the
         # argument. Error feedback (the spec's ef:BETA stage) keeps this peer's unsent residual.
         spec = parse(swarm.cfg.compression if swarm is not None else compression or "fp32")
@@ -105,14 +130,21 @@ class DiLoCo:
         self._outer_factory = outer_optimizer or default_outer(spec.ef is not None)
         self.state = GlobalState(self.local_params, self._outer_factory)
         self._local_pipeline = Pipeline(spec) if swarm is None else None
-        self.ef = ErrorFeedback(spec.ef, self.state.numel) if spec.ef is not None else None
-        self.schema = schema_digest(list(model.named_parameters()), spec.text)
+        # Error feedback and compression apply per fragment: one residual per fragment.
+        self.ef = [ErrorFeedback(spec.ef, f.numel) for f in self.fragments] if spec.ef is not None else None
+        self._carry: dict[int, torch.Tensor] = {}  # whole-step overlap: a failed round's Δ, resent next time
+        layout = f"fragments={len(self.fragments)}:{self.streaming.pattern}"
+        self.schema = schema_digest(named, f"{spec.text}|{layout}")
         self.on_round = on_round
         self.join_timeout = join_timeout
         self.steps = 0
         self.attempt = 0
         self.loss: float | None = None
         self.reports: list[RoundReport] = []
+        self.accounting = Accounting()
+        self._pending: _Pending | None = None
+        self._start: list[torch.Tensor] | None = None  # eager: where this phase started (≠ θ)
+        self._last_view = 1
         self._hook: RemovableHandle | None = None
         self._snapshot: tuple[int, str, bytes] | None = None
         # Held by the training thread while it changes the global state, and by the event-loop thread
@@ -141,77 +173,196 @@ class DiLoCo:
             self._hook = self.optimizer.register_step_post_hook(lambda *_: self._after_step())
 
     def detach(self) -> None:
+        """Unhook the optimizer after applying the exchange still in flight, if any (`flush`)."""
         if self._hook is not None:
             self._hook.remove()
             self._hook = None
+        self.flush()
 
     def _after_step(self) -> None:
+        self.accounting.begin_sync(time.monotonic())
         self.steps += 1
-        if self.steps % self.cfg.inner_steps == 0:
-            self.sync()
+        if self._pending is not None and self._pending.due <= self.steps and self.streaming.outer_overlap == "none":
+            self._complete(self._pending)
+        if slot_due(self.steps, self.cfg.inner_steps, len(self.fragments)):
+            if self.streaming.outer_overlap == "none":
+                self._launch()
+            else:
+                self._overlapped_slot()
         elif self.swarm is not None and self.steps % 10 == 0:
             self._publish("training", now=False)  # progress rides on the next heartbeat
+        now = time.monotonic()
+        self.accounting.end_sync(now)
+        self.accounting.step(now, *self.bytes_on_wire())
 
     def report_loss(self, loss: float) -> None:
         """Optional: tell the swarm's live view our latest inner loss."""
         self.loss = float(loss)
 
+    def in_flight(self) -> concurrent.futures.Future[RoundOutcome] | None:
+        """The exchange running in the background (None when there is none or it completed locally)."""
+        return self._pending.future if self._pending is not None else None
+
+    def usage(self) -> Usage:
+        """Compute utilization, time blocked on communication, bytes and bandwidth per inner step."""
+        return self.accounting.usage()
+
     # ------------------------------------------------------------------ the outer round
 
     def sync(self) -> RoundReport:
-        """One synchronization: exchange Δ, apply the outer step, load the new θ into the model."""
+        """Synchronize the next fragment now and wait for its result (τ is not waited out)."""
+        if self.streaming.outer_overlap != "none":
+            raise RuntimeError("with outer_overlap the rounds complete at the next synchronization slot; "
+                               "call flush() to apply the exchange in flight")
+        self.flush()
+        report = self._launch(force_complete=True)
+        assert report is not None
+        return report
+
+    def flush(self) -> RoundReport | None:
+        """Apply the exchange still in flight (waiting for it if needed); None when there is none."""
+        if self._pending is None:
+            return None
+        pending = self._pending
+        report = self._complete(pending)
+        if self.streaming.outer_overlap != "none" and report is not None:
+            copy_into(self.local_params, self.state.params)  # the phase is over: continue from θ
+            self._start = None
+        return report
+
+    def _launch(self, force_complete: bool = False) -> RoundReport | None:
+        """A synchronization slot: resync if the swarm moved on, else start the next fragment's round
+        in the background (it is applied τ steps later, or at once when τ = 0)."""
         started = time.monotonic()
+        resync = self._maybe_resync(started)
+        if resync is not None:
+            return resync
+        frag = self.fragments[fragment_of_round(self.state.round, len(self.fragments))]
+        delta = pseudo_gradient(self._frag(self.state.params, frag), self._frag(self.local_params, frag))
+        pending = self._start_exchange(frag, delta, started)
+        if self.streaming.overlap == 0 or force_complete:
+            return self._complete(pending)
+        return None
+
+    def _overlapped_slot(self) -> None:
+        """Whole-step overlap (P = 1): finish the round sent one slot ago, send this phase's Δ, and
+        continue from θ (delayed) or from θ plus our fresh contribution (eager)."""
+        started = time.monotonic()
+        frag = self.fragments[0]
+        start = self._start if self._start is not None else self.state.params
+        delta = pseudo_gradient(start, self.local_params)
+        carry = self._carry.pop(frag.index, None)
+        if carry is not None:  # the previous round failed: its Δ is still ours to deliver
+            delta = delta + carry
+        before = self._clone_state() if self.streaming.outer_overlap == "eager" else None
+        aggregate = None
+        if self._pending is not None:
+            pending = self._pending
+            report = self._complete(pending)
+            if report is not None and report.committed and pending.outcome is not None:
+                aggregate = pending.outcome.aggregate
+            elif report is not None and report.resynced:
+                self._start = None
+                return  # the swarm's θ replaced ours: this phase's Δ is not comparable; start over
+        resync = self._maybe_resync(started)
+        if resync is not None:
+            self._start = None
+            return
+        self._start_exchange(frag, delta, started)
+        if before is None:
+            copy_into(self.local_params, self.state.params)
+            self._start = None
+            return
+        # Eager (Kale et al.): step from the state before the late aggregate arrived, with that aggregate
+        # plus our own fresh contribution — exactly their per-worker update for outer SGD without
+        # momentum — anchored to the shared θ every phase, so no peer drifts from the others.
+        params, outer = before
+        grad = delta / self._last_view if aggregate is None else aggregate + delta / self._last_view
+        outer_step(outer, params, grad)
+        copy_into(self.local_params, params)
+        self._start = params
+
+    def _start_exchange(self, frag: Fragment, delta: torch.Tensor, started: float) -> _Pending:
+        acc = self.ef[frag.index].accumulate(delta) if self.ef is not None else delta
+        due = self.steps + (self.streaming.overlap if self.streaming.outer_overlap == "none" else self.cfg.inner_steps)
         if self.swarm is None:
-            acc = self._accumulate(pseudo_gradient(self.state.params, self.local_params))
             assert self._local_pipeline is not None
             payload = self._local_pipeline.encode(acc)
             sent = self._local_pipeline.decode(payload, acc.numel()).dense(acc.numel())
             outcome = RoundOutcome(RoundKey(self.state.round), True, "local", (), sent, [()], sent, len(payload))
-            return self._finish(outcome, started, acc)
+            self._pending = _Pending(frag, acc, due, started, outcome=outcome)
+            return self._pending
         records = self.swarm.records()
-        source, why = resync_source(records, self.swarm.peer_id, self.state.round, self.digest)
-        if source is not None:
-            return self._finish_resync(source, why, started)
         key = round_key_for(records, self.state.round, self.attempt)
         expected = expected_peers(records, key, self.swarm.peer_id)
-        acc = self._accumulate(pseudo_gradient(self.state.params, self.local_params))
-        outcome = self.swarm.exchange(key, self.digest, expected, acc)
-        report = self._finish(outcome, started, acc)
-        if not outcome.committed:  # maybe the others committed without us: catch up now, not H steps later
-            source, why = resync_source(self.swarm.records(), self.swarm.peer_id, self.state.round, self.digest)
-            if source is not None:
-                return self._finish_resync(source, why, started)
+        future = self.swarm.exchange_async(key, self.digest, expected, acc, fragment=frag.index)
+        self._pending = _Pending(frag, acc, due, started, future=future, key=key)
+        return self._pending
+
+    def _complete(self, pending: _Pending) -> RoundReport | None:
+        """Wait for the exchange in flight (counted as blocked time when it is not back yet) and apply it."""
+        self._pending = None
+        outcome = pending.outcome
+        if outcome is None:
+            assert pending.future is not None and self.swarm is not None
+            waited = time.monotonic()
+            if not pending.future.done():
+                pending.blocked = True
+            outcome = self.swarm.finish_exchange(pending.future, pending.key)
+            if pending.blocked:
+                self.accounting.blocked(time.monotonic() - waited)
+            pending.outcome = outcome
+        report = self._finish(pending, outcome)
+        if not outcome.committed and self.swarm is not None:
+            # Maybe the others committed without us: catch up now, not H steps later.
+            resync = self._maybe_resync(pending.started)
+            if resync is not None:
+                return resync
         return report
 
-    def _accumulate(self, delta: torch.Tensor) -> torch.Tensor:
-        return self.ef.accumulate(delta) if self.ef is not None else delta
-
-    def _finish(self, outcome: RoundOutcome, started: float, acc: torch.Tensor) -> RoundReport:
-        if outcome.committed:
-            assert outcome.aggregate is not None and outcome.sent is not None
-            if self.ef is not None:
-                self.ef.commit(acc, outcome.sent)
-            with self._state_lock:
-                outer_step(self.state.outer, self.state.params, outcome.aggregate)
-                self.state.round += 1
-                self._state_changed()
-            self.attempt = 0
-            copy_into(self.local_params, self.state.params)
-            log.info("event=round_committed round=%d peers=%d", self.state.round, len(outcome.view))
-        else:
-            self.attempt = outcome.key.attempt + 1
-            log.warning("event=round_failed round=%s reason=%s", outcome.key, outcome.reason)
-        report = RoundReport(self.state.round, outcome.committed, outcome.reason, max(1, len(outcome.view)),
-                             outcome.bytes_sent, outcome.bytes_received, time.monotonic() - started, self.steps,
-                             payload_bytes=outcome.payload_bytes, numel=self.state.numel)
-        return self._report(report)
-
-    def _finish_resync(self, source: PeerRecord, why: str, started: float) -> RoundReport:
+    def _maybe_resync(self, started: float) -> RoundReport | None:
+        if self.swarm is None:
+            return None
+        source, why = resync_source(self.swarm.records(), self.swarm.peer_id, self.state.round, self.digest)
+        if source is None:
+            return None
         sent0, recv0 = self.bytes_on_wire()
         ok = self._resync(source, why)
         sent, recv = self.bytes_on_wire()
         report = RoundReport(self.state.round, False, f"resynced: {why}" if ok else f"resync failed: {why}", 1,
                              sent - sent0, recv - recv0, time.monotonic() - started, self.steps, resynced=ok)
+        return self._report(report)
+
+    def _finish(self, pending: _Pending, outcome: RoundOutcome) -> RoundReport:
+        frag = pending.fragment
+        overlapped = self.streaming.outer_overlap != "none"
+        if outcome.committed:
+            assert outcome.aggregate is not None and outcome.sent is not None
+            if self.ef is not None:
+                self.ef[frag.index].commit(pending.acc, outcome.sent)
+            global_frag = self._frag(self.state.params, frag)
+            with self._state_lock:
+                outer_step(self.state.outer, global_frag, outcome.aggregate)
+                self.state.round += 1
+                self._state_changed()
+            self.attempt = 0
+            self._last_view = max(1, len(outcome.view))
+            if not overlapped:
+                mix_into(self._frag(self.local_params, frag), global_frag, self.streaming.alpha)
+            log.info("event=round_committed round=%d fragment=%d peers=%d", self.state.round, frag.index,
+                     len(outcome.view))
+        else:
+            self.attempt = outcome.key.attempt + 1
+            if overlapped:  # the local copy no longer carries this Δ: deliver it with the next round
+                if self.ef is not None:
+                    self.ef[frag.index].commit(pending.acc, torch.zeros_like(pending.acc))
+                else:
+                    self._carry[frag.index] = pending.acc
+            log.warning("event=round_failed round=%s fragment=%d reason=%s", outcome.key, frag.index, outcome.reason)
+        report = RoundReport(self.state.round, outcome.committed, outcome.reason, max(1, len(outcome.view)),
+                             outcome.bytes_sent, outcome.bytes_received, time.monotonic() - pending.started,
+                             self.steps, payload_bytes=outcome.payload_bytes, numel=frag.numel,
+                             fragment=frag.index, blocked=pending.blocked)
         return self._report(report)
 
     def _report(self, report: RoundReport) -> RoundReport:
@@ -220,6 +371,16 @@ class DiLoCo:
         if self.on_round is not None:
             self.on_round(report)
         return report
+
+    def _frag(self, tensors: list[torch.Tensor], frag: Fragment) -> list[torch.Tensor]:
+        return [tensors[i] for i in frag.params]
+
+    def _clone_state(self) -> tuple[list[torch.Tensor], torch.optim.Optimizer]:
+        """A private copy of θ and the outer optimizer (for the eager step, which must not touch θ)."""
+        params = [p.detach().clone() for p in self.state.params]
+        outer = self._outer_factory(params)
+        outer.load_state_dict(copy.deepcopy(self.state.outer.state_dict()))
+        return params, outer
 
     # ------------------------------------------------------------------ catching up
 
@@ -256,6 +417,7 @@ class DiLoCo:
             self.state = fresh
             self._state_changed()
         self.attempt = 0
+        self._carry.clear()
         self.swarm.collective.advance_to(RoundKey(self.state.round))
         copy_into(self.local_params, self.state.params)
         self._publish("training")

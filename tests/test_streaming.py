@@ -1,0 +1,438 @@
+"""Streaming DiLoCo: fragments, schedule, overlap τ, mixing α, whole-step (eager / delayed) overlap.
+
+The swarm tests run real in-process peers (one thread each, shared in-process network) and compare
+them with a reference implementation of the published algorithm written here from the paper's
+equations, independent of the wrapper: M workers in lock-step, fragment r mod P synchronized at
+every H/P-th step, its mean pseudo-gradient applied τ steps later and mixed with weight α.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+import threading
+import time
+
+import pytest
+import torch
+from test_swarm_inproc import Harness, _run_threads
+
+from diloco import DiLoCo
+from diloco.accounting import Accounting
+from diloco.fragments import (FragmentError, StreamingConfig, block_units, check_schedule, partition, slot_due)
+from diloco.model import GPTConfig, build_model
+from diloco.outer import flatten, mix_into, nesterov, outer_step, unflatten
+
+H = 8
+
+
+def _net(seed: int = 0) -> torch.nn.Module:
+    """Four Linear blocks (parameters 0.*, 2.*, 4.*, 6.*): up to 4 fragments."""
+    torch.manual_seed(seed)
+    L = torch.nn.Linear
+    return torch.nn.Sequential(L(6, 12), torch.nn.Tanh(), L(12, 12), torch.nn.Tanh(), L(12, 12), torch.nn.Tanh(),
+                               L(12, 1))
+
+
+def _batches(seed: int, count: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(count):
+        x = torch.randn(16, 6, generator=g)
+        out.append((x, x[:, :3].sum(1, keepdim=True)))
+    return out
+
+
+def _step(model: torch.nn.Module, opt: torch.optim.Optimizer, batch: tuple[torch.Tensor, torch.Tensor]) -> None:
+    x, y = batch
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def _names(model: torch.nn.Module) -> tuple[list[str], list[int]]:
+    named = list(model.named_parameters())
+    return [n for n, _ in named], [p.numel() for _, p in named]
+
+
+# ---------------------------------------------------------------------- fragments (pure)
+
+
+def test_gpt_blocks_are_units_with_embeddings_first_and_final_norm_last():
+    names, numels = _names(build_model(GPTConfig(), seed=0))
+    units = block_units(names)
+    assert len(units) == 4
+    assert [names[i] for i in units[0][:2]] == ["tok_emb.weight", "pos_emb.weight"]
+    assert all(names[i].startswith("blocks.1.") for i in units[1])
+    assert names[units[3][-1]].startswith("ln_f.")
+
+
+@pytest.mark.parametrize("pattern, expect", [
+    ("strided", [[0, 2], [1, 3]]),       # block i → fragment i mod P
+    ("sequential", [[0, 1], [2, 3]]),    # consecutive blocks
+])
+def test_patterns_assign_blocks(pattern, expect):
+    names, numels = _names(_net())
+    frags = partition(names, numels, StreamingConfig(fragments=2, pattern=pattern))
+    blocks = [sorted({int(names[i].split(".")[0]) // 2 for i in f.params}) for f in frags]
+    assert blocks == expect
+    assert sorted(i for f in frags for i in f.params) == list(range(len(names)))  # each parameter exactly once
+    assert sum(f.numel for f in frags) == sum(numels)
+
+
+def test_blocks_per_fragment_sets_the_count():
+    names, numels = _names(build_model(GPTConfig(n_layer=6), seed=0))
+    assert len(partition(names, numels, StreamingConfig(blocks_per_fragment=3))) == 2
+    assert len(partition(names, numels, StreamingConfig(blocks_per_fragment=4))) == 2  # ceil(6 / 4)
+    assert len(partition(names, numels, StreamingConfig(blocks_per_fragment=1))) == 6
+
+
+def test_model_without_repeated_blocks_uses_top_level_modules():
+    names = ["embed.weight", "norm.weight", "norm.bias", "head.weight"]
+    assert block_units(names) == [[0], [1, 2], [3]]
+
+
+@pytest.mark.parametrize("kwargs, fix", [
+    (dict(fragments=0), "fragments must be >= 1"),
+    (dict(fragments=2, blocks_per_fragment=3), "not both"),
+    (dict(pattern="random"), "strided, sequential"),
+    (dict(alpha=1.5), "alpha must be in [0, 1]"),
+    (dict(overlap=-1), "overlap (tau) must be >= 0"),
+    (dict(outer_overlap="lazy"), "none, delayed, eager"),
+])
+def test_bad_settings_say_how_to_fix(kwargs, fix):
+    with pytest.raises(FragmentError, match=re.escape(fix)):
+        StreamingConfig(**kwargs)
+
+
+@pytest.mark.parametrize("h, p, cfg, fix", [
+    (10, 4, StreamingConfig(fragments=4), "H=10 must be divisible by the number of fragments P=4"),
+    (8, 4, StreamingConfig(fragments=4, overlap=2), "tau=2 must be < H/P = 8/4 = 2"),
+    (8, 2, StreamingConfig(fragments=2, outer_overlap="eager"), "needs one fragment"),
+    (8, 1, StreamingConfig(overlap=1, outer_overlap="eager"), "leave overlap (tau) at 0"),
+])
+def test_bad_schedules_say_how_to_fix(h, p, cfg, fix):
+    with pytest.raises(FragmentError, match=re.escape(fix)):
+        check_schedule(h, p, cfg)
+
+
+def test_too_many_fragments_for_the_model():
+    names, numels = _names(_net())
+    with pytest.raises(FragmentError, match="only 4 blocks"):
+        partition(names, numels, StreamingConfig(fragments=5))
+    with pytest.raises(FragmentError, match="divisible"):
+        DiLoCo(_net(), torch.optim.SGD(_net().parameters(), lr=0.1), inner_steps=6,
+               streaming=StreamingConfig(fragments=4))
+
+
+def test_slots_every_h_over_p_steps():
+    assert [s for s in range(1, 17) if slot_due(s, 8, 4)] == [2, 4, 6, 8, 10, 12, 14, 16]
+    assert [s for s in range(1, 17) if slot_due(s, 8, 1)] == [8, 16]
+
+
+def test_mixing():
+    local, glob = [torch.tensor([1.0, 2.0])], [torch.tensor([3.0, 6.0])]
+    a = [t.clone() for t in local]
+    mix_into(a, glob, 0.5)
+    assert torch.equal(a[0], torch.tensor([2.0, 4.0]))
+    b = [t.clone() for t in local]
+    mix_into(b, glob, 0.0)
+    assert torch.equal(b[0], glob[0])
+    c = [t.clone() for t in local]
+    mix_into(c, glob, 1.0)
+    assert torch.equal(c[0], local[0])
+
+
+# ---------------------------------------------------------------------- accounting (pure, injected clock)
+
+
+def test_accounting_utilization_blocked_and_bandwidth():
+    a = Accounting()
+    a.begin_sync(0.0)
+    a.end_sync(0.0)
+    a.step(0.0, 0, 0)  # the window starts after the first step
+    for k in range(1, 5):  # four steps of 1 s, the third one spends 0.5 s in sync work (0.2 s blocked)
+        if k == 3:
+            a.begin_sync(k - 0.5)
+            a.blocked(0.2)
+            a.end_sync(float(k))
+        a.step(float(k), sent=100 * k, received=0 if k < 4 else 1000)
+    u = a.usage()
+    assert u.steps == 4 and u.wall_seconds == 4.0
+    assert u.sync_seconds == pytest.approx(0.5) and u.utilization == pytest.approx(1 - 0.5 / 4)
+    assert u.blocked_seconds == pytest.approx(0.2) and u.blocked_waits == 1
+    assert u.bytes_sent == 400 and u.bytes_received == 1000
+    assert u.peak_bytes_per_second == pytest.approx(1100.0)  # the last step moved 100 + 1000 bytes in 1 s
+    assert u.mean_bytes_per_second == pytest.approx(1400 / 4)
+
+
+# ---------------------------------------------------------------------- the math, against a reference
+
+
+def reference(models: list[torch.nn.Module], data: list[list], *, fragments: int, pattern: str = "strided",
+              tau: int = 0, alpha: float = 0.0, outer=nesterov(0.7, 0.9), steps: int) -> list[torch.Tensor]:
+    """Streaming DiLoCo for M workers in lock-step, from the paper's description (not the wrapper)."""
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in models]
+    glob = [p.detach().clone() for p in models[0].parameters()]
+    outer_opt = outer(glob)
+    names, numels = _names(models[0])
+    frags = partition(names, numels, StreamingConfig(fragments=fragments, pattern=pattern))
+    rnd, pending = 0, None
+
+    def apply(frag, mean):
+        nonlocal rnd
+        g = [glob[i] for i in frag.params]
+        outer_step(outer_opt, g, mean)
+        rnd += 1
+        for m in models:
+            local = list(m.parameters())
+            mix_into([local[i] for i in frag.params], g, alpha)
+
+    for s in range(1, steps + 1):
+        for m, opt, d in zip(models, opts, data):
+            _step(m, opt, d[s - 1])
+        if pending is not None and pending[0] <= s:
+            apply(*pending[1:])
+            pending = None
+        if s % (H // fragments) == 0:
+            frag = frags[rnd % fragments]
+            deltas = [flatten([glob[i] for i in frag.params]) - flatten([list(m.parameters())[i] for i in frag.params])
+                      for m in models]
+            pending = (s + tau, frag, torch.stack(deltas).mean(0))
+            if tau == 0:
+                apply(*pending[1:])
+                pending = None
+    if pending is not None:
+        apply(*pending[1:])
+    return glob
+
+
+def test_neutral_knobs_are_plain_diloco_bit_for_bit():
+    """P=1, τ=0, α=0 is DiLoCo: Δ = θ − θ_local every H steps, Nesterov outer step, θ loaded back."""
+    data = _batches(0, 3 * H)
+    plain, streamed = _net(), _net()
+    # plain DiLoCo by hand
+    opt = torch.optim.AdamW(plain.parameters(), lr=1e-2)
+    glob = [p.detach().clone() for p in plain.parameters()]
+    outer = nesterov(0.7, 0.9)(glob)
+    for s, batch in enumerate(data, 1):
+        _step(plain, opt, batch)
+        if s % H == 0:
+            outer_step(outer, glob, flatten(glob) - flatten(plain.parameters()))
+            with torch.no_grad():
+                for p, g in zip(plain.parameters(), glob):
+                    p.copy_(g)
+    # the wrapper with the streaming knobs at their neutral values
+    opt2 = torch.optim.AdamW(streamed.parameters(), lr=1e-2)
+    with DiLoCo(streamed, opt2, inner_steps=H, streaming=StreamingConfig(fragments=1, overlap=0, alpha=0.0)) as d:
+        for batch in data:
+            _step(streamed, opt2, batch)
+    assert d.round == 3
+    for a, b, g in zip(plain.parameters(), streamed.parameters(), glob):
+        assert torch.equal(a, b)
+        assert torch.equal(g, b.detach())
+
+
+def test_single_worker_streaming_matches_reference():
+    data = _batches(3, 3 * H)
+    ref = reference([_net()], [data], fragments=4, tau=1, alpha=0.5, steps=3 * H)
+    model = _net()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    with DiLoCo(model, opt, inner_steps=H, streaming=StreamingConfig(fragments=4, overlap=1, alpha=0.5)) as d:
+        for batch in data:
+            _step(model, opt, batch)
+    assert d.round == 12 and [r.fragment for r in d.reports] == [0, 1, 2, 3] * 3
+    for g, r in zip(d.state.params, ref):
+        assert torch.equal(g, r)  # one worker: no averaging, so bit for bit
+
+
+def _swarm_run(harness: Harness, M: int, steps: int, streaming: StreamingConfig, *, outer=nesterov(0.7, 0.9),
+               between_steps=None, before_step=None) -> tuple[list[DiLoCo], list[torch.nn.Module], list[list]]:
+    base = _net(1)
+    models = [copy.deepcopy(base) for _ in range(M)]
+    data = [_batches(10 + i, steps) for i in range(M)]
+    start = threading.Barrier(M, timeout=10)
+    out: dict[int, DiLoCo] = {}
+
+    def peer(i):
+        def run():
+            model = models[i]
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+            with DiLoCo(model, opt, swarm=harness.swarm(f"peer{i}"), inner_steps=H, streaming=streaming,
+                        outer_optimizer=outer) as d:
+                start.wait()
+                for s in range(steps):
+                    if before_step is not None:
+                        before_step(i, d, s + 1)
+                    _step(model, opt, data[i][s])
+                    if between_steps is not None:
+                        between_steps(i, d)
+            out[i] = d
+        return run
+
+    _run_threads([peer(i) for i in range(M)], [start])
+    return [out[i] for i in range(M)], models, data
+
+
+@pytest.mark.swarm
+@pytest.mark.parametrize("fragments, pattern, tau, alpha", [
+    (1, "strided", 1, 0.5),
+    (2, "strided", 0, 0.0),
+    (2, "sequential", 1, 0.5),
+    (2, "strided", 3, 0.0),
+    (4, "strided", 1, 0.5),
+    (4, "sequential", 0, 0.5),
+])
+def test_swarm_peers_end_bit_identical_and_follow_the_algorithm(fragments, pattern, tau, alpha):
+    harness = Harness()
+    try:
+        M, steps = 3, 2 * H
+        cfg = StreamingConfig(fragments=fragments, pattern=pattern, overlap=tau, alpha=alpha)
+        ds, models, data = _swarm_run(harness, M, steps, cfg)
+    finally:
+        harness.close()
+    rounds = steps // (H // fragments)
+    assert {d.round for d in ds} == {rounds}
+    assert len({d.digest for d in ds}) == 1  # bit-identical global state (θ, outer state, round)
+    for d in ds:
+        assert all(r.committed and r.peers == M for r in d.reports), d.reports
+        assert [r.fragment for r in d.reports] == [k % fragments for k in range(rounds)]
+        assert sum(r.numel for r in d.reports[:fragments]) == sum(p.numel() for p in models[0].parameters())
+    ref = reference([copy.deepcopy(_net(1)) for _ in range(M)], data, fragments=fragments, pattern=pattern, tau=tau,
+                    alpha=alpha, steps=steps)
+    for g, r in zip(ds[0].state.params, ref):  # averaging order differs from the reference's: float-close
+        assert torch.allclose(g, r, rtol=0, atol=1e-5), (g - r).abs().max()
+
+
+@pytest.mark.swarm
+def test_never_blocks_when_results_are_back_within_tau():
+    """Compute that outlasts the exchange (here: the test waits for each exchange to finish between
+    steps, as a slow inner step would) means the hook never waits: counted, not timed."""
+    harness = Harness()
+
+    def wait_for_exchange(i, d):
+        f = d.in_flight()
+        if f is not None:
+            f.result(10)
+
+    try:
+        ds, _, _ = _swarm_run(harness, 2, 2 * H, StreamingConfig(fragments=2, overlap=2, alpha=0.5),
+                              between_steps=wait_for_exchange)
+    finally:
+        harness.close()
+    for d in ds:
+        assert len(d.reports) == 4 and all(r.committed for r in d.reports)
+        assert not any(r.blocked for r in d.reports)
+        assert d.usage().blocked_waits == 0 and d.usage().blocked_seconds == 0.0
+
+
+@pytest.mark.swarm
+def test_a_late_result_blocks_the_loop_and_is_counted():
+    """Peer 1 reaches its first slot late, so peer 0's exchange cannot finish within τ=1 step:
+    peer 0 waits at its due step, and says so."""
+    harness = Harness()
+
+    def slow_peer(i, d, step):
+        if i == 1 and step == H // 2:  # the step that starts peer 1's first round
+            time.sleep(0.5)
+
+    try:
+        ds, _, _ = _swarm_run(harness, 2, H, StreamingConfig(fragments=2, overlap=1), before_step=slow_peer)
+    finally:
+        harness.close()
+    first = ds[0].reports[0]
+    assert first.committed and first.blocked
+    assert ds[0].usage().blocked_waits >= 1 and ds[0].usage().blocked_seconds > 0
+    assert len({d.digest for d in ds}) == 1
+
+
+# ---------------------------------------------------------------------- whole-step overlap (eager / delayed)
+
+
+def test_eager_with_one_worker_and_outer_sgd_is_plain_diloco():
+    """Eager's proxy (stale aggregate, own stale term swapped for the fresh one) is exact with one
+    worker: with outer SGD it is DiLoCo without delay, the exchange hidden behind a whole phase."""
+    data = _batches(5, 4 * H)
+    sgd = nesterov(0.7, 0.0)
+    plain, eager = _net(), _net()
+    o1, o2 = (torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (plain, eager))
+    with DiLoCo(plain, o1, inner_steps=H, outer_optimizer=sgd) as d1:
+        for b in data:
+            _step(plain, o1, b)
+    with DiLoCo(eager, o2, inner_steps=H, outer_optimizer=sgd, streaming=StreamingConfig(outer_overlap="eager")) as d2:
+        for b in data:
+            _step(eager, o2, b)
+    assert d1.round == d2.round == 4
+    for a, b in zip(d1.state.params, d2.state.params):
+        assert torch.allclose(a, b, rtol=0, atol=1e-6)
+
+
+def test_delayed_applies_each_aggregate_one_phase_late():
+    data = _batches(6, 3 * H)
+    model = _net()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    sgd = nesterov(1.0, 0.0)
+    # by hand: phase k starts at θ_k; at its end θ_{k+1} = θ_k − Δ_{k−1} (Δ of the phase before)
+    ref_model = _net()
+    ref_opt = torch.optim.AdamW(ref_model.parameters(), lr=1e-2)
+    theta = flatten(ref_model.parameters())
+    prev = None
+    for s, b in enumerate(data, 1):
+        _step(ref_model, ref_opt, b)
+        if s % H == 0:
+            delta = theta - flatten(ref_model.parameters())
+            if prev is not None:
+                theta = theta - prev
+            prev = delta
+            with torch.no_grad():
+                for p, v in zip(ref_model.parameters(), unflatten(theta.clone(), list(ref_model.parameters()))):
+                    p.copy_(v)
+    theta = theta - prev  # the last exchange, applied by flush on exit
+    with DiLoCo(model, opt, inner_steps=H, outer_optimizer=sgd, streaming=StreamingConfig(outer_overlap="delayed")) as d:
+        for b in data:
+            _step(model, opt, b)
+    assert d.round == 3
+    assert torch.allclose(flatten(d.state.params), theta, rtol=0, atol=1e-6)
+
+
+@pytest.mark.swarm
+@pytest.mark.parametrize("mode", ["eager", "delayed"])
+def test_whole_step_overlap_keeps_peers_identical(mode):
+    harness = Harness()
+    try:
+        ds, models, _ = _swarm_run(harness, 3, 3 * H, StreamingConfig(outer_overlap=mode))
+    finally:
+        harness.close()
+    assert {d.round for d in ds} == {3}
+    assert len({d.digest for d in ds}) == 1
+    for d in ds:
+        assert all(r.committed and r.peers == 3 for r in d.reports), d.reports
+
+
+@pytest.mark.swarm
+def test_peers_with_different_fragments_cannot_mix():
+    """The fragment layout is part of the schema digest: a peer with another P is rejected, never averaged."""
+    harness = Harness()
+    base = _net(2)
+    data = _batches(0, H)
+    out: dict[int, DiLoCo] = {}
+    start = threading.Barrier(2, timeout=10)
+
+    def peer(i, frags):
+        def run():
+            model = copy.deepcopy(base)
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+            with DiLoCo(model, opt, swarm=harness.swarm(f"peer{i}"), inner_steps=H,
+                        streaming=StreamingConfig(fragments=frags)) as d:
+                start.wait()
+                for b in data:
+                    _step(model, opt, b)
+            out[i] = d
+        return run
+
+    try:
+        _run_threads([peer(0, 1), peer(1, 2)], [start])
+    finally:
+        harness.close()
+    assert all(r.peers == 1 for d in out.values() for r in d.reports)
+    assert sum(d.swarm.collective.rejections["wrong_schema"] for d in out.values()) > 0
