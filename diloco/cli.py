@@ -15,7 +15,7 @@ import signal
 import sys
 import threading
 from pathlib import Path
-from typing import TYPE_CHECKING, List, NoReturn, Optional
+from typing import TYPE_CHECKING, Any, List, NoReturn, Optional
 
 import typer
 
@@ -40,6 +40,11 @@ MinPeers = typer.Option(1, help="Fewest peers that may commit a round.")
 Metrics = typer.Option(None, help="Append one JSON line per round (and a final one) to this file.")
 OuterLr = typer.Option(None, help="Outer SGD lr (default 0.7; 1.0 when the compression has error feedback).")
 OuterMomentum = typer.Option(None, help="Outer Nesterov momentum (default 0.9; 0 with error feedback).")
+Fragments = typer.Option(1, help="Streaming DiLoCo: sync the model in this many fragments of blocks, staggered.")
+Pattern = typer.Option("strided", "--fragment-pattern", help="strided (block i -> fragment i mod P) or sequential.")
+Overlap = typer.Option(0, "--overlap", help="tau: inner steps a fragment's exchange may overlap before it is applied.")
+Alpha = typer.Option(0.0, help="alpha: weight kept by the local copy when a fragment's global value arrives.")
+OuterOverlap = typer.Option("none", help="Overlap a whole outer step (one fragment): none, eager or delayed.")
 
 
 def _fail(message: str, code: int = 2) -> NoReturn:
@@ -54,18 +59,20 @@ def _setup_logging(verbose: bool) -> None:
         logging.getLogger(noisy).setLevel(logging.ERROR)
 
 
-def _configs(run_id: str, compression: str, min_peers: int, rounds: int, inner_steps: int, batch_size: int,
-             seed: int, shard: Optional[int], d_model: int, layers: int, threads: int, gather_timeout: float,
-             eval_every: int, wait_for: int, round_timeout: float, outer_lr: Optional[float],
-             outer_momentum: Optional[float]) -> tuple[SwarmConfig, JobConfig]:
+def _configs(o: dict[str, Any]) -> tuple[SwarmConfig, JobConfig]:
+    """The swarm's and the job's settings from a command's options (`locals()` of start / join)."""
     from .train import JobConfig
 
     try:
-        swarm_cfg = SwarmConfig(run_id=run_id, compression=compression, min_peers=min_peers, gather_timeout=gather_timeout,
-                                result_timeout=round_timeout, reduce_timeout=round_timeout * 2 / 3)
-        job = JobConfig(rounds=rounds, inner_steps=inner_steps, batch_size=batch_size, seed=seed, shard=shard,
-                        d_model=d_model, n_layer=layers, threads=threads, eval_every=eval_every,
-                        wait_for=wait_for, outer_lr=outer_lr, outer_momentum=outer_momentum)
+        swarm_cfg = SwarmConfig(run_id=o["run_id"], compression=o["compression"], min_peers=o["min_peers"],
+                                gather_timeout=o["gather_timeout"], result_timeout=o["round_timeout"],
+                                reduce_timeout=o["round_timeout"] * 2 / 3)
+        job = JobConfig(rounds=o["rounds"], inner_steps=o["inner_steps"], batch_size=o["batch_size"], seed=o["seed"],
+                        shard=o["shard"], d_model=o["d_model"], n_layer=o["layers"], threads=o["threads"],
+                        eval_every=o["eval_every"], wait_for=o["wait_for"], outer_lr=o["outer_lr"],
+                        outer_momentum=o["outer_momentum"], fragments=o["fragments"],
+                        fragment_pattern=o["fragment_pattern"], overlap=o["overlap"], alpha=o["alpha"],
+                        outer_overlap=o["outer_overlap"])
     except ConfigError as e:
         _fail(str(e))
     return swarm_cfg, job
@@ -124,14 +131,15 @@ def start(
     wait_for: int = typer.Option(1, help="Wait (up to 120 s) until this many peers are in the swarm before training."),
     round_timeout: float = typer.Option(30.0, help="Seconds after a round starts by which it commits or is abandoned."),
     outer_lr: Optional[float] = OuterLr, outer_momentum: Optional[float] = OuterMomentum,
+    fragments: int = Fragments, fragment_pattern: str = Pattern, overlap: int = Overlap, alpha: float = Alpha,
+    outer_overlap: str = OuterOverlap,
     address_file: Optional[Path] = typer.Option(None, help="Write this peer's addresses to this file once up."),
     status_file: Optional[Path] = typer.Option(None, hidden=True),
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Log every round event."),
 ) -> None:
     """Start a swarm: train the bundled model and print the line others run to join."""
     _setup_logging(verbose)
-    swarm_cfg, job = _configs(run_id, compression, min_peers, rounds, inner_steps, batch_size, seed, shard, d_model, layers,
-                              threads, gather_timeout, eval_every, wait_for, round_timeout, outer_lr, outer_momentum)
+    swarm_cfg, job = _configs(locals())
     _run_peer([], host=host, port=port, announce=announce, address_file=address_file, metrics=metrics,
               status_file=status_file, swarm_cfg=swarm_cfg, job=job)
 
@@ -153,6 +161,8 @@ def join(
     wait_for: int = typer.Option(1, help="Wait (up to 120 s) until this many peers are in the swarm before training."),
     round_timeout: float = typer.Option(30.0, help="Seconds after a round starts by which it commits or is abandoned."),
     outer_lr: Optional[float] = OuterLr, outer_momentum: Optional[float] = OuterMomentum,
+    fragments: int = Fragments, fragment_pattern: str = Pattern, overlap: int = Overlap, alpha: float = Alpha,
+    outer_overlap: str = OuterOverlap,
     address_file: Optional[Path] = typer.Option(None, help="Write this peer's addresses to this file once up."),
     status_file: Optional[Path] = typer.Option(None, hidden=True),
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Log every round event."),
@@ -165,8 +175,7 @@ def join(
         _validate_addrs(addresses)
     except SwarmError as e:
         _fail(str(e))
-    swarm_cfg, job = _configs(run_id, compression, min_peers, rounds, inner_steps, batch_size, seed, shard, d_model, layers,
-                              threads, gather_timeout, eval_every, wait_for, round_timeout, outer_lr, outer_momentum)
+    swarm_cfg, job = _configs(locals())
     _run_peer(addresses, host=host, port=port, announce=announce, address_file=address_file, metrics=metrics,
               status_file=status_file, swarm_cfg=swarm_cfg, job=job)
 
@@ -185,13 +194,17 @@ def demo(
     workdir: Optional[Path] = typer.Option(None, help="Keep peers' logs and metrics here (default: a temp dir)."),
     live: bool = typer.Option(True, help="Show the live view (off: plain progress lines)."),
     outer_lr: Optional[float] = OuterLr, outer_momentum: Optional[float] = OuterMomentum,
+    fragments: int = Fragments, fragment_pattern: str = Pattern, overlap: int = Overlap, alpha: float = Alpha,
+    outer_overlap: str = OuterOverlap,
 ) -> None:
     """Run a local swarm of PEERS processes on 127.0.0.1 training the bundled model, with a live view."""
     from .demo import DemoConfig, run_demo
 
     try:
         cfg = DemoConfig(peers=peers, rounds=rounds, inner_steps=inner_steps, compression=compression, batch_size=batch_size,
-                         d_model=d_model, layers=layers, outer_lr=outer_lr, outer_momentum=outer_momentum)
+                         d_model=d_model, layers=layers, outer_lr=outer_lr, outer_momentum=outer_momentum,
+                         fragments=fragments, fragment_pattern=fragment_pattern, overlap=overlap, alpha=alpha,
+                         outer_overlap=outer_overlap)
     except ConfigError as e:
         _fail(str(e))
     code = run_demo(cfg, workdir=workdir, metrics=metrics, json_path=json_path, live=live)

@@ -21,6 +21,8 @@ class PeerView:
     bytes_sent: int
     bytes_received: int
     done: bool = False
+    utilization: float | None = None  # inner-step compute time / wall time so far
+    blocked_seconds: float | None = None  # time the loop waited for an exchange
 
 
 def _mb(n: int) -> str:
@@ -30,7 +32,7 @@ def _mb(n: int) -> str:
 def render(peers: list[PeerView], elapsed: float, target_rounds: int) -> Group:
     alive = sum(p.alive for p in peers)
     table = Table(title=f"diloco demo — {alive}/{len(peers)} peers alive — {elapsed:.0f}s", expand=False)
-    for col in ("peer", "state", "round", "step", "inner loss", "sent", "received"):
+    for col in ("peer", "state", "round", "step", "inner loss", "sent", "received", "compute util", "blocked"):
         table.add_column(col, justify="right" if col not in ("peer", "state") else "left")
     for p in peers:
         if p.alive:
@@ -40,8 +42,10 @@ def render(peers: list[PeerView], elapsed: float, target_rounds: int) -> Group:
         else:
             state = Text(f"exited {p.exit_code}", style="red")
         loss = "-" if p.loss is None else f"{p.loss:.3f}"
+        util = "-" if p.utilization is None else f"{100 * p.utilization:.1f}%"
+        blocked = "-" if p.blocked_seconds is None else f"{p.blocked_seconds:.1f} s"
         table.add_row(f"peer {p.index}", state, f"{p.round}/{target_rounds}", str(p.step), loss,
-                      _mb(p.bytes_sent), _mb(p.bytes_received))
+                      _mb(p.bytes_sent), _mb(p.bytes_received), util, blocked)
     return Group(table)
 
 
@@ -63,5 +67,14 @@ def summary_table(s: dict[str, Any]) -> Table:
     table.add_row("per-step data-parallel would send", _mb(s["data_parallel_bytes"]))
     if s.get("reduction_vs_data_parallel"):
         table.add_row("reduction vs data-parallel", f"{s['reduction_vs_data_parallel']}×")
+    streaming = s.get("streaming") or {}
+    if (streaming.get("fragments") or 1) > 1 or streaming.get("overlap") or streaming.get("outer_overlap") not in (None, "none"):
+        table.add_row("streaming", f"{streaming.get('fragments')} fragments, tau={streaming.get('overlap')}, "
+                                   f"alpha={streaming.get('alpha')}, outer overlap {streaming.get('outer_overlap')}")
+    utils = [u for u in s.get("utilization_per_peer") or [] if u is not None]
+    if utils:
+        blocked = [b for b in s.get("blocked_seconds_per_peer") or [] if b is not None]
+        table.add_row("compute utilization (mean of peers)", f"{100 * sum(utils) / len(utils):.1f}%  "
+                      f"(blocked on the network: {sum(blocked) / max(1, len(blocked)):.1f} s per peer)")
     table.add_row("wall time", f"{s['wall_seconds']:.0f} s")
     return table

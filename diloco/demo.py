@@ -50,6 +50,16 @@ class DemoConfig:
     """Outer SGD lr (None: the recipe default for the pipeline)."""
     outer_momentum: float | None = None
     """Outer Nesterov momentum (None: the recipe default)."""
+    fragments: int = 1
+    """Streaming DiLoCo fragments (1: plain DiLoCo)."""
+    fragment_pattern: str = "strided"
+    """strided or sequential."""
+    overlap: int = 0
+    """τ: inner steps a fragment's exchange may overlap."""
+    alpha: float = 0.0
+    """α: local weight when a fragment's global value arrives."""
+    outer_overlap: str = "none"
+    """none, eager or delayed (one fragment)."""
     timeout: float = 1800.0
     """Seconds before the demo gives up and stops every peer."""
 
@@ -58,7 +68,9 @@ class DemoConfig:
             raise ConfigError(f"peers must be between 1 and 16 on one machine, got {self.peers}")
         # Every peer validates its own flags; check them here too, so a bad demo fails before spawning.
         JobConfig(rounds=self.rounds, inner_steps=self.inner_steps, batch_size=self.batch_size, d_model=self.d_model,
-                  n_layer=self.layers, outer_lr=self.outer_lr, outer_momentum=self.outer_momentum)
+                  n_layer=self.layers, outer_lr=self.outer_lr, outer_momentum=self.outer_momentum,
+                  fragments=self.fragments, fragment_pattern=self.fragment_pattern, overlap=self.overlap,
+                  alpha=self.alpha, outer_overlap=self.outer_overlap)
         SwarmConfig(compression=self.compression)
 
 
@@ -68,7 +80,9 @@ def peer_command(cfg: DemoConfig, index: int, run_id: str, workdir: Path, bootst
     cmd += ["--run-id", run_id, "--rounds", str(cfg.rounds), "--inner-steps", str(cfg.inner_steps),
             "--compression", cfg.compression, "--batch-size", str(cfg.batch_size), "--d-model", str(cfg.d_model),
             "--layers", str(cfg.layers), "--shard", str(index), "--gather-timeout", "30",
-            "--wait-for", str(cfg.peers),
+            "--wait-for", str(cfg.peers), "--fragments", str(cfg.fragments),
+            "--fragment-pattern", cfg.fragment_pattern, "--overlap", str(cfg.overlap), "--alpha", str(cfg.alpha),
+            "--outer-overlap", cfg.outer_overlap,
             *(["--outer-lr", str(cfg.outer_lr)] if cfg.outer_lr is not None else []),
             *(["--outer-momentum", str(cfg.outer_momentum)] if cfg.outer_momentum is not None else []),
             "--metrics", str(workdir / f"peer{index}.jsonl"), "--status-file", str(workdir / f"peer{index}.status.json"),
@@ -101,7 +115,9 @@ def _views(procs: list[subprocess.Popen[bytes]], workdir: Path) -> list[PeerView
         st = read_status(workdir / f"peer{i}.status.json") or {}
         views.append(PeerView(index=i, alive=p.poll() is None, exit_code=p.poll(), round=st.get("round", 0),
                               step=st.get("step", 0), loss=st.get("loss"), bytes_sent=st.get("bytes_sent", 0),
-                              bytes_received=st.get("bytes_received", 0), done=bool(st.get("done"))))
+                              bytes_received=st.get("bytes_received", 0), done=bool(st.get("done")),
+                              utilization=st.get("utilization", (st.get("usage") or {}).get("utilization")),
+                              blocked_seconds=st.get("blocked_seconds", (st.get("usage") or {}).get("blocked_seconds"))))
     return views
 
 
@@ -139,6 +155,9 @@ def summarize(cfg: DemoConfig, workdir: Path, wall: float) -> dict[str, Any]:
         "data_parallel_bytes": dp_bytes,
         "reduction_vs_data_parallel": round(dp_bytes / total_sent, 1) if total_sent else None,
         "wall_seconds": round(wall, 1),
+        "streaming": {k: finals[0].get(k) for k in ("fragments", "overlap", "alpha", "outer_overlap")},
+        "utilization_per_peer": [f.get("usage", {}).get("utilization") for f in finals],
+        "blocked_seconds_per_peer": [f.get("usage", {}).get("blocked_seconds") for f in finals],
         "config": asdict(cfg),
     }
 
@@ -152,8 +171,11 @@ def run_demo(cfg: DemoConfig, *, workdir: Path | None = None, metrics: Path | No
     workdir = Path(workdir or tempfile.mkdtemp(prefix="diloco-demo-"))
     workdir.mkdir(parents=True, exist_ok=True)
     run_id = f"demo-{secrets.token_hex(3)}"
+    streaming = (f", {cfg.fragments} fragments ({cfg.fragment_pattern}), tau={cfg.overlap}, alpha={cfg.alpha}"
+                 if cfg.fragments > 1 or cfg.overlap or cfg.alpha else "")
+    streaming += f", outer overlap {cfg.outer_overlap}" if cfg.outer_overlap != "none" else ""
     console.print(f"[bold]diloco demo[/]: {cfg.peers} peers, {cfg.rounds} rounds of H={cfg.inner_steps}, "
-                  f"compression {cfg.compression}; logs in {workdir}")
+                  f"compression {cfg.compression}{streaming}; logs in {workdir}")
     started = time.monotonic()
     procs: list[subprocess.Popen[bytes]] = []
     try:

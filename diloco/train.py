@@ -24,6 +24,7 @@ from diloco.compression.pipeline import parse as parse_compression
 
 from .config import ConfigError
 from .corpus import BatchSampler, Corpus, CorpusConfig, evaluate, heldout_batches
+from .fragments import FragmentError, StreamingConfig, check_schedule
 from .metrics import MetricsWriter, write_status
 from .model import GPTConfig, build_model
 from .outer import default_outer
@@ -71,6 +72,17 @@ class JobConfig:
     """Peers (self included) to wait for before the first inner step."""
     wait_timeout: float = 120.0
     """Seconds to wait for them; then train with whoever is there."""
+    fragments: int = 1
+    """Streaming DiLoCo: fragments the model is synchronized in (1: plain DiLoCo); `rounds` still
+    counts outer steps, each of which synchronizes every fragment once."""
+    fragment_pattern: str = "strided"
+    """How blocks are assigned to fragments: strided or sequential."""
+    overlap: int = 0
+    """τ: inner steps a fragment's exchange runs in the background before its result is applied."""
+    alpha: float = 0.0
+    """α: weight of the local copy when a fragment's global value arrives (0: adopt the global one)."""
+    outer_overlap: str = "none"
+    """Overlap a whole outer step: none, eager or delayed (one fragment only)."""
 
     def __post_init__(self) -> None:
         for name in ("rounds", "inner_steps", "batch_size", "d_model", "n_layer", "context", "eval_batches", "threads",
@@ -85,6 +97,17 @@ class JobConfig:
             raise ConfigError(f"outer_momentum must be in [0, 1), got {self.outer_momentum}")
         if self.d_model % 4:
             raise ConfigError(f"d_model ({self.d_model}) must be divisible by the 4 attention heads")
+        try:
+            streaming = self.streaming()
+            check_schedule(self.inner_steps, self.fragments, streaming)
+        except FragmentError as e:
+            raise ConfigError(str(e)) from e
+        if self.fragments > self.n_layer:
+            raise ConfigError(f"fragments ({self.fragments}) cannot exceed the model's {self.n_layer} blocks (--layers)")
+
+    def streaming(self) -> StreamingConfig:
+        return StreamingConfig(fragments=self.fragments, pattern=self.fragment_pattern, overlap=self.overlap,
+                               alpha=self.alpha, outer_overlap=self.outer_overlap)
 
 
 def run_job(cfg: JobConfig, swarm: Swarm | None, *, metrics: MetricsWriter | None = None,
@@ -107,7 +130,8 @@ def run_job(cfg: JobConfig, swarm: Swarm | None, *, metrics: MetricsWriter | Non
         fields = dict(peer=peer, round=r.round, committed=r.committed, reason=r.reason, peers=r.peers,
                       loss=d.loss, bytes_sent=r.bytes_sent, bytes_received=r.bytes_received,
                       payload_bytes=r.payload_bytes, bits_per_param=round(r.bits_per_param, 5),
-                      seconds=round(r.seconds, 3), step=r.step, digest=d.digest)
+                      seconds=round(r.seconds, 3), step=r.step, digest=d.digest, fragment=r.fragment,
+                      blocked=r.blocked, **d.usage().as_dict())
         if cfg.eval_every and r.committed and r.round % cfg.eval_every == 0:
             with d.global_weights():
                 fields["eval_loss"] = evaluate(model, heldout)
@@ -115,13 +139,15 @@ def run_job(cfg: JobConfig, swarm: Swarm | None, *, metrics: MetricsWriter | Non
 
     error_feedback = swarm is not None and parse_compression(swarm.cfg.compression).ef is not None
     outer = default_outer(error_feedback, cfg.outer_lr, cfg.outer_momentum)
-    d = DiLoCo(model, inner, swarm=swarm, inner_steps=cfg.inner_steps, on_round=on_round, outer_optimizer=outer)
+    d = DiLoCo(model, inner, swarm=swarm, inner_steps=cfg.inner_steps, on_round=on_round, outer_optimizer=outer,
+               streaming=cfg.streaming())
+    target = cfg.rounds * len(d.fragments)  # a round synchronizes one fragment
     with d:
         if swarm is not None and cfg.wait_for > 1:
             seen = swarm.wait_for_peers(cfg.wait_for, cfg.wait_timeout)
             log.info("event=peers_present count=%d wanted=%d", seen, cfg.wait_for)
         max_steps = cfg.rounds * cfg.inner_steps * 4  # a safety net if the swarm never commits
-        while d.round < cfg.rounds and not stop.is_set() and d.steps < max_steps:
+        while d.round < target and not stop.is_set() and d.steps < max_steps:
             for group in inner.param_groups:
                 group["lr"] = cfg.lr * min(1.0, (d.steps + 1) / max(1, cfg.warmup))
             x, y = sampler.next()
@@ -133,18 +159,20 @@ def run_job(cfg: JobConfig, swarm: Swarm | None, *, metrics: MetricsWriter | Non
             inner.zero_grad(set_to_none=True)
             if status_path and (d.steps % 5 == 0 or d.steps == 1):
                 sent, recv = d.bytes_on_wire()
-                write_status(status_path, peer=peer, round=d.round, step=d.steps, loss=d.loss,
-                             bytes_sent=sent, bytes_received=recv)
+                write_status(status_path, peer=peer, round=d.round // len(d.fragments), step=d.steps, loss=d.loss,
+                             bytes_sent=sent, bytes_received=recv, utilization=d.usage().utilization,
+                             blocked_seconds=d.usage().blocked_seconds)
     with d.global_weights():
         eval_loss = evaluate(model, heldout)
     sent, recv = d.bytes_on_wire()
     synced = [r for r in d.reports if r.committed]
     bits = sum(r.bits_per_param for r in synced) / len(synced) if synced else 0.0
-    summary = dict(peer=peer, round=d.round, eval_loss=eval_loss, digest=d.digest, steps=d.steps,
+    summary = dict(peer=peer, round=d.round // len(d.fragments), fragment_rounds=d.round, eval_loss=eval_loss, digest=d.digest, steps=d.steps,
                    compression=d.compression, bits_per_param_sync=round(bits, 5),
                    params=sum(p.numel() for p in model.parameters()), bytes_sent=sent, bytes_received=recv,
                    committed_rounds=sum(r.committed for r in d.reports), wall_seconds=round(time.monotonic() - started, 2),
-                   stopped=stop.is_set())
+                   stopped=stop.is_set(), fragments=len(d.fragments), overlap=cfg.overlap, alpha=cfg.alpha,
+                   outer_overlap=cfg.outer_overlap, usage=d.usage().as_dict())
     metrics.write("final", **summary)
     if status_path:
         write_status(status_path, done=True, step=d.steps, loss=d.loss, **summary)
