@@ -256,6 +256,48 @@ def bench_codecs_cmd(
                                         "torch": torch.__version__, "cores": os.cpu_count()})
 
 
+@bench_app.command("overlap")
+def bench_overlap_cmd(
+    peers: int = typer.Option(2, help="Peers, each in its own network namespace."),
+    rate: float = typer.Option(1.0, help="Link rate per host, Mbit/s (1 Mbit/s for 1.85M parameters is like 1 Gbit/s for 1.85B)."),
+    delay: float = typer.Option(50.0, help="One-way delay per link, ms."),
+    inner_steps: int = typer.Option(60, "--inner-steps", "-H", help="Inner steps per outer step (H)."),
+    outer_steps: int = typer.Option(3, help="Outer steps per variant."),
+    fragments: int = typer.Option(4, help="Fragments of the streaming variants."),
+    tau: int = typer.Option(10, help="Overlap (tau, inner steps) of the streaming + overlap variant."),
+    compression: str = typer.Option("e3m0", help="Compression pipeline of every variant."),
+    json_path: Optional[Path] = typer.Option(None, "--json", help="Write the report as JSON here."),
+    workdir: Optional[Path] = typer.Option(None, help="Keep peers' logs and metrics here (default: a temp dir)."),
+) -> None:
+    """B4: compute utilization of plain DiLoCo vs streaming + overlap on an emulated WAN link (needs root)."""
+    from rich.console import Console
+
+    from .bench_overlap import OverlapSetup, markdown_table, run, write_json
+    from .fragments import FragmentError, StreamingConfig, check_schedule
+    from .wan import WanError, check_privileges
+
+    try:
+        check_privileges()
+        check_schedule(inner_steps, fragments, StreamingConfig(fragments=fragments, overlap=tau))
+        SwarmConfig(compression=compression)
+    except (WanError, FragmentError, ConfigError) as e:
+        _fail(str(e))
+    if peers < 2 or outer_steps < 1 or rate <= 0 or delay < 0:
+        _fail("--peers must be >= 2, --outer-steps >= 1, --rate > 0 and --delay >= 0")
+    console = Console()
+    setup = OverlapSetup(peers=peers, rate_mbit=rate, delay_ms=delay, inner_steps=inner_steps,
+                         outer_steps=outer_steps, fragments=fragments, tau=tau, compression=compression)
+    try:
+        report = run(setup, workdir=workdir, progress=lambda line: console.print(line, markup=False))
+    except (WanError, RuntimeError) as e:
+        _fail(str(e), code=1)
+    console.print(f"a full-model synchronization costs ~{report['full_sync_costs_inner_steps']} inner steps "
+                  "on this link (plain DiLoCo's blocked time per round / time per inner step)")
+    console.print(markdown_table(report), markup=False)
+    if json_path:
+        write_json(report, json_path)
+
+
 def main() -> None:
     app()
 

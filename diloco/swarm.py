@@ -30,7 +30,7 @@ from diloco.comms import messages as msg
 from diloco.comms.loop import LoopThread
 from diloco.comms.transport import InProcNetwork
 from diloco.compression import PayloadRejected
-from diloco.peers import Directory, InProcBoard, PeerRecord
+from diloco.peers import Directory, InProcBoard, PeerRecord, expected_peers, round_key_for
 
 from .config import SwarmConfig
 
@@ -57,6 +57,7 @@ class Swarm:
         self._on_close = on_close
         self._record = PeerRecord(peer=self.peer_id, status="joining", round=0, addrs=tuple(addresses))
         self._state_provider: StateProvider | None = None
+        self._seen: list[PeerRecord] | None = None  # the directory as the last read showed it
         self._closed = False
         loop.run(transport.register("diloco.state", self._on_state))
         self._heartbeat = loop.submit(self._heartbeat_loop())
@@ -157,15 +158,21 @@ class Swarm:
         if now:
             self.loop.submit(self._publish())
 
-    def records(self) -> list[PeerRecord]:
-        """Everyone's current record (ours included), as the directory shows them now."""
+    def records(self, *, cached: bool = False) -> list[PeerRecord]:
+        """Everyone's current record (ours included), as the directory shows them now; with `cached`,
+        as the last heartbeat read them (at most `heartbeat_interval` old, no network I/O)."""
+        if cached and self._seen is not None:
+            return [self._record, *(r for r in self._seen if r.peer != self.peer_id)]
+        return self.loop.run(self._read_records(), timeout=self.cfg.call_timeout + 1)
+
+    async def _read_records(self) -> list[PeerRecord]:
         try:
-            found = self.loop.run(self.directory.read(), timeout=self.cfg.call_timeout)
+            found = await asyncio.wait_for(self.directory.read(), self.cfg.call_timeout)
         except Exception as e:  # noqa: BLE001 - a failed read is an empty view, never a crash
             log.warning("event=directory_read_failed reason=%s", e)
-            found = []
-        others = [r for r in found if r.peer != self.peer_id]
-        return [self._record, *others]
+            return [self._record]
+        self._seen = found
+        return [self._record, *(r for r in found if r.peer != self.peer_id)]
 
     def wait_for_peers(self, count: int, timeout: float) -> int:
         """Block until `count` peers (self included) are training in the swarm, the swarm has visibly
@@ -188,24 +195,28 @@ class Swarm:
     async def _heartbeat_loop(self) -> None:
         while not self._closed:
             await self._publish()
+            await self._read_records()  # keeps records(cached=True) fresh
             await asyncio.sleep(self.cfg.heartbeat_interval)
 
     # ------------------------------------------------------------------ rounds and state
 
-    def exchange(self, key: RoundKey, digest: str, expected: list[PeerId], delta: torch.Tensor,
-                 fragment: int = 0) -> RoundOutcome:
-        """Run one round of the collective with our pseudo-gradient; returns within the deadlines."""
-        return self.finish_exchange(self.exchange_async(key, digest, expected, delta, fragment=fragment), key)
-
-    def exchange_async(self, key: RoundKey, digest: str, expected: list[PeerId], delta: torch.Tensor,
+    def exchange_async(self, rnd: int, attempt: int, digest: str, delta: torch.Tensor,
                        fragment: int = 0) -> concurrent.futures.Future[RoundOutcome]:
-        """Start one round in the background (training goes on); `finish_exchange` collects it."""
-        return self.loop.submit(self.collective.run_round(key, digest, expected, delta, fragment=fragment))
+        """Start our next round in the background (training goes on) and return at once: which attempt
+        to run and whom to wait for are decided there from fresh records, so the training thread does
+        no network I/O. `finish_exchange` collects the outcome."""
+        async def go() -> RoundOutcome:
+            records = await self._read_records()
+            key = round_key_for(records, rnd, attempt)
+            expected = expected_peers(records, key, self.peer_id)
+            return await self.collective.run_round(key, digest, expected, delta, fragment=fragment)
+
+        return self.loop.submit(go())
 
     def finish_exchange(self, future: concurrent.futures.Future[RoundOutcome], key: RoundKey) -> RoundOutcome:
         """The outcome of a round started with `exchange_async`, waiting (bounded by the round's own
         deadlines) if it is still running; a round that overruns them is cancelled and reported failed."""
-        limit = self.cfg.gather_timeout + self.cfg.result_timeout + 2 * self.cfg.call_timeout
+        limit = self.cfg.gather_timeout + self.cfg.result_timeout + 3 * self.cfg.call_timeout
         try:
             return future.result(limit)
         except concurrent.futures.TimeoutError:

@@ -147,7 +147,8 @@ def run_job(cfg: JobConfig, swarm: Swarm | None, *, metrics: MetricsWriter | Non
             seen = swarm.wait_for_peers(cfg.wait_for, cfg.wait_timeout)
             log.info("event=peers_present count=%d wanted=%d", seen, cfg.wait_for)
         max_steps = cfg.rounds * cfg.inner_steps * 4  # a safety net if the swarm never commits
-        while d.round < target and not stop.is_set() and d.steps < max_steps:
+        # A round on the wire counts: with overlap its result is applied on leaving the `with` (flush).
+        while d.round + d.pending_rounds < target and not stop.is_set() and d.steps < max_steps:
             for group in inner.param_groups:
                 group["lr"] = cfg.lr * min(1.0, (d.steps + 1) / max(1, cfg.warmup))
             x, y = sampler.next()

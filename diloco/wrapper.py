@@ -46,7 +46,7 @@ from torch.utils.hooks import RemovableHandle
 from diloco.comms import RoundKey, RoundOutcome
 from diloco.compression.ef import ErrorFeedback
 from diloco.compression.pipeline import Pipeline, parse
-from diloco.peers import expected_peers, resync_source, round_key_for
+from diloco.peers import resync_source
 from diloco.peers.records import PeerRecord
 
 from .accounting import Accounting, Usage
@@ -199,6 +199,12 @@ class DiLoCo:
         """Optional: tell the swarm's live view our latest inner loss."""
         self.loss = float(loss)
 
+    @property
+    def pending_rounds(self) -> int:
+        """Rounds started but not applied yet (0 or 1): `round + pending_rounds` is how many rounds this
+        peer has put on the wire."""
+        return 1 if self._pending is not None else 0
+
     def in_flight(self) -> concurrent.futures.Future[RoundOutcome] | None:
         """The exchange running in the background (None when there is none or it completed locally)."""
         return self._pending.future if self._pending is not None else None
@@ -224,7 +230,7 @@ class DiLoCo:
         if self._pending is None:
             return None
         pending = self._pending
-        report = self._complete(pending)
+        report = self._complete(pending, in_step=False)
         if self.streaming.outer_overlap != "none" and report is not None:
             copy_into(self.local_params, self.state.params)  # the phase is over: continue from θ
             self._start = None
@@ -234,7 +240,7 @@ class DiLoCo:
         """A synchronization slot: resync if the swarm moved on, else start the next fragment's round
         in the background (it is applied τ steps later, or at once when τ = 0)."""
         started = time.monotonic()
-        resync = self._maybe_resync(started)
+        resync = self._maybe_resync(started, cached=True)
         if resync is not None:
             return resync
         frag = self.fragments[fragment_of_round(self.state.round, len(self.fragments))]
@@ -264,7 +270,7 @@ class DiLoCo:
             elif report is not None and report.resynced:
                 self._start = None
                 return  # the swarm's θ replaced ours: this phase's Δ is not comparable; start over
-        resync = self._maybe_resync(started)
+        resync = self._maybe_resync(started, cached=True)
         if resync is not None:
             self._start = None
             return
@@ -292,21 +298,19 @@ class DiLoCo:
             outcome = RoundOutcome(RoundKey(self.state.round), True, "local", (), sent, [()], sent, len(payload))
             self._pending = _Pending(frag, acc, due, started, outcome=outcome)
             return self._pending
-        records = self.swarm.records()
-        key = round_key_for(records, self.state.round, self.attempt)
-        expected = expected_peers(records, key, self.swarm.peer_id)
-        future = self.swarm.exchange_async(key, self.digest, expected, acc, fragment=frag.index)
-        self._pending = _Pending(frag, acc, due, started, future=future, key=key)
+        future = self.swarm.exchange_async(self.state.round, self.attempt, self.digest, acc, fragment=frag.index)
+        self._pending = _Pending(frag, acc, due, started, future=future, key=RoundKey(self.state.round, self.attempt))
         return self._pending
 
-    def _complete(self, pending: _Pending) -> RoundReport | None:
-        """Wait for the exchange in flight (counted as blocked time when it is not back yet) and apply it."""
+    def _complete(self, pending: _Pending, in_step: bool = True) -> RoundReport | None:
+        """Wait for the exchange in flight and apply it; waiting inside an inner step (not in `flush`)
+        is counted as time the training loop was blocked."""
         self._pending = None
         outcome = pending.outcome
         if outcome is None:
             assert pending.future is not None and self.swarm is not None
             waited = time.monotonic()
-            if not pending.future.done():
+            if not pending.future.done() and in_step:
                 pending.blocked = True
             outcome = self.swarm.finish_exchange(pending.future, pending.key)
             if pending.blocked:
@@ -320,10 +324,13 @@ class DiLoCo:
                 return resync
         return report
 
-    def _maybe_resync(self, started: float) -> RoundReport | None:
+    def _maybe_resync(self, started: float, cached: bool = False) -> RoundReport | None:
+        """Download the swarm's state if it moved past us (or ours is in the minority); with `cached`, judge
+        from the records the last heartbeat read (no network I/O on the training thread)."""
         if self.swarm is None:
             return None
-        source, why = resync_source(self.swarm.records(), self.swarm.peer_id, self.state.round, self.digest)
+        records = self.swarm.records(cached=cached)
+        source, why = resync_source(records, self.swarm.peer_id, self.state.round, self.digest)
         if source is None:
             return None
         sent0, recv0 = self.bytes_on_wire()
