@@ -10,11 +10,12 @@ hivemind peer-to-peer swarm and apply them with an outer Nesterov optimizer. See
 """
 
 from .config import ConfigError, DiLoCoConfig, SwarmConfig
+from .fragments import FragmentError, StreamingConfig
 from .outer import nesterov
 from .swarm import Swarm, SwarmError
 from .wrapper import DiLoCo, RoundReport
 
 __version__ = "0.1.0"
 
-__all__ = ["ConfigError", "DiLoCo", "DiLoCoConfig", "RoundReport", "Swarm", "SwarmConfig", "SwarmError",
-           "nesterov", "__version__"]
+__all__ = ["ConfigError", "DiLoCo", "DiLoCoConfig", "FragmentError", "RoundReport", "StreamingConfig", "Swarm",
+           "SwarmConfig", "SwarmError", "nesterov", "__version__"]

@@ -96,7 +96,7 @@ def run(setup: OverlapSetup, *, workdir: Path | None = None,
     with WanLab(hosts=setup.peers, rate_mbit=setup.rate_mbit, delay_ms=setup.delay_ms) as lab:
         link = lab.describe()
         progress(link)
-        measured = lab.measure(0, 1)
+        measured = lab.measure(0, 1, nbytes=max(200_000, int(setup.rate_mbit * 1e6 / 8 * 4)))  # ~4 s of transfer
         progress(f"measured between hosts 0 and 1: {measured}")
         for k, v in enumerate(variants):
             progress(f"[{k + 1}/{len(variants)}] {v.name} ...")

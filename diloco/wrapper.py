@@ -22,6 +22,13 @@ has moved past us (we were late, hung or partitioned), we download θ, the outer
 and the round number from a peer and continue from there; only our local work since the last
 commit is lost. With `swarm=None` it is single-worker DiLoCo (useful to test and debug).
 
+Streaming (`streaming=StreamingConfig(fragments=P, overlap=τ, alpha=α)`, docs/STREAMING.md): the
+model is cut into P fragments of blocks; every H/P steps the next fragment's Δ is sent in the
+background, its result is applied τ steps later and mixed into the local copy,
+θ_local ← α·θ_local + (1−α)·θ_global. `outer_overlap="eager"|"delayed"` overlaps a whole outer step
+instead. The defaults (P=1, τ=0, α=0) are plain DiLoCo. `flush()` (also on leaving the `with`)
+applies the exchange still in flight; `usage()` says where the time and bytes went.
+
 Compression (`SwarmConfig(compression=...)`, or `compression=` without a swarm) encodes Δ before
 it leaves; with an error-feedback stage (`ef:BETA`) the peer keeps what was not delivered in a
 residual and adds it to the next Δ: a span whose contribution the round left out (dead owner,

@@ -1,0 +1,222 @@
+"""diloco.wan: emulated WAN links between network namespaces. These tests build real labs (root, `ip`, `tc`,
+/dev/net/tun), measure real RTT and goodput through them, and check that nothing survives a lab: not its
+namespaces, not its processes, not its forwarder, whether the body returns, raises, or the owner is
+SIGTERMed or SIGKILLed."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from diloco import wan
+from diloco.wan import PREFIX, WanError, WanLab, check_privileges, cleanup_stale
+
+pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(120)]
+
+WAN_PY = Path(wan.__file__).resolve()
+# A child script that builds a lab without importing the diloco package (torch takes seconds to import).
+CHILD = textwrap.dedent(f"""
+    import importlib.util, json, sys, time
+    spec = importlib.util.spec_from_file_location("wan_child", {str(WAN_PY)!r})
+    wan = importlib.util.module_from_spec(spec); sys.modules["wan_child"] = wan; spec.loader.exec_module(wan)
+    with wan.WanLab(2, rate_mbit=40.0, delay_ms=10.0, backend="tun") as lab:
+        p = lab.popen(1, ["sleep", "600"])
+        print(json.dumps({{"ns": [lab.namespace(0), lab.namespace(1)], "pids": [p.pid],
+                          "forwarder": lab.forwarder_pid}}), flush=True)
+        time.sleep(600)
+""")
+
+
+def _our_namespaces(pid: int | None = None) -> list[str]:
+    out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=True).stdout
+    mine = f"{PREFIX}{os.getpid() if pid is None else pid}-"
+    return [line.split()[0] for line in out.splitlines() if line.startswith(mine)]
+
+
+def _gone(pid: int, timeout: float = 5.0) -> bool:
+    """True once `pid` has exited (a zombie not yet reaped by its new parent counts as gone)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not wan._pid_alive(pid):
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_privilege_check_is_a_pure_function():
+    with pytest.raises(WanError) as e:
+        check_privileges(euid=1000)
+    assert str(e.value) == "WAN emulation needs root (network namespaces, TUN devices): run as root"
+    check_privileges(euid=0)
+    check_privileges()  # these tests run as root, here and in CI
+
+
+def test_failed_command_names_command_stderr_and_hint():
+    with pytest.raises(WanError) as e:
+        wan._run(["ip", "link", "set", "dlcwan-nosuchdev", "up"], hint="try something else")
+    msg = str(e.value)
+    assert "`ip link set dlcwan-nosuchdev up` failed (exit" in msg
+    assert "dlcwan-nosuchdev" in msg.split("failed", 1)[1]  # ip's own stderr names the device
+    assert msg.endswith("Hint: try something else")
+
+
+def test_bad_arguments_are_rejected_before_touching_the_system():
+    for kwargs in ({"hosts": 0}, {"hosts": 2, "delay_ms": -1}, {"hosts": 2, "backend": "carrier-pigeon"},
+                   {"hosts": 2, "mtu": 100}):
+        with pytest.raises(ValueError):
+            WanLab(**kwargs)
+
+
+def test_rtt_and_goodput_40mbit_30ms():
+    with WanLab(hosts=2, rate_mbit=40.0, delay_ms=30.0) as lab:
+        desc = lab.describe()
+        backend = lab.backend
+        m = lab.measure(0, 1, nbytes=12_000_000)
+    assert desc.startswith("2 hosts in network namespaces, 40 Mbit/s per host link"), desc
+    assert "30 ms one way" in desc and f"{backend} backend" in desc, desc
+    assert 55.0 <= m.rtt_min_ms <= m.rtt_ms <= 90.0, m
+    assert 0.6 * 40 <= m.goodput_mbit <= 1.05 * 40, m
+    assert m.nbytes == 12_000_000
+    assert not _our_namespaces()
+
+
+def test_zero_delay_rtt_is_small_through_the_tun_forwarder():
+    with WanLab(hosts=3, rate_mbit=40.0, delay_ms=0.0, backend="tun") as lab:
+        assert lab.forwarder_pid is not None
+        assert "userspace delay line over TUN" in lab.describe()
+        m = lab.measure(2, 0, nbytes=1_000_000, pings=20)
+        out = lab.popen(1, ["ip", "-4", "-o", "addr", "show", "dev", "wan0"], stdout=subprocess.PIPE,
+                        text=True).communicate(timeout=10)[0]
+        stats_before_close = lab.forwarder_cpu_s()
+    assert m.rtt_ms < 5.0, m
+    assert "10.77.0.2/24" in out
+    assert stats_before_close is not None
+    assert lab.switch_stats is not None and lab.switch_stats["packets"] > 600  # 1 MB went through the delay line
+
+
+def test_veth_backend_plumbing_without_delay():
+    """The netem backend's veth + bridge plumbing (tbf alone when there is no delay, so any kernel runs it)."""
+    with WanLab(hosts=2, rate_mbit=40.0, delay_ms=0.0, backend="netem") as lab:
+        assert lab.forwarder_pid is None
+        m = lab.measure(0, 1, nbytes=4_000_000, pings=5)
+    assert m.rtt_ms < 5.0, m
+    assert 0.6 * 40 <= m.goodput_mbit <= 1.05 * 40, m
+    assert not _our_namespaces()
+
+
+def test_netem_backend_with_delay():
+    if wan.netem_available():
+        with WanLab(hosts=2, rate_mbit=40.0, delay_ms=30.0, backend="netem") as lab:
+            m = lab.measure(0, 1, nbytes=12_000_000)
+        assert 55.0 <= m.rtt_ms <= 90.0 and 0.6 * 40 <= m.goodput_mbit <= 1.05 * 40, m
+    else:  # this kernel: the error says what is missing and what to use instead
+        with pytest.raises(WanError, match=r"netem qdisc \(sch_netem\).*backend='tun'"):
+            WanLab(hosts=2, rate_mbit=40.0, delay_ms=30.0, backend="netem").start()
+    assert not _our_namespaces()
+
+
+@pytest.mark.parametrize("raises", [False, True], ids=["returns", "raises"])
+def test_lab_exit_leaves_nothing_behind(raises):
+    pids, namespaces, forwarder = [], [], None
+    with pytest.raises(RuntimeError) if raises else _nullcontext():
+        with WanLab(hosts=2, rate_mbit=40.0, delay_ms=5.0, grace_s=2.0) as lab:
+            namespaces = [lab.namespace(0), lab.namespace(1)]
+            forwarder = lab.forwarder_pid
+            pids.append(lab.popen(0, ["sleep", "600"]).pid)
+            # ignores SIGTERM: must be SIGKILLed after the grace period
+            pids.append(lab.popen(1, [sys.executable, "-c", "import signal, time; "
+                                      "signal.signal(signal.SIGTERM, signal.SIG_IGN); print(1, flush=True); "
+                                      "time.sleep(600)"], stdout=subprocess.PIPE).pid)
+            lab._procs[-1].stdout.readline()
+            # a grandchild: not ours to wait for, still killed because it runs inside a host namespace
+            sh = lab.popen(0, ["sh", "-c", "sleep 600 & echo $!; wait"], stdout=subprocess.PIPE, text=True)
+            pids += [sh.pid, int(sh.stdout.readline())]
+            if raises:
+                raise RuntimeError("benchmark failed")
+    assert namespaces and set(namespaces).isdisjoint(wan._list_netns())
+    assert not _our_namespaces()
+    assert forwarder is not None and _gone(forwarder)
+    assert all(_gone(pid) for pid in pids), [p for p in pids if wan._pid_alive(p)]
+    with pytest.raises(WanError, match="not running"):
+        lab.popen(0, ["true"])
+
+
+def _start_owner(tmp_path: Path) -> tuple[subprocess.Popen, dict]:
+    """A child process that builds a lab and runs `sleep` in host 1; returns it and what it reported."""
+    err = tmp_path / "owner.err"
+    with open(err, "w") as errf:
+        child = subprocess.Popen([sys.executable, "-I", "-c", CHILD], stdout=subprocess.PIPE, stderr=errf,
+                                 stdin=subprocess.DEVNULL, text=True)
+    assert child.stdout is not None
+    line = child.stdout.readline()
+    child.stdout.close()  # (what the lab runs inherits this pipe: never wait for its EOF)
+    if not line:
+        child.wait(timeout=30)
+        pytest.fail(f"the lab owner failed: {err.read_text()[-3000:]}")
+    return child, json.loads(line)
+
+
+def test_sigterm_to_the_owner_cleans_up(tmp_path):
+    child, info = _start_owner(tmp_path)
+    try:
+        child.send_signal(signal.SIGTERM)
+        assert child.wait(timeout=30) == 143, (tmp_path / "owner.err").read_text()
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+    assert set(info["ns"]).isdisjoint(wan._list_netns())
+    assert not _our_namespaces(child.pid)
+    assert _gone(info["forwarder"]) and all(_gone(p) for p in info["pids"])
+
+
+def test_sigkilled_owner_forwarder_exits_and_cleanup_stale_removes_the_rest(tmp_path):
+    child, info = _start_owner(tmp_path)
+    child.kill()
+    child.wait(timeout=10)
+    assert _gone(info["forwarder"])  # its stdin closed with the owner
+    assert set(info["ns"]) <= set(wan._list_netns())  # a SIGKILL leaves the namespaces and what runs in them
+    assert not any(_gone(p, timeout=0.2) for p in info["pids"])
+    removed = cleanup_stale()
+    assert set(info["ns"]) <= set(removed)
+    assert set(info["ns"]).isdisjoint(wan._list_netns())
+    assert all(_gone(p) for p in info["pids"])
+
+
+def test_cleanup_stale_removes_namespaces_of_dead_owners_only():
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    stale, live = f"{PREFIX}{dead.pid}-1-0", f"{PREFIX}{os.getpid()}-999-0"
+    for name in (stale, live):
+        subprocess.run(["ip", "netns", "add", name], check=True, capture_output=True)
+    sleeper = subprocess.Popen(["ip", "netns", "exec", stale, "sleep", "600"])
+    try:
+        time.sleep(0.2)
+        removed = cleanup_stale()
+        assert stale in removed and live not in removed
+        names = wan._list_netns()
+        assert stale not in names and live in names
+        assert sleeper.wait(timeout=5) != 0  # what ran inside the stale namespace was stopped
+    finally:
+        if sleeper.poll() is None:
+            sleeper.kill()
+        sleeper.wait()
+        for name in (stale, live):
+            subprocess.run(["ip", "netns", "del", name], capture_output=True)
+    assert not _our_namespaces()
+
+
+class _nullcontext:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
