@@ -11,8 +11,10 @@ optimizer), so
 over the window since the first step; `blocked` is the share of the sync work spent waiting for
 an exchange that had not finished (zero when every result came back within τ steps).
 
-Bandwidth is measured per inner step: bytes moved (sent + received) during a step divided by that
-step's wall time. `peak` is the largest per-step rate, `mean` the total over the window's wall time.
+Bandwidth: `mean` is all bytes moved (sent + received) over the window's wall time; `peak` is the
+largest rate of one round, its bytes over the time its exchange took (`round_moved`), i.e. the rate
+the link had to sustain. (Per-step rates would be meaningless: bytes are counted per message, and one
+message can take many steps to cross a slow link.)
 """
 
 from __future__ import annotations
@@ -77,6 +79,11 @@ class Accounting:
             self.sync_seconds += max(0.0, now - max(self._sync_started, self._start))
         self._sync_started = None
 
+    def round_moved(self, nbytes: int, seconds: float) -> None:
+        """A round moved `nbytes` (sent + received) in `seconds`."""
+        if seconds > 0:
+            self.peak = max(self.peak, nbytes / seconds)
+
     def blocked(self, seconds: float) -> None:
         """The training thread waited `seconds` for an exchange that was not back yet."""
         self.blocked_seconds += seconds
@@ -88,11 +95,6 @@ class Accounting:
             self._start, self._last = now, now
             self._base_bytes = self._last_bytes = (sent, received)
             return
-        assert self._last is not None
-        moved = (sent - self._last_bytes[0]) + (received - self._last_bytes[1])
-        dt = now - self._last
-        if dt > 0:
-            self.peak = max(self.peak, moved / dt)
         self.steps += 1
         self._last, self._last_bytes, self._now = now, (sent, received), now
 

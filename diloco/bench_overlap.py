@@ -124,7 +124,7 @@ def _run_variant(lab: Any, setup: OverlapSetup, v: Variant, workdir: Path) -> Va
     common = ["--run-id", run_id, "--rounds", str(setup.outer_steps), "--inner-steps", str(setup.inner_steps),
               "--compression", setup.compression, "--d-model", str(setup.d_model), "--layers", str(setup.layers),
               "--batch-size", str(setup.batch_size), "--wait-for", str(setup.peers), "--gather-timeout", "60",
-              "--round-timeout", "120", *v.flags()]
+              "--round-timeout", "120", "--verbose", *v.flags()]
     procs: list[subprocess.Popen[bytes]] = []
     logs = []
     try:

@@ -57,7 +57,9 @@ class Swarm:
         self._on_close = on_close
         self._record = PeerRecord(peer=self.peer_id, status="joining", round=0, addrs=tuple(addresses))
         self._state_provider: StateProvider | None = None
+        self._position: Callable[[], int] | None = None
         self._seen: list[PeerRecord] | None = None  # the directory as the last read showed it
+        self._seen_at = 0.0
         self._closed = False
         loop.run(transport.register("diloco.state", self._on_state))
         self._heartbeat = loop.submit(self._heartbeat_loop())
@@ -166,13 +168,26 @@ class Swarm:
         return self.loop.run(self._read_records(), timeout=self.cfg.call_timeout + 1)
 
     async def _read_records(self) -> list[PeerRecord]:
+        """A fresh read of the directory. A read that fails, or finds nobody else although a read less than
+        `heartbeat_ttl` ago found others (a DHT lookup that timed out on a slow link looks like that),
+        falls back to that last view: records live `heartbeat_ttl` anyway, and a peer that leaves says so."""
+        now = time.monotonic()
         try:
             found = await asyncio.wait_for(self.directory.read(), self.cfg.call_timeout)
         except Exception as e:  # noqa: BLE001 - a failed read is an empty view, never a crash
             log.warning("event=directory_read_failed reason=%s", e)
-            return [self._record]
-        self._seen = found
-        return [self._record, *(r for r in found if r.peer != self.peer_id)]
+            found = None
+        others = [r for r in found or [] if r.peer != self.peer_id]
+        if others or (found is not None and not self._seen_others(now)):
+            self._seen, self._seen_at = found, now
+        elif self._seen_others(now):
+            log.info("event=directory_read_empty reason=using the view read %.1fs ago", now - self._seen_at)
+            others = [r for r in self._seen or [] if r.peer != self.peer_id]
+        return [self._record, *others]
+
+    def _seen_others(self, now: float) -> bool:
+        return bool(self._seen) and any(r.peer != self.peer_id for r in self._seen or []) \
+            and now - self._seen_at < self.cfg.heartbeat_ttl
 
     def wait_for_peers(self, count: int, timeout: float) -> int:
         """Block until `count` peers (self included) are training in the swarm, the swarm has visibly
@@ -223,25 +238,30 @@ class Swarm:
             future.cancel()
             return RoundOutcome(key, False, f"round did not finish within {limit:.0f}s")
 
-    def serve_state(self, provider: StateProvider) -> None:
-        """Let peers that are behind download our global state: `provider()` -> (round, digest, bytes)."""
+    def serve_state(self, provider: StateProvider, position: Callable[[], int] | None = None) -> None:
+        """Let peers that are behind download our global state: `provider()` -> (round, digest, bytes);
+        `position()` -> inner steps since our last synchronization slot (the schedule position)."""
         self._state_provider = provider
+        self._position = position
 
-    def fetch_state(self, peer: PeerId) -> tuple[int, str, bytes]:
-        """Download (round, digest, state bytes) from `peer`; raises SwarmError if it cannot."""
+    def fetch_state(self, peer: PeerId) -> tuple[int, str, bytes, int | None]:
+        """Download (round, digest, state bytes, schedule position or None) from `peer`; raises
+        SwarmError if it cannot."""
         request = msg.encode(msg.STATE, run=self.cfg.run_id, sender=self.peer_id)
 
-        async def get() -> tuple[int, str, bytes]:
-            reply = await self.transport.call(peer, "diloco.state", request, self.cfg.call_timeout * 4)
+        async def get() -> tuple[int, str, bytes, int | None]:
+            reply = await self.transport.call(peer, "diloco.state", request, self.cfg.state_timeout)
             header, body, _ = msg.decode(reply, run=self.cfg.run_id, kind=msg.STATE, caller=peer,
                                          max_body=self.cfg.max_payload)
             rnd, digest = header.round, header.meta.get("digest")
             if not isinstance(digest, str) or not header.meta.get("ok", True):
                 raise SwarmError(f"peer {peer} has no state to serve ({header.meta.get('reason', 'no digest')})")
-            return rnd, digest, bytes(body)
+            position = header.meta.get("position")
+            ok = isinstance(position, int) and not isinstance(position, bool) and position >= 0
+            return rnd, digest, bytes(body), position if ok else None
 
         try:
-            return self.loop.run(get(), timeout=self.cfg.call_timeout * 4 + 5)
+            return self.loop.run(get(), timeout=self.cfg.state_timeout + 5)
         except SwarmError:
             raise
         except Exception as e:  # noqa: BLE001 - rejected frames, timeouts, unreachable peers alike
@@ -256,8 +276,10 @@ class Swarm:
         if self._state_provider is None:
             return msg.encode(msg.STATE, run=self.cfg.run_id, sender=self.peer_id, meta={"ok": False, "reason": "no state yet"})
         rnd, digest, body = self._state_provider()
-        return msg.encode(msg.STATE, run=self.cfg.run_id, sender=self.peer_id, key=RoundKey(rnd),
-                          meta={"ok": True, "digest": digest}, body=body)
+        meta: dict[str, Any] = {"ok": True, "digest": digest}
+        if self._position is not None:
+            meta["position"] = self._position()
+        return msg.encode(msg.STATE, run=self.cfg.run_id, sender=self.peer_id, key=RoundKey(rnd), meta=meta, body=body)
 
     # ------------------------------------------------------------------ leaving
 

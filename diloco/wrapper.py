@@ -45,7 +45,7 @@ import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Sequence
 
 import torch
 from torch.utils.hooks import RemovableHandle
@@ -152,6 +152,8 @@ class DiLoCo:
         self._pending: _Pending | None = None
         self._start: list[torch.Tensor] | None = None  # eager: where this phase started (≠ θ)
         self._last_view = 1
+        self._period = inner_steps // len(self.fragments)  # inner steps between synchronization slots
+        self._schedule_offset = 0  # shifts our slots onto the swarm's (set when we download its state)
         self._hook: RemovableHandle | None = None
         self._snapshot: tuple[int, str, bytes] | None = None
         # Held by the training thread while it changes the global state, and by the event-loop thread
@@ -173,7 +175,7 @@ class DiLoCo:
         """Catch up with the swarm (download θ if others are ahead) and hook the optimizer."""
         if self.swarm is not None:
             self.swarm.collective.schema = self.schema
-            self.swarm.serve_state(self._serve)
+            self.swarm.serve_state(self._serve, position=lambda: self.schedule_position)
             self._catch_up_on_join()
             self._publish("training")
         if self._hook is None:
@@ -191,7 +193,7 @@ class DiLoCo:
         self.steps += 1
         if self._pending is not None and self._pending.due <= self.steps and self.streaming.outer_overlap == "none":
             self._complete(self._pending)
-        if slot_due(self.steps, self.cfg.inner_steps, len(self.fragments)):
+        if slot_due(self._schedule_step, self.cfg.inner_steps, len(self.fragments)):
             if self.streaming.outer_overlap == "none":
                 self._launch()
             else:
@@ -205,6 +207,17 @@ class DiLoCo:
     def report_loss(self, loss: float) -> None:
         """Optional: tell the swarm's live view our latest inner loss."""
         self.loss = float(loss)
+
+    @property
+    def _schedule_step(self) -> int:
+        """Our position in the swarm's schedule, in inner steps (slots come every H/P of them)."""
+        return self.steps + self._schedule_offset
+
+    @property
+    def schedule_position(self) -> int:
+        """Inner steps since our last synchronization slot (0 ≤ position < H/P); a peer that downloads
+        our state takes the same position, so its slots fall on ours."""
+        return self._schedule_step % self._period
 
     @property
     def pending_rounds(self) -> int:
@@ -373,6 +386,7 @@ class DiLoCo:
                 else:
                     self._carry[frag.index] = pending.acc
             log.warning("event=round_failed round=%s fragment=%d reason=%s", outcome.key, frag.index, outcome.reason)
+        self.accounting.round_moved(outcome.bytes_sent + outcome.bytes_received, outcome.seconds)
         report = RoundReport(self.state.round, outcome.committed, outcome.reason, max(1, len(outcome.view)),
                              outcome.bytes_sent, outcome.bytes_received, time.monotonic() - pending.started,
                              self.steps, payload_bytes=outcome.payload_bytes, numel=frag.numel,
@@ -386,7 +400,7 @@ class DiLoCo:
             self.on_round(report)
         return report
 
-    def _frag(self, tensors: list[torch.Tensor], frag: Fragment) -> list[torch.Tensor]:
+    def _frag(self, tensors: Sequence[torch.Tensor], frag: Fragment) -> list[torch.Tensor]:
         return [tensors[i] for i in frag.params]
 
     def _clone_state(self) -> tuple[list[torch.Tensor], torch.optim.Optimizer]:
@@ -418,7 +432,7 @@ class DiLoCo:
         log.info("event=resync peer=%s reason=%s", source.peer, why)
         self._publish("joining")
         try:
-            rnd, digest, body = self.swarm.fetch_state(source.peer)
+            rnd, digest, body, position = self.swarm.fetch_state(source.peer)
             fresh = GlobalState(self.state.params, self._outer_factory)
             fresh.load_bytes(body)
             if fresh.digest() != digest or digest != source.digest:
@@ -432,6 +446,8 @@ class DiLoCo:
             self._state_changed()
         self.attempt = 0
         self._carry.clear()
+        if position is not None:  # take the source's place in the schedule: our next slot is its next slot
+            self._schedule_offset = (self._schedule_offset + position - self._schedule_step) % self._period
         self.swarm.collective.advance_to(RoundKey(self.state.round))
         copy_into(self.local_params, self.state.params)
         self._publish("training")

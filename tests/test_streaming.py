@@ -157,12 +157,14 @@ def test_accounting_utilization_blocked_and_bandwidth():
             a.blocked(0.2)
             a.end_sync(float(k))
         a.step(float(k), sent=100 * k, received=0 if k < 4 else 1000)
+    a.round_moved(1100, 0.5)
+    a.round_moved(3000, 2.0)
     u = a.usage()
     assert u.steps == 4 and u.wall_seconds == 4.0
     assert u.sync_seconds == pytest.approx(0.5) and u.utilization == pytest.approx(1 - 0.5 / 4)
     assert u.blocked_seconds == pytest.approx(0.2) and u.blocked_waits == 1
     assert u.bytes_sent == 400 and u.bytes_received == 1000
-    assert u.peak_bytes_per_second == pytest.approx(1100.0)  # the last step moved 100 + 1000 bytes in 1 s
+    assert u.peak_bytes_per_second == pytest.approx(2200.0)  # the faster round: 1100 bytes in 0.5 s
     assert u.mean_bytes_per_second == pytest.approx(1400 / 4)
 
 
@@ -436,3 +438,55 @@ def test_peers_with_different_fragments_cannot_mix():
         harness.close()
     assert all(r.peers == 1 for d in out.values() for r in d.reports)
     assert sum(d.swarm.collective.rejections["wrong_schema"] for d in out.values()) > 0
+
+
+@pytest.mark.swarm
+def test_late_joiner_takes_the_swarms_place_in_the_fragment_schedule():
+    """Two peers stop between slots (step 7 of period 4); a third joins, downloads their state and its
+    schedule position, and from then on its slots fall on theirs: every later round has 3 members."""
+    harness = Harness()
+    cfg = StreamingConfig(fragments=2, overlap=1, alpha=0.5)
+    base = _net(3)
+    data = [_batches(20 + i, 4 * H) for i in range(3)]
+    paused, resume = threading.Barrier(3, timeout=15), threading.Barrier(3, timeout=15)
+    start = threading.Barrier(2, timeout=10)
+    out: dict[int, DiLoCo] = {}
+    positions: dict[str, int] = {}
+
+    def early(i):
+        def run():
+            model = copy.deepcopy(base)
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+            with DiLoCo(model, opt, swarm=harness.swarm(f"peer{i}"), inner_steps=H, streaming=cfg) as d:
+                start.wait()
+                for s in range(3 * H):
+                    if s == 7:
+                        paused.wait()  # the joiner downloads our state while we stand still
+                        resume.wait()
+                    _step(model, opt, data[i][s])
+            out[i] = d
+        return run
+
+    def joiner():
+        paused.wait()
+        model = _net(99)  # a different initialization: it must adopt the swarm's
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        d = DiLoCo(model, opt, swarm=harness.swarm("peer2", bootstrapped=True), inner_steps=H, streaming=cfg)
+        d.attach()
+        positions["joiner"], positions["swarm"] = d.schedule_position, 7 % (H // 2)
+        resume.wait()
+        for s in range(3 * H - 7):
+            _step(model, opt, data[2][s])
+        d.detach()
+        out[2] = d
+
+    try:
+        _run_threads([early(0), early(1), joiner], [paused, resume, start])
+    finally:
+        harness.close()
+    assert positions["joiner"] == positions["swarm"] == 3
+    assert len({d.digest for d in out.values()}) == 1
+    assert {d.round for d in out.values()} == {6}
+    late = out[2].reports
+    assert late and all(r.committed and r.peers == 3 for r in late), late
+    assert [r.fragment for r in late] == [k % 2 for k in range(1, 6)]  # it joined after round 0

@@ -306,3 +306,23 @@ def test_wait_for_peers_stops_waiting_once_the_swarm_has_started(harness):
     started = time.monotonic()
     assert a.wait_for_peers(3, timeout=30) == 2
     assert time.monotonic() - started < 2
+
+
+def test_an_empty_directory_read_falls_back_to_the_recent_view(harness, monkeypatch):
+    """A DHT lookup that times out on a slow link returns nothing; that must not look like "everyone
+    left" (a peer would then run its rounds alone), until records would have expired anyway."""
+    a, b = harness.swarm("a"), harness.swarm("b")
+    a.update(status="training")
+    b.update(status="training")
+    deadline = time.monotonic() + 5
+    while "b" not in [r.peer for r in a.records()] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert "b" in [r.peer for r in a.records()]
+
+    async def nothing():
+        return []
+
+    monkeypatch.setattr(harness.board, "read", nothing)
+    assert [r.peer for r in a.records()] == ["a", "b"]  # the view read less than heartbeat_ttl ago
+    time.sleep(CFG.heartbeat_ttl + 0.3)
+    assert [r.peer for r in a.records()] == ["a"]  # by now b's record would have expired: believe it
