@@ -40,6 +40,7 @@ MinPeers = typer.Option(1, help="Fewest peers that may commit a round.")
 Metrics = typer.Option(None, help="Append one JSON line per round (and a final one) to this file.")
 OuterLr = typer.Option(None, help="Outer SGD lr (default 0.7; 1.0 when the compression has error feedback).")
 OuterMomentum = typer.Option(None, help="Outer Nesterov momentum (default 0.9; 0 with error feedback).")
+HeartbeatTtl = typer.Option(30.0, help="Seconds a peer's record lives without a heartbeat (raise it on slow links).")
 Fragments = typer.Option(1, help="Streaming DiLoCo: sync the model in this many fragments of blocks, staggered.")
 Pattern = typer.Option("strided", "--fragment-pattern", help="strided (block i -> fragment i mod P) or sequential.")
 Overlap = typer.Option(0, "--overlap", help="tau: inner steps a fragment's exchange may overlap before it is applied.")
@@ -66,7 +67,7 @@ def _configs(o: dict[str, Any]) -> tuple[SwarmConfig, JobConfig]:
     try:
         swarm_cfg = SwarmConfig(run_id=o["run_id"], compression=o["compression"], min_peers=o["min_peers"],
                                 gather_timeout=o["gather_timeout"], result_timeout=o["round_timeout"],
-                                reduce_timeout=o["round_timeout"] * 2 / 3)
+                                reduce_timeout=o["round_timeout"] * 2 / 3, heartbeat_ttl=o["heartbeat_ttl"])
         job = JobConfig(rounds=o["rounds"], inner_steps=o["inner_steps"], batch_size=o["batch_size"], seed=o["seed"],
                         shard=o["shard"], d_model=o["d_model"], n_layer=o["layers"], threads=o["threads"],
                         eval_every=o["eval_every"], wait_for=o["wait_for"], outer_lr=o["outer_lr"],
@@ -132,7 +133,7 @@ def start(
     round_timeout: float = typer.Option(30.0, help="Seconds after a round starts by which it commits or is abandoned."),
     outer_lr: Optional[float] = OuterLr, outer_momentum: Optional[float] = OuterMomentum,
     fragments: int = Fragments, fragment_pattern: str = Pattern, overlap: int = Overlap, alpha: float = Alpha,
-    outer_overlap: str = OuterOverlap,
+    outer_overlap: str = OuterOverlap, heartbeat_ttl: float = HeartbeatTtl,
     address_file: Optional[Path] = typer.Option(None, help="Write this peer's addresses to this file once up."),
     status_file: Optional[Path] = typer.Option(None, hidden=True),
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Log every round event."),
@@ -162,7 +163,7 @@ def join(
     round_timeout: float = typer.Option(30.0, help="Seconds after a round starts by which it commits or is abandoned."),
     outer_lr: Optional[float] = OuterLr, outer_momentum: Optional[float] = OuterMomentum,
     fragments: int = Fragments, fragment_pattern: str = Pattern, overlap: int = Overlap, alpha: float = Alpha,
-    outer_overlap: str = OuterOverlap,
+    outer_overlap: str = OuterOverlap, heartbeat_ttl: float = HeartbeatTtl,
     address_file: Optional[Path] = typer.Option(None, help="Write this peer's addresses to this file once up."),
     status_file: Optional[Path] = typer.Option(None, hidden=True),
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Log every round event."),

@@ -41,8 +41,10 @@ class SwarmConfig:
     (≈ 2-3× the model's fp32 bytes with momentum) over the link rate; 300 s covers ~1 Mbit/s × 35 MB."""
     heartbeat_interval: float = 1.0
     """Seconds between refreshes of this peer's record in the DHT."""
-    heartbeat_ttl: float = 6.0
-    """Seconds a record lives without refresh: a crashed peer is dropped after this long."""
+    heartbeat_ttl: float = 30.0
+    """Seconds a record lives without refresh: a crashed peer leaves others' view after this long. It must
+    outlast a round's saturation of the link (DHT traffic queues behind the round's bytes on one
+    connection); a dead peer is not waited for meanwhile, since calls to it fail."""
     max_payload: int = 1 << 30
     """Largest frame body accepted from the network, in bytes."""
 

@@ -276,10 +276,7 @@ class DiLoCo:
         started = time.monotonic()
         frag = self.fragments[0]
         start = self._start if self._start is not None else self.state.params
-        delta = pseudo_gradient(start, self.local_params)
-        carry = self._carry.pop(frag.index, None)
-        if carry is not None:  # the previous round failed: its Δ is still ours to deliver
-            delta = delta + carry
+        delta = pseudo_gradient(start, self.local_params)  # before the late aggregate moves θ
         before = self._clone_state() if self.streaming.outer_overlap == "eager" else None
         aggregate = None
         if self._pending is not None:
@@ -290,6 +287,9 @@ class DiLoCo:
             elif report is not None and report.resynced:
                 self._start = None
                 return  # the swarm's θ replaced ours: this phase's Δ is not comparable; start over
+        carry = self._carry.pop(frag.index, None)
+        if carry is not None:  # the round just finished failed: its Δ is still ours to deliver
+            delta = delta + carry
         resync = self._maybe_resync(started, cached=True)
         if resync is not None:
             self._start = None
