@@ -188,12 +188,14 @@ def _wait_for_file(path: Path, proc: subprocess.Popen[bytes], timeout: float) ->
 
 
 def markdown_table(report: dict[str, Any]) -> str:
+    peers = report["setup"]["peers"]
     rows = ["| variant | compute utilization | blocked s/peer | ms/inner step | wall s | rounds | MB sent (all) "
-            "| peak Mbit/s | held-out loss |", "|---|---|---|---|---|---|---|---|---|"]
+            "| MB per round per peer | fastest round Mbit/s | held-out loss |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in report["results"]:
+        per_round = r["bytes_sent"] / max(1, r["rounds_committed"]) / peers
         rows.append(f"| {r['name']} | {100 * r['utilization']:.1f}% | {r['blocked_seconds']:.1f} | "
                     f"{1000 * r['seconds_per_step']:.0f} | {r['wall_seconds']:.0f} | {r['rounds_committed']} | "
-                    f"{r['bytes_sent'] / 1e6:.1f} | {r['peak_mbit']:.1f} | {r['eval_loss']:.4f} |")
+                    f"{r['bytes_sent'] / 1e6:.2f} | {per_round / 1e6:.3f} | {r['peak_mbit']:.1f} | {r['eval_loss']:.4f} |")
     return "\n".join(rows)
 
 

@@ -23,6 +23,8 @@ class PeerView:
     done: bool = False
     utilization: float | None = None  # inner-step compute time / wall time so far
     blocked_seconds: float | None = None  # time the loop waited for an exchange
+    mean_bps: float | None = None  # bytes/s sent + received, over the whole run
+    peak_bps: float | None = None  # bytes/s of the fastest round
 
 
 def _mb(n: int) -> str:
@@ -32,7 +34,7 @@ def _mb(n: int) -> str:
 def render(peers: list[PeerView], elapsed: float, target_rounds: int) -> Group:
     alive = sum(p.alive for p in peers)
     table = Table(title=f"diloco demo — {alive}/{len(peers)} peers alive — {elapsed:.0f}s", expand=False)
-    for col in ("peer", "state", "round", "step", "inner loss", "sent", "received", "compute util", "blocked"):
+    for col in ("peer", "state", "round", "step", "inner loss", "sent", "received", "compute util", "blocked", "Mbit/s mean/peak"):
         table.add_column(col, justify="right" if col not in ("peer", "state") else "left")
     for p in peers:
         if p.alive:
@@ -44,8 +46,10 @@ def render(peers: list[PeerView], elapsed: float, target_rounds: int) -> Group:
         loss = "-" if p.loss is None else f"{p.loss:.3f}"
         util = "-" if p.utilization is None else f"{100 * p.utilization:.1f}%"
         blocked = "-" if p.blocked_seconds is None else f"{p.blocked_seconds:.1f} s"
+        bw = "-" if p.mean_bps is None or p.peak_bps is None else \
+            f"{p.mean_bps * 8 / 1e6:.2f}/{p.peak_bps * 8 / 1e6:.1f}"
         table.add_row(f"peer {p.index}", state, f"{p.round}/{target_rounds}", str(p.step), loss,
-                      _mb(p.bytes_sent), _mb(p.bytes_received), util, blocked)
+                      _mb(p.bytes_sent), _mb(p.bytes_received), util, blocked, bw)
     return Group(table)
 
 

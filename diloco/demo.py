@@ -117,7 +117,9 @@ def _views(procs: list[subprocess.Popen[bytes]], workdir: Path) -> list[PeerView
                               step=st.get("step", 0), loss=st.get("loss"), bytes_sent=st.get("bytes_sent", 0),
                               bytes_received=st.get("bytes_received", 0), done=bool(st.get("done")),
                               utilization=st.get("utilization", (st.get("usage") or {}).get("utilization")),
-                              blocked_seconds=st.get("blocked_seconds", (st.get("usage") or {}).get("blocked_seconds"))))
+                              blocked_seconds=st.get("blocked_seconds", (st.get("usage") or {}).get("blocked_seconds")),
+                              mean_bps=st.get("mean_bps", (st.get("usage") or {}).get("mean_bandwidth_bytes_per_s")),
+                              peak_bps=st.get("peak_bps", (st.get("usage") or {}).get("peak_bandwidth_bytes_per_s"))))
     return views
 
 

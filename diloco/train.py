@@ -160,9 +160,11 @@ def run_job(cfg: JobConfig, swarm: Swarm | None, *, metrics: MetricsWriter | Non
             inner.zero_grad(set_to_none=True)
             if status_path and (d.steps % 5 == 0 or d.steps == 1):
                 sent, recv = d.bytes_on_wire()
+                usage = d.usage()
                 write_status(status_path, peer=peer, round=d.round // len(d.fragments), step=d.steps, loss=d.loss,
-                             bytes_sent=sent, bytes_received=recv, utilization=d.usage().utilization,
-                             blocked_seconds=d.usage().blocked_seconds)
+                             bytes_sent=sent, bytes_received=recv, utilization=usage.utilization,
+                             blocked_seconds=usage.blocked_seconds, mean_bps=usage.mean_bytes_per_second,
+                             peak_bps=usage.peak_bytes_per_second)
     with d.global_weights():
         eval_loss = evaluate(model, heldout)
     sent, recv = d.bytes_on_wire()
