@@ -490,3 +490,74 @@ def test_late_joiner_takes_the_swarms_place_in_the_fragment_schedule():
     late = out[2].reports
     assert late and all(r.committed and r.peers == 3 for r in late), late
     assert [r.fragment for r in late] == [k % 2 for k in range(1, 6)]  # it joined after round 0
+
+
+@pytest.mark.swarm
+def test_delayed_mode_resends_the_delta_of_a_round_that_failed(monkeypatch):
+    """With a whole outer step overlapped the local copy restarts from θ every phase, so a round that
+    commits for nobody would lose its Δ; instead it rides with the next round's contribution."""
+    import diloco.wrapper as wrapper_mod
+
+    harness = Harness()
+    phase_deltas: dict[str, list[torch.Tensor]] = {}
+    sent: dict[str, list[tuple[int, int, torch.Tensor]]] = {}
+    real_pg = wrapper_mod.pseudo_gradient
+
+    def recording_pg(start, local):
+        out = real_pg(start, local)
+        phase_deltas.setdefault(threading.current_thread().name, []).append(out.clone())
+        return out
+
+    monkeypatch.setattr(wrapper_mod, "pseudo_gradient", recording_pg)
+    dropped: dict[str, int] = {}
+
+    def make(i):
+        s = harness.swarm(f"peer{i}")
+        real = s.exchange_async
+
+        def recording_exchange(rnd, attempt, digest, delta, fragment=0):
+            sent.setdefault(threading.current_thread().name, []).append((rnd, attempt, delta.clone()))
+            return real(rnd, attempt, digest, delta, fragment=fragment)
+
+        s.exchange_async = recording_exchange
+
+        def drop_first_result(target, name):  # every peer loses its first result: round 0 fails for all
+            if name != "diloco.result" or dropped.get(s.peer_id):
+                return False
+            dropped[s.peer_id] = 1
+            return True
+
+        s.transport.drop = drop_first_result
+        return s
+
+    base = _net(4)
+    data = [_batches(40 + i, 3 * H) for i in range(2)]
+    start = threading.Barrier(2, timeout=10)
+    out: dict[int, DiLoCo] = {}
+
+    def peer(i):
+        def run():
+            threading.current_thread().name = f"peer{i}"
+            model = copy.deepcopy(base)
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+            with DiLoCo(model, opt, swarm=make(i), inner_steps=H, outer_optimizer=nesterov(1.0, 0.0),
+                        streaming=StreamingConfig(outer_overlap="delayed")) as d:
+                start.wait()
+                for b in data[i]:
+                    _step(model, opt, b)
+            out[i] = d
+        return run
+
+    try:
+        _run_threads([peer(0), peer(1)], [start])
+    finally:
+        harness.close()
+    assert len({d.digest for d in out.values()}) == 1
+    for i in range(2):
+        name = f"peer{i}"
+        d0, d1, d2 = phase_deltas[name]
+        assert [(r, a) for r, a, _ in sent[name]] == [(0, 0), (0, 1), (1, 0)]
+        assert torch.equal(sent[name][0][2], d0)
+        assert torch.equal(sent[name][1][2], d1 + d0)  # the failed round's Δ, resent
+        assert torch.equal(sent[name][2][2], d2)
+        assert [r.committed for r in out[i].reports] == [False, True, True]
