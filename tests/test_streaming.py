@@ -15,7 +15,7 @@ import time
 
 import pytest
 import torch
-from test_swarm_inproc import Harness, _run_threads
+from test_swarm_inproc import Harness, _batches, _run_threads
 
 from diloco import DiLoCo
 from diloco.accounting import Accounting
@@ -32,15 +32,6 @@ def _net(seed: int = 0) -> torch.nn.Module:
     L = torch.nn.Linear
     return torch.nn.Sequential(L(6, 12), torch.nn.Tanh(), L(12, 12), torch.nn.Tanh(), L(12, 12), torch.nn.Tanh(),
                                L(12, 1))
-
-
-def _batches(seed: int, count: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for _ in range(count):
-        x = torch.randn(16, 6, generator=g)
-        out.append((x, x[:, :3].sum(1, keepdim=True)))
-    return out
 
 
 def _step(model: torch.nn.Module, opt: torch.optim.Optimizer, batch: tuple[torch.Tensor, torch.Tensor]) -> None:
