@@ -67,6 +67,7 @@ class Collective:
         self.rejections: Counter[str] = Counter()
         self._rounds: dict[RoundKey, RoundState] = {}
         self._floor = RoundKey(0, 0)  # frames for earlier keys are stale
+        self._committed_through = -1  # the highest round number this peer committed (or downloaded past)
         self.faults = FaultPlan.from_env()
 
     @classmethod
@@ -83,40 +84,50 @@ class Collective:
         if key > self._floor:
             self._floor = key
             self._forget_before(key)
+        self._committed_through = max(self._committed_through, key.round - 1)
 
     # ---------------------------------------------------------------- the round, from our side
 
     async def run_round(
-        self, key: RoundKey, digest: str, expected: list[PeerId], delta: torch.Tensor, fragment: int = 0
+        self, key: RoundKey, digest: str, expected: list[PeerId], delta: torch.Tensor, fragment: int = 0,
+        admit: Callable[[tuple[PeerId, ...]], tuple[bool, str]] | None = None,
     ) -> RoundOutcome:
         """Run round `key` with our pseudo-gradient `delta` (1-D fp32) of model fragment `fragment`;
         never blocks past the deadlines. The fragment is bound into the view id, so peers that
-        disagree on which fragment a round is cannot mix their data."""
+        disagree on which fragment a round is cannot mix their data. `admit(view)` -> (ok, reason)
+        decides whether the closed view may go on (default: at least `min_peers` members); a view
+        that may not sends nothing and commits nothing."""
         started, (sent0, recv0) = time.monotonic(), self.transport.counter.snapshot()
-        if key < self._floor:
+        if key.round < self._floor.round:
             raise ValueError(f"round {key} is older than the last round run ({self._floor}); round keys must grow")
+        if key < self._floor:  # an attempt of this round we ran already (e.g. our state was reloaded): go on from it
+            key = self._floor
         self._floor = key
         self._forget_before(key)
         try:
-            outcome = await self._run(key, digest, [p for p in expected if p != self.me], delta, fragment)
+            outcome = await self._run(key, digest, [p for p in expected if p != self.me], delta, fragment, admit)
         finally:
             self._floor = RoundKey(key.round, key.attempt + 1)
             self._forget_before(self._floor)
+        if outcome.committed:
+            self._committed_through = max(self._committed_through, key.round)
         sent, recv = self.transport.counter.snapshot()
         outcome.bytes_sent, outcome.bytes_received = sent - sent0, recv - recv0
         outcome.seconds = time.monotonic() - started
         return outcome
 
     async def _run(self, key: RoundKey, digest: str, others: list[PeerId], delta: torch.Tensor,
-                   fragment: int) -> RoundOutcome:
+                   fragment: int, admit: Callable[[tuple[PeerId, ...]], tuple[bool, str]] | None) -> RoundOutcome:
         rs = self._state(key)
         rs.fragment = fragment
         late = await self._gather(rs, key, digest, others)
         if late is not None:
             return late
         assert rs.view is not None
-        if len(rs.view) < self.cfg.min_peers:
-            return RoundOutcome(key, False, f"only {len(rs.view)} of min_peers={self.cfg.min_peers} ready", rs.view)
+        ok, why = admit(rs.view) if admit is not None else (
+            len(rs.view) >= self.cfg.min_peers, f"only {len(rs.view)} of min_peers={self.cfg.min_peers} ready")
+        if not ok:
+            return RoundOutcome(key, False, why, rs.view)
         chunk = self.pipeline.spec.chunk
         r = Exchange(key, rs, self.me, span_bounds(delta.numel(), len(rs.view), align=chunk.chunk if chunk else 1),
                       closed_at=time.monotonic())
@@ -144,6 +155,10 @@ class Collective:
                                  fragment=rs.fragment, meta={"digest": digest})
         replies = await asyncio.gather(*(self._call(p, "diloco.ready", ready_frame) for p in others))
         self.faults.hit("gather", key.round)
+        committed = [p for p, r in zip(others, replies) if r and r.get("committed")]
+        if committed:  # someone already committed this round: running another attempt would fork the state
+            rs.view = ()
+            return RoundOutcome(key, False, f"late: {_short(committed)} committed round {key.round} already")
         closed_without_us = [p for p, r in zip(others, replies) if r and r.get("closed") and not r.get("in_view")]
         if closed_without_us:
             rs.view = ()
@@ -225,6 +240,8 @@ class Collective:
             digest = header.meta.get("digest")
             if not isinstance(digest, str) or len(digest) > 128:
                 raise PayloadRejected(Reason.BAD_HEADER, "ready needs a string meta.digest")
+            if key.round <= self._committed_through:  # we committed this round: the sender must catch up, not fork
+                return msg.ack(run=self.run_id, sender=self.me, closed=True, in_view=False, committed=True)
             if key < self._floor:  # a round we already finished: tell the late peer at once
                 return msg.ack(run=self.run_id, sender=self.me, closed=True, in_view=False)
             rs = self._accepting(key)

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from contextlib import suppress
-from typing import Any, Literal
+from contextlib import contextmanager, suppress
+from typing import Any, Iterator, Literal
 
 from hivemind.p2p import P2P, PeerID
 
@@ -40,6 +40,24 @@ async def _receive(reader: asyncio.StreamReader, max_message: int) -> bytes:
     return await reader.readexactly(length)
 
 
+@contextmanager
+def _daemon_in_own_session() -> Iterator[None]:
+    """Start hivemind's p2pd in a session of its own. Ctrl-C in a terminal sends SIGINT to the whole
+    foreground process group, and p2pd installs its own SIGINT handler and exits at once, so the peer
+    could not announce that it leaves; in its own session only we stop it (and our reaper, if we die).
+    hivemind offers no hook for this, so its subprocess call is wrapped while the daemon starts."""
+    real = asyncio.subprocess.create_subprocess_exec
+
+    async def spawn(*args: Any, **kwargs: Any) -> asyncio.subprocess.Process:
+        return await real(*args, **{**kwargs, "start_new_session": True})
+
+    asyncio.subprocess.create_subprocess_exec = spawn
+    try:
+        yield
+    finally:
+        asyncio.subprocess.create_subprocess_exec = real
+
+
 class P2PTransport:
     """A `Transport` over a hivemind `P2P` instance (create it with `await P2PTransport.create()`)."""
 
@@ -59,16 +77,17 @@ class P2PTransport:
         max_message: int = 1 << 30,
         identity_path: str | None = None,
     ) -> P2PTransport:
-        p2p = await P2P.create(
-            initial_peers=initial_peers or None,
-            host_maddrs=host_maddrs or ["/ip4/127.0.0.1/tcp/0"],
-            announce_maddrs=announce_maddrs or None,
-            identity_path=identity_path,
-            # A LAN/WAN swarm of explicitly addressed peers: no IPFS, no NAT port mapping probes.
-            nat_port_map=False,
-            auto_nat=False,
-            startup_timeout=30,
-        )
+        with _daemon_in_own_session():
+            p2p = await P2P.create(
+                initial_peers=initial_peers or None,
+                host_maddrs=host_maddrs or ["/ip4/127.0.0.1/tcp/0"],
+                announce_maddrs=announce_maddrs or None,
+                identity_path=identity_path,
+                # A LAN/WAN swarm of explicitly addressed peers: no IPFS, no NAT port mapping probes.
+                nat_port_map=False,
+                auto_nat=False,
+                startup_timeout=30,
+            )
         return cls(p2p, max_message)
 
     @property

@@ -40,6 +40,9 @@ MinPeers = typer.Option(1, help="Fewest peers that may commit a round.")
 Metrics = typer.Option(None, help="Append one JSON line per round (and a final one) to this file.")
 OuterLr = typer.Option(None, help="Outer SGD lr (default 0.7; 1.0 when the compression has error feedback).")
 OuterMomentum = typer.Option(None, help="Outer Nesterov momentum (default 0.9; 0 with error feedback).")
+CheckpointDir = typer.Option(None, help="Write atomic, verified checkpoints here (a final one on leaving).")
+CheckpointEvery = typer.Option(0, help="Also checkpoint every N committed rounds (0: only the final one).")
+Resume = typer.Option(False, "--resume", help="Start from the newest verified checkpoint in --checkpoint-dir.")
 HeartbeatTtl = typer.Option(30.0, help="Seconds a peer's record lives without a heartbeat (raise it on slow links).")
 Fragments = typer.Option(1, help="Streaming DiLoCo: sync the model in this many fragments of blocks, staggered.")
 Pattern = typer.Option("strided", "--fragment-pattern", help="strided (block i -> fragment i mod P) or sequential.")
@@ -73,7 +76,9 @@ def _configs(o: dict[str, Any]) -> tuple[SwarmConfig, JobConfig]:
                         eval_every=o["eval_every"], wait_for=o["wait_for"], outer_lr=o["outer_lr"],
                         outer_momentum=o["outer_momentum"], fragments=o["fragments"],
                         fragment_pattern=o["fragment_pattern"], overlap=o["overlap"], alpha=o["alpha"],
-                        outer_overlap=o["outer_overlap"])
+                        outer_overlap=o["outer_overlap"],
+                        checkpoint_dir=str(o["checkpoint_dir"]) if o["checkpoint_dir"] else None,
+                        checkpoint_every=o["checkpoint_every"], resume=o["resume"])
     except ConfigError as e:
         _fail(str(e))
     return swarm_cfg, job
@@ -134,6 +139,7 @@ def start(
     outer_lr: Optional[float] = OuterLr, outer_momentum: Optional[float] = OuterMomentum,
     fragments: int = Fragments, fragment_pattern: str = Pattern, overlap: int = Overlap, alpha: float = Alpha,
     outer_overlap: str = OuterOverlap, heartbeat_ttl: float = HeartbeatTtl,
+    checkpoint_dir: Optional[Path] = CheckpointDir, checkpoint_every: int = CheckpointEvery, resume: bool = Resume,
     address_file: Optional[Path] = typer.Option(None, help="Write this peer's addresses to this file once up."),
     status_file: Optional[Path] = typer.Option(None, hidden=True),
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Log every round event."),
@@ -164,6 +170,7 @@ def join(
     outer_lr: Optional[float] = OuterLr, outer_momentum: Optional[float] = OuterMomentum,
     fragments: int = Fragments, fragment_pattern: str = Pattern, overlap: int = Overlap, alpha: float = Alpha,
     outer_overlap: str = OuterOverlap, heartbeat_ttl: float = HeartbeatTtl,
+    checkpoint_dir: Optional[Path] = CheckpointDir, checkpoint_every: int = CheckpointEvery, resume: bool = Resume,
     address_file: Optional[Path] = typer.Option(None, help="Write this peer's addresses to this file once up."),
     status_file: Optional[Path] = typer.Option(None, hidden=True),
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Log every round event."),
@@ -210,6 +217,52 @@ def demo(
         _fail(str(e))
     code = run_demo(cfg, workdir=workdir, metrics=metrics, json_path=json_path, live=live)
     raise typer.Exit(code)
+
+
+@app.command()
+def status(
+    addresses: List[str] = typer.Argument(..., help="Address(es) of any peer of the swarm, tried in order."),
+    run_id: str = RunId,
+    interval: float = typer.Option(2.0, help="Seconds between the two reads that measure throughput."),
+    json_out: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
+) -> None:
+    """Who is in the swarm at ADDRESSES: status, round, last heartbeat, inner steps per second."""
+    import json
+
+    from rich.console import Console
+    from rich.table import Table
+
+    from .status import observe
+    from .swarm import SwarmError, _validate_addrs
+
+    try:
+        _validate_addrs(addresses)
+    except SwarmError as e:
+        _fail(str(e))
+    if interval <= 0:
+        _fail("--interval must be > 0 seconds")
+    for noisy in ("hivemind", "asyncio"):
+        logging.getLogger(noisy).setLevel(logging.CRITICAL)
+    try:
+        rows = observe(addresses, run_id, interval=interval)
+    except RuntimeError as e:
+        _fail(str(e), code=1)
+    if json_out:
+        typer.echo(json.dumps([{**r.record.to_wire(), "heartbeat_age": r.heartbeat_age,
+                                "steps_per_second": r.steps_per_second} for r in rows], indent=2))
+        return
+    table = Table(title=f"swarm {run_id!r}: {sum(r.record.status == 'training' for r in rows)} training")
+    for col in ("peer", "status", "round", "attempt", "step", "steps/s", "loss", "digest", "heartbeat"):
+        table.add_column(col)
+    for r in rows:
+        rec = r.record
+        table.add_row(rec.peer, rec.status, str(rec.round), str(rec.attempt), str(rec.step),
+                      "-" if r.steps_per_second is None else f"{r.steps_per_second:.2f}",
+                      "-" if rec.loss is None else f"{rec.loss:.3f}", rec.digest or "-",
+                      "-" if r.heartbeat_age is None else f"{r.heartbeat_age:.1f} s ago")
+    Console(width=max(Console().width, 150)).print(table)
+    if not rows:
+        typer.echo(f"no peer records for run {run_id!r} (wrong --run-id?)", err=True)
 
 
 bench_app = typer.Typer(add_completion=False, no_args_is_help=True, help="Benchmarks (results: docs/BENCHMARKS.md).")

@@ -28,6 +28,9 @@ class SwarmConfig:
     """Compression pipeline of pseudo-gradients, e.g. fp16, e3m0, topk:64/4096+s2+ef:0.95 (README)."""
     min_peers: int = 1
     """Fewest peers (self included) that may commit a round."""
+    majority: bool = True
+    """A round also needs a strict majority of the last round's members (those that announced leaving
+    excepted), so at most one side of a network partition trains on. Off: any min_peers may commit."""
     gather_timeout: float = 60.0
     """Seconds a ready peer waits for slower peers before starting the round without them."""
     reduce_timeout: float = 20.0

@@ -30,7 +30,7 @@ from diloco.comms import messages as msg
 from diloco.comms.loop import LoopThread
 from diloco.comms.transport import InProcNetwork
 from diloco.compression import PayloadRejected
-from diloco.peers import Directory, InProcBoard, PeerRecord, expected_peers, round_key_for
+from diloco.peers import Directory, InProcBoard, PeerRecord, expected_peers, quorum, round_key_for
 
 from .config import SwarmConfig
 
@@ -57,7 +57,7 @@ class Swarm:
         self._on_close = on_close
         self._record = PeerRecord(peer=self.peer_id, status="joining", round=0, addrs=tuple(addresses))
         self._state_provider: StateProvider | None = None
-        self._position: Callable[[], int] | None = None
+        self._state_info: Callable[[], dict[str, Any]] | None = None
         self._seen: list[PeerRecord] | None = None  # the directory as the last read showed it
         self._seen_at = 0.0
         self._closed = False
@@ -202,6 +202,7 @@ class Swarm:
             time.sleep(0.25)
 
     async def _publish(self) -> None:
+        self._record = PeerRecord(**{**self._record.__dict__, "beat": time.time()})
         try:
             await self.directory.publish(self._record, self.cfg.heartbeat_ttl)
         except Exception as e:  # noqa: BLE001
@@ -215,16 +216,23 @@ class Swarm:
 
     # ------------------------------------------------------------------ rounds and state
 
-    def exchange_async(self, rnd: int, attempt: int, digest: str, delta: torch.Tensor,
-                       fragment: int = 0) -> concurrent.futures.Future[RoundOutcome]:
+    def exchange_async(self, rnd: int, attempt: int, digest: str, delta: torch.Tensor, fragment: int = 0,
+                       previous: tuple[PeerId, ...] | None = None) -> concurrent.futures.Future[RoundOutcome]:
         """Start our next round in the background (training goes on) and return at once: which attempt
         to run and whom to wait for are decided there from fresh records, so the training thread does
-        no network I/O. `finish_exchange` collects the outcome."""
+        no network I/O. With `majority` on, the round commits only with a majority of `previous` (the
+        members of the last round we committed). `finish_exchange` collects the outcome."""
         async def go() -> RoundOutcome:
             records = await self._read_records()
             key = round_key_for(records, rnd, attempt)
             expected = expected_peers(records, key, self.peer_id)
-            return await self.collective.run_round(key, digest, expected, delta, fragment=fragment)
+            left = [r.peer for r in records if r.status == "left"]
+            prev = previous if self.cfg.majority else None
+
+            def admit(view: tuple[PeerId, ...]) -> tuple[bool, str]:
+                return quorum(view, prev, left, self.cfg.min_peers)
+
+            return await self.collective.run_round(key, digest, expected, delta, fragment=fragment, admit=admit)
 
         return self.loop.submit(go())
 
@@ -238,27 +246,26 @@ class Swarm:
             future.cancel()
             return RoundOutcome(key, False, f"round did not finish within {limit:.0f}s")
 
-    def serve_state(self, provider: StateProvider, position: Callable[[], int] | None = None) -> None:
+    def serve_state(self, provider: StateProvider, info: Callable[[], dict[str, Any]] | None = None) -> None:
         """Let peers that are behind download our global state: `provider()` -> (round, digest, bytes);
-        `position()` -> inner steps since our last synchronization slot (the schedule position)."""
+        `info()` -> what else a joiner needs (schedule position, last members), sent as frame meta."""
         self._state_provider = provider
-        self._position = position
+        self._state_info = info
 
-    def fetch_state(self, peer: PeerId) -> tuple[int, str, bytes, int | None]:
-        """Download (round, digest, state bytes, schedule position or None) from `peer`; raises
-        SwarmError if it cannot."""
+    def fetch_state(self, peer: PeerId) -> tuple[int, str, bytes, dict[str, Any]]:
+        """Download (round, digest, state bytes, info) from `peer`; raises SwarmError if it cannot.
+        `info` is the serving peer's `info()`, unchecked: validate before use."""
         request = msg.encode(msg.STATE, run=self.cfg.run_id, sender=self.peer_id)
 
-        async def get() -> tuple[int, str, bytes, int | None]:
+        async def get() -> tuple[int, str, bytes, dict[str, Any]]:
             reply = await self.transport.call(peer, "diloco.state", request, self.cfg.state_timeout)
             header, body, _ = msg.decode(reply, run=self.cfg.run_id, kind=msg.STATE, caller=peer,
                                          max_body=self.cfg.max_payload)
             rnd, digest = header.round, header.meta.get("digest")
             if not isinstance(digest, str) or not header.meta.get("ok", True):
                 raise SwarmError(f"peer {peer} has no state to serve ({header.meta.get('reason', 'no digest')})")
-            position = header.meta.get("position")
-            ok = isinstance(position, int) and not isinstance(position, bool) and position >= 0
-            return rnd, digest, bytes(body), position if ok else None
+            info = {k.removeprefix("info."): v for k, v in header.meta.items() if k.startswith("info.")}
+            return rnd, digest, bytes(body), info
 
         try:
             return self.loop.run(get(), timeout=self.cfg.state_timeout + 5)
@@ -277,8 +284,8 @@ class Swarm:
             return msg.encode(msg.STATE, run=self.cfg.run_id, sender=self.peer_id, meta={"ok": False, "reason": "no state yet"})
         rnd, digest, body = self._state_provider()
         meta: dict[str, Any] = {"ok": True, "digest": digest}
-        if self._position is not None:
-            meta["position"] = self._position()
+        if self._state_info is not None:  # frame meta holds flat str / int / float values
+            meta.update({f"info.{k}": v for k, v in self._state_info().items()})
         return msg.encode(msg.STATE, run=self.cfg.run_id, sender=self.peer_id, key=RoundKey(rnd), meta=meta, body=body)
 
     # ------------------------------------------------------------------ leaving

@@ -83,6 +83,12 @@ class JobConfig:
     """α: weight of the local copy when a fragment's global value arrives (0: adopt the global one)."""
     outer_overlap: str = "none"
     """Overlap a whole outer step: none, eager or delayed (one fragment only)."""
+    checkpoint_dir: str | None = None
+    """Write checkpoints here (atomic, verified; the newest 3 are kept), and a final one on leaving."""
+    checkpoint_every: int = 0
+    """Also checkpoint every this many committed rounds (0: only the final one)."""
+    resume: bool = False
+    """Start from the newest verified checkpoint in checkpoint_dir (if the swarm is ahead, catch up)."""
 
     def __post_init__(self) -> None:
         for name in ("rounds", "inner_steps", "batch_size", "d_model", "n_layer", "context", "eval_batches", "threads",
@@ -102,6 +108,10 @@ class JobConfig:
             check_schedule(self.inner_steps, self.fragments, streaming)
         except FragmentError as e:
             raise ConfigError(str(e)) from e
+        if self.resume and not self.checkpoint_dir:
+            raise ConfigError("resume needs checkpoint_dir (--checkpoint-dir DIR)")
+        if self.checkpoint_every < 0:
+            raise ConfigError(f"checkpoint_every must be >= 0, got {self.checkpoint_every}")
         if self.fragments > self.n_layer:
             raise ConfigError(f"fragments ({self.fragments}) cannot exceed the model's {self.n_layer} blocks (--layers)")
 
@@ -140,7 +150,9 @@ def run_job(cfg: JobConfig, swarm: Swarm | None, *, metrics: MetricsWriter | Non
     error_feedback = swarm is not None and parse_compression(swarm.cfg.compression).ef is not None
     outer = default_outer(error_feedback, cfg.outer_lr, cfg.outer_momentum)
     d = DiLoCo(model, inner, swarm=swarm, inner_steps=cfg.inner_steps, on_round=on_round, outer_optimizer=outer,
-               streaming=cfg.streaming())
+               streaming=cfg.streaming(), checkpoint_dir=cfg.checkpoint_dir, checkpoint_every=cfg.checkpoint_every)
+    if cfg.resume and not d.resume():
+        log.info("event=resume_skipped reason=no verified checkpoint in %s", cfg.checkpoint_dir)
     target = cfg.rounds * len(d.fragments)  # a round synchronizes one fragment
     with d:
         if swarm is not None and cfg.wait_for > 1:
@@ -165,6 +177,8 @@ def run_job(cfg: JobConfig, swarm: Swarm | None, *, metrics: MetricsWriter | Non
                              bytes_sent=sent, bytes_received=recv, utilization=usage.utilization,
                              blocked_seconds=usage.blocked_seconds, mean_bps=usage.mean_bytes_per_second,
                              peak_bps=usage.peak_bytes_per_second)
+    if cfg.checkpoint_dir:
+        d.save_checkpoint()  # the final one: also on SIGTERM / Ctrl-C, which end the loop above
     with d.global_weights():
         eval_loss = evaluate(model, heldout)
     sent, recv = d.bytes_on_wire()

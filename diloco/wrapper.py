@@ -41,22 +41,26 @@ from __future__ import annotations
 import concurrent.futures
 import copy
 import logging
+import os
 import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable, Iterator, Sequence
 
 import torch
 from torch.utils.hooks import RemovableHandle
 
-from diloco.comms import RoundKey, RoundOutcome
+from diloco.comms import PeerId, RoundKey, RoundOutcome
 from diloco.compression.ef import ErrorFeedback
 from diloco.compression.pipeline import Pipeline, parse
 from diloco.peers import resync_source
 from diloco.peers.records import PeerRecord
 
+from . import persist
 from .accounting import Accounting, Usage
+from .checkpoint import CheckpointError
 from .config import DiLoCoConfig
 from .fragments import Fragment, StreamingConfig, check_schedule, fragment_of_round, partition, slot_due
 from .outer import OuterFactory, copy_into, default_outer, mix_into, outer_step, pseudo_gradient
@@ -119,6 +123,8 @@ class DiLoCo:
         join_timeout: float = 10.0,
         compression: str | None = None,
         streaming: StreamingConfig | None = None,
+        checkpoint_dir: str | os.PathLike[str] | None = None,
+        checkpoint_every: int = 0,
     ) -> None:
         self.cfg = DiLoCoConfig(inner_steps=inner_steps)
         self.streaming = streaming or StreamingConfig()
@@ -142,6 +148,9 @@ class DiLoCo:
         self._carry: dict[int, torch.Tensor] = {}  # whole-step overlap: a failed round's Δ, resent next time
         layout = f"fragments={len(self.fragments)}:{self.streaming.pattern}"
         self.schema = schema_digest(named, f"{spec.text}|{layout}")
+        self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir is not None else None
+        self.checkpoint_every = checkpoint_every
+        self._names = [n for n, _ in named]
         self.on_round = on_round
         self.join_timeout = join_timeout
         self.steps = 0
@@ -152,6 +161,9 @@ class DiLoCo:
         self._pending: _Pending | None = None
         self._start: list[torch.Tensor] | None = None  # eager: where this phase started (≠ θ)
         self._last_view = 1
+        self.members: tuple[PeerId, ...] | None = None
+        """Who took part in the last round we committed (or in the state we downloaded): the next round
+        needs a majority of them (`SwarmConfig.majority`)."""
         self._period = inner_steps // len(self.fragments)  # inner steps between synchronization slots
         self._schedule_offset = 0  # shifts our slots onto the swarm's (set when we download its state)
         self._hook: RemovableHandle | None = None
@@ -175,7 +187,8 @@ class DiLoCo:
         """Catch up with the swarm (download θ if others are ahead) and hook the optimizer."""
         if self.swarm is not None:
             self.swarm.collective.schema = self.schema
-            self.swarm.serve_state(self._serve, position=lambda: self.schedule_position)
+            self.swarm.serve_state(self._serve, info=lambda: {"position": self.schedule_position,
+                                                              "members": ",".join(self.members or ())})
             self._catch_up_on_join()
             self._publish("training")
         if self._hook is None:
@@ -318,7 +331,8 @@ class DiLoCo:
             outcome = RoundOutcome(RoundKey(self.state.round), True, "local", (), sent, [()], sent, len(payload))
             self._pending = _Pending(frag, acc, due, started, outcome=outcome)
             return self._pending
-        future = self.swarm.exchange_async(self.state.round, self.attempt, self.digest, acc, fragment=frag.index)
+        future = self.swarm.exchange_async(self.state.round, self.attempt, self.digest, acc, fragment=frag.index,
+                                           previous=self.members)
         self._pending = _Pending(frag, acc, due, started, future=future, key=RoundKey(self.state.round, self.attempt))
         return self._pending
 
@@ -374,10 +388,14 @@ class DiLoCo:
                 self._state_changed()
             self.attempt = 0
             self._last_view = max(1, len(outcome.view))
+            if outcome.view:
+                self.members = tuple(outcome.view)
             if not overlapped:
                 mix_into(self._frag(self.local_params, frag), global_frag, self.streaming.alpha)
             log.info("event=round_committed round=%d fragment=%d peers=%d", self.state.round, frag.index,
                      len(outcome.view))
+            if self.checkpoint_dir is not None and self.checkpoint_every and self.state.round % self.checkpoint_every == 0:
+                self.save_checkpoint()
         else:
             self.attempt = outcome.key.attempt + 1
             if overlapped:  # the local copy no longer carries this Δ: deliver it with the next round
@@ -432,7 +450,7 @@ class DiLoCo:
         log.info("event=resync peer=%s reason=%s", source.peer, why)
         self._publish("joining")
         try:
-            rnd, digest, body, position = self.swarm.fetch_state(source.peer)
+            rnd, digest, body, info = self.swarm.fetch_state(source.peer)
             fresh = GlobalState(self.state.params, self._outer_factory)
             fresh.load_bytes(body)
             if fresh.digest() != digest or digest != source.digest:
@@ -446,11 +464,65 @@ class DiLoCo:
             self._state_changed()
         self.attempt = 0
         self._carry.clear()
-        if position is not None:  # take the source's place in the schedule: our next slot is its next slot
+        position, members = info.get("position"), info.get("members")
+        if isinstance(position, int) and not isinstance(position, bool):
+            # take the source's place in the schedule: our next slot is its next slot
             self._schedule_offset = (self._schedule_offset + position - self._schedule_step) % self._period
+        if isinstance(members, str) and members:
+            self.members = tuple(PeerId(m) for m in members.split(",")[:4096] if m)
         self.swarm.collective.advance_to(RoundKey(self.state.round))
         copy_into(self.local_params, self.state.params)
         self._publish("training")
+        return True
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def save_checkpoint(self, root: str | os.PathLike[str] | None = None, keep: int = 3) -> Path | None:
+        """Write the global state, error-feedback residuals and schedule position atomically (format:
+        docs/CHECKPOINTS.md). A failure (disk full, …) is logged and training goes on; returns the path."""
+        target = Path(root) if root is not None else self.checkpoint_dir
+        if target is None:
+            raise ValueError("no checkpoint directory: pass root or DiLoCo(checkpoint_dir=...)")
+        meta = {"schema": self.schema, "steps": self.steps, "position": self.schedule_position,
+                "members": ",".join(self.members or ()), "compression": self.compression}
+        try:
+            with self._state_lock:
+                path = persist.write(target, self._names, self.state,
+                                     [e.residual for e in self.ef] if self.ef is not None else None, meta, keep)
+        except CheckpointError as e:
+            log.warning("event=checkpoint_failed reason=%s", e)
+            return None
+        log.info("event=checkpoint_saved path=%s round=%d", path, self.state.round)
+        return path
+
+    def resume(self, root: str | os.PathLike[str] | None = None) -> bool:
+        """Load the newest verified checkpoint (falling back past damaged ones); False when there is none.
+        Call before training; if the swarm is ahead, catching up downloads its newer state anyway."""
+        target = Path(root) if root is not None else self.checkpoint_dir
+        if target is None:
+            raise ValueError("no checkpoint directory: pass root or DiLoCo(checkpoint_dir=...)")
+        sizes = [f.numel for f in self.fragments] if self.ef is not None else None
+        got = persist.read(target, self.state.params, self._outer_factory, sizes, self.schema)
+        if got is None:
+            return False
+        state, residuals, loaded = got
+        with self._state_lock:
+            self.state = state
+            self._state_changed()
+        if self.ef is not None and residuals is not None:
+            for e, r in zip(self.ef, residuals):
+                e.residual = r
+        steps = loaded.meta.get("steps")
+        if isinstance(steps, int) and steps >= 0:
+            self.steps, self._schedule_offset = steps, 0
+        # The saved membership is not restored: a restarted peer has a new peer id, so it could never be a
+        # majority of its old round. A running swarm's state (and members) arrive with the catch-up.
+        self.members = None
+        self.attempt = 0
+        copy_into(self.local_params, self.state.params)
+        if self.swarm is not None:
+            self.swarm.collective.advance_to(RoundKey(self.state.round))
+        log.info("event=resumed path=%s round=%d skipped=%d", loaded.path, self.state.round, len(loaded.skipped))
         return True
 
     # ------------------------------------------------------------------ helpers

@@ -6,6 +6,8 @@ is unit-tested deterministically.
 - `expected_peers`: whom a ready peer waits for in the gather of a round.
 - `round_key_for`: which attempt of our round to run, so that peers at the same round agree.
 - `resync_source`: whether our global state is outdated or in the minority, and whom to copy.
+- `quorum`: whether a round's view may commit: enough peers, and a majority of the last round's
+  members, so that at most one side of a partition makes progress.
 """
 
 from __future__ import annotations
@@ -23,9 +25,10 @@ def training(records: Sequence[PeerRecord]) -> list[PeerRecord]:
 
 
 def expected_peers(records: Sequence[PeerRecord], key: RoundKey, me: PeerId) -> list[PeerId]:
-    """Peers to wait for in round `key`: those training at this round, or one behind (a peer that
-    just committed the previous round may not have refreshed its record yet)."""
-    return sorted(r.peer for r in training(records) if r.peer != me and key.round - 1 <= r.round <= key.round)
+    """Peers to contact in round `key`: those training at this round, one behind (a peer that just
+    committed the previous round may not have refreshed its record yet), or ahead (a peer that
+    committed this round already answers so, and we download its state instead of forking)."""
+    return sorted(r.peer for r in training(records) if r.peer != me and r.round >= key.round - 1)
 
 
 def round_key_for(records: Sequence[PeerRecord], my_round: int, my_attempt: int) -> RoundKey:
@@ -61,3 +64,29 @@ def resync_source(
     if newest > my_round:
         return source, f"swarm is at round {newest}, we are at {my_round}"
     return source, f"our digest {my_digest} is in the minority at round {my_round} ({votes[best]} peers hold {best})"
+
+
+def quorum(view: Sequence[PeerId], previous: Sequence[PeerId] | None, left: Sequence[PeerId],
+           min_peers: int) -> tuple[bool, str]:
+    """May a round with members `view` commit? (decision, reason).
+
+    It needs at least `min_peers` members and a strict majority of `previous` (the members of the
+    last round we committed, or of the state we downloaded), not counting peers that announced they
+    left. Two sides of a partition cannot both hold a strict majority of the same membership, so at
+    most one of them commits; a crashed peer keeps counting (it cannot be told from a partitioned
+    one), so a swarm survives losing fewer than half of its last round's members at once.
+    `previous` None (a fresh peer that never synchronized) only applies `min_peers`.
+    """
+    if len(view) < min_peers:
+        return False, f"only {len(view)} of min_peers={min_peers} ready"
+    if not previous:
+        return True, "no previous membership"
+    gone = set(left)
+    counted = [p for p in previous if p not in gone]
+    if not counted:
+        return True, "every previous member left"
+    present = len(set(view) & set(counted))
+    if 2 * present <= len(counted):
+        return False, (f"no quorum: {present} of the last round's {len(counted)} members are here, "
+                       f"a majority needs {len(counted) // 2 + 1}")
+    return True, f"quorum: {present} of {len(counted)} previous members"

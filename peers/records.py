@@ -43,6 +43,8 @@ class PeerRecord:
     """Latest inner training loss."""
     addrs: tuple[str, ...] = ()
     """Multiaddresses others can dial."""
+    beat: float = 0.0
+    """Unix time of the heartbeat that published this record (the peer's clock)."""
 
     def to_wire(self) -> dict[str, Any]:
         out = asdict(self)
@@ -57,18 +59,20 @@ def parse_record(peer: str, value: Any) -> PeerRecord | None:
     try:
         status, rnd, attempt = value["status"], value["round"], value.get("attempt", 0)
         digest, step, loss = value.get("digest", ""), value.get("step", 0), value.get("loss")
-        addrs = value.get("addrs", [])
+        addrs, beat = value.get("addrs", []), value.get("beat", 0.0)
     except (KeyError, TypeError):
         return None
     ints_ok = all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in (rnd, attempt, step))
     loss_ok = loss is None or (isinstance(loss, (int, float)) and math.isfinite(loss))
     addrs_ok = isinstance(addrs, list) and len(addrs) <= 16 and all(isinstance(a, str) and len(a) < 512 for a in addrs)
-    if not (status in STATUSES and ints_ok and loss_ok and addrs_ok and isinstance(digest, str) and len(digest) <= 64):
+    beat_ok = isinstance(beat, (int, float)) and not isinstance(beat, bool) and math.isfinite(beat) and beat >= 0
+    if not (status in STATUSES and ints_ok and loss_ok and addrs_ok and beat_ok and isinstance(digest, str)
+            and len(digest) <= 64):
         return None
     if value.get("peer", peer) != peer:
         return None
     return PeerRecord(peer=PeerId(peer), status=status, round=rnd, attempt=attempt, digest=digest,
-                      step=step, loss=None if loss is None else float(loss), addrs=tuple(addrs))
+                      step=step, loss=None if loss is None else float(loss), addrs=tuple(addrs), beat=float(beat))
 
 
 class Directory(Protocol):
@@ -117,11 +121,13 @@ class DHTDirectory:
         self.dropped: Counter[str] = Counter()
 
     @classmethod
-    async def create(cls, p2p: Any, run_id: str, initial_peers: list[str]) -> DHTDirectory:
+    async def create(cls, p2p: Any, run_id: str, initial_peers: list[str], client_mode: bool = False) -> DHTDirectory:
+        """`client_mode`: read and write records without storing others' (an observer, e.g. `diloco status`)."""
         from hivemind.dht.node import DHTNode
 
         node = await DHTNode.create(p2p=p2p, initial_peers=initial_peers or None, num_workers=4,
-                                    cache_locally=False, ensure_bootstrap_success=bool(initial_peers))
+                                    cache_locally=False, ensure_bootstrap_success=bool(initial_peers),
+                                    client_mode=client_mode)
         return cls(node, run_id)
 
     async def publish(self, record: PeerRecord, ttl: float) -> None:

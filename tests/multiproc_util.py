@@ -18,13 +18,16 @@ class Peers:
         self.workdir, self.run_id = workdir, run_id
         self.procs: list[subprocess.Popen] = []
 
-    def spawn(self, index: int, args: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
+    def spawn(self, index: int, args: list[str], env: dict[str, str] | None = None,
+              session: bool = False) -> subprocess.Popen:
+        """Start peer `index`; with `session` in a process group of its own (as a shell job is, so a
+        test can send the group Ctrl-C's SIGINT)."""
         cmd = [sys.executable, "-m", "diloco", *args, "--run-id", self.run_id,
                "--metrics", str(self.metrics(index)), "--address-file", str(self.workdir / f"peer{index}.addr"),
                "--shard", str(index), "--verbose"]
         log = open(self.workdir / f"peer{index}.log", "wb")
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                env={**os.environ, **(env or {})})
+                                env={**os.environ, **(env or {})}, start_new_session=session)
         self.procs.append(proc)
         return proc
 

@@ -111,7 +111,7 @@ def test_consecutive_rounds_and_attempts_commit():
         net = InProcNetwork()
         cs = await _collectives(net, PEERS[:3])
         results = []
-        for i, key in enumerate([RoundKey(0), RoundKey(1), RoundKey(1, 3), RoundKey(2)]):
+        for i, key in enumerate([RoundKey(0), RoundKey(1, 3), RoundKey(2), RoundKey(3, 1)]):
             deltas = _deltas(PEERS[:3], 64, seed=10 + i)
             outs = await _round(cs, key, PEERS[:3], deltas)
             results.append((key, deltas, outs))

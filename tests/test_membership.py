@@ -25,7 +25,7 @@ def rec(peer: str, rnd: int = 0, *, status: str = "training", attempt: int = 0, 
 # ---------------------------------------------------------------------- expected_peers
 
 
-def test_expected_peers_are_training_peers_at_our_round_or_one_behind():
+def test_expected_peers_are_training_peers_at_our_round_one_behind_or_ahead():
     records = [
         rec("me", 5),
         rec("same", 5),
@@ -36,7 +36,7 @@ def test_expected_peers_are_training_peers_at_our_round_or_one_behind():
         rec("left", 5, status="left"),
         rec("a-first", 5),
     ]
-    assert expected_peers(records, RoundKey(5, 2), "me") == ["a-first", "behind1", "same"]
+    assert expected_peers(records, RoundKey(5, 2), "me") == ["a-first", "ahead", "behind1", "same"]
 
 
 def test_expected_peers_excludes_self_even_if_listed_twice_and_is_sorted():
@@ -46,7 +46,7 @@ def test_expected_peers_excludes_self_even_if_listed_twice_and_is_sorted():
 
 def test_expected_peers_at_round_zero_and_nobody_else():
     assert expected_peers([rec("me", 0)], RoundKey(0), "me") == []
-    assert expected_peers([rec("me", 0), rec("x", 1)], RoundKey(0), "me") == []
+    assert expected_peers([rec("me", 0), rec("x", 1)], RoundKey(0), "me") == ["x"]  # ahead: it tells us
 
 
 # ---------------------------------------------------------------------- round_key_for

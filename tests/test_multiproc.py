@@ -153,3 +153,33 @@ def test_sigterm_leaves_cleanly_and_the_swarm_goes_on(peers):
     assert alone and alone[0]["peers"] == 1
     # It did not sit out the 30 s gather timeout waiting for the peer that left.
     assert alone[0]["seconds"] < 10, alone[0]
+
+
+def test_ctrl_c_leaves_cleanly_with_a_final_checkpoint(peers, tmp_path):
+    """Ctrl-C in a terminal sends SIGINT to the peer's whole process group. The peer finishes its round,
+    writes its final checkpoint, announces that it leaves (its p2pd, in a session of its own, is still
+    there to carry that), and exits 0; a restart with --resume continues from that checkpoint."""
+    from diloco.checkpoint import list_checkpoints
+
+    ckpt = tmp_path / "ckpt"
+    common = ["--rounds", "1000", "-H", "5", *TINY, "--checkpoint-dir", str(ckpt)]
+    peer = peers.spawn(0, ["start", *common], session=True)
+    peers.address(0)
+    deadline = time.monotonic() + 60
+    while len([r for r in peers.lines(0, "round") if r["committed"]]) < 2:
+        assert time.monotonic() < deadline, peers.log(0)
+        time.sleep(0.1)
+    os.killpg(peer.pid, signal.SIGINT)
+    assert peers.wait(peer, 30) == 0, peers.log(0)
+    final = peers.lines(0, "final")[-1]
+    assert final["stopped"] is True
+    log = peers.log(0)
+    assert "heartbeat_failed" not in log and "shutdown_step_failed" not in log, log  # the leave went out
+    saved = list_checkpoints(ckpt)
+    assert saved and saved[0].name == f"ckpt-{final['fragment_rounds']:012d}"
+    again = peers.spawn(1, ["start", "--rounds", str(final["round"] + 1), "-H", "5", *TINY,
+                            "--checkpoint-dir", str(ckpt), "--resume"])
+    assert peers.wait(again, 60) == 0, peers.log(1)
+    assert "event=resumed" in peers.log(1)
+    assert peers.lines(1, "final")[-1]["round"] == final["round"] + 1  # one more outer step after the resume
+    assert len(peers.lines(1, "round")) == 1

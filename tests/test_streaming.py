@@ -506,9 +506,9 @@ def test_delayed_mode_resends_the_delta_of_a_round_that_failed(monkeypatch):
         s = harness.swarm(f"peer{i}")
         real = s.exchange_async
 
-        def recording_exchange(rnd, attempt, digest, delta, fragment=0):
+        def recording_exchange(rnd, attempt, digest, delta, **kw):
             sent.setdefault(threading.current_thread().name, []).append((rnd, attempt, delta.clone()))
-            return real(rnd, attempt, digest, delta, fragment=fragment)
+            return real(rnd, attempt, digest, delta, **kw)
 
         s.exchange_async = recording_exchange
 

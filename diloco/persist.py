@@ -1,0 +1,91 @@
+"""What a DiLoCo worker writes to a checkpoint, and how it reads it back (format: diloco.checkpoint).
+
+A checkpoint holds, as safetensors tensors:
+
+- ``theta/<parameter name>``: the global parameters θ, fp32, under the model's own parameter names
+  (any safetensors reader can load them as a plain model state);
+- ``global_state``: the whole global state (θ, outer-optimizer state, round) as the same strictly
+  validated msgpack bytes peers exchange (`GlobalState.to_bytes`), stored as a U8 tensor: this is
+  what `restore` loads, so a checkpoint passes exactly the checks a downloaded state passes;
+- ``ef/<fragment>``: this worker's error-feedback residuals (what it has not delivered yet);
+
+and as metadata: round, state digest, schema digest (model, compression, fragments), inner steps,
+schedule position and the last round's members. No pickle anywhere.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+
+from .checkpoint import CheckpointError, Loaded, TensorData, load_latest, save
+from .outer import OuterFactory
+from .state import GlobalState, StateError
+
+_CODES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
+          torch.int64: "I64", torch.int32: "I32", torch.uint8: "U8"}
+
+
+def tensor_data(t: torch.Tensor) -> TensorData:
+    t = t.detach().contiguous().cpu()
+    if t.dtype not in _CODES:
+        raise CheckpointError(f"cannot checkpoint a tensor of dtype {t.dtype}")
+    raw = t.view(torch.int16) if t.dtype == torch.bfloat16 else t
+    return TensorData(_CODES[t.dtype], tuple(t.shape), raw.numpy().tobytes())
+
+
+def fp32_tensor(td: TensorData, numel: int, what: str) -> torch.Tensor:
+    if td.dtype != "F32" or len(td.data) != 4 * numel:
+        raise CheckpointError(f"{what}: expected {numel} fp32 values, found {td.dtype} {td.shape}")
+    return torch.frombuffer(bytearray(td.data), dtype=torch.float32).clone()
+
+
+@dataclass(frozen=True)
+class WorkerSnapshot:
+    state: GlobalState
+    residuals: list[torch.Tensor] | None
+    meta: dict[str, Any]
+
+
+def write(root: Path, names: Sequence[str], state: GlobalState, residuals: Sequence[torch.Tensor] | None,
+          meta: dict[str, Any], keep: int = 3) -> Path:
+    tensors = {f"theta/{n}": tensor_data(p) for n, p in zip(names, state.params)}
+    blob = state.to_bytes()
+    tensors["global_state"] = TensorData("U8", (len(blob),), blob)
+    for i, r in enumerate(residuals or ()):
+        tensors[f"ef/{i}"] = tensor_data(r)
+    return save(root, state.round, tensors, {**meta, "round": state.round, "digest": state.digest()}, keep=keep)
+
+
+def read(root: Path, params: Sequence[torch.Tensor], outer_factory: OuterFactory,
+         residual_sizes: Sequence[int] | None, schema: str) -> tuple[GlobalState, list[torch.Tensor] | None, Loaded] | None:
+    """The newest verified checkpoint under `root` as a fresh GlobalState shaped like `params`, or None
+    when there is none. Raises CheckpointError when it is for another model or configuration."""
+    loaded = load_latest(root)
+    if loaded is None:
+        return None
+    if loaded.meta.get("schema") != schema:
+        raise CheckpointError(f"checkpoint {loaded.path} is for another model, compression or fragment layout "
+                              f"(schema {loaded.meta.get('schema')!r}, this run {schema!r}); "
+                              "point --checkpoint-dir elsewhere or start without --resume")
+    blob = loaded.tensors.get("global_state")
+    if blob is None or blob.dtype != "U8":
+        raise CheckpointError(f"checkpoint {loaded.path} has no global_state")
+    state = GlobalState(params, outer_factory)
+    try:
+        state.load_bytes(blob.data)
+    except StateError as e:
+        raise CheckpointError(f"checkpoint {loaded.path}: {e}") from e
+    if state.digest() != loaded.meta.get("digest"):
+        raise CheckpointError(f"checkpoint {loaded.path}: state digest {state.digest()} != recorded "
+                              f"{loaded.meta.get('digest')}")
+    residuals = None
+    if residual_sizes is not None:
+        residuals = []
+        for i, n in enumerate(residual_sizes):
+            td = loaded.tensors.get(f"ef/{i}")
+            residuals.append(torch.zeros(n) if td is None else fp32_tensor(td, n, f"ef/{i}"))
+    return state, residuals, loaded
