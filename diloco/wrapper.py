@@ -161,6 +161,9 @@ class DiLoCo:
         self._pending: _Pending | None = None
         self._start: list[torch.Tensor] | None = None  # eager: where this phase started (≠ θ)
         self._last_view = 1
+        self._bad_sources: list[PeerId] = []
+        self.resync_failures = 0
+        """Downloads that failed or did not verify (counted; the source is tried last next time)."""
         self.members: tuple[PeerId, ...] | None = None
         """Who took part in the last round we committed (or in the state we downloaded): the next round
         needs a majority of them (`SwarmConfig.majority`)."""
@@ -364,7 +367,7 @@ class DiLoCo:
         if self.swarm is None:
             return None
         records = self.swarm.records(cached=cached)
-        source, why = resync_source(records, self.swarm.peer_id, self.state.round, self.digest)
+        source, why = resync_source(records, self.swarm.peer_id, self.state.round, self.digest, self._bad_sources)
         if source is None:
             return None
         sent0, recv0 = self.bytes_on_wire()
@@ -436,13 +439,18 @@ class DiLoCo:
         deadline = time.monotonic() + self.join_timeout
         while True:
             records = self.swarm.records()
-            source, why = resync_source(records, self.swarm.peer_id, self.state.round, self.digest)
+            source, why = resync_source(records, self.swarm.peer_id, self.state.round, self.digest, self._bad_sources)
             others = [r for r in records if r.peer != self.swarm.peer_id and r.status == "training"]
             if source is not None and self._resync(source, why):
                 return
-            if others or not self.swarm.bootstrapped or time.monotonic() > deadline:
+            if time.monotonic() > deadline:
+                return
+            if source is None and (others or not self.swarm.bootstrapped):
                 return  # first peer, or everyone holds our state already
-            time.sleep(0.25)
+            if source is not None and source.peer in self._bad_sources and \
+                    all(r.peer in self._bad_sources for r in others if r.digest == source.digest):
+                return  # every holder of the swarm's state failed verification: retry at the next slot
+            time.sleep(0.25)  # nobody visible yet, or another holder of that state to try
 
     def _resync(self, source: PeerRecord, why: str) -> bool:
         """Download global state from `source`, verify it against the digest it advertised, adopt it."""
@@ -457,6 +465,8 @@ class DiLoCo:
                 raise StateError(f"state digest {fresh.digest()} != advertised {digest}/{source.digest}")
         except (SwarmError, StateError) as e:
             log.warning("event=resync_failed peer=%s reason=%s", source.peer, e)
+            self._bad_sources.append(source.peer)  # next time, another holder of that state first
+            self.resync_failures += 1
             self._publish("training")
             return False
         with self._state_lock:
@@ -464,6 +474,7 @@ class DiLoCo:
             self._state_changed()
         self.attempt = 0
         self._carry.clear()
+        self._bad_sources.clear()
         position, members = info.get("position"), info.get("members")
         if isinstance(position, int) and not isinstance(position, bool):
             # take the source's place in the schedule: our next slot is its next slot

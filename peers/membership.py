@@ -38,14 +38,15 @@ def round_key_for(records: Sequence[PeerRecord], my_round: int, my_attempt: int)
 
 
 def resync_source(
-    records: Sequence[PeerRecord], me: PeerId, my_round: int, my_digest: str
+    records: Sequence[PeerRecord], me: PeerId, my_round: int, my_digest: str, exclude: Sequence[PeerId] = ()
 ) -> tuple[PeerRecord | None, str]:
     """Whom to download global state from, and why; (None, reason) when ours is current.
 
     Rule: the newest round any training peer holds wins; at that round, the digest most peers hold
     (ties: the smaller digest) is the swarm's state; the source is the lowest peer id holding it.
     We resync if that round is newer than ours, or equal with a different digest held by more
-    peers than ours.
+    peers than ours. Peers in `exclude` (their state failed verification) are chosen only when no
+    other peer holds that state.
     """
     others = [r for r in training(records) if r.peer != me and r.digest]
     if not others:
@@ -60,7 +61,9 @@ def resync_source(
     best = min(votes, key=lambda d: (-votes[d], d))
     if newest == my_round and best == my_digest:
         return None, "our state matches the majority"
-    source = min((r for r in at_newest if r.digest == best), key=lambda r: r.peer)
+    holders = [r for r in at_newest if r.digest == best]
+    fresh = [r for r in holders if r.peer not in exclude]  # a source that served us bad state is tried last
+    source = min(fresh or holders, key=lambda r: r.peer)
     if newest > my_round:
         return source, f"swarm is at round {newest}, we are at {my_round}"
     return source, f"our digest {my_digest} is in the minority at round {my_round} ({votes[best]} peers hold {best})"

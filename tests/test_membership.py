@@ -288,3 +288,10 @@ def test_view_id_depends_on_members_and_key_not_order():
 def test_round_key_order_and_str():
     assert RoundKey(1, 5) < RoundKey(2, 0) < RoundKey(2, 1)
     assert str(RoundKey(4)) == "4" and str(RoundKey(4, 2)) == "4.2"
+
+
+def test_a_source_that_served_bad_state_is_tried_last():
+    records = [rec("me", 1, digest="old"), rec("a", 2, digest="new"), rec("b", 2, digest="new")]
+    assert resync_source(records, "me", 1, "old")[0].peer == "a"
+    assert resync_source(records, "me", 1, "old", exclude=["a"])[0].peer == "b"
+    assert resync_source(records, "me", 1, "old", exclude=["a", "b"])[0].peer == "a"  # nobody else has it

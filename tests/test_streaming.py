@@ -552,3 +552,69 @@ def test_delayed_mode_resends_the_delta_of_a_round_that_failed(monkeypatch):
         assert torch.equal(sent[name][1][2], d1 + d0)  # the failed round's Δ, resent
         assert torch.equal(sent[name][2][2], d2)
         assert [r.committed for r in out[i].reports] == [False, True, True]
+
+
+@pytest.mark.swarm
+def test_joiner_rejects_a_tampered_source_and_takes_the_state_from_another():
+    """RELIABILITY row 6: a peer joins mid-cycle (next fragment 1); the first source it asks (peer0)
+    serves tampered state, which fails verification and is never loaded; it asks peer1 instead."""
+    from diloco.state import GlobalState
+
+    harness = Harness()
+    cfg = StreamingConfig(fragments=2, overlap=1, alpha=0.5)
+    base = _net(3)
+    data = [_batches(30 + i, 3 * H) for i in range(3)]
+    paused, resume = threading.Barrier(3, timeout=15), threading.Barrier(3, timeout=15)
+    start = threading.Barrier(2, timeout=10)
+    out: dict[int, DiLoCo] = {}
+    seen: dict[str, object] = {}
+
+    def early(i):
+        def run():
+            model = copy.deepcopy(base)
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+            d = DiLoCo(model, opt, swarm=harness.swarm(f"peer{i}"), inner_steps=H, streaming=cfg)
+            if i == 0:  # serve a state whose bytes do not match the digest in peer0's record
+                honest = d._serve
+
+                def forged():
+                    rnd, digest, body = honest()
+                    fake = GlobalState(d.state.params, nesterov(0.7, 0.9))
+                    fake.load_bytes(body)
+                    with torch.no_grad():
+                        fake.params[0].add_(1.0)
+                    return rnd, fake.digest(), fake.to_bytes()
+
+                d._serve = forged
+            with d:
+                start.wait()
+                for s in range(3 * H):
+                    if s == 7:
+                        paused.wait()
+                        resume.wait()
+                    _step(model, opt, data[i][s])
+            out[i] = d
+        return run
+
+    def joiner():
+        paused.wait()
+        model = _net(77)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        d = DiLoCo(model, opt, swarm=harness.swarm("peer2", bootstrapped=True), inner_steps=H, streaming=cfg)
+        d.attach()
+        seen["round"], seen["digest"], seen["failures"] = d.round, d.digest, d.resync_failures
+        seen["swarm_digest"] = {r.peer: r for r in d.swarm.records()}["peer1"].digest
+        resume.wait()
+        for s in range(3 * H - 7):
+            _step(model, opt, data[2][s])
+        d.detach()
+        out[2] = d
+
+    try:
+        _run_threads([early(0), early(1), joiner], [paused, resume, start])
+    finally:
+        harness.close()
+    assert seen["failures"] == 1  # peer0's state was refused once ...
+    assert seen["round"] == 1 and seen["digest"] == seen["swarm_digest"]  # ... and peer1's adopted
+    assert len({d.digest for d in out.values()}) == 1 and {d.round for d in out.values()} == {6}
+    assert all(r.committed and r.peers == 3 for r in out[2].reports), out[2].reports
