@@ -183,3 +183,36 @@ def test_ctrl_c_leaves_cleanly_with_a_final_checkpoint(peers, tmp_path):
     assert "event=resumed" in peers.log(1)
     assert peers.lines(1, "final")[-1]["round"] == final["round"] + 1  # one more outer step after the resume
     assert len(peers.lines(1, "round")) == 1
+
+
+@pytest.mark.timeout(180)
+def test_a_hung_peer_is_left_out_then_catches_up(peers):
+    """RELIABILITY row 3: one of three peers is frozen (SIGSTOP) for a while. The other two go on
+    without it (its calls time out); when it wakes (SIGCONT) its stale round fails instead of
+    entering an aggregate, it downloads the swarm's state, and all three end identical."""
+    common = ["--rounds", "12", "-H", "5", "--wait-for", "3", *TINY]
+    procs = [peers.spawn(0, ["start", *common])]
+    procs += [peers.spawn(i, ["join", peers.address(0), *common]) for i in (1, 2)]
+    deadline = time.monotonic() + 90
+    while not all(any(r["committed"] and r["peers"] == 3 for r in peers.lines(i, "round")) for i in range(3)):
+        assert time.monotonic() < deadline, peers.log(2)
+        time.sleep(0.1)
+    hung = procs[2]
+    hung.send_signal(signal.SIGSTOP)
+    stopped_at = time.time()
+    deadline = time.monotonic() + 60
+    while not [r for r in peers.lines(0, "round") if r["time"] > stopped_at and r["committed"] and r["peers"] == 2]:
+        assert time.monotonic() < deadline, peers.log(0)
+        time.sleep(0.1)
+    hung.send_signal(signal.SIGCONT)
+    woke_at = time.time()
+    for i, p in enumerate(procs):
+        assert peers.wait(p, 120) == 0, peers.log(i)
+    finals = [peers.lines(i, "final")[-1] for i in range(3)]
+    assert len({f["digest"] for f in finals}) == 1 and {f["round"] for f in finals} == {12}, finals
+    woke = peers.lines(2, "round")
+    assert any(str(r["reason"]).startswith("resynced") for r in woke), [r["reason"] for r in woke]
+    # while it was frozen, the others' rounds committed with the two of them only: nothing of the hung peer
+    frozen = [r for i in (0, 1) for r in peers.lines(i, "round")
+              if stopped_at + 1 < r["time"] < woke_at and r["committed"]]
+    assert frozen and all(r["peers"] == 2 for r in frozen), frozen
