@@ -33,7 +33,7 @@ import asyncio
 import logging
 import time
 from collections import Counter
-from typing import Any, Callable
+from typing import Any, Callable, Collection
 
 import torch
 
@@ -91,12 +91,15 @@ class Collective:
     async def run_round(
         self, key: RoundKey, digest: str, expected: list[PeerId], delta: torch.Tensor, fragment: int = 0,
         admit: Callable[[tuple[PeerId, ...]], tuple[bool, str]] | None = None,
+        wait_for: Collection[PeerId] | None = None,
     ) -> RoundOutcome:
         """Run round `key` with our pseudo-gradient `delta` (1-D fp32) of model fragment `fragment`;
         never blocks past the deadlines. The fragment is bound into the view id, so peers that
         disagree on which fragment a round is cannot mix their data. `admit(view)` -> (ok, reason)
         decides whether the closed view may go on (default: at least `min_peers` members); a view
-        that may not sends nothing and commits nothing."""
+        that may not sends nothing and commits nothing. All `expected` peers are asked; the gather
+        waits only for those in `wait_for` (default: all), so a straggler is taken in when it is
+        ready in time but not waited for."""
         started, (sent0, recv0) = time.monotonic(), self.transport.counter.snapshot()
         if key.round < self._floor.round:
             raise ValueError(f"round {key} is older than the last round run ({self._floor}); round keys must grow")
@@ -105,7 +108,8 @@ class Collective:
         self._floor = key
         self._forget_before(key)
         try:
-            outcome = await self._run(key, digest, [p for p in expected if p != self.me], delta, fragment, admit)
+            outcome = await self._run(key, digest, [p for p in expected if p != self.me], delta, fragment, admit,
+                                      wait_for)
         finally:
             self._floor = RoundKey(key.round, key.attempt + 1)
             self._forget_before(self._floor)
@@ -117,10 +121,11 @@ class Collective:
         return outcome
 
     async def _run(self, key: RoundKey, digest: str, others: list[PeerId], delta: torch.Tensor,
-                   fragment: int, admit: Callable[[tuple[PeerId, ...]], tuple[bool, str]] | None) -> RoundOutcome:
+                   fragment: int, admit: Callable[[tuple[PeerId, ...]], tuple[bool, str]] | None,
+                   wait_for: Collection[PeerId] | None) -> RoundOutcome:
         rs = self._state(key)
         rs.fragment = fragment
-        late = await self._gather(rs, key, digest, others)
+        late = await self._gather(rs, key, digest, others, wait_for)
         if late is not None:
             return late
         assert rs.view is not None
@@ -148,7 +153,8 @@ class Collective:
             key, False, f"no result for {len(r.missing())} span(s) (owners {_short(r.missing())})", rs.view,
             payload_bytes=r.payload_bytes)
 
-    async def _gather(self, rs: RoundState, key: RoundKey, digest: str, others: list[PeerId]) -> RoundOutcome | None:
+    async def _gather(self, rs: RoundState, key: RoundKey, digest: str, others: list[PeerId],
+                      wait_for: Collection[PeerId] | None = None) -> RoundOutcome | None:
         """Exchange ready messages and close the view; a RoundOutcome when we turn out to be late."""
         rs.ready[self.me] = digest
         ready_frame = msg.encode(msg.READY, run=self.run_id, sender=self.me, schema=self.schema, key=key,
@@ -165,7 +171,11 @@ class Collective:
             return RoundOutcome(key, False, f"late: {len(closed_without_us)} peer(s) closed round {key} without us")
         # A peer that could not even take our ready message (its daemon is gone) is not waited for.
         reachable = [p for p, r in zip(others, replies) if r is not None]
-        await self._wait(rs, lambda: all(p in rs.ready for p in reachable), time.monotonic() + self.cfg.gather_timeout)
+        waited = [p for p in reachable if wait_for is None or p in wait_for]
+        await self._wait(rs, lambda: all(p in rs.ready for p in waited), time.monotonic() + self.cfg.gather_timeout)
+        if len(waited) < len(reachable):  # stragglers get a short grace (a tenth of the gather timeout) to get back in
+            await self._wait(rs, lambda: all(p in rs.ready for p in reachable),
+                             time.monotonic() + self.cfg.gather_timeout / 10)
         view = make_view([p for p, d in rs.ready.items() if d == digest])
         rs.view, rs.vid = view, view_id(key, view, rs.fragment)
         return None

@@ -21,7 +21,7 @@ import asyncio
 import concurrent.futures
 import logging
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Collection
 
 import torch
 
@@ -217,11 +217,13 @@ class Swarm:
     # ------------------------------------------------------------------ rounds and state
 
     def exchange_async(self, rnd: int, attempt: int, digest: str, delta: torch.Tensor, fragment: int = 0,
-                       previous: tuple[PeerId, ...] | None = None) -> concurrent.futures.Future[RoundOutcome]:
+                       previous: tuple[PeerId, ...] | None = None,
+                       skip: Collection[PeerId] = ()) -> concurrent.futures.Future[RoundOutcome]:
         """Start our next round in the background (training goes on) and return at once: which attempt
         to run and whom to wait for are decided there from fresh records, so the training thread does
         no network I/O. With `majority` on, the round commits only with a majority of `previous` (the
-        members of the last round we committed). `finish_exchange` collects the outcome."""
+        members of the last round we committed); peers in `skip` are not waited for.
+        `finish_exchange` collects the outcome."""
         async def go() -> RoundOutcome:
             records = await self._read_records()
             key = round_key_for(records, rnd, attempt)
@@ -232,7 +234,11 @@ class Swarm:
             def admit(view: tuple[PeerId, ...]) -> tuple[bool, str]:
                 return quorum(view, prev, left, self.cfg.min_peers)
 
-            return await self.collective.run_round(key, digest, expected, delta, fragment=fragment, admit=admit)
+            # Stragglers (members the last round went on without) are still asked, and taken in if they
+            # are ready in time, but not waited for: a slow peer costs the others one gather timeout, once.
+            wait_for = None if not skip else {p for p in expected if p not in skip}
+            return await self.collective.run_round(key, digest, expected, delta, fragment=fragment, admit=admit,
+                                                   wait_for=wait_for)
 
         return self.loop.submit(go())
 

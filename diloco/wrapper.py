@@ -162,6 +162,8 @@ class DiLoCo:
         self._start: list[torch.Tensor] | None = None  # eager: where this phase started (≠ θ)
         self._last_view = 1
         self._bad_sources: list[PeerId] = []
+        self.stragglers: set[PeerId] = set()
+        """Peers the last rounds went on without: asked, taken in when ready in time, not waited for."""
         self.resync_failures = 0
         """Downloads that failed or did not verify (counted; the source is tried last next time)."""
         self.members: tuple[PeerId, ...] | None = None
@@ -335,7 +337,7 @@ class DiLoCo:
             self._pending = _Pending(frag, acc, due, started, outcome=outcome)
             return self._pending
         future = self.swarm.exchange_async(self.state.round, self.attempt, self.digest, acc, fragment=frag.index,
-                                           previous=self.members)
+                                           previous=self.members, skip=self.stragglers)
         self._pending = _Pending(frag, acc, due, started, future=future, key=RoundKey(self.state.round, self.attempt))
         return self._pending
 
@@ -392,6 +394,8 @@ class DiLoCo:
             self.attempt = 0
             self._last_view = max(1, len(outcome.view))
             if outcome.view:
+                # members the round went on without are stragglers until they make it into a view again
+                self.stragglers = (self.stragglers | set(self.members or ())) - set(outcome.view)
                 self.members = tuple(outcome.view)
             if not overlapped:
                 mix_into(self._frag(self.local_params, frag), global_frag, self.streaming.alpha)
@@ -475,6 +479,7 @@ class DiLoCo:
         self.attempt = 0
         self._carry.clear()
         self._bad_sources.clear()
+        self.stragglers = set()
         position, members = info.get("position"), info.get("members")
         if isinstance(position, int) and not isinstance(position, bool):
             # take the source's place in the schedule: our next slot is its next slot

@@ -1,0 +1,76 @@
+"""A straggler (RELIABILITY row 5): one of three peers becomes ~10× slower. The round it misses closes
+at the gather deadline without it; after that the fast peers no longer wait for it (it is asked, and
+given a tenth of the deadline as grace), so they keep their pace; when it is healthy again it is
+back in their rounds. Asserted on the rounds' own durations and members, not on a wall-clock rate."""
+
+from __future__ import annotations
+
+import copy
+import threading
+import time
+from dataclasses import replace
+
+import pytest
+import torch
+from test_swarm_inproc import CFG, _batches, _mlp, _run_threads
+
+import diloco
+from diloco import DiLoCo
+from diloco.comms import InProcNetwork
+from diloco.comms.loop import LoopThread
+from diloco.peers import InProcBoard
+
+pytestmark = pytest.mark.swarm
+
+H = 3
+GATHER = 1.0
+
+
+def test_a_straggler_costs_one_deadline_then_rejoins_when_healthy():
+    cfg = replace(CFG, gather_timeout=GATHER)
+    net, board, loop = InProcNetwork(), InProcBoard(), LoopThread()
+    swarms = [diloco.Swarm.in_process(net, board, f"peer{i}", cfg, loop) for i in range(3)]
+    base = _mlp(21)
+    start = threading.Barrier(3, timeout=10)
+    sick, fast_done = threading.Event(), threading.Event()
+    out: dict[int, DiLoCo] = {}
+
+    def peer(i: int):
+        def run():
+            model = copy.deepcopy(base)
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+            data = _batches(i, 32)
+            with DiLoCo(model, opt, swarm=swarms[i], inner_steps=H) as d:
+                start.wait()
+                k, deadline = 0, time.monotonic() + 40
+                target = 16
+                while d.round < target and time.monotonic() < deadline:
+                    if i == 0 and d.round == 3:
+                        sick.set()  # from round 3 on, peer 2 is slow ...
+                    if i == 0 and d.round == 10:
+                        sick.clear()  # ... until round 10
+                    if i == 2 and sick.is_set():
+                        time.sleep(0.6)  # 3 steps of 0.6 s: far more than a fast round, beyond the deadline
+                    elif i != 2:
+                        time.sleep(0.02)
+                    x, y = data[k % len(data)]
+                    torch.nn.functional.mse_loss(model(x), y).backward()
+                    opt.step()
+                    opt.zero_grad()
+                    k += 1
+            out[i] = d
+        return run
+
+    try:
+        _run_threads([peer(i) for i in range(3)], [start])
+    finally:
+        for s in swarms:
+            s.close()
+        loop.stop()
+    fast = out[0].reports
+    assert out[0].round == 16 and len({out[0].digest, out[1].digest, out[2].digest}) == 1
+    waited_out = [r for r in fast if r.committed and r.seconds >= GATHER * 0.9]
+    assert len(waited_out) <= 1, [(r.round, r.peers, round(r.seconds, 2)) for r in fast]  # one deadline at most
+    sick_rounds = [r for r in fast if r.committed and 5 <= r.round <= 9]
+    assert sick_rounds and all(r.peers == 2 for r in sick_rounds)  # they went on without it
+    assert any(r.committed and r.peers == 3 for r in fast if r.round >= 12)  # and took it back once healthy
