@@ -169,6 +169,14 @@ class Collective:
         if closed_without_us:
             rs.view = ()
             return RoundOutcome(key, False, f"late: {len(closed_without_us)} peer(s) closed round {key} without us")
+        # Ready is symmetric: a peer ready for this key says so in its reply (or that it closed its view
+        # with us in it, which it does only with our digest), so one of two ready messages lost to a
+        # race (the receiver was still catching up and refused it) cannot leave one side waiting.
+        for p, r in zip(others, replies):
+            if r and isinstance(r.get("ready"), str) and len(r["ready"]) <= 128:
+                rs.ready.setdefault(p, r["ready"])
+            elif r and r.get("closed") and r.get("in_view"):
+                rs.ready.setdefault(p, digest)
         # A peer that could not even take our ready message (its daemon is gone) is not waited for.
         reachable = [p for p, r in zip(others, replies) if r is not None]
         waited = [p for p in reachable if wait_for is None or p in wait_for]
@@ -259,7 +267,9 @@ class Collective:
                 return msg.ack(run=self.run_id, sender=self.me, closed=True, in_view=caller in rs.view)
             rs.ready[caller] = digest
             rs.changed.set()
-            return msg.ack(run=self.run_id, sender=self.me, closed=False, in_view=False)
+            mine = rs.ready.get(self.me)  # we are ready for this key too: say so (see _gather)
+            return msg.ack(run=self.run_id, sender=self.me, closed=False, in_view=False,
+                           **({"ready": mine} if mine is not None else {}))
         except PayloadRejected as e:
             return self._reject(caller, e)
 

@@ -5,7 +5,7 @@
 | `ready`   | member → member      | empty                     | attempt, digest               |
 | `contrib` | member → span owner  | encoded span of Δ         | attempt                       |
 | `result`  | owner → every member | mean, or bundle (sparse)  | attempt, contributors, result |
-| `ack`     | reply to any call    | empty                     | ok, reason, closed, in_view   |
+| `ack`     | reply to any call    | empty                     | ok, reason, closed, in_view, ready |
 
 A frame is checked (magic, version, sizes before allocation, checksum, run id, kind) before any
 field is used; the caller's libp2p-authenticated peer id must equal the frame's `sender`.

@@ -30,7 +30,7 @@ from diloco.comms import messages as msg
 from diloco.comms.loop import LoopThread
 from diloco.comms.transport import InProcNetwork
 from diloco.compression import PayloadRejected
-from diloco.peers import Directory, InProcBoard, PeerRecord, expected_peers, quorum, round_key_for
+from diloco.peers import Directory, InProcBoard, PeerRecord, departed, expected_peers, quorum, round_key_for
 
 from .config import SwarmConfig
 
@@ -228,7 +228,7 @@ class Swarm:
             records = await self._read_records()
             key = round_key_for(records, rnd, attempt)
             expected = expected_peers(records, key, self.peer_id)
-            left = [r.peer for r in records if r.status == "left"]
+            left = departed(records, rnd)
             prev = previous if self.cfg.majority else None
 
             def admit(view: tuple[PeerId, ...]) -> tuple[bool, str]:

@@ -6,6 +6,7 @@ is unit-tested deterministically.
 - `expected_peers`: whom a ready peer waits for in the gather of a round.
 - `round_key_for`: which attempt of our round to run, so that peers at the same round agree.
 - `resync_source`: whether our global state is outdated or in the minority, and whom to copy.
+- `departed`: who left for good at or before our round (no longer counted by `quorum`).
 - `quorum`: whether a round's view may commit: enough peers, and a majority of the last round's
   members, so that at most one side of a partition makes progress.
 """
@@ -67,6 +68,13 @@ def resync_source(
     if newest > my_round:
         return source, f"swarm is at round {newest}, we are at {my_round}"
     return source, f"our digest {my_digest} is in the minority at round {my_round} ({votes[best]} peers hold {best})"
+
+
+def departed(records: Sequence[PeerRecord], my_round: int) -> list[PeerId]:
+    """Peers that announced leaving while at our round or behind it: they no longer count toward a
+    quorum. A peer that left *ahead* of us committed rounds we do not hold, so it keeps counting
+    (as absent): re-running those rounds without it would give one round id two states."""
+    return sorted(r.peer for r in records if r.status == "left" and r.round <= my_round)
 
 
 def quorum(view: Sequence[PeerId], previous: Sequence[PeerId] | None, left: Sequence[PeerId],

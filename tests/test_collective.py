@@ -273,6 +273,35 @@ def test_owner_killed_after_gather_nobody_commits_then_next_attempt_commits():
 # ---------------------------------------------------------------------- late peers
 
 
+def test_a_ready_refused_while_catching_up_is_answered_by_the_reply_to_ours():
+    """p1 is still at round 0 when p0 starts round 2 (it is downloading the swarm's state), so it
+    refuses p0's ready as too far ahead; a moment later it jumps to round 2 and sends its own ready.
+    p0's reply to it says p0 is ready too, so p1 does not wait out the gather timeout for a ready
+    that will never come again: both commit at once (the CI failure of the hung-peer test)."""
+    gather = 5.0
+
+    async def main():
+        net = InProcNetwork()
+        cs = await _collectives(net, ["p0", "p1"], CollectiveConfig(gather_timeout=gather, reduce_timeout=1,
+                                                                   result_timeout=2, call_timeout=1))
+        deltas = _deltas(["p0", "p1"], 40, seed=3)
+        key = RoundKey(2)
+        first = asyncio.create_task(cs["p0"].run_round(key, DIGEST, ["p1"], deltas["p0"]))
+        while not cs["p1"].rejections:  # p0's ready reached p1 before p1 caught up: refused
+            await asyncio.sleep(0.01)
+        cs["p1"].advance_to(key)  # p1 downloaded round 2's state
+        started = time.monotonic()
+        second = await cs["p1"].run_round(key, DIGEST, ["p0"], deltas["p1"])
+        return await first, second, time.monotonic() - started, cs
+
+    out0, out1, took, cs = asyncio.run(main())
+    assert cs["p1"].rejections == Counter({Reason.WRONG_ROUND.value: 1})
+    assert out0.committed and out1.committed, (out0.reason, out1.reason)
+    assert out0.view == out1.view == ("p0", "p1")
+    assert torch.equal(out0.aggregate, out1.aggregate)
+    assert took < gather / 2, f"p1 waited {took:.1f}s for a ready it had refused"
+
+
 def test_late_peer_while_others_are_mid_round_gives_up_at_once():
     """Three peers closed round 0 without p3 and are still reducing when p3 arrives: p3 learns
     from their ready replies that the round closed without it and gives up at once ("late")."""

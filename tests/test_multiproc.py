@@ -216,3 +216,47 @@ def test_a_hung_peer_is_left_out_then_catches_up(peers):
     frozen = [r for i in (0, 1) for r in peers.lines(i, "round")
               if stopped_at + 1 < r["time"] < woke_at and r["committed"]]
     assert frozen and all(r["peers"] == 2 for r in frozen), frozen
+
+
+@pytest.mark.timeout(180)
+def test_a_killed_peer_restarts_and_catches_up(peers):
+    """RELIABILITY rows 2, 6 and 8: SIGKILL one of three peers of a streaming swarm (2 fragments), start
+    it again (a new process, a new peer id) with a dead bootstrap address given first: it skips that
+    address, downloads the swarm's state and schedule position, and holds the swarm's digest from its
+    first round on. The swarm runs until the test stops it (SIGTERM), so a slow restart cannot find
+    it finished."""
+    common = ["--rounds", "1000", "-H", "6", "--fragments", "2", *TINY, "--layers", "2"]
+    procs = [peers.spawn(0, ["start", "--wait-for", "3", *common])]
+    procs += [peers.spawn(i, ["join", peers.address(0), "--wait-for", "3", *common]) for i in (1, 2)]
+    deadline = time.monotonic() + 90
+    while not any(r["committed"] and r["peers"] == 3 and r["round"] >= 2 for r in peers.lines(2, "round")):
+        assert time.monotonic() < deadline, peers.log(2)
+        time.sleep(0.1)
+    procs[2].kill()
+    procs[2].wait()
+    dead = "/ip4/127.0.0.1/tcp/9/p2p/12D3KooWRQPiyGWQQdn3DaPhb84P9MBDWaM43QfaVX9YR9qxStbP"
+    started = time.monotonic()
+    restarted = peers.spawn(3, ["join", dead, peers.address(0), *common])
+    deadline = time.monotonic() + 90
+    while sum(r["committed"] and r["peers"] == 3 for r in peers.lines(3, "round")) < 3:
+        assert time.monotonic() < deadline and restarted.poll() is None, peers.log(3)
+        time.sleep(0.1)
+    joined = time.monotonic() - started
+    for p in (procs[0], procs[1], restarted):
+        p.send_signal(signal.SIGTERM)
+    for i, p in [(0, procs[0]), (1, procs[1]), (3, restarted)]:
+        assert peers.wait(p, 60) == 0, peers.log(i)
+    assert joined < 30 + 20, joined  # row 8: joins within 30 s of a dead first address (plus start-up)
+    mine = [r for r in peers.lines(3, "round") if r["committed"]]
+    assert any(str(r["reason"]).startswith("resynced") for r in peers.lines(3, "round")) or \
+        "event=resync" in peers.log(3), peers.log(3)
+    # one state per round id across the swarm (G1), and the restarted peer's rounds are the swarm's
+    states: dict[int, set[str]] = {}
+    for i in (0, 1, 2, 3):
+        for r in peers.lines(i, "round"):
+            if r["committed"]:
+                states.setdefault(r["round"], set()).add(r["digest"])
+    assert all(len(d) == 1 for d in states.values()), {k: v for k, v in states.items() if len(v) > 1}
+    swarm = {r["round"]: r["digest"] for r in peers.lines(0, "round") if r["committed"]}
+    assert mine and all(swarm.get(r["round"], r["digest"]) == r["digest"] for r in mine)
+    assert "event=bootstrap_failed" in peers.log(3)  # it did try the dead address first

@@ -22,7 +22,7 @@ import diloco
 from diloco import DiLoCo, RoundReport
 from diloco.comms import InProcNetwork
 from diloco.comms.loop import LoopThread
-from diloco.peers import InProcBoard, quorum
+from diloco.peers import InProcBoard, PeerRecord, departed, quorum
 
 pytestmark = pytest.mark.swarm
 
@@ -46,6 +46,17 @@ def test_announced_leavers_do_not_count_and_newcomers_do_not_help():
     assert quorum(("a",), prev, ("b", "c"), 1)[0]  # the others said goodbye: a alone is the swarm
     assert not quorum(("a", "x", "y", "z"), prev, (), 1)[0]  # strangers are no majority of the old members
     assert quorum(("a", "b", "x"), prev, (), 1)[0]
+
+
+def test_only_peers_that_left_at_or_behind_our_round_stop_counting():
+    """A peer that left ahead of us committed rounds we lack: it still counts (as absent), so a lone
+    peer that fell behind cannot re-commit the swarm's rounds with other values once all others left."""
+    recs = [PeerRecord(peer="a", status="left", round=3), PeerRecord(peer="b", status="left", round=12),
+            PeerRecord(peer="c", status="training", round=2)]
+    assert departed(recs, 3) == ["a"]
+    assert departed(recs, 12) == ["a", "b"]
+    assert not quorum(("c",), ("a", "b", "c"), departed(recs, 3), 1)[0]  # b is ahead: no re-commit
+    assert quorum(("c",), ("a", "b", "c"), departed(recs, 12), 1)[0]
 
 
 def test_min_peers_and_a_fresh_peer():
