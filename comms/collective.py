@@ -3,9 +3,12 @@
 Every member holds a flat fp32 pseudo-gradient Δ of the same length. A round runs in three steps:
 
 1. **Gather.** Each member tells every peer it expects that it is ready (`ready`, carrying the
-   digest of its global state) and waits until all of them are ready too, or until
-   `gather_timeout`. The round's *view* is the sorted set of ready members with the same digest.
-   A peer that learns that others closed the round without it gives up at once ("late").
+   digest of its global state and the peers it expects) and waits until all of them are ready
+   too, or until `gather_timeout`; a peer that an expected peer expects is expected too. The
+   round's *view* is the sorted set of ready, expected members with the same digest. So members
+   whose records disagree about a newcomer still close the same view, and a peer nobody expects
+   yet is left out by everyone. A peer that learns that others closed the round without it gives
+   up at once ("late").
 2. **Reduce.** Δ is cut into one span per view member; member i owns span i. Everyone sends each
    span, encoded with the compression pipeline, to its owner. The owner waits for all view
    members until `reduce_timeout` and sends the *same bytes* to every member (itself included, by
@@ -69,6 +72,9 @@ class Collective:
         self._floor = RoundKey(0, 0)  # frames for earlier keys are stale
         self._committed_through = -1  # the highest round number this peer committed (or downloaded past)
         self.faults = FaultPlan.from_env()
+        self.crashed = False
+        """Set by an in-process kill (`Swarm.crash`): as with a SIGKILLed process, nothing we were doing
+        may still take effect, so no round commits from now on."""
 
     @classmethod
     async def create(cls, transport: Transport, run_id: str, cfg: CollectiveConfig) -> Collective:
@@ -113,6 +119,8 @@ class Collective:
         finally:
             self._floor = RoundKey(key.round, key.attempt + 1)
             self._forget_before(self._floor)
+        if outcome.committed and self.crashed:
+            outcome = RoundOutcome(key, False, "crashed", outcome.view)
         if outcome.committed:
             self._committed_through = max(self._committed_through, key.round)
         sent, recv = self.transport.counter.snapshot()
@@ -138,6 +146,7 @@ class Collective:
                       closed_at=time.monotonic())
         # Encoding the whole Δ is the heavy part: off the event loop, so handlers keep answering peers.
         r.payloads = await asyncio.to_thread(lambda: [self.pipeline.encode(delta[lo:hi]) for lo, hi in r.bounds])
+        self.faults.hit("encode", key.round)
         own = r.own = self.pipeline.decode(r.payloads[r.mine], r.numel(r.mine))
         rs.contribs.setdefault((rs.vid, r.mine), {})[self.me] = (r.payloads[r.mine], own)
 
@@ -155,37 +164,76 @@ class Collective:
 
     async def _gather(self, rs: RoundState, key: RoundKey, digest: str, others: list[PeerId],
                       wait_for: Collection[PeerId] | None = None) -> RoundOutcome | None:
-        """Exchange ready messages and close the view; a RoundOutcome when we turn out to be late."""
+        """Exchange ready messages and close the view; a RoundOutcome when we turn out to be late.
+
+        Ready is symmetric: a peer ready for this key says so in its reply (or that it closed its view
+        with us in it, which it does only with our digest), so one of two ready messages lost to a race
+        (the receiver was still catching up and refused it) cannot leave one side waiting. Each ready
+        carries whom its sender expects; we ask and wait for those too (`RoundState.named`)."""
         rs.ready[self.me] = digest
-        ready_frame = msg.encode(msg.READY, run=self.run_id, sender=self.me, schema=self.schema, key=key,
-                                 fragment=rs.fragment, meta={"digest": digest})
-        replies = await asyncio.gather(*(self._call(p, "diloco.ready", ready_frame) for p in others))
+        rs.expected = tuple(others)
+        own = set(others)
+        replies: dict[PeerId, dict[str, Any] | None] = {}
+
+        async def ask(p: PeerId) -> None:
+            frame = msg.encode(msg.READY, run=self.run_id, sender=self.me, schema=self.schema, key=key,
+                               fragment=rs.fragment, meta={"digest": digest}, body=msg.pack_names(rs.named(self.me)))
+            r = replies[p] = await self._call(p, "diloco.ready", frame)
+            ready = r.get("ready") if r else None
+            if r and r.get("closed") and r.get("in_view"):
+                ready = digest
+            if isinstance(ready, str) and len(ready) <= 128:
+                rs.ready.setdefault(p, ready)
+                rs.lists.setdefault(p, r.get("expect", frozenset()) if r else frozenset())
+            rs.changed.set()
+
+        # everyone we expect, and whoever told us already that it is ready for this key
+        asked = own | (set(rs.ready) - {self.me})
+        await asyncio.gather(*(ask(p) for p in asked))
         self.faults.hit("gather", key.round)
-        committed = [p for p, r in zip(others, replies) if r and r.get("committed")]
-        if committed:  # someone already committed this round: running another attempt would fork the state
+        late = self._late(key, replies)
+        if late is not None:
             rs.view = ()
-            return RoundOutcome(key, False, f"late: {_short(committed)} committed round {key.round} already")
-        closed_without_us = [p for p, r in zip(others, replies) if r and r.get("closed") and not r.get("in_view")]
-        if closed_without_us:
+            return late
+
+        later: list[asyncio.Task[None]] = []
+
+        def closed(everyone: bool) -> bool:
+            """Ask newly named peers; then: is every named peer we wait for ready (or unreachable)?"""
+            named = rs.named(self.me)
+            for p in named - asked:
+                asked.add(p)
+                later.append(asyncio.create_task(ask(p)))
+            # stragglers (our own expected peers outside `wait_for`) are not waited for; peers named by
+            # others are: the peer that named them waits for them too
+            return all(p in rs.ready for p in named if replies.get(p, {}) is not None
+                       and (everyone or wait_for is None or p in wait_for or p not in own))
+
+        try:
+            await self._wait(rs, lambda: closed(False), time.monotonic() + self.cfg.gather_timeout)
+            if not closed(True):  # stragglers get a short grace (a tenth of the gather timeout) to get back in
+                await self._wait(rs, lambda: closed(True), time.monotonic() + self.cfg.gather_timeout / 10)
+        finally:
+            for t in later:
+                t.cancel()
+        late = self._late(key, replies)
+        if late is not None:
             rs.view = ()
-            return RoundOutcome(key, False, f"late: {len(closed_without_us)} peer(s) closed round {key} without us")
-        # Ready is symmetric: a peer ready for this key says so in its reply (or that it closed its view
-        # with us in it, which it does only with our digest), so one of two ready messages lost to a
-        # race (the receiver was still catching up and refused it) cannot leave one side waiting.
-        for p, r in zip(others, replies):
-            if r and isinstance(r.get("ready"), str) and len(r["ready"]) <= 128:
-                rs.ready.setdefault(p, r["ready"])
-            elif r and r.get("closed") and r.get("in_view"):
-                rs.ready.setdefault(p, digest)
-        # A peer that could not even take our ready message (its daemon is gone) is not waited for.
-        reachable = [p for p, r in zip(others, replies) if r is not None]
-        waited = [p for p in reachable if wait_for is None or p in wait_for]
-        await self._wait(rs, lambda: all(p in rs.ready for p in waited), time.monotonic() + self.cfg.gather_timeout)
-        if len(waited) < len(reachable):  # stragglers get a short grace (a tenth of the gather timeout) to get back in
-            await self._wait(rs, lambda: all(p in rs.ready for p in reachable),
-                             time.monotonic() + self.cfg.gather_timeout / 10)
-        view = make_view([p for p, d in rs.ready.items() if d == digest])
+            return late
+        named = rs.named(self.me)
+        view = make_view([p for p, d in rs.ready.items() if d == digest and (p == self.me or p in named)])
         rs.view, rs.vid = view, view_id(key, view, rs.fragment)
+        return None
+
+    @staticmethod
+    def _late(key: RoundKey, replies: dict[PeerId, dict[str, Any] | None]) -> RoundOutcome | None:
+        """A failed outcome if a reply shows that the round went on without us."""
+        committed = [p for p, r in replies.items() if r and r.get("committed")]
+        if committed:  # someone already committed this round: running another attempt would fork the state
+            return RoundOutcome(key, False, f"late: {_short(committed)} committed round {key.round} already")
+        closed_without_us = [p for p, r in replies.items() if r and r.get("closed") and not r.get("in_view")]
+        if closed_without_us:
+            return RoundOutcome(key, False, f"late: {len(closed_without_us)} peer(s) closed round {key} without us")
         return None
 
     async def _send_contributions(self, r: Exchange) -> None:
@@ -194,6 +242,7 @@ class Collective:
                 msg.CONTRIB, r.key, view=r.rs.vid, span=i, numel=r.numel(i), body=r.payloads[i]))
             for i, owner in enumerate(r.view) if owner != self.me
         ))
+        self.faults.hit("send", r.key.round)
 
     async def _reduce_and_broadcast(self, r: Exchange) -> None:
         """Owner's side: wait for contributions to our span until the deadline, then send one result."""
@@ -253,8 +302,9 @@ class Collective:
 
     async def _on_ready(self, caller: PeerId, data: bytes) -> bytes:
         try:
-            header, _, key = msg.decode(data, run=self.run_id, kind=msg.READY, caller=caller, max_body=0,
-                                        schema=self.schema)
+            header, body, key = msg.decode(data, run=self.run_id, kind=msg.READY, caller=caller,
+                                           max_body=msg.MAX_NAMES_BYTES,
+                                           schema=self.schema)
             digest = header.meta.get("digest")
             if not isinstance(digest, str) or len(digest) > 128:
                 raise PayloadRejected(Reason.BAD_HEADER, "ready needs a string meta.digest")
@@ -262,14 +312,17 @@ class Collective:
                 return msg.ack(run=self.run_id, sender=self.me, closed=True, in_view=False, committed=True)
             if key < self._floor:  # a round we already finished: tell the late peer at once
                 return msg.ack(run=self.run_id, sender=self.me, closed=True, in_view=False)
+            expects = msg.unpack_names(body)
             rs = self._accepting(key)
+            names = rs.named(self.me) if rs.expected is not None else ()
             if rs.view is not None:
-                return msg.ack(run=self.run_id, sender=self.me, closed=True, in_view=caller in rs.view)
+                return msg.ack(run=self.run_id, sender=self.me, closed=True, in_view=caller in rs.view, names=names)
             rs.ready[caller] = digest
+            rs.lists[caller] = expects
             rs.changed.set()
-            mine = rs.ready.get(self.me)  # we are ready for this key too: say so (see _gather)
-            return msg.ack(run=self.run_id, sender=self.me, closed=False, in_view=False,
-                           **({"ready": mine} if mine is not None else {}))
+            mine: dict[str, Any] = {"ready": rs.ready[self.me]} if self.me in rs.ready else {}
+            # we are ready for this key too: say so (see _gather)
+            return msg.ack(run=self.run_id, sender=self.me, closed=False, in_view=False, names=names, **mine)
         except PayloadRejected as e:
             return self._reject(caller, e)
 

@@ -2,10 +2,10 @@
 
 | kind      | direction            | body                      | meta                          |
 |-----------|----------------------|---------------------------|-------------------------------|
-| `ready`   | member → member      | empty                     | attempt, digest               |
+| `ready`   | member → member      | peer ids it expects       | attempt, digest               |
 | `contrib` | member → span owner  | encoded span of Δ         | attempt                       |
 | `result`  | owner → every member | mean, or bundle (sparse)  | attempt, contributors, result |
-| `ack`     | reply to any call    | empty                     | ok, reason, closed, in_view, ready |
+| `ack`     | reply to any call    | (ready) peer ids expected | ok, reason, closed, in_view, ready |
 
 A frame is checked (magic, version, sizes before allocation, checksum, run id, kind) before any
 field is used; the caller's libp2p-authenticated peer id must equal the frame's `sender`.
@@ -14,7 +14,7 @@ field is used; the caller's libp2p-authenticated peer id must equal the frame's 
 from __future__ import annotations
 
 import struct
-from typing import Any
+from typing import Any, Iterable
 
 from diloco.compression import Header, PayloadRejected, Reason, pack, unpack
 
@@ -22,6 +22,8 @@ from .spans import RoundKey
 from .transport import PeerId
 
 READY, CONTRIB, RESULT, ACK, STATE = "ready", "contrib", "result", "ack", "state"
+MAX_NAMES = 4096  # peer ids one ready message (or reply) may name
+MAX_NAMES_BYTES = MAX_NAMES * 129
 
 
 def encode(
@@ -71,13 +73,35 @@ def decode(
     return header, body, RoundKey(header.round, attempt)
 
 
-def ack(*, run: str, sender: PeerId, ok: bool = True, reason: str = "", **meta: Any) -> bytes:
-    return encode(ACK, run=run, sender=sender, meta={"ok": ok, "reason": reason, **meta})
+def ack(*, run: str, sender: PeerId, ok: bool = True, reason: str = "", names: Iterable[PeerId] = (),
+        **meta: Any) -> bytes:
+    return encode(ACK, run=run, sender=sender, meta={"ok": ok, "reason": reason, **meta}, body=pack_names(names))
 
 
 def read_ack(data: bytes, *, run: str, caller: PeerId) -> dict[str, Any]:
-    header, _, _ = decode(data, run=run, kind=ACK, caller=caller, max_body=0)
-    return dict(header.meta)
+    """The reply's meta; peer ids in its body, if any, under "expect"."""
+    header, body, _ = decode(data, run=run, kind=ACK, caller=caller, max_body=MAX_NAMES_BYTES)
+    meta: dict[str, Any] = dict(header.meta)
+    if body:
+        meta["expect"] = unpack_names(body)
+    return meta
+
+
+def pack_names(names: Iterable[PeerId]) -> bytes:
+    """Peer ids (whom the sender of a ready message, or of its reply, expects in the round), one a line."""
+    return "\n".join(sorted(names)).encode()
+
+
+def unpack_names(body: memoryview) -> frozenset[PeerId]:
+    if not body:
+        return frozenset()
+    try:
+        names = bytes(body).decode("utf-8").split("\n")
+    except UnicodeDecodeError:
+        raise PayloadRejected(Reason.BAD_HEADER, "peer list is not UTF-8") from None
+    if len(names) > MAX_NAMES or not all(0 < len(p) <= 128 for p in names):
+        raise PayloadRejected(Reason.BAD_HEADER, f"peer list needs 1 to {MAX_NAMES} ids of 1 to 128 characters")
+    return frozenset(PeerId(p) for p in names)
 
 
 _BUNDLE_HEAD = struct.Struct("<H")

@@ -74,12 +74,29 @@ class RoundState:
     """Everything received for one round key; created by whichever message arrives first."""
 
     ready: dict[PeerId, str] = field(default_factory=dict)
+    lists: dict[PeerId, frozenset[PeerId]] = field(default_factory=dict)
+    """Whom each ready peer told us it expects in this round."""
+    expected: tuple[PeerId, ...] | None = None  # whom we expect (from our records), once we run the round
     view: tuple[PeerId, ...] | None = None  # set when this peer closes its gather
     vid: str = ""  # the view's id, set with `view`
     fragment: int = 0  # model fragment of this round (set when we run it)
     contribs: dict[tuple[str, int], dict[PeerId, tuple[bytes, Decoded]]] = field(default_factory=dict)
     results: dict[tuple[str, int], tuple[PeerId, torch.Tensor, tuple[int, ...]]] = field(default_factory=dict)
     changed: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def named(self, me: PeerId) -> set[PeerId]:
+        """Whom this round may include: the peers we expect and, transitively, the peers that a peer so
+        named expects. A peer counts as ready only with its list in hand, so the members of a view have
+        learned the same names before they close it: views agree even when their records disagree about
+        a peer that just joined, and a peer nobody expects is left out by everyone."""
+        out: set[PeerId] = set()
+        todo = [p for p in self.expected or () if p != me]
+        while todo:
+            p = todo.pop()
+            if p not in out:
+                out.add(p)
+                todo.extend(q for q in self.lists.get(p, ()) if q != me and q not in out)
+        return out
 
     def views_buffered(self) -> set[str]:
         return {v for v, _ in self.contribs} | {v for v, _ in self.results}

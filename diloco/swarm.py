@@ -202,6 +202,8 @@ class Swarm:
             time.sleep(0.25)
 
     async def _publish(self) -> None:
+        if self.collective.crashed:  # a crashed peer says nothing more
+            return
         self._record = PeerRecord(**{**self._record.__dict__, "beat": time.time()})
         try:
             await self.directory.publish(self._record, self.cfg.heartbeat_ttl)
@@ -295,6 +297,14 @@ class Swarm:
         return msg.encode(msg.STATE, run=self.cfg.run_id, sender=self.peer_id, key=RoundKey(rnd), meta=meta, body=body)
 
     # ------------------------------------------------------------------ leaving
+
+    def crash(self) -> None:
+        """Vanish as a SIGKILLed process would, for in-process tests and simulation: no goodbye, no more
+        heartbeats (our record lives until `heartbeat_ttl`), and calls to or from us fail from now on.
+        `close()` still releases what is left."""
+        self.collective.crashed = True
+        self._heartbeat.cancel()
+        self.loop.submit(self.transport.close())
 
     def close(self, *, announce: bool = True) -> None:
         """Leave: tell the swarm at once (status=left), stop the heartbeat, shut the daemon down."""

@@ -55,7 +55,7 @@ from torch.utils.hooks import RemovableHandle
 from diloco.comms import PeerId, RoundKey, RoundOutcome
 from diloco.compression.ef import ErrorFeedback
 from diloco.compression.pipeline import Pipeline, parse
-from diloco.peers import resync_source
+from diloco.peers import resync_source, stragglers
 from diloco.peers.records import PeerRecord
 
 from . import persist
@@ -382,6 +382,10 @@ class DiLoCo:
     def _finish(self, pending: _Pending, outcome: RoundOutcome) -> RoundReport:
         frag = pending.fragment
         overlapped = self.streaming.outer_overlap != "none"
+        if outcome.committed and self.swarm is not None:
+            self.swarm.collective.faults.hit("apply", outcome.key.round)
+            if self.swarm.collective.crashed:  # killed in-process before the outer step: it never happens
+                outcome = RoundOutcome(outcome.key, False, "crashed", outcome.view)
         if outcome.committed:
             assert outcome.aggregate is not None and outcome.sent is not None
             if self.ef is not None:
@@ -394,8 +398,9 @@ class DiLoCo:
             self.attempt = 0
             self._last_view = max(1, len(outcome.view))
             if outcome.view:
-                # members the round went on without are stragglers until they make it into a view again
-                self.stragglers = (self.stragglers | set(self.members or ())) - set(outcome.view)
+                # members the round went on without are not waited for until they make it into a view again
+                self.stragglers = stragglers(self.stragglers, self.members or (), outcome.view,
+                                             self.swarm.records(cached=True) if self.swarm is not None else ())
                 self.members = tuple(outcome.view)
             if not overlapped:
                 mix_into(self._frag(self.local_params, frag), global_frag, self.streaming.alpha)
@@ -457,19 +462,28 @@ class DiLoCo:
             time.sleep(0.25)  # nobody visible yet, or another holder of that state to try
 
     def _resync(self, source: PeerRecord, why: str) -> bool:
-        """Download global state from `source`, verify it against the digest it advertised, adopt it."""
+        """Download global state from `source`, verify it, adopt it. Verified: its bytes hash to the digest
+        that the source advertised, or (the source committed more rounds since its record was read) to
+        a digest that another peer advertises for the round served."""
         assert self.swarm is not None
         log.info("event=resync peer=%s reason=%s", source.peer, why)
         self._publish("joining")
+        moved_on = False
         try:
             rnd, digest, body, info = self.swarm.fetch_state(source.peer)
             fresh = GlobalState(self.state.params, self._outer_factory)
             fresh.load_bytes(body)
-            if fresh.digest() != digest or digest != source.digest:
-                raise StateError(f"state digest {fresh.digest()} != advertised {digest}/{source.digest}")
+            if fresh.digest() != digest:
+                raise StateError(f"state bytes hash to {fresh.digest()}, not to the {digest} served with them")
+            if digest != source.digest:
+                moved_on = rnd > source.round
+                if not any(r.peer != source.peer and (r.round, r.digest) == (rnd, digest) for r in self.swarm.records()):
+                    raise StateError(f"served state {digest} (round {rnd}) is not what {source.peer} advertised "
+                                     f"({source.digest}, round {source.round}) and no other peer holds it")
         except (SwarmError, StateError) as e:
             log.warning("event=resync_failed peer=%s reason=%s", source.peer, e)
-            self._bad_sources.append(source.peer)  # next time, another holder of that state first
+            if not moved_on:  # a source that merely moved on is honest; one that failed verification is tried last
+                self._bad_sources.append(source.peer)
             self.resync_failures += 1
             self._publish("training")
             return False

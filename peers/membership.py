@@ -14,7 +14,7 @@ is unit-tested deterministically.
 from __future__ import annotations
 
 from collections import Counter
-from typing import Sequence
+from typing import Collection, Sequence
 
 from diloco.comms import PeerId, RoundKey
 
@@ -75,6 +75,15 @@ def departed(records: Sequence[PeerRecord], my_round: int) -> list[PeerId]:
     quorum. A peer that left *ahead* of us committed rounds we do not hold, so it keeps counting
     (as absent): re-running those rounds without it would give one round id two states."""
     return sorted(r.peer for r in records if r.status == "left" and r.round <= my_round)
+
+
+def stragglers(before: Collection[PeerId], members: Sequence[PeerId], view: Sequence[PeerId],
+               records: Sequence[PeerRecord]) -> set[PeerId]:
+    """Who is a straggler after a round with members `view`: the last round's `members` it went on
+    without join `before`; a peer stops being one when it is in a view again, or is no longer listed
+    (left, or its record expired), so the set stays as small as the swarm however many peers come and go."""
+    listed = {r.peer for r in records if r.status != "left"}
+    return ((set(before) | set(members)) - set(view)) & listed
 
 
 def quorum(view: Sequence[PeerId], previous: Sequence[PeerId] | None, left: Sequence[PeerId],

@@ -302,6 +302,87 @@ def test_a_ready_refused_while_catching_up_is_answered_by_the_reply_to_ours():
     assert took < gather / 2, f"p1 waited {took:.1f}s for a ready it had refused"
 
 
+def test_named_peers_are_those_we_expect_and_whom_they_expect():
+    from diloco.comms.rounds import RoundState
+
+    rs = RoundState(lists={"b": frozenset({"me", "c"}), "c": frozenset({"d"}), "x": frozenset({"y"})})
+    assert rs.named("me") == set()  # we have not started the round: we expect nobody yet
+    rs.expected = ("b", "me")
+    assert rs.named("me") == {"b", "c", "d"}  # x told us whom it expects, but nobody expects x
+
+
+def test_views_agree_when_only_some_records_show_a_newcomer():
+    """x just joined: p0's records show it, p1's do not yet, and x's ready reaches p1 late. p1 learns
+    from p0's ready that p0 expects x, so it asks x and waits for it too instead of closing (p0, p1)
+    while p0 closes (p0, p1, x): both views agree and all three commit the same round."""
+
+    async def main():
+        net = InProcNetwork()
+        cs = await _collectives(net, ["p0", "p1", "x"], CollectiveConfig(gather_timeout=3, reduce_timeout=1,
+                                                                         result_timeout=2, call_timeout=1))
+        p1 = cs["p1"].transport
+        on_ready = p1.handlers["diloco.ready"]
+
+        async def slow_from_x(caller, data):
+            if caller == "x":
+                await asyncio.sleep(0.5)
+            return await on_ready(caller, data)
+
+        p1.handlers["diloco.ready"] = slow_from_x
+        deltas = _deltas(["p0", "p1", "x"], 30, seed=5)
+        key = RoundKey(4)
+        return await asyncio.gather(cs["p0"].run_round(key, DIGEST, ["p1", "x"], deltas["p0"]),
+                                    cs["p1"].run_round(key, DIGEST, ["p0"], deltas["p1"]),
+                                    cs["x"].run_round(key, DIGEST, ["p0", "p1"], deltas["x"]))
+
+    outs = asyncio.run(main())
+    assert all(o.committed for o in outs), [o.reason for o in outs]
+    assert {o.view for o in outs} == {("p0", "p1", "x")}
+    assert all(torch.equal(o.aggregate, outs[0].aggregate) for o in outs)
+
+
+def test_a_peer_nobody_expects_is_left_out_by_everyone():
+    """x sends ready to p0 and p1, but neither's records show it: both leave it out (without waiting
+    for it) and commit; x, whose view differs, commits nothing."""
+    gather = 3.0
+
+    async def main():
+        net = InProcNetwork()
+        cs = await _collectives(net, ["p0", "p1", "x"], CollectiveConfig(gather_timeout=gather, reduce_timeout=0.5,
+                                                                         result_timeout=1, call_timeout=1))
+        deltas = _deltas(["p0", "p1", "x"], 30, seed=6)
+        key = RoundKey(4)
+        for c in cs.values():
+            c.advance_to(key)
+        started = time.monotonic()
+        x = asyncio.create_task(cs["x"].run_round(key, DIGEST, ["p0", "p1"], deltas["x"]))
+        await asyncio.sleep(0.05)  # x's ready is in before the others start
+        steady = await asyncio.gather(cs["p0"].run_round(key, DIGEST, ["p1"], deltas["p0"]),
+                                      cs["p1"].run_round(key, DIGEST, ["p0"], deltas["p1"]))
+        return steady, time.monotonic() - started, await x
+
+    (o0, o1), took, ox = asyncio.run(main())
+    assert o0.committed and o1.committed and o0.view == o1.view == ("p0", "p1")
+    assert took < gather / 2
+    assert not ox.committed
+
+
+def test_a_ready_with_a_malformed_peer_list_is_rejected():
+    async def main():
+        net = InProcNetwork()
+        a = (await _collectives(net, ["a"]))["a"]
+        b = net.transport("b")
+        replies = []
+        for body in (b"\xff\xfe", b"ok\n\nok", b"\n".join([b"p"] * 5000), ("z" * 129).encode()):
+            frame = msg.encode(msg.READY, run=RUN, sender="b", key=RoundKey(0), meta={"digest": DIGEST}, body=body)
+            replies.append(msg.read_ack(await b.call("a", "diloco.ready", frame, 1), run=RUN, caller="a"))
+        return replies, a.rejections
+
+    replies, rejections = asyncio.run(main())
+    assert all(r["ok"] is False and r["reason"] == "bad_header" for r in replies), replies
+    assert rejections == Counter({"bad_header": 4})
+
+
 def test_late_peer_while_others_are_mid_round_gives_up_at_once():
     """Three peers closed round 0 without p3 and are still reducing when p3 arrives: p3 learns
     from their ready replies that the round closed without it and gives up at once ("late")."""

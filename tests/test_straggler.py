@@ -18,12 +18,23 @@ import diloco
 from diloco import DiLoCo
 from diloco.comms import InProcNetwork
 from diloco.comms.loop import LoopThread
-from diloco.peers import InProcBoard
+from diloco.peers import InProcBoard, PeerRecord, stragglers
 
 pytestmark = pytest.mark.swarm
 
 H = 3
 GATHER = 1.0
+
+
+def test_a_straggler_stays_one_until_it_is_in_a_view_again_or_gone():
+    recs = [PeerRecord(peer=p, status="training", round=4) for p in "abcs"]
+    after = stragglers(set(), ("a", "b", "c", "s"), ("a", "b", "c"), recs)
+    assert after == {"s"}
+    assert stragglers(after, ("a", "b", "c"), ("a", "b", "c"), recs) == {"s"}  # missed again: still one
+    assert stragglers(after, ("a", "b", "c"), ("a", "b", "c", "s"), recs) == set()  # back in a view
+    left = [*recs[:3], PeerRecord(peer="s", status="left", round=4)]
+    assert stragglers(after, ("a", "b", "c"), ("a", "b", "c"), left) == set()  # said goodbye
+    assert stragglers(after, ("a", "b", "c"), ("a", "b", "c"), recs[:3]) == set()  # record expired
 
 
 def test_a_straggler_costs_one_deadline_then_rejoins_when_healthy():
