@@ -3,6 +3,7 @@
     diloco start                       # first peer; prints its address and the join line
     diloco join /ip4/…/p2p/12D3Koo…    # any other peer, on any machine that can reach it
     diloco demo                        # 4 peers on this machine, live view, summary
+    diloco simulate --workers 16       # 16 workers in one process, projected onto 100 Mbit/s links
 
 Bad input exits with status 2 and a message that names the fix, before any network I/O.
 """
@@ -217,6 +218,57 @@ def demo(
         _fail(str(e))
     code = run_demo(cfg, workdir=workdir, metrics=metrics, json_path=json_path, live=live)
     raise typer.Exit(code)
+
+
+@app.command()
+def simulate(
+    workers: int = typer.Option(4, help="Workers (M), all in this process on an in-process network."),
+    rounds: int = Rounds, inner_steps: int = InnerSteps, compression: str = Compression,
+    batch_size: int = typer.Option(8, help="Sequences per inner step."),
+    seed: int = typer.Option(0, help="Model initialization seed."),
+    d_model: int = typer.Option(192, help="Model width."),
+    layers: int = typer.Option(4, help="Transformer blocks."),
+    threads: int = typer.Option(1, help="torch CPU threads per worker."),
+    eval_every: int = typer.Option(0, help="Evaluate held-out loss every N rounds (0: only at the end)."),
+    outer_lr: Optional[float] = OuterLr, outer_momentum: Optional[float] = OuterMomentum,
+    fragments: int = Fragments, fragment_pattern: str = Pattern, overlap: int = Overlap, alpha: float = Alpha,
+    outer_overlap: str = OuterOverlap,
+    bandwidth_mbit: float = typer.Option(100.0, help="Projected link of each worker, Mbit/s per direction."),
+    latency_ms: float = typer.Option(50.0, help="Projected one-way latency between workers, ms."),
+    step_seconds: Optional[float] = typer.Option(None, help="Compute time of an inner step (default: measured here)."),
+    speeds: Optional[str] = typer.Option(None, help="Relative worker speeds, comma-separated (e.g. 1,1,1,0.5)."),
+    json_path: Optional[Path] = typer.Option(None, "--json", help="Write the summary as JSON here."),
+) -> None:
+    """Simulate a swarm of WORKERS in this process (the real round protocol, codecs, fragments and outer
+    optimizer) and project wall clock, blocking and compute utilization onto the given links."""
+    import json
+
+    from .simulate import NetworkModel, simulate as run_simulation
+
+    try:
+        speed_list = tuple(float(v) for v in speeds.split(",")) if speeds else ()
+    except ValueError:
+        _fail(f"--speeds must be comma-separated numbers, got {speeds!r}")
+    o = dict(locals(), run_id="simulate", min_peers=1, gather_timeout=60.0, round_timeout=30.0, heartbeat_ttl=30.0,
+             shard=None, wait_for=1, checkpoint_dir=None, checkpoint_every=0, resume=False)
+    swarm_cfg, job = _configs(o)
+    try:
+        net = NetworkModel(bandwidth_mbit=bandwidth_mbit, latency_ms=latency_ms, step_seconds=step_seconds,
+                           speeds=speed_list)
+        if workers < 1 or (speed_list and len(speed_list) != workers):
+            raise ConfigError(f"--workers must be >= 1 and --speeds must list one speed per worker ({workers})")
+    except ConfigError as e:
+        _fail(str(e))
+    summary = run_simulation(job, workers, swarm=swarm_cfg, net=net)
+    p = summary["projection"]
+    typer.echo(f"{workers} workers, round {summary['round']}: held-out loss {summary['eval_loss']:.4f}, "
+               f"digest {summary['digest']}, {summary['bytes_sent'] / 1e6:.2f} MB sent, "
+               f"{summary['bits_per_param_sync']:.3f} bits/param/sync ({summary['wall_seconds']:.1f} s here)")
+    typer.echo(f"projected on {bandwidth_mbit:g} Mbit/s, {latency_ms:g} ms links at {summary['step_seconds']:.4f} s a "
+               f"step: wall {p['wall_seconds']:.1f} s, blocked {p['blocked_seconds']:.1f} s, "
+               f"compute utilization {p['min_utilization']:.1%} (slowest worker)")
+    if json_path:
+        json_path.write_text(json.dumps(summary, indent=2) + "\n")
 
 
 @app.command()

@@ -6,6 +6,7 @@ peer process or p2pd daemon survives it.
 
 from __future__ import annotations
 
+import json
 import os
 import secrets
 import signal
@@ -56,7 +57,8 @@ def test_three_peers_train_and_end_bit_identical(peers, compression):
 def test_two_runs_of_the_same_swarm_reach_the_same_state(tmp_path):
     """The global state depends on data and seeds only, not on the random peer ids that order a
     view: two independent 3-peer runs end with the same digest (fp32 on the wire: any change in
-    summation order would show in the bits)."""
+    summation order would show in the bits). One code path: `diloco simulate` with the same
+    settings (worker i on shard i, as peer i here) ends with that digest too."""
     digests = []
     for run in ("one", "two"):
         group = Peers(tmp_path / run, f"repro-{run}-{secrets.token_hex(2)}")
@@ -74,6 +76,11 @@ def test_two_runs_of_the_same_swarm_reach_the_same_state(tmp_path):
         assert len({f["digest"] for f in finals}) == 1
         digests.append(finals[0]["digest"])
     assert digests[0] == digests[1]
+    sim = subprocess.run([sys.executable, "-m", "diloco", "simulate", "--workers", "3", "--rounds", "3", "-H", "5",
+                          "--compression", "fp32", *TINY[:6], "--json", str(tmp_path / "sim.json")],
+                         capture_output=True, text=True, timeout=120)
+    assert sim.returncode == 0, sim.stderr
+    assert json.loads((tmp_path / "sim.json").read_text())["digests"] == [digests[0]]
 
 
 def _gone(p: psutil.Process) -> bool:

@@ -1,0 +1,85 @@
+"""`diloco simulate`: the projection model (pure), determinism, and the simulator as a real swarm.
+
+The simulated run equals a real swarm of hivemind peers bit for bit: see
+test_multiproc.py::test_two_runs_of_the_same_swarm_reach_the_same_state.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from diloco.config import ConfigError, SwarmConfig
+from diloco.simulate import NetworkModel, project, simulate
+from diloco.train import JobConfig, run_job
+
+TINY = JobConfig(rounds=2, inner_steps=4, d_model=32, n_layer=1, batch_size=4, eval_batches=1, corpus_bytes=1 << 20)
+
+
+# ---------------------------------------------------------------------- the projection (pure)
+
+
+def test_projection_is_the_closed_form_on_a_synthetic_run():
+    """4 rounds of 10 steps at 0.1 s, 1 MB out and 0.5 MB in per round on 8 Mbit/s, 10 ms links:
+    an exchange takes 4 × 10 ms + 1 MB × 8 / 8 Mbit/s = 1.04 s."""
+    net = NetworkModel(bandwidth_mbit=8, latency_ms=10, step_seconds=0.1)
+    rounds = [(1_000_000, 500_000)] * 4
+    plain = project(rounds, steps_per_round=10, overlap=0, workers=2, net=net, step_seconds=99.0)
+    assert plain.comm_seconds == pytest.approx(4 * 1.04)
+    assert plain.blocked_seconds == pytest.approx(4 * 1.04)  # nothing overlaps: every exchange blocks
+    assert plain.wall_seconds == pytest.approx(4 * (1.0 + 1.04))
+    assert plain.utilization == pytest.approx((4.0 / 8.16, 4.0 / 8.16))
+    # τ = 5 steps (0.5 s) hide half of each exchange; τ = 11 steps hide all of it
+    assert project(rounds, steps_per_round=10, overlap=5, workers=2, net=net, step_seconds=1).blocked_seconds == \
+        pytest.approx(4 * 0.54)
+    hidden = project(rounds, steps_per_round=10, overlap=11, workers=2, net=net, step_seconds=1)
+    assert hidden.blocked_seconds == 0 and hidden.utilization == pytest.approx((1.0, 1.0))
+
+
+def test_projection_moves_at_the_slowest_workers_pace():
+    net = NetworkModel(bandwidth_mbit=1000, latency_ms=0, step_seconds=0.1, speeds=(1.0, 0.5))
+    p = project([(0, 0)] * 3, steps_per_round=10, overlap=0, workers=2, net=net, step_seconds=1)
+    assert p.wall_seconds == pytest.approx(3 * 10 * 0.2)
+    assert p.utilization == pytest.approx((0.5, 1.0))  # the fast worker waits half the time
+
+
+def test_network_model_rejects_impossible_links():
+    for bad in (dict(bandwidth_mbit=0), dict(latency_ms=-1), dict(step_seconds=0), dict(speeds=(1.0, 0.0))):
+        with pytest.raises(ConfigError):
+            NetworkModel(**bad)
+    with pytest.raises(ConfigError, match="speeds lists 1 workers"):
+        project([(1, 1)], steps_per_round=1, overlap=0, workers=2, net=NetworkModel(speeds=(1.0,)), step_seconds=1)
+
+
+# ---------------------------------------------------------------------- the simulator
+
+
+@pytest.mark.swarm
+def test_simulation_is_deterministic_under_its_seed():
+    cfg = SwarmConfig(run_id="sim", compression="e3m0")
+    a = simulate(TINY, 3, swarm=cfg)
+    b = simulate(TINY, 3, swarm=cfg)
+    other = simulate(JobConfig(**{**TINY.__dict__, "seed": 1}), 3, swarm=cfg)
+    assert len(a["digests"]) == 1 and a["digests"] == b["digests"] != other["digests"]
+    assert a["round"] == TINY.rounds and a["bytes_sent"] > 0
+    assert 0 < a["projection"]["min_utilization"] <= 1
+
+
+@pytest.mark.swarm
+def test_one_simulated_worker_is_local_training():
+    """M=1 through the whole round protocol (fp32) ends where the wrapper without a swarm does."""
+    sim = simulate(TINY, 1, swarm=SwarmConfig(run_id="sim1", compression="fp32"))
+    local = run_job(JobConfig(**{**TINY.__dict__, "shard": 0}), None)
+    assert sim["digests"] == [local["digest"]]
+
+
+def test_simulate_cli_rejects_bad_flags_before_running():
+    for args, needle in ((["--workers", "2", "--speeds", "1,x"], "--speeds"),
+                         (["--workers", "2", "--speeds", "1,1,1"], "one speed per worker"),
+                         (["--bandwidth-mbit", "0"], "bandwidth_mbit"),
+                         (["-H", "10", "--fragments", "3"], "divisible")):
+        out = subprocess.run([sys.executable, "-m", "diloco", "simulate", *args], capture_output=True, text=True,
+                             timeout=60)
+        assert out.returncode == 2 and needle in out.stderr, (args, out.stderr)
