@@ -191,7 +191,7 @@ class Collective:
         asked = own | (set(rs.ready) - {self.me})
         await asyncio.gather(*(ask(p) for p in asked))
         self.faults.hit("gather", key.round)
-        late = self._late(key, replies)
+        late = self._late(key, replies, rs.named(self.me))
         if late is not None:
             rs.view = ()
             return late
@@ -216,7 +216,7 @@ class Collective:
         finally:
             for t in later:
                 t.cancel()
-        late = self._late(key, replies)
+        late = self._late(key, replies, rs.named(self.me))
         if late is not None:
             rs.view = ()
             return late
@@ -226,12 +226,14 @@ class Collective:
         return None
 
     @staticmethod
-    def _late(key: RoundKey, replies: dict[PeerId, dict[str, Any] | None]) -> RoundOutcome | None:
-        """A failed outcome if a reply shows that the round went on without us."""
+    def _late(key: RoundKey, replies: dict[PeerId, dict[str, Any] | None], named: set[PeerId]) -> RoundOutcome | None:
+        """A failed outcome if a reply shows that the round went on without us: anyone committed it, or
+        a peer we count on closed its view without us (one nobody expects closing without us is no news)."""
         committed = [p for p, r in replies.items() if r and r.get("committed")]
         if committed:  # someone already committed this round: running another attempt would fork the state
             return RoundOutcome(key, False, f"late: {_short(committed)} committed round {key.round} already")
-        closed_without_us = [p for p, r in replies.items() if r and r.get("closed") and not r.get("in_view")]
+        closed_without_us = [p for p, r in replies.items()
+                             if r and r.get("closed") and not r.get("in_view") and p in named]
         if closed_without_us:
             return RoundOutcome(key, False, f"late: {len(closed_without_us)} peer(s) closed round {key} without us")
         return None

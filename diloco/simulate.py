@@ -37,7 +37,7 @@ from diloco.peers import InProcBoard
 from .config import ConfigError, SwarmConfig
 from .metrics import MetricsWriter
 from .swarm import Swarm
-from .train import JobConfig, run_job
+from .train import JobConfig, load_corpus, run_job
 
 log = logging.getLogger(__name__)
 
@@ -134,12 +134,13 @@ def simulate(job: JobConfig, workers: int, *, swarm: SwarmConfig | None = None, 
     network, board, loop = InProcNetwork(), InProcBoard(), LoopThread()
     swarms = [Swarm.in_process(network, board, f"sim{i:03d}", scfg, loop) for i in range(workers)]
     rows = [_Rows() for _ in range(workers)]
+    corpus = load_corpus(job)  # one copy for all workers: they only read it
     finals: dict[int, dict[str, Any]] = {}
     errors: list[BaseException] = []
 
     def work(i: int) -> None:
         try:
-            finals[i] = run_job(replace(job, shard=i, wait_for=workers), swarms[i], metrics=rows[i])
+            finals[i] = run_job(replace(job, shard=i, wait_for=workers), swarms[i], metrics=rows[i], corpus=corpus)
         except BaseException as e:  # noqa: BLE001 - reported to the caller below
             errors.append(e)
 
@@ -162,6 +163,16 @@ def simulate(job: JobConfig, workers: int, *, swarm: SwarmConfig | None = None, 
     return summarize(job, [finals[i] for i in range(workers)], [r.rows for r in rows], net, wall)
 
 
+def step_seconds(finals: Sequence[dict[str, Any]], cores: int | None = None) -> float:
+    """An inner step's compute time on this machine, from the workers' own accounting (time outside the
+    wrapper's sync work, per step), scaled by the share of the cores each worker had: M workers took
+    turns on `cores` cores, so each one's steps took M/cores times as long as they would alone."""
+    share = min(len(finals), cores or os.cpu_count() or 1) / len(finals)
+    per_worker = [(u["wall_seconds"] - u["sync_seconds"]) / u["steps"] for u in (f["usage"] for f in finals)
+                  if u["steps"]]
+    return share * sum(per_worker) / len(per_worker) if per_worker else 0.0
+
+
 def summarize(job: JobConfig, finals: list[dict[str, Any]], rows: list[list[dict[str, Any]]], net: NetworkModel,
               wall: float) -> dict[str, Any]:
     """The simulation's summary from each worker's final record and round metrics."""
@@ -171,9 +182,7 @@ def summarize(job: JobConfig, finals: list[dict[str, Any]], rows: list[list[dict
             if r["event"] == "round" and r["committed"]:
                 s, v = rounds.get(r["round"], (0, 0))
                 rounds[r["round"]] = (max(s, r["bytes_sent"]), max(v, r["bytes_received"]))
-    steps = sum(f["steps"] for f in finals)
-    # the workers shared this machine's cores: a step of one worker alone took about this long
-    measured_step = max(1e-9, wall * min(len(finals), os.cpu_count() or 1) / max(1, steps))
+    measured_step = max(1e-9, step_seconds(finals))
     fragments = finals[0]["fragments"]
     projection = project([rounds[k] for k in sorted(rounds)], steps_per_round=job.inner_steps // fragments,
                          overlap=job.overlap, workers=len(finals), net=net, step_seconds=measured_step)

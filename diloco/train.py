@@ -120,13 +120,19 @@ class JobConfig:
                                alpha=self.alpha, outer_overlap=self.outer_overlap)
 
 
+def load_corpus(cfg: JobConfig) -> Corpus:
+    return Corpus.load(CorpusConfig(max_bytes=cfg.corpus_bytes, context=cfg.context))
+
+
 def run_job(cfg: JobConfig, swarm: Swarm | None, *, metrics: MetricsWriter | None = None,
-            status_path: str | os.PathLike[str] | None = None, stop: threading.Event | None = None) -> dict[str, Any]:
-    """Train until the global round reaches cfg.rounds (or `stop` is set); returns the final summary."""
+            status_path: str | os.PathLike[str] | None = None, stop: threading.Event | None = None,
+            corpus: Corpus | None = None) -> dict[str, Any]:
+    """Train until the global round reaches cfg.rounds (or `stop` is set); returns the final summary.
+    `corpus`: `load_corpus(cfg)` already loaded (workers in one process share it, read-only)."""
     stop = stop or threading.Event()
     metrics = metrics or MetricsWriter(None)
     torch.set_num_threads(cfg.threads)
-    corpus = Corpus.load(CorpusConfig(max_bytes=cfg.corpus_bytes, context=cfg.context))
+    corpus = corpus or load_corpus(cfg)
     model = build_model(GPTConfig(context=cfg.context, d_model=cfg.d_model, n_layer=cfg.n_layer), seed=cfg.seed)
     inner = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.1)
     peer = swarm.peer_id if swarm is not None else "local"

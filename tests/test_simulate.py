@@ -12,7 +12,7 @@ import sys
 import pytest
 
 from diloco.config import ConfigError, SwarmConfig
-from diloco.simulate import NetworkModel, project, simulate
+from diloco.simulate import NetworkModel, project, simulate, step_seconds
 from diloco.train import JobConfig, run_job
 
 TINY = JobConfig(rounds=2, inner_steps=4, d_model=32, n_layer=1, batch_size=4, eval_batches=1, corpus_bytes=1 << 20)
@@ -83,3 +83,11 @@ def test_simulate_cli_rejects_bad_flags_before_running():
         out = subprocess.run([sys.executable, "-m", "diloco", "simulate", *args], capture_output=True, text=True,
                              timeout=60)
         assert out.returncode == 2 and needle in out.stderr, (args, out.stderr)
+
+
+def test_step_time_is_compute_outside_sync_scaled_by_the_core_share():
+    finals = [{"usage": {"wall_seconds": 10.0, "sync_seconds": 2.0, "steps": 8}},
+              {"usage": {"wall_seconds": 12.0, "sync_seconds": 0.0, "steps": 8}}]
+    # each worker had one of two cores: no scaling; with one core, each ran half the time
+    assert step_seconds(finals, cores=2) == pytest.approx((1.0 + 1.5) / 2)
+    assert step_seconds(finals, cores=1) == pytest.approx((1.0 + 1.5) / 2 / 2)
