@@ -362,6 +362,42 @@ def bench_codecs_cmd(
                                         "torch": torch.__version__, "cores": os.cpu_count()})
 
 
+@bench_app.command("convergence")
+def bench_convergence_cmd(
+    workers: int = typer.Option(4, help="Workers (M) of every variant."),
+    steps: int = typer.Option(400, help="Inner steps per worker (the token budget); a multiple of 100."),
+    batch_size: int = typer.Option(8, help="Sequences per inner step per worker."),
+    d_model: int = typer.Option(192, help="Model width."),
+    layers: int = typer.Option(4, help="Transformer blocks."),
+    threads: int = typer.Option(1, help="torch CPU threads per worker (data-parallel: M times as many, up to the cores)."),
+    json_path: Optional[Path] = typer.Option(None, "--json", help="Write the results as JSON here."),
+) -> None:
+    """B1: held-out loss and bytes of DiLoCo variants against synchronous data-parallel training."""
+    import platform
+
+    import torch
+    from rich.console import Console
+
+    from .bench_convergence import VARIANTS, markdown_table, run, write_json
+    from .train import JobConfig
+
+    if workers < 1 or steps < 1 or steps % 100:
+        _fail(f"--workers must be >= 1 and --steps a positive multiple of 100 (H=50 and H=100), got {steps}")
+    try:
+        job = JobConfig(batch_size=batch_size, d_model=d_model, n_layer=layers, threads=threads)
+    except ConfigError as e:
+        _fail(str(e))
+    console = Console()
+    rows = run(job, workers, steps, VARIANTS, progress=lambda r: console.print(
+        f"{r['variant']:<36} held-out loss {r['eval_loss']:.4f}  {r['bytes_sent'] / 1e6:10.1f} MB  "
+        f"({r['wall_seconds']:.0f} s)", markup=False))
+    console.print(markdown_table(rows), markup=False)
+    if json_path:
+        write_json(rows, json_path, {"workers": workers, "steps": steps, "batch_size": batch_size, "d_model": d_model,
+                                     "layers": layers, "threads": threads, "torch": torch.__version__,
+                                     "machine": platform.machine(), "cores": os.cpu_count()})
+
+
 @bench_app.command("overlap")
 def bench_overlap_cmd(
     peers: int = typer.Option(2, help="Peers, each in its own network namespace."),

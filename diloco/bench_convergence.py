@@ -1,0 +1,119 @@
+"""B1, `diloco bench convergence`: DiLoCo variants against synchronous data-parallel training.
+
+Every variant trains the bundled GPT on the bundled corpus with M workers and the same token budget:
+`steps` inner steps of `batch_size` sequences per worker. The DiLoCo variants run through
+`diloco.simulate` (the real round protocol, codecs and outer optimizer; worker i on data shard i).
+The baseline is synchronous data-parallel training: one model, the same AdamW schedule, and each step
+one batch from every worker's shard, which is gradient averaging over M workers every step. Reported
+per variant: held-out loss of the global model, its gap to data-parallel, bytes on the wire, bits per
+parameter per synchronization, and the projected compute utilization on a 100 Mbit/s, 50 ms link.
+
+Data-parallel bytes are counted as a ring all-reduce of fp32 gradients every step: each worker sends
+2·(M−1)/M · 4 bytes per parameter per step (the cheapest exact all-reduce).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from .config import SwarmConfig
+from .corpus import BatchSampler, evaluate, heldout_batches
+from .model import GPTConfig, build_model
+from .simulate import NetworkModel, simulate
+from .train import JobConfig, load_corpus
+
+SPARSE = "topk:64/4096+s2+ef:0.95"  # 1.56% of each chunk, 2-bit values, error feedback (SparseLoCo's recipe)
+
+
+@dataclass(frozen=True)
+class Variant:
+    name: str
+    inner_steps: int = 50
+    compression: str = "fp32"
+    fragments: int = 1
+    overlap: int = 0
+    alpha: float = 0.0
+
+
+VARIANTS = (
+    Variant("DiLoCo H=50", 50),
+    Variant("DiLoCo H=100", 100),
+    Variant("Streaming P=2, τ=1, α=0.5, e3m0", 50, "e3m0", fragments=2, overlap=1, alpha=0.5),
+    Variant("Sparse top-k 1.6%, 2-bit, EF", 50, SPARSE),
+)
+
+
+def data_parallel(job: JobConfig, workers: int, steps: int) -> dict[str, Any]:
+    """The baseline: `steps` AdamW steps on one model, each on one batch from every worker's shard."""
+    torch.set_num_threads(min(job.threads * workers, os.cpu_count() or 1))  # it does the work of M workers
+    corpus = load_corpus(job)
+    model = build_model(GPTConfig(context=job.context, d_model=job.d_model, n_layer=job.n_layer), seed=job.seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=job.lr, betas=(0.9, 0.95), weight_decay=0.1)
+    samplers = [BatchSampler(corpus.train, batch_size=job.batch_size, context=job.context, seed=job.seed, shard=i,
+                             num_shards=100_000) for i in range(workers)]
+    heldout = heldout_batches(corpus.heldout, batch_size=16, context=job.context, max_batches=job.eval_batches)
+    started = time.monotonic()
+    for step in range(steps):
+        for group in opt.param_groups:
+            group["lr"] = job.lr * min(1.0, (step + 1) / max(1, job.warmup))
+        batches = [s.next() for s in samplers]
+        x, y = torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches])
+        _, loss = model(x, y)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    params = sum(p.numel() for p in model.parameters())
+    per_worker = 2 * (workers - 1) / workers * 4 * params * steps
+    return dict(variant="data-parallel", eval_loss=evaluate(model, heldout), params=params,
+                bytes_sent=int(per_worker * workers), bits_per_param_sync=32.0, syncs=steps,
+                wall_seconds=round(time.monotonic() - started, 1), projected_utilization=None)
+
+
+def run(job: JobConfig, workers: int, steps: int, variants: tuple[Variant, ...] = VARIANTS,
+        progress: Callable[[dict[str, Any]], None] = lambda r: None) -> list[dict[str, Any]]:
+    """Data-parallel first, then each variant on the same token budget; one result row each."""
+    rows = [data_parallel(job, workers, steps)]
+    progress(rows[0])
+    net = NetworkModel(bandwidth_mbit=100.0, latency_ms=50.0)
+    for v in variants:
+        if steps % v.inner_steps:
+            raise ValueError(f"--steps ({steps}) must be a multiple of H={v.inner_steps} ({v.name})")
+        cfg = replace(job, inner_steps=v.inner_steps, rounds=steps // v.inner_steps, fragments=v.fragments,
+                      overlap=v.overlap, alpha=v.alpha)
+        started = time.monotonic()
+        out = simulate(cfg, workers, swarm=SwarmConfig(run_id="bench-convergence", compression=v.compression), net=net)
+        rows.append(dict(variant=v.name, eval_loss=out["eval_loss"], params=out["params"], bytes_sent=out["bytes_sent"],
+                         bits_per_param_sync=out["bits_per_param_sync"], syncs=cfg.rounds,
+                         wall_seconds=round(time.monotonic() - started, 1),
+                         projected_utilization=out["projection"]["min_utilization"], digests=out["digests"]))
+        progress(rows[-1])
+    base = rows[0]
+    for r in rows:
+        r["loss_gap"] = r["eval_loss"] / base["eval_loss"] - 1
+        r["bytes_ratio"] = base["bytes_sent"] / r["bytes_sent"] if r["bytes_sent"] else None
+    return rows
+
+
+def markdown_table(rows: list[dict[str, Any]]) -> str:
+    lines = ["| variant | held-out loss | gap to DP | bytes sent (all workers) | fewer bytes than DP | "
+             "bits/param/sync | syncs | projected utilization (100 Mbit/s, 50 ms) |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        util = "-" if r["projected_utilization"] is None else f"{r['projected_utilization']:.1%}"
+        ratio = "-" if r["variant"] == "data-parallel" or not r["bytes_ratio"] else f"{r['bytes_ratio']:,.0f}×"
+        lines.append(f"| {r['variant']} | {r['eval_loss']:.4f} | {r['loss_gap']:+.2%} | {r['bytes_sent'] / 1e6:,.1f} MB | "
+                     f"{ratio} | {r['bits_per_param_sync']:.3f} | {r['syncs']} | {util} |")
+    return "\n".join(lines)
+
+
+def write_json(rows: list[dict[str, Any]], path: Path, setup: dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"setup": setup, "results": rows}, indent=2) + "\n")

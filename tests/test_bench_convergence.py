@@ -1,0 +1,38 @@
+"""B1 `diloco bench convergence` on a tiny budget: the rows, the baseline's byte count, the gaps."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from diloco.bench_convergence import SPARSE, Variant, markdown_table, run
+from diloco.train import JobConfig
+
+pytestmark = pytest.mark.swarm
+
+
+def test_variants_against_data_parallel_on_equal_tokens():
+    job = JobConfig(d_model=32, n_layer=2, batch_size=4, eval_batches=2, corpus_bytes=1 << 20)
+    rows = run(job, 2, 8, (Variant("plain", 4), Variant("sparse", 8, SPARSE)))
+    dp, plain, sparse = rows
+    assert [r["variant"] for r in rows] == ["data-parallel", "plain", "sparse"]
+    # ring all-reduce of fp32 gradients every step: 2·(M−1)/M · 4 bytes per parameter per worker
+    assert dp["bytes_sent"] == 2 * (2 - 1) / 2 * 4 * dp["params"] * 8 * 2
+    assert dp["eval_loss"] < 5.5 and dp["loss_gap"] == 0  # it trained (untrained: ln 256 ≈ 5.55)
+    assert (plain["syncs"], sparse["syncs"]) == (2, 1)
+    assert plain["bits_per_param_sync"] == 32.0 and sparse["bits_per_param_sync"] < 0.25
+    for r in (plain, sparse):
+        assert len(r["digests"]) == 1
+        assert r["loss_gap"] == pytest.approx(r["eval_loss"] / dp["eval_loss"] - 1)
+        assert r["bytes_ratio"] == pytest.approx(dp["bytes_sent"] / r["bytes_sent"]) and r["bytes_ratio"] > 1
+        assert 0 < r["projected_utilization"] <= 1
+    table = markdown_table(rows)
+    assert table.count("\n") == 4 and "| sparse |" in table
+
+
+def test_cli_wants_a_budget_that_both_h_divide():
+    out = subprocess.run([sys.executable, "-m", "diloco", "bench", "convergence", "--steps", "150"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "multiple of 100" in out.stderr, out.stderr
