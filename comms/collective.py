@@ -172,12 +172,13 @@ class Collective:
         carries whom its sender expects; we ask and wait for those too (`RoundState.named`)."""
         rs.ready[self.me] = digest
         rs.expected = tuple(others)
-        own = set(others)
+        rs.wait_for = frozenset(wait_for) if wait_for is not None else None
         replies: dict[PeerId, dict[str, Any] | None] = {}
 
         async def ask(p: PeerId) -> None:
             frame = msg.encode(msg.READY, run=self.run_id, sender=self.me, schema=self.schema, key=key,
-                               fragment=rs.fragment, meta={"digest": digest}, body=msg.pack_names(rs.named(self.me)))
+                               fragment=rs.fragment, meta={"digest": digest},
+                               body=msg.pack_names(rs.named(self.me), rs.waited(self.me)))
             r = replies[p] = await self._call(p, "diloco.ready", frame)
             ready = r.get("ready") if r else None
             if r and r.get("closed") and r.get("in_view"):
@@ -185,10 +186,11 @@ class Collective:
             if isinstance(ready, str) and len(ready) <= 128:
                 rs.ready.setdefault(p, ready)
                 rs.lists.setdefault(p, r.get("expect", frozenset()) if r else frozenset())
+                rs.waits.setdefault(p, r.get("waits", frozenset()) if r else frozenset())
             rs.changed.set()
 
         # everyone we expect, and whoever told us already that it is ready for this key
-        asked = own | (set(rs.ready) - {self.me})
+        asked = set(others) | (set(rs.ready) - {self.me})
         await asyncio.gather(*(ask(p) for p in asked))
         self.faults.hit("gather", key.round)
         late = self._late(key, replies, rs.named(self.me))
@@ -204,10 +206,9 @@ class Collective:
             for p in named - asked:
                 asked.add(p)
                 later.append(asyncio.create_task(ask(p)))
-            # stragglers (our own expected peers outside `wait_for`) are not waited for; peers named by
-            # others are: the peer that named them waits for them too
-            return all(p in rs.ready for p in named if replies.get(p, {}) is not None
-                       and (everyone or wait_for is None or p in wait_for or p not in own))
+            # stragglers (ours, or those of the peers that named a peer to us) get only the grace
+            waited = named if everyone else rs.waited(self.me)
+            return all(p in rs.ready for p in waited if replies.get(p, {}) is not None)
 
         try:
             await self._wait(rs, lambda: closed(False), time.monotonic() + self.cfg.gather_timeout)
@@ -314,17 +315,20 @@ class Collective:
                 return msg.ack(run=self.run_id, sender=self.me, closed=True, in_view=False, committed=True)
             if key < self._floor:  # a round we already finished: tell the late peer at once
                 return msg.ack(run=self.run_id, sender=self.me, closed=True, in_view=False)
-            expects = msg.unpack_names(body)
+            expects, waits = msg.unpack_names(body)
             rs = self._accepting(key)
-            names = rs.named(self.me) if rs.expected is not None else ()
+            names = rs.named(self.me) if rs.expected is not None else set()
+            waited = rs.waited(self.me) if rs.expected is not None else set()
             if rs.view is not None:
-                return msg.ack(run=self.run_id, sender=self.me, closed=True, in_view=caller in rs.view, names=names)
+                return msg.ack(run=self.run_id, sender=self.me, closed=True, in_view=caller in rs.view, names=names,
+                               waited=waited)
             rs.ready[caller] = digest
-            rs.lists[caller] = expects
+            rs.lists[caller], rs.waits[caller] = expects, waits
             rs.changed.set()
             mine: dict[str, Any] = {"ready": rs.ready[self.me]} if self.me in rs.ready else {}
             # we are ready for this key too: say so (see _gather)
-            return msg.ack(run=self.run_id, sender=self.me, closed=False, in_view=False, names=names, **mine)
+            return msg.ack(run=self.run_id, sender=self.me, closed=False, in_view=False, names=names, waited=waited,
+                           **mine)
         except PayloadRejected as e:
             return self._reject(caller, e)
 

@@ -14,7 +14,7 @@ field is used; the caller's libp2p-authenticated peer id must equal the frame's 
 from __future__ import annotations
 
 import struct
-from typing import Any, Iterable
+from typing import Any, Collection, Iterable
 
 from diloco.compression import Header, PayloadRejected, Reason, pack, unpack
 
@@ -74,34 +74,39 @@ def decode(
 
 
 def ack(*, run: str, sender: PeerId, ok: bool = True, reason: str = "", names: Iterable[PeerId] = (),
-        **meta: Any) -> bytes:
-    return encode(ACK, run=run, sender=sender, meta={"ok": ok, "reason": reason, **meta}, body=pack_names(names))
+        waited: Collection[PeerId] = (), **meta: Any) -> bytes:
+    return encode(ACK, run=run, sender=sender, meta={"ok": ok, "reason": reason, **meta},
+                  body=pack_names(names, waited))
 
 
 def read_ack(data: bytes, *, run: str, caller: PeerId) -> dict[str, Any]:
-    """The reply's meta; peer ids in its body, if any, under "expect"."""
+    """The reply's meta; peer ids in its body, if any, under "expect" and "waits" (see `unpack_names`)."""
     header, body, _ = decode(data, run=run, kind=ACK, caller=caller, max_body=MAX_NAMES_BYTES)
     meta: dict[str, Any] = dict(header.meta)
     if body:
-        meta["expect"] = unpack_names(body)
+        meta["expect"], meta["waits"] = unpack_names(body)
     return meta
 
 
-def pack_names(names: Iterable[PeerId]) -> bytes:
-    """Peer ids (whom the sender of a ready message, or of its reply, expects in the round), one a line."""
-    return "\n".join(sorted(names)).encode()
+def pack_names(names: Iterable[PeerId], waited: Collection[PeerId]) -> bytes:
+    """Peer ids the sender of a ready message (or of its reply) expects in the round, one a line;
+    "~" marks one it asks but does not wait for (a straggler)."""
+    return "\n".join(p if p in waited else "~" + p for p in sorted(names)).encode()
 
 
-def unpack_names(body: memoryview) -> frozenset[PeerId]:
+def unpack_names(body: memoryview) -> tuple[frozenset[PeerId], frozenset[PeerId]]:
+    """(every id named, the ids its sender waits for)."""
     if not body:
-        return frozenset()
+        return frozenset(), frozenset()
     try:
-        names = bytes(body).decode("utf-8").split("\n")
+        lines = bytes(body).decode("utf-8").split("\n")
     except UnicodeDecodeError:
         raise PayloadRejected(Reason.BAD_HEADER, "peer list is not UTF-8") from None
+    names = [line.removeprefix("~") for line in lines]
     if len(names) > MAX_NAMES or not all(0 < len(p) <= 128 for p in names):
         raise PayloadRejected(Reason.BAD_HEADER, f"peer list needs 1 to {MAX_NAMES} ids of 1 to 128 characters")
-    return frozenset(PeerId(p) for p in names)
+    waits = [line for line in lines if not line.startswith("~")]
+    return frozenset(PeerId(p) for p in names), frozenset(PeerId(p) for p in waits)
 
 
 _BUNDLE_HEAD = struct.Struct("<H")

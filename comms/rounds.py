@@ -76,7 +76,10 @@ class RoundState:
     ready: dict[PeerId, str] = field(default_factory=dict)
     lists: dict[PeerId, frozenset[PeerId]] = field(default_factory=dict)
     """Whom each ready peer told us it expects in this round."""
+    waits: dict[PeerId, frozenset[PeerId]] = field(default_factory=dict)
+    """Whom of those it waits for (the rest are its stragglers: asked, given a short grace)."""
     expected: tuple[PeerId, ...] | None = None  # whom we expect (from our records), once we run the round
+    wait_for: frozenset[PeerId] | None = None  # whom of those we wait for (None: all)
     view: tuple[PeerId, ...] | None = None  # set when this peer closes its gather
     vid: str = ""  # the view's id, set with `view`
     fragment: int = 0  # model fragment of this round (set when we run it)
@@ -97,6 +100,13 @@ class RoundState:
                 out.add(p)
                 todo.extend(q for q in self.lists.get(p, ()) if q != me and q not in out)
         return out
+
+    def waited(self, me: PeerId) -> set[PeerId]:
+        """Whom we wait for: the expected peers in `wait_for`, and peers we learned of that a named peer
+        waits for (one that every peer naming it treats as a straggler gets only the grace)."""
+        named, own = self.named(me), set(self.expected or ())
+        out = {p for p in named & own if self.wait_for is None or p in self.wait_for}
+        return out | {q for p in named for q in self.waits.get(p, ()) if q in named and q not in own}
 
     def views_buffered(self) -> set[str]:
         return {v for v, _ in self.contribs} | {v for v, _ in self.results}

@@ -230,6 +230,10 @@ class Swarm:
             records = await self._read_records()
             key = round_key_for(records, rnd, attempt)
             expected = expected_peers(records, key, self.peer_id)
+            # a straggler or last-round member that is catching up shows as joining for a moment: ask it
+            # too (a ready from a peer nobody asked is left out), but give it only the stragglers' grace
+            known = set(skip) | set(previous or ())
+            resyncing = [r.peer for r in records if r.status == "joining" and r.peer in known and r.peer != self.peer_id]
             left = departed(records, rnd)
             prev = previous if self.cfg.majority else None
 
@@ -238,9 +242,9 @@ class Swarm:
 
             # Stragglers (members the last round went on without) are still asked, and taken in if they
             # are ready in time, but not waited for: a slow peer costs the others one gather timeout, once.
-            wait_for = None if not skip else {p for p in expected if p not in skip}
-            return await self.collective.run_round(key, digest, expected, delta, fragment=fragment, admit=admit,
-                                                   wait_for=wait_for)
+            wait_for = None if not skip and not resyncing else {p for p in expected if p not in skip}
+            return await self.collective.run_round(key, digest, sorted({*expected, *resyncing}), delta,
+                                                   fragment=fragment, admit=admit, wait_for=wait_for)
 
         return self.loop.submit(go())
 

@@ -309,6 +309,13 @@ def test_named_peers_are_those_we_expect_and_whom_they_expect():
     assert rs.named("me") == set()  # we have not started the round: we expect nobody yet
     rs.expected = ("b", "me")
     assert rs.named("me") == {"b", "c", "d"}  # x told us whom it expects, but nobody expects x
+    # we wait for b; of the peers we learned of, for those a named peer waits for (c's d), not for its
+    # stragglers (b asks c but does not wait for it: c gets only the grace from us too)
+    rs.waits = {"b": frozenset({"me"}), "c": frozenset({"d"})}
+    assert rs.waited("me") == {"b", "d"}
+    rs.wait_for = frozenset()  # b is our straggler
+    assert rs.waited("me") == {"d"}
+    assert msg.unpack_names(memoryview(msg.pack_names({"b", "c"}, {"b"}))) == ({"b", "c"}, {"b"})
 
 
 def test_views_agree_when_only_some_records_show_a_newcomer():
