@@ -4,7 +4,8 @@ Every member holds a flat fp32 pseudo-gradient Δ of the same length. A round ru
 
 1. **Gather.** Each member tells every peer it expects that it is ready (`ready`, carrying the
    digest of its global state and the peers it expects) and waits until all of them are ready
-   too, or until `gather_timeout`; a peer that an expected peer expects is expected too. The
+   too, or until `gather_timeout`; a peer that an expected peer expects is asked too, and waited
+   for if that peer waits for it (stragglers get a tenth of the timeout as grace). The
    round's *view* is the sorted set of ready, expected members with the same digest. So members
    whose records disagree about a newcomer still close the same view, and a peer nobody expects
    yet is left out by everyone. A peer that learns that others closed the round without it gives
