@@ -114,8 +114,11 @@ def test_sigkill_mid_round_survivors_commit_next_round(peers, phase):
         assert peers.wait(p, 90) == 0, peers.log(i)
     after = [r for r in peers.lines(0, "round") if r["time"] > killed_at and r["committed"]]
     assert after, "survivors never committed after the kill"
-    first_commit = after[0]
-    assert first_commit["peers"] == 2
+    if phase in ("gather", "encode", "reduce"):  # the victim's span had no result: that round cannot commit
+        assert after[0]["peers"] == 2, after[0]
+    # at send or apply the victim's span result may be out already: that round commits with all three
+    first_commit = next((r for r in after if r["peers"] == 2), None)
+    assert first_commit is not None, after
     # deadline: the interrupted round is abandoned within --round-timeout (6 s) after it started,
     # then the next round commits at once; 5 H=5 steps of the tiny model take well under a second.
     assert first_commit["time"] - killed_at < 6 + 5, first_commit
