@@ -468,7 +468,6 @@ class DiLoCo:
         assert self.swarm is not None
         log.info("event=resync peer=%s reason=%s", source.peer, why)
         self._publish("joining")
-        moved_on = False
         try:
             rnd, digest, body, info = self.swarm.fetch_state(source.peer)
             fresh = GlobalState(self.state.params, self._outer_factory)
@@ -476,14 +475,12 @@ class DiLoCo:
             if fresh.digest() != digest:
                 raise StateError(f"state bytes hash to {fresh.digest()}, not to the {digest} served with them")
             if digest != source.digest:
-                moved_on = rnd > source.round
                 if not any(r.peer != source.peer and (r.round, r.digest) == (rnd, digest) for r in self.swarm.records()):
                     raise StateError(f"served state {digest} (round {rnd}) is not what {source.peer} advertised "
                                      f"({source.digest}, round {source.round}) and no other peer holds it")
         except (SwarmError, StateError) as e:
             log.warning("event=resync_failed peer=%s reason=%s", source.peer, e)
-            if not moved_on:  # a source that merely moved on is honest; one that failed verification is tried last
-                self._bad_sources.append(source.peer)
+            self._bad_sources.append(source.peer)  # next time, another holder of that state first
             self.resync_failures += 1
             self._publish("training")
             return False
