@@ -38,6 +38,7 @@ touched (the local progress carries Δ); after a resync it is kept as it was.
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import copy
 import logging
@@ -55,7 +56,7 @@ from torch.utils.hooks import RemovableHandle
 from diloco.comms import PeerId, RoundKey, RoundOutcome
 from diloco.compression.ef import ErrorFeedback
 from diloco.compression.pipeline import Pipeline, parse
-from diloco.peers import resync_source, stragglers
+from diloco.peers import resync_source, stragglers, vouched
 from diloco.peers.records import PeerRecord
 
 from . import persist
@@ -177,6 +178,8 @@ class DiLoCo:
         # while it serializes that state for a peer catching up: neither sees a half-applied step.
         self._state_lock = threading.Lock()
         self._digest = ""
+        self._recent: collections.deque[tuple[int, str]] = collections.deque(maxlen=4)
+        """The last (round, digest) states we held, published with our record (`PeerRecord.recent`)."""
         self._state_changed()
 
     # ------------------------------------------------------------------ attaching to the loop
@@ -463,21 +466,19 @@ class DiLoCo:
 
     def _resync(self, source: PeerRecord, why: str) -> bool:
         """Download global state from `source`, verify it, adopt it. Verified: its bytes hash to the digest
-        that the source advertised, or (the source committed more rounds since its record was read) to
-        a digest that another peer advertises for the round served."""
+        served with them, and the peers' records vouch for that (round, digest) (`_check_vouched`)."""
         assert self.swarm is not None
         log.info("event=resync peer=%s reason=%s", source.peer, why)
         self._publish("joining")
         try:
             rnd, digest, body, info = self.swarm.fetch_state(source.peer)
+            if rnd < source.round:
+                raise StateError(f"served round {rnd} is older than the round {source.round} its record advertises")
             fresh = GlobalState(self.state.params, self._outer_factory)
             fresh.load_bytes(body)
             if fresh.digest() != digest:
                 raise StateError(f"state bytes hash to {fresh.digest()}, not to the {digest} served with them")
-            if digest != source.digest:
-                if not any(r.peer != source.peer and (r.round, r.digest) == (rnd, digest) for r in self.swarm.records()):
-                    raise StateError(f"served state {digest} (round {rnd}) is not what {source.peer} advertised "
-                                     f"({source.digest}, round {source.round}) and no other peer holds it")
+            self._check_vouched(rnd, digest)
         except (SwarmError, StateError) as e:
             log.warning("event=resync_failed peer=%s reason=%s", source.peer, e)
             self._bad_sources.append(source.peer)  # next time, another holder of that state first
@@ -501,6 +502,20 @@ class DiLoCo:
         copy_into(self.local_params, self.state.params)
         self._publish("training")
         return True
+
+    def _check_vouched(self, rnd: int, digest: str) -> None:
+        """Raise StateError unless the peers' records vouch for the served state (`peers.vouched`). The
+        server may have committed since we read its record; if no record shows that round yet, the
+        others are about to publish it: read again for up to `call_timeout`."""
+        assert self.swarm is not None
+        deadline = time.monotonic() + self.swarm.cfg.call_timeout
+        while True:
+            ok, why = vouched(self.swarm.records(), self.swarm.peer_id, rnd, digest)
+            if ok:
+                return
+            if ok is False or time.monotonic() >= deadline:
+                raise StateError(f"served state {digest} (round {rnd}) is not the swarm's: {why}")
+            time.sleep(0.05)
 
     # ------------------------------------------------------------------ checkpoints
 
@@ -564,6 +579,9 @@ class DiLoCo:
         to peers catching up are rebuilt only when one asks."""
         self._digest = self.state.digest()
         self._snapshot = None
+        while self._recent and self._recent[-1][0] >= self.state.round:
+            self._recent.pop()  # one state per round: a state replaced at its round (resync) is not ours
+        self._recent.append((self.state.round, self._digest))
 
     @property
     def round(self) -> int:
@@ -589,7 +607,7 @@ class DiLoCo:
     def _publish(self, status: str, now: bool = True) -> None:
         if self.swarm is not None:
             self.swarm.update(now=now, status=status, round=self.state.round, attempt=self.attempt,
-                              digest=self.digest, step=self.steps, loss=self.loss)
+                              digest=self.digest, step=self.steps, loss=self.loss, recent=tuple(self._recent))
 
     def bytes_on_wire(self) -> tuple[int, int]:
         """(sent, received) bytes of this peer so far, every message included."""

@@ -6,6 +6,7 @@ is unit-tested deterministically.
 - `expected_peers`: whom a ready peer waits for in the gather of a round.
 - `round_key_for`: which attempt of our round to run, so that peers at the same round agree.
 - `resync_source`: whether our global state is outdated or in the minority, and whom to copy.
+- `vouched`: whether a state another peer served us is the one the swarm advertises.
 - `departed`: who left for good at or before our round (no longer counted by `quorum`).
 - `quorum`: whether a round's view may commit: enough peers, and a majority of the last round's
   members, so that at most one side of a partition makes progress.
@@ -68,6 +69,31 @@ def resync_source(
     if newest > my_round:
         return source, f"swarm is at round {newest}, we are at {my_round}"
     return source, f"our digest {my_digest} is in the minority at round {my_round} ({votes[best]} peers hold {best})"
+
+
+def vouched(records: Sequence[PeerRecord], me: PeerId, rnd: int, digest: str) -> tuple[bool | None, str]:
+    """Is the state (round `rnd`, `digest`) that a peer served us the swarm's? (verdict, reason).
+
+    Every other peer's record votes with the digest it advertises for round `rnd`, now or among its
+    `recent` states (the server's own record included: the state may have moved on after we chose the
+    server, so the record read then can show an older round). True when `digest` has more votes than
+    any other digest for that round; False when another digest has at least as many (a tampered or
+    forked state); None when no record shows round `rnd` yet (the others have not committed or
+    published it: ask again shortly).
+    """
+    votes: Counter[str] = Counter()
+    for r in records:
+        if r.peer == me:
+            continue
+        held = {d for n, d in ((r.round, r.digest), *r.recent) if n == rnd and d}
+        votes.update(held)
+    if not votes:
+        return None, f"no peer advertises round {rnd} yet"
+    rival = max((n for d, n in votes.items() if d != digest), default=0)
+    if votes[digest] > rival:
+        return True, f"{votes[digest]} peers advertise {digest} for round {rnd}"
+    return False, (f"{votes[digest]} peers advertise {digest} for round {rnd} but {rival} advertise "
+                   f"{max((d for d in votes if d != digest), key=lambda d: votes[d])}")
 
 
 def departed(records: Sequence[PeerRecord], my_round: int) -> list[PeerId]:

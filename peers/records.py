@@ -45,11 +45,33 @@ class PeerRecord:
     """Multiaddresses others can dial."""
     beat: float = 0.0
     """Unix time of the heartbeat that published this record (the peer's clock)."""
+    recent: tuple[tuple[int, str], ...] = ()
+    """The last few (round, digest) states this peer held, newest last: a peer catching up can check a
+    state that moved on after it read this record (`peers.membership.vouched`)."""
 
     def to_wire(self) -> dict[str, Any]:
         out = asdict(self)
         out["addrs"] = list(self.addrs)
+        out["recent"] = [list(x) for x in self.recent]
         return out
+
+
+MAX_RECENT = 8  # longest `recent` accepted from the network
+
+
+def _parse_recent(value: Any) -> tuple[tuple[int, str], ...] | None:
+    if not isinstance(value, list) or len(value) > MAX_RECENT:
+        return None
+    out = []
+    for item in value:
+        if not (isinstance(item, (list, tuple)) and len(item) == 2):
+            return None
+        rnd, digest = item
+        if not (isinstance(rnd, int) and not isinstance(rnd, bool) and rnd >= 0 and isinstance(digest, str)
+                and 0 < len(digest) <= 64):
+            return None
+        out.append((rnd, digest))
+    return tuple(out)
 
 
 def parse_record(peer: str, value: Any) -> PeerRecord | None:
@@ -60,6 +82,7 @@ def parse_record(peer: str, value: Any) -> PeerRecord | None:
         status, rnd, attempt = value["status"], value["round"], value.get("attempt", 0)
         digest, step, loss = value.get("digest", ""), value.get("step", 0), value.get("loss")
         addrs, beat = value.get("addrs", []), value.get("beat", 0.0)
+        recent = _parse_recent(value.get("recent", []))
     except (KeyError, TypeError):
         return None
     ints_ok = all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in (rnd, attempt, step))
@@ -67,12 +90,13 @@ def parse_record(peer: str, value: Any) -> PeerRecord | None:
     addrs_ok = isinstance(addrs, list) and len(addrs) <= 16 and all(isinstance(a, str) and len(a) < 512 for a in addrs)
     beat_ok = isinstance(beat, (int, float)) and not isinstance(beat, bool) and math.isfinite(beat) and beat >= 0
     if not (status in STATUSES and ints_ok and loss_ok and addrs_ok and beat_ok and isinstance(digest, str)
-            and len(digest) <= 64):
+            and len(digest) <= 64 and recent is not None):
         return None
     if value.get("peer", peer) != peer:
         return None
     return PeerRecord(peer=PeerId(peer), status=status, round=rnd, attempt=attempt, digest=digest,
-                      step=step, loss=None if loss is None else float(loss), addrs=tuple(addrs), beat=float(beat))
+                      step=step, loss=None if loss is None else float(loss), addrs=tuple(addrs), beat=float(beat),
+                      recent=recent)
 
 
 class Directory(Protocol):

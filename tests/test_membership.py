@@ -12,14 +12,23 @@ from hypothesis import strategies as st
 
 from diloco.comms import RoundKey, span_bounds, view_id
 from diloco.comms.spans import make_view
-from diloco.peers import InProcBoard, PeerRecord, expected_peers, parse_record, resync_source, round_key_for
+from diloco.peers import (
+    InProcBoard,
+    PeerRecord,
+    expected_peers,
+    parse_record,
+    resync_source,
+    round_key_for,
+    vouched,
+)
 from diloco.peers import records as records_mod
 
 pytestmark = pytest.mark.unit
 
 
-def rec(peer: str, rnd: int = 0, *, status: str = "training", attempt: int = 0, digest: str = "d0") -> PeerRecord:
-    return PeerRecord(peer=peer, status=status, round=rnd, attempt=attempt, digest=digest)
+def rec(peer: str, rnd: int = 0, *, status: str = "training", attempt: int = 0, digest: str = "d0",
+        recent: tuple[tuple[int, str], ...] = ()) -> PeerRecord:
+    return PeerRecord(peer=peer, status=status, round=rnd, attempt=attempt, digest=digest, recent=recent)
 
 
 # ---------------------------------------------------------------------- expected_peers
@@ -134,13 +143,13 @@ def test_resync_ignores_our_own_record():
 
 
 VALID = {"peer": "p1", "status": "training", "round": 3, "attempt": 1, "digest": "abcd", "step": 40,
-         "loss": 0.5, "addrs": ["/ip4/1.2.3.4/tcp/5/p2p/Qm"]}
+         "loss": 0.5, "addrs": ["/ip4/1.2.3.4/tcp/5/p2p/Qm"], "recent": [[2, "ab"], [3, "abcd"]]}
 
 
 def test_parse_record_accepts_valid_and_round_trips_to_wire():
     r = parse_record("p1", dict(VALID))
     assert r == PeerRecord(peer="p1", status="training", round=3, attempt=1, digest="abcd", step=40, loss=0.5,
-                           addrs=("/ip4/1.2.3.4/tcp/5/p2p/Qm",))
+                           addrs=("/ip4/1.2.3.4/tcp/5/p2p/Qm",), recent=((2, "ab"), (3, "abcd")))
     assert parse_record("p1", r.to_wire()) == r
 
 
@@ -175,6 +184,13 @@ BAD_VALUES = {
     "addr not str": {**VALID, "addrs": [1]},
     "addr too long": {**VALID, "addrs": ["/" + "a" * 600]},
     "peer mismatch": {**VALID, "peer": "someone-else"},
+    "recent not a list": {**VALID, "recent": "3:abcd"},
+    "recent too long": {**VALID, "recent": [[i, "d"] for i in range(9)]},
+    "recent item not a pair": {**VALID, "recent": [[3, "abcd", 1]]},
+    "recent negative round": {**VALID, "recent": [[-1, "abcd"]]},
+    "recent bool round": {**VALID, "recent": [[True, "abcd"]]},
+    "recent empty digest": {**VALID, "recent": [[3, ""]]},
+    "recent digest too long": {**VALID, "recent": [[3, "x" * 65]]},
 }
 
 
@@ -295,3 +311,30 @@ def test_a_source_that_served_bad_state_is_tried_last():
     assert resync_source(records, "me", 1, "old")[0].peer == "a"
     assert resync_source(records, "me", 1, "old", exclude=["a"])[0].peer == "b"
     assert resync_source(records, "me", 1, "old", exclude=["a", "b"])[0].peer == "a"  # nobody else has it
+
+
+# ---------------------------------------------------------------------- vouched
+
+
+def test_a_served_state_is_vouched_for_by_the_records_that_advertise_its_round():
+    a = rec("a", 7, digest="d7", recent=((5, "d5"), (6, "d6"), (7, "d7")))
+    b = rec("b", 6, digest="d6")
+    assert vouched([a, b], "me", 7, "d7")[0] is True  # the server's record, read after it moved on
+    assert vouched([a, b], "me", 6, "d6")[0] is True  # an older state still in a's recent, and b's current
+    assert vouched([rec("me", 8, digest="x", recent=((8, "x"),)), b], "me", 8, "x")[0] is None  # ours: no vote
+    ok, why = vouched([b], "me", 7, "d7")
+    assert ok is None and "round 7" in why  # nobody has published round 7 yet: ask again
+
+
+def test_a_state_other_peers_contradict_is_refused():
+    honest = [rec(p, 4, digest="good", recent=((4, "good"),)) for p in "ab"]
+    liar = rec("c", 9, digest="other", recent=((4, "forged"), (9, "other")))
+    ok, why = vouched([*honest, liar], "me", 4, "forged")
+    assert ok is False and "2 advertise good" in why
+    assert vouched([rec("a", 4, digest="x"), rec("b", 4, digest="y")], "me", 4, "x")[0] is False  # a tie is no proof
+    assert vouched([*honest, liar], "me", 4, "good")[0] is True
+
+
+def test_a_peer_votes_once_per_digest_however_often_its_record_lists_it():
+    a = rec("a", 3, digest="x", recent=((3, "x"),))
+    assert vouched([a, rec("b", 3, digest="y")], "me", 3, "y")[0] is False

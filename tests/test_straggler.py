@@ -43,7 +43,11 @@ def test_a_straggler_costs_one_deadline_then_rejoins_when_healthy():
     swarms = [diloco.Swarm.in_process(net, board, f"peer{i}", cfg, loop) for i in range(3)]
     base = _mlp(21)
     start = threading.Barrier(3, timeout=10)
-    sick, fast_done = threading.Event(), threading.Event()
+    sick = threading.Event()
+    # The last round is set by peer0 once the straggler is back in a round after it healed (or at
+    # round 40, which fails the test): how many fast rounds its slow steps span depends on the machine.
+    # Set a few rounds ahead of peer0, it is still ahead of every peer, so all stop at the same round.
+    last: list[int] = []
     out: dict[int, DiLoCo] = {}
 
     def peer(i: int):
@@ -53,13 +57,15 @@ def test_a_straggler_costs_one_deadline_then_rejoins_when_healthy():
             data = _batches(i, 32)
             with DiLoCo(model, opt, swarm=swarms[i], inner_steps=H) as d:
                 start.wait()
-                k, deadline = 0, time.monotonic() + 40
-                target = 16
-                while d.round < target and time.monotonic() < deadline:
+                k, deadline = 0, time.monotonic() + 60
+                while (not last or d.round < last[0]) and time.monotonic() < deadline:
                     if i == 0 and d.round == 3:
                         sick.set()  # from round 3 on, peer 2 is slow ...
                     if i == 0 and d.round == 10:
                         sick.clear()  # ... until round 10
+                    if i == 0 and not last and d.round >= 16 and (
+                            d.round >= 40 or any(r.committed and r.peers == 3 and r.round > 10 for r in d.reports)):
+                        last.append(d.round + 3)
                     if i == 2 and sick.is_set():
                         time.sleep(0.6)  # 3 steps of 0.6 s: far more than a fast round, beyond the deadline
                     elif i != 2:
@@ -79,9 +85,11 @@ def test_a_straggler_costs_one_deadline_then_rejoins_when_healthy():
             s.close()
         loop.stop()
     fast = out[0].reports
-    assert out[0].round == 16 and len({out[0].digest, out[1].digest, out[2].digest}) == 1
+    assert last and {d.round for d in out.values()} == {last[0]}, (last, [d.round for d in out.values()])
+    assert len({out[0].digest, out[1].digest, out[2].digest}) == 1
     waited_out = [r for r in fast if r.committed and r.seconds >= GATHER * 0.9]
     assert len(waited_out) <= 1, [(r.round, r.peers, round(r.seconds, 2)) for r in fast]  # one deadline at most
     sick_rounds = [r for r in fast if r.committed and 5 <= r.round <= 9]
     assert sick_rounds and all(r.peers == 2 for r in sick_rounds)  # they went on without it
-    assert any(r.committed and r.peers == 3 for r in fast if r.round >= 12), ([(r.round, r.committed, r.peers, r.reason[:60]) for r in fast if r.round >= 9], [(r.round, r.committed, r.peers, r.reason[:90]) for r in out[2].reports if r.round >= 8])  # and took it back once healthy
+    healed = [(r.round, r.committed, r.peers, r.reason[:60]) for r in out[2].reports if r.round > 10]
+    assert any(c and n == 3 for _, c, n, _ in healed), healed  # and took it back once healthy
