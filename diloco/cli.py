@@ -237,13 +237,18 @@ def simulate(
     latency_ms: float = typer.Option(50.0, help="Projected one-way latency between workers, ms."),
     step_seconds: Optional[float] = typer.Option(None, help="Compute time of an inner step (default: measured here)."),
     speeds: Optional[str] = typer.Option(None, help="Relative worker speeds, comma-separated (e.g. 1,1,1,0.5)."),
+    loss: float = typer.Option(0.0, help="Projected packet loss rate of every link (caps TCP throughput)."),
+    link: List[str] = typer.Option([], help="One worker's own link, W=MBIT:MS[:LOSS] (e.g. 3=20:150:0.01); repeatable."),
+    faults: Optional[str] = typer.Option(None, help="Fault plan: a JSON file (docs/SIMULATE.md), or random:N for N "
+                                                     "faults drawn from --seed."),
     json_path: Optional[Path] = typer.Option(None, "--json", help="Write the summary as JSON here."),
 ) -> None:
     """Simulate a swarm of WORKERS in this process (the real round protocol, codecs, fragments and outer
     optimizer) and project wall clock, blocking and compute utilization onto the given links."""
     import json
 
-    from .simulate import NetworkModel, simulate as run_simulation
+    from .simfaults import load_plan, random_plan
+    from .simulate import NetworkModel, parse_link, simulate as run_simulation
 
     try:
         speed_list = tuple(float(v) for v in speeds.split(",")) if speeds else ()
@@ -253,20 +258,32 @@ def simulate(
              shard=None, wait_for=1, checkpoint_dir=None, checkpoint_every=0, resume=False)
     swarm_cfg, job = _configs(o)
     try:
-        net = NetworkModel(bandwidth_mbit=bandwidth_mbit, latency_ms=latency_ms, step_seconds=step_seconds,
-                           speeds=speed_list)
+        net = NetworkModel(bandwidth_mbit=bandwidth_mbit, latency_ms=latency_ms, loss=loss, step_seconds=step_seconds,
+                           speeds=speed_list, links=tuple(parse_link(x) for x in link))
         if workers < 1 or (speed_list and len(speed_list) != workers):
             raise ConfigError(f"--workers must be >= 1 and --speeds must list one speed per worker ({workers})")
+        if faults and faults.startswith("random:"):
+            count = faults.removeprefix("random:")
+            if not count.isdigit():
+                raise ConfigError(f"--faults random:N needs a count, got {faults!r}")
+            plan = random_plan(seed, workers, rounds * fragments, int(count))
+        else:
+            plan = load_plan(faults, workers) if faults else []
     except ConfigError as e:
         _fail(str(e))
-    summary = run_simulation(job, workers, swarm=swarm_cfg, net=net)
+    try:
+        summary = run_simulation(job, workers, swarm=swarm_cfg, net=net, faults=plan)
+    except ConfigError as e:
+        _fail(str(e))
+    for fault in summary["faults_fired"]:
+        typer.echo(f"fault fired: {fault}")
     p = summary["projection"]
     typer.echo(f"{workers} workers, round {summary['round']}: held-out loss {summary['eval_loss']:.4f}, "
                f"digest {summary['digest']}, {summary['bytes_sent'] / 1e6:.2f} MB sent, "
                f"{summary['bits_per_param_sync']:.3f} bits/param/sync ({summary['wall_seconds']:.1f} s here)")
     typer.echo(f"projected on {bandwidth_mbit:g} Mbit/s, {latency_ms:g} ms links at {summary['step_seconds']:.4f} s a "
                f"step: wall {p['wall_seconds']:.1f} s, blocked {p['blocked_seconds']:.1f} s, "
-               f"compute utilization {p['min_utilization']:.1%} (slowest worker)")
+               f"compute utilization {p['min_utilization']:.1%} (least busy worker)")
     if json_path:
         json_path.write_text(json.dumps(summary, indent=2) + "\n")
 

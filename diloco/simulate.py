@@ -24,22 +24,70 @@ is its own compute time over that wall clock.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import threading
 import time
 from dataclasses import dataclass, replace
-from typing import Any, Sequence
+from functools import partial
+from typing import Any, Mapping, Sequence
 
 from diloco.comms import InProcNetwork
 from diloco.comms.loop import LoopThread
-from diloco.peers import InProcBoard
+from diloco.peers import InProcBoard, PeerRecord
 
 from .config import ConfigError, SwarmConfig
 from .metrics import MetricsWriter
+from .simfaults import Fault, FaultRunner, Killed, check_plan
 from .swarm import Swarm
 from .train import JobConfig, load_corpus, run_job
 
 log = logging.getLogger(__name__)
+
+
+MSS_BYTES = 1460  # TCP segment payload on a 1500-byte MTU path
+
+
+@dataclass(frozen=True)
+class Link:
+    """One worker's link: full duplex, `bandwidth_mbit` per direction, `latency_ms` one way, and a packet
+    `loss` rate that caps TCP throughput (Mathis et al. 1997: MSS / RTT · 1.22 / √loss)."""
+
+    bandwidth_mbit: float = 100.0
+    latency_ms: float = 50.0
+    loss: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not self.bandwidth_mbit > 0:
+            raise ConfigError(f"bandwidth_mbit must be > 0, got {self.bandwidth_mbit}")
+        if not self.latency_ms >= 0:
+            raise ConfigError(f"latency_ms must be >= 0, got {self.latency_ms}")
+        if not 0 <= self.loss < 1:
+            raise ConfigError(f"loss must be in [0, 1), got {self.loss}")
+
+    @property
+    def throughput_mbit(self) -> float:
+        """What a TCP stream gets: the bandwidth, or less when loss limits the congestion window."""
+        rtt = 2 * self.latency_ms / 1e3
+        if self.loss <= 0 or rtt <= 0:
+            return self.bandwidth_mbit
+        return min(self.bandwidth_mbit, MSS_BYTES * 8 / rtt * 1.22 / math.sqrt(self.loss) / 1e6)
+
+    def seconds(self, sent: int, received: int) -> float:
+        """One round's exchange: 4 one-way latencies, then the larger direction at the TCP throughput."""
+        return 4 * self.latency_ms / 1e3 + max(sent, received) * 8 / (self.throughput_mbit * 1e6)
+
+
+def parse_link(text: str) -> tuple[int, Link]:
+    """`W=MBIT:MS[:LOSS]` (the CLI's --link): worker W's own bandwidth, latency and loss."""
+    worker, _, rest = text.partition("=")
+    parts = rest.split(":")
+    try:
+        if not worker.strip().isdigit() or len(parts) not in (2, 3):
+            raise ValueError
+        return int(worker), Link(*(float(p) for p in parts))
+    except ValueError:
+        raise ConfigError(f"--link {text!r}: expected W=MBIT:MS[:LOSS], e.g. 3=20:150 or 3=20:150:0.01") from None
 
 
 @dataclass(frozen=True)
@@ -50,23 +98,27 @@ class NetworkModel:
     """Each worker's link, per direction, in Mbit/s."""
     latency_ms: float = 50.0
     """One-way latency between two workers, in milliseconds."""
+    loss: float = 0.0
+    """Packet loss rate of every link (caps TCP throughput, see `Link`)."""
     step_seconds: float | None = None
     """Compute time of one inner step at speed 1.0 (default: as measured in the simulated run)."""
     speeds: tuple[float, ...] = ()
     """Relative speed of each worker (1.0: `step_seconds` a step; 0.5: half as fast); default all 1."""
+    links: tuple[tuple[int, Link], ...] = ()
+    """(worker, link) for workers whose link differs from the default one."""
 
     def __post_init__(self) -> None:
-        if self.bandwidth_mbit <= 0:
-            raise ConfigError(f"bandwidth_mbit must be > 0, got {self.bandwidth_mbit}")
-        if self.latency_ms < 0:
-            raise ConfigError(f"latency_ms must be >= 0, got {self.latency_ms}")
+        self.link(-1)  # validates the default link
         if self.step_seconds is not None and self.step_seconds <= 0:
             raise ConfigError(f"step_seconds must be > 0, got {self.step_seconds}")
         if any(s <= 0 for s in self.speeds):
             raise ConfigError(f"every speed must be > 0, got {list(self.speeds)}")
 
+    def link(self, worker: int) -> Link:
+        return dict(self.links).get(worker) or Link(self.bandwidth_mbit, self.latency_ms, self.loss)
+
     def comm_seconds(self, sent: int, received: int) -> float:
-        return 4 * self.latency_ms / 1e3 + max(sent, received) * 8 / (self.bandwidth_mbit * 1e6)
+        return self.link(-1).seconds(sent, received)
 
 
 @dataclass(frozen=True)
@@ -89,22 +141,57 @@ class Projection:
                     min_utilization=round(min(self.utilization), 4))
 
 
-def project(round_bytes: Sequence[tuple[int, int]], *, steps_per_round: int, overlap: int, workers: int,
-            net: NetworkModel, step_seconds: float) -> Projection:
-    """Project a run onto `net`: `round_bytes` is (bytes sent, bytes received) of the busiest worker in
-    each round, in order; each round follows `steps_per_round` inner steps (H/P) and its result is
-    needed `overlap` (τ) steps after it began. Pure: see the module docstring for the model."""
+RoundBytes = Mapping[int, tuple[int, int]]  # worker -> (bytes sent, bytes received) in one round
+
+
+def project(rounds: Sequence[RoundBytes | tuple[int, int]], *, steps_per_round: int, overlap: int, workers: int,
+            net: NetworkModel, step_seconds: float, faults: Sequence[Fault] = ()) -> Projection:
+    """Project a run onto `net`. `rounds[k]` is round k+1: who took part and what each sent and received
+    (a bare (sent, received) pair: every worker moved that much). Each round follows `steps_per_round`
+    inner steps (H/P) and its result is needed `overlap` (τ) steps after it began; `slow` and
+    `degrade` faults change a worker's speed and link from their round on. Pure: the model is in the
+    module docstring; a round moves at its slowest member's pace and its slowest exchange."""
     step = net.step_seconds if net.step_seconds is not None else step_seconds
     speeds = net.speeds or (1.0,) * workers
     if len(speeds) != workers:
         raise ConfigError(f"speeds lists {len(speeds)} workers, the run has {workers}")
-    slowest = step / min(speeds)
-    compute = slowest * steps_per_round * len(round_bytes)
-    comms = [net.comm_seconds(s, r) for s, r in round_bytes]
-    blocked = sum(max(0.0, c - overlap * slowest) for c in comms)
-    steps = steps_per_round * len(round_bytes)
-    return Projection(wall_seconds=compute + blocked, compute_seconds=tuple(steps * step / s for s in speeds),
-                      blocked_seconds=blocked, comm_seconds=sum(comms))
+    wall = blocked = comm_total = 0.0
+    compute = [0.0] * workers
+    for k, moved in enumerate(rounds, start=1):
+        members = moved if isinstance(moved, Mapping) else dict.fromkeys(range(workers), moved)
+        if not members:
+            continue
+        pace = {i: step / _speed(i, k, speeds, faults) for i in members}
+        slowest = max(pace.values())
+        comm = max(_link(i, k, net, faults).seconds(*members[i]) for i in members)
+        wait = max(0.0, comm - overlap * slowest)
+        wall += steps_per_round * slowest + wait
+        blocked += wait
+        comm_total += comm
+        for i, t in pace.items():
+            compute[i] += steps_per_round * t
+    return Projection(wall_seconds=wall, compute_seconds=tuple(compute), blocked_seconds=blocked,
+                      comm_seconds=comm_total)
+
+
+def _speed(worker: int, rnd: int, speeds: Sequence[float], faults: Sequence[Fault]) -> float:
+    """The worker's speed in round `rnd`: its base speed over every `slow` factor fired by then (a fault
+    at round r is in force from round r + 1, the first round the worker starts after reaching r)."""
+    v = speeds[worker]
+    for f in faults:
+        if f.action == "slow" and f.peer == worker and f.round < rnd:
+            v /= f.factor
+    return v
+
+
+def _link(worker: int, rnd: int, net: NetworkModel, faults: Sequence[Fault]) -> Link:
+    link = net.link(worker)
+    for f in faults:
+        if f.action == "degrade" and f.peer == worker and f.round < rnd:
+            link = Link(f.bandwidth_mbit if f.bandwidth_mbit is not None else link.bandwidth_mbit,
+                        f.latency_ms if f.latency_ms is not None else link.latency_ms,
+                        f.loss if f.loss is not None else link.loss)
+    return link
 
 
 class _Rows(MetricsWriter):
@@ -118,41 +205,104 @@ class _Rows(MetricsWriter):
         self.rows.append({"event": event, **fields})
 
 
+def _cut_off(runner: FaultRunner, me: str, target: str, handler: str) -> bool:
+    return runner.blocked(me, target)
+
+
+class _SideOfBoard:
+    """One simulated peer's view of the shared board: during a partition, only its own side's records."""
+
+    def __init__(self, board: InProcBoard, me: str, runner: FaultRunner | None) -> None:
+        self.board, self.me, self.runner = board, me, runner
+        self.dropped = board.dropped
+
+    async def publish(self, record: PeerRecord, ttl: float) -> None:
+        await self.board.publish(record, ttl)
+
+    async def read(self) -> list[PeerRecord]:
+        found = await self.board.read()
+        return found if self.runner is None else [r for r in found if self.runner.visible(self.me, str(r.peer))]
+
+    async def close(self) -> None:
+        pass
+
+
 def simulate(job: JobConfig, workers: int, *, swarm: SwarmConfig | None = None, net: NetworkModel | None = None,
-             timeout: float = 3600.0) -> dict[str, Any]:
-    """Run `workers` workers of `job` in this process and project the run onto `net`; returns a summary
-    (per-worker finals, the global digest, bytes, the projection). Raises RuntimeError if a worker failed."""
+             faults: Sequence[Fault] = (), timeout: float = 3600.0) -> dict[str, Any]:
+    """Run `workers` workers of `job` in this process and project the run onto `net`, playing out the
+    fault plan `faults` (`diloco.simfaults`); returns a summary (the global digest, bytes, the faults
+    fired, the projection). Raises RuntimeError if a worker failed."""
     if workers < 1:
         raise ConfigError(f"workers must be >= 1, got {workers}")
     net = net or NetworkModel()
     if net.speeds and len(net.speeds) != workers:
         raise ConfigError(f"speeds lists {len(net.speeds)} workers, --workers is {workers}")
-    # Every round waits for all workers: the simulated machine may be slow, the state must not depend on it.
+    if any(w >= workers for w, _ in net.links):
+        raise ConfigError(f"a link is set for worker {max(w for w, _ in net.links)}; workers are 0..{workers - 1}")
+    check_plan(faults, workers)
+    target = job.rounds * job.fragments
+    late = [f for f in faults if f.round >= target]
+    if late:
+        raise ConfigError(f"{late[0]}: the run ends at round {target} (--rounds × fragments); move it earlier")
+    if faults and job.outer_overlap != "none":
+        raise ConfigError("fault plans need outer_overlap none: a worker killed with a whole outer step in flight "
+                          "would hold the others until their deadlines")
+    # Every round waits for all running workers: the simulated machine may be slow, the state must not
+    # depend on it. A killed peer answers nothing, so nobody waits for it.
     base = swarm or SwarmConfig(run_id="simulate")
     scfg = replace(base, gather_timeout=max(base.gather_timeout, 600.0), reduce_timeout=max(base.reduce_timeout, 600.0),
-                   result_timeout=max(base.result_timeout, 900.0), min_peers=workers)
+                   result_timeout=max(base.result_timeout, 900.0), min_peers=1 if faults else workers)
     network, board, loop = InProcNetwork(), InProcBoard(), LoopThread()
-    swarms = [Swarm.in_process(network, board, f"sim{i:03d}", scfg, loop) for i in range(workers)]
-    rows = [_Rows() for _ in range(workers)]
     corpus = load_corpus(job)  # one copy for all workers: they only read it
     finals: dict[int, dict[str, Any]] = {}
+    rows: list[tuple[int, _Rows]] = []
     errors: list[BaseException] = []
+    swarms: list[Swarm] = []
+    threads: list[threading.Thread] = []
+    lock = threading.Lock()
 
-    def work(i: int) -> None:
+    def start(i: int, restarted: bool = False) -> None:
+        incarnation = sum(w == i for w, _ in rows)
+        pid = f"sim{i:03d}" + (f"r{incarnation}" if incarnation else "")
+        drop = None
+        if runner is not None:
+            runner.peer_worker[pid] = i
+            drop = partial(_cut_off, runner, pid)
+        s = Swarm.in_process(network, _SideOfBoard(board, pid, runner), pid, scfg, loop, bootstrapped=restarted,
+                             drop=drop)
+        out = _Rows()
+        with lock:
+            swarms.append(s)
+            rows.append((i, out))
+        job_i = replace(job, shard=i, wait_for=1 if restarted else workers)
+        t = threading.Thread(target=work, args=(i, s, out, job_i), name=pid)
+        threads.append(t)
+        t.start()
+
+    def work(i: int, s: Swarm, out: _Rows, job_i: JobConfig) -> None:
+        hook = partial(runner.after_step, i) if runner is not None else None
         try:
-            finals[i] = run_job(replace(job, shard=i, wait_for=workers), swarms[i], metrics=rows[i], corpus=corpus)
+            finals[i] = run_job(job_i, s, metrics=out, corpus=corpus, on_step=hook)
+        except Killed:
+            finals.pop(i, None)
         except BaseException as e:  # noqa: BLE001 - reported to the caller below
             errors.append(e)
+        finally:
+            if runner is not None:
+                runner.worker_gone(i)
 
+    runner = FaultRunner(faults, spawn=lambda i: start(i, restarted=True)) if faults else None
     started = time.monotonic()
-    threads = [threading.Thread(target=work, args=(i,), name=f"sim{i}") for i in range(workers)]
     try:
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(max(1.0, timeout - (time.monotonic() - started)))
-        if any(t.is_alive() for t in threads):
-            raise RuntimeError(f"the simulation did not finish within {timeout:.0f}s")
+        for i in range(workers):
+            start(i)
+        while True:  # restarts add threads while we wait
+            alive = [t for t in list(threads) if t.is_alive()]
+            if not alive or errors:
+                break
+            alive[0].join(min(1.0, max(0.0, timeout - (time.monotonic() - started))))
+            if time.monotonic() - started > timeout:
+                raise RuntimeError(f"the simulation did not finish within {timeout:.0f}s")
         if errors:
             raise RuntimeError(f"a simulated worker failed: {errors[0]!r}") from errors[0]
     finally:
@@ -160,7 +310,11 @@ def simulate(job: JobConfig, workers: int, *, swarm: SwarmConfig | None = None, 
             s.close(announce=False)
         loop.stop()
     wall = time.monotonic() - started
-    return summarize(job, [finals[i] for i in range(workers)], [r.rows for r in rows], net, wall)
+    fired = runner.fired if runner is not None else []
+    summary = summarize(job, [finals[i] for i in sorted(finals)], rows, net, wall, workers,
+                        [f for _, f in fired])
+    summary["faults_fired"] = [dict(f.as_dict(), plan_index=k) for k, f in fired]
+    return summary
 
 
 def step_seconds(finals: Sequence[dict[str, Any]], cores: int | None = None) -> float:
@@ -173,24 +327,32 @@ def step_seconds(finals: Sequence[dict[str, Any]], cores: int | None = None) -> 
     return share * sum(per_worker) / len(per_worker) if per_worker else 0.0
 
 
-def summarize(job: JobConfig, finals: list[dict[str, Any]], rows: list[list[dict[str, Any]]], net: NetworkModel,
-              wall: float) -> dict[str, Any]:
-    """The simulation's summary from each worker's final record and round metrics."""
-    rounds: dict[int, tuple[int, int]] = {}
-    for worker in rows:
-        for r in worker:
-            if r["event"] == "round" and r["committed"]:
-                s, v = rounds.get(r["round"], (0, 0))
-                rounds[r["round"]] = (max(s, r["bytes_sent"]), max(v, r["bytes_received"]))
+def summarize(job: JobConfig, finals: list[dict[str, Any]], rows: Sequence[tuple[int, _Rows]], net: NetworkModel,
+              wall: float, workers: int, faults: Sequence[Fault] = ()) -> dict[str, Any]:
+    """The simulation's summary from the finals of the workers that finished and every worker's round
+    metrics (`rows`: (worker, its rows), one entry per incarnation)."""
+    moved: dict[int, dict[int, tuple[int, int]]] = {}
+    seen = {w: dict(worker=w, incarnations=0, committed=0, refused=0, resyncs=0) for w in range(workers)}
+    for worker, out in rows:
+        seen[worker]["incarnations"] += 1
+        for r in out.rows:
+            if r["event"] != "round":
+                continue
+            kind = "committed" if r["committed"] else "resyncs" if str(r["reason"]).startswith("resynced") else "refused"
+            seen[worker][kind] += 1
+            if r["committed"]:
+                moved.setdefault(r["round"], {})[worker] = (r["bytes_sent"], r["bytes_received"])
     measured_step = max(1e-9, step_seconds(finals))
     fragments = finals[0]["fragments"]
-    projection = project([rounds[k] for k in sorted(rounds)], steps_per_round=job.inner_steps // fragments,
-                         overlap=job.overlap, workers=len(finals), net=net, step_seconds=measured_step)
-    return dict(workers=len(finals), digests=sorted({f["digest"] for f in finals}), digest=finals[0]["digest"],
-                round=finals[0]["round"], eval_loss=finals[0]["eval_loss"], params=finals[0]["params"],
-                bytes_sent=sum(f["bytes_sent"] for f in finals), bits_per_param_sync=finals[0]["bits_per_param_sync"],
-                compression=finals[0]["compression"], wall_seconds=round(wall, 2),
-                step_seconds=round(net.step_seconds or measured_step, 6),
-                network=dict(bandwidth_mbit=net.bandwidth_mbit, latency_ms=net.latency_ms,
-                             speeds=list(net.speeds) or [1.0] * len(finals)),
-                projection=projection.as_dict())
+    projection = project([moved.get(k, {}) for k in range(1, max(moved, default=0) + 1)],
+                         steps_per_round=job.inner_steps // fragments, overlap=job.overlap, workers=workers,
+                         net=net, step_seconds=measured_step, faults=faults)
+    return dict(workers=workers, finished=len(finals), digests=sorted({f["digest"] for f in finals}),
+                digest=finals[0]["digest"], round=finals[0]["round"], eval_loss=finals[0]["eval_loss"],
+                params=finals[0]["params"], bytes_sent=sum(f["bytes_sent"] for f in finals),
+                bits_per_param_sync=finals[0]["bits_per_param_sync"], compression=finals[0]["compression"],
+                wall_seconds=round(wall, 2), step_seconds=round(net.step_seconds or measured_step, 6),
+                network=dict(bandwidth_mbit=net.bandwidth_mbit, latency_ms=net.latency_ms, loss=net.loss,
+                             speeds=list(net.speeds) or [1.0] * workers,
+                             links={str(w): vars(link) for w, link in net.links}),
+                projection=projection.as_dict(), workers_seen=list(seen.values()))

@@ -135,10 +135,12 @@ class Swarm:
                    on_close=finish, bootstrapped=bool(initial))
 
     @classmethod
-    def in_process(cls, network: InProcNetwork, board: InProcBoard, peer_id: str, cfg: SwarmConfig,
-                   loop: LoopThread, *, bootstrapped: bool = False) -> Swarm:
-        """A peer on an in-process network (tests, simulation); many peers share one `loop`."""
-        transport = network.transport(peer_id)
+    def in_process(cls, network: InProcNetwork, board: Directory, peer_id: str, cfg: SwarmConfig,
+                   loop: LoopThread, *, bootstrapped: bool = False,
+                   drop: Callable[[PeerId, str], bool] | None = None) -> Swarm:
+        """A peer on an in-process network (tests, simulation); many peers share one `loop`. `drop(target,
+        handler)` True loses that outgoing call (fault injection: a partition)."""
+        transport = network.transport(peer_id, drop)
         collective = loop.run(Collective.create(transport, cfg.run_id, cfg.collective()))
         return cls(loop, transport, board, collective, cfg, owns_loop=False, addresses=[f"inproc:{peer_id}"],
                    bootstrapped=bootstrapped)

@@ -16,7 +16,7 @@ import threading
 import time
 import zlib
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -126,9 +126,10 @@ def load_corpus(cfg: JobConfig) -> Corpus:
 
 def run_job(cfg: JobConfig, swarm: Swarm | None, *, metrics: MetricsWriter | None = None,
             status_path: str | os.PathLike[str] | None = None, stop: threading.Event | None = None,
-            corpus: Corpus | None = None) -> dict[str, Any]:
+            corpus: Corpus | None = None, on_step: Callable[[DiLoCo], None] | None = None) -> dict[str, Any]:
     """Train until the global round reaches cfg.rounds (or `stop` is set); returns the final summary.
-    `corpus`: `load_corpus(cfg)` already loaded (workers in one process share it, read-only)."""
+    `corpus`: `load_corpus(cfg)` already loaded (workers in one process share it, read-only).
+    `on_step(d)`: called after every inner step (the simulator's fault plans act there)."""
     stop = stop or threading.Event()
     metrics = metrics or MetricsWriter(None)
     torch.set_num_threads(cfg.threads)
@@ -176,6 +177,8 @@ def run_job(cfg: JobConfig, swarm: Swarm | None, *, metrics: MetricsWriter | Non
             d.report_loss(loss.item())
             inner.step()  # the wrapper's hook synchronizes every inner_steps-th call
             inner.zero_grad(set_to_none=True)
+            if on_step is not None:
+                on_step(d)
             if status_path and (d.steps % 5 == 0 or d.steps == 1):
                 sent, recv = d.bytes_on_wire()
                 usage = d.usage()
