@@ -50,8 +50,9 @@ VARIANTS = (
 )
 
 
-def data_parallel(job: JobConfig, workers: int, steps: int) -> dict[str, Any]:
-    """The baseline: `steps` AdamW steps on one model, each on one batch from every worker's shard."""
+def data_parallel(job: JobConfig, workers: int, steps: int, eval_every: int = 0) -> dict[str, Any]:
+    """The baseline: `steps` AdamW steps on one model, each on one batch from every worker's shard;
+    with `eval_every`, the held-out loss every that many steps goes into the result's `curve`."""
     torch.set_num_threads(min(job.threads * workers, os.cpu_count() or 1))  # it does the work of M workers
     corpus = load_corpus(job)
     model = build_model(GPTConfig(context=job.context, d_model=job.d_model, n_layer=job.n_layer), seed=job.seed)
@@ -60,6 +61,9 @@ def data_parallel(job: JobConfig, workers: int, steps: int) -> dict[str, Any]:
                              num_shards=100_000) for i in range(workers)]
     heldout = heldout_batches(corpus.heldout, batch_size=16, context=job.context, max_batches=job.eval_batches)
     started = time.monotonic()
+    params = sum(p.numel() for p in model.parameters())
+    per_step = 2 * (workers - 1) / workers * 4 * params * workers  # all workers' bytes of one all-reduce
+    curve = []
     for step in range(steps):
         for group in opt.param_groups:
             group["lr"] = job.lr * min(1.0, (step + 1) / max(1, job.warmup))
@@ -70,30 +74,36 @@ def data_parallel(job: JobConfig, workers: int, steps: int) -> dict[str, Any]:
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
-    params = sum(p.numel() for p in model.parameters())
-    per_worker = 2 * (workers - 1) / workers * 4 * params * steps
-    return dict(variant="data-parallel", eval_loss=evaluate(model, heldout), params=params,
-                bytes_sent=int(per_worker * workers), bits_per_param_sync=32.0, syncs=steps,
-                wall_seconds=round(time.monotonic() - started, 1), projected_utilization=None)
+        if eval_every and (step + 1) % eval_every == 0 and step + 1 < steps:
+            curve.append(dict(step=step + 1, eval_loss=evaluate(model, heldout), bytes_sent=int(per_step * (step + 1))))
+    eval_loss = evaluate(model, heldout)
+    curve.append(dict(step=steps, eval_loss=eval_loss, bytes_sent=int(per_step * steps)))
+    return dict(variant="data-parallel", eval_loss=eval_loss, params=params,
+                bytes_sent=int(per_step * steps), bits_per_param_sync=32.0, syncs=steps,
+                wall_seconds=round(time.monotonic() - started, 1), projected_utilization=None, curve=curve)
 
 
 def run(job: JobConfig, workers: int, steps: int, variants: tuple[Variant, ...] = VARIANTS,
-        progress: Callable[[dict[str, Any]], None] = lambda r: None) -> list[dict[str, Any]]:
-    """Data-parallel first, then each variant on the same token budget; one result row each."""
-    rows = [data_parallel(job, workers, steps)]
+        progress: Callable[[dict[str, Any]], None] = lambda r: None, curves: bool = False) -> list[dict[str, Any]]:
+    """Data-parallel first, then each variant on the same token budget; one result row each. With
+    `curves`, each row's `curve` holds the held-out loss during training (data-parallel every 50 steps,
+    the variants after every round), with inner steps and bytes sent so far."""
+    rows = [data_parallel(job, workers, steps, eval_every=50 if curves else 0)]
     progress(rows[0])
     net = NetworkModel(bandwidth_mbit=100.0, latency_ms=50.0)
     for v in variants:
         if steps % v.inner_steps:
             raise ValueError(f"--steps ({steps}) must be a multiple of H={v.inner_steps} ({v.name})")
         cfg = replace(job, inner_steps=v.inner_steps, rounds=steps // v.inner_steps, fragments=v.fragments,
-                      overlap=v.overlap, alpha=v.alpha)
+                      overlap=v.overlap, alpha=v.alpha, eval_every=1 if curves else 0)
         started = time.monotonic()
         out = simulate(cfg, workers, swarm=SwarmConfig(run_id="bench-convergence", compression=v.compression), net=net)
         rows.append(dict(variant=v.name, eval_loss=out["eval_loss"], params=out["params"], bytes_sent=out["bytes_sent"],
                          bits_per_param_sync=out["bits_per_param_sync"], syncs=cfg.rounds,
                          wall_seconds=round(time.monotonic() - started, 1),
-                         projected_utilization=out["projection"]["min_utilization"], digests=out["digests"]))
+                         projected_utilization=out["projection"]["min_utilization"], digests=out["digests"],
+                         curve=[dict(step=c["step"], eval_loss=c["eval_loss"], bytes_sent=c["bytes_sent"])
+                                for c in out["curve"]]))
         progress(rows[-1])
     base = rows[0]
     for r in rows:
@@ -117,3 +127,18 @@ def markdown_table(rows: list[dict[str, Any]]) -> str:
 def write_json(rows: list[dict[str, Any]], path: Path, setup: dict[str, Any]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"setup": setup, "results": rows}, indent=2) + "\n")
+
+
+def plots(rows: list[dict[str, Any]], directory: Path, tokens_per_step: int) -> list[Path]:
+    """Loss vs tokens and loss vs bytes (log scale) of every row's curve, as PNG files in `directory`."""
+    from .plot import Series, line_plot
+
+    with_curves = [r for r in rows if r.get("curve")]
+    tokens = [Series(r["variant"], [c["step"] * tokens_per_step for c in r["curve"]],
+                     [c["eval_loss"] for c in r["curve"]]) for r in with_curves]
+    moved = [Series(r["variant"], [c["bytes_sent"] for c in r["curve"]], [c["eval_loss"] for c in r["curve"]])
+             for r in with_curves]
+    out = [directory / "b1-loss-vs-tokens.png", directory / "b1-loss-vs-bytes.png"]
+    line_plot(out[0], tokens, x_label="TOKENS SEEN (ALL WORKERS)", y_label="HELD-OUT LOSS")
+    line_plot(out[1], moved, log_x=True, x_label="BYTES SENT (ALL WORKERS)", y_label="HELD-OUT LOSS")
+    return out

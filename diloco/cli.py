@@ -388,6 +388,8 @@ def bench_convergence_cmd(
     layers: int = typer.Option(4, help="Transformer blocks."),
     threads: int = typer.Option(1, help="torch CPU threads per worker (data-parallel: M times as many, up to the cores)."),
     json_path: Optional[Path] = typer.Option(None, "--json", help="Write the results as JSON here."),
+    plots_dir: Optional[Path] = typer.Option(None, "--plots", help="Evaluate during training and write PNG plots "
+                                                                  "(loss vs tokens, loss vs bytes) into this folder."),
 ) -> None:
     """B1: held-out loss and bytes of DiLoCo variants against synchronous data-parallel training."""
     import platform
@@ -395,7 +397,7 @@ def bench_convergence_cmd(
     import torch
     from rich.console import Console
 
-    from .bench_convergence import VARIANTS, markdown_table, run, write_json
+    from .bench_convergence import VARIANTS, markdown_table, plots, run, write_json
     from .train import JobConfig
 
     if workers < 1 or steps < 1 or steps % 100:
@@ -407,8 +409,11 @@ def bench_convergence_cmd(
     console = Console()
     rows = run(job, workers, steps, VARIANTS, progress=lambda r: console.print(
         f"{r['variant']:<36} held-out loss {r['eval_loss']:.4f}  {r['bytes_sent'] / 1e6:10.1f} MB  "
-        f"({r['wall_seconds']:.0f} s)", markup=False))
+        f"({r['wall_seconds']:.0f} s)", markup=False), curves=plots_dir is not None)
     console.print(markdown_table(rows), markup=False)
+    if plots_dir is not None:
+        for path in plots(rows, plots_dir, workers * batch_size * job.context):
+            console.print(f"wrote {path}", markup=False)
     if json_path:
         write_json(rows, json_path, {"workers": workers, "steps": steps, "batch_size": batch_size, "d_model": d_model,
                                      "layers": layers, "threads": threads, "torch": torch.__version__,

@@ -342,6 +342,11 @@ def summarize(job: JobConfig, finals: list[dict[str, Any]], rows: Sequence[tuple
             seen[worker][kind] += 1
             if r["committed"]:
                 moved.setdefault(r["round"], {})[worker] = (r["bytes_sent"], r["bytes_received"])
+    per_round = {k: sum(v[0] for v in m.values()) for k, m in moved.items()}
+    first = next((out for w, out in rows if w == 0), None)  # worker 0's evaluations of the global model
+    curve = [dict(round=r["round"], step=r["step"], eval_loss=r["eval_loss"],
+                  bytes_sent=sum(b for k, b in per_round.items() if k <= r["round"]))
+             for r in (first.rows if first is not None else []) if r["event"] == "round" and "eval_loss" in r]
     measured_step = max(1e-9, step_seconds(finals))
     fragments = finals[0]["fragments"]
     projection = project([moved.get(k, {}) for k in range(1, max(moved, default=0) + 1)],
@@ -355,4 +360,4 @@ def summarize(job: JobConfig, finals: list[dict[str, Any]], rows: Sequence[tuple
                 network=dict(bandwidth_mbit=net.bandwidth_mbit, latency_ms=net.latency_ms, loss=net.loss,
                              speeds=list(net.speeds) or [1.0] * workers,
                              links={str(w): vars(link) for w, link in net.links}),
-                projection=projection.as_dict(), workers_seen=list(seen.values()))
+                projection=projection.as_dict(), workers_seen=list(seen.values()), curve=curve)

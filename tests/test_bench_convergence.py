@@ -7,15 +7,15 @@ import sys
 
 import pytest
 
-from diloco.bench_convergence import SPARSE, Variant, markdown_table, run
+from diloco.bench_convergence import SPARSE, Variant, markdown_table, plots, run
 from diloco.train import JobConfig
 
 pytestmark = pytest.mark.swarm
 
 
-def test_variants_against_data_parallel_on_equal_tokens():
+def test_variants_against_data_parallel_on_equal_tokens(tmp_path):
     job = JobConfig(d_model=32, n_layer=2, batch_size=4, eval_batches=2, corpus_bytes=1 << 20)
-    rows = run(job, 2, 8, (Variant("plain", 4), Variant("sparse", 8, SPARSE)))
+    rows = run(job, 2, 8, (Variant("plain", 4), Variant("sparse", 8, SPARSE)), curves=True)
     dp, plain, sparse = rows
     assert [r["variant"] for r in rows] == ["data-parallel", "plain", "sparse"]
     # ring all-reduce of fp32 gradients every step: 2·(M−1)/M · 4 bytes per parameter per worker
@@ -30,6 +30,16 @@ def test_variants_against_data_parallel_on_equal_tokens():
         assert 0 < r["projected_utilization"] <= 1
     table = markdown_table(rows)
     assert table.count("\n") == 4 and "| sparse |" in table
+    # curves: the held-out loss after every round (the last one is the final loss), bytes so far
+    assert [c["step"] for c in plain["curve"]] == [4, 8] and [c["step"] for c in sparse["curve"]] == [8]
+    for r in rows:
+        assert r["curve"][-1]["eval_loss"] == pytest.approx(r["eval_loss"])
+        # the rounds' bytes so far; the total also counts what moved outside rounds (~150 bytes here)
+        assert 0.9 * r["bytes_sent"] <= r["curve"][-1]["bytes_sent"] <= r["bytes_sent"]
+    assert 2 * plain["curve"][0]["bytes_sent"] == plain["curve"][1]["bytes_sent"]  # fp32: every round moves the same
+    written = plots(rows, tmp_path, tokens_per_step=2 * 4 * job.context)
+    assert [p.name for p in written] == ["b1-loss-vs-tokens.png", "b1-loss-vs-bytes.png"]
+    assert all(p.read_bytes()[:4] == b"\x89PNG" for p in written)
 
 
 def test_cli_wants_a_budget_that_both_h_divide():
