@@ -29,6 +29,15 @@ Failure semantics:
   member of the view and each member holds exactly one view.
 - Malformed or unexpected frames are rejected with a `Reason`, counted in `rejections`, and
   never raise out of a handler.
+
+Robustness against bad-but-authorized peers (`robust.py`): a contribution that is not finite or
+whose values are absurdly large is refused at admission (our own included); the owner clips each
+contribution to a multiple of the span's median norm (sparse bundles are clipped by every member as
+it combines them) and lists in its result whom it refused or found far above the median. A member
+that a majority of the view's owners so marked gets a strike when the round commits (every member
+computes the same strikes from the same results); after `ban_after` strikes it is banned for the
+run: its frames are refused and no view includes it. Every decision is logged with a reason and
+counted in `robust_events`.
 """
 
 from __future__ import annotations
@@ -42,11 +51,12 @@ from typing import Any, Callable, Collection
 import torch
 
 from diloco.compression import Header, PayloadRejected, Reason
-from diloco.compression.pipeline import Pipeline
+from diloco.compression.pipeline import Decoded, Pipeline
 
 from . import messages as msg
 from .faults import FaultPlan
-from .reduce import average, canonical_order
+from . import robust
+from .reduce import canonical_order
 from .rounds import CollectiveConfig, Exchange, RoundOutcome, RoundState
 from .spans import RoundKey, make_view, span_bounds, view_id
 from .transport import PeerId, Transport, TransportError
@@ -69,6 +79,10 @@ class Collective:
         """Digest of the model schema and compression spec; frames with another schema are rejected."""
         self.me = transport.peer_id
         self.rejections: Counter[str] = Counter()
+        self.robust_events: Counter[str] = Counter()
+        """clipped (contributions scaled down), strikes, banned (peers)."""
+        self.strikes: Counter[PeerId] = Counter()
+        self.banned: set[PeerId] = set()
         self._rounds: dict[RoundKey, RoundState] = {}
         self._floor = RoundKey(0, 0)  # frames for earlier keys are stale
         self._committed_through = -1  # the highest round number this peer committed (or downloaded past)
@@ -114,9 +128,9 @@ class Collective:
             key = self._floor
         self._floor = key
         self._forget_before(key)
+        others = [p for p in expected if p != self.me and p not in self.banned]
         try:
-            outcome = await self._run(key, digest, [p for p in expected if p != self.me], delta, fragment, admit,
-                                      wait_for)
+            outcome = await self._run(key, digest, others, delta, fragment, admit, wait_for)
         finally:
             self._floor = RoundKey(key.round, key.attempt + 1)
             self._forget_before(self._floor)
@@ -124,6 +138,8 @@ class Collective:
             outcome = RoundOutcome(key, False, "crashed", outcome.view)
         if outcome.committed:
             self._committed_through = max(self._committed_through, key.round)
+            for p in outcome.offenders:
+                self._strike(p, f"round {key.round}: marked by a majority of the view's {len(outcome.view)} owners")
         sent, recv = self.transport.counter.snapshot()
         outcome.bytes_sent, outcome.bytes_received = sent - sent0, recv - recv0
         outcome.seconds = time.monotonic() - started
@@ -172,6 +188,7 @@ class Collective:
         (the receiver was still catching up and refused it) cannot leave one side waiting. Each ready
         carries whom its sender expects; we ask and wait for those too (`RoundState.named`)."""
         rs.ready[self.me] = digest
+        rs.banned = frozenset(self.banned)
         rs.expected = tuple(others)
         rs.wait_for = frozenset(wait_for) if wait_for is not None else None
         replies: dict[PeerId, dict[str, Any] | None] = {}
@@ -251,22 +268,31 @@ class Collective:
     async def _reduce_and_broadcast(self, r: Exchange) -> None:
         """Owner's side: wait for contributions to our span until the deadline, then send one result."""
         got = r.rs.contribs.setdefault((r.rs.vid, r.mine), {})
-        await self._wait(r.rs, lambda: len(got) == len(r.view), r.closed_at + self.cfg.reduce_timeout)
+        await self._wait(r.rs, lambda: len(got) + len(r.rs.refused & set(r.view)) >= len(r.view),
+                         r.closed_at + self.cfg.reduce_timeout)
+        if self.me in got and not robust.admit(got[self.me][1], self.cfg.robust)[0]:
+            log.warning("event=own_contribution_refused round=%s reason=%s", r.key,
+                        robust.admit(got.pop(self.me)[1], self.cfg.robust)[1])
+            r.rs.refused.add(self.me)
         senders = [p for p in r.view if p in got]
         idx = tuple(r.view.index(p) for p in senders)
         numel = r.numel(r.mine)
-        if self.pipeline.sparse:
+        order = canonical_order([got[p][0] for p in senders])
+        combined = robust.combine([got[senders[i]][1] for i in order], numel, self.cfg.robust)
+        outliers = self._judge([senders[i] for i in order], combined.norms, r.key)
+        marked = tuple(sorted(r.view.index(p) for p in (outliers | r.rs.refused) if p in r.view))
+        r.rs.marked[(r.rs.vid, r.mine)] = marked
+        if self.pipeline.sparse:  # every member combines the bundle itself, the same way
             body = msg.pack_bundle([(i, got[p][0]) for i, p in zip(idx, senders)])
             kind = "bundle"
         else:
-            order = canonical_order([got[p][0] for p in senders])
-            body = self.mean_pipeline.encode(average([got[senders[i]][1] for i in order], numel))
+            body = self.mean_pipeline.encode(combined.values)
             kind = "mean"
         self.faults.hit("reduce", r.key.round)
         r.rs.results[(r.rs.vid, r.mine)] = (self.me, self._decode_result(kind, memoryview(body), numel, idx), idx)
         r.rs.changed.set()
         frame = self._frame(msg.RESULT, r.key, view=r.rs.vid, span=r.mine, numel=numel, body=body,
-                            meta={"contributors": list(idx), "result": kind})
+                            meta={"contributors": list(idx), "result": kind, "marked": list(marked)})
         await asyncio.gather(*(self._call(p, "diloco.result", frame) for p in r.view if p != self.me))
 
     def _assemble(self, r: Exchange, delta: torch.Tensor) -> RoundOutcome:
@@ -274,12 +300,15 @@ class Collective:
         parts = [r.rs.results[(r.rs.vid, i)] for i in range(len(r.view))]
         aggregate = torch.cat([t for _, t, _ in parts])
         contributors = [tuple(r.view[j] for j in idx) for _, _, idx in parts]
+        votes = Counter(j for i in range(len(r.view)) for j in r.rs.marked.get((r.rs.vid, i), ()))
+        offenders = tuple(r.view[j] for j, n in sorted(votes.items()) if 2 * n > len(r.view))
         sent = torch.zeros_like(delta)
         for i, ((lo, hi), (_, _, idx)) in enumerate(zip(r.bounds, parts)):
             if r.mine in idx:  # the owner of span i included our contribution: it counts as sent
                 ours = r.own if i == r.mine and r.own is not None else self.pipeline.decode(r.payloads[i], hi - lo)
                 sent[lo:hi] = ours.dense(hi - lo)
-        return RoundOutcome(r.key, True, "committed", r.view, aggregate, contributors, sent, r.payload_bytes)
+        return RoundOutcome(r.key, True, "committed", r.view, aggregate, contributors, sent, offenders,
+                            r.payload_bytes)
 
     def _frame(self, kind: str, key: RoundKey, **fields: Any) -> bytes:
         fragment = self._rounds[key].fragment if key in self._rounds else 0
@@ -295,17 +324,57 @@ class Collective:
             if tuple(i for i, _ in items) != idx:
                 raise PayloadRejected(Reason.BAD_HEADER, "bundle contributors differ from the frame's list")
             payloads = [p for _, p in items]
-            values = average([self.pipeline.decode(payloads[i], numel) for i in canonical_order(payloads)], numel)
+            parts = [self.pipeline.decode(payloads[i], numel) for i in canonical_order(payloads)]
+            for part in parts:
+                self._admit(part, "a bundled contribution")
+            values = robust.combine(parts, numel, self.cfg.robust).values
         else:
             raise PayloadRejected(Reason.BAD_DTYPE, f"result kind {kind!r} does not fit pipeline {self.pipeline.name}")
-        if not bool(torch.isfinite(values).all()):
-            raise PayloadRejected(Reason.NON_FINITE, "result holds NaN or Inf")
+        self._admit(Decoded(None, values), "result")
         return values
+
+    def _admit(self, part: Decoded, what: str) -> None:
+        ok, why = robust.admit(part, self.cfg.robust)
+        if not ok:
+            reason = Reason.NON_FINITE if "NaN" in why else Reason.TOO_LARGE
+            raise PayloadRejected(reason, f"{what} {why}")
+
+    def _judge(self, senders: list[PeerId], norms: list[float], key: RoundKey) -> set[PeerId]:
+        """Log and count what robust aggregation does to this span's contributions; the far outliers."""
+        cfg = self.cfg.robust
+        for i, scale in enumerate(robust.clip_scales(norms, cfg.clip)):
+            if scale != 1.0:
+                self.robust_events["clipped"] += 1
+                log.warning("event=contribution_clipped round=%s peer=%s norm=%.4g scale=%.3g", key, senders[i],
+                            norms[i], scale)
+        med = robust.median(norms) if norms else 0.0
+        out = set()
+        for i in robust.offenders(norms, cfg.strike):
+            out.add(senders[i])
+            log.warning("event=contribution_outlier round=%s peer=%s norm=%.4g median=%.4g", key, senders[i],
+                        norms[i], med)
+        return out
+
+    def _strike(self, peer: PeerId, why: str) -> None:
+        """A strike agreed by the round (see `RoundOutcome.offenders`); banned after `ban_after`."""
+        if peer == self.me:
+            log.warning("event=struck_self reason=%s", why)
+            return
+        self.strikes[peer] += 1
+        self.robust_events["strikes"] += 1
+        log.warning("event=strike peer=%s strikes=%d reason=%s", peer, self.strikes[peer], why)
+        ban_after = self.cfg.robust.ban_after
+        if ban_after and self.strikes[peer] >= ban_after and peer not in self.banned:
+            self.banned.add(peer)
+            self.robust_events["banned"] += 1
+            log.warning("event=peer_banned peer=%s strikes=%d reason=%s", peer, self.strikes[peer],
+                        f"{self.strikes[peer]} strikes (ban_after={ban_after}); last: {why}")
 
     # ---------------------------------------------------------------- handlers (from the network)
 
     async def _on_ready(self, caller: PeerId, data: bytes) -> bytes:
         try:
+            self._check_banned(caller)
             header, body, key = msg.decode(data, run=self.run_id, kind=msg.READY, caller=caller,
                                            max_body=msg.MAX_NAMES_BYTES,
                                            schema=self.schema)
@@ -335,17 +404,22 @@ class Collective:
 
     async def _on_contrib(self, caller: PeerId, data: bytes) -> bytes:
         try:
+            self._check_banned(caller)
             header, body, key = msg.decode(data, run=self.run_id, kind=msg.CONTRIB, caller=caller,
                                            max_body=self.cfg.max_payload, schema=self.schema)
             rs = self._accepting(key)
             self._check_view_slot(rs, header.view, caller, owner=self.me, span=header.span)
             self._check_codec(header)
-            decoded = self.pipeline.decode(body, header.numel)
-            if not bool(torch.isfinite(decoded.values).all()):
-                raise PayloadRejected(Reason.NON_FINITE, "contribution holds NaN or Inf")
             bucket = rs.contribs.setdefault((header.view, header.span), {})
-            if caller in bucket:
+            if caller in bucket or caller in rs.refused:  # one contribution a round: a refused one counts
                 raise PayloadRejected(Reason.DUPLICATE, f"second contribution from {caller} for span {header.span}")
+            decoded = self.pipeline.decode(body, header.numel)
+            try:
+                self._admit(decoded, "contribution")
+            except PayloadRejected:  # a member's own pseudo-gradient: our result marks it (see _strike)
+                rs.refused.add(caller)
+                rs.changed.set()
+                raise
             bucket[caller] = (bytes(body), decoded)
             rs.changed.set()
             return msg.ack(run=self.run_id, sender=self.me)
@@ -354,6 +428,7 @@ class Collective:
 
     async def _on_result(self, caller: PeerId, data: bytes) -> bytes:
         try:
+            self._check_banned(caller)
             header, body, key = msg.decode(data, run=self.run_id, kind=msg.RESULT, caller=caller,
                                            max_body=self.cfg.max_payload, schema=self.schema)
             rs = self._accepting(key)
@@ -363,12 +438,17 @@ class Collective:
                 raise PayloadRejected(Reason.BAD_HEADER, "result needs a non-empty list of contributor indices")
             if rs.view and (max(idx) >= len(rs.view) or len(set(idx)) != len(idx)):
                 raise PayloadRejected(Reason.BAD_HEADER, f"contributor indices {idx} do not fit a view of {len(rs.view)}")
+            marked = header.meta.get("marked", [])
+            if not isinstance(marked, list) or not all(isinstance(i, int) and 0 <= i < 1024 for i in marked) \
+                    or len(set(marked)) != len(marked) or (rs.view and any(i >= len(rs.view) for i in marked)):
+                raise PayloadRejected(Reason.BAD_HEADER, f"result's marked list {marked!r} is not unique view indices")
             self._check_codec(header)
             kind = header.meta.get("result")
             tensor = self._decode_result(kind if isinstance(kind, str) else "", body, header.numel, tuple(idx))
             if (header.view, header.span) in rs.results:
                 raise PayloadRejected(Reason.DUPLICATE, f"second result for span {header.span}")
             rs.results[(header.view, header.span)] = (caller, tensor, tuple(idx))
+            rs.marked[(header.view, header.span)] = tuple(marked)
             rs.changed.set()
             return msg.ack(run=self.run_id, sender=self.me)
         except PayloadRejected as e:
@@ -397,6 +477,18 @@ class Collective:
             raise PayloadRejected(Reason.NOT_MEMBER, f"{sender} is not in this round's view")
         if not 0 <= span < len(rs.view) or rs.view[span] != owner:
             raise PayloadRejected(Reason.WRONG_SPAN, f"span {span} is not owned by {owner}")
+
+    def adopt_bans(self, peers: Collection[PeerId], why: str) -> None:
+        """Ban peers that others banned (e.g. a majority of the records we read: we joined after the fact)."""
+        for p in peers:
+            if p != self.me and p not in self.banned:
+                self.banned.add(p)
+                self.robust_events["banned"] += 1
+                log.warning("event=peer_banned peer=%s reason=%s", p, why)
+
+    def _check_banned(self, caller: PeerId) -> None:
+        if caller in self.banned:
+            raise PayloadRejected(Reason.BANNED, f"{caller} is banned for this run ({self.strikes[caller]} strikes)")
 
     def _check_codec(self, header: Header) -> None:
         if header.codec != self.pipeline.name:

@@ -14,9 +14,9 @@ import torch
 
 from diloco.compression.pipeline import Decoded, parse
 
+from .robust import RobustConfig
 from .spans import RoundKey
 from .transport import PeerId
-
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -35,9 +35,14 @@ class CollectiveConfig:
     """Compression pipeline spec of contributions (see diloco.compression.pipeline)."""
     max_payload: int = 1 << 30
     """Largest frame body accepted from the network, in bytes."""
+    robust: RobustConfig = field(default_factory=RobustConfig)
+    """Admission bound, clipping, trimmed mean and bans (`comms.robust`)."""
 
     def __post_init__(self) -> None:
-        parse(self.compression)  # raises ValueError naming what is wrong and what is allowed
+        spec = parse(self.compression)  # raises ValueError naming what is wrong and what is allowed
+        if self.robust.trim and spec.sparsifier is not None:
+            raise ValueError(f"trim (trimmed mean) needs a dense compression pipeline, not {self.compression!r}: "
+                             "sparse contributions hold different coordinates; use clip instead")
         for name in ("gather_timeout", "reduce_timeout", "result_timeout", "call_timeout"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0 seconds, got {getattr(self, name)}")
@@ -62,6 +67,9 @@ class RoundOutcome:
     contributors: list[tuple[PeerId, ...]] = field(default_factory=list)
     sent: torch.Tensor | None = None
     """What of our Δ the aggregate includes, as decoded (0 where our span contribution was left out)."""
+    offenders: tuple[PeerId, ...] = ()
+    """Members a majority of the view's span owners marked this round (refused or far-outlying
+    contributions): every member of the view computes the same tuple from the same results."""
     payload_bytes: int = 0
     """Encoded size of our whole contribution (all spans): the codec's cost, without framing."""
     bytes_sent: int = 0
@@ -85,7 +93,11 @@ class RoundState:
     fragment: int = 0  # model fragment of this round (set when we run it)
     contribs: dict[tuple[str, int], dict[PeerId, tuple[bytes, Decoded]]] = field(default_factory=dict)
     results: dict[tuple[str, int], tuple[PeerId, torch.Tensor, tuple[int, ...]]] = field(default_factory=dict)
+    marked: dict[tuple[str, int], tuple[int, ...]] = field(default_factory=dict)
+    """Per (view, span): the view indices its owner marked (refused or far-outlying contributions)."""
+    refused: set[PeerId] = field(default_factory=set)  # whose contributions we refused at admission
     changed: asyncio.Event = field(default_factory=asyncio.Event)
+    banned: frozenset[PeerId] = frozenset()  # peers this round leaves out whoever names them
 
     def named(self, me: PeerId) -> set[PeerId]:
         """Whom this round may include: the peers we expect and, transitively, the peers that a peer so
@@ -96,7 +108,7 @@ class RoundState:
         todo = [p for p in self.expected or () if p != me]
         while todo:
             p = todo.pop()
-            if p not in out:
+            if p not in out and p not in self.banned:
                 out.add(p)
                 todo.extend(q for q in self.lists.get(p, ()) if q != me and q not in out)
         return out

@@ -21,7 +21,7 @@ lower_snake strings, so they serialise into logs and metrics as themselves::
     True
 
 Some reasons (``WRONG_ROUND``, ``WRONG_VIEW``, ``WRONG_SPAN``, ``NOT_MEMBER``,
-``DUPLICATE``, ``NON_FINITE``) are never raised by this package itself; they are
+``DUPLICATE``, ``NON_FINITE``, ``TOO_LARGE``, ``BANNED``) are never raised by this package itself; they are
 defined here so the higher layers that check those properties share one
 vocabulary and one exception type with the wire layer.
 
@@ -74,6 +74,10 @@ class Reason(str, enum.Enum):
     """A second contribution for something already received."""
     NON_FINITE = "non_finite"
     """Decoded values contain NaN or infinity."""
+    TOO_LARGE = "too_large"
+    """Decoded values exceed the receiver's admission bound (root-mean-square above max_rms)."""
+    BANNED = "banned"
+    """The sender was banned for this run after repeated bad contributions."""
 
     def __str__(self) -> str:
         return self.value

@@ -50,6 +50,9 @@ Pattern = typer.Option("strided", "--fragment-pattern", help="strided (block i -
 Overlap = typer.Option(0, "--overlap", help="tau: inner steps a fragment's exchange may overlap before it is applied.")
 Alpha = typer.Option(0.0, help="alpha: weight kept by the local copy when a fragment's global value arrives.")
 OuterOverlap = typer.Option("none", help="Overlap a whole outer step (one fragment): none, eager or delayed.")
+Clip = typer.Option(4.0, help="Robust aggregation: clip each contribution to this multiple of the median norm (0: off).")
+Trim = typer.Option(0.0, help="Robust aggregation: trimmed mean, dropping this fraction at each end (dense only).")
+BanAfter = typer.Option(3, help="Ban a peer for the run after this many refused or far-outlying contributions (0: never).")
 
 
 def _fail(message: str, code: int = 2) -> NoReturn:
@@ -71,7 +74,8 @@ def _configs(o: dict[str, Any]) -> tuple[SwarmConfig, JobConfig]:
     try:
         swarm_cfg = SwarmConfig(run_id=o["run_id"], compression=o["compression"], min_peers=o["min_peers"],
                                 gather_timeout=o["gather_timeout"], result_timeout=o["round_timeout"],
-                                reduce_timeout=o["round_timeout"] * 2 / 3, heartbeat_ttl=o["heartbeat_ttl"])
+                                reduce_timeout=o["round_timeout"] * 2 / 3, heartbeat_ttl=o["heartbeat_ttl"],
+                                clip=o["clip"], trim=o["trim"], ban_after=o["ban_after"])
         job = JobConfig(rounds=o["rounds"], inner_steps=o["inner_steps"], batch_size=o["batch_size"], seed=o["seed"],
                         shard=o["shard"], d_model=o["d_model"], n_layer=o["layers"], threads=o["threads"],
                         eval_every=o["eval_every"], wait_for=o["wait_for"], outer_lr=o["outer_lr"],
@@ -140,6 +144,7 @@ def start(
     outer_lr: Optional[float] = OuterLr, outer_momentum: Optional[float] = OuterMomentum,
     fragments: int = Fragments, fragment_pattern: str = Pattern, overlap: int = Overlap, alpha: float = Alpha,
     outer_overlap: str = OuterOverlap, heartbeat_ttl: float = HeartbeatTtl,
+    clip: float = Clip, trim: float = Trim, ban_after: int = BanAfter,
     checkpoint_dir: Optional[Path] = CheckpointDir, checkpoint_every: int = CheckpointEvery, resume: bool = Resume,
     address_file: Optional[Path] = typer.Option(None, help="Write this peer's addresses to this file once up."),
     status_file: Optional[Path] = typer.Option(None, hidden=True),
@@ -171,6 +176,7 @@ def join(
     outer_lr: Optional[float] = OuterLr, outer_momentum: Optional[float] = OuterMomentum,
     fragments: int = Fragments, fragment_pattern: str = Pattern, overlap: int = Overlap, alpha: float = Alpha,
     outer_overlap: str = OuterOverlap, heartbeat_ttl: float = HeartbeatTtl,
+    clip: float = Clip, trim: float = Trim, ban_after: int = BanAfter,
     checkpoint_dir: Optional[Path] = CheckpointDir, checkpoint_every: int = CheckpointEvery, resume: bool = Resume,
     address_file: Optional[Path] = typer.Option(None, help="Write this peer's addresses to this file once up."),
     status_file: Optional[Path] = typer.Option(None, hidden=True),

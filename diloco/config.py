@@ -10,6 +10,7 @@ import re
 from dataclasses import dataclass
 
 from diloco.comms import CollectiveConfig
+from diloco.comms.robust import RobustConfig
 from diloco.compression.pipeline import parse as parse_compression
 
 
@@ -50,6 +51,14 @@ class SwarmConfig:
     connection); a dead peer is not waited for meanwhile, since calls to it fail."""
     max_payload: int = 1 << 30
     """Largest frame body accepted from the network, in bytes."""
+    clip: float = 4.0
+    """Robust aggregation: clip each contribution to this multiple of the median norm (0: off)."""
+    trim: float = 0.0
+    """Robust aggregation: trimmed mean dropping this fraction at each end per coordinate (dense only)."""
+    ban_after: int = 3
+    """Ban a peer for the run after this many refused or far-outlying contributions (0: never)."""
+    max_update_rms: float = 1e3
+    """Refuse contributions whose root-mean-square value exceeds this."""
 
     def __post_init__(self) -> None:
         if not _RUN_ID.match(self.run_id):
@@ -75,6 +84,7 @@ class SwarmConfig:
             gather_timeout=self.gather_timeout, reduce_timeout=self.reduce_timeout,
             result_timeout=self.result_timeout, call_timeout=self.call_timeout,
             min_peers=self.min_peers, compression=self.compression, max_payload=self.max_payload,
+            robust=RobustConfig(clip=self.clip, trim=self.trim, ban_after=self.ban_after, max_rms=self.max_update_rms),
         )
 
 

@@ -30,7 +30,9 @@ from diloco.comms import messages as msg
 from diloco.comms.loop import LoopThread
 from diloco.comms.transport import InProcNetwork
 from diloco.compression import PayloadRejected
-from diloco.peers import Directory, InProcBoard, PeerRecord, departed, expected_peers, quorum, round_key_for
+from diloco.peers import (Directory, InProcBoard, PeerRecord, banned_by_majority, departed, expected_peers, quorum,
+                          round_key_for)
+from diloco.peers.records import MAX_BANNED
 
 from .config import SwarmConfig
 
@@ -206,7 +208,8 @@ class Swarm:
     async def _publish(self) -> None:
         if self.collective.crashed:  # a crashed peer says nothing more
             return
-        self._record = PeerRecord(**{**self._record.__dict__, "beat": time.time()})
+        banned = tuple(sorted(self.collective.banned)[:MAX_BANNED])
+        self._record = PeerRecord(**{**self._record.__dict__, "beat": time.time(), "banned": banned})
         try:
             await self.directory.publish(self._record, self.cfg.heartbeat_ttl)
         except Exception as e:  # noqa: BLE001
@@ -230,6 +233,8 @@ class Swarm:
         `finish_exchange` collects the outcome."""
         async def go() -> RoundOutcome:
             records = await self._read_records()
+            self.collective.adopt_bans(banned_by_majority(records, self.peer_id), "banned by a majority of the "
+                                       "peers' records")
             key = round_key_for(records, rnd, attempt)
             expected = expected_peers(records, key, self.peer_id)
             # a straggler or last-round member that is catching up shows as joining for a moment: ask it

@@ -198,8 +198,18 @@ def run_job(cfg: JobConfig, swarm: Swarm | None, *, metrics: MetricsWriter | Non
                    params=sum(p.numel() for p in model.parameters()), bytes_sent=sent, bytes_received=recv,
                    committed_rounds=sum(r.committed for r in d.reports), wall_seconds=round(time.monotonic() - started, 2),
                    stopped=stop.is_set(), fragments=len(d.fragments), overlap=cfg.overlap, alpha=cfg.alpha,
-                   outer_overlap=cfg.outer_overlap, usage=d.usage().as_dict())
+                   outer_overlap=cfg.outer_overlap, usage=d.usage().as_dict(), rollbacks=d.rollbacks,
+                   **_defences(swarm))
     metrics.write("final", **summary)
     if status_path:
         write_status(status_path, done=True, step=d.steps, loss=d.loss, **summary)
     return summary
+
+
+def _defences(swarm: Swarm | None) -> dict[str, Any]:
+    """What the swarm refused and why: frames rejected by reason, robust-aggregation events, bans."""
+    if swarm is None:
+        return dict(rejections={}, robust={}, banned=[])
+    c = swarm.collective
+    return dict(rejections=dict(sorted(c.rejections.items())), robust=dict(sorted(c.robust_events.items())),
+                banned=sorted(c.banned))

@@ -14,7 +14,8 @@ The wrapper hooks `optimizer.step` (a post-step hook); after every H-th step it 
 pseudo-gradient Δ = θ_global − θ_local, runs one round of the swarm's collective, applies the
 averaged Δ̄ with the outer optimizer (default SGD lr 0.7, momentum 0.9, Nesterov; any torch
 optimizer via `outer_optimizer=lambda params: ...`) and loads the new θ into the model. The inner
-optimizer is never touched: its state persists across rounds.
+optimizer is never touched (its state persists across rounds), except after a non-finite
+pseudo-gradient: we then roll back to θ, clear its per-parameter state and send nothing.
 
 Failure semantics: if a round does not commit (a span owner died, too few peers), θ stays as it
 was and the model keeps its local progress, so the next round's Δ still carries it. If the swarm
@@ -166,6 +167,8 @@ class DiLoCo:
         self.stragglers: set[PeerId] = set()
         """Peers the last rounds went on without: asked, taken in when ready in time, not waited for."""
         self.resync_failures = 0
+        self.rollbacks = 0
+        """Syncs at which our own pseudo-gradient was not finite: rolled back to θ, nothing sent."""
         """Downloads that failed or did not verify (counted; the source is tried last next time)."""
         self.members: tuple[PeerId, ...] | None = None
         """Who took part in the last round we committed (or in the state we downloaded): the next round
@@ -286,6 +289,8 @@ class DiLoCo:
             return resync
         frag = self.fragments[fragment_of_round(self.state.round, len(self.fragments))]
         delta = pseudo_gradient(self._frag(self.state.params, frag), self._frag(self.local_params, frag))
+        if not bool(torch.isfinite(delta).all()):
+            return self._roll_back(started)
         pending = self._start_exchange(frag, delta, started)
         if self.streaming.overlap == 0 or force_complete:
             return self._complete(pending)
@@ -298,6 +303,12 @@ class DiLoCo:
         frag = self.fragments[0]
         start = self._start if self._start is not None else self.state.params
         delta = pseudo_gradient(start, self.local_params)  # before the late aggregate moves θ
+        if not bool(torch.isfinite(delta).all()):
+            if self._pending is not None:
+                self._complete(self._pending)
+            self._roll_back(started)
+            self._start = None
+            return
         before = self._clone_state() if self.streaming.outer_overlap == "eager" else None
         aggregate = None
         if self._pending is not None:
@@ -329,6 +340,20 @@ class DiLoCo:
         copy_into(self.local_params, params)
         self._start = params
 
+    def _roll_back(self, started: float) -> RoundReport:
+        """Our pseudo-gradient holds NaN or Inf (a diverged inner step): contribute nothing this round,
+        restart from the global θ, and drop the inner optimizer's per-parameter state (its moments
+        hold the same NaN). The swarm goes on without us; we catch up at the next slot if it moved."""
+        self.rollbacks += 1
+        log.warning("event=non_finite_update round=%d reason=our pseudo-gradient holds NaN or Inf: rolled back to "
+                    "the global state, sent nothing (lower the inner lr or clip gradients if this repeats)",
+                    self.state.round)
+        copy_into(self.local_params, self.state.params)
+        self.optimizer.state.clear()
+        report = RoundReport(self.state.round, False, "non-finite pseudo-gradient: rolled back, sent nothing", 1,
+                             0, 0, time.monotonic() - started, self.steps)
+        return self._report(report)
+
     def _start_exchange(self, frag: Fragment, delta: torch.Tensor, started: float) -> _Pending:
         acc = self.ef[frag.index].accumulate(delta) if self.ef is not None else delta
         due = self.steps + (self.streaming.overlap if self.streaming.outer_overlap == "none" else self.cfg.inner_steps)
@@ -336,7 +361,8 @@ class DiLoCo:
             assert self._local_pipeline is not None
             payload = self._local_pipeline.encode(acc)
             sent = self._local_pipeline.decode(payload, acc.numel()).dense(acc.numel())
-            outcome = RoundOutcome(RoundKey(self.state.round), True, "local", (), sent, [()], sent, len(payload))
+            outcome = RoundOutcome(RoundKey(self.state.round), True, "local", (), sent, [()], sent,
+                                   payload_bytes=len(payload))
             self._pending = _Pending(frag, acc, due, started, outcome=outcome)
             return self._pending
         future = self.swarm.exchange_async(self.state.round, self.attempt, self.digest, acc, fragment=frag.index,

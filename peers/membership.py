@@ -8,6 +8,8 @@ is unit-tested deterministically.
 - `resync_source`: whether our global state is outdated or in the minority, and whom to copy.
 - `vouched`: whether a state another peer served us is the one the swarm advertises.
 - `departed`: who left for good at or before our round (no longer counted by `quorum`).
+- `banned_by_majority`: peers that most other peers banned (robust aggregation), so a peer that
+  joined after the ban leaves them out too.
 - `quorum`: whether a round's view may commit: enough peers, and a majority of the last round's
   members, so that at most one side of a partition makes progress.
 """
@@ -31,6 +33,14 @@ def expected_peers(records: Sequence[PeerRecord], key: RoundKey, me: PeerId) -> 
     committed the previous round may not have refreshed its record yet), or ahead (a peer that
     committed this round already answers so, and we download its state instead of forking)."""
     return sorted(r.peer for r in training(records) if r.peer != me and r.round >= key.round - 1)
+
+
+def banned_by_majority(records: Sequence[PeerRecord], me: PeerId) -> list[PeerId]:
+    """Peers banned by a strict majority (and at least two) of the other training peers' records. One
+    peer alone can never ban another in anyone else's view."""
+    voters = [r for r in training(records) if r.peer != me]
+    votes = Counter(p for r in voters for p in set(r.banned) if p != r.peer)
+    return sorted(p for p, n in votes.items() if n >= 2 and 2 * n > len(voters) and p != me)
 
 
 def round_key_for(records: Sequence[PeerRecord], my_round: int, my_attempt: int) -> RoundKey:

@@ -48,15 +48,28 @@ class PeerRecord:
     recent: tuple[tuple[int, str], ...] = ()
     """The last few (round, digest) states this peer held, newest last: a peer catching up can check a
     state that moved on after it read this record (`peers.membership.vouched`)."""
+    banned: tuple[PeerId, ...] = ()
+    """Peers this peer banned for the run (robust aggregation); a peer a majority bans is left out by
+    everyone, including peers that joined after the ban (`peers.membership.banned_by_majority`)."""
 
     def to_wire(self) -> dict[str, Any]:
         out = asdict(self)
         out["addrs"] = list(self.addrs)
         out["recent"] = [list(x) for x in self.recent]
+        out["banned"] = list(self.banned)
         return out
 
 
 MAX_RECENT = 8  # longest `recent` accepted from the network
+MAX_BANNED = 64  # longest `banned` accepted from the network
+
+
+def _parse_banned(value: Any) -> tuple[PeerId, ...] | None:
+    if not isinstance(value, list) or len(value) > MAX_BANNED:
+        return None
+    if not all(isinstance(p, str) and 0 < len(p) <= 128 for p in value):
+        return None
+    return tuple(PeerId(p) for p in value)
 
 
 def _parse_recent(value: Any) -> tuple[tuple[int, str], ...] | None:
@@ -83,6 +96,7 @@ def parse_record(peer: str, value: Any) -> PeerRecord | None:
         digest, step, loss = value.get("digest", ""), value.get("step", 0), value.get("loss")
         addrs, beat = value.get("addrs", []), value.get("beat", 0.0)
         recent = _parse_recent(value.get("recent", []))
+        banned = _parse_banned(value.get("banned", []))
     except (KeyError, TypeError):
         return None
     ints_ok = all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in (rnd, attempt, step))
@@ -90,13 +104,13 @@ def parse_record(peer: str, value: Any) -> PeerRecord | None:
     addrs_ok = isinstance(addrs, list) and len(addrs) <= 16 and all(isinstance(a, str) and len(a) < 512 for a in addrs)
     beat_ok = isinstance(beat, (int, float)) and not isinstance(beat, bool) and math.isfinite(beat) and beat >= 0
     if not (status in STATUSES and ints_ok and loss_ok and addrs_ok and beat_ok and isinstance(digest, str)
-            and len(digest) <= 64 and recent is not None):
+            and len(digest) <= 64 and recent is not None and banned is not None):
         return None
     if value.get("peer", peer) != peer:
         return None
     return PeerRecord(peer=PeerId(peer), status=status, round=rnd, attempt=attempt, digest=digest,
                       step=step, loss=None if loss is None else float(loss), addrs=tuple(addrs), beat=float(beat),
-                      recent=recent)
+                      recent=recent, banned=banned)
 
 
 class Directory(Protocol):

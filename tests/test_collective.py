@@ -516,7 +516,7 @@ def test_rejected_frames_are_counted_and_never_reach_the_aggregate():
             (b, contrib("b", torch.full((hi0 - lo0,), 7.0), k=RoundKey(1, 4)), Reason.WRONG_ROUND),  # stale
             (b, contrib("b", torch.full((hi0 - lo0,), 7.0), k=RoundKey(9, 0)), Reason.WRONG_ROUND),  # far ahead
             (b, contrib("b", torch.full((hi1 - lo1,), 7.0), span=1), Reason.WRONG_SPAN),  # span a does not own
-            (b, contrib("b", good), None),
+            (b, contrib("b", good), Reason.DUPLICATE),  # one contribution a round: the refused one counted
             (b, contrib("b", torch.full((hi0 - lo0,), -50.0)), Reason.DUPLICATE),
         ]
         replies = []
@@ -547,23 +547,23 @@ def test_rejected_frames_are_counted_and_never_reach_the_aggregate():
         else:
             assert meta["ok"] is False and meta["reason"] == reason.value, (reason, meta)
     assert rej_mid == Counter({"wrong_view": 1, "not_member": 2, "non_finite": 1, "wrong_round": 2,
-                               "wrong_span": 1, "duplicate": 1})
+                               "wrong_span": 1, "duplicate": 2})
     assert bad_inf["ok"] is False and bad_inf["reason"] == "non_finite"
     assert ok_result["ok"] is True
     assert rejections == rej_mid + Counter({"non_finite": 1})
 
-    # a committed with exactly the accepted frames: span 0 = mean(a's part, b's good part)
+    # a committed with exactly the accepted frames: span 0 = a's part alone (b's was refused, and marked)
     assert out.committed, out.reason
     assert out.view == view
-    expected0 = (delta_a[lo0:hi0] + good) / 2
+    expected0 = delta_a[lo0:hi0]
     assert torch.equal(out.aggregate, torch.cat([expected0, r1]))
-    assert out.contributors == [view, view]
+    assert out.contributors == [("a",), view]
     # and a sent b its contribution for span 1 and the same mean for span 0
     assert [(v, s) for v, s, _ in got_from_a["contrib"]] == [(vid, 1)]
     assert torch.equal(got_from_a["contrib"][0][2], delta_a[lo1:hi1])
     assert len(got_from_a["result"]) == 1
     rv, rs, contributors, values = got_from_a["result"][0]
-    assert (rv, rs, contributors) == (vid, 0, [0, 1])
+    assert (rv, rs, contributors) == (vid, 0, [0])
     assert torch.equal(values, expected0)
 
 

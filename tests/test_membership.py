@@ -16,6 +16,7 @@ from diloco.peers import (
     InProcBoard,
     PeerRecord,
     expected_peers,
+    banned_by_majority,
     parse_record,
     resync_source,
     round_key_for,
@@ -143,13 +144,14 @@ def test_resync_ignores_our_own_record():
 
 
 VALID = {"peer": "p1", "status": "training", "round": 3, "attempt": 1, "digest": "abcd", "step": 40,
-         "loss": 0.5, "addrs": ["/ip4/1.2.3.4/tcp/5/p2p/Qm"], "recent": [[2, "ab"], [3, "abcd"]]}
+         "loss": 0.5, "addrs": ["/ip4/1.2.3.4/tcp/5/p2p/Qm"], "recent": [[2, "ab"], [3, "abcd"]],
+         "banned": ["p9"]}
 
 
 def test_parse_record_accepts_valid_and_round_trips_to_wire():
     r = parse_record("p1", dict(VALID))
     assert r == PeerRecord(peer="p1", status="training", round=3, attempt=1, digest="abcd", step=40, loss=0.5,
-                           addrs=("/ip4/1.2.3.4/tcp/5/p2p/Qm",), recent=((2, "ab"), (3, "abcd")))
+                           addrs=("/ip4/1.2.3.4/tcp/5/p2p/Qm",), recent=((2, "ab"), (3, "abcd")), banned=("p9",))
     assert parse_record("p1", r.to_wire()) == r
 
 
@@ -191,6 +193,10 @@ BAD_VALUES = {
     "recent bool round": {**VALID, "recent": [[True, "abcd"]]},
     "recent empty digest": {**VALID, "recent": [[3, ""]]},
     "recent digest too long": {**VALID, "recent": [[3, "x" * 65]]},
+    "banned not a list": {**VALID, "banned": "p9"},
+    "banned too long": {**VALID, "banned": [f"p{i}" for i in range(65)]},
+    "banned id not str": {**VALID, "banned": [9]},
+    "banned empty id": {**VALID, "banned": [""]},
 }
 
 
@@ -338,3 +344,28 @@ def test_a_state_other_peers_contradict_is_refused():
 def test_a_peer_votes_once_per_digest_however_often_its_record_lists_it():
     a = rec("a", 3, digest="x", recent=((3, "x"),))
     assert vouched([a, rec("b", 3, digest="y")], "me", 3, "y")[0] is False
+
+
+# ---------------------------------------------------------------------- banned_by_majority
+
+
+def _banning(peer: str, *banned: str, status: str = "training") -> PeerRecord:
+    return PeerRecord(peer=peer, status=status, round=3, banned=banned)
+
+
+def test_a_peer_most_others_banned_is_banned_for_a_newcomer_too():
+    records = [_banning("new"), _banning("a", "x"), _banning("b", "x"), _banning("c"), _banning("x")]
+    assert banned_by_majority(records, "new") == []  # 2 of 4 others: not a strict majority
+    records.append(_banning("d", "x"))
+    assert banned_by_majority(records, "new") == ["x"]  # 3 of 5
+
+
+def test_one_peer_alone_bans_nobody_and_nobody_bans_us_or_itself():
+    assert banned_by_majority([_banning("me"), _banning("a", "b"), _banning("b")], "me") == []  # 1 voter of 2
+    assert banned_by_majority([_banning("me"), _banning("a", "b")], "me") == []  # needs two voters
+    records = [_banning("me"), _banning("a", "me", "a"), _banning("b", "me", "b"), _banning("c", "me")]
+    assert banned_by_majority(records, "me") == []
+    # records of peers not training (left, catching up) do not vote
+    records = [_banning("me"), _banning("a", "x", status="left"), _banning("b", "x", status="joining"),
+               _banning("c", "x"), _banning("d", "x"), _banning("x")]
+    assert banned_by_majority(records, "me") == ["x"]

@@ -1,0 +1,141 @@
+"""Robust aggregation: what one bad-but-authorized peer can do to a span's mean, bounded.
+
+Pure, deterministic functions of the contributions an owner (or, for sparse bundles, every member)
+combines. Nothing here trusts a number from the wire: norms are computed locally from the decoded
+values, and every contributor weighs the same (weights never come from the wire).
+
+- **Admission** (`admit`): a contribution whose root-mean-square value exceeds `max_rms` is refused
+  outright (the frame is rejected and counted; a pseudo-gradient that large is a bug or an attack,
+  never training).
+- **Clipping** (on by default): with at least `MIN_ROBUST` contributions, each one whose L2 norm
+  exceeds `clip` × the median norm is scaled down to that bound, so one peer moves the mean by at
+  most `clip` × median / n per span, however large its update.
+- **Trimmed mean** (optional, dense pipelines): per coordinate, the `trim` fraction of largest and
+  of smallest values is dropped before averaging.
+- **Strikes** (`offenders`): a contribution above `strike` × the median norm is a strike against
+  its sender; the caller bans a peer for the run after `ban_after` strikes.
+
+Robust statistics need an honest majority of contributors: with fewer than `MIN_ROBUST`
+contributions there is no median to trust, and nothing is clipped or struck.
+Nothing is changed when nothing exceeds a bound, so honest rounds are bit-identical with or without
+these defences.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from diloco.compression.pipeline import Decoded
+
+from .reduce import average
+
+MIN_ROBUST = 3
+
+
+@dataclass(frozen=True, kw_only=True)
+class RobustConfig:
+    clip: float = 4.0
+    """Clip each contribution's L2 norm to this multiple of the median norm (0: off)."""
+    trim: float = 0.0
+    """Trimmed mean: drop this fraction of largest and of smallest values per coordinate (dense only; 0: off)."""
+    strike: float = 16.0
+    """A contribution above this multiple of the median norm counts a strike against its sender."""
+    ban_after: int = 3
+    """Strikes after which a peer is banned for the run (0: never ban)."""
+    max_rms: float = 1e3
+    """Refuse a contribution whose root-mean-square value exceeds this (a pseudo-gradient that large is
+    never training; raise it only if your parameters themselves are that large)."""
+
+    def __post_init__(self) -> None:
+        if not (self.clip == 0 or self.clip >= 1) or not math.isfinite(self.clip):
+            raise ValueError(f"clip must be 0 (off) or a finite multiple >= 1 of the median norm, got {self.clip}")
+        if not 0 <= self.trim < 0.5:
+            raise ValueError(f"trim must be in [0, 0.5) (the fraction dropped at each end), got {self.trim}")
+        if not self.strike > 1 or not math.isfinite(self.strike):
+            raise ValueError(f"strike must be a finite multiple > 1 of the median norm, got {self.strike}")
+        if self.ban_after < 0:
+            raise ValueError(f"ban_after must be >= 0 strikes (0: never ban), got {self.ban_after}")
+        if not self.max_rms > 0:
+            raise ValueError(f"max_rms must be > 0, got {self.max_rms}")
+
+
+def norm(part: Decoded) -> float:
+    """L2 norm of a contribution's values, accumulated in float64."""
+    return float(torch.linalg.vector_norm(part.values, dtype=torch.float64))
+
+
+def rms(part: Decoded) -> float:
+    """Root-mean-square of the values a contribution sent (the coordinates it holds)."""
+    n = part.values.numel()
+    return norm(part) / math.sqrt(n) if n else 0.0
+
+
+def admit(part: Decoded, cfg: RobustConfig) -> tuple[bool, str]:
+    """Whether a decoded contribution may be combined at all, and why not."""
+    if not bool(torch.isfinite(part.values).all()):
+        return False, "holds NaN or Inf"
+    r = rms(part)
+    if r > cfg.max_rms:
+        return False, f"root-mean-square {r:.3g} exceeds max_rms={cfg.max_rms:g}"
+    return True, ""
+
+
+def median(values: Sequence[float]) -> float:
+    """The lower median (an element of `values`, so one outlier cannot set it on its own)."""
+    s = sorted(values)
+    return s[(len(s) - 1) // 2]
+
+
+def clip_scales(norms: Sequence[float], clip: float) -> list[float]:
+    """Per contribution, the factor that brings its norm down to `clip` × median (1.0: untouched)."""
+    if clip == 0 or len(norms) < MIN_ROBUST:
+        return [1.0] * len(norms)
+    bound = clip * median(norms)
+    if bound <= 0:
+        return [1.0] * len(norms)
+    return [bound / n if n > bound else 1.0 for n in norms]
+
+
+def offenders(norms: Sequence[float], strike: float) -> list[int]:
+    """Indices of contributions above `strike` × the median norm."""
+    if len(norms) < MIN_ROBUST:
+        return []
+    bound = strike * median(norms)
+    return [i for i, n in enumerate(norms) if n > bound and bound > 0]
+
+
+@dataclass(frozen=True)
+class Combined:
+    values: torch.Tensor
+    norms: list[float]
+    scales: list[float]
+    """Per input (same order), the clip factor applied (1.0: untouched)."""
+
+    @property
+    def clipped(self) -> list[int]:
+        return [i for i, s in enumerate(self.scales) if s != 1.0]
+
+
+def combine(parts: Sequence[Decoded], numel: int, cfg: RobustConfig) -> Combined:
+    """The robust mean of `parts` (in the given order, which fixes the summation order)."""
+    norms = [norm(p) for p in parts]
+    scales = clip_scales(norms, cfg.clip)
+    scaled = [p if s == 1.0 else Decoded(p.indices, p.values * torch.tensor(s, dtype=torch.float32))
+              for p, s in zip(parts, scales)]
+    k = math.floor(cfg.trim * len(parts))
+    if k > 0 and all(p.indices is None for p in scaled):
+        return Combined(trimmed_mean([p.values for p in scaled], k), norms, scales)
+    return Combined(average(scaled, numel), norms, scales)
+
+
+def trimmed_mean(values: Sequence[torch.Tensor], k: int) -> torch.Tensor:
+    """Per coordinate, the mean of the values left after dropping the k largest and k smallest.
+    Independent of the input order (values are sorted per coordinate before summing)."""
+    if not 0 <= 2 * k < len(values):
+        raise ValueError(f"cannot trim {k} from each end of {len(values)} values")
+    kept = torch.stack(list(values)).sort(dim=0).values[k:len(values) - k]
+    return kept.sum(dim=0) / kept.shape[0]
