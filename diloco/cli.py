@@ -238,7 +238,7 @@ def simulate(
     eval_every: int = typer.Option(0, help="Evaluate held-out loss every N rounds (0: only at the end)."),
     outer_lr: Optional[float] = OuterLr, outer_momentum: Optional[float] = OuterMomentum,
     fragments: int = Fragments, fragment_pattern: str = Pattern, overlap: int = Overlap, alpha: float = Alpha,
-    outer_overlap: str = OuterOverlap,
+    outer_overlap: str = OuterOverlap, clip: float = Clip, trim: float = Trim, ban_after: int = BanAfter,
     bandwidth_mbit: float = typer.Option(100.0, help="Projected link of each worker, Mbit/s per direction."),
     latency_ms: float = typer.Option(50.0, help="Projected one-way latency between workers, ms."),
     step_seconds: Optional[float] = typer.Option(None, help="Compute time of an inner step (default: measured here)."),
