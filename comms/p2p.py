@@ -7,7 +7,9 @@ caller. Large payloads are fine: the stream is raw bytes, not a size-limited una
 
 Failure semantics: every call has a timeout; an unreachable, dead or slow peer surfaces as
 `TransportError`, never as a hang. A request larger than `max_message` is refused before it is
-read into memory. The daemon is a child process: `diloco.peers.reaper` makes sure it dies with
+read into memory. With a `Guard` (the swarm's credential, `auth.py`) a request's first 56 bytes
+(envelope head and tag) are read and checked before anything else: a caller without the key is
+answered with a 56-byte refusal and its stream closed, its body never read. The daemon is a child process: `diloco.peers.reaper` makes sure it dies with
 us even when we are SIGKILLed.
 """
 
@@ -20,6 +22,7 @@ from typing import Any, Iterator, Literal
 
 from hivemind.p2p import P2P, PeerID
 
+from .auth import HEAD_SIZE, MAC_SIZE, Guard, Refusal
 from .transport import ByteCounter, Handler, PeerId, TransportError
 
 log = logging.getLogger(__name__)
@@ -32,12 +35,15 @@ async def _send(writer: asyncio.StreamWriter, data: bytes) -> None:
     await P2P.send_raw_data(data, writer, chunk_size=1 << 20)
 
 
-async def _receive(reader: asyncio.StreamReader, max_message: int) -> bytes:
-    header = await reader.readexactly(_LEN)
-    length = int.from_bytes(header, _BYTEORDER)
+async def _length(reader: asyncio.StreamReader, max_message: int) -> int:
+    length = int.from_bytes(await reader.readexactly(_LEN), _BYTEORDER)
     if length > max_message:
         raise TransportError(f"message of {length} bytes exceeds the limit of {max_message} bytes")
-    return await reader.readexactly(length)
+    return length
+
+
+async def _receive(reader: asyncio.StreamReader, max_message: int) -> bytes:
+    return await reader.readexactly(await _length(reader, max_message))
 
 
 @contextmanager
@@ -66,6 +72,7 @@ class P2PTransport:
         self.peer_id = PeerId(p2p.peer_id.to_base58())
         self.counter = ByteCounter()
         self.max_message = max_message
+        self.guard: Guard | None = None
 
     @classmethod
     async def create(
@@ -112,9 +119,12 @@ class P2PTransport:
         async def serve(info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
             caller = PeerId(info.peer_id.to_base58())
             try:
-                request = await _receive(reader, self.max_message)
-                self.counter.add(caller, received=len(request) + _LEN)
-                reply = await handler(caller, request)
+                if self.guard is None:
+                    request = await _receive(reader, self.max_message)
+                    self.counter.add(caller, received=len(request) + _LEN)
+                    reply = await handler(caller, request)
+                else:
+                    reply = await self._serve_guarded(self.guard, name, caller, reader, handler)
                 await _send(writer, reply)
                 self.counter.add(caller, sent=len(reply) + _LEN)
             except (TransportError, asyncio.IncompleteReadError, ConnectionError) as e:
@@ -124,7 +134,30 @@ class P2PTransport:
 
         await self.p2p.add_binary_stream_handler(name, serve)
 
+    async def _serve_guarded(self, guard: Guard, name: str, caller: PeerId, reader: asyncio.StreamReader,
+                             handler: Handler) -> bytes:
+        """Read the head, refuse a caller without the key there; only then read and open the rest."""
+        length = await _length(reader, self.max_message)
+        head = await reader.readexactly(min(length, HEAD_SIZE))
+        self.counter.add(caller, received=len(head) + _LEN)
+        try:
+            body_len = guard.check_head(name, caller, head)
+            if length != HEAD_SIZE + body_len + MAC_SIZE:
+                raise guard.refuse("malformed", caller, f"envelope declares {body_len} body bytes in {length}")
+            rest = await reader.readexactly(length - HEAD_SIZE)
+            self.counter.add(caller, received=len(rest))
+            body, seal = guard.open_request(name, caller, head, rest)
+        except Refusal as r:
+            return r.reply
+        return seal(await handler(caller, bytes(body)))
+
     async def call(self, peer: PeerId, name: str, payload: bytes, timeout: float) -> bytes:
+        if self.guard is None:
+            return await self._call(peer, name, payload, timeout)
+        guard = self.guard
+        return await guard.call(name, peer, payload, lambda data: self._call(peer, name, data, timeout))
+
+    async def _call(self, peer: PeerId, name: str, payload: bytes, timeout: float) -> bytes:
         async def exchange() -> bytes:
             _, reader, writer = await self.p2p.call_binary_stream_handler(PeerID.from_base58(peer), name)
             try:

@@ -9,14 +9,19 @@ protocol (ready, contribution, result) and the state download are such calls. Tw
 - `P2PTransport` (`p2p.py`): hivemind's libp2p daemon, one stream per call, for real swarms.
 
 Both count the bytes of every request and reply they send and receive (`ByteCounter`), so the
-round protocol can report exact bytes on the wire per peer per round.
+round protocol can report exact bytes on the wire per peer per round. Given a `Guard` (`auth.py`:
+the swarm's credential), both seal every call and reply and hand a handler only requests that are
+authentic and fresh; everything else is refused before the handler sees a byte of it.
 """
 
 from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, field
-from typing import Awaitable, Callable, NewType, Optional, Protocol
+from typing import TYPE_CHECKING, Awaitable, Callable, NewType, Optional, Protocol
+
+if TYPE_CHECKING:
+    from .auth import Guard
 
 PeerId = NewType("PeerId", str)
 Handler = Callable[[PeerId, bytes], Awaitable[bytes]]
@@ -50,6 +55,8 @@ class Transport(Protocol):
 
     peer_id: PeerId
     counter: ByteCounter
+    guard: Guard | None
+    """Set before the first `register`/`call` to authenticate everything (None: an open transport)."""
 
     async def register(self, name: str, handler: Handler) -> None: ...
 
@@ -91,12 +98,23 @@ class InProcTransport:
         self.peer_id = peer_id
         self.drop = drop
         self.counter = ByteCounter()
+        self.guard: Guard | None = None
         self.handlers: dict[str, Handler] = {}
 
     async def register(self, name: str, handler: Handler) -> None:
-        self.handlers[name] = handler
+        async def serve(caller: PeerId, data: bytes) -> bytes:
+            if self.guard is None:
+                return await handler(caller, data)
+            return await self.guard.serve(name, caller, data, handler)
+
+        self.handlers[name] = serve
 
     async def call(self, peer: PeerId, name: str, payload: bytes, timeout: float) -> bytes:
+        if self.guard is None:
+            return await self._send(peer, name, payload, timeout)
+        return await self.guard.call(name, peer, payload, lambda data: self._send(peer, name, data, timeout))
+
+    async def _send(self, peer: PeerId, name: str, payload: bytes, timeout: float) -> bytes:
         if self.network.lookup(self.peer_id) is not self:
             raise TransportError(f"this peer ({self.peer_id}) has been removed from the network")
         target = self.network.lookup(peer)

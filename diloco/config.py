@@ -7,9 +7,10 @@ what is wrong and how to fix it, before any network I/O happens.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from diloco.comms import CollectiveConfig
+from diloco.comms import CollectiveConfig, PeerId
+from diloco.comms.auth import Guard, check_secret
 from diloco.comms.robust import RobustConfig
 from diloco.compression.pipeline import parse as parse_compression
 
@@ -59,6 +60,12 @@ class SwarmConfig:
     """Ban a peer for the run after this many refused or far-outlying contributions (0: never)."""
     max_update_rms: float = 1e3
     """Refuse contributions whose root-mean-square value exceeds this."""
+    secret: str | None = field(default=None, repr=False)
+    """The swarm's shared secret (≥ 16 characters); every call is authenticated with keys derived from it
+    and the run id. `Swarm.start` creates one when None; `Swarm.join` requires it; in-process swarms
+    without one are open. Never logged, never written to metrics."""
+    allow_peers: tuple[str, ...] = ()
+    """If not empty: the only libp2p peer ids this peer talks to (an allowlist, on top of the secret)."""
 
     def __post_init__(self) -> None:
         if not _RUN_ID.match(self.run_id):
@@ -74,10 +81,24 @@ class SwarmConfig:
                 f"heartbeat_ttl ({self.heartbeat_ttl}) must exceed twice heartbeat_interval "
                 f"({self.heartbeat_interval}) > 0, or live peers would flicker out of the swarm"
             )
+        if self.secret is not None:
+            try:
+                check_secret(self.secret)
+            except ValueError as e:
+                raise ConfigError(f"secret: {e}") from None
+        bad = [p for p in self.allow_peers if not isinstance(p, str) or not 0 < len(p) <= 128]
+        if bad:
+            raise ConfigError(f"allow_peers must be libp2p peer ids (12D3KooW…), got {bad[:3]!r}")
         try:
             self.collective()
         except ValueError as e:
             raise ConfigError(str(e)) from e
+
+    def guard(self, me: str) -> Guard | None:
+        """The credential of peer `me` in this swarm (None for an open, in-process swarm)."""
+        if self.secret is None:
+            return None
+        return Guard(self.secret, self.run_id, PeerId(me), frozenset(self.allow_peers) or None)
 
     def collective(self) -> CollectiveConfig:
         return CollectiveConfig(

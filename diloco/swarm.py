@@ -10,6 +10,12 @@ round collective, and a handler that serves our global state to peers that need 
 All asynchronous work runs on a background event loop; every public method is synchronous and
 bounded by the configured timeouts.
 
+Credentials (`diloco.comms.auth`): every call is sealed with keys derived from `SwarmConfig.secret`
+(`start` creates one when none is given; `join` requires it) and the DHT answers only peers that
+hold it. Joining begins with a handshake (`diloco.comms.hello`) with the peer dialed: a wrong secret,
+run id or protocol version raises `HandshakeError` naming the field within one call timeout, and
+`handshake(schema)` repeats it with the model's schema digest once the model is known.
+
 Failure semantics: the peer that ran `start` is only the first address others dial; once others
 joined, it may leave or crash and the swarm goes on. A bootstrap address that does not answer
 is skipped for the next one given; when none answers, `join` raises `SwarmError` listing them.
@@ -21,12 +27,16 @@ import asyncio
 import concurrent.futures
 import logging
 import time
+from dataclasses import replace
 from typing import Any, Callable, Collection
 
 import torch
 
 from diloco.comms import Collective, PeerId, RoundKey, RoundOutcome, Transport
+from diloco.comms import hello as hs
 from diloco.comms import messages as msg
+from diloco.comms.auth import HELLO, AuthRefused, new_secret
+from diloco.comms.hello import HandshakeError
 from diloco.comms.loop import LoopThread
 from diloco.comms.transport import InProcNetwork
 from diloco.compression import PayloadRejected
@@ -49,9 +59,11 @@ class Swarm:
     def __init__(self, loop: LoopThread, transport: Transport, directory: Directory, collective: Collective,
                  cfg: SwarmConfig, *, owns_loop: bool, addresses: list[str],
                  on_close: Callable[[], None] | None = None,
-                 bootstrapped: bool = False) -> None:
+                 bootstrapped: bool = False, addresses_dialed: Collection[str] = ()) -> None:
         self.bootstrapped = bootstrapped
         """True when this peer joined through another peer's address (so a swarm should be visible)."""
+        self.bootstrap_peers: list[PeerId] = [PeerId(a.rsplit("/p2p/", 1)[1]) for a in addresses_dialed]
+        """The peers we dialed to join: the handshake compares settings with them."""
         self.loop, self.transport, self.directory, self.collective = loop, transport, directory, collective
         self.cfg = cfg
         self.addresses = addresses
@@ -64,6 +76,7 @@ class Swarm:
         self._seen_at = 0.0
         self._closed = False
         loop.run(transport.register("diloco.state", self._on_state))
+        loop.run(transport.register(HELLO, self._on_hello))
         self._heartbeat = loop.submit(self._heartbeat_loop())
 
     # ------------------------------------------------------------------ construction
@@ -80,10 +93,15 @@ class Swarm:
         """Join the swarm reachable at any of `initial_peers`, tried in order."""
         if not initial_peers:
             raise SwarmError("join needs at least one address, e.g. /ip4/1.2.3.4/tcp/31337/p2p/12D3Koo…")
+        if cfg.secret is None:
+            raise SwarmError("joining needs the swarm's secret: SwarmConfig(secret=...); on the command line "
+                             "--secret-file PATH (the file `diloco start` wrote) or the DILOCO_SECRET variable")
         tried = []
         for addr in initial_peers:
             try:
                 return cls._create_p2p(cfg, [addr], host, port, announce)
+            except HandshakeError:
+                raise  # the swarm answered and said no: another address would say the same
             except Exception as e:  # noqa: BLE001 - any failure to bootstrap means "try the next address"
                 tried.append(f"{addr} ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})")
                 log.warning("event=bootstrap_failed addr=%s reason=%s", addr, e)
@@ -93,11 +111,14 @@ class Swarm:
     @classmethod
     def _create_p2p(cls, cfg: SwarmConfig, initial: list[str], host: str, port: int,
                     announce: list[str] | None) -> Swarm:
+        from diloco.comms.auth import HmacAuthorizer
         from diloco.comms.p2p import P2PTransport
         from diloco.peers import DHTDirectory
         from diloco.peers.reaper import Reaper
 
         _validate_addrs(initial)
+        if cfg.secret is None:
+            cfg = replace(cfg, secret=new_secret())
         loop = LoopThread()
         reaper = Reaper()
         proto = "ip6" if ":" in host else "ip4"
@@ -109,8 +130,12 @@ class Swarm:
                 reaper.watch_pid(transport.daemon_pid)
             for path in transport.socket_paths:
                 reaper.watch_file(path)
+            transport.guard = cfg.guard(transport.peer_id)
             try:
-                directory = await asyncio.wait_for(DHTDirectory.create(transport.p2p, cfg.run_id, initial), 30)
+                for addr in initial:  # before the DHT: a peer that must not join learns why at once
+                    await _hello(transport, PeerId(addr.rsplit("/p2p/", 1)[1]), cfg, "")
+                directory = await asyncio.wait_for(DHTDirectory.create(
+                    transport.p2p, cfg.run_id, initial, authorizer=HmacAuthorizer(cfg.secret or "", cfg.run_id)), 30)
                 collective = await Collective.create(transport, cfg.run_id, cfg.collective())
                 addresses = await transport.visible_addresses()
             except BaseException:
@@ -134,7 +159,7 @@ class Swarm:
             reaper.close()  # kills the daemon if it is still there
 
         return cls(loop, transport, directory, collective, cfg, owns_loop=True, addresses=addresses,
-                   on_close=finish, bootstrapped=bool(initial))
+                   on_close=finish, bootstrapped=bool(initial), addresses_dialed=initial)
 
     @classmethod
     def in_process(cls, network: InProcNetwork, board: Directory, peer_id: str, cfg: SwarmConfig,
@@ -143,6 +168,7 @@ class Swarm:
         """A peer on an in-process network (tests, simulation); many peers share one `loop`. `drop(target,
         handler)` True loses that outgoing call (fault injection: a partition)."""
         transport = network.transport(peer_id, drop)
+        transport.guard = cfg.guard(peer_id)
         collective = loop.run(Collective.create(transport, cfg.run_id, cfg.collective()))
         return cls(loop, transport, board, collective, cfg, owns_loop=False, addresses=[f"inproc:{peer_id}"],
                    bootstrapped=bootstrapped)
@@ -154,8 +180,35 @@ class Swarm:
         return self.transport.peer_id
 
     def join_command(self) -> str:
+        """What another machine runs to join (the secret travels separately: see the CLI's `start`)."""
         addr = next((a for a in self.addresses if "/127.0.0.1/" not in a), self.addresses[0])
         return f"diloco join {addr} --run-id {self.cfg.run_id}"
+
+    def handshake(self, schema: str) -> None:
+        """Compare protocol, run id and `schema` with the peers we dialed to join; raises `HandshakeError`
+        naming the first differing field. Peers that do not answer are skipped (the frame checks still
+        refuse a mismatched schema)."""
+        async def ask_all() -> None:
+            results = await asyncio.gather(*(_hello(self.transport, p, self.cfg, schema)
+                                              for p in self.bootstrap_peers), return_exceptions=True)
+            for r in results:
+                if isinstance(r, HandshakeError):
+                    raise r
+
+        self.loop.run(ask_all(), timeout=self.cfg.call_timeout + 5)
+
+    async def _on_hello(self, caller: PeerId, data: bytes) -> bytes:
+        ours = hs.hello(self.cfg.run_id, self.collective.schema)
+        try:
+            field = hs.mismatch(ours, hs.unpack(data))
+        except ValueError as e:
+            self.collective.rejections["bad_header"] += 1
+            log.warning("event=handshake_refused peer=%s reason=%s", caller, e)
+            field = "protocol"
+        if field is not None:
+            self.collective.rejections[hs.REASON[field]] += 1
+            log.warning("event=handshake_refused peer=%s field=%s", caller, field)
+        return hs.pack({**ours, "field": field or ""})
 
     def update(self, *, now: bool = True, **fields: Any) -> None:
         """Change our record (status, round, attempt, digest, step, loss); publish it at once when
@@ -341,6 +394,25 @@ class Swarm:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+async def _hello(transport: Transport, peer: PeerId, cfg: SwarmConfig, schema: str) -> None:
+    """One handshake with `peer`; raises HandshakeError on a mismatch or a refusal of our credential,
+    TransportError when the peer cannot be reached."""
+    ours = hs.hello(cfg.run_id, schema)
+    try:
+        reply = await transport.call(peer, HELLO, hs.pack(ours), min(cfg.call_timeout, 10.0))
+    except AuthRefused as e:
+        raise HandshakeError("secret" if e.reason == "unauthorized" else "allowlist", "(hidden)", "(hidden)",
+                             peer) from None
+    try:
+        theirs = hs.unpack(reply)
+    except ValueError as e:
+        raise HandshakeError("protocol", hs.hello(cfg.run_id, schema)["protocol"], f"unreadable ({e})", peer) from None
+    field = theirs.get("field") or hs.mismatch(ours, theirs)
+    if field:
+        field = field if field in hs.FIELDS else "protocol"
+        raise HandshakeError(field, ours[field], theirs[field], peer)
 
 
 def _validate_addrs(addrs: list[str]) -> None:

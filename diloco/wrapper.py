@@ -198,6 +198,7 @@ class DiLoCo:
         """Catch up with the swarm (download θ if others are ahead) and hook the optimizer."""
         if self.swarm is not None:
             self.swarm.collective.schema = self.schema
+            self.swarm.handshake(self.schema)  # a peer with another model or codec stops here, saying so
             self.swarm.serve_state(self._serve, info=lambda: {"position": self.schedule_position,
                                                               "members": ",".join(self.members or ())})
             self._catch_up_on_join()

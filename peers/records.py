@@ -159,13 +159,16 @@ class DHTDirectory:
         self.dropped: Counter[str] = Counter()
 
     @classmethod
-    async def create(cls, p2p: Any, run_id: str, initial_peers: list[str], client_mode: bool = False) -> DHTDirectory:
-        """`client_mode`: read and write records without storing others' (an observer, e.g. `diloco status`)."""
+    async def create(cls, p2p: Any, run_id: str, initial_peers: list[str], client_mode: bool = False,
+                     authorizer: Any = None) -> DHTDirectory:
+        """`client_mode`: read and write records without storing others' (an observer, e.g. `diloco status`).
+        `authorizer` (`diloco.comms.auth.HmacAuthorizer`): sign our DHT requests and answers, and ignore
+        nodes that cannot sign theirs (they lack the swarm secret)."""
         from hivemind.dht.node import DHTNode
 
         node = await DHTNode.create(p2p=p2p, initial_peers=initial_peers or None, num_workers=4,
                                     cache_locally=False, ensure_bootstrap_success=bool(initial_peers),
-                                    client_mode=client_mode)
+                                    client_mode=client_mode, authorizer=authorizer)
         return cls(node, run_id)
 
     async def publish(self, record: PeerRecord, ttl: float) -> None:

@@ -1,0 +1,286 @@
+"""Swarm credentials (comms/auth.py): who may call a peer, and that nothing stale is accepted.
+
+Every test has a spy handler that records what reaches it: a refused call must leave it untouched
+(0 bytes of an unauthorized request reach any decode). In-process tests drive `InProcTransport`s
+with guards; the P2P tests use real hivemind daemons on 127.0.0.1.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import pytest
+
+from diloco.comms import InProcNetwork, PeerId
+from diloco.comms import hello as hs
+from diloco.comms.auth import (HEAD_SIZE, OVERHEAD, WINDOW, AuthRefused, Guard, derive, new_secret, _Window)
+from diloco.comms.transport import TransportError
+from diloco.config import ConfigError, SwarmConfig
+
+SECRET = "s" * 32
+RUN = "auth-test"
+
+
+class Spy:
+    """A handler that records every request it is handed."""
+
+    def __init__(self) -> None:
+        self.got: list[bytes] = []
+
+    async def __call__(self, caller: PeerId, data: bytes) -> bytes:
+        self.got.append(bytes(data))
+        return b"pong:" + data
+
+
+async def _pair(*, secret_b: str | None = SECRET, run_b: str = RUN, me_b: str = "b", allow=None):
+    """Peer a (guarded, spy on "x") and caller b (guarded as configured; secret None: no guard)."""
+    net = InProcNetwork()
+    a, b = net.transport("a"), net.transport("b")
+    a.guard = Guard(SECRET, RUN, PeerId("a"), allow)
+    if secret_b is not None:
+        b.guard = Guard(secret_b, run_b, PeerId(me_b))
+    spy = Spy()
+    await a.register("x", spy)
+    return net, a, b, spy
+
+
+# ---------------------------------------------------------------------- the pure parts
+
+
+@pytest.mark.unit
+def test_keys_differ_per_purpose_and_secret():
+    keys = {derive(b"a" * 16, "run/r1"), derive(b"a" * 16, "run/r2"), derive(b"a" * 16, "swarm"),
+            derive(b"a" * 16, "dht/r1"), derive(b"b" * 16, "run/r1")}
+    assert len(keys) == 5 and all(len(k) == 32 for k in keys)
+    assert len(new_secret()) >= 40 and new_secret() != new_secret()
+
+
+@pytest.mark.unit
+def test_window_refuses_repeats_and_counters_older_than_the_window():
+    w = _Window()
+    assert w.fresh(5) and w.fresh(3) and w.fresh(WINDOW + 10)
+    assert not w.fresh(5) and not w.fresh(WINDOW + 10)
+    assert not w.fresh(9)  # 9 <= highest - WINDOW: too old to tell, refused
+    assert w.fresh(WINDOW + 11) and w.fresh(WINDOW + 9)
+    for c in range(WINDOW + 12, 4 * WINDOW):
+        assert w.fresh(c)
+    assert len(w.seen) <= 2 * WINDOW + 1  # bounded memory
+
+
+@pytest.mark.unit
+def test_config_keeps_the_secret_out_of_its_repr_and_checks_it():
+    cfg = SwarmConfig(secret=SECRET)
+    assert SECRET not in repr(cfg) and SECRET not in repr(cfg.guard("me"))
+    with pytest.raises(ConfigError, match="at least 16"):
+        SwarmConfig(secret="short")
+    with pytest.raises(ConfigError, match="allow_peers"):
+        SwarmConfig(secret=SECRET, allow_peers=("",))
+    assert SwarmConfig().guard("me") is None  # open (in-process) swarm
+
+
+@pytest.mark.unit
+def test_hello_names_the_first_differing_field_and_ignores_an_unknown_schema():
+    ours = hs.hello("run", "abc")
+    assert hs.mismatch(ours, hs.unpack(hs.pack(hs.hello("run", "abc")))) is None
+    assert hs.mismatch(ours, hs.hello("other", "abc")) == "run_id"
+    assert hs.mismatch(ours, hs.hello("run", "xyz")) == "schema"
+    assert hs.mismatch(ours, hs.hello("run", "")) is None  # the other side has no model yet
+    assert hs.mismatch(ours, {**ours, "protocol": ours["protocol"] + 1}) == "protocol"
+    for bad in (b"", b"\xc1", hs.pack({"protocol": "1", "run_id": "r", "schema": ""}), b"x" * 2000):
+        with pytest.raises(ValueError):
+            hs.unpack(bad)
+    err = hs.HandshakeError("secret", SECRET, SECRET, "peer")
+    assert SECRET not in str(err) and "secret differs" in str(err)
+
+
+# ---------------------------------------------------------------------- in-process: who gets in
+
+
+@pytest.mark.swarm
+def test_authorized_call_reaches_the_handler_once_and_its_reply_is_authentic():
+    async def main():
+        net, a, b, spy = await _pair()
+        r1 = await b.call(PeerId("a"), "x", b"hello", 1)
+        r2 = await b.call(PeerId("a"), "x", b"again", 1)
+        return r1, r2, spy.got, a.guard.refused, a.counter.received, b.counter.sent
+
+    r1, r2, got, refused, received, sent = asyncio.run(main())
+    assert (r1, r2) == (b"pong:hello", b"pong:again") and got == [b"hello", b"again"]
+    # first contact: b did not know a's session yet, so one signed "use this session" reply and a retry
+    assert dict(refused) == {"stale_session": 1}
+    assert received == sent == 3 * OVERHEAD + 2 * len(b"hello") + len(b"again")
+
+
+@pytest.mark.swarm
+@pytest.mark.parametrize("case", ["no key", "wrong key", "wrong run", "forged sender id"])
+def test_unauthorized_callers_never_reach_the_handler(case):
+    kw = {"no key": dict(secret_b=None), "wrong key": dict(secret_b="w" * 32),
+          "wrong run": dict(run_b="another-run"), "forged sender id": dict(me_b="a-member")}[case]
+
+    async def main():
+        net, a, b, spy = await _pair(**kw)
+        try:
+            reply = await b.call(PeerId("a"), "x", b"payload" * 100, 1)
+        except AuthRefused as e:
+            reply = e.reason
+        return reply, spy.got, dict(a.guard.refused)
+
+    reply, got, refused = asyncio.run(main())
+    assert got == []
+    if case == "no key":  # a caller without a guard gets the bare refusal envelope back
+        assert isinstance(reply, bytes) and len(reply) == HEAD_SIZE and reply[:4] == b"DLA1"
+        assert refused == {"unauthorized": 1}
+    else:
+        assert reply == "unauthorized" and refused == {"unauthorized": 1}
+
+
+@pytest.mark.swarm
+def test_allowlist_refuses_others_before_anything_is_checked():
+    async def main():
+        net, a, b, spy = await _pair(allow=frozenset({"c"}))
+        with pytest.raises(AuthRefused, match="not_allowed"):
+            await b.call(PeerId("a"), "x", b"hi", 1)
+        with pytest.raises(TransportError, match="allowlist"):  # nor does a call anyone off its list
+            await a.call(PeerId("b"), "x", b"hi", 1)
+        return spy.got, dict(a.guard.refused)
+
+    got, refused = asyncio.run(main())
+    assert got == [] and refused == {"not_allowed": 1}
+
+
+# ---------------------------------------------------------------------- replays
+
+
+async def _record(b, peer: str, name: str, body: bytes) -> list[bytes]:
+    """Call `peer` through b's guard and return every request envelope b put on the wire."""
+    sent: list[bytes] = []
+
+    async def send(data: bytes) -> bytes:
+        sent.append(data)
+        return await b._send(PeerId(peer), name, data, 1)
+
+    await b.guard.call(name, PeerId(peer), body, send)
+    return sent
+
+
+@pytest.mark.swarm
+def test_a_replayed_request_is_refused_and_reaches_the_handler_once():
+    async def main():
+        net, a, b, spy = await _pair()
+        sent = await _record(b, "a", "x", b"contribution")
+        replay = await b._send(PeerId("a"), "x", sent[-1], 1)  # the exact bytes again
+        return replay, spy.got, dict(a.guard.refused)
+
+    replay, got, refused = asyncio.run(main())
+    assert got == [b"contribution"]
+    assert replay[:4] == b"DLA1" and len(replay) == HEAD_SIZE and refused["replay"] == 1
+
+
+@pytest.mark.swarm
+def test_a_request_recorded_before_the_receiver_restarted_is_refused_after_it():
+    async def main():
+        net, a, b, spy = await _pair()
+        sent = await _record(b, "a", "x", b"round 5 contribution")
+        net.kill("a")  # a restarts: same peer id, new process (new session), empty memory
+        a2 = net.transport("a")
+        a2.guard = Guard(SECRET, RUN, PeerId("a"))
+        spy2 = Spy()
+        await a2.register("x", spy2)
+        replay = await b._send(PeerId("a"), "x", sent[-1], 1)
+        # the replay got a signed "use this session" reply, not the handler; a fresh call still works
+        fresh = await b.call(PeerId("a"), "x", b"round 6 contribution", 1)
+        return replay, spy2.got, fresh, dict(a2.guard.refused)
+
+    replay, got, fresh, refused = asyncio.run(main())
+    assert got == [b"round 6 contribution"] and fresh == b"pong:round 6 contribution"
+    assert replay[4] == 3  # SESSION
+    assert refused["stale_session"] == 2  # the replay, then b's first (cached-session) fresh call
+
+
+@pytest.mark.swarm
+def test_tampered_bytes_anywhere_in_a_request_are_refused():
+    async def main():
+        net, a, b, spy = await _pair()
+        sent = await _record(b, "a", "x", b"A" * 200)
+        refusals = 0
+        for pos in (0, 5, 20, 45, HEAD_SIZE + 3, HEAD_SIZE + 150, len(sent[-1]) - 1):
+            bad = bytearray(sent[-1])
+            bad[pos] ^= 0x40
+            reply = await b._send(PeerId("a"), "x", bytes(bad), 1)
+            refusals += reply[4] == 4  # REFUSED
+        return refusals, spy.got
+
+    refusals, got = asyncio.run(main())
+    assert refusals == 7 and got == [b"A" * 200]
+
+
+# ---------------------------------------------------------------------- the round protocol under guards
+
+
+@pytest.mark.swarm
+def test_guarded_swarm_commits_and_frames_of_other_rounds_are_still_refused():
+    """Authentication sits under the frame checks: an authentic frame of a past or far-future round
+    is still refused (wrong_round), never aggregated."""
+    import torch
+
+    from diloco.comms import Collective, CollectiveConfig, RoundKey
+    from diloco.comms import messages as msg
+
+    cfg = CollectiveConfig(gather_timeout=0.5, reduce_timeout=0.5, result_timeout=1.0, call_timeout=1.0)
+
+    async def main():
+        net = InProcNetwork()
+        ts = {p: net.transport(p) for p in ("p0", "p1", "p2")}
+        for p, t in ts.items():
+            t.guard = Guard(SECRET, RUN, PeerId(p))
+        cs = {p: await Collective.create(t, RUN, cfg) for p, t in ts.items()}
+        deltas = {p: torch.full((30,), float(i)) for i, p in enumerate(cs)}
+        outs = await asyncio.gather(*(cs[p].run_round(RoundKey(3), "d" * 8, list(cs), deltas[p]) for p in cs))
+        replies = []
+        for k in (RoundKey(1), RoundKey(9)):
+            frame = msg.encode(msg.CONTRIB, run=RUN, sender="p1", key=k, view="v" * 16, span=0, codec="fp32",
+                               numel=10, body=bytes(40))
+            replies.append(msg.read_ack(await ts["p1"].call(PeerId("p0"), "diloco.contrib", frame, 1), run=RUN,
+                                        caller="p0"))
+        return outs, replies, cs["p0"].rejections
+
+    outs, replies, rejections = asyncio.run(main())
+    assert all(o.committed for o in outs)
+    assert all(torch.equal(o.aggregate, torch.full((30,), 1.0)) for o in outs)
+    assert [r["reason"] for r in replies] == ["wrong_round", "wrong_round"] and rejections["wrong_round"] == 2
+
+
+# ---------------------------------------------------------------------- real daemons
+
+
+@pytest.mark.multiproc
+def test_p2p_refuses_an_unauthorized_caller_after_the_head_without_reading_its_body():
+    """A caller with the wrong key declaring a 64 MB request: refused after 56 bytes, body never read,
+    handler never called; an authorized caller on the same daemon is served."""
+    from diloco.comms.p2p import P2PTransport
+
+    async def main():
+        a = await P2PTransport.create()
+        good = await P2PTransport.create(initial_peers=await a.visible_addresses())
+        bad = await P2PTransport.create(initial_peers=await a.visible_addresses())
+        try:
+            a.guard = Guard(SECRET, RUN, a.peer_id)
+            good.guard = Guard(SECRET, RUN, good.peer_id)
+            bad.guard = Guard("w" * 32, RUN, bad.peer_id)
+            spy = Spy()
+            await a.register("x", spy)
+            reply = await good.call(a.peer_id, "x", b"ok", 10)
+            # the refusal closes the stream under the unfinished upload: the caller sees a reset or the refusal
+            with pytest.raises(TransportError):
+                await bad.call(a.peer_id, "x", os.urandom(64 << 20), 30)
+            with pytest.raises(AuthRefused, match="unauthorized"):  # a small request reads the refusal
+                await bad.call(a.peer_id, "x", b"hi", 30)
+            return reply, spy.got, a.counter.per_peer.get(bad.peer_id), dict(a.guard.refused)
+        finally:
+            for t in (a, good, bad):
+                await t.close()
+
+    reply, got, bad_bytes, refused = asyncio.run(main())
+    assert reply == b"pong:ok" and got == [b"ok"]
+    assert refused["unauthorized"] == 2
+    assert bad_bytes is not None and bad_bytes[1] == 2 * (8 + HEAD_SIZE)  # length prefix and head: nothing more
