@@ -48,7 +48,8 @@ def hello(run_id: str, schema: str) -> dict[str, Any]:
 
 
 def pack(fields: dict[str, Any]) -> bytes:
-    return msgpack.packb(fields, use_bin_type=True)
+    data: bytes = msgpack.packb(fields, use_bin_type=True)
+    return data
 
 
 def unpack(data: bytes) -> dict[str, Any]:

@@ -15,6 +15,8 @@ Needs root (network namespaces). `diloco bench overlap --help` lists the knobs.
 from __future__ import annotations
 
 import json
+import os
+import secrets
 import statistics
 import subprocess
 import sys
@@ -127,6 +129,7 @@ def _run_variant(lab: Any, setup: OverlapSetup, v: Variant, workdir: Path) -> Va
               "--round-timeout", "120", "--verbose", *v.flags()]
     procs: list[subprocess.Popen[bytes]] = []
     logs = []
+    env = {**os.environ, "DILOCO_SECRET": secrets.token_urlsafe(32)}  # the swarm secret, not on command lines
     try:
         for i in range(setup.peers):
             log = open(workdir / f"peer{i}.log", "wb")
@@ -138,7 +141,8 @@ def _run_variant(lab: Any, setup: OverlapSetup, v: Variant, workdir: Path) -> Va
                 cmd += ["join", (workdir / "peer0.addr").read_text().split()[0]]
             cmd += ["--host", lab.address(i), "--port", "0", *common, "--shard", str(i),
                     "--metrics", str(workdir / f"peer{i}.jsonl"), "--address-file", str(workdir / f"peer{i}.addr")]
-            procs.append(lab.popen(i, cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL))
+            procs.append(lab.popen(i, cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                   env=env))
             if i == 0:
                 _wait_for_file(workdir / "peer0.addr", procs[0], 120)
         deadline = time.monotonic() + setup.timeout_s

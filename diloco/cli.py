@@ -15,6 +15,7 @@ import os
 import signal
 import sys
 import threading
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, List, NoReturn, Optional
 
@@ -53,6 +54,10 @@ OuterOverlap = typer.Option("none", help="Overlap a whole outer step (one fragme
 Clip = typer.Option(4.0, help="Robust aggregation: clip each contribution to this multiple of the median norm (0: off).")
 Trim = typer.Option(0.0, help="Robust aggregation: trimmed mean, dropping this fraction at each end (dense only).")
 BanAfter = typer.Option(3, help="Ban a peer for the run after this many refused or far-outlying contributions (0: never).")
+SecretFile = typer.Option(None, "--secret-file", help="File holding the swarm secret (start: created if missing; "
+                          "default diloco-RUN_ID.secret). Or set DILOCO_SECRET.")
+AllowPeer = typer.Option(None, "--allow-peer", help="Only talk to this peer id (repeatable); default: anyone with the "
+                         "secret.")
 
 
 def _fail(message: str, code: int = 2) -> NoReturn:
@@ -75,7 +80,8 @@ def _configs(o: dict[str, Any]) -> tuple[SwarmConfig, JobConfig]:
         swarm_cfg = SwarmConfig(run_id=o["run_id"], compression=o["compression"], min_peers=o["min_peers"],
                                 gather_timeout=o["gather_timeout"], result_timeout=o["round_timeout"],
                                 reduce_timeout=o["round_timeout"] * 2 / 3, heartbeat_ttl=o["heartbeat_ttl"],
-                                clip=o["clip"], trim=o["trim"], ban_after=o["ban_after"])
+                                clip=o["clip"], trim=o["trim"], ban_after=o["ban_after"],
+                                allow_peers=tuple(o.get("allow_peer") or ()))
         job = JobConfig(rounds=o["rounds"], inner_steps=o["inner_steps"], batch_size=o["batch_size"], seed=o["seed"],
                         shard=o["shard"], d_model=o["d_model"], n_layer=o["layers"], threads=o["threads"],
                         eval_every=o["eval_every"], wait_for=o["wait_for"], outer_lr=o["outer_lr"],
@@ -89,9 +95,29 @@ def _configs(o: dict[str, Any]) -> tuple[SwarmConfig, JobConfig]:
     return swarm_cfg, job
 
 
+def _secret(path: Optional[Path], run_id: str, *, create: bool) -> tuple[str, str]:
+    """The swarm secret and where it came from (see `diloco.credentials.resolve`); exits 2 naming the fix."""
+    from .credentials import CredentialError, resolve
+
+    try:
+        return resolve(path, run_id=run_id, create=create)
+    except CredentialError as e:
+        _fail(str(e))
+
+
+def _join_line(command: str, where: str) -> str:
+    """The join line with the secret's source, never the secret itself."""
+    if where.startswith("$"):
+        return f"{command}\n  (with {where[1:]} set to the same secret there)"
+    path = where.removeprefix("created ")
+    return (f"{command} --secret-file {Path(path).name}\n  (first copy {path} to that machine over a secure channel, "
+            "e.g. scp; keep it private)")
+
+
 def _run_peer(initial: list[str], *, host: str, port: int, announce: Optional[List[str]],
               address_file: Optional[Path], metrics: Optional[Path], status_file: Optional[Path],
-              swarm_cfg: SwarmConfig, job: JobConfig) -> None:
+              swarm_cfg: SwarmConfig, job: JobConfig, secret_from: str) -> None:
+    from .comms.hello import HandshakeError
     from .metrics import MetricsWriter
     from .swarm import Swarm, SwarmError
     from .train import run_job
@@ -99,7 +125,7 @@ def _run_peer(initial: list[str], *, host: str, port: int, announce: Optional[Li
     try:
         swarm = Swarm.join(initial, swarm_cfg, host=host, port=port, announce=announce) if initial else \
             Swarm.start(swarm_cfg, host=host, port=port, announce=announce)
-    except SwarmError as e:
+    except (SwarmError, HandshakeError) as e:
         _fail(str(e), code=1)
     stop = threading.Event()
 
@@ -110,16 +136,19 @@ def _run_peer(initial: list[str], *, host: str, port: int, announce: Optional[Li
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     try:
-        typer.echo(f"peer {swarm.peer_id} in run {swarm_cfg.run_id!r}")
+        typer.echo(f"peer {swarm.peer_id} in run {swarm_cfg.run_id!r}, swarm secret from {secret_from}")
         for addr in swarm.addresses:
             typer.echo(f"  address: {addr}")
         if not initial:
-            typer.echo(f"others join with:\n  {swarm.join_command()}")
+            typer.echo(f"others join with:\n  {_join_line(swarm.join_command(), secret_from)}")
         if address_file:
             tmp = Path(str(address_file) + ".tmp")
             tmp.write_text("\n".join(swarm.addresses) + "\n")
             os.replace(tmp, address_file)
-        summary = run_job(job, swarm, metrics=MetricsWriter(metrics), status_path=status_file, stop=stop)
+        try:
+            summary = run_job(job, swarm, metrics=MetricsWriter(metrics), status_path=status_file, stop=stop)
+        except HandshakeError as e:  # our model or codec differs from the swarm's
+            _fail(str(e), code=1)
         typer.echo(f"done: round {summary['round']}, held-out loss {summary['eval_loss']:.4f}, "
                    f"sent {summary['bytes_sent'] / 1e6:.1f} MB, received {summary['bytes_received'] / 1e6:.1f} MB")
     finally:
@@ -145,6 +174,7 @@ def start(
     fragments: int = Fragments, fragment_pattern: str = Pattern, overlap: int = Overlap, alpha: float = Alpha,
     outer_overlap: str = OuterOverlap, heartbeat_ttl: float = HeartbeatTtl,
     clip: float = Clip, trim: float = Trim, ban_after: int = BanAfter,
+    secret_file: Optional[Path] = SecretFile, allow_peer: Optional[List[str]] = AllowPeer,
     checkpoint_dir: Optional[Path] = CheckpointDir, checkpoint_every: int = CheckpointEvery, resume: bool = Resume,
     address_file: Optional[Path] = typer.Option(None, help="Write this peer's addresses to this file once up."),
     status_file: Optional[Path] = typer.Option(None, hidden=True),
@@ -153,8 +183,10 @@ def start(
     """Start a swarm: train the bundled model and print the line others run to join."""
     _setup_logging(verbose)
     swarm_cfg, job = _configs(locals())
+    secret, where = _secret(secret_file, run_id, create=True)
+    swarm_cfg = replace(swarm_cfg, secret=secret)
     _run_peer([], host=host, port=port, announce=announce, address_file=address_file, metrics=metrics,
-              status_file=status_file, swarm_cfg=swarm_cfg, job=job)
+              status_file=status_file, swarm_cfg=swarm_cfg, job=job, secret_from=where)
 
 
 @app.command()
@@ -177,6 +209,7 @@ def join(
     fragments: int = Fragments, fragment_pattern: str = Pattern, overlap: int = Overlap, alpha: float = Alpha,
     outer_overlap: str = OuterOverlap, heartbeat_ttl: float = HeartbeatTtl,
     clip: float = Clip, trim: float = Trim, ban_after: int = BanAfter,
+    secret_file: Optional[Path] = SecretFile, allow_peer: Optional[List[str]] = AllowPeer,
     checkpoint_dir: Optional[Path] = CheckpointDir, checkpoint_every: int = CheckpointEvery, resume: bool = Resume,
     address_file: Optional[Path] = typer.Option(None, help="Write this peer's addresses to this file once up."),
     status_file: Optional[Path] = typer.Option(None, hidden=True),
@@ -191,8 +224,10 @@ def join(
     except SwarmError as e:
         _fail(str(e))
     swarm_cfg, job = _configs(locals())
+    secret, where = _secret(secret_file, run_id, create=False)
+    swarm_cfg = replace(swarm_cfg, secret=secret)
     _run_peer(addresses, host=host, port=port, announce=announce, address_file=address_file, metrics=metrics,
-              status_file=status_file, swarm_cfg=swarm_cfg, job=job)
+              status_file=status_file, swarm_cfg=swarm_cfg, job=job, secret_from=where)
 
 
 @app.command()
@@ -298,6 +333,8 @@ def simulate(
 def status(
     addresses: List[str] = typer.Argument(..., help="Address(es) of any peer of the swarm, tried in order."),
     run_id: str = RunId,
+    secret_file: Optional[Path] = typer.Option(None, "--secret-file", help="The swarm's secret file (or set "
+                                               "DILOCO_SECRET): its DHT answers only peers that hold it."),
     interval: float = typer.Option(2.0, help="Seconds between the two reads that measure throughput."),
     json_out: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
 ) -> None:
@@ -316,10 +353,11 @@ def status(
         _fail(str(e))
     if interval <= 0:
         _fail("--interval must be > 0 seconds")
+    secret, _ = _secret(secret_file, run_id, create=False)
     for noisy in ("hivemind", "asyncio"):
         logging.getLogger(noisy).setLevel(logging.CRITICAL)
     try:
-        rows = observe(addresses, run_id, interval=interval)
+        rows = observe(addresses, run_id, secret, interval=interval)
     except RuntimeError as e:
         _fail(str(e), code=1)
     if json_out:
@@ -464,6 +502,30 @@ def bench_overlap_cmd(
     console.print(f"a full-model synchronization costs ~{report['full_sync_costs_inner_steps']} inner steps "
                   "on this link (plain DiLoCo's blocked time per round / time per inner step)")
     console.print(markdown_table(report), markup=False)
+    if json_path:
+        write_json(report, json_path)
+
+
+@bench_app.command("flood")
+def bench_flood_cmd(
+    peers: int = typer.Option(3, help="Peers of the swarm (real daemons on 127.0.0.1, one secret)."),
+    numel: int = typer.Option(1 << 20, help="fp32 values each peer contributes a round."),
+    rounds: int = typer.Option(20, help="Rounds per phase (quiet, flooded, quiet again)."),
+    flooders: int = typer.Option(2, help="Processes without the secret flooding every peer."),
+    concurrency: int = typer.Option(16, help="Calls each flooder keeps in flight per peer."),
+    body_kib: int = typer.Option(1024, help="Body each flooding call declares, KiB."),
+    pin: bool = typer.Option(True, help="Swarm on the first half of the cores, flooders on the rest (as if the "
+                                        "attackers ran on their own machines)."),
+    json_path: Optional[Path] = typer.Option(None, "--json", help="Write the report as JSON here."),
+) -> None:
+    """Round time of a swarm while processes without its secret flood it with calls (RELIABILITY row 16)."""
+    from .bench_flood import FloodSetup, markdown, run, write_json
+
+    if peers < 2 or numel < 1 or rounds < 1 or flooders < 1 or concurrency < 1 or body_kib < 0:
+        _fail("--peers must be >= 2; --numel, --rounds, --flooders and --concurrency >= 1; --body-kib >= 0")
+    report = run(FloodSetup(peers=peers, numel=numel, rounds=rounds, flooders=flooders, concurrency=concurrency,
+                            body_kib=body_kib, pin=pin), progress=typer.echo)
+    typer.echo(markdown(report))
     if json_path:
         write_json(report, json_path)
 

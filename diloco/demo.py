@@ -90,10 +90,11 @@ def peer_command(cfg: DemoConfig, index: int, run_id: str, workdir: Path, bootst
     return cmd
 
 
-def _spawn(cmd: list[str], log_path: Path) -> subprocess.Popen[bytes]:
+def _spawn(cmd: list[str], log_path: Path, secret: str) -> subprocess.Popen[bytes]:
+    """A peer process; the swarm secret travels in its environment, never on its command line."""
     log = open(log_path, "wb")
     return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                            env={**os.environ, "PYTHONUNBUFFERED": "1", "DILOCO_SECRET": secret})
 
 
 def _stop_all(procs: list[subprocess.Popen[bytes]], grace: float = 15.0) -> None:
@@ -173,6 +174,7 @@ def run_demo(cfg: DemoConfig, *, workdir: Path | None = None, metrics: Path | No
     workdir = Path(workdir or tempfile.mkdtemp(prefix="diloco-demo-"))
     workdir.mkdir(parents=True, exist_ok=True)
     run_id = f"demo-{secrets.token_hex(3)}"
+    secret = secrets.token_urlsafe(32)  # a fresh swarm secret per demo, shared through the environment
     streaming = (f", {cfg.fragments} fragments ({cfg.fragment_pattern}), tau={cfg.overlap}, alpha={cfg.alpha}"
                  if cfg.fragments > 1 or cfg.overlap or cfg.alpha else "")
     streaming += f", outer overlap {cfg.outer_overlap}" if cfg.outer_overlap != "none" else ""
@@ -181,7 +183,7 @@ def run_demo(cfg: DemoConfig, *, workdir: Path | None = None, metrics: Path | No
     started = time.monotonic()
     procs: list[subprocess.Popen[bytes]] = []
     try:
-        procs.append(_spawn(peer_command(cfg, 0, run_id, workdir, None), workdir / "peer0.log"))
+        procs.append(_spawn(peer_command(cfg, 0, run_id, workdir, None), workdir / "peer0.log", secret))
         addr_file = workdir / "peer0.addr"
         while not addr_file.exists():
             if procs[0].poll() is not None or time.monotonic() - started > 120:
@@ -190,7 +192,7 @@ def run_demo(cfg: DemoConfig, *, workdir: Path | None = None, metrics: Path | No
             time.sleep(0.2)
         bootstrap = addr_file.read_text().split()[0]
         for i in range(1, cfg.peers):
-            procs.append(_spawn(peer_command(cfg, i, run_id, workdir, bootstrap), workdir / f"peer{i}.log"))
+            procs.append(_spawn(peer_command(cfg, i, run_id, workdir, bootstrap), workdir / f"peer{i}.log", secret))
         deadline = started + cfg.timeout
         if live:
             with Live(render(_views(procs, workdir), time.monotonic() - started, cfg.rounds), console=console,

@@ -35,8 +35,11 @@ def summarize(first: list[PeerRecord], second: list[PeerRecord], interval: float
     return out
 
 
-def observe(addresses: list[str], run_id: str, interval: float = 2.0, timeout: float = 30.0) -> list[PeerStatus]:
-    """Read the swarm at the first of `addresses` that answers; raises RuntimeError listing what failed."""
+def observe(addresses: list[str], run_id: str, secret: str, interval: float = 2.0,
+            timeout: float = 30.0) -> list[PeerStatus]:
+    """Read the swarm at the first of `addresses` that answers (its DHT, signing our requests with the
+    swarm `secret`); raises RuntimeError listing what failed."""
+    from diloco.comms.auth import HmacAuthorizer
     from diloco.comms.p2p import P2PTransport
     from diloco.peers import DHTDirectory
     from diloco.peers.reaper import Reaper
@@ -53,7 +56,8 @@ def observe(addresses: list[str], run_id: str, interval: float = 2.0, timeout: f
                 reaper.watch_file(path)
             try:
                 directory = await asyncio.wait_for(
-                    DHTDirectory.create(transport.p2p, run_id, [addr], client_mode=True), timeout)
+                    DHTDirectory.create(transport.p2p, run_id, [addr], client_mode=True,
+                                        authorizer=HmacAuthorizer(secret, run_id)), timeout)
                 try:
                     first = await directory.read()
                     t0 = time.monotonic()

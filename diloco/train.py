@@ -207,9 +207,11 @@ def run_job(cfg: JobConfig, swarm: Swarm | None, *, metrics: MetricsWriter | Non
 
 
 def _defences(swarm: Swarm | None) -> dict[str, Any]:
-    """What the swarm refused and why: frames rejected by reason, robust-aggregation events, bans."""
+    """What the swarm refused and why: calls refused by the credential check, frames rejected by reason,
+    robust-aggregation events, bans."""
     if swarm is None:
-        return dict(rejections={}, robust={}, banned=[])
-    c = swarm.collective
-    return dict(rejections=dict(sorted(c.rejections.items())), robust=dict(sorted(c.robust_events.items())),
+        return dict(auth_refused={}, rejections={}, robust={}, banned=[])
+    c, guard = swarm.collective, swarm.transport.guard
+    return dict(auth_refused=dict(sorted(guard.refused.items())) if guard is not None else {},
+                rejections=dict(sorted(c.rejections.items())), robust=dict(sorted(c.robust_events.items())),
                 banned=sorted(c.banned))

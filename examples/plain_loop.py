@@ -3,20 +3,23 @@
 Run it alone (single-worker DiLoCo, no network):
     python examples/plain_loop.py
 
-Run a swarm of two on this machine (two terminals):
-    python examples/plain_loop.py --start                 # prints its address
+Run a swarm of two on this machine (two terminals, same directory):
+    python examples/plain_loop.py --start                 # prints its address; writes the swarm secret
     python examples/plain_loop.py --join /ip4/127.0.0.1/tcp/…/p2p/12D3Koo…
 
-Across machines: `--start --host 0.0.0.0` on one, `--join <its public address>` on the others.
+Across machines: `--start --host 0.0.0.0` on one, `--join <its public address>` on the others, after
+copying the secret file (diloco-plain-loop-example.secret) to them, e.g. with scp.
 """
 
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 import torch
 
 import diloco
+from diloco.credentials import resolve
 
 
 def make_data(seed: int, n: int = 4096) -> tuple[torch.Tensor, torch.Tensor]:
@@ -32,6 +35,8 @@ def main() -> None:
     ap.add_argument("--start", action="store_true", help="start a swarm")
     ap.add_argument("--join", nargs="*", default=None, help="address(es) of a running peer")
     ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--secret-file", type=Path, default=Path("diloco-plain-loop-example.secret"),
+                    help="the swarm secret's file (--start creates it if missing)")
     ap.add_argument("--steps", type=int, default=400)
     ap.add_argument("--inner-steps", type=int, default=50)
     ap.add_argument("--seed", type=int, default=0, help="data seed of this worker")
@@ -43,8 +48,10 @@ def main() -> None:
     x, y = make_data(args.seed)
     x_eval, y_eval = make_data(10_000, n=1024)
 
-    cfg = diloco.SwarmConfig(run_id="plain-loop-example")
     swarm = None
+    if args.start or args.join:  # the swarm secret: created by --start, read from the file by --join
+        secret, _ = resolve(args.secret_file, run_id="plain-loop-example", create=args.start)
+        cfg = diloco.SwarmConfig(run_id="plain-loop-example", secret=secret)
     if args.start:
         swarm = diloco.Swarm.start(cfg, host=args.host)
         print("others join with:\n  python examples/plain_loop.py --join", swarm.addresses[0])

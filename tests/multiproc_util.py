@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import subprocess
 import sys
 import time
@@ -16,6 +17,8 @@ TINY = ["--d-model", "32", "--layers", "1", "--batch-size", "4", "--gather-timeo
 class Peers:
     def __init__(self, workdir: Path, run_id: str) -> None:
         self.workdir, self.run_id = workdir, run_id
+        self.secret = secrets.token_urlsafe(32)
+        """The swarm secret every peer gets in DILOCO_SECRET (a test may override it per peer)."""
         self.procs: list[subprocess.Popen] = []
 
     def spawn(self, index: int, args: list[str], env: dict[str, str] | None = None,
@@ -27,7 +30,8 @@ class Peers:
                "--shard", str(index), "--verbose"]
         log = open(self.workdir / f"peer{index}.log", "wb")
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                env={**os.environ, **(env or {})}, start_new_session=session)
+                                env={**os.environ, "DILOCO_SECRET": self.secret, **(env or {})},
+                                start_new_session=session)
         self.procs.append(proc)
         return proc
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import time
 import pytest
 
 from diloco.comms import InProcNetwork, PeerId
@@ -284,3 +285,62 @@ def test_p2p_refuses_an_unauthorized_caller_after_the_head_without_reading_its_b
     assert reply == b"pong:ok" and got == [b"ok"]
     assert refused["unauthorized"] == 2
     assert bad_bytes is not None and bad_bytes[1] == 2 * (8 + HEAD_SIZE)  # length prefix and head: nothing more
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(240)
+def test_cli_join_refused_at_handshake_exits_nonzero_naming_the_field(tmp_path):
+    """A running `diloco start`; `diloco join` with a wrong secret, run id or model exits 1 naming the
+    field (and the secret is never printed); without any secret it exits 2 saying how to pass one.
+    The running peer trains on, and counted the refusals."""
+    import json
+    import subprocess
+    import sys
+
+    from multiproc_util import TINY, Peers
+
+    group = Peers(tmp_path, "hs-run")
+    try:
+        group.spawn(0, ["start", "--rounds", "1000", "-H", "10", *TINY])
+        addr = group.address(0)
+        base = [sys.executable, "-m", "diloco", "join", addr, "--rounds", "1", "-H", "2"]
+        cases = [
+            ("secret", [*TINY, "--run-id", "hs-run"], {"DILOCO_SECRET": "w" * 32}, 1, "the swarm secret differs"),
+            ("run_id", [*TINY, "--run-id", "hs-other"], {}, 1, "run_id differs"),
+            ("schema", [*TINY[:1], "48", *TINY[2:], "--run-id", "hs-run"], {}, 1, "schema differs"),
+            ("none", [*TINY, "--run-id", "hs-run"], None, 2, "--secret-file"),
+        ]
+        seconds = {}
+        for name, args, env, code, needle in cases:
+            environ = {k: v for k, v in os.environ.items() if k != "DILOCO_SECRET"}
+            if env is not None:
+                environ.update({"DILOCO_SECRET": group.secret, **env})
+            t0 = time.monotonic()
+            proc = subprocess.run([*base, *args], capture_output=True, text=True, timeout=90, env=environ,
+                                  cwd=tmp_path)
+            seconds[name] = round(time.monotonic() - t0, 1)
+            assert proc.returncode == code, (name, proc.stderr[-2000:])
+            assert needle in proc.stderr, (name, proc.stderr[-2000:])
+            assert group.secret not in proc.stdout + proc.stderr and "w" * 32 not in proc.stderr
+        print("seconds from launch to exit:", json.dumps(seconds))
+        assert group.procs[0].poll() is None  # the swarm's peer is unharmed
+        log = (tmp_path / "peer0.log").read_text(errors="replace")
+        assert "event=handshake_refused" in log and "field=run_id" in log and "field=schema" in log
+        assert group.secret not in log
+    finally:
+        group.kill_all()
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(180)
+def test_flood_bench_reads_only_heads_from_flooders_and_nothing_reaches_the_rounds():
+    """`diloco bench flood` in small: every flooding call is refused after its 64 bytes (length prefix
+    and head), none reaches the round protocol, and the swarm commits every round meanwhile."""
+    from diloco.bench_flood import FloodSetup, run
+
+    report = run(FloodSetup(peers=2, numel=4096, rounds=3, flooders=1, concurrency=2, body_kib=64, pin=False),
+                 progress=lambda _: None)
+    assert report["refused_unauthorized"] > 0
+    assert report["bytes_read_from_flooders"] == (8 + HEAD_SIZE) * report["refused_unauthorized"]
+    assert report["rejections_reaching_collective"] == 0
+    assert report["median_round_s"]["flooded"] > 0

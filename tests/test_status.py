@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import secrets
 import subprocess
 import sys
@@ -37,14 +38,24 @@ def test_status_shows_a_running_peer(tmp_path):
         deadline = time.monotonic() + 60
         while not group.lines(0, "round") and time.monotonic() < deadline:  # it is training
             time.sleep(0.2)
+        env = {**os.environ, "DILOCO_SECRET": group.secret}
         out = subprocess.run([sys.executable, "-m", "diloco", "status", addr, "--run-id", group.run_id, "--json",
-                              "--interval", "1"], capture_output=True, text=True, timeout=90)
+                              "--interval", "1"], capture_output=True, text=True, timeout=90, env=env)
         assert out.returncode == 0, out.stderr
         rows = json.loads(out.stdout)
         assert len(rows) == 1 and rows[0]["peer"] in addr and rows[0]["status"] == "training"
         assert rows[0]["round"] >= 1 and rows[0]["steps_per_second"] > 0 and 0 <= rows[0]["heartbeat_age"] < 10
         dead = subprocess.run([sys.executable, "-m", "diloco", "status", "/ip4/127.0.0.1/tcp/9/p2p/" + addr.split("/p2p/")[1],
-                               "--run-id", group.run_id], capture_output=True, text=True, timeout=90)
+                               "--run-id", group.run_id], capture_output=True, text=True, timeout=90, env=env)
         assert dead.returncode == 1 and "no address answered" in dead.stderr
+        # the swarm's DHT answers only holders of its secret: a stranger reads nothing
+        stranger = subprocess.run([sys.executable, "-m", "diloco", "status", addr, "--run-id", group.run_id],
+                                  capture_output=True, text=True, timeout=90,
+                                  env={**os.environ, "DILOCO_SECRET": "w" * 32})
+        assert stranger.returncode == 1 and "no address answered" in stranger.stderr, stranger.stdout
+        nothing = subprocess.run([sys.executable, "-m", "diloco", "status", addr, "--run-id", group.run_id],
+                                 capture_output=True, text=True, timeout=90,
+                                 env={k: v for k, v in os.environ.items() if k != "DILOCO_SECRET"})
+        assert nothing.returncode == 2 and "--secret-file" in nothing.stderr
     finally:
         group.kill_all()

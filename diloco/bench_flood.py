@@ -1,0 +1,224 @@
+"""Benchmark: does a flood of unauthorized callers slow a swarm's rounds? (RELIABILITY row 16)
+
+A swarm of `peers` real peers (hivemind daemons on 127.0.0.1, guarded by one secret, the round
+collective of `diloco.comms`) runs back-to-back rounds on a fixed pseudo-gradient of `numel` fp32
+values. Three phases of `rounds` rounds each: quiet, flooded, quiet again. During the flood,
+`flooders` separate processes, each with its own daemon and a wrong secret, keep `concurrency`
+calls each in flight against every peer's contribution handler, each call a well-formed envelope
+declaring a `body_kib` KiB body. Reported: median round time per phase, the flooded median over
+the quiet ones, calls the flooders made and the peers refused, and bytes the peers read from them.
+
+A real attacker runs on its own machine: its CPU is not ours. With `pin` (the default) the swarm's
+process and daemons get the first half of this machine's cores and the flooders the rest, so what
+the flooded phase measures is what handling the flood costs the swarm, not the attacker's own work
+(without `pin`, on a small machine, the attacker's CPU dominates and the ratio is an upper bound).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from diloco.comms import Collective, CollectiveConfig, PeerId, RoundKey
+from diloco.comms.auth import Guard, new_secret
+
+RUN = "bench-flood"
+
+
+@dataclass(frozen=True)
+class FloodSetup:
+    peers: int = 3
+    numel: int = 1 << 20
+    rounds: int = 20
+    flooders: int = 2
+    concurrency: int = 16
+    body_kib: int = 1024
+    compression: str = "fp32"
+    pin: bool = True
+
+
+def _split_cores() -> tuple[set[int], set[int]]:
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        raise RuntimeError("pinning needs at least 2 cores; run with pin off (--no-pin)")
+    half = len(cores) // 2
+    return set(cores[:half]), set(cores[half:])
+
+
+async def _swarm(setup: FloodSetup, secret: str) -> tuple[list[Any], list[Collective]]:
+    from diloco.comms.p2p import P2PTransport
+
+    cfg = CollectiveConfig(gather_timeout=30, reduce_timeout=20, result_timeout=30, call_timeout=15,
+                           compression=setup.compression)
+    first = await P2PTransport.create()
+    transports = [first] + [await P2PTransport.create(initial_peers=await first.visible_addresses())
+                            for _ in range(setup.peers - 1)]
+    collectives = []
+    for t in transports:
+        t.guard = Guard(secret, RUN, t.peer_id)
+        collectives.append(await Collective.create(t, RUN, cfg))
+    return transports, collectives
+
+
+async def _rounds(cs: list[Collective], start: int, count: int, numel: int) -> list[float]:
+    ids = [c.me for c in cs]
+    g = torch.Generator().manual_seed(start)
+    deltas = [torch.randn(numel, generator=g) for _ in cs]
+    seconds = []
+    for r in range(start, start + count):
+        t0 = time.perf_counter()
+        outs = await asyncio.gather(*(c.run_round(RoundKey(r), "d" * 16, ids, d) for c, d in zip(cs, deltas)))
+        seconds.append(time.perf_counter() - t0)
+        if not all(o.committed for o in outs):
+            raise RuntimeError(f"round {r} did not commit: {[o.reason for o in outs]}")
+    return seconds
+
+
+def run(setup: FloodSetup, progress: Callable[[str], None] = print) -> dict[str, Any]:
+    secret = new_secret()
+    ours, theirs = _split_cores() if setup.pin else (set(), set())
+    saved = os.sched_getaffinity(0)
+
+    async def main() -> dict[str, Any]:
+        transports, cs = await _swarm(setup, secret)
+        flooders: list[subprocess.Popen[str]] = []
+        try:
+            addrs = [f"{(await t.visible_addresses())[0]}" for t in transports]
+            addrs = [a if "/p2p/" in a else f"{a}/p2p/{t.peer_id}" for a, t in zip(addrs, transports)]
+            await _rounds(cs, 1, 3, setup.numel)  # warm-up: connections, allocator
+            quiet = await _rounds(cs, 10, setup.rounds, setup.numel)
+            progress(f"quiet: median round {statistics.median(quiet):.3f} s")
+            read_before = [sum(row[1] for row in t.counter.per_peer.values()) for t in transports]
+            for _ in range(setup.flooders):
+                flooders.append(subprocess.Popen(
+                    [sys.executable, "-m", "diloco.bench_flood", str(setup.concurrency), str(setup.body_kib), *addrs],
+                    stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, start_new_session=True,
+                    preexec_fn=(lambda: os.sched_setaffinity(0, theirs)) if setup.pin else None))
+            await asyncio.sleep(5)  # daemons up, streams flowing
+            flooded = await _rounds(cs, 100, setup.rounds, setup.numel)
+            progress(f"flooded: median round {statistics.median(flooded):.3f} s")
+            counts = []
+            for p in flooders:
+                p.send_signal(signal.SIGTERM)
+                out, _ = await asyncio.to_thread(p.communicate, timeout=30)
+                counts.append(json.loads(out.strip().splitlines()[-1]))
+            await asyncio.sleep(1)  # handlers of the last flooding calls finish
+            refused = sum(t.guard.refused["unauthorized"] for t in transports if t.guard is not None)
+            swarm_ids = {t.peer_id for t in transports}
+            from_flooders = sum(row[1] for t in transports for p, row in t.counter.per_peer.items()
+                                if p not in swarm_ids)
+            after = await _rounds(cs, 200, setup.rounds, setup.numel)
+            progress(f"quiet again: median round {statistics.median(after):.3f} s")
+            baseline = statistics.median(quiet + after)
+            return {
+                "setup": asdict(setup),
+                "median_round_s": {"quiet": statistics.median(quiet), "flooded": statistics.median(flooded),
+                                   "quiet_again": statistics.median(after)},
+                "flooded_over_quiet": statistics.median(flooded) / baseline,
+                "flood_calls": sum(c["calls"] for c in counts),
+                "flood_calls_per_s": sum(c["calls"] / c["seconds"] for c in counts),
+                "refused_unauthorized": refused,
+                "bytes_read_from_flooders": from_flooders,
+                "bytes_read_before_flood": sum(read_before),
+                "rejections_reaching_collective": sum(sum(c.rejections.values()) for c in cs),
+            }
+        finally:
+            for p in flooders:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+            for t in transports:
+                await t.close()
+
+    if setup.pin:  # this process and the daemons it starts (they inherit it) run on our half only
+        os.sched_setaffinity(0, ours)
+    try:
+        report = asyncio.run(main())
+    finally:
+        os.sched_setaffinity(0, saved)
+    report["cores"] = {"swarm": sorted(ours), "flooders": sorted(theirs)} if setup.pin else None
+    return report
+
+
+def markdown(report: dict[str, Any]) -> str:
+    m, s = report["median_round_s"], report["setup"]
+    return "\n".join([
+        "| phase | median round (s) |", "|---|---|",
+        f"| quiet | {m['quiet']:.3f} |", f"| flooded | {m['flooded']:.3f} |", f"| quiet again | {m['quiet_again']:.3f} |",
+        "",
+        f"flooded / quiet: {report['flooded_over_quiet']:.3f}; {s['flooders']} flooders × {s['concurrency']} calls in "
+        f"flight, {report['flood_calls']} calls ({report['flood_calls_per_s']:.0f}/s), "
+        f"{report['refused_unauthorized']} refused as unauthorized, "
+        f"{report['bytes_read_from_flooders']} bytes read from them "
+        f"(their bodies declared {s['body_kib']} KiB each); "
+        f"{report['rejections_reaching_collective']} reached the round protocol.",
+    ])
+
+
+# ---------------------------------------------------------------------- the flooder process
+
+
+async def _flood(concurrency: int, body_kib: int, addrs: list[str], stop: asyncio.Event) -> dict[str, Any]:
+    from diloco.comms.p2p import P2PTransport
+    from diloco.peers.reaper import Reaper
+
+    t = await P2PTransport.create(initial_peers=addrs)
+    reaper = Reaper()  # our daemon dies with us, however we end
+    if t.daemon_pid:
+        reaper.watch_pid(t.daemon_pid)
+    try:
+        wrong = Guard(new_secret(), RUN, t.peer_id)
+        targets = [PeerId(a.rsplit("/p2p/", 1)[1]) for a in addrs]
+        body = os.urandom(body_kib << 10)
+        frames = {p: wrong.seal_request("diloco.contrib", p, body).data for p in targets}  # one each, resent
+        calls, started = 0, time.monotonic()
+
+        async def worker(p: PeerId) -> None:
+            nonlocal calls
+            while not stop.is_set():
+                try:
+                    await t.call(p, "diloco.contrib", frames[p], 5)
+                except Exception:  # noqa: BLE001 - refusals and resets are the point
+                    pass
+                calls += 1
+
+        tasks = [asyncio.create_task(worker(p)) for p in targets for _ in range(concurrency)]
+        await stop.wait()
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        return {"calls": calls, "seconds": time.monotonic() - started}
+    finally:
+        await t.close()
+        reaper.close()
+
+
+def _flooder_main(argv: list[str]) -> None:
+    concurrency, body_kib, addrs = int(argv[0]), int(argv[1]), argv[2:]
+
+    async def main() -> None:
+        stop = asyncio.Event()
+        asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
+        print(json.dumps(await _flood(concurrency, body_kib, addrs, stop)), flush=True)
+
+    asyncio.run(main())
+
+
+def write_json(report: dict[str, Any], path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    _flooder_main(sys.argv[1:])
