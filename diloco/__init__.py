@@ -4,11 +4,13 @@ Workers take many local inner steps, then exchange pseudo-gradients (Î¸_global â
 hivemind peer-to-peer swarm and apply them with an outer Nesterov optimizer. See README.md.
 
     import diloco
-    swarm = diloco.Swarm.join([ADDR], diloco.SwarmConfig(run_id="my-run"))
+    swarm = diloco.Swarm.join([ADDR], diloco.SwarmConfig(run_id="my-run", secret=SECRET))
     with diloco.DiLoCo(model, optimizer, swarm=swarm, inner_steps=100) as d:
         ...  # your loop, unchanged
 """
 
+from . import credentials
+from .comms.hello import HandshakeError
 from .config import ConfigError, DiLoCoConfig, SwarmConfig
 from .fragments import FragmentError, StreamingConfig
 from .outer import nesterov
@@ -17,5 +19,5 @@ from .wrapper import DiLoCo, RoundReport
 
 __version__ = "0.1.0"
 
-__all__ = ["ConfigError", "DiLoCo", "DiLoCoConfig", "FragmentError", "RoundReport", "StreamingConfig", "Swarm",
-           "SwarmConfig", "SwarmError", "nesterov", "__version__"]
+__all__ = ["ConfigError", "DiLoCo", "DiLoCoConfig", "FragmentError", "HandshakeError", "RoundReport",
+           "StreamingConfig", "Swarm", "SwarmConfig", "SwarmError", "credentials", "nesterov", "__version__"]

@@ -1,7 +1,8 @@
 """The swarm handle: one peer's connection to a DiLoCo swarm, for synchronous training code.
 
-    swarm = Swarm.start(SwarmConfig(run_id="my-run"))               # the first peer
+    swarm = Swarm.start(SwarmConfig(run_id="my-run"))               # the first peer (creates a secret)
     print(swarm.join_command())                                     # what to run elsewhere
+    cfg = SwarmConfig(run_id="my-run", secret=swarm.cfg.secret)     # elsewhere: the same secret
     swarm = Swarm.join(["/ip4/1.2.3.4/tcp/4000/p2p/Qm…"], cfg)      # any later peer
 
 A `Swarm` owns: a transport (hivemind's libp2p daemon, or an in-process network for tests), a

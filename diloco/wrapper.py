@@ -1,6 +1,6 @@
 """`DiLoCo`: turn an existing PyTorch training loop into a DiLoCo worker with one line.
 
-    swarm = diloco.Swarm.join([ADDR], diloco.SwarmConfig(run_id="my-run"))
+    swarm = diloco.Swarm.join([ADDR], diloco.SwarmConfig(run_id="my-run", secret=SECRET))
     with diloco.DiLoCo(model, optimizer, swarm=swarm, inner_steps=100) as d:   # the one new line
         for x, y in loader:                  # the loop stays yours
             loss = loss_fn(model(x), y)
