@@ -229,7 +229,11 @@ class Guard:
         """The body of a request (`head`: its first HEAD_SIZE bytes, `rest`: body and mac) and a function
         that seals the reply to it; raises `Refusal` (reply included) when it is not authentic, not
         fresh, or addressed to an earlier session of ours."""
-        length = self.check_head(name, caller, head)
+        return self.open_body(name, caller, head, rest, self.check_head(name, caller, head))
+
+    def open_body(self, name: str, caller: PeerId, head: bytes, rest: bytes | memoryview,
+                  length: int) -> tuple[memoryview, Callable[[bytes], bytes]]:
+        """`open_request` for a head that `check_head` passed already (it returned `length`)."""
         key = self._key(name)
         tag = head[_HEAD.size:HEAD_SIZE]
         rest = memoryview(rest)

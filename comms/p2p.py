@@ -9,8 +9,8 @@ Failure semantics: every call has a timeout; an unreachable, dead or slow peer s
 `TransportError`, never as a hang. A request larger than `max_message` is refused before it is
 read into memory. With a `Guard` (the swarm's credential, `auth.py`) a request's first 56 bytes
 (envelope head and tag) are read and checked before anything else: a caller without the key is
-answered with a 56-byte refusal and its stream closed, its body never read. The daemon is a child process: `diloco.peers.reaper` makes sure it dies with
-us even when we are SIGKILLed.
+answered with a 56-byte refusal and its stream closed, its body never read. The daemon is a child
+process: `diloco.peers.reaper` makes sure it dies with us even when we are SIGKILLed.
 """
 
 from __future__ import annotations
@@ -146,7 +146,7 @@ class P2PTransport:
                 raise guard.refuse("malformed", caller, f"envelope declares {body_len} body bytes in {length}")
             rest = await reader.readexactly(length - HEAD_SIZE)
             self.counter.add(caller, received=len(rest))
-            body, seal = guard.open_request(name, caller, head, rest)
+            body, seal = guard.open_body(name, caller, head, rest, body_len)
         except Refusal as r:
             return r.reply
         return seal(await handler(caller, bytes(body)))
@@ -154,8 +154,7 @@ class P2PTransport:
     async def call(self, peer: PeerId, name: str, payload: bytes, timeout: float) -> bytes:
         if self.guard is None:
             return await self._call(peer, name, payload, timeout)
-        guard = self.guard
-        return await guard.call(name, peer, payload, lambda data: self._call(peer, name, data, timeout))
+        return await self.guard.call(name, peer, payload, lambda data: self._call(peer, name, data, timeout))
 
     async def _call(self, peer: PeerId, name: str, payload: bytes, timeout: float) -> bytes:
         async def exchange() -> bytes:

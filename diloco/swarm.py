@@ -63,7 +63,7 @@ class Swarm:
                  bootstrapped: bool = False, addresses_dialed: Collection[str] = ()) -> None:
         self.bootstrapped = bootstrapped
         """True when this peer joined through another peer's address (so a swarm should be visible)."""
-        self.bootstrap_peers: list[PeerId] = [PeerId(a.rsplit("/p2p/", 1)[1]) for a in addresses_dialed]
+        self.bootstrap_peers: list[PeerId] = [_peer_of(a) for a in addresses_dialed]
         """The peers we dialed to join: the handshake compares settings with them."""
         self.loop, self.transport, self.directory, self.collective = loop, transport, directory, collective
         self.cfg = cfg
@@ -134,7 +134,7 @@ class Swarm:
             transport.guard = cfg.guard(transport.peer_id)
             try:
                 for addr in initial:  # before the DHT: a peer that must not join learns why at once
-                    await _hello(transport, PeerId(addr.rsplit("/p2p/", 1)[1]), cfg, "")
+                    await _hello(transport, _peer_of(addr), cfg, "")
                 directory = await asyncio.wait_for(DHTDirectory.create(
                     transport.p2p, cfg.run_id, initial, authorizer=HmacAuthorizer(cfg.secret or "", cfg.run_id)), 30)
                 collective = await Collective.create(transport, cfg.run_id, cfg.collective())
@@ -409,11 +409,16 @@ async def _hello(transport: Transport, peer: PeerId, cfg: SwarmConfig, schema: s
     try:
         theirs = hs.unpack(reply)
     except ValueError as e:
-        raise HandshakeError("protocol", hs.hello(cfg.run_id, schema)["protocol"], f"unreadable ({e})", peer) from None
+        raise HandshakeError("protocol", ours["protocol"], f"unreadable ({e})", peer) from None
     field = theirs.get("field") or hs.mismatch(ours, theirs)
     if field:
         field = field if field in hs.FIELDS else "protocol"
         raise HandshakeError(field, ours[field], theirs[field], peer)
+
+
+def _peer_of(addr: str) -> PeerId:
+    """The peer id at the end of a validated swarm address (…/p2p/12D3KooW…)."""
+    return PeerId(addr.rsplit("/p2p/", 1)[1])
 
 
 def _validate_addrs(addrs: list[str]) -> None:
