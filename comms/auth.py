@@ -43,6 +43,7 @@ from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable
 
+from .tarpit import Tarpit
 from .transport import PeerId, TransportError
 
 log = logging.getLogger(__name__)
@@ -151,6 +152,8 @@ class Guard:
         self.refused: Counter[str] = Counter()
         """Requests refused before their handler ran, by reason."""
         self._logged: set[tuple[str, str]] = set()
+        self.tarpit = Tarpit()
+        """Holds the refusals of callers that keep failing `check_head` (a transport that streams applies it)."""
 
     def __repr__(self) -> str:  # never show keys
         return f"Guard(me={self.me!r}, session={self.session:x}, allow={len(self.allow) if self.allow else None})"

@@ -9,7 +9,8 @@ Failure semantics: every call has a timeout; an unreachable, dead or slow peer s
 `TransportError`, never as a hang. A request larger than `max_message` is refused before it is
 read into memory. With a `Guard` (the swarm's credential, `auth.py`) a request's first 56 bytes
 (envelope head and tag) are read and checked before anything else: a caller without the key is
-answered with a 56-byte refusal and its stream closed, its body never read. The daemon is a child
+answered with a 56-byte refusal and its stream closed, its body never read; one that keeps trying
+waits for its refusals (`tarpit.py`). The daemon is a child
 process: `diloco.peers.reaper` makes sure it dies with us even when we are SIGKILLed.
 """
 
@@ -35,15 +36,18 @@ async def _send(writer: asyncio.StreamWriter, data: bytes) -> None:
     await P2P.send_raw_data(data, writer, chunk_size=1 << 20)
 
 
-async def _length(reader: asyncio.StreamReader, max_message: int) -> int:
-    length = int.from_bytes(await reader.readexactly(_LEN), _BYTEORDER)
+async def _prefix(reader: asyncio.StreamReader) -> int:
+    return int.from_bytes(await reader.readexactly(_LEN), _BYTEORDER)
+
+
+def _within(length: int, max_message: int) -> int:
     if length > max_message:
         raise TransportError(f"message of {length} bytes exceeds the limit of {max_message} bytes")
     return length
 
 
 async def _receive(reader: asyncio.StreamReader, max_message: int) -> bytes:
-    return await reader.readexactly(await _length(reader, max_message))
+    return await reader.readexactly(_within(await _prefix(reader), max_message))
 
 
 @contextmanager
@@ -136,12 +140,18 @@ class P2PTransport:
 
     async def _serve_guarded(self, guard: Guard, name: str, caller: PeerId, reader: asyncio.StreamReader,
                              handler: Handler) -> bytes:
-        """Read the head, refuse a caller without the key there; only then read and open the rest."""
-        length = await _length(reader, self.max_message)
+        """Read the head, refuse a caller without the key there (held if it keeps trying: `tarpit.py`);
+        only then look at the declared length, read and open the rest."""
+        length = await _prefix(reader)
         head = await reader.readexactly(min(length, HEAD_SIZE))
         self.counter.add(caller, received=len(head) + _LEN)
         try:
             body_len = guard.check_head(name, caller, head)
+        except Refusal as r:
+            await guard.tarpit.refused(caller)
+            return r.reply
+        _within(length, self.max_message)
+        try:
             if length != HEAD_SIZE + body_len + MAC_SIZE:
                 raise guard.refuse("malformed", caller, f"envelope declares {body_len} body bytes in {length}")
             rest = await reader.readexactly(length - HEAD_SIZE)

@@ -32,6 +32,7 @@ import torch
 
 from diloco.comms import Collective, CollectiveConfig, PeerId, RoundKey
 from diloco.comms.auth import Guard, new_secret
+from diloco.comms.tarpit import Tarpit, TarpitConfig
 
 RUN = "bench-flood"
 
@@ -44,6 +45,10 @@ class FloodSetup:
     flooders: int = 2
     concurrency: int = 16
     body_kib: int = 1024
+    patience: float = 5.0
+    """Seconds a flooding call waits for its answer before it gives up and opens another."""
+    tarpit: bool = True
+    """Off: every refusal is answered at once (the control that shows what the tarpit buys)."""
     compression: str = "fp32"
     pin: bool = True
 
@@ -67,6 +72,8 @@ async def _swarm(setup: FloodSetup, secret: str) -> tuple[list[Any], list[Collec
     collectives = []
     for t in transports:
         t.guard = Guard(secret, RUN, t.peer_id)
+        if not setup.tarpit:
+            t.guard.tarpit = Tarpit(TarpitConfig(hold=0.0))
         collectives.append(await Collective.create(t, RUN, cfg))
     return transports, collectives
 
@@ -102,7 +109,8 @@ def run(setup: FloodSetup, progress: Callable[[str], None] = print) -> dict[str,
             read_before = [sum(row[1] for row in t.counter.per_peer.values()) for t in transports]
             for _ in range(setup.flooders):
                 flooders.append(subprocess.Popen(
-                    [sys.executable, "-m", "diloco.bench_flood", str(setup.concurrency), str(setup.body_kib), *addrs],
+                    [sys.executable, "-m", "diloco.bench_flood", str(setup.concurrency), str(setup.body_kib),
+                     str(setup.patience), *addrs],
                     stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, start_new_session=True,
                     preexec_fn=(lambda: os.sched_setaffinity(0, theirs)) if setup.pin else None))
             await asyncio.sleep(5)  # daemons up, streams flowing
@@ -114,7 +122,8 @@ def run(setup: FloodSetup, progress: Callable[[str], None] = print) -> dict[str,
                 out, _ = await asyncio.to_thread(p.communicate, timeout=30)
                 counts.append(json.loads(out.strip().splitlines()[-1]))
             await asyncio.sleep(1)  # handlers of the last flooding calls finish
-            refused = sum(t.guard.refused["unauthorized"] for t in transports if t.guard is not None)
+            guards = [t.guard for t in transports if t.guard is not None]
+            refused = sum(g.refused["unauthorized"] for g in guards)
             swarm_ids = {t.peer_id for t in transports}
             from_flooders = sum(row[1] for t in transports for p, row in t.counter.per_peer.items()
                                 if p not in swarm_ids)
@@ -129,6 +138,7 @@ def run(setup: FloodSetup, progress: Callable[[str], None] = print) -> dict[str,
                 "flood_calls": sum(c["calls"] for c in counts),
                 "flood_calls_per_s": sum(c["calls"] / c["seconds"] for c in counts),
                 "refused_unauthorized": refused,
+                "refusals_held": sum(g.tarpit.held_total for g in guards),
                 "bytes_read_from_flooders": from_flooders,
                 "bytes_read_before_flood": sum(read_before),
                 "rejections_reaching_collective": sum(sum(c.rejections.values()) for c in cs),
@@ -159,7 +169,8 @@ def markdown(report: dict[str, Any]) -> str:
         "",
         f"flooded / quiet: {report['flooded_over_quiet']:.3f}; {s['flooders']} flooders × {s['concurrency']} calls in "
         f"flight, {report['flood_calls']} calls ({report['flood_calls_per_s']:.0f}/s), "
-        f"{report['refused_unauthorized']} refused as unauthorized, "
+        f"{report['refused_unauthorized']} refused as unauthorized ({report['refusals_held']} of them held by the "
+        f"tarpit{'' if s['tarpit'] else ', off'}; flooders gave up on a call after {s['patience']:g} s), "
         f"{report['bytes_read_from_flooders']} bytes read from them "
         f"(their bodies declared {s['body_kib']} KiB each); "
         f"{report['rejections_reaching_collective']} reached the round protocol.",
@@ -169,7 +180,8 @@ def markdown(report: dict[str, Any]) -> str:
 # ---------------------------------------------------------------------- the flooder process
 
 
-async def _flood(concurrency: int, body_kib: int, addrs: list[str], stop: asyncio.Event) -> dict[str, Any]:
+async def _flood(concurrency: int, body_kib: int, patience: float, addrs: list[str],
+                 stop: asyncio.Event) -> dict[str, Any]:
     from diloco.comms.p2p import P2PTransport
     from diloco.peers.reaper import Reaper
 
@@ -188,7 +200,7 @@ async def _flood(concurrency: int, body_kib: int, addrs: list[str], stop: asynci
             nonlocal calls
             while not stop.is_set():
                 try:
-                    await t.call(p, "diloco.contrib", frames[p], 5)
+                    await t.call(p, "diloco.contrib", frames[p], patience)
                 except Exception:  # noqa: BLE001 - refusals and resets are the point
                     pass
                 calls += 1
@@ -205,12 +217,12 @@ async def _flood(concurrency: int, body_kib: int, addrs: list[str], stop: asynci
 
 
 def _flooder_main(argv: list[str]) -> None:
-    concurrency, body_kib, addrs = int(argv[0]), int(argv[1]), argv[2:]
+    concurrency, body_kib, patience, addrs = int(argv[0]), int(argv[1]), float(argv[2]), argv[3:]
 
     async def main() -> None:
         stop = asyncio.Event()
         asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
-        print(json.dumps(await _flood(concurrency, body_kib, addrs, stop)), flush=True)
+        print(json.dumps(await _flood(concurrency, body_kib, patience, addrs, stop)), flush=True)
 
     asyncio.run(main())
 

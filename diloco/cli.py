@@ -514,6 +514,10 @@ def bench_flood_cmd(
     flooders: int = typer.Option(2, help="Processes without the secret flooding every peer."),
     concurrency: int = typer.Option(16, help="Calls each flooder keeps in flight per peer."),
     body_kib: int = typer.Option(1024, help="Body each flooding call declares, KiB."),
+    patience: float = typer.Option(5.0, help="Seconds a flooding call waits for its answer before the flooder "
+                                             "gives up on it and opens another."),
+    tarpit: bool = typer.Option(True, help="Hold repeat refusals (comms/tarpit.py); --no-tarpit answers every "
+                                           "refusal at once, the control."),
     pin: bool = typer.Option(True, help="Swarm on the first half of the cores, flooders on the rest (as if the "
                                         "attackers ran on their own machines)."),
     json_path: Optional[Path] = typer.Option(None, "--json", help="Write the report as JSON here."),
@@ -521,10 +525,11 @@ def bench_flood_cmd(
     """Round time of a swarm while processes without its secret flood it with calls (RELIABILITY row 16)."""
     from .bench_flood import FloodSetup, markdown, run, write_json
 
-    if peers < 2 or numel < 1 or rounds < 1 or flooders < 1 or concurrency < 1 or body_kib < 0:
-        _fail("--peers must be >= 2; --numel, --rounds, --flooders and --concurrency >= 1; --body-kib >= 0")
+    if peers < 2 or numel < 1 or rounds < 1 or flooders < 1 or concurrency < 1 or body_kib < 0 or patience <= 0:
+        _fail("--peers must be >= 2; --numel, --rounds, --flooders and --concurrency >= 1; --body-kib >= 0; "
+              "--patience > 0")
     report = run(FloodSetup(peers=peers, numel=numel, rounds=rounds, flooders=flooders, concurrency=concurrency,
-                            body_kib=body_kib, pin=pin), progress=typer.echo)
+                            body_kib=body_kib, patience=patience, tarpit=tarpit, pin=pin), progress=typer.echo)
     typer.echo(markdown(report))
     if json_path:
         write_json(report, json_path)

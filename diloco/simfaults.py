@@ -5,7 +5,8 @@
       {"round": 5, "action": "restart", "peer": 2},
       {"round": 2, "action": "slow", "peer": 1, "factor": 4},
       {"round": 4, "action": "degrade", "peer": 0, "bandwidth_mbit": 10, "latency_ms": 200},
-      {"round": 6, "action": "partition", "peers": [3], "rounds": 2}
+      {"round": 6, "action": "partition", "peers": [3], "rounds": 2},
+      {"round": 1, "action": "poison", "peer": 7, "factor": 1e4}
     ]}
 
 | action      | fires when                              | what happens                                            |
@@ -15,6 +16,7 @@
 | `slow`      | worker `peer` reaches round `round`      | its inner steps take `factor` times as long (projection) |
 | `degrade`   | worker `peer` reaches round `round`      | its link becomes `bandwidth_mbit` / `latency_ms` / `loss` (projection) |
 | `partition` | the swarm reaches round `round`          | `peers` are cut off (calls and records) from the others until those committed `rounds` more rounds |
+| `poison`    | worker `peer` reaches round `round`      | from then on it contributes its pseudo-gradient times `factor` (an authorized peer gone bad: robust aggregation clips it, then bans it) |
 
 A round is the number of outer rounds a worker holds (`rounds` × fragments with streaming). Every
 fault fires exactly once. Kill, restart and partition act on the real in-process swarm at a round
@@ -25,7 +27,8 @@ local steps there would be lost at the resync anyway). The cut-off side must be 
 the live workers: a larger one would leave no side that can commit (tests/test_partitions.py shows
 a 2|2 split stall both halves).
 
-`random_plan(seed, ...)` draws a valid plan from a seed (`--faults random:N` on the CLI).
+`random_plan(seed, ...)` draws a valid plan from a seed (`--faults random:N` on the CLI); it never
+draws `poison` (a ban changes the swarm for good; put it in a plan on purpose).
 """
 
 from __future__ import annotations
@@ -43,17 +46,21 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 from .config import ConfigError
 
 if TYPE_CHECKING:
+    import torch
+
     from .wrapper import DiLoCo
 
 log = logging.getLogger(__name__)
 
-ACTIONS = ("kill", "restart", "slow", "degrade", "partition")
+ACTIONS = ("kill", "restart", "slow", "degrade", "partition", "poison")
+_RANDOM_ACTIONS = ACTIONS[:5]
 _FIELDS = {
     "kill": {"round", "action", "peer"},
     "restart": {"round", "action", "peer"},
     "slow": {"round", "action", "peer", "factor"},
     "degrade": {"round", "action", "peer", "bandwidth_mbit", "latency_ms", "loss"},
     "partition": {"round", "action", "peers", "rounds"},
+    "poison": {"round", "action", "peer", "factor"},
 }
 
 
@@ -66,7 +73,7 @@ class Fault:
     peers: tuple[int, ...] = ()
     """partition: the workers cut off from the rest."""
     factor: float = 1.0
-    """slow: step time multiplier (> 1 is slower)."""
+    """slow: step time multiplier (> 1 is slower); poison: what the pseudo-gradient is multiplied by."""
     bandwidth_mbit: float | None = None
     latency_ms: float | None = None
     loss: float | None = None
@@ -126,6 +133,9 @@ def parse_fault(item: Any, index: int, workers: int) -> Fault:
     if action == "slow":
         factor = _num(item, "factor", where, lambda v: v > 0, "a number > 0")
         return Fault(rnd, action, peer, factor=factor if factor is not None else 2.0)
+    if action == "poison":
+        factor = _num(item, "factor", where, lambda v: v != 1, "a finite number other than 1")
+        return Fault(rnd, action, peer, factor=factor if factor is not None else 1e4)
     if action == "degrade":
         bw = _num(item, "bandwidth_mbit", where, lambda v: v > 0, "> 0")
         lat = _num(item, "latency_ms", where, lambda v: v >= 0, ">= 0")
@@ -193,7 +203,7 @@ def random_plan(seed: int, workers: int, rounds: int, count: int) -> list[Fault]
     for _ in range(count * 20):  # draws that do not fit the plan so far are skipped
         if len(plan) >= count:
             break
-        action = rng.choice(ACTIONS)
+        action = rng.choice(_RANDOM_ACTIONS)
         rnd = rng.randint(1, rounds - 2)
         peer = rng.randrange(workers)
         candidate = {
@@ -241,6 +251,9 @@ class FaultRunner:
       heal comes when a worker outside reaches `rounds` more rounds and every cut-off worker had its
       round refused, and everyone waits there until the cut-off workers resynced.
     - slow, degrade: recorded for the projection; nobody waits.
+    - poison: from then on `outgoing(worker, delta)` multiplies that worker's pseudo-gradient; nobody waits.
+      Once another worker's swarm has banned it, it is shut out: its swarm crashes (its round in flight
+      ends) and it stops at its next step, as a killed worker would (`expelled`).
 
     `fired` lists (plan index, fault) in the order they fired; each fires exactly once.
     """
@@ -258,6 +271,10 @@ class FaultRunner:
         self._cut_reports: dict[int, int] = {}  # cut-off worker -> its report count at the split
         self.peer_worker: dict[str, int] = {}
         """Peer id -> worker index, for every incarnation (set by the simulator)."""
+        self.poisoned: dict[int, float] = {}
+        """Worker -> the factor its pseudo-gradient is multiplied by (poison faults fired)."""
+        self.expelled: set[int] = set()
+        """Poisoned workers the others banned: shut out of the simulation."""
 
     # -------------------------------------------------------------- what the network asks
 
@@ -270,10 +287,20 @@ class FaultRunner:
         """Does peer `me` see `other`'s record now (a partitioned DHT shows each side only its own)?"""
         return not self.blocked(me, other)
 
+    def outgoing(self, worker: int, delta: torch.Tensor) -> torch.Tensor:
+        """What `worker` contributes in place of its pseudo-gradient `delta`."""
+        factor = self.poisoned.get(worker)
+        return delta if factor is None else delta * factor
+
     # -------------------------------------------------------------- the training threads
 
     def after_step(self, worker: int, d: DiLoCo) -> None:
         with self._cond:
+            if worker in self.expelled:
+                self._workers.pop(worker, None)
+                self._cond.notify_all()
+                raise Killed(f"worker {worker} was banned by the swarm")
+            self._expel_banned(d)
             self._workers[worker] = d
             self._cond.notify_all()  # a restarted worker's first step: its restart may be done
             deadline = time.monotonic() + self._timeout
@@ -296,6 +323,18 @@ class FaultRunner:
                     raise RuntimeError(f"fault plan stuck: worker {worker} waited {self._timeout:.0f}s for {what}")
                 self._cond.wait(min(remaining, 0.5))
 
+    def _expel_banned(self, d: DiLoCo) -> None:
+        """Shut out every poisoned worker that `d`'s swarm has banned (under the lock)."""
+        if d.swarm is None:
+            return
+        for w in set(self.poisoned) - self.expelled:
+            victim = self._workers.get(w)
+            if victim is not None and victim.swarm is not None and victim.swarm.peer_id in d.swarm.collective.banned:
+                self.expelled.add(w)
+                self._dead.add(w)
+                log.info("event=poisoner_expelled worker=%d by_round=%d", w, d.round)
+                victim.swarm.crash()
+
     def worker_gone(self, worker: int) -> None:
         """A worker's thread ended (killed, or done): nobody waits for it any more."""
         with self._cond:
@@ -306,7 +345,7 @@ class FaultRunner:
 
     def _applies(self, ev: _Event, worker: int, d: DiLoCo) -> bool:
         f = ev.fault
-        if f.action in ("slow", "degrade"):
+        if f.action in ("slow", "degrade", "poison"):
             return f.peer == worker and d.round >= f.round
         if worker in self.cut:  # a cut-off worker is held by `_held`, not by what the others do
             return False
@@ -314,7 +353,7 @@ class FaultRunner:
 
     def _acts(self, ev: _Event, worker: int) -> bool:
         f = ev.fault
-        if f.action in ("kill", "slow", "degrade"):
+        if f.action in ("kill", "slow", "degrade", "poison"):
             return f.peer == worker
         # The others must be there too: a worker still finishing the round would see the change mid-way.
         if ev.index == -1:  # heal: once every cut-off worker had a round refused (so each took the same steps)
@@ -371,6 +410,9 @@ class FaultRunner:
             heal = Fault(d.round + f.rounds, "partition", peers=f.peers, rounds=f.rounds)
             self._events.append(_Event(heal, -1))
             self._events.sort(key=lambda e: e.fault.round)
+            ev.done = True
+        elif f.action == "poison":
+            self.poisoned[f.peer] = f.factor
             ev.done = True
         else:  # slow, degrade: the projection reads them from `fired`
             ev.done = True

@@ -264,12 +264,12 @@ def simulate(job: JobConfig, workers: int, *, swarm: SwarmConfig | None = None, 
     def start(i: int, restarted: bool = False) -> None:
         incarnation = sum(w == i for w, _ in rows)
         pid = f"sim{i:03d}" + (f"r{incarnation}" if incarnation else "")
-        drop = None
+        drop = outgoing = None
         if runner is not None:
             runner.peer_worker[pid] = i
-            drop = partial(_cut_off, runner, pid)
+            drop, outgoing = partial(_cut_off, runner, pid), partial(runner.outgoing, i)
         s = Swarm.in_process(network, _SideOfBoard(board, pid, runner), pid, scfg, loop, bootstrapped=restarted,
-                             drop=drop)
+                             drop=drop, outgoing=outgoing)
         out = _Rows()
         with lock:
             swarms.append(s)
@@ -355,6 +355,7 @@ def summarize(job: JobConfig, finals: list[dict[str, Any]], rows: Sequence[tuple
     return dict(workers=workers, finished=len(finals), digests=sorted({f["digest"] for f in finals}),
                 digest=finals[0]["digest"], round=finals[0]["round"], eval_loss=finals[0]["eval_loss"],
                 params=finals[0]["params"], bytes_sent=sum(f["bytes_sent"] for f in finals),
+                banned=finals[0]["banned"], robust=finals[0]["robust"],
                 bits_per_param_sync=finals[0]["bits_per_param_sync"], compression=finals[0]["compression"],
                 wall_seconds=round(wall, 2), step_seconds=round(net.step_seconds or measured_step, 6),
                 network=dict(bandwidth_mbit=net.bandwidth_mbit, latency_ms=net.latency_ms, loss=net.loss,

@@ -76,6 +76,8 @@ class Swarm:
         self._seen: list[PeerRecord] | None = None  # the directory as the last read showed it
         self._seen_at = 0.0
         self._closed = False
+        self._outgoing: Callable[[torch.Tensor], torch.Tensor] | None = None  # simulation only: `in_process`
+        self._exchanges: set[concurrent.futures.Future[RoundOutcome]] = set()  # rounds in flight (`crash`)
         loop.run(transport.register("diloco.state", self._on_state))
         loop.run(transport.register(HELLO, self._on_hello))
         self._heartbeat = loop.submit(self._heartbeat_loop())
@@ -165,14 +167,18 @@ class Swarm:
     @classmethod
     def in_process(cls, network: InProcNetwork, board: Directory, peer_id: str, cfg: SwarmConfig,
                    loop: LoopThread, *, bootstrapped: bool = False,
-                   drop: Callable[[PeerId, str], bool] | None = None) -> Swarm:
+                   drop: Callable[[PeerId, str], bool] | None = None,
+                   outgoing: Callable[[torch.Tensor], torch.Tensor] | None = None) -> Swarm:
         """A peer on an in-process network (tests, simulation); many peers share one `loop`. `drop(target,
-        handler)` True loses that outgoing call (fault injection: a partition)."""
+        handler)` True loses that outgoing call (fault injection: a partition); `outgoing(delta)` is what
+        it contributes in place of its pseudo-gradient `delta` (fault injection: a poisoning peer)."""
         transport = network.transport(peer_id, drop)
         transport.guard = cfg.guard(peer_id)
         collective = loop.run(Collective.create(transport, cfg.run_id, cfg.collective()))
-        return cls(loop, transport, board, collective, cfg, owns_loop=False, addresses=[f"inproc:{peer_id}"],
-                   bootstrapped=bootstrapped)
+        swarm = cls(loop, transport, board, collective, cfg, owns_loop=False, addresses=[f"inproc:{peer_id}"],
+                    bootstrapped=bootstrapped)
+        swarm._outgoing = outgoing
+        return swarm
 
     # ------------------------------------------------------------------ identity and records
 
@@ -285,6 +291,9 @@ class Swarm:
         no network I/O. With `majority` on, the round commits only with a majority of `previous` (the
         members of the last round we committed); peers in `skip` are not waited for.
         `finish_exchange` collects the outcome."""
+        if self._outgoing is not None:
+            delta = self._outgoing(delta)
+
         async def go() -> RoundOutcome:
             records = await self._read_records()
             self.collective.adopt_bans(banned_by_majority(records, self.peer_id), "banned by a majority of the "
@@ -307,7 +316,10 @@ class Swarm:
             return await self.collective.run_round(key, digest, sorted({*expected, *resyncing}), delta,
                                                    fragment=fragment, admit=admit, wait_for=wait_for)
 
-        return self.loop.submit(go())
+        future = self.loop.submit(go())
+        self._exchanges.add(future)
+        future.add_done_callback(self._exchanges.discard)
+        return future
 
     def finish_exchange(self, future: concurrent.futures.Future[RoundOutcome], key: RoundKey) -> RoundOutcome:
         """The outcome of a round started with `exchange_async`, waiting (bounded by the round's own
@@ -318,6 +330,8 @@ class Swarm:
         except concurrent.futures.TimeoutError:
             future.cancel()
             return RoundOutcome(key, False, f"round did not finish within {limit:.0f}s")
+        except concurrent.futures.CancelledError:
+            return RoundOutcome(key, False, "crashed")
 
     def serve_state(self, provider: StateProvider, info: Callable[[], dict[str, Any]] | None = None) -> None:
         """Let peers that are behind download our global state: `provider()` -> (round, digest, bytes);
@@ -365,10 +379,13 @@ class Swarm:
 
     def crash(self) -> None:
         """Vanish as a SIGKILLed process would, for in-process tests and simulation: no goodbye, no more
-        heartbeats (our record lives until `heartbeat_ttl`), and calls to or from us fail from now on.
+        heartbeats (our record lives until `heartbeat_ttl`), our rounds in flight end ("crashed"), and
+        calls to or from us fail from now on. Safe from any thread.
         `close()` still releases what is left."""
         self.collective.crashed = True
         self._heartbeat.cancel()
+        for future in list(self._exchanges):  # a dead process has no rounds in flight
+            future.cancel()
         self.loop.submit(self.transport.close())
 
     def close(self, *, announce: bool = True) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import os
 import time
+
 import pytest
 
 from diloco.comms import InProcNetwork, PeerId
@@ -257,8 +258,19 @@ def test_guarded_swarm_commits_and_frames_of_other_rounds_are_still_refused():
 @pytest.mark.multiproc
 def test_p2p_refuses_an_unauthorized_caller_after_the_head_without_reading_its_body():
     """A caller with the wrong key declaring a 64 MB request: refused after 56 bytes, body never read,
-    handler never called; an authorized caller on the same daemon is served."""
+    handler never called; an authorized caller on the same daemon is served. The caller's next refusal
+    is held (the tarpit) while others are served at once; once it has the key it is served at once."""
     from diloco.comms.p2p import P2PTransport
+    from diloco.comms.tarpit import Tarpit, TarpitConfig
+
+    hold = 2.0
+
+    async def timed(coro):
+        t0 = time.perf_counter()
+        try:
+            return await coro, time.perf_counter() - t0
+        except TransportError as e:
+            return e, time.perf_counter() - t0
 
     async def main():
         a = await P2PTransport.create()
@@ -266,25 +278,36 @@ def test_p2p_refuses_an_unauthorized_caller_after_the_head_without_reading_its_b
         bad = await P2PTransport.create(initial_peers=await a.visible_addresses())
         try:
             a.guard = Guard(SECRET, RUN, a.peer_id)
+            a.guard.tarpit = Tarpit(TarpitConfig(hold=hold))
             good.guard = Guard(SECRET, RUN, good.peer_id)
             bad.guard = Guard("w" * 32, RUN, bad.peer_id)
             spy = Spy()
             await a.register("x", spy)
             reply = await good.call(a.peer_id, "x", b"ok", 10)
             # the refusal closes the stream under the unfinished upload: the caller sees a reset or the refusal
-            with pytest.raises(TransportError):
-                await bad.call(a.peer_id, "x", os.urandom(64 << 20), 30)
-            with pytest.raises(AuthRefused, match="unauthorized"):  # a small request reads the refusal
-                await bad.call(a.peer_id, "x", b"hi", 30)
-            return reply, spy.got, a.counter.per_peer.get(bad.peer_id), dict(a.guard.refused)
+            first, first_s = await timed(bad.call(a.peer_id, "x", os.urandom(64 << 20), 30))
+            # again, small (it reads the refusal), while an authorized call is made during the hold
+            (second, second_s), (during, during_s) = await asyncio.gather(
+                timed(bad.call(a.peer_id, "x", b"hi", 30)), timed(good.call(a.peer_id, "x", b"during", 10)))
+            bytes_read = a.counter.per_peer[bad.peer_id][1]
+            bad.guard = Guard(SECRET, RUN, bad.peer_id)  # it gets the secret: same peer id, served at once
+            fixed, fixed_s = await timed(bad.call(a.peer_id, "x", b"fixed", 10))
+            return dict(reply=reply, got=spy.got, bytes_read=bytes_read, refused=dict(a.guard.refused),
+                        first=first, first_s=first_s, second=second, second_s=second_s, during=during,
+                        during_s=during_s, fixed=fixed, fixed_s=fixed_s, held=a.guard.tarpit.held_total)
         finally:
             for t in (a, good, bad):
                 await t.close()
 
-    reply, got, bad_bytes, refused = asyncio.run(main())
-    assert reply == b"pong:ok" and got == [b"ok"]
-    assert refused["unauthorized"] == 2
-    assert bad_bytes is not None and bad_bytes[1] == 2 * (8 + HEAD_SIZE)  # length prefix and head: nothing more
+    r = asyncio.run(main())
+    assert r["reply"] == b"pong:ok" and sorted(r["got"]) == [b"during", b"fixed", b"ok"]
+    assert r["refused"]["unauthorized"] == 2
+    assert r["bytes_read"] == 2 * (8 + HEAD_SIZE)  # length prefix and head: nothing more
+    assert isinstance(r["first"], TransportError) and r["first_s"] < hold
+    assert isinstance(r["second"], AuthRefused) and "unauthorized" in str(r["second"]) and r["second_s"] >= hold
+    assert r["held"] == 1
+    assert r["during"] == b"pong:during" and r["during_s"] < hold
+    assert r["fixed"] == b"pong:fixed" and r["fixed_s"] < hold
 
 
 @pytest.mark.multiproc
@@ -335,7 +358,8 @@ def test_cli_join_refused_at_handshake_exits_nonzero_naming_the_field(tmp_path):
 @pytest.mark.timeout(180)
 def test_flood_bench_reads_only_heads_from_flooders_and_nothing_reaches_the_rounds():
     """`diloco bench flood` in small: every flooding call is refused after its 64 bytes (length prefix
-    and head), none reaches the round protocol, and the swarm commits every round meanwhile."""
+    and head), none reaches the round protocol, and the swarm commits every round meanwhile. Every
+    refusal but each flooder's first at each peer is held by the tarpit."""
     from diloco.bench_flood import FloodSetup, run
 
     report = run(FloodSetup(peers=2, numel=4096, rounds=3, flooders=1, concurrency=2, body_kib=64, pin=False),
@@ -343,4 +367,5 @@ def test_flood_bench_reads_only_heads_from_flooders_and_nothing_reaches_the_roun
     assert report["refused_unauthorized"] > 0
     assert report["bytes_read_from_flooders"] == (8 + HEAD_SIZE) * report["refused_unauthorized"]
     assert report["rejections_reaching_collective"] == 0
+    assert report["refused_unauthorized"] - report["refusals_held"] == 1 * 2  # flooders x peers: first offences
     assert report["median_round_s"]["flooded"] > 0

@@ -8,6 +8,7 @@ import json
 import math
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 
@@ -179,3 +180,35 @@ def test_the_cli_reads_a_plan_and_says_what_fired(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "diloco", "simulate", *tiny, "--faults", "random:x"],
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "random:N needs a count" in bad.stderr
+
+
+# ---------------------------------------------------------------------- RELIABILITY row 17: a poisoning worker
+
+POISON_JOB = JobConfig(rounds=6, inner_steps=8, d_model=32, n_layer=1, batch_size=4, eval_batches=4,
+                       corpus_bytes=1 << 20)
+POISON = [Fault(1, "poison", 7, factor=1e4)]
+
+
+@pytest.mark.swarm
+@pytest.mark.timeout(600)
+def test_one_of_eight_workers_poisoning_every_round_is_banned_and_training_goes_on():
+    """RELIABILITY row 17 on the real training loop: worker 7 multiplies its pseudo-gradient by 1e4 from
+    round 1 on. With robust aggregation (the default) it is clipped, then banned, and worker 0's final
+    loss is within 2% of the fault-free run's; with it off (the control) the model is wrecked."""
+    swarm = replace(SWARM, run_id="poison", compression="fp32")
+    clean = simulate(POISON_JOB, 8, swarm=swarm, timeout=500)
+    defended = simulate(POISON_JOB, 8, swarm=swarm, faults=POISON, timeout=500)
+    assert [f["action"] for f in defended["faults_fired"]] == ["poison"]
+    assert defended["banned"] and defended["robust"].get("clipped", 0) >= 1
+    assert defended["eval_loss"] <= 1.02 * clean["eval_loss"], (defended["eval_loss"], clean["eval_loss"])
+    undefended = simulate(POISON_JOB, 8, swarm=replace(swarm, clip=0, ban_after=0), faults=POISON, timeout=500)
+    assert not undefended["banned"]
+    assert not math.isfinite(undefended["eval_loss"]) or undefended["eval_loss"] > 1.5 * clean["eval_loss"], \
+        (undefended["eval_loss"], clean["eval_loss"])
+
+
+def test_a_poison_entry_is_parsed_and_never_drawn_at_random():
+    assert parse_fault({"round": 2, "action": "poison", "peer": 1}, 0, 4) == Fault(2, "poison", 1, factor=1e4)
+    with pytest.raises(ConfigError, match="other than 1"):
+        parse_fault({"round": 2, "action": "poison", "peer": 1, "factor": 1}, 0, 4)
+    assert all(f.action != "poison" for seed in range(50) for f in random_plan(seed, 4, 10, 5))
