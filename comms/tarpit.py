@@ -56,10 +56,13 @@ class Tarpit:
         self.cfg, self._clock = cfg, clock
         self._last: OrderedDict[str, float] = OrderedDict()
         self._held: Counter[str] = Counter()
-        self.holding = 0
-        """Streams held right now."""
         self.held_total = 0
         """Refusals that were held (for the metrics and the flood benchmark)."""
+
+    @property
+    def holding(self) -> int:
+        """Streams held right now."""
+        return sum(self._held.values())
 
     def _note(self, caller: str, now: float) -> float | None:
         last = self._last.pop(caller, None)
@@ -76,12 +79,10 @@ class Tarpit:
         if seconds <= 0:
             return
         self._held[caller] += 1
-        self.holding += 1
         self.held_total += 1
         try:
             await asyncio.sleep(seconds)
         finally:
             self._held[caller] -= 1
-            self.holding -= 1
             if not self._held[caller]:
                 del self._held[caller]

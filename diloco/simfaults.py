@@ -54,6 +54,7 @@ log = logging.getLogger(__name__)
 
 ACTIONS = ("kill", "restart", "slow", "degrade", "partition", "poison")
 _RANDOM_ACTIONS = ACTIONS[:5]
+_ON_ONE_WORKER = ("slow", "degrade", "poison")  # fire when that worker gets there; nobody waits
 _FIELDS = {
     "kill": {"round", "action", "peer"},
     "restart": {"round", "action", "peer"},
@@ -264,7 +265,6 @@ class FaultRunner:
         self._timeout = timeout
         self._cond = threading.Condition()
         self._workers: dict[int, DiLoCo] = {}  # worker -> its DiLoCo (the running incarnation)
-        self._dead: set[int] = set()
         self.fired: list[tuple[int, Fault]] = []
         self.cut: frozenset[int] = frozenset()
         """Workers cut off by a partition now."""
@@ -331,7 +331,6 @@ class FaultRunner:
             victim = self._workers.get(w)
             if victim is not None and victim.swarm is not None and victim.swarm.peer_id in d.swarm.collective.banned:
                 self.expelled.add(w)
-                self._dead.add(w)
                 log.info("event=poisoner_expelled worker=%d by_round=%d", w, d.round)
                 victim.swarm.crash()
 
@@ -345,7 +344,7 @@ class FaultRunner:
 
     def _applies(self, ev: _Event, worker: int, d: DiLoCo) -> bool:
         f = ev.fault
-        if f.action in ("slow", "degrade", "poison"):
+        if f.action in _ON_ONE_WORKER:
             return f.peer == worker and d.round >= f.round
         if worker in self.cut:  # a cut-off worker is held by `_held`, not by what the others do
             return False
@@ -353,7 +352,7 @@ class FaultRunner:
 
     def _acts(self, ev: _Event, worker: int) -> bool:
         f = ev.fault
-        if f.action in ("kill", "slow", "degrade", "poison"):
+        if f.action == "kill" or f.action in _ON_ONE_WORKER:
             return f.peer == worker
         # The others must be there too: a worker still finishing the round would see the change mid-way.
         if ev.index == -1:  # heal: once every cut-off worker had a round refused (so each took the same steps)
@@ -391,7 +390,6 @@ class FaultRunner:
         log.info("event=fault_fired fault=%s by=%d", f, worker)
         if f.action == "kill":
             ev.done = True
-            self._dead.add(worker)
             self._workers.pop(worker, None)
             self._cond.notify_all()
             if d.swarm is not None:
@@ -401,7 +399,6 @@ class FaultRunner:
             self.cut = frozenset()
             self._cut_reports = {}
         elif f.action == "restart":
-            self._dead.discard(f.peer)
             self._workers.pop(f.peer, None)
             self._spawn(f.peer)  # its thread starts; `_finished` sees it once it is training
         elif f.action == "partition":
