@@ -1,7 +1,9 @@
-"""Failure injection: crash this peer at an exact phase of an exact round, for tests and chaos runs.
+"""Failure injection: crash this peer at an exact phase of an exact round, or turn it into a poisoning
+peer, for tests and chaos runs.
 
     DILOCO_FAULTS="kill@reduce:2"   # SIGKILL ourselves in round 2 before our span's result goes out
     DILOCO_FAULTS="kill@gather:1,kill@apply:3"
+    DILOCO_FAULTS="poison@2"        # from round 2 on, contribute our pseudo-gradient x 1e4 (RELIABILITY row 17)
 
 Phases, in the order a round passes them (RELIABILITY row 1):
 
@@ -13,17 +15,23 @@ Phases, in the order a round passes them (RELIABILITY row 1):
 | `reduce` | our span is reduced but its result not sent: nobody can commit       | our span has no result     |
 | `apply`  | every result is in (others commit), our outer step is not applied    | a committed round, then us gone |
 
-Each entry fires at most once. The plan is read once, from the environment of the peer process;
-in-process tests pass their own `kill` action (drop the peer from the network, stop its thread).
+Each kill fires at most once. A poisoning peer is an authorized peer gone bad: robust aggregation
+clips its contributions, then the others ban it, and it stops (`diloco.Banned`). The plan is read
+once, from the environment of the peer process; in-process tests pass their own `kill` action (drop
+the peer from the network, stop its thread), and the simulator poisons a worker with `poison()`.
 """
 
 from __future__ import annotations
 
 import os
 import signal
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
+
+if TYPE_CHECKING:
+    import torch
 
 PHASES = ("gather", "encode", "send", "reduce", "apply")
+POISON_FACTOR = 1e4
 
 
 def _sigkill() -> None:
@@ -33,11 +41,18 @@ def _sigkill() -> None:
 class FaultPlan:
     def __init__(self, spec: str = "", kill: Callable[[], None] = _sigkill) -> None:
         self.points: set[tuple[str, int]] = set()
+        self.poison_from: int | None = None
+        """From this round on our contributions are our pseudo-gradient times `poison_factor`."""
+        self.poison_factor = POISON_FACTOR
         for item in filter(None, (s.strip() for s in spec.split(","))):
             action, _, where = item.partition("@")
+            if action == "poison" and where.isdigit():
+                self.poison_from = int(where)
+                continue
             phase, _, rnd = where.partition(":")
             if action != "kill" or phase not in PHASES or not rnd.isdigit():
-                raise ValueError(f"bad fault {item!r}; expected kill@PHASE:ROUND with PHASE in {', '.join(PHASES)}")
+                raise ValueError(f"bad fault {item!r}; expected kill@PHASE:ROUND with PHASE in {', '.join(PHASES)}, "
+                                 "or poison@ROUND")
             self.points.add((phase, int(rnd)))
         self.fired: list[tuple[str, int]] = []
         self._kill = kill
@@ -52,3 +67,13 @@ class FaultPlan:
             self.points.discard((phase, round_))
             self.fired.append((phase, round_))
             self._kill()
+
+    def poison(self, factor: float = POISON_FACTOR, from_round: int = 0) -> None:
+        """Contribute our pseudo-gradient times `factor` from round `from_round` on."""
+        self.poison_from, self.poison_factor = from_round, factor
+
+    def outgoing(self, round_: int, delta: torch.Tensor) -> torch.Tensor:
+        """What we contribute in round `round_` in place of our pseudo-gradient `delta`."""
+        if self.poison_from is None or round_ < self.poison_from:
+            return delta
+        return delta * self.poison_factor

@@ -36,7 +36,22 @@ class LoopThread:
     def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
         return asyncio.run_coroutine_threadsafe(coro, self.loop)
 
-    def stop(self) -> None:
+    def stop(self, grace: float = 2.0) -> None:
+        """Cancel every task still on the loop (a heartbeat between beats, a refusal the tarpit holds),
+        let them unwind for up to `grace` seconds, then stop the loop, as `asyncio.run` does on exit: a
+        task left pending would be reported as destroyed when the interpreter collects it."""
         if self.loop.is_running():
+            try:
+                self.run(_cancel_all(grace), timeout=grace + 1)
+            except Exception:  # noqa: BLE001 - stopping must never fail
+                pass
             self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(timeout=5)
+
+
+async def _cancel_all(grace: float) -> None:
+    tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+    for t in tasks:
+        t.cancel()
+    if tasks:
+        await asyncio.wait(tasks, timeout=grace)

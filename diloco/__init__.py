@@ -14,10 +14,10 @@ from .comms.hello import HandshakeError
 from .config import ConfigError, DiLoCoConfig, SwarmConfig
 from .fragments import FragmentError, StreamingConfig
 from .outer import nesterov
-from .swarm import Swarm, SwarmError
+from .swarm import Banned, Swarm, SwarmError
 from .wrapper import DiLoCo, RoundReport
 
 __version__ = "0.1.0"
 
-__all__ = ["ConfigError", "DiLoCo", "DiLoCoConfig", "FragmentError", "HandshakeError", "RoundReport",
+__all__ = ["Banned", "ConfigError", "DiLoCo", "DiLoCoConfig", "FragmentError", "HandshakeError", "RoundReport",
            "StreamingConfig", "Swarm", "SwarmConfig", "SwarmError", "credentials", "nesterov", "__version__"]

@@ -119,7 +119,7 @@ def _run_peer(initial: list[str], *, host: str, port: int, announce: Optional[Li
               swarm_cfg: SwarmConfig, job: JobConfig, secret_from: str) -> None:
     from .comms.hello import HandshakeError
     from .metrics import MetricsWriter
-    from .swarm import Swarm, SwarmError
+    from .swarm import Banned, Swarm, SwarmError
     from .train import run_job
 
     try:
@@ -147,7 +147,7 @@ def _run_peer(initial: list[str], *, host: str, port: int, announce: Optional[Li
             os.replace(tmp, address_file)
         try:
             summary = run_job(job, swarm, metrics=MetricsWriter(metrics), status_path=status_file, stop=stop)
-        except HandshakeError as e:  # our model or codec differs from the swarm's
+        except (HandshakeError, Banned) as e:  # our model or codec differs from the swarm's; the swarm banned us
             _fail(str(e), code=1)
         typer.echo(f"done: round {summary['round']}, held-out loss {summary['eval_loss']:.4f}, "
                    f"sent {summary['bytes_sent'] / 1e6:.1f} MB, received {summary['bytes_received'] / 1e6:.1f} MB")

@@ -46,8 +46,6 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 from .config import ConfigError
 
 if TYPE_CHECKING:
-    import torch
-
     from .wrapper import DiLoCo
 
 log = logging.getLogger(__name__)
@@ -252,9 +250,9 @@ class FaultRunner:
       heal comes when a worker outside reaches `rounds` more rounds and every cut-off worker had its
       round refused, and everyone waits there until the cut-off workers resynced.
     - slow, degrade: recorded for the projection; nobody waits.
-    - poison: from then on `outgoing(worker, delta)` multiplies that worker's pseudo-gradient; nobody waits.
-      Once another worker's swarm has banned it, it is shut out: its swarm crashes (its round in flight
-      ends) and it stops at its next step, as a killed worker would (`expelled`).
+    - poison: from then on that worker contributes its pseudo-gradient times `factor` (its swarm's
+      `FaultPlan.poison`, as `DILOCO_FAULTS=poison@R` does on a real peer); nobody waits.
+      Once most others banned it, its own swarm handle sees so and stops it (`Banned`), as on a real peer.
 
     `fired` lists (plan index, fault) in the order they fired; each fires exactly once.
     """
@@ -271,10 +269,6 @@ class FaultRunner:
         self._cut_reports: dict[int, int] = {}  # cut-off worker -> its report count at the split
         self.peer_worker: dict[str, int] = {}
         """Peer id -> worker index, for every incarnation (set by the simulator)."""
-        self.poisoned: dict[int, float] = {}
-        """Worker -> the factor its pseudo-gradient is multiplied by (poison faults fired)."""
-        self.expelled: set[int] = set()
-        """Poisoned workers the others banned: shut out of the simulation."""
 
     # -------------------------------------------------------------- what the network asks
 
@@ -287,20 +281,10 @@ class FaultRunner:
         """Does peer `me` see `other`'s record now (a partitioned DHT shows each side only its own)?"""
         return not self.blocked(me, other)
 
-    def outgoing(self, worker: int, delta: torch.Tensor) -> torch.Tensor:
-        """What `worker` contributes in place of its pseudo-gradient `delta`."""
-        factor = self.poisoned.get(worker)
-        return delta if factor is None else delta * factor
-
     # -------------------------------------------------------------- the training threads
 
     def after_step(self, worker: int, d: DiLoCo) -> None:
         with self._cond:
-            if worker in self.expelled:
-                self._workers.pop(worker, None)
-                self._cond.notify_all()
-                raise Killed(f"worker {worker} was banned by the swarm")
-            self._expel_banned(d)
             self._workers[worker] = d
             self._cond.notify_all()  # a restarted worker's first step: its restart may be done
             deadline = time.monotonic() + self._timeout
@@ -322,17 +306,6 @@ class FaultRunner:
                     what = str(ev.fault) if ev is not None else "the heal of a partition"
                     raise RuntimeError(f"fault plan stuck: worker {worker} waited {self._timeout:.0f}s for {what}")
                 self._cond.wait(min(remaining, 0.5))
-
-    def _expel_banned(self, d: DiLoCo) -> None:
-        """Shut out every poisoned worker that `d`'s swarm has banned (under the lock)."""
-        if d.swarm is None:
-            return
-        for w in set(self.poisoned) - self.expelled:
-            victim = self._workers.get(w)
-            if victim is not None and victim.swarm is not None and victim.swarm.peer_id in d.swarm.collective.banned:
-                self.expelled.add(w)
-                log.info("event=poisoner_expelled worker=%d by_round=%d", w, d.round)
-                victim.swarm.crash()
 
     def worker_gone(self, worker: int) -> None:
         """A worker's thread ended (killed, or done): nobody waits for it any more."""
@@ -408,8 +381,9 @@ class FaultRunner:
             self._events.append(_Event(heal, -1))
             self._events.sort(key=lambda e: e.fault.round)
             ev.done = True
-        elif f.action == "poison":
-            self.poisoned[f.peer] = f.factor
+        elif f.action == "poison":  # fires on the poisoner's own thread: `d` is its DiLoCo
+            assert d.swarm is not None
+            d.swarm.collective.faults.poison(f.factor)
             ev.done = True
         else:  # slow, degrade: the projection reads them from `fired`
             ev.done = True

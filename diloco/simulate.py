@@ -39,7 +39,7 @@ from diloco.peers import InProcBoard, PeerRecord
 from .config import ConfigError, SwarmConfig
 from .metrics import MetricsWriter
 from .simfaults import Fault, FaultRunner, Killed, check_plan
-from .swarm import Swarm
+from .swarm import Banned, Swarm
 from .train import JobConfig, load_corpus, run_job
 
 log = logging.getLogger(__name__)
@@ -264,12 +264,11 @@ def simulate(job: JobConfig, workers: int, *, swarm: SwarmConfig | None = None, 
     def start(i: int, restarted: bool = False) -> None:
         incarnation = sum(w == i for w, _ in rows)
         pid = f"sim{i:03d}" + (f"r{incarnation}" if incarnation else "")
-        drop = outgoing = None
+        drop = partial(_cut_off, runner, pid) if runner is not None else None
         if runner is not None:
             runner.peer_worker[pid] = i
-            drop, outgoing = partial(_cut_off, runner, pid), partial(runner.outgoing, i)
         s = Swarm.in_process(network, _SideOfBoard(board, pid, runner), pid, scfg, loop, bootstrapped=restarted,
-                             drop=drop, outgoing=outgoing)
+                             drop=drop)
         out = _Rows()
         with lock:
             swarms.append(s)
@@ -284,6 +283,9 @@ def simulate(job: JobConfig, workers: int, *, swarm: SwarmConfig | None = None, 
         try:
             finals[i] = run_job(job_i, s, metrics=out, corpus=corpus, on_step=hook)
         except Killed:
+            finals.pop(i, None)
+        except Banned as e:  # it stops as a real peer does (Swarm.check_standing)
+            log.warning("event=worker_stopped worker=%d reason=%s", i, e)
             finals.pop(i, None)
         except BaseException as e:  # noqa: BLE001 - reported to the caller below
             errors.append(e)

@@ -29,7 +29,7 @@ import concurrent.futures
 import logging
 import time
 from dataclasses import replace
-from typing import Any, Callable, Collection
+from typing import Any, Callable, Collection, Sequence
 
 import torch
 
@@ -40,9 +40,9 @@ from diloco.comms.auth import HELLO, AuthRefused, new_secret
 from diloco.comms.hello import HandshakeError
 from diloco.comms.loop import LoopThread
 from diloco.comms.transport import InProcNetwork
-from diloco.compression import PayloadRejected
+from diloco.compression import PayloadRejected, Reason
 from diloco.peers import (Directory, InProcBoard, PeerRecord, banned_by_majority, departed, expected_peers, quorum,
-                          round_key_for)
+                          round_key_for, voted_out)
 from diloco.peers.records import MAX_BANNED
 
 from .config import SwarmConfig
@@ -54,6 +54,11 @@ StateProvider = Callable[[], tuple[int, str, bytes]]  # () -> (round, digest, st
 
 class SwarmError(RuntimeError):
     """The swarm could not be started or joined; the message says what was tried and what to do."""
+
+
+class Banned(SwarmError):
+    """A majority of the other peers banned us for this run (robust aggregation struck our contributions
+    `ban_after` times): nobody takes our rounds or serves us state any more, so training on is useless."""
 
 
 class Swarm:
@@ -76,7 +81,6 @@ class Swarm:
         self._seen: list[PeerRecord] | None = None  # the directory as the last read showed it
         self._seen_at = 0.0
         self._closed = False
-        self._outgoing: Callable[[torch.Tensor], torch.Tensor] | None = None  # simulation only: `in_process`
         self._exchanges: set[concurrent.futures.Future[RoundOutcome]] = set()  # rounds in flight (`crash`)
         loop.run(transport.register("diloco.state", self._on_state))
         loop.run(transport.register(HELLO, self._on_hello))
@@ -167,18 +171,14 @@ class Swarm:
     @classmethod
     def in_process(cls, network: InProcNetwork, board: Directory, peer_id: str, cfg: SwarmConfig,
                    loop: LoopThread, *, bootstrapped: bool = False,
-                   drop: Callable[[PeerId, str], bool] | None = None,
-                   outgoing: Callable[[torch.Tensor], torch.Tensor] | None = None) -> Swarm:
+                   drop: Callable[[PeerId, str], bool] | None = None) -> Swarm:
         """A peer on an in-process network (tests, simulation); many peers share one `loop`. `drop(target,
-        handler)` True loses that outgoing call (fault injection: a partition); `outgoing(delta)` is what
-        it contributes in place of its pseudo-gradient `delta` (fault injection: a poisoning peer)."""
+        handler)` True loses that outgoing call (fault injection: a partition)."""
         transport = network.transport(peer_id, drop)
         transport.guard = cfg.guard(peer_id)
         collective = loop.run(Collective.create(transport, cfg.run_id, cfg.collective()))
-        swarm = cls(loop, transport, board, collective, cfg, owns_loop=False, addresses=[f"inproc:{peer_id}"],
-                    bootstrapped=bootstrapped)
-        swarm._outgoing = outgoing
-        return swarm
+        return cls(loop, transport, board, collective, cfg, owns_loop=False, addresses=[f"inproc:{peer_id}"],
+                   bootstrapped=bootstrapped)
 
     # ------------------------------------------------------------------ identity and records
 
@@ -230,6 +230,17 @@ class Swarm:
         if cached and self._seen is not None:
             return [self._record, *(r for r in self._seen if r.peer != self.peer_id)]
         return self.loop.run(self._read_records(), timeout=self.cfg.call_timeout + 1)
+
+    def check_standing(self, records: Sequence[PeerRecord] | None = None) -> None:
+        """Raise `Banned` if a majority of the other training peers' records ban us (default: the records
+        the last heartbeat read; no network I/O)."""
+        against, voters = voted_out(self.records(cached=True) if records is None else records, self.peer_id)
+        if against:
+            raise Banned(f"peer {self.peer_id} was banned from run {self.cfg.run_id!r} by {against} of the {voters} "
+                         "other peers: robust aggregation rejected its contributions repeatedly (too large, see "
+                         "their logs: event=peer_banned), so none of its rounds will be taken. Check this peer's "
+                         "data, learning rate and compression settings against the others', then restart it (it "
+                         "joins under a new peer id)")
 
     async def _read_records(self) -> list[PeerRecord]:
         """A fresh read of the directory. A read that fails, or finds nobody else although a read less than
@@ -291,11 +302,11 @@ class Swarm:
         no network I/O. With `majority` on, the round commits only with a majority of `previous` (the
         members of the last round we committed); peers in `skip` are not waited for.
         `finish_exchange` collects the outcome."""
-        if self._outgoing is not None:
-            delta = self._outgoing(delta)
+        delta = self.collective.faults.outgoing(rnd, delta)  # fault injection: a poisoning peer
 
         async def go() -> RoundOutcome:
             records = await self._read_records()
+            self.check_standing(records)
             self.collective.adopt_bans(banned_by_majority(records, self.peer_id), "banned by a majority of the "
                                        "peers' records")
             key = round_key_for(records, rnd, attempt)
@@ -364,6 +375,8 @@ class Swarm:
     async def _on_state(self, caller: PeerId, data: bytes) -> bytes:
         try:
             msg.decode(data, run=self.cfg.run_id, kind=msg.STATE, caller=caller, max_body=0)
+            if caller in self.collective.banned:  # it takes nothing from the swarm, our state included
+                raise PayloadRejected(Reason.BANNED, f"{caller} is banned for this run")
         except PayloadRejected as e:
             self.collective.rejections[e.reason.value] += 1
             return msg.encode(msg.STATE, run=self.cfg.run_id, sender=self.peer_id, meta={"ok": False, "reason": e.reason.value})

@@ -67,7 +67,7 @@ from .config import DiLoCoConfig
 from .fragments import Fragment, StreamingConfig, check_schedule, fragment_of_round, partition, slot_due
 from .outer import OuterFactory, copy_into, default_outer, mix_into, outer_step, pseudo_gradient
 from .state import GlobalState, StateError, schema_digest
-from .swarm import Swarm, SwarmError
+from .swarm import Banned, Swarm, SwarmError
 
 log = logging.getLogger(__name__)
 
@@ -219,6 +219,7 @@ class DiLoCo:
         if self._pending is not None and self._pending.due <= self.steps and self.streaming.outer_overlap == "none":
             self._complete(self._pending)
         if slot_due(self._schedule_step, self.cfg.inner_steps, len(self.fragments)):
+            self._check_standing()
             if self.streaming.outer_overlap == "none":
                 self._launch()
             else:
@@ -280,6 +281,17 @@ class DiLoCo:
             copy_into(self.local_params, self.state.params)  # the phase is over: continue from θ
             self._start = None
         return report
+
+    def _check_standing(self) -> None:
+        """Stop with `Banned` once most other peers banned us: nobody takes our rounds any more (the
+        exchange in flight, if any, is dropped: it can only fail)."""
+        if self.swarm is None:
+            return
+        try:
+            self.swarm.check_standing()
+        except Banned:
+            self._pending = None
+            raise
 
     def _launch(self, force_complete: bool = False) -> RoundReport | None:
         """A synchronization slot: resync if the swarm moved on, else start the next fragment's round

@@ -105,3 +105,14 @@ def test_each_fault_fires_exactly_once():
     assert plan.fired == [("encode", 1), ("apply", 1)] and len(fired) == 2
     with pytest.raises(ValueError, match="PHASE in gather, encode, send, reduce, apply"):
         FaultPlan("kill@decode:1")
+
+
+def test_a_poison_entry_scales_what_we_contribute_from_its_round_on():
+    plan = FaultPlan("kill@encode:3,poison@2", kill=lambda: None)
+    delta = torch.ones(3)
+    assert torch.equal(plan.outgoing(1, delta), delta)
+    assert torch.equal(plan.outgoing(2, delta), delta * 1e4) and torch.equal(plan.outgoing(9, delta), delta * 1e4)
+    assert plan.points == {("encode", 3)}
+    assert torch.equal(FaultPlan().outgoing(5, delta), delta)
+    with pytest.raises(ValueError, match="or poison@ROUND"):
+        FaultPlan("poison@two")

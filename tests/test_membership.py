@@ -20,6 +20,7 @@ from diloco.peers import (
     parse_record,
     resync_source,
     round_key_for,
+    voted_out,
     vouched,
 )
 from diloco.peers import records as records_mod
@@ -369,3 +370,17 @@ def test_one_peer_alone_bans_nobody_and_nobody_bans_us_or_itself():
     records = [_banning("me"), _banning("a", "x", status="left"), _banning("b", "x", status="joining"),
                _banning("c", "x"), _banning("d", "x"), _banning("x")]
     assert banned_by_majority(records, "me") == ["x"]
+
+
+def test_we_learn_we_are_voted_out_by_the_same_rule_that_bans_others():
+    others = [_banning("a", "me"), _banning("b", "me"), _banning("c")]
+    assert voted_out([_banning("me"), *others], "me") == (2, 3)  # 2 of 3 others: a strict majority
+    assert voted_out([_banning("me", "me"), _banning("a", "me"), _banning("b"), _banning("c")], "me") == (0, 3)
+    assert voted_out([_banning("me"), _banning("a", "me")], "me") == (0, 1)  # one voter alone never bans
+    assert voted_out([_banning("me"), _banning("a", "me"), _banning("b", "me"), _banning("c"), _banning("d")],
+                     "me") == (0, 4)  # 2 of 4: a tie is no majority
+    # records of peers not training do not vote; a ban of someone else is not a ban of us
+    assert voted_out([_banning("me"), _banning("a", "me", status="left"), _banning("b", "me"), _banning("c", "me"),
+                      _banning("d", "x")], "me") == (2, 3)
+    assert voted_out([_banning("me"), _banning("a", "x"), _banning("b", "x")], "me") == (0, 2)
+

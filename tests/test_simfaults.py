@@ -193,13 +193,15 @@ POISON = [Fault(1, "poison", 7, factor=1e4)]
 @pytest.mark.timeout(600)
 def test_one_of_eight_workers_poisoning_every_round_is_banned_and_training_goes_on():
     """RELIABILITY row 17 on the real training loop: worker 7 multiplies its pseudo-gradient by 1e4 from
-    round 1 on. With robust aggregation (the default) it is clipped, then banned, and worker 0's final
-    loss is within 2% of the fault-free run's; with it off (the control) the model is wrecked."""
+    round 1 on. With robust aggregation (the default) it is clipped, then banned (and, seeing that in
+    the others' records, stops), and worker 0's final loss is within 2% of the fault-free run's; with
+    it off (the control) the model is wrecked."""
     swarm = replace(SWARM, run_id="poison", compression="fp32")
     clean = simulate(POISON_JOB, 8, swarm=swarm, timeout=500)
     defended = simulate(POISON_JOB, 8, swarm=swarm, faults=POISON, timeout=500)
     assert [f["action"] for f in defended["faults_fired"]] == ["poison"]
     assert defended["banned"] and defended["robust"].get("clipped", 0) >= 1
+    assert defended["finished"] == 7 and len(defended["digests"]) == 1  # the poisoner learnt it was banned, stopped
     assert defended["eval_loss"] <= 1.02 * clean["eval_loss"], (defended["eval_loss"], clean["eval_loss"])
     undefended = simulate(POISON_JOB, 8, swarm=replace(swarm, clip=0, ban_after=0), faults=POISON, timeout=500)
     assert not undefended["banned"]

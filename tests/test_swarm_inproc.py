@@ -330,3 +330,55 @@ def test_an_empty_directory_read_falls_back_to_the_recent_view(harness, monkeypa
     assert [r.peer for r in a.records()] == ["a", "b"]  # the view read less than heartbeat_ttl ago
     time.sleep(CFG.heartbeat_ttl + 0.3)
     assert [r.peer for r in a.records()] == ["a"]  # by now b's record would have expired: believe it
+
+
+def test_a_peer_most_others_banned_learns_it_and_gets_no_state(harness):
+    """A banned peer must not train on, waiting out timeouts of rounds nobody takes: once most other
+    peers' records ban it, `check_standing` raises `Banned` naming why, and nobody serves it state."""
+    peers = {p: harness.swarm(p) for p in ("a", "b", "c", "x")}
+    peers["a"].serve_state(lambda: (0, "d0", b"state"))
+    for p, s in peers.items():
+        s.update(status="training")
+    x = peers["x"]
+    x.check_standing(x.records())  # nobody bans it yet
+    assert x.fetch_state("a")[2] == b"state"
+    peers["a"].collective.adopt_bans(["x"], "test")
+    peers["a"].update(status="training")
+    with pytest.raises(diloco.SwarmError, match="banned"):  # a peer that banned x serves it nothing
+        x.fetch_state("a")
+    _until(lambda: sum("x" in r.banned for r in x.records()) == 1)
+    x.check_standing(x.records())  # one voter of three is no majority
+    for p in ("b", "c"):
+        peers[p].collective.adopt_bans(["x"], "test")
+        peers[p].update(status="training")
+    _until(lambda: sum("x" in r.banned for r in x.records()) == 3)
+    with pytest.raises(diloco.Banned, match=r"peer x was banned from run 'inproc' by 3 of the 3 other peers"):
+        x.check_standing(x.records())
+    peers["a"].check_standing(peers["a"].records())  # the others are in good standing
+
+
+def _until(condition: Callable[[], bool], timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.05)
+
+
+def test_stopping_the_loop_cancels_what_still_runs_on_it():
+    """A task still pending when the loop stops (a heartbeat between beats, a refusal the tarpit holds)
+    is cancelled and unwound, not left to be reported as destroyed at exit."""
+    import asyncio
+
+    loop = LoopThread()
+    cleaned = threading.Event()
+
+    async def forever():
+        try:
+            await asyncio.sleep(3600)
+        finally:
+            cleaned.set()
+
+    future = loop.submit(forever())
+    time.sleep(0.05)
+    loop.stop()
+    assert cleaned.is_set() and future.cancelled()
