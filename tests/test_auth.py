@@ -369,3 +369,19 @@ def test_flood_bench_reads_only_heads_from_flooders_and_nothing_reaches_the_roun
     assert report["rejections_reaching_collective"] == 0
     assert report["refused_unauthorized"] - report["refusals_held"] == 1 * 2  # flooders x peers: first offences
     assert report["median_round_s"]["flooded"] > 0
+
+
+@pytest.mark.unit
+def test_every_rejection_and_refusal_reason_has_a_troubleshooting_row():
+    """README's troubleshooting tables name every reason a frame is rejected or a call refused (issue
+    7: an operator who sees one in a log finds what it means and what to do)."""
+    from pathlib import Path
+
+    from diloco.comms.auth import REASONS
+    from diloco.compression import Reason
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    rows = [line for line in readme.splitlines() if line.startswith("| ")]
+    missing = [r for r in [*(x.value for x in Reason), *REASONS.values(), "stale_session"]
+               if not any(f"`{r}`" in row or f"reason={r}" in row for row in rows)]
+    assert not missing, f"no troubleshooting row names {missing}"
