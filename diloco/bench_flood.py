@@ -33,6 +33,7 @@ import torch
 from diloco.comms import Collective, CollectiveConfig, PeerId, RoundKey
 from diloco.comms.auth import Guard, new_secret
 from diloco.comms.tarpit import Tarpit, TarpitConfig
+from diloco.procmem import rss_mib
 
 RUN = "bench-flood"
 
@@ -78,7 +79,31 @@ async def _swarm(setup: FloodSetup, secret: str) -> tuple[list[Any], list[Collec
     return transports, collectives
 
 
-async def _rounds(cs: list[Collective], start: int, count: int, numel: int) -> list[float]:
+class _PeakRss:
+    """Samples the swarm daemons' resident memory every 0.2 s; `take()` returns the peak since the last one."""
+
+    def __init__(self, pids: list[int]) -> None:
+        self._pids, self._peak = pids, 0.0
+        self._task = asyncio.create_task(self._sample())
+
+    async def _sample(self) -> None:
+        while True:
+            self._peak = max(self._peak, rss_mib(self._pids))
+            await asyncio.sleep(0.2)
+
+    def take(self) -> float:
+        peak, self._peak = max(self._peak, rss_mib(self._pids)), 0.0
+        return round(peak, 1)
+
+    def stop(self) -> None:
+        self._task.cancel()
+
+
+async def _rounds(cs: list[Collective], start: int, count: int, numel: int,
+                  failed: list[str] | None = None) -> list[float]:
+    """Seconds each of `count` rounds took. A round some peer did not commit raises, unless `failed`
+    is given: then its reasons are appended there (a flood may make rounds fail, not only slow them)
+    and its time, which the swarm lost, still counts."""
     ids = [c.me for c in cs]
     g = torch.Generator().manual_seed(start)
     deltas = [torch.randn(numel, generator=g) for _ in cs]
@@ -88,7 +113,10 @@ async def _rounds(cs: list[Collective], start: int, count: int, numel: int) -> l
         outs = await asyncio.gather(*(c.run_round(RoundKey(r), "d" * 16, ids, d) for c, d in zip(cs, deltas)))
         seconds.append(time.perf_counter() - t0)
         if not all(o.committed for o in outs):
-            raise RuntimeError(f"round {r} did not commit: {[o.reason for o in outs]}")
+            why = f"round {r} did not commit: {[o.reason for o in outs]}"
+            if failed is None:
+                raise RuntimeError(why)
+            failed.append(why)
     return seconds
 
 
@@ -104,7 +132,10 @@ def run(setup: FloodSetup, progress: Callable[[str], None] = print) -> dict[str,
             addrs = [f"{(await t.visible_addresses())[0]}" for t in transports]
             addrs = [a if "/p2p/" in a else f"{a}/p2p/{t.peer_id}" for a, t in zip(addrs, transports)]
             await _rounds(cs, 1, 3, setup.numel)  # warm-up: connections, allocator
+            rss = _PeakRss([t.daemon_pid for t in transports if t.daemon_pid])
+            rss.take()
             quiet = await _rounds(cs, 10, setup.rounds, setup.numel)
+            rss_quiet = rss.take()
             progress(f"quiet: median round {statistics.median(quiet):.3f} s")
             read_before = [sum(row[1] for row in t.counter.per_peer.values()) for t in transports]
             for _ in range(setup.flooders):
@@ -114,7 +145,10 @@ def run(setup: FloodSetup, progress: Callable[[str], None] = print) -> dict[str,
                     stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, start_new_session=True,
                     preexec_fn=(lambda: os.sched_setaffinity(0, theirs)) if setup.pin else None))
             await asyncio.sleep(5)  # daemons up, streams flowing
-            flooded = await _rounds(cs, 100, setup.rounds, setup.numel)
+            failed: list[str] = []
+            flooded = await _rounds(cs, 100, setup.rounds, setup.numel, failed)
+            rss_flooded = rss.take()
+            rss.stop()
             progress(f"flooded: median round {statistics.median(flooded):.3f} s")
             counts = []
             for p in flooders:
@@ -142,6 +176,8 @@ def run(setup: FloodSetup, progress: Callable[[str], None] = print) -> dict[str,
                 "bytes_read_from_flooders": from_flooders,
                 "bytes_read_before_flood": sum(read_before),
                 "rejections_reaching_collective": sum(sum(c.rejections.values()) for c in cs),
+                "daemon_rss_peak_mib": {"quiet": rss_quiet, "flooded": rss_flooded},
+                "flooded_rounds_failed": failed,
             }
         finally:
             for p in flooders:
@@ -173,7 +209,11 @@ def markdown(report: dict[str, Any]) -> str:
         f"tarpit{'' if s['tarpit'] else ', off'}; flooders gave up on a call after {s['patience']:g} s), "
         f"{report['bytes_read_from_flooders']} bytes read from them "
         f"(their bodies declared {s['body_kib']} KiB each); "
-        f"{report['rejections_reaching_collective']} reached the round protocol.",
+        f"{report['rejections_reaching_collective']} reached the round protocol. Peak resident memory of the "
+        f"swarm's {s['peers']} daemons: {report['daemon_rss_peak_mib']['quiet']:.0f} MiB quiet, "
+        f"{report['daemon_rss_peak_mib']['flooded']:.0f} MiB flooded."
+        + (f" {len(report['flooded_rounds_failed'])} of {s['rounds']} flooded rounds failed: "
+           f"{report['flooded_rounds_failed'][0]}" if report["flooded_rounds_failed"] else ""),
     ])
 
 

@@ -16,10 +16,12 @@ import json
 import os
 import secrets
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -27,6 +29,7 @@ from typing import Any
 from .config import ConfigError, SwarmConfig
 from .dashboard import PeerView, render, summary_table
 from .metrics import read_jsonl, read_status
+from .procmem import family_rss_mib
 from .train import JobConfig
 
 
@@ -126,12 +129,13 @@ def _views(procs: list[subprocess.Popen[bytes]], workdir: Path) -> list[PeerView
 
 def summarize(cfg: DemoConfig, workdir: Path, wall: float) -> dict[str, Any]:
     """The demo's summary from every peer's metrics file (pure file reading; unit-testable)."""
-    finals = []
+    finals, round_seconds = [], []
     for i in range(cfg.peers):
         lines = read_jsonl(workdir / f"peer{i}.jsonl")
         final = next((ln for ln in reversed(lines) if ln.get("event") == "final"), None)
         if final is not None:
             finals.append(final)
+        round_seconds += [ln["seconds"] for ln in lines if ln.get("event") == "round" and ln.get("committed")]
     if not finals:
         return {"ok": False, "reason": "no peer finished", "wall_seconds": round(wall, 1)}
     params = finals[0]["params"]
@@ -158,6 +162,7 @@ def summarize(cfg: DemoConfig, workdir: Path, wall: float) -> dict[str, Any]:
         "data_parallel_bytes": dp_bytes,
         "reduction_vs_data_parallel": round(dp_bytes / total_sent, 1) if total_sent else None,
         "wall_seconds": round(wall, 1),
+        "round_seconds_median": round(statistics.median(round_seconds), 3) if round_seconds else None,
         "streaming": {k: finals[0].get(k) for k in ("fragments", "overlap", "alpha", "outer_overlap")},
         "utilization_per_peer": [f.get("usage", {}).get("utilization") for f in finals],
         "blocked_seconds_per_peer": [f.get("usage", {}).get("blocked_seconds") for f in finals],
@@ -182,6 +187,7 @@ def run_demo(cfg: DemoConfig, *, workdir: Path | None = None, metrics: Path | No
                   f"compression {cfg.compression}{streaming}; logs in {workdir}")
     started = time.monotonic()
     procs: list[subprocess.Popen[bytes]] = []
+    peak_rss = [0.0] * cfg.peers  # MiB, each peer process with its daemon, sampled every 0.5 s
     try:
         procs.append(_spawn(peer_command(cfg, 0, run_id, workdir, None), workdir / "peer0.log", secret))
         addr_file = workdir / "peer0.addr"
@@ -194,23 +200,25 @@ def run_demo(cfg: DemoConfig, *, workdir: Path | None = None, metrics: Path | No
         for i in range(1, cfg.peers):
             procs.append(_spawn(peer_command(cfg, i, run_id, workdir, bootstrap), workdir / f"peer{i}.log", secret))
         deadline = started + cfg.timeout
-        if live:
-            with Live(render(_views(procs, workdir), time.monotonic() - started, cfg.rounds), console=console,
-                      refresh_per_second=2) as view:
-                while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
-                    time.sleep(0.5)
-                    view.update(render(_views(procs, workdir), time.monotonic() - started, cfg.rounds))
-        else:
+        with Live(render(_views(procs, workdir), time.monotonic() - started, cfg.rounds), console=console,
+                  refresh_per_second=2) if live else nullcontext() as view:
+            ticks = 0
             while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
-                time.sleep(5)
-                rounds = [v.round for v in _views(procs, workdir)]
-                console.print(f"{time.monotonic() - started:6.0f}s rounds per peer: {rounds}")
+                time.sleep(0.5)
+                ticks += 1
+                peak_rss = [max(a, b) for a, b in zip(peak_rss, family_rss_mib([p.pid for p in procs]))]
+                if view is not None:
+                    view.update(render(_views(procs, workdir), time.monotonic() - started, cfg.rounds))
+                elif ticks % 10 == 0:
+                    rounds = [v.round for v in _views(procs, workdir)]
+                    console.print(f"{time.monotonic() - started:6.0f}s rounds per peer: {rounds}")
     except KeyboardInterrupt:
         console.print("interrupted: asking every peer to leave")
     finally:
         _stop_all(procs)
     wall = time.monotonic() - started
     summary = summarize(cfg, workdir, wall)
+    summary["peak_rss_mib_per_peer"] = [round(m, 1) for m in peak_rss]  # process + its p2pd daemon
     summary["workdir"] = str(workdir)
     if metrics:
         with open(metrics, "a", encoding="utf-8") as out:

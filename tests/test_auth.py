@@ -369,6 +369,8 @@ def test_flood_bench_reads_only_heads_from_flooders_and_nothing_reaches_the_roun
     assert report["rejections_reaching_collective"] == 0
     assert report["refused_unauthorized"] - report["refusals_held"] == 1 * 2  # flooders x peers: first offences
     assert report["median_round_s"]["flooded"] > 0
+    assert report["flooded_rounds_failed"] == []
+    assert report["daemon_rss_peak_mib"]["quiet"] > 1 and report["daemon_rss_peak_mib"]["flooded"] > 1  # read from /proc
 
 
 @pytest.mark.unit

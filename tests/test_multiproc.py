@@ -313,3 +313,18 @@ def test_a_poisoning_peer_is_banned_then_stops_naming_why_and_the_others_go_on(p
         assert f["banned"] == [bad_id] and f["robust"]["clipped"] >= 3, f
     banned_at = min(r["time"] for r in peers.lines(0, "round") if r["committed"] and r["peers"] == 2)
     assert stopped_at - banned_at < 2 * 6 + 10, (stopped_at, banned_at)  # two round timeouts and slack
+
+
+def test_demo_reports_agreement_memory_and_round_time(tmp_path):
+    """`diloco demo` (B6's real-swarm half uses it at 8 peers): the summary says the peers agree, and
+    carries each peer's peak resident memory (process and daemon) and the median round time."""
+    out = tmp_path / "demo.json"
+    proc = subprocess.run([sys.executable, "-m", "diloco", "demo", "--peers", "2", "--rounds", "2", "-H", "3",
+                           "--d-model", "32", "--layers", "1", "--batch-size", "4", "--no-live", "--json", str(out),
+                           "--workdir", str(tmp_path / "w")], capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    summary = json.loads(out.read_text())
+    assert summary["ok"] and summary["digests_agree"] and summary["rounds"] == 2
+    assert len(summary["peak_rss_mib_per_peer"]) == 2
+    assert all(m > 100 for m in summary["peak_rss_mib_per_peer"])  # python + torch + p2pd, at the least
+    assert 0 < summary["round_seconds_median"] < 30
