@@ -237,10 +237,10 @@ class Swarm:
         against, voters = voted_out(self.records(cached=True) if records is None else records, self.peer_id)
         if against:
             raise Banned(f"peer {self.peer_id} was banned from run {self.cfg.run_id!r} by {against} of the {voters} "
-                         "other peers: robust aggregation rejected its contributions repeatedly (too large, see "
-                         "their logs: event=peer_banned), so none of its rounds will be taken. Check this peer's "
-                         "data, learning rate and compression settings against the others', then restart it (it "
-                         "joins under a new peer id)")
+                         "other peers: robust aggregation rejected its contributions repeatedly (too large or not "
+                         "finite; their logs say which: event=peer_banned), so none of its rounds will be taken. "
+                         "Check this peer's data, learning rate and compression settings against the others', "
+                         "then restart it (it joins under a new peer id)")
 
     async def _read_records(self) -> list[PeerRecord]:
         """A fresh read of the directory. A read that fails, or finds nobody else although a read less than
