@@ -1,9 +1,12 @@
 """The join handshake: before a peer takes part, it and the peer it dials compare what must match.
 
 A `diloco.hello` call carries the caller's protocol version, run id and schema digest (SHA-256 over
-parameter names, shapes, dtypes and the codec and fragment layout; empty before the model is known).
-The callee answers with its own and whether they match; a mismatch names the first differing
-field, so `diloco join` can exit at once saying what to fix instead of training into rejected frames.
+parameter names, shapes, dtypes and the codec and fragment layout; empty before the model is known)
+and its wall clock. The callee answers with its own and whether they match; a mismatch names the
+first differing field, so `diloco join` can exit at once saying what to fix instead of training
+into rejected frames. The caller also compares clocks (`clock_offset`): the swarm's directory
+records expire by wall clock, so a peer whose clock is off by about `heartbeat_ttl` would be
+invisible to the others (and they to it) without any error; such a peer is refused at once.
 The call is authenticated with the swarm key (the secret, not the run), so a peer with the right
 secret and the wrong run id learns that the run id differs; a peer without the secret learns
 nothing (`auth.py`).
@@ -11,13 +14,15 @@ nothing (`auth.py`).
 
 from __future__ import annotations
 
+import math
+import time
 from typing import Any
 
 import msgpack
 
 from diloco.compression import PROTOCOL_VERSION
 
-MAX_HELLO = 1024  # bytes: a hello is three short fields
+MAX_HELLO = 1024  # bytes: a hello is four short fields
 FIELDS = ("protocol", "run_id", "schema")
 FIX = {
     "protocol": "run the same diloco version on every peer",
@@ -26,6 +31,7 @@ FIX = {
     "secret": "the swarm secret differs: use the secret file `diloco start` wrote (--secret-file) or its "
               "DILOCO_SECRET",
     "allowlist": "this peer is not on the swarm's allowlist: ask its operator to add this peer id",
+    "clock": "synchronize the clocks of both machines (NTP: `timedatectl set-ntp true`, or chrony)",
 }
 REASON = {"protocol": "bad_version", "run_id": "wrong_run", "schema": "wrong_schema"}
 """The rejection reason a refused handshake is counted under (the frame checks use the same ones)."""
@@ -43,8 +49,34 @@ class HandshakeError(RuntimeError):
                          f"{theirs!r}); {FIX.get(field, '')}".rstrip("; "))
 
 
-def hello(run_id: str, schema: str) -> dict[str, Any]:
-    return {"protocol": PROTOCOL_VERSION, "run_id": run_id, "schema": schema}
+class ClockSkew(HandshakeError):
+    """The peer we dialed reads a wall clock too far from ours for the swarm's directory to work."""
+
+    def __init__(self, offset: float, bound: float, limit: float, peer: str) -> None:
+        self.field = "clock"
+        RuntimeError.__init__(self, (
+            f"handshake with {peer} failed: its clock is {abs(offset):.1f} s {'ahead of' if offset > 0 else 'behind'} "
+            f"this machine's (±{bound:.2f} s); peers must agree within {limit:.0f} s, since the swarm's directory "
+            f"records expire by wall clock; {FIX['clock']}"))
+
+
+def hello(run_id: str, schema: str, now: float | None = None) -> dict[str, Any]:
+    return {"protocol": PROTOCOL_VERSION, "run_id": run_id, "schema": schema,
+            "time": time.time() if now is None else now}
+
+
+def clock_offset(sent: float, received: float, theirs: float) -> tuple[float, float]:
+    """(their clock − ours, how far off that estimate can be) from one call: they read their clock
+    after we `sent` and before we `received` (our clock), so it read (sent + received) / 2 ± half the
+    round trip on ours."""
+    return theirs - (sent + received) / 2, max(0.0, received - sent) / 2
+
+
+def max_clock_skew(heartbeat_ttl: float) -> float:
+    """How far two peers' clocks may be apart: a record stored for `heartbeat_ttl` seconds (by the
+    writer's clock) must stay visible for most of that time by the reader's, and the DHT's signed
+    requests allow 300 s."""
+    return min(heartbeat_ttl / 2, 150.0)
 
 
 def pack(fields: dict[str, Any]) -> bytes:
@@ -63,6 +95,9 @@ def unpack(data: bytes) -> dict[str, Any]:
     if not isinstance(value, dict) or not isinstance(value.get("protocol"), int) \
             or not all(isinstance(value.get(k), str) for k in ("run_id", "schema")):
         raise ValueError("hello needs protocol (int), run_id and schema (str)")
+    when = value.get("time")
+    if when is not None and (isinstance(when, bool) or not isinstance(when, (int, float)) or not math.isfinite(when)):
+        raise ValueError("hello's time must be a finite number of seconds")
     return value
 
 

@@ -431,11 +431,13 @@ async def _hello(transport: Transport, peer: PeerId, cfg: SwarmConfig, schema: s
     """One handshake with `peer`; raises HandshakeError on a mismatch or a refusal of our credential,
     TransportError when the peer cannot be reached."""
     ours = hs.hello(cfg.run_id, schema)
+    sent = time.time()
     try:
         reply = await transport.call(peer, HELLO, hs.pack(ours), min(cfg.call_timeout, 10.0))
     except AuthRefused as e:
         raise HandshakeError("secret" if e.reason == "unauthorized" else "allowlist", "(hidden)", "(hidden)",
                              peer) from None
+    received = time.time()
     try:
         theirs = hs.unpack(reply)
     except ValueError as e:
@@ -444,6 +446,11 @@ async def _hello(transport: Transport, peer: PeerId, cfg: SwarmConfig, schema: s
     if field:
         field = field if field in hs.FIELDS else "protocol"
         raise HandshakeError(field, ours[field], theirs[field], peer)
+    if theirs.get("time") is not None:
+        offset, bound = hs.clock_offset(sent, received, float(theirs["time"]))
+        limit = hs.max_clock_skew(cfg.heartbeat_ttl)
+        if abs(offset) - bound > limit:
+            raise hs.ClockSkew(offset, bound, limit, peer)
 
 
 def _peer_of(addr: str) -> PeerId:

@@ -91,6 +91,10 @@ def test_hello_names_the_first_differing_field_and_ignores_an_unknown_schema():
     for bad in (b"", b"\xc1", hs.pack({"protocol": "1", "run_id": "r", "schema": ""}), b"x" * 2000):
         with pytest.raises(ValueError):
             hs.unpack(bad)
+    assert hs.unpack(hs.pack(hs.hello("run", "abc", now=5.0)))["time"] == 5.0
+    for bad_time in ("5", True, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="time"):
+            hs.unpack(hs.pack({**hs.hello("run", ""), "time": bad_time}))
     err = hs.HandshakeError("secret", SECRET, SECRET, "peer")
     assert SECRET not in str(err) and "secret differs" in str(err)
 
@@ -313,8 +317,9 @@ def test_p2p_refuses_an_unauthorized_caller_after_the_head_without_reading_its_b
 @pytest.mark.multiproc
 @pytest.mark.timeout(240)
 def test_cli_join_refused_at_handshake_exits_nonzero_naming_the_field(tmp_path):
-    """A running `diloco start`; `diloco join` with a wrong secret, run id or model exits 1 naming the
-    field (and the secret is never printed); without any secret it exits 2 saying how to pass one.
+    """A running `diloco start`; `diloco join` with a wrong secret, run id or model, or from a machine
+    whose clock is 2 minutes off, exits 1 naming the field (and the secret is never printed); without
+    any secret it exits 2 saying how to pass one.
     The running peer trains on, and counted the refusals."""
     import json
     import subprocess
@@ -332,15 +337,18 @@ def test_cli_join_refused_at_handshake_exits_nonzero_naming_the_field(tmp_path):
             ("run_id", [*TINY, "--run-id", "hs-other"], {}, 1, "run_id differs"),
             ("schema", [*TINY[:1], "48", *TINY[2:], "--run-id", "hs-run"], {}, 1, "schema differs"),
             ("none", [*TINY, "--run-id", "hs-run"], None, 2, "--secret-file"),
+            ("clock", [*TINY, "--run-id", "hs-run"], {}, 1, "its clock is 12"),  # this machine runs 120 s fast
         ]
+        skewed = [sys.executable, "-c", "import time; t = time.time; time.time = lambda: t() + 120; "
+                  "from diloco.cli import main; main()", *base[3:]]
         seconds = {}
         for name, args, env, code, needle in cases:
             environ = {k: v for k, v in os.environ.items() if k != "DILOCO_SECRET"}
             if env is not None:
                 environ.update({"DILOCO_SECRET": group.secret, **env})
             t0 = time.monotonic()
-            proc = subprocess.run([*base, *args], capture_output=True, text=True, timeout=90, env=environ,
-                                  cwd=tmp_path)
+            proc = subprocess.run([*(skewed if name == "clock" else base), *args], capture_output=True, text=True,
+                                  timeout=90, env=environ, cwd=tmp_path)
             seconds[name] = round(time.monotonic() - t0, 1)
             assert proc.returncode == code, (name, proc.stderr[-2000:])
             assert needle in proc.stderr, (name, proc.stderr[-2000:])
@@ -371,6 +379,18 @@ def test_flood_bench_reads_only_heads_from_flooders_and_nothing_reaches_the_roun
     assert report["median_round_s"]["flooded"] > 0
     assert report["flooded_rounds_failed"] == []
     assert report["daemon_rss_peak_mib"]["quiet"] > 1 and report["daemon_rss_peak_mib"]["flooded"] > 1  # read from /proc
+
+
+@pytest.mark.unit
+def test_the_clock_offset_is_bounded_by_the_round_trip_and_a_skewed_peer_is_named():
+    # their clock read 1000.0 while ours went from 900.0 to 900.4: they are 99.8 s ahead, ± 0.2 s
+    assert hs.clock_offset(900.0, 900.4, 1000.0) == pytest.approx((99.8, 0.2))
+    assert hs.clock_offset(900.0, 900.0, 880.0) == (-20.0, 0.0)
+    assert hs.max_clock_skew(30.0) == 15.0 and hs.max_clock_skew(3600.0) == 150.0  # DHT signing allows 300 s
+    err = hs.ClockSkew(-20.0, 0.05, 15.0, "12D3KooWpeer")
+    assert err.field == "clock" and isinstance(err, hs.HandshakeError)
+    assert "its clock is 20.0 s behind this machine's (±0.05 s); peers must agree within 15 s" in str(err)
+    assert "NTP" in str(err)
 
 
 @pytest.mark.unit
