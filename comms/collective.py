@@ -83,6 +83,8 @@ class Collective:
         """clipped (contributions scaled down), strikes, banned (peers)."""
         self.strikes: Counter[PeerId] = Counter()
         self.banned: set[PeerId] = set()
+        self.banned_by: set[PeerId] = set()
+        """Peers whose authenticated replies refused us as banned (`Swarm.check_standing` reads it)."""
         self._rounds: dict[RoundKey, RoundState] = {}
         self._floor = RoundKey(0, 0)  # frames for earlier keys are stale
         self._committed_through = -1  # the highest round number this peer committed (or downloaded past)
@@ -197,7 +199,10 @@ class Collective:
             frame = msg.encode(msg.READY, run=self.run_id, sender=self.me, schema=self.schema, key=key,
                                fragment=rs.fragment, meta={"digest": digest},
                                body=msg.pack_names(rs.named(self.me), rs.waited(self.me)))
-            r = replies[p] = await self._call(p, "diloco.ready", frame)
+            r = await self._call(p, "diloco.ready", frame)
+            if r is not None and r.get("reason") == Reason.BANNED.value:
+                r = None  # it banned us: it will not take us in, so we do not wait for it
+            replies[p] = r
             ready = r.get("ready") if r else None
             if r and r.get("closed") and r.get("in_view"):
                 ready = digest
@@ -509,6 +514,8 @@ class Collective:
             return None
         if not meta.get("ok", False):
             log.info("event=frame_refused handler=%s peer=%s reason=%s", name, peer, meta.get("reason"))
+            if meta.get("reason") == Reason.BANNED.value:
+                self.banned_by.add(peer)  # its own sealed reply: nobody else can say this for it
         return meta
 
     def _state(self, key: RoundKey) -> RoundState:

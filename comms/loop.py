@@ -40,6 +40,8 @@ class LoopThread:
         """Cancel every task still on the loop (a heartbeat between beats, a refusal the tarpit holds),
         let them unwind for up to `grace` seconds, then stop the loop, as `asyncio.run` does on exit: a
         task left pending would be reported as destroyed when the interpreter collects it."""
+        if threading.current_thread() is self._thread:
+            raise RuntimeError("LoopThread.stop() called from its own loop; call it from another thread")
         if self.loop.is_running():
             try:
                 self.run(_cancel_all(grace), timeout=grace + 1)
@@ -54,4 +56,7 @@ async def _cancel_all(grace: float) -> None:
     for t in tasks:
         t.cancel()
     if tasks:
-        await asyncio.wait(tasks, timeout=grace)
+        done, _ = await asyncio.wait(tasks, timeout=grace)
+        for t in done:  # retrieved, so none is reported as "never retrieved" at exit
+            if not t.cancelled():
+                t.exception()

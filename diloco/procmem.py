@@ -28,9 +28,9 @@ def family_rss_mib(pids: list[int]) -> list[float]:
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
             text = stat.read_text()
-        except OSError:
+            ppid = int(text[text.rindex(")") + 2:].split()[1])  # after "pid (comm) ": state, ppid, ...
+        except (OSError, ValueError, IndexError):  # gone meanwhile, or cut short
             continue
-        ppid = int(text[text.rindex(")") + 2:].split()[1])  # after "pid (comm) ": state, ppid, ...
         children.setdefault(ppid, []).append(int(stat.parent.name))
     out = []
     for pid in pids:

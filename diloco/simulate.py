@@ -284,9 +284,10 @@ def simulate(job: JobConfig, workers: int, *, swarm: SwarmConfig | None = None, 
             finals[i] = run_job(job_i, s, metrics=out, corpus=corpus, on_step=hook)
         except Killed:
             finals.pop(i, None)
-        except Banned as e:  # it stops as a real peer does (Swarm.check_standing)
+        except Banned as e:  # it stops and leaves, as a real peer does (Swarm.check_standing)
             log.warning("event=worker_stopped worker=%d reason=%s", i, e)
             finals.pop(i, None)
+            s.close()
         except BaseException as e:  # noqa: BLE001 - reported to the caller below
             errors.append(e)
         finally:

@@ -231,16 +231,16 @@ class Swarm:
             return [self._record, *(r for r in self._seen if r.peer != self.peer_id)]
         return self.loop.run(self._read_records(), timeout=self.cfg.call_timeout + 1)
 
-    def check_standing(self, records: Sequence[PeerRecord] | None = None) -> None:
-        """Raise `Banned` if a majority of the other training peers' records ban us (default: the records
-        the last heartbeat read; no network I/O)."""
-        against, voters = voted_out(self.records(cached=True) if records is None else records, self.peer_id)
+    def check_standing(self, members: Sequence[PeerId] | None) -> None:
+        """Raise `Banned` if most of `members` (the view of our last committed round) refused us as
+        banned in their own authenticated replies (no network I/O)."""
+        against, voters = voted_out(self.collective.banned_by, members, self.peer_id)
         if against:
             raise Banned(f"peer {self.peer_id} was banned from run {self.cfg.run_id!r} by {against} of the {voters} "
-                         "other peers: robust aggregation rejected its contributions repeatedly (too large or not "
-                         "finite; their logs say which: event=peer_banned), so none of its rounds will be taken. "
-                         "Check this peer's data, learning rate and compression settings against the others', "
-                         "then restart it (it joins under a new peer id)")
+                         "other peers of its last round: robust aggregation rejected its contributions repeatedly "
+                         "(too large or not finite; their logs say which: event=peer_banned), so none of its "
+                         "rounds will be taken. Check this peer's data, learning rate and compression settings "
+                         "against the others', then restart it (it joins under a new peer id)")
 
     async def _read_records(self) -> list[PeerRecord]:
         """A fresh read of the directory. A read that fails, or finds nobody else although a read less than
@@ -305,8 +305,8 @@ class Swarm:
         delta = self.collective.faults.outgoing(rnd, delta)  # fault injection: a poisoning peer
 
         async def go() -> RoundOutcome:
+            self.check_standing(previous)
             records = await self._read_records()
-            self.check_standing(records)
             self.collective.adopt_bans(banned_by_majority(records, self.peer_id), "banned by a majority of the "
                                        "peers' records")
             key = round_key_for(records, rnd, attempt)
@@ -324,8 +324,11 @@ class Swarm:
             # Stragglers (members the last round went on without) are still asked, and taken in if they
             # are ready in time, but not waited for: a slow peer costs the others one gather timeout, once.
             wait_for = None if not skip and not resyncing else {p for p in expected if p not in skip}
-            return await self.collective.run_round(key, digest, sorted({*expected, *resyncing}), delta,
-                                                   fragment=fragment, admit=admit, wait_for=wait_for)
+            outcome = await self.collective.run_round(key, digest, sorted({*expected, *resyncing}), delta,
+                                                      fragment=fragment, admit=admit, wait_for=wait_for)
+            if not outcome.committed:
+                self.check_standing(previous)  # refused as banned by most of them: stop now, not next slot
+            return outcome
 
         future = self.loop.submit(go())
         self._exchanges.add(future)
@@ -334,7 +337,8 @@ class Swarm:
 
     def finish_exchange(self, future: concurrent.futures.Future[RoundOutcome], key: RoundKey) -> RoundOutcome:
         """The outcome of a round started with `exchange_async`, waiting (bounded by the round's own
-        deadlines) if it is still running; a round that overruns them is cancelled and reported failed."""
+        deadlines) if it is still running; a round that overruns them is cancelled and reported failed.
+        Raises `Banned` if the round found most of the last round's members had banned us."""
         limit = self.cfg.gather_timeout + self.cfg.result_timeout + 3 * self.cfg.call_timeout
         try:
             return future.result(limit)
@@ -360,6 +364,8 @@ class Swarm:
             header, body, _ = msg.decode(reply, run=self.cfg.run_id, kind=msg.STATE, caller=peer,
                                          max_body=self.cfg.max_payload)
             rnd, digest = header.round, header.meta.get("digest")
+            if header.meta.get("reason") == Reason.BANNED.value:
+                self.collective.banned_by.add(peer)
             if not isinstance(digest, str) or not header.meta.get("ok", True):
                 raise SwarmError(f"peer {peer} has no state to serve ({header.meta.get('reason', 'no digest')})")
             info = {k.removeprefix("info."): v for k, v in header.meta.items() if k.startswith("info.")}

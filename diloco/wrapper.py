@@ -288,7 +288,7 @@ class DiLoCo:
         if self.swarm is None:
             return
         try:
-            self.swarm.check_standing()
+            self.swarm.check_standing(self.members)
         except Banned:
             self._pending = None
             raise

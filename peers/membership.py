@@ -10,7 +10,8 @@ is unit-tested deterministically.
 - `departed`: who left for good at or before our round (no longer counted by `quorum`).
 - `banned_by_majority`: peers that most other peers banned (robust aggregation), so a peer that
   joined after the ban leaves them out too.
-- `voted_out`: whether most other peers banned us (we stop: nobody will take our contributions).
+- `voted_out`: whether most members of our last round refused us as banned (we stop: nobody will
+  take our contributions).
 - `quorum`: whether a round's view may commit: enough peers, and a majority of the last round's
   members, so that at most one side of a partition makes progress.
 """
@@ -36,25 +37,22 @@ def expected_peers(records: Sequence[PeerRecord], key: RoundKey, me: PeerId) -> 
     return sorted(r.peer for r in training(records) if r.peer != me and r.round >= key.round - 1)
 
 
-def _majority_bans(records: Sequence[PeerRecord], me: PeerId) -> dict[PeerId, int]:
-    """Peer -> how many of the other training peers' records ban it, for the peers a strict majority
-    (and at least two) of them ban. Our own record never votes; a record's vote against itself is void."""
-    voters = [r for r in training(records) if r.peer != me]
-    votes = Counter(p for r in voters for p in set(r.banned) if p != r.peer)
-    return {p: n for p, n in votes.items() if n >= 2 and 2 * n > len(voters)}
-
-
 def banned_by_majority(records: Sequence[PeerRecord], me: PeerId) -> list[PeerId]:
     """Peers banned by a strict majority (and at least two) of the other training peers' records. One
     peer alone can never ban another in anyone else's view."""
-    return sorted(p for p in _majority_bans(records, me) if p != me)
+    voters = [r for r in training(records) if r.peer != me]
+    votes = Counter(p for r in voters for p in set(r.banned) if p != r.peer)
+    return sorted(p for p, n in votes.items() if n >= 2 and 2 * n > len(voters) and p != me)
 
 
-def voted_out(records: Sequence[PeerRecord], me: PeerId) -> tuple[int, int]:
-    """(peers whose records ban us, training peers besides us) when those are a strict majority and at
-    least two, else (0, voters): the same rule by which the others leave us out, seen from our side."""
-    voters = sum(r.peer != me for r in training(records))
-    return _majority_bans(records, me).get(me, 0), voters
+def voted_out(refused_by: Collection[PeerId], members: Sequence[PeerId] | None, me: PeerId) -> tuple[int, int]:
+    """(members that refused us as banned, members besides us) when those are a strict majority and at
+    least two, else (0, members besides us). `refused_by` are peers whose authenticated replies said
+    we are banned; `members` the view of our last committed round. Directory records are not used:
+    any holder of the secret can write them, but a reply speaks only for the peer that sealed it."""
+    voters = set(members or ()) - {me}
+    against = len(voters & set(refused_by))
+    return (against if against >= 2 and 2 * against > len(voters) else 0), len(voters)
 
 
 def round_key_for(records: Sequence[PeerRecord], my_round: int, my_attempt: int) -> RoundKey:

@@ -372,15 +372,12 @@ def test_one_peer_alone_bans_nobody_and_nobody_bans_us_or_itself():
     assert banned_by_majority(records, "me") == ["x"]
 
 
-def test_we_learn_we_are_voted_out_by_the_same_rule_that_bans_others():
-    others = [_banning("a", "me"), _banning("b", "me"), _banning("c")]
-    assert voted_out([_banning("me"), *others], "me") == (2, 3)  # 2 of 3 others: a strict majority
-    assert voted_out([_banning("me", "me"), _banning("a", "me"), _banning("b"), _banning("c")], "me") == (0, 3)
-    assert voted_out([_banning("me"), _banning("a", "me")], "me") == (0, 1)  # one voter alone never bans
-    assert voted_out([_banning("me"), _banning("a", "me"), _banning("b", "me"), _banning("c"), _banning("d")],
-                     "me") == (0, 4)  # 2 of 4: a tie is no majority
-    # records of peers not training do not vote; a ban of someone else is not a ban of us
-    assert voted_out([_banning("me"), _banning("a", "me", status="left"), _banning("b", "me"), _banning("c", "me"),
-                      _banning("d", "x")], "me") == (2, 3)
-    assert voted_out([_banning("me"), _banning("a", "x"), _banning("b", "x")], "me") == (0, 2)
-
+def test_we_are_voted_out_only_by_a_majority_of_our_last_rounds_members():
+    members = ("me", "a", "b", "c")
+    assert voted_out({"a", "b"}, members, "me") == (2, 3)  # 2 of the 3 others: a strict majority
+    assert voted_out({"a"}, ("me", "a"), "me") == (0, 1)  # one peer alone never bans
+    assert voted_out({"a", "b"}, ("me", "a", "b", "c", "d"), "me") == (0, 4)  # 2 of 4: a tie is no majority
+    # refusals from peers outside our last round (strangers, newcomers, forged ids) do not count
+    assert voted_out({"x", "y", "z", "a"}, members, "me") == (0, 3)
+    assert voted_out({"a", "b", "me"}, members, "me") == (2, 3)  # we never vote on ourselves
+    assert voted_out({"a", "b"}, None, "me") == (0, 0)  # no committed round yet: nobody to ask

@@ -293,8 +293,8 @@ def test_a_killed_peer_restarts_and_catches_up(peers):
 def test_a_poisoning_peer_is_banned_then_stops_naming_why_and_the_others_go_on(peers):
     """RELIABILITY row 17 with real processes: peer 2 contributes its pseudo-gradient x 1e4 from round 1
     (DILOCO_FAULTS=poison@1). The honest two clip it, strike it three times (--ban-after 3) and ban it;
-    seeing both their records ban it, it exits 1 with a message naming why, within a round timeout or
-    two, instead of training on alone; the honest two finish every round on one digest."""
+    refused as banned by both in its next round, it exits 1 with a message naming why, within seconds,
+    instead of training on alone; the honest two finish every round on one digest."""
     common = ["--rounds", "8", "-H", "5", "--wait-for", "3", "--compression", "fp32", "--ban-after", "3", *TINY]
     first = peers.spawn(0, ["start", *common])
     addr = peers.address(0)
@@ -311,8 +311,16 @@ def test_a_poisoning_peer_is_banned_then_stops_naming_why_and_the_others_go_on(p
     bad_id = peers.log(2).split("peer ", 1)[1].split()[0]
     for f in finals:
         assert f["banned"] == [bad_id] and f["robust"]["clipped"] >= 3, f
-    banned_at = min(r["time"] for r in peers.lines(0, "round") if r["committed"] and r["peers"] == 2)
-    assert stopped_at - banned_at < 2 * 6 + 10, (stopped_at, banned_at)  # two round timeouts and slack
+    banned_at = min(_logged_at(line) for i in (0, 1) for line in peers.log(i).splitlines() if "event=peer_banned" in line)
+    # it stops at its next round (its peers refuse it at once), then leaves: well within a round timeout (6 s)
+    assert stopped_at - banned_at < 6 + 10, (stopped_at, banned_at)
+
+
+def _logged_at(line: str) -> float:
+    """The time of a log line ("2026-11-23 11:51:49,645 INFO …", local time) as a Unix timestamp."""
+    from datetime import datetime
+
+    return datetime.strptime(line[:23], "%Y-%m-%d %H:%M:%S,%f").timestamp()
 
 
 def test_demo_reports_agreement_memory_and_round_time(tmp_path):

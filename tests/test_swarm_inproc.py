@@ -17,7 +17,7 @@ import torch
 
 import diloco
 from diloco import DiLoCo
-from diloco.comms import InProcNetwork
+from diloco.comms import InProcNetwork, RoundKey
 from diloco.comms.loop import LoopThread
 from diloco.outer import nesterov
 from diloco.peers import InProcBoard
@@ -332,36 +332,36 @@ def test_an_empty_directory_read_falls_back_to_the_recent_view(harness, monkeypa
     assert [r.peer for r in a.records()] == ["a"]  # by now b's record would have expired: believe it
 
 
-def test_a_peer_most_others_banned_learns_it_and_gets_no_state(harness):
-    """A banned peer must not train on, waiting out timeouts of rounds nobody takes: once most other
-    peers' records ban it, `check_standing` raises `Banned` naming why, and nobody serves it state."""
+def test_a_peer_most_members_refuse_as_banned_learns_it_and_gets_no_state(harness):
+    """A banned peer must not train on through rounds nobody takes. Its peers tell it in their own
+    authenticated replies (a ready refused as `banned`, a state request refused); once most members of
+    its last round did, `check_standing` raises `Banned` naming why. Directory records play no part:
+    any holder of the secret could forge them."""
     peers = {p: harness.swarm(p) for p in ("a", "b", "c", "x")}
     peers["a"].serve_state(lambda: (0, "d0", b"state"))
-    for p, s in peers.items():
+    for s in peers.values():
         s.update(status="training")
-    x = peers["x"]
-    x.check_standing(x.records())  # nobody bans it yet
+    _until(lambda: len(peers["x"].records()) == 4)
+    x, members = peers["x"], ("a", "b", "c", "x")
     assert x.fetch_state("a")[2] == b"state"
     peers["a"].collective.adopt_bans(["x"], "test")
-    peers["a"].update(status="training")
     with pytest.raises(diloco.SwarmError, match="banned"):  # a peer that banned x serves it nothing
         x.fetch_state("a")
-    _until(lambda: sum("x" in r.banned for r in x.records()) == 1)
-    x.check_standing(x.records())  # one voter of three is no majority
+    assert x.collective.banned_by == {"a"}
+    x.check_standing(members)  # one of three is no majority
     for p in ("b", "c"):
         peers[p].collective.adopt_bans(["x"], "test")
-        peers[p].update(status="training")
-    _until(lambda: sum("x" in r.banned for r in x.records()) == 3)
+    # x's next round: b and c refuse its ready as banned (a does too), in replies only they can seal;
+    # x does not wait out its gather timeout (3 s) for peers that banned it, and the round ends in Banned
+    started = time.monotonic()
     with pytest.raises(diloco.Banned, match=r"peer x was banned from run 'inproc' by 3 of the 3 other peers"):
-        x.check_standing(x.records())
-    peers["a"].check_standing(peers["a"].records())  # the others are in good standing
-
-
-def _until(condition: Callable[[], bool], timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "condition not met in time"
-        time.sleep(0.05)
+        x.finish_exchange(x.exchange_async(0, 0, "d0", torch.zeros(4), previous=members), RoundKey(0))
+    assert time.monotonic() - started < CFG.gather_timeout
+    assert x.collective.banned_by == {"a", "b", "c"}
+    with pytest.raises(diloco.Banned):  # at its next slot, too, without any call
+        x.check_standing(members)
+    peers["a"].check_standing(("a", "b", "c"))  # the others are in good standing
+    x.check_standing(("x", "a", "b", "c", "d", "e", "f"))  # 3 of 6 members: no majority
 
 
 def test_stopping_the_loop_cancels_what_still_runs_on_it():
@@ -382,3 +382,10 @@ def test_stopping_the_loop_cancels_what_still_runs_on_it():
     time.sleep(0.05)
     loop.stop()
     assert cleaned.is_set() and future.cancelled()
+
+
+def _until(condition: Callable[[], bool], timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.05)
