@@ -147,10 +147,15 @@ def parse_fault(item: Any, index: int, workers: int) -> Fault:
 
 def check_plan(faults: Sequence[Fault], workers: int) -> None:
     """Reject plans that cannot play out: killing a dead worker, restarting a live one, cutting off
-    a dead one or half the swarm, acting on a worker that is dead at that round."""
+    a dead one or half the swarm, acting on a worker that is dead at that round, or on a poisoner
+    after it poisons (it stops once banned; a restarted worker comes back honest)."""
     alive = set(range(workers))
     split: Fault | None = None
+    poisoned: dict[int, Fault] = {}
     for f in sorted(faults, key=lambda f: f.round):  # stable: plan order within a round
+        if f.action != "partition" and f.peer in poisoned:
+            raise ConfigError(f"{f}: worker {f.peer} poisons from round {poisoned[f.peer].round} and stops once "
+                              "the others ban it, at a round the plan cannot know; plan nothing later for it")
         if split is not None and f.round < split.round + split.rounds and f.action in ("kill", "restart", "partition"):
             raise ConfigError(f"{f}: falls within {split} (until round {split.round + split.rounds}); a worker "
                               "cut off cannot reach it, and the others wait for it: move it after the heal")
@@ -165,6 +170,9 @@ def check_plan(faults: Sequence[Fault], workers: int) -> None:
                 raise ConfigError(f"{f}: worker {f.peer} is running then; kill it first (an earlier round)")
             alive.add(f.peer)
         elif f.action == "partition":
+            if set(f.peers) & set(poisoned):
+                raise ConfigError(f"{f}: worker(s) {sorted(set(f.peers) & set(poisoned))} poison and stop once banned, "
+                                  "at a round the plan cannot know; do not cut them off")
             if not set(f.peers) <= alive:
                 raise ConfigError(f"{f}: workers {sorted(set(f.peers) - alive)} are not running then")
             if 2 * len(f.peers) >= len(alive):
@@ -173,6 +181,8 @@ def check_plan(faults: Sequence[Fault], workers: int) -> None:
             split = f
         elif f.peer not in alive:
             raise ConfigError(f"{f}: worker {f.peer} is not running then")
+        elif f.action == "poison":
+            poisoned[f.peer] = f
 
 
 def load_plan(path: str | Path, workers: int) -> list[Fault]:

@@ -214,3 +214,8 @@ def test_a_poison_entry_is_parsed_and_never_drawn_at_random():
     with pytest.raises(ConfigError, match="other than 1"):
         parse_fault({"round": 2, "action": "poison", "peer": 1, "factor": 1}, 0, 4)
     assert all(f.action != "poison" for seed in range(50) for f in random_plan(seed, 4, 10, 5))
+    # it stops once banned, at a round the plan cannot know: nothing may be planned for it afterwards
+    for later in (Fault(5, "kill", 1), Fault(5, "slow", 1, factor=2.0), Fault(5, "partition", peers=(1,), rounds=2)):
+        with pytest.raises(ConfigError, match="poison"):
+            check_plan([Fault(2, "poison", 1, factor=1e4), later], 4)
+    check_plan([Fault(2, "poison", 1, factor=1e4), Fault(5, "kill", 2)], 4)  # others are fine
