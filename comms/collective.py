@@ -212,16 +212,12 @@ class Collective:
                 rs.waits.setdefault(p, r.get("waits", frozenset()) if r else frozenset())
             rs.changed.set()
 
-        # everyone we expect, and whoever told us already that it is ready for this key
+        # everyone we expect, and whoever told us already that it is ready for this key. The replies of
+        # those we wait for are awaited; a straggler's counts if it comes in time, so a hung straggler
+        # costs the others the grace below in each round its record lives, not a whole call timeout.
         asked = set(others) | (set(rs.ready) - {self.me})
-        await asyncio.gather(*(ask(p) for p in asked))
-        self.faults.hit("gather", key.round)
-        late = self._late(key, replies, rs.named(self.me))
-        if late is not None:
-            rs.view = ()
-            return late
-
-        later: list[asyncio.Task[None]] = []
+        first = rs.waited(self.me)
+        later = [asyncio.create_task(ask(p)) for p in asked - first]
 
         def closed(everyone: bool) -> bool:
             """Ask newly named peers; then: is every named peer we wait for ready (or unreachable)?"""
@@ -234,9 +230,12 @@ class Collective:
             return all(p in rs.ready for p in waited if replies.get(p, {}) is not None)
 
         try:
-            await self._wait(rs, lambda: closed(False), time.monotonic() + self.cfg.gather_timeout)
-            if not closed(True):  # stragglers get a short grace (a tenth of the gather timeout) to get back in
-                await self._wait(rs, lambda: closed(True), time.monotonic() + self.cfg.gather_timeout / 10)
+            await asyncio.gather(*(ask(p) for p in asked & first))
+            self.faults.hit("gather", key.round)
+            if self._late(key, replies, rs.named(self.me)) is None:
+                await self._wait(rs, lambda: closed(False), time.monotonic() + self.cfg.gather_timeout)
+                if not closed(True):  # stragglers get a short grace (a tenth of the gather timeout) to get back in
+                    await self._wait(rs, lambda: closed(True), time.monotonic() + self.cfg.gather_timeout / 10)
         finally:
             for t in later:
                 t.cancel()

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import Counter
+from dataclasses import replace
 
 import pytest
 import torch
@@ -205,6 +206,36 @@ def test_expected_peer_unreachable_others_commit_without_it(absent):
         assert o.contributors == [tuple(present)] * 3
         assert torch.equal(o.aggregate, first)
     assert torch.allclose(first, _mean(deltas, present), rtol=0, atol=1e-6)
+
+
+def test_a_hung_straggler_costs_the_grace_not_a_call_timeout():
+    """p3 is a straggler (the others go on without waiting for it) whose record is still live, and it
+    is frozen: its ready handler never answers. The others ask it, but do not wait out their call to
+    it: they close after the stragglers' grace and commit among themselves, round after round."""
+    present = PEERS[:3]
+    cfg = replace(FAST, call_timeout=5.0)
+
+    async def main():
+        net = InProcNetwork()
+        cs = await _collectives(net, PEERS, cfg)
+        frozen = asyncio.Event()
+
+        async def hung(caller, data):
+            await frozen.wait()  # never set: SIGSTOPped
+            return b""
+        net.lookup("p3").handlers["diloco.ready"] = hung
+        deltas = _deltas(PEERS, 99, seed=4)
+        took, outs = [], {}
+        for rnd in range(2):
+            started = time.monotonic()
+            outs = dict(zip(present, await asyncio.gather(*(
+                cs[p].run_round(RoundKey(rnd), DIGEST, PEERS, deltas[p], wait_for=present) for p in present))))
+            took.append(time.monotonic() - started)
+        return outs, took
+
+    outs, took = asyncio.run(main())
+    assert all(o.committed and o.view == tuple(present) for o in outs.values()), outs
+    assert max(took) < cfg.call_timeout / 2, took  # the grace (0.05 s) and the round, not the 5 s call
 
 
 # ---------------------------------------------------------------------- an owner dies mid-round
