@@ -18,12 +18,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from contextlib import contextmanager, suppress
+from contextlib import contextmanager, nullcontext, suppress
 from typing import Any, Iterator, Literal
 
 from hivemind.p2p import P2P, PeerID
 
 from .auth import HEAD_SIZE, MAC_SIZE, Guard, Refusal
+from .identity import Identity
 from .transport import ByteCounter, Handler, PeerId, TransportError
 
 log = logging.getLogger(__name__)
@@ -86,20 +87,26 @@ class P2PTransport:
         host_maddrs: list[str] | None = None,
         announce_maddrs: list[str] | None = None,
         max_message: int = 1 << 30,
-        identity_path: str | None = None,
+        identity: Identity | None = None,
     ) -> P2PTransport:
-        with _daemon_in_own_session():
+        """`identity`: the key the daemon runs under (one we can sign with); None lets the daemon make one."""
+        with _daemon_in_own_session(), (identity.key_file() if identity else nullcontext(None)) as key_path:
             p2p = await P2P.create(
                 initial_peers=initial_peers or None,
                 host_maddrs=host_maddrs or ["/ip4/127.0.0.1/tcp/0"],
                 announce_maddrs=announce_maddrs or None,
-                identity_path=identity_path,
+                identity_path=key_path,
+                check_if_identity_free=False,  # a fresh key: probing the swarm for it would cost a daemon
                 # A LAN/WAN swarm of explicitly addressed peers: no IPFS, no NAT port mapping probes.
                 nat_port_map=False,
                 auto_nat=False,
                 startup_timeout=30,
             )
-        return cls(p2p, max_message)
+        transport = cls(p2p, max_message)
+        if identity is not None and transport.peer_id != identity.peer_id:
+            await transport.close()
+            raise RuntimeError(f"the p2p daemon runs as {transport.peer_id}, not as our key's {identity.peer_id}")
+        return transport
 
     @property
     def daemon_pid(self) -> int | None:

@@ -119,6 +119,7 @@ class Swarm:
     def _create_p2p(cls, cfg: SwarmConfig, initial: list[str], host: str, port: int,
                     announce: list[str] | None) -> Swarm:
         from diloco.comms.auth import HmacAuthorizer
+        from diloco.comms.identity import Identity
         from diloco.comms.p2p import P2PTransport
         from diloco.peers import DHTDirectory
         from diloco.peers.reaper import Reaper
@@ -131,8 +132,10 @@ class Swarm:
         proto = "ip6" if ":" in host else "ip4"
 
         async def build() -> tuple[P2PTransport, DHTDirectory, Collective, list[str]]:
+            identity = Identity.generate()  # a new peer id per process; it signs our directory records
             transport = await P2PTransport.create(initial_peers=initial, host_maddrs=[f"/{proto}/{host}/tcp/{port}"],
-                                                  announce_maddrs=announce, max_message=cfg.max_payload + (1 << 20))
+                                                  announce_maddrs=announce, max_message=cfg.max_payload + (1 << 20),
+                                                  identity=identity)
             if transport.daemon_pid:
                 reaper.watch_pid(transport.daemon_pid)
             for path in transport.socket_paths:
@@ -142,7 +145,8 @@ class Swarm:
                 for addr in initial:  # before the DHT: a peer that must not join learns why at once
                     await _hello(transport, _peer_of(addr), cfg, "")
                 directory = await asyncio.wait_for(DHTDirectory.create(
-                    transport.p2p, cfg.run_id, initial, authorizer=HmacAuthorizer(cfg.secret or "", cfg.run_id)), 30)
+                    transport.p2p, cfg.run_id, initial, authorizer=HmacAuthorizer(cfg.secret or "", cfg.run_id),
+                    identity=identity, allow=frozenset(cfg.allow_peers) or None), 30)
                 collective = await Collective.create(transport, cfg.run_id, cfg.collective())
                 addresses = await transport.visible_addresses()
             except BaseException:

@@ -208,11 +208,13 @@ def run_job(cfg: JobConfig, swarm: Swarm | None, *, metrics: MetricsWriter | Non
 
 def _defences(swarm: Swarm | None) -> dict[str, Any]:
     """What the swarm refused and why: calls refused by the credential check (and how many of those the
-    tarpit held), frames rejected by reason, robust-aggregation events, bans."""
+    tarpit held), frames rejected by reason, directory records dropped by reason (unsigned, signed by
+    another key, malformed, off the allowlist), robust-aggregation events, bans."""
     if swarm is None:
-        return dict(auth_refused={}, auth_held=0, rejections={}, robust={}, banned=[])
+        return dict(auth_refused={}, auth_held=0, rejections={}, records_dropped={}, robust={}, banned=[])
     c, guard = swarm.collective, swarm.transport.guard
     return dict(auth_refused=dict(sorted(guard.refused.items())) if guard is not None else {},
                 auth_held=guard.tarpit.held_total if guard is not None else 0,
-                rejections=dict(sorted(c.rejections.items())), robust=dict(sorted(c.robust_events.items())),
-                banned=sorted(c.banned))
+                rejections=dict(sorted(c.rejections.items())),
+                records_dropped=dict(sorted(swarm.directory.dropped.items())),
+                robust=dict(sorted(c.robust_events.items())), banned=sorted(c.banned))

@@ -10,7 +10,9 @@ Two directories implement the same two calls (`publish`, `read`):
 - `InProcBoard`: a dict with expirations, for in-process swarms (tests, simulation).
 
 Records read from the network are validated field by field; malformed ones are dropped and
-counted, never trusted.
+counted, never trusted. In the DHT, each record is signed by its writer, and records that are not
+(under another peer's id, re-stored with a forged expiration, off the allowlist) are neither stored
+nor read by anyone (`peers/signing.py`).
 """
 
 from __future__ import annotations
@@ -19,9 +21,12 @@ import math
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from diloco.comms import PeerId
+
+if TYPE_CHECKING:
+    from diloco.comms.identity import Identity
 
 STATUSES = ("joining", "training", "left")
 
@@ -153,23 +158,29 @@ class InProcBoard:
 class DHTDirectory:
     """Records under the DHT key `diloco/<run_id>/peers`, one subkey per peer id."""
 
-    def __init__(self, node: Any, run_id: str) -> None:
+    def __init__(self, node: Any, run_id: str, dropped: Counter[str] | None = None) -> None:
         self.node = node
         self.key = f"diloco/{run_id}/peers"
-        self.dropped: Counter[str] = Counter()
+        self.dropped: Counter[str] = Counter() if dropped is None else dropped
 
     @classmethod
     async def create(cls, p2p: Any, run_id: str, initial_peers: list[str], client_mode: bool = False,
-                     authorizer: Any = None) -> DHTDirectory:
+                     authorizer: Any = None, identity: Identity | None = None,
+                     allow: frozenset[str] | None = None) -> DHTDirectory:
         """`client_mode`: read and write records without storing others' (an observer, e.g. `diloco status`).
         `authorizer` (`diloco.comms.auth.HmacAuthorizer`): sign our DHT requests and answers, and ignore
-        nodes that cannot sign theirs (they lack the swarm secret)."""
+        nodes that cannot sign theirs (they lack the swarm secret). `identity`: the key our record is
+        signed with (the transport's; a reader needs none). `allow`: if given, only these peers' records
+        (and ours) are stored or read."""
         from hivemind.dht.node import DHTNode
 
+        from .signing import SignedRecords
+
+        validator = SignedRecords(identity, allow)
         node = await DHTNode.create(p2p=p2p, initial_peers=initial_peers or None, num_workers=4,
                                     cache_locally=False, ensure_bootstrap_success=bool(initial_peers),
-                                    client_mode=client_mode, authorizer=authorizer)
-        return cls(node, run_id)
+                                    client_mode=client_mode, authorizer=authorizer, record_validator=validator)
+        return cls(node, run_id, validator.rejected)
 
     async def publish(self, record: PeerRecord, ttl: float) -> None:
         from hivemind.utils import get_dht_time

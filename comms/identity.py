@@ -1,0 +1,107 @@
+"""A peer's libp2p identity, made here and handed to its daemon, so that the peer can sign with it.
+
+A libp2p peer id of an Ed25519 key *is* the key (an identity multihash of the protobuf-encoded
+public key: the `12D3KooW…` ids), so anyone can check a signature against a peer id alone, with
+no key exchange: `verify(peer_id, data, signature)`. The daemon proves the same key on every
+connection (libp2p's handshake), so a signature checked here speaks for the peer that other peers
+talk to under that id.
+
+The swarm signs its directory records with it (`peers/records.py`): holding the swarm secret lets
+a peer write to the DHT, but no longer under another peer's id. The Ed25519 primitives come from
+`cryptography`, which hivemind itself requires (its RSA keys and DHT validators).
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from contextlib import contextmanager
+from typing import Iterator
+
+from cryptography.exceptions import InvalidSignature
+from cryptography.hazmat.primitives import serialization as ser
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
+
+from .transport import PeerId
+
+# libp2p's protobuf KeyType enum: Ed25519 = 1. PrivateKey/PublicKey are {1: type (varint), 2: data}.
+_ED25519_PUBLIC = b"\x08\x01\x12\x20"  # type Ed25519, data of 32 bytes
+_ED25519_PRIVATE = b"\x08\x01\x12\x40"  # type Ed25519, data of 64 bytes (seed, then public key)
+_IDENTITY_MULTIHASH = b"\x00\x24"  # multihash "identity" (the data itself), 36 bytes
+_B58 = "123456789ABCDEFGHJKLMNPQRSTUVWXYZabcdefghijkmnopqrstuvwxyz"
+
+
+class Identity:
+    """An Ed25519 key pair and its libp2p peer id. The private key never leaves this object except
+    into the daemon's key file (`key_file`), which exists only while the daemon starts."""
+
+    def __init__(self, key: Ed25519PrivateKey) -> None:
+        self._key = key
+        public = key.public_key().public_bytes(ser.Encoding.Raw, ser.PublicFormat.Raw)
+        self.public_key = public
+        self.peer_id = PeerId(_b58encode(_IDENTITY_MULTIHASH + _ED25519_PUBLIC + public))
+
+    @classmethod
+    def generate(cls) -> Identity:
+        return cls(Ed25519PrivateKey.generate())
+
+    def sign(self, data: bytes) -> bytes:
+        return self._key.sign(data)
+
+    def __repr__(self) -> str:
+        return f"Identity({self.peer_id})"
+
+    @contextmanager
+    def key_file(self) -> Iterator[str]:
+        """The private key in libp2p's file format, in a private directory, removed on exit (the daemon
+        reads it once, at start)."""
+        seed = self._key.private_bytes(ser.Encoding.Raw, ser.PrivateFormat.Raw, ser.NoEncryption())
+        with tempfile.TemporaryDirectory(prefix="diloco-id-") as d:  # mode 700
+            path = os.path.join(d, "identity.key")
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "wb") as f:
+                f.write(_ED25519_PRIVATE + seed + self.public_key)
+            yield path
+
+
+def public_key_of(peer_id: str) -> bytes | None:
+    """The Ed25519 public key a peer id embeds; None for any other kind of id (RSA, malformed)."""
+    raw = _b58decode(peer_id)
+    head = _IDENTITY_MULTIHASH + _ED25519_PUBLIC
+    if raw is None or len(raw) != len(head) + 32 or not raw.startswith(head):
+        return None
+    return raw[len(head):]
+
+
+def verify(peer_id: str, data: bytes, signature: bytes) -> bool:
+    """Did the holder of `peer_id`'s key sign `data`? False for a bad signature or a peer id that does
+    not embed an Ed25519 key."""
+    public = public_key_of(peer_id)
+    if public is None or not isinstance(signature, bytes) or len(signature) != 64:
+        return False
+    try:
+        Ed25519PublicKey.from_public_bytes(public).verify(signature, data)
+    except (InvalidSignature, ValueError):
+        return False
+    return True
+
+
+def _b58encode(data: bytes) -> str:
+    n, out = int.from_bytes(data, "big"), ""
+    while n:
+        n, r = divmod(n, 58)
+        out = _B58[r] + out
+    return "1" * (len(data) - len(data.lstrip(b"\0"))) + out
+
+
+def _b58decode(text: str) -> bytes | None:
+    if not isinstance(text, str) or not 0 < len(text) <= 128:
+        return None
+    n = 0
+    for ch in text:
+        i = _B58.find(ch)
+        if i < 0:
+            return None
+        n = n * 58 + i
+    zeros = len(text) - len(text.lstrip("1"))
+    return b"\0" * zeros + (n.to_bytes((n.bit_length() + 7) // 8, "big") if n else b"")

@@ -1,0 +1,179 @@
+"""Directory records are signed by their writers (comms/identity.py, peers/signing.py): a holder of the
+swarm secret can write to the DHT, but not a record in another peer's name, nor an old record of a
+peer re-stored to outlive its newer ones; with an allowlist, records of unlisted peers are refused."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import struct
+
+import msgpack
+import pytest
+from hivemind.dht.validation import DHTRecord
+from hivemind.p2p import PeerID
+
+from diloco.comms.identity import Identity, public_key_of, verify
+from diloco.peers import PeerRecord
+from diloco.peers.signing import MAGIC, SignedRecords, check, sign
+
+KEY = b"k" * 20  # a DHT key id, as hivemind hands it to the validator
+
+
+def _record(identity: Identity, peer: str | None = None, expiration: float = 1000.5, **fields) -> DHTRecord:
+    """A record for `peer` (default: the identity's own), signed with `identity` as the DHT would."""
+    value = msgpack.packb(PeerRecord(peer=peer or identity.peer_id, status="training", round=3, **fields).to_wire())
+    unsigned = DHTRecord(KEY, msgpack.packb(peer or identity.peer_id), value, expiration)
+    return DHTRecord(KEY, unsigned.subkey, sign(identity, unsigned) if peer is None else value, expiration)
+
+
+@pytest.mark.unit
+def test_a_peer_id_embeds_its_key_and_signatures_check_against_the_id_alone():
+    me, other = Identity.generate(), Identity.generate()
+    assert me.peer_id.startswith("12D3KooW") and me.peer_id != other.peer_id
+    assert PeerID.from_base58(me.peer_id).to_base58() == me.peer_id  # libp2p's own encoding agrees
+    assert public_key_of(me.peer_id) == me.public_key
+    sig = me.sign(b"data")
+    assert verify(me.peer_id, b"data", sig)
+    assert not verify(me.peer_id, b"datA", sig)  # any change to the data
+    assert not verify(other.peer_id, b"data", sig)  # another peer's id
+    assert not verify(me.peer_id, b"data", sig[:-1] + bytes([sig[-1] ^ 1]))
+    rsa = "QmYyQSo1c1Ym7orWxLYvCrM2EmxFTANf8wXmmE7DWjhx5N"  # an RSA peer id: the key is not in it
+    for bad in (rsa, "peer0", "", "0OIl", "1" * 200):
+        assert public_key_of(bad) is None and not verify(bad, b"data", sig)
+    assert "sign" not in repr(me) and me.peer_id in repr(me)
+
+
+@pytest.mark.unit
+def test_the_key_file_is_private_and_gone_after_use():
+    import os
+    import stat
+
+    me = Identity.generate()
+    with me.key_file() as path:
+        assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+        data = open(path, "rb").read()
+        assert data[:4] == b"\x08\x01\x12\x40" and data[-32:] == me.public_key  # libp2p's Ed25519 PrivateKey
+    assert not os.path.exists(path) and not os.path.exists(os.path.dirname(path))
+
+
+@pytest.mark.unit
+def test_only_the_writers_own_signature_over_key_subkey_expiration_and_value_checks():
+    me, forger = Identity.generate(), Identity.generate()
+    good = _record(me)
+    assert check(good) == ""
+    sig_at = len(good.value) - 64 - len(MAGIC)
+    cases = {
+        # a secret-holder writing in my name: unsigned, or signed with its own key
+        "unsigned": _record(forger, peer=me.peer_id),
+        "signed by another key": DHTRecord(KEY, good.subkey, _record(forger).value, good.expiration_time),
+        # my genuine record, re-stored to outlive my newer ones, or moved to another run's key
+        "later expiration": DHTRecord(KEY, good.subkey, good.value, good.expiration_time + 1000),
+        "another key": DHTRecord(b"x" * 20, good.subkey, good.value, good.expiration_time),
+        "a value byte flipped": DHTRecord(KEY, good.subkey, bytes([good.value[0] ^ 1]) + good.value[1:],
+                                          good.expiration_time),
+        "the signature flipped": DHTRecord(KEY, good.subkey, good.value[:sig_at] + bytes([good.value[sig_at] ^ 1]) +
+                                           good.value[sig_at + 1:], good.expiration_time),
+        "an integer expiration": DHTRecord(KEY, good.subkey, good.value, 1000),
+    }
+    expected = {"unsigned": "unsigned_record"}
+    for name, rec in cases.items():
+        assert check(rec) == expected.get(name, "bad_signature"), name
+    assert check(DHTRecord(KEY, msgpack.packb(7), good.value, 1.0)) == "not_a_peer_record"
+    assert check(DHTRecord(KEY, b"\xc1", good.value, 1.0)) == "not_a_peer_record"  # not msgpack
+    assert check(good, allow=frozenset({forger.peer_id})) == "not_allowed"
+    assert check(good, allow=frozenset({me.peer_id})) == ""
+    # we sign only our own records: one of another peer passes through unsigned (and is refused)
+    theirs = DHTRecord(KEY, msgpack.packb(forger.peer_id), b"v", 1.5)
+    assert sign(me, theirs) == b"v"
+    # what is signed: magic, lengths and expiration, then key, subkey and value (no ambiguity between them)
+    assert struct.calcsize(">IIId") == 20
+
+
+@pytest.mark.unit
+def test_the_validator_counts_and_logs_refusals_once_and_strips_what_it_passes(caplog):
+    me, forger = Identity.generate(), Identity.generate()
+    v = SignedRecords(me)
+    good = _record(me)
+    assert v.validate(good) and msgpack.unpackb(v.strip_value(good))["round"] == 3
+    bad = _record(forger, peer=me.peer_id)
+    with caplog.at_level(logging.WARNING, logger="diloco.peers.signing"):
+        assert not v.validate(bad) and not v.validate(bad)
+    assert v.rejected == {"unsigned_record": 2}
+    assert [r.getMessage() for r in caplog.records] == [f"event=record_refused writer={me.peer_id} reason=unsigned_record"]
+    assert SignedRecords(me, allow=frozenset()).validate(good)  # our own record is always allowed
+    assert not SignedRecords(me, allow=frozenset()).validate(_record(forger))
+    with pytest.raises(RuntimeError, match="without our identity"):
+        SignedRecords(None).sign_value(good)
+
+
+# ---------------------------------------------------------------------- real daemons and DHT nodes
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(120)
+def test_a_secret_holder_cannot_write_or_erase_another_peers_record_in_the_dht():
+    """Two honest peers and a malicious holder of the swarm secret whose DHT node signs and checks
+    nothing. It stores, with a far later expiration, a record in peer A's name saying A left at
+    round 99, and re-stores A's genuine record with a later expiration. The honest nodes refuse both
+    stores (and count them), both honest peers still read A's true record, and A's next heartbeat
+    goes through."""
+    from hivemind.dht.node import DHTNode
+    from hivemind.dht.routing import DHTID
+    from hivemind.utils import get_dht_time
+
+    from diloco.comms.auth import HmacAuthorizer
+    from diloco.comms.p2p import P2PTransport
+    from diloco.peers import DHTDirectory
+
+    secret, run = "s" * 32, "signed"
+
+    async def main():
+        ia, ib = Identity.generate(), Identity.generate()
+        ta = await P2PTransport.create(identity=ia)
+        addrs = [str(m) for m in await ta.visible_addresses()]
+        tb = await P2PTransport.create(identity=ib, initial_peers=addrs)
+        tm = await P2PTransport.create(initial_peers=addrs)
+        dirs, node_m = [], None
+        try:
+            assert (ta.peer_id, tb.peer_id) == (ia.peer_id, ib.peer_id)  # the daemons run under our keys
+            da = await DHTDirectory.create(ta.p2p, run, [], authorizer=HmacAuthorizer(secret, run), identity=ia)
+            dirs.append(da)
+            db = await DHTDirectory.create(tb.p2p, run, addrs, authorizer=HmacAuthorizer(secret, run), identity=ib)
+            dirs.append(db)
+            node_m = await DHTNode.create(p2p=tm.p2p, initial_peers=addrs, num_workers=4, cache_locally=False,
+                                          authorizer=HmacAuthorizer(secret, run))  # no validator: signs nothing
+            await da.publish(PeerRecord(peer=ia.peer_id, status="training", round=3), 30)
+            await db.publish(PeerRecord(peer=ib.peer_id, status="training", round=3), 30)
+            before = sorted((r.peer, r.round) for r in await db.read())
+            forged = PeerRecord(peer=ia.peer_id, status="left", round=99).to_wire()
+            forged_ok = await node_m.store(da.key, forged, get_dht_time() + 1000, subkey=ia.peer_id)
+            # A's genuine signed value (M holds a replica, or reads it from any answer), re-stored on
+            # the honest nodes with a later expiration, so that it would outlive A's next records
+            key_id = DHTID.generate(source=da.key)
+            stored = da.node.protocol.storage.get(key_id).value.get(ia.peer_id)
+            replay_ok = [await node_m.protocol.call_store(t.p2p.peer_id, [key_id], [stored.value],
+                                                          [stored.expiration_time + 1000], [ia.peer_id])
+                         for t in (ta, tb)]
+            reads = [sorted((r.peer, r.status, r.round) for r in await d.read()) for d in (da, db)]
+            await da.publish(PeerRecord(peer=ia.peer_id, status="training", round=4), 30)
+            after = sorted((r.peer, r.round) for r in await db.read())
+            return dict(before=before, forged_ok=forged_ok, replay_ok=replay_ok, reads=reads, after=after,
+                        dropped=[dict(d.dropped) for d in (da, db)], a=ia.peer_id, b=ib.peer_id)
+        finally:
+            if node_m is not None:
+                await node_m.shutdown()
+            for d in dirs:
+                await d.close()
+            for t in (ta, tb, tm):
+                await t.close()
+
+    r = asyncio.run(main())
+    a, b = r["a"], r["b"]
+    assert r["before"] == sorted([(a, 3), (b, 3)])
+    assert r["forged_ok"] is False  # no honest node stored it
+    assert r["replay_ok"] == [[False], [False]]  # nor the replay
+    assert all(read == sorted([(a, "training", 3), (b, "training", 3)]) for read in r["reads"]), r["reads"]
+    assert r["after"] == sorted([(a, 4), (b, 3)])
+    dropped = [d for d in r["dropped"]]
+    assert all(d.get("unsigned_record", 0) >= 1 and d.get("bad_signature", 0) >= 1 for d in dropped), dropped
