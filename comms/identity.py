@@ -13,16 +13,21 @@ a peer write to the DHT, but no longer under another peer's id. The Ed25519 prim
 
 from __future__ import annotations
 
+import fcntl
+import logging
 import os
+import stat
 import tempfile
 from contextlib import contextmanager
-from typing import Iterator
+from typing import IO, Iterator
 
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization as ser
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
 from .transport import PeerId
+
+log = logging.getLogger(__name__)
 
 # libp2p's protobuf KeyType enum: Ed25519 = 1. PrivateKey/PublicKey are {1: type (varint), 2: data}.
 _ED25519_PUBLIC = b"\x08\x01\x12\x20"  # type Ed25519, data of 32 bytes
@@ -31,19 +36,74 @@ _IDENTITY_MULTIHASH = b"\x00\x24"  # multihash "identity" (the data itself), 36 
 _B58 = "123456789ABCDEFGHJKLMNPQRSTUVWXYZabcdefghijkmnopqrstuvwxyz"
 
 
+class IdentityError(ValueError):
+    """An identity file that cannot be used; the message names the file and the fix."""
+
+
 class Identity:
-    """An Ed25519 key pair and its libp2p peer id. The private key never leaves this object except
-    into the daemon's key file (`key_file`), which exists only while the daemon starts."""
+    """An Ed25519 key pair and its libp2p peer id. The private key leaves this object only into the
+    daemon's key file (`key_file`, which exists only while the daemon starts) or the file a peer keeps
+    its identity in across restarts (`load`)."""
 
     def __init__(self, key: Ed25519PrivateKey) -> None:
         self._key = key
         public = key.public_key().public_bytes(ser.Encoding.Raw, ser.PublicFormat.Raw)
         self.public_key = public
         self.peer_id = PeerId(_b58encode(_IDENTITY_MULTIHASH + _ED25519_PUBLIC + public))
+        self._lock: IO[bytes] | None = None
 
     @classmethod
     def generate(cls) -> Identity:
         return cls(Ed25519PrivateKey.generate())
+
+    @classmethod
+    def load(cls, path: str) -> Identity:
+        """The identity kept in `path` (libp2p's key file format), created (mode 600) if missing, so a
+        peer keeps its peer id across restarts. The file is locked while this process runs: two peers
+        under one id would take each other's connections."""
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+            created = True
+        except FileExistsError:
+            try:
+                fd = os.open(path, os.O_RDWR)
+            except OSError as e:
+                raise IdentityError(f"cannot open the identity file {path}: {e.strerror}") from None
+            created = False
+        except OSError as e:
+            raise IdentityError(f"cannot create the identity file {path}: {e.strerror}") from None
+        f = os.fdopen(fd, "r+b")
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.close()
+            raise IdentityError(f"the identity file {path} is in use by another process on this machine; "
+                                "give each peer its own file") from None
+        try:
+            if created:
+                identity = cls.generate()
+                f.write(identity._libp2p_private_key())
+                f.flush()
+                os.fsync(f.fileno())
+            else:
+                identity = cls(_parse_private_key(f.read(), path))
+                if os.fstat(f.fileno()).st_mode & (stat.S_IRWXG | stat.S_IRWXO):
+                    log.warning("event=identity_file_readable path=%s fix=chmod 600 %s", path, path)
+        except BaseException:
+            f.close()
+            raise
+        identity._lock = f
+        return identity
+
+    def release(self) -> None:
+        """Unlock the identity file (`load`); the process exiting does the same."""
+        if self._lock is not None:
+            self._lock.close()
+            self._lock = None
+
+    def _libp2p_private_key(self) -> bytes:
+        seed = self._key.private_bytes(ser.Encoding.Raw, ser.PrivateFormat.Raw, ser.NoEncryption())
+        return _ED25519_PRIVATE + seed + self.public_key
 
     def sign(self, data: bytes) -> bytes:
         return self._key.sign(data)
@@ -55,13 +115,25 @@ class Identity:
     def key_file(self) -> Iterator[str]:
         """The private key in libp2p's file format, in a private directory, removed on exit (the daemon
         reads it once, at start)."""
-        seed = self._key.private_bytes(ser.Encoding.Raw, ser.PrivateFormat.Raw, ser.NoEncryption())
         with tempfile.TemporaryDirectory(prefix="diloco-id-") as d:  # mode 700
             path = os.path.join(d, "identity.key")
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
             with os.fdopen(fd, "wb") as f:
-                f.write(_ED25519_PRIVATE + seed + self.public_key)
+                f.write(self._libp2p_private_key())
             yield path
+
+
+def _parse_private_key(data: bytes, path: str) -> Ed25519PrivateKey:
+    """The key in a libp2p Ed25519 PrivateKey file (the seed, then the public key it must derive)."""
+    if len(data) != len(_ED25519_PRIVATE) + 64 or not data.startswith(_ED25519_PRIVATE):
+        raise IdentityError(f"{path} is not a libp2p Ed25519 key file ({len(data)} bytes; RSA keys, e.g. "
+                            "hivemind's, cannot sign diloco's records): move it away and a new one is created")
+    body = data[len(_ED25519_PRIVATE):]
+    key = Ed25519PrivateKey.from_private_bytes(body[:32])
+    if key.public_key().public_bytes(ser.Encoding.Raw, ser.PublicFormat.Raw) != body[32:]:
+        raise IdentityError(f"{path} is damaged (its public key does not match its private key): move it away "
+                            "and a new one is created")
+    return key
 
 
 def public_key_of(peer_id: str) -> bytes | None:

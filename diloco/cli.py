@@ -58,6 +58,8 @@ SecretFile = typer.Option(None, "--secret-file", help="File holding the swarm se
                           "default diloco-RUN_ID.secret). Or set DILOCO_SECRET.")
 AllowPeer = typer.Option(None, "--allow-peer", help="Only talk to this peer id (repeatable); default: anyone with the "
                          "secret.")
+IdentityFile = typer.Option(None, "--identity", help="This peer's key file (created if missing, mode 600): its peer "
+                            "id then survives restarts, as other sites' --allow-peer need. Default: a new id per run.")
 
 
 def _fail(message: str, code: int = 2) -> NoReturn:
@@ -81,7 +83,8 @@ def _configs(o: dict[str, Any]) -> tuple[SwarmConfig, JobConfig]:
                                 gather_timeout=o["gather_timeout"], result_timeout=o["round_timeout"],
                                 reduce_timeout=o["round_timeout"] * 2 / 3, heartbeat_ttl=o["heartbeat_ttl"],
                                 clip=o["clip"], trim=o["trim"], ban_after=o["ban_after"],
-                                allow_peers=tuple(o.get("allow_peer") or ()))
+                                allow_peers=tuple(o.get("allow_peer") or ()),
+                                identity_file=str(o["identity"]) if o.get("identity") else None)
         job = JobConfig(rounds=o["rounds"], inner_steps=o["inner_steps"], batch_size=o["batch_size"], seed=o["seed"],
                         shard=o["shard"], d_model=o["d_model"], n_layer=o["layers"], threads=o["threads"],
                         eval_every=o["eval_every"], wait_for=o["wait_for"], outer_lr=o["outer_lr"],
@@ -175,6 +178,7 @@ def start(
     outer_overlap: str = OuterOverlap, heartbeat_ttl: float = HeartbeatTtl,
     clip: float = Clip, trim: float = Trim, ban_after: int = BanAfter,
     secret_file: Optional[Path] = SecretFile, allow_peer: Optional[List[str]] = AllowPeer,
+    identity: Optional[Path] = IdentityFile,
     checkpoint_dir: Optional[Path] = CheckpointDir, checkpoint_every: int = CheckpointEvery, resume: bool = Resume,
     address_file: Optional[Path] = typer.Option(None, help="Write this peer's addresses to this file once up."),
     status_file: Optional[Path] = typer.Option(None, hidden=True),
@@ -210,6 +214,7 @@ def join(
     outer_overlap: str = OuterOverlap, heartbeat_ttl: float = HeartbeatTtl,
     clip: float = Clip, trim: float = Trim, ban_after: int = BanAfter,
     secret_file: Optional[Path] = SecretFile, allow_peer: Optional[List[str]] = AllowPeer,
+    identity: Optional[Path] = IdentityFile,
     checkpoint_dir: Optional[Path] = CheckpointDir, checkpoint_every: int = CheckpointEvery, resume: bool = Resume,
     address_file: Optional[Path] = typer.Option(None, help="Write this peer's addresses to this file once up."),
     status_file: Optional[Path] = typer.Option(None, hidden=True),

@@ -66,6 +66,9 @@ class SwarmConfig:
     without one are open. Never logged, never written to metrics."""
     allow_peers: tuple[str, ...] = ()
     """If not empty: the only libp2p peer ids this peer talks to (an allowlist, on top of the secret)."""
+    identity_file: str | None = None
+    """File holding this peer's libp2p key (created, mode 600, if missing), so that its peer id survives
+    restarts: what other sites' `allow_peers` list. None: a new peer id per process."""
 
     def __post_init__(self) -> None:
         if not _RUN_ID.match(self.run_id):

@@ -38,6 +38,7 @@ from diloco.comms import hello as hs
 from diloco.comms import messages as msg
 from diloco.comms.auth import HELLO, AuthRefused, new_secret
 from diloco.comms.hello import HandshakeError
+from diloco.comms.identity import Identity, IdentityError
 from diloco.comms.loop import LoopThread
 from diloco.comms.transport import InProcNetwork
 from diloco.compression import PayloadRejected, Reason
@@ -92,7 +93,12 @@ class Swarm:
     def start(cls, cfg: SwarmConfig, *, host: str = "127.0.0.1", port: int = 0,
               announce: list[str] | None = None) -> Swarm:
         """Start a new swarm (or a peer no one has dialed yet) listening on host:port."""
-        return cls._create_p2p(cfg, [], host, port, announce)
+        identity = _identity(cfg)
+        try:
+            return cls._create_p2p(cfg, [], host, port, announce, identity)
+        except BaseException:
+            identity.release()
+            raise
 
     @classmethod
     def join(cls, initial_peers: list[str], cfg: SwarmConfig, *, host: str = "127.0.0.1", port: int = 0,
@@ -103,23 +109,25 @@ class Swarm:
         if cfg.secret is None:
             raise SwarmError("joining needs the swarm's secret: SwarmConfig(secret=...); on the command line "
                              "--secret-file PATH (the file `diloco start` wrote) or the DILOCO_SECRET variable")
-        tried = []
+        tried, identity = [], _identity(cfg)
         for addr in initial_peers:
             try:
-                return cls._create_p2p(cfg, [addr], host, port, announce)
+                return cls._create_p2p(cfg, [addr], host, port, announce, identity)
             except HandshakeError:
+                identity.release()
                 raise  # the swarm answered and said no: another address would say the same
             except Exception as e:  # noqa: BLE001 - any failure to bootstrap means "try the next address"
                 tried.append(f"{addr} ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})")
                 log.warning("event=bootstrap_failed addr=%s reason=%s", addr, e)
+        identity.release()
         raise SwarmError("could not join the swarm; no bootstrap address answered:\n  " + "\n  ".join(tried) +
                          "\nCheck the address (copy it from the `diloco start` output) and that the peer is up.")
 
     @classmethod
     def _create_p2p(cls, cfg: SwarmConfig, initial: list[str], host: str, port: int,
-                    announce: list[str] | None) -> Swarm:
+                    announce: list[str] | None, identity: Identity) -> Swarm:
+        """A peer whose daemon runs under `identity` (its key also signs our directory records)."""
         from diloco.comms.auth import HmacAuthorizer
-        from diloco.comms.identity import Identity
         from diloco.comms.p2p import P2PTransport
         from diloco.peers import DHTDirectory
         from diloco.peers.reaper import Reaper
@@ -132,7 +140,6 @@ class Swarm:
         proto = "ip6" if ":" in host else "ip4"
 
         async def build() -> tuple[P2PTransport, DHTDirectory, Collective, list[str]]:
-            identity = Identity.generate()  # a new peer id per process; it signs our directory records
             transport = await P2PTransport.create(initial_peers=initial, host_maddrs=[f"/{proto}/{host}/tcp/{port}"],
                                                   announce_maddrs=announce, max_message=cfg.max_payload + (1 << 20),
                                                   identity=identity)
@@ -168,6 +175,7 @@ class Swarm:
                 except Exception as e:  # noqa: BLE001
                     log.warning("event=shutdown_step_failed step=%s reason=%s", name, e)
             reaper.close()  # kills the daemon if it is still there
+            identity.release()
 
         return cls(loop, transport, directory, collective, cfg, owns_loop=True, addresses=addresses,
                    on_close=finish, bootstrapped=bool(initial), addresses_dialed=initial)
@@ -461,6 +469,17 @@ async def _hello(transport: Transport, peer: PeerId, cfg: SwarmConfig, schema: s
         limit = hs.max_clock_skew(cfg.heartbeat_ttl)
         if abs(offset) - bound > limit:
             raise hs.ClockSkew(offset, bound, limit, peer)
+
+
+def _identity(cfg: SwarmConfig) -> Identity:
+    """This process's libp2p identity: kept in `cfg.identity_file` (so its peer id survives restarts),
+    or a new one."""
+    if cfg.identity_file is None:
+        return Identity.generate()
+    try:
+        return Identity.load(cfg.identity_file)
+    except IdentityError as e:
+        raise SwarmError(str(e)) from None
 
 
 def _peer_of(addr: str) -> PeerId:

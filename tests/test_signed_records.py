@@ -58,6 +58,40 @@ def test_the_key_file_is_private_and_gone_after_use():
 
 
 @pytest.mark.unit
+def test_an_identity_file_keeps_the_peer_id_is_private_locked_and_checked(tmp_path, caplog):
+    import os
+    import stat
+
+    from diloco.comms.identity import IdentityError
+
+    path = str(tmp_path / "site.key")
+    first = Identity.load(path)  # created
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+    with pytest.raises(IdentityError, match="in use by another process"):
+        Identity.load(path)  # two peers under one id would take each other's connections
+    first.release()
+    again = Identity.load(path)
+    assert again.peer_id == first.peer_id and again.sign(b"x") == first.sign(b"x")  # Ed25519 is deterministic
+    again.release()
+    os.chmod(path, 0o644)
+    with caplog.at_level(logging.WARNING, logger="diloco.comms.identity"):
+        Identity.load(path).release()
+    assert "identity_file_readable" in caplog.text
+    data = open(path, "rb").read()
+    damaged = tmp_path / "damaged.key"
+    damaged.write_bytes(data[:-1] + bytes([data[-1] ^ 1]))  # the public half no longer matches
+    with pytest.raises(IdentityError, match="damaged"):
+        Identity.load(str(damaged))
+    rsa = tmp_path / "rsa.key"
+    from hivemind.p2p import P2P
+    P2P.generate_identity(str(rsa))  # hivemind's own kind of identity file: RSA
+    with pytest.raises(IdentityError, match="not a libp2p Ed25519 key file"):
+        Identity.load(str(rsa))
+    with pytest.raises(IdentityError, match="cannot create"):
+        Identity.load(str(tmp_path / "no-such-dir" / "x.key"))
+
+
+@pytest.mark.unit
 def test_only_the_writers_own_signature_over_key_subkey_expiration_and_value_checks():
     me, forger = Identity.generate(), Identity.generate()
     good = _record(me)
@@ -177,3 +211,38 @@ def test_a_secret_holder_cannot_write_or_erase_another_peers_record_in_the_dht()
     assert r["after"] == sorted([(a, 4), (b, 3)])
     dropped = [d for d in r["dropped"]]
     assert all(d.get("unsigned_record", 0) >= 1 and d.get("bad_signature", 0) >= 1 for d in dropped), dropped
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(180)
+def test_sites_with_kept_identities_and_allowlists_train_and_keep_an_unlisted_peer_out(tmp_path):
+    """Two sites keep their keys in files (`--identity`), so each knows the other's peer id in advance
+    and lists it (`--allow-peer`): they train together. A third holder of the secret, not listed, is
+    refused at its join handshake (exit 1, naming the allowlist)."""
+    import secrets
+
+    from multiproc_util import TINY, Peers
+
+    keys = {n: tmp_path / f"{n}.key" for n in "abc"}
+    ids = {}
+    for n, path in keys.items():
+        identity = Identity.load(str(path))
+        ids[n] = identity.peer_id
+        identity.release()
+    group = Peers(tmp_path, f"id-{secrets.token_hex(3)}")
+    common = ["--rounds", "2", "-H", "5", "--wait-for", "2", *TINY]
+    try:
+        a = group.spawn(0, ["start", "--identity", str(keys["a"]), "--allow-peer", ids["b"], *common])
+        addr = group.address(0)
+        assert addr.endswith("/p2p/" + ids["a"])  # the daemon runs under the kept key
+        b = group.spawn(1, ["join", addr, "--identity", str(keys["b"]), "--allow-peer", ids["a"], *common])
+        c = group.spawn(2, ["join", addr, "--identity", str(keys["c"]), *common])
+        assert group.wait(c, 90) == 1 and "allowlist" in group.log(2), group.log(2)
+        for i, p in enumerate((a, b)):
+            assert group.wait(p, 120) == 0, group.log(i)
+        finals = [group.lines(i, "final")[-1] for i in (0, 1)]
+        assert finals[0]["digest"] == finals[1]["digest"] and finals[0]["round"] == 2, finals
+        assert all(f["records_dropped"] == {} for f in finals), finals
+        assert {r["peers"] for i in (0, 1) for r in group.lines(i, "round") if r["committed"]} == {2}
+    finally:
+        group.kill_all()
