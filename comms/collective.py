@@ -217,14 +217,18 @@ class Collective:
         # costs the others the grace below in each round its record lives, not a whole call timeout.
         asked = set(others) | (set(rs.ready) - {self.me})
         first = rs.waited(self.me)
-        later = [asyncio.create_task(ask(p)) for p in asked - first]
+        later = {p: asyncio.create_task(ask(p)) for p in asked - first}
+        grace = self.cfg.gather_timeout / 10
 
         def closed(everyone: bool) -> bool:
-            """Ask newly named peers; then: is every named peer we wait for ready (or unreachable)?"""
+            """Ask newly named peers; then: did a reply show we are late, or is every named peer we wait
+            for ready (or unreachable)?"""
             named = rs.named(self.me)
             for p in named - asked:
                 asked.add(p)
-                later.append(asyncio.create_task(ask(p)))
+                later[p] = asyncio.create_task(ask(p))
+            if self._late(key, replies, named) is not None:
+                return True
             # stragglers (ours, or those of the peers that named a peer to us) get only the grace
             waited = named if everyone else rs.waited(self.me)
             return all(p in rs.ready for p in waited if replies.get(p, {}) is not None)
@@ -235,9 +239,14 @@ class Collective:
             if self._late(key, replies, rs.named(self.me)) is None:
                 await self._wait(rs, lambda: closed(False), time.monotonic() + self.cfg.gather_timeout)
                 if not closed(True):  # stragglers get a short grace (a tenth of the gather timeout) to get back in
-                    await self._wait(rs, lambda: closed(True), time.monotonic() + self.cfg.gather_timeout / 10)
+                    await self._wait(rs, lambda: closed(True), time.monotonic() + grace)
+                # a straggler that told us it is ready may have moved on since (committed, or closed
+                # without us): before taking it in, give our call to it the grace to say so
+                pending = [t for p, t in later.items() if p in rs.ready and not t.done()]
+                if pending and self._late(key, replies, rs.named(self.me)) is None:
+                    await asyncio.wait(pending, timeout=grace)
         finally:
-            for t in later:
+            for t in later.values():
                 t.cancel()
         late = self._late(key, replies, rs.named(self.me))
         if late is not None:

@@ -60,35 +60,22 @@ class Identity:
     def load(cls, path: str) -> Identity:
         """The identity kept in `path` (libp2p's key file format), created (mode 600) if missing, so a
         peer keeps its peer id across restarts. The file is locked while this process runs: two peers
-        under one id would take each other's connections."""
+        under one id would take each other's connections (a lock cannot see other machines: copy a
+        key file to one machine only)."""
+        _create_key_file(path)
         try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-            created = True
-        except FileExistsError:
-            try:
-                fd = os.open(path, os.O_RDWR)
-            except OSError as e:
-                raise IdentityError(f"cannot open the identity file {path}: {e.strerror}") from None
-            created = False
+            f = open(path, "rb")  # read-only: a key file hardened to mode 400 is fine
         except OSError as e:
-            raise IdentityError(f"cannot create the identity file {path}: {e.strerror}") from None
-        f = os.fdopen(fd, "r+b")
+            raise IdentityError(f"cannot open the identity file {path}: {e.strerror}") from None
         try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            f.close()
-            raise IdentityError(f"the identity file {path} is in use by another process on this machine; "
-                                "give each peer its own file") from None
-        try:
-            if created:
-                identity = cls.generate()
-                f.write(identity._libp2p_private_key())
-                f.flush()
-                os.fsync(f.fileno())
-            else:
-                identity = cls(_parse_private_key(f.read(), path))
-                if os.fstat(f.fileno()).st_mode & (stat.S_IRWXG | stat.S_IRWXO):
-                    log.warning("event=identity_file_readable path=%s fix=chmod 600 %s", path, path)
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                raise IdentityError(f"the identity file {path} is in use by another process on this machine; "
+                                    "give each peer its own file") from None
+            identity = cls(_parse_private_key(f.read(), path))
+            if os.fstat(f.fileno()).st_mode & (stat.S_IRWXG | stat.S_IRWXO):
+                log.warning("event=identity_file_readable path=%s fix=chmod 600 %s", path, path)
         except BaseException:
             f.close()
             raise
@@ -123,8 +110,35 @@ class Identity:
             yield path
 
 
+def _create_key_file(path: str) -> None:
+    """Write a new key to `path` unless a file is there: written whole to a private temporary file
+    first, then linked into place, so nobody ever reads a half-written key."""
+    if os.path.exists(path):
+        return
+    directory = os.path.dirname(os.path.abspath(path))
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=".diloco-id-", dir=directory)  # mode 600
+    except OSError as e:
+        raise IdentityError(f"cannot create the identity file {path}: {e.strerror}") from None
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(Identity.generate()._libp2p_private_key())
+            f.flush()
+            os.fsync(f.fileno())
+        try:
+            os.link(tmp, path)
+        except FileExistsError:
+            pass  # another process made it first: use that one
+        except OSError as e:
+            raise IdentityError(f"cannot create the identity file {path}: {e.strerror}") from None
+    finally:
+        os.unlink(tmp)
+
+
 def _parse_private_key(data: bytes, path: str) -> Ed25519PrivateKey:
     """The key in a libp2p Ed25519 PrivateKey file (the seed, then the public key it must derive)."""
+    if not data:
+        raise IdentityError(f"{path} is empty: delete it and a new one is created")
     if len(data) != len(_ED25519_PRIVATE) + 64 or not data.startswith(_ED25519_PRIVATE):
         raise IdentityError(f"{path} is not a libp2p Ed25519 key file ({len(data)} bytes; RSA keys, e.g. "
                             "hivemind's, cannot sign diloco's records): move it away and a new one is created")

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 from diloco.comms import CollectiveConfig, PeerId
 from diloco.comms.auth import Guard, check_secret
+from diloco.comms.identity import public_key_of
 from diloco.comms.robust import RobustConfig
 from diloco.compression.pipeline import parse as parse_compression
 
@@ -89,9 +90,10 @@ class SwarmConfig:
                 check_secret(self.secret)
             except ValueError as e:
                 raise ConfigError(f"secret: {e}") from None
-        bad = [p for p in self.allow_peers if not isinstance(p, str) or not 0 < len(p) <= 128]
+        bad = [p for p in self.allow_peers if not isinstance(p, str) or public_key_of(p) is None]
         if bad:
-            raise ConfigError(f"allow_peers must be libp2p peer ids (12D3KooW…), got {bad[:3]!r}")
+            raise ConfigError(f"allow_peers must be Ed25519 libp2p peer ids (12D3KooW…, as a peer prints at start; "
+                              f"with --identity FILE it stays the same), got {bad[:3]!r}")
         try:
             self.collective()
         except ValueError as e:

@@ -110,15 +110,18 @@ class Swarm:
             raise SwarmError("joining needs the swarm's secret: SwarmConfig(secret=...); on the command line "
                              "--secret-file PATH (the file `diloco start` wrote) or the DILOCO_SECRET variable")
         tried, identity = [], _identity(cfg)
-        for addr in initial_peers:
-            try:
-                return cls._create_p2p(cfg, [addr], host, port, announce, identity)
-            except HandshakeError:
-                identity.release()
-                raise  # the swarm answered and said no: another address would say the same
-            except Exception as e:  # noqa: BLE001 - any failure to bootstrap means "try the next address"
-                tried.append(f"{addr} ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})")
-                log.warning("event=bootstrap_failed addr=%s reason=%s", addr, e)
+        try:
+            for addr in initial_peers:
+                try:
+                    return cls._create_p2p(cfg, [addr], host, port, announce, identity)
+                except HandshakeError:
+                    raise  # the swarm answered and said no: another address would say the same
+                except Exception as e:  # noqa: BLE001 - any failure to bootstrap means "try the next address"
+                    tried.append(f"{addr} ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})")
+                    log.warning("event=bootstrap_failed addr=%s reason=%s", addr, e)
+        except BaseException:
+            identity.release()
+            raise
         identity.release()
         raise SwarmError("could not join the swarm; no bootstrap address answered:\n  " + "\n  ".join(tried) +
                          "\nCheck the address (copy it from the `diloco start` output) and that the peer is up.")
@@ -174,8 +177,10 @@ class Swarm:
                     loop.run(step(), timeout=limit)
                 except Exception as e:  # noqa: BLE001
                     log.warning("event=shutdown_step_failed step=%s reason=%s", name, e)
-            reaper.close()  # kills the daemon if it is still there
-            identity.release()
+            try:
+                reaper.close()  # kills the daemon if it is still there
+            finally:
+                identity.release()
 
         return cls(loop, transport, directory, collective, cfg, owns_loop=True, addresses=addresses,
                    on_close=finish, bootstrapped=bool(initial), addresses_dialed=initial)

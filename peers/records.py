@@ -11,8 +11,8 @@ Two directories implement the same two calls (`publish`, `read`):
 
 Records read from the network are validated field by field; malformed ones are dropped and
 counted, never trusted. In the DHT, each record is signed by its writer, and records that are not
-(under another peer's id, re-stored with a forged expiration, off the allowlist) are neither stored
-nor read by anyone (`peers/signing.py`).
+(under another peer's id, re-stored with a forged expiration) are neither stored nor read by anyone
+(`peers/signing.py`); with an allowlist, records of unlisted peers are not read.
 """
 
 from __future__ import annotations
@@ -158,10 +158,13 @@ class InProcBoard:
 class DHTDirectory:
     """Records under the DHT key `diloco/<run_id>/peers`, one subkey per peer id."""
 
-    def __init__(self, node: Any, run_id: str, dropped: Counter[str] | None = None) -> None:
+    def __init__(self, node: Any, run_id: str, dropped: Counter[str] | None = None,
+                 allow: frozenset[str] | None = None) -> None:
         self.node = node
         self.key = f"diloco/{run_id}/peers"
         self.dropped: Counter[str] = Counter() if dropped is None else dropped
+        self.allow = allow
+        self._told: set[tuple[str, str]] = set()
 
     @classmethod
     async def create(cls, p2p: Any, run_id: str, initial_peers: list[str], client_mode: bool = False,
@@ -171,16 +174,18 @@ class DHTDirectory:
         `authorizer` (`diloco.comms.auth.HmacAuthorizer`): sign our DHT requests and answers, and ignore
         nodes that cannot sign theirs (they lack the swarm secret). `identity`: the key our record is
         signed with (the transport's; a reader needs none). `allow`: if given, only these peers' records
-        (and ours) are stored or read."""
+        (and ours) are read. (Nodes still store other signed records: a node that refused them would make
+        hivemind drop its peers' whole answers wherever allowlists differ, e.g. while one is updated.)"""
         from hivemind.dht.node import DHTNode
 
         from .signing import SignedRecords
 
-        validator = SignedRecords(identity, allow)
+        validator = SignedRecords(identity)
         node = await DHTNode.create(p2p=p2p, initial_peers=initial_peers or None, num_workers=4,
                                     cache_locally=False, ensure_bootstrap_success=bool(initial_peers),
                                     client_mode=client_mode, authorizer=authorizer, record_validator=validator)
-        return cls(node, run_id, validator.rejected)
+        mine = frozenset({identity.peer_id}) if identity is not None else frozenset()
+        return cls(node, run_id, validator.rejected, None if allow is None else allow | mine)
 
     async def publish(self, record: PeerRecord, ttl: float) -> None:
         from hivemind.utils import get_dht_time
@@ -191,8 +196,13 @@ class DHTDirectory:
         found = await self.node.get(self.key, latest=True)
         if found is None or not isinstance(found.value, dict):
             return []
+        from .signing import refused
+
         out = []
         for peer, item in found.value.items():
+            if isinstance(peer, str) and self.allow is not None and peer not in self.allow:
+                refused(self.dropped, self._told, peer, "not_allowed")
+                continue
             rec = parse_record(peer, getattr(item, "value", None)) if isinstance(peer, str) else None
             if rec is None:
                 self.dropped["malformed_record"] += 1

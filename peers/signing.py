@@ -7,10 +7,13 @@ own newer ones. So each record is signed with its writer's libp2p key (`comms/id
 peer id embeds the public key) over the DHT key, the subkey (the writer's peer id), the expiration
 and the value. hivemind calls `validate` on every record a node is asked to store and on every record
 in an answer to our lookups: an honest node stores no forged record, and a reader drops one that a
-dishonest node returns. With an allowlist, records of peers off it are refused the same way.
+dishonest node returns. (One such record makes hivemind drop that node's whole answer; honest nodes
+never hold one.)
 
-What a holder of the secret can still do is write records for identities it makes up (it could join
-the swarm with them just as well): the allowlist is what bounds those.
+What a holder of the secret can still do: write records for identities it makes up (it could join
+the swarm with them just as well), which the allowlist bounds (`DHTDirectory` reads only listed
+peers' records); and, from a node of its own, leave records out of its answers, since signatures
+stop forgery, not withholding.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ log = logging.getLogger(__name__)
 
 MAGIC = b"diloco-sig-1"
 SIG = 64  # Ed25519
-REASONS = ("not_a_peer_record", "not_allowed", "unsigned_record", "bad_signature")
+REASONS = ("not_a_peer_record", "unsigned_record", "bad_signature")
 """Why a record is refused (`check`); counted under `records_dropped` in the final metrics."""
 
 
@@ -55,14 +58,12 @@ def sign(identity: Identity, record: DHTRecord) -> bytes:
     return value + identity.sign(signed_bytes(record.key, record.subkey, record.expiration_time, value)) + MAGIC
 
 
-def check(record: DHTRecord, allow: frozenset[str] | None = None) -> str:
+def check(record: DHTRecord) -> str:
     """Why `record` (value as stored: signed) is not the authentic record of the peer its subkey names,
     or "" if it is."""
     peer = peer_of(record.subkey)
     if peer is None:
         return "not_a_peer_record"
-    if allow is not None and peer not in allow:
-        return "not_allowed"
     value = record.value
     if len(value) < SIG + len(MAGIC) or not value.endswith(MAGIC):
         return "unsigned_record"
@@ -73,25 +74,30 @@ def check(record: DHTRecord, allow: frozenset[str] | None = None) -> str:
     return ""
 
 
+def refused(counts: Counter[str], told: set[tuple[str, str]], writer: str, why: str) -> None:
+    """Count a refused record; log it once per (writer, reason), for a bounded number of them (a forger
+    can make up any number of peer ids)."""
+    counts[why] += 1
+    if (writer, why) not in told and len(told) < 256:
+        told.add((writer, why))
+        log.warning("event=record_refused writer=%s reason=%s", writer[:128], why)
+
+
 class SignedRecords(RecordValidatorBase):  # type: ignore[misc]  # hivemind has no type stubs
     """hivemind's hook: sign our records as we store them, refuse every record whose signature does not
-    check (or whose writer is off the allowlist), and hand the application the value without it.
-    `rejected` counts refusals by reason; each (writer, reason) is logged once (a bounded number)."""
+    check, and hand the application the value without it. `rejected` counts refusals by reason (each
+    time a record is offered: a store, or an answer holding it); each (writer, reason) is logged once
+    (a bounded number of them)."""
 
-    def __init__(self, identity: Identity | None, allow: frozenset[str] | None = None) -> None:
+    def __init__(self, identity: Identity | None) -> None:
         self.identity = identity
-        self.allow = None if allow is None else allow | ({identity.peer_id} if identity else frozenset())
         self.rejected: Counter[str] = Counter()
         self._told: set[tuple[str, str]] = set()
 
     def validate(self, record: DHTRecord) -> bool:
-        why = check(record, self.allow)
+        why = check(record)
         if why:
-            self.rejected[why] += 1
-            writer = peer_of(record.subkey) or "?"
-            if (writer, why) not in self._told and len(self._told) < 256:
-                self._told.add((writer, why))
-                log.warning("event=record_refused writer=%s reason=%s", writer, why)
+            refused(self.rejected, self._told, peer_of(record.subkey) or "?", why)
         return not why
 
     def sign_value(self, record: DHTRecord) -> bytes:

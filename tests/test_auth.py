@@ -75,8 +75,11 @@ def test_config_keeps_the_secret_out_of_its_repr_and_checks_it():
     assert SECRET not in repr(cfg) and SECRET not in repr(cfg.guard("me"))
     with pytest.raises(ConfigError, match="at least 16"):
         SwarmConfig(secret="short")
-    with pytest.raises(ConfigError, match="allow_peers"):
-        SwarmConfig(secret=SECRET, allow_peers=("",))
+    for bad in ("", "12D3KooWtypo", "QmYyQSo1c1Ym7orWxLYvCrM2EmxFTANf8wXmmE7DWjhx5N"):  # a typo; an RSA id
+        with pytest.raises(ConfigError, match="allow_peers must be Ed25519 libp2p peer ids"):
+            SwarmConfig(secret=SECRET, allow_peers=(bad,))
+    from diloco.comms.identity import Identity
+    SwarmConfig(secret=SECRET, allow_peers=(Identity.generate().peer_id,))
     assert SwarmConfig().guard("me") is None  # open (in-process) swarm
 
 
@@ -409,6 +412,6 @@ def test_every_rejection_and_refusal_reason_has_a_troubleshooting_row():
     missing = [r for r in [*(x.value for x in Reason), *REASONS.values(), "stale_session"]
                if not any(f"`{r}`" in row or f"reason={r}" in row for row in rows)]
     record_rows = [row for row in rows if "record_refused" in row]
-    missing += [r for r in [*RECORD_REASONS, "malformed_record"] if not any(f"`{r}`" in row or f"reason={r}" in row
+    missing += [r for r in [*RECORD_REASONS, "not_allowed", "malformed_record"] if not any(f"`{r}`" in row or f"reason={r}" in row
                                                                             for row in record_rows)]
     assert not missing, f"no troubleshooting row names {missing}"

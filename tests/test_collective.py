@@ -492,6 +492,34 @@ def test_late_peer_after_others_finished_is_told_at_once():
         assert cs[p].rejections == Counter()
 
 
+def test_a_stragglers_news_that_the_round_is_over_ends_the_gather_when_it_arrives():
+    """p1 and p2 committed round 0 without p0. For p0 they are stragglers (asked, not waited for),
+    slow to answer, and p0 also waits for p3, which never gets ready. p0 gives up ("late") as soon as
+    their answers say the round is committed, not at its gather deadline."""
+    cfg = replace(FAST, gather_timeout=3.0)
+
+    async def main():
+        net = InProcNetwork()
+        cs = await _collectives(net, PEERS, cfg)
+        deltas = _deltas(PEERS, 30, seed=9)
+        done = await _round(cs, RoundKey(0), ["p1", "p2"], deltas, members=["p1", "p2"])
+        for p in ("p1", "p2"):
+            inner = net.lookup(p).handlers["diloco.ready"]
+
+            async def slow(caller, data, inner=inner):
+                await asyncio.sleep(0.1)
+                return await inner(caller, data)
+            net.lookup(p).handlers["diloco.ready"] = slow
+        started = time.monotonic()
+        out = await cs["p0"].run_round(RoundKey(0), DIGEST, PEERS, deltas["p0"], wait_for=["p3"])
+        return done, out, time.monotonic() - started
+
+    done, out, took = asyncio.run(main())
+    assert all(o.committed for o in done.values())
+    assert not out.committed and out.reason.startswith("late") and "committed round 0" in out.reason, out.reason
+    assert took < cfg.gather_timeout / 3, took
+
+
 # ---------------------------------------------------------------------- hostile and wrong frames
 
 
