@@ -28,6 +28,8 @@ from diloco.comms import PeerId
 if TYPE_CHECKING:
     from diloco.comms.identity import Identity
 
+    from .signing import SignedRecords
+
 STATUSES = ("joining", "training", "left")
 
 
@@ -156,15 +158,20 @@ class InProcBoard:
 
 
 class DHTDirectory:
-    """Records under the DHT key `diloco/<run_id>/peers`, one subkey per peer id."""
+    """Records under the DHT key `diloco/<run_id>/peers`, one subkey per peer id. `records` is the
+    validator that signs ours and refuses forged ones (`peers/signing.py`); its refusals and ours are
+    counted together in `dropped`. `allow`: if given, only these peers' records (and ours) are read."""
 
-    def __init__(self, node: Any, run_id: str, dropped: Counter[str] | None = None,
+    def __init__(self, node: Any, run_id: str, records: SignedRecords | None = None,
                  allow: frozenset[str] | None = None) -> None:
+        from .signing import SignedRecords
+
         self.node = node
         self.key = f"diloco/{run_id}/peers"
-        self.dropped: Counter[str] = Counter() if dropped is None else dropped
-        self.allow = allow
-        self._told: set[tuple[str, str]] = set()
+        self.records = records if records is not None else SignedRecords(None)
+        self.dropped: Counter[str] = self.records.rejected
+        me = self.records.identity
+        self.allow = None if allow is None else allow | ({me.peer_id} if me is not None else set())
 
     @classmethod
     async def create(cls, p2p: Any, run_id: str, initial_peers: list[str], client_mode: bool = False,
@@ -173,19 +180,18 @@ class DHTDirectory:
         """`client_mode`: read and write records without storing others' (an observer, e.g. `diloco status`).
         `authorizer` (`diloco.comms.auth.HmacAuthorizer`): sign our DHT requests and answers, and ignore
         nodes that cannot sign theirs (they lack the swarm secret). `identity`: the key our record is
-        signed with (the transport's; a reader needs none). `allow`: if given, only these peers' records
-        (and ours) are read. (Nodes still store other signed records: a node that refused them would make
-        hivemind drop its peers' whole answers wherever allowlists differ, e.g. while one is updated.)"""
+        signed with (the transport's; a reader needs none). `allow` filters what we read, not what our
+        node stores: a node that refused other signed records would make hivemind drop its peers' whole
+        answers wherever allowlists differ, e.g. while one is updated."""
         from hivemind.dht.node import DHTNode
 
         from .signing import SignedRecords
 
-        validator = SignedRecords(identity)
+        records = SignedRecords(identity)
         node = await DHTNode.create(p2p=p2p, initial_peers=initial_peers or None, num_workers=4,
                                     cache_locally=False, ensure_bootstrap_success=bool(initial_peers),
-                                    client_mode=client_mode, authorizer=authorizer, record_validator=validator)
-        mine = frozenset({identity.peer_id}) if identity is not None else frozenset()
-        return cls(node, run_id, validator.rejected, None if allow is None else allow | mine)
+                                    client_mode=client_mode, authorizer=authorizer, record_validator=records)
+        return cls(node, run_id, records, allow)
 
     async def publish(self, record: PeerRecord, ttl: float) -> None:
         from hivemind.utils import get_dht_time
@@ -196,12 +202,10 @@ class DHTDirectory:
         found = await self.node.get(self.key, latest=True)
         if found is None or not isinstance(found.value, dict):
             return []
-        from .signing import refused
-
         out = []
         for peer, item in found.value.items():
             if isinstance(peer, str) and self.allow is not None and peer not in self.allow:
-                refused(self.dropped, self._told, peer, "not_allowed")
+                self.records.refuse(peer, "not_allowed")
                 continue
             rec = parse_record(peer, getattr(item, "value", None)) if isinstance(peer, str) else None
             if rec is None:

@@ -74,20 +74,10 @@ def check(record: DHTRecord) -> str:
     return ""
 
 
-def refused(counts: Counter[str], told: set[tuple[str, str]], writer: str, why: str) -> None:
-    """Count a refused record; log it once per (writer, reason), for a bounded number of them (a forger
-    can make up any number of peer ids)."""
-    counts[why] += 1
-    if (writer, why) not in told and len(told) < 256:
-        told.add((writer, why))
-        log.warning("event=record_refused writer=%s reason=%s", writer[:128], why)
-
-
 class SignedRecords(RecordValidatorBase):  # type: ignore[misc]  # hivemind has no type stubs
     """hivemind's hook: sign our records as we store them, refuse every record whose signature does not
     check, and hand the application the value without it. `rejected` counts refusals by reason (each
-    time a record is offered: a store, or an answer holding it); each (writer, reason) is logged once
-    (a bounded number of them)."""
+    time a record is offered: a store, or an answer holding it)."""
 
     def __init__(self, identity: Identity | None) -> None:
         self.identity = identity
@@ -97,8 +87,16 @@ class SignedRecords(RecordValidatorBase):  # type: ignore[misc]  # hivemind has 
     def validate(self, record: DHTRecord) -> bool:
         why = check(record)
         if why:
-            refused(self.rejected, self._told, peer_of(record.subkey) or "?", why)
+            self.refuse(peer_of(record.subkey) or "?", why)
         return not why
+
+    def refuse(self, writer: str, why: str) -> None:
+        """Count a refused record; log it once per (writer, reason), for a bounded number of them (a
+        forger can make up any number of peer ids)."""
+        self.rejected[why] += 1
+        if (writer, why) not in self._told and len(self._told) < 256:
+            self._told.add((writer, why))
+            log.warning("event=record_refused writer=%s reason=%s", writer[:128], why)
 
     def sign_value(self, record: DHTRecord) -> bytes:
         if self.identity is None:
