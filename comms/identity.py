@@ -62,7 +62,8 @@ class Identity:
         peer keeps its peer id across restarts. The file is locked while this process runs: two peers
         under one id would take each other's connections (a lock cannot see other machines: copy a
         key file to one machine only)."""
-        _create_key_file(path)
+        if not os.path.exists(path):
+            _write_key_file(path, cls.generate())
         try:
             f = open(path, "rb")  # read-only: a key file hardened to mode 400 is fine
         except OSError as e:
@@ -104,17 +105,13 @@ class Identity:
         reads it once, at start)."""
         with tempfile.TemporaryDirectory(prefix="diloco-id-") as d:  # mode 700
             path = os.path.join(d, "identity.key")
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-            with os.fdopen(fd, "wb") as f:
-                f.write(self._libp2p_private_key())
+            _write_key_file(path, self)
             yield path
 
 
-def _create_key_file(path: str) -> None:
-    """Write a new key to `path` unless a file is there: written whole to a private temporary file
-    first, then linked into place, so nobody ever reads a half-written key."""
-    if os.path.exists(path):
-        return
+def _write_key_file(path: str, identity: Identity) -> None:
+    """Write `identity`'s key to `path` (mode 600) unless a file is there: written whole to a private
+    temporary file first, then linked into place, so nobody ever reads a half-written key."""
     directory = os.path.dirname(os.path.abspath(path))
     try:
         fd, tmp = tempfile.mkstemp(prefix=".diloco-id-", dir=directory)  # mode 600
@@ -122,7 +119,7 @@ def _create_key_file(path: str) -> None:
         raise IdentityError(f"cannot create the identity file {path}: {e.strerror}") from None
     try:
         with os.fdopen(fd, "wb") as f:
-            f.write(Identity.generate()._libp2p_private_key())
+            f.write(identity._libp2p_private_key())
             f.flush()
             os.fsync(f.fileno())
         try:
