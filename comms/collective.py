@@ -236,15 +236,14 @@ class Collective:
         try:
             await asyncio.gather(*(ask(p) for p in asked & first))
             self.faults.hit("gather", key.round)
-            if self._late(key, replies, rs.named(self.me)) is None:
-                await self._wait(rs, lambda: closed(False), time.monotonic() + self.cfg.gather_timeout)
-                if not closed(True):  # stragglers get a short grace (a tenth of the gather timeout) to get back in
-                    await self._wait(rs, lambda: closed(True), time.monotonic() + grace)
-                # a straggler that told us it is ready may have moved on since (committed, or closed
-                # without us): before taking it in, give our call to it the grace to say so
-                pending = [t for p, t in later.items() if p in rs.ready and not t.done()]
-                if pending and self._late(key, replies, rs.named(self.me)) is None:
-                    await asyncio.wait(pending, timeout=grace)
+            await self._wait(rs, lambda: closed(False), time.monotonic() + self.cfg.gather_timeout)
+            if not closed(True):  # stragglers get a short grace (a tenth of the gather timeout) to get back in
+                await self._wait(rs, lambda: closed(True), time.monotonic() + grace)
+            # a straggler that told us it is ready may have moved on since (committed, or closed
+            # without us): before taking it in, give our call to it the grace to say so
+            pending = [t for p, t in later.items() if p in rs.ready and not t.done()]
+            if pending and self._late(key, replies, rs.named(self.me)) is None:
+                await asyncio.wait(pending, timeout=grace)
         finally:
             for t in later.values():
                 t.cancel()

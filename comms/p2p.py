@@ -96,7 +96,8 @@ class P2PTransport:
                 host_maddrs=host_maddrs or ["/ip4/127.0.0.1/tcp/0"],
                 announce_maddrs=announce_maddrs or None,
                 identity_path=key_path,
-                check_if_identity_free=False,  # a fresh key: probing the swarm for it would cost a daemon
+                # probing the swarm for our id would start a second daemon; a kept key file is locked instead
+                check_if_identity_free=False,
                 # A LAN/WAN swarm of explicitly addressed peers: no IPFS, no NAT port mapping probes.
                 nat_port_map=False,
                 auto_nat=False,
