@@ -119,12 +119,11 @@ class Swarm:
                 except Exception as e:  # noqa: BLE001 - any failure to bootstrap means "try the next address"
                     tried.append(f"{addr} ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})")
                     log.warning("event=bootstrap_failed addr=%s reason=%s", addr, e)
+            raise SwarmError("could not join the swarm; no bootstrap address answered:\n  " + "\n  ".join(tried) +
+                             "\nCheck the address (copy it from the `diloco start` output) and that the peer is up.")
         except BaseException:
-            identity.release()
+            identity.release()  # only a swarm that started owns it (and releases it when it closes)
             raise
-        identity.release()
-        raise SwarmError("could not join the swarm; no bootstrap address answered:\n  " + "\n  ".join(tried) +
-                         "\nCheck the address (copy it from the `diloco start` output) and that the peer is up.")
 
     @classmethod
     def _create_p2p(cls, cfg: SwarmConfig, initial: list[str], host: str, port: int,
