@@ -16,14 +16,36 @@ Every member holds a flat fp32 pseudo-gradient Δ of the same length. A round ru
    decoding them), so all peers apply identical values. For dense pipelines those bytes are the
    fp32 mean re-encoded once; for sparse ones (top-k, random-k) they are a *bundle* of the exact
    payloads it included, which every member decodes and averages per coordinate in view order.
-3. **Gather results.** A member commits the round when it holds a result for every span, all
+3. **Gather results.** A member holds the round's *value* when it has a result for every span, all
    tagged with its view id, by `result_timeout`. Each result names the members it averaged.
+4. **Decide.** Holding the value, a member *accepts* it and votes: it tells every view member, and
+   commits (applies the value) once the members that accepted it form a quorum: `admit` of them
+   (the caller's rule, e.g. a strict majority of the last round's members) and a strict majority of
+   the view. A member that cannot learn this in time is *in doubt*: it applies nothing and reports
+   what it accepted (attempt, value id) in its ready messages of every later attempt of the round.
+   A later attempt whose view holds such a report *carries* the value accepted in the highest
+   attempt instead of exchanging new pseudo-gradients: members fetch that value from a member that
+   holds it (`value`), accept it and vote again. The value id is bound into the view id, so members
+   that disagree on what they carry cannot mix.
+
+Why two peers never commit different values for one round (Paxos, with attempts as ballots): a
+value is committed only after a quorum accepted it. A later attempt that can commit needs a view
+that is itself a quorum, so it shares a member with that one; the member reports the value (or one
+it accepted later, which by the same argument is that value), and the highest report wins. A
+member reports what it accepted before its view closes, and from then on refuses every frame of an
+earlier attempt, so no report goes stale. A peer frozen after receiving every result, whose own
+span's result reached nobody, therefore cannot commit alone: the others retry without it and it
+wakes in doubt, applies nothing, and learns that the round was committed (test_collective.py,
+"frozen"). The argument needs quorums that intersect: it holds once a swarm has a previous
+membership and `SwarmConfig.majority` is on; a fresh swarm's first round only has the view majority.
 
 Failure semantics:
 - A dead or slow member is not waited for past a deadline: a missing contribution is left out
   of its span's mean (the result lists who was averaged); a missing *owner* means its span has
   no result, so nobody with that view commits the round, and all of them retry it as the next
-  attempt of the same round (their local progress is kept: the next Δ covers it).
+  attempt of the same round (their local progress is kept: the next Δ covers it). A member that
+  dies after some members accepted the value leaves them in doubt at worst; the next attempt
+  carries that value.
 - Peers whose views differ cannot mix data: frames carry the view id and are rejected otherwise.
   At most one view can commit a given round key, since committing needs a result from every
   member of the view and each member holds exactly one view.
@@ -57,13 +79,15 @@ from . import messages as msg
 from .faults import FaultPlan
 from . import robust
 from .reduce import canonical_order
-from .rounds import CollectiveConfig, Exchange, RoundOutcome, RoundState
+from .rounds import Accepted, CollectiveConfig, Exchange, RoundOutcome, RoundState, Value
 from .spans import RoundKey, make_view, span_bounds, view_id
 from .transport import PeerId, Transport, TransportError
 
 log = logging.getLogger(__name__)
 
 _MAX_VIEWS_PER_ROUND = 8  # bounded buffering of frames from views other than ours
+_DECIDED_KEPT = 16  # rounds whose committed value id we still tell a late voter
+Admit = Callable[[tuple[PeerId, ...]], tuple[bool, str]]
 
 
 class Collective:
@@ -88,6 +112,12 @@ class Collective:
         self._rounds: dict[RoundKey, RoundState] = {}
         self._floor = RoundKey(0, 0)  # frames for earlier keys are stale
         self._committed_through = -1  # the highest round number this peer committed (or downloaded past)
+        self._decided: dict[int, str] = {}  # the value id of each of the last rounds we committed
+        self._background: set[asyncio.Task[Any]] = set()  # votes still on their way after we decided
+        self._accepted: Accepted | None = None
+        """The value we accepted in the latest attempt of the current round, until the round is over."""
+        self._ran: dict[str, Exchange] = {}
+        """Our side of the current round's attempts, by view id: what of our Δ a value includes."""
         self.faults = FaultPlan.from_env()
         self.crashed = False
         """Set by an in-process kill (`Swarm.crash`): as with a SIGKILLed process, nothing we were doing
@@ -99,6 +129,8 @@ class Collective:
         await transport.register("diloco.ready", self._on_ready)
         await transport.register("diloco.contrib", self._on_contrib)
         await transport.register("diloco.result", self._on_result)
+        await transport.register("diloco.vote", self._on_vote)
+        await transport.register("diloco.value", self._on_value)
         return self
 
     def advance_to(self, key: RoundKey) -> None:
@@ -113,14 +145,15 @@ class Collective:
 
     async def run_round(
         self, key: RoundKey, digest: str, expected: list[PeerId], delta: torch.Tensor, fragment: int = 0,
-        admit: Callable[[tuple[PeerId, ...]], tuple[bool, str]] | None = None,
+        admit: Admit | None = None,
         wait_for: Collection[PeerId] | None = None,
     ) -> RoundOutcome:
         """Run round `key` with our pseudo-gradient `delta` (1-D fp32) of model fragment `fragment`;
         never blocks past the deadlines. The fragment is bound into the view id, so peers that
         disagree on which fragment a round is cannot mix their data. `admit(view)` -> (ok, reason)
         decides whether the closed view may go on (default: at least `min_peers` members); a view
-        that may not sends nothing and commits nothing. All `expected` peers are asked; the gather
+        that may not sends nothing and commits nothing; the same rule decides whether the members
+        that accepted the value may commit it (step 4). All `expected` peers are asked; the gather
         waits only for those in `wait_for` (default: all), so a straggler is taken in when it is
         ready in time but not waited for."""
         started, (sent0, recv0) = time.monotonic(), self.transport.counter.snapshot()
@@ -140,6 +173,9 @@ class Collective:
             outcome = RoundOutcome(key, False, "crashed", outcome.view)
         if outcome.committed:
             self._committed_through = max(self._committed_through, key.round)
+            self._decided[key.round], self._accepted = outcome.value_id, None
+            for old in sorted(self._decided)[:-_DECIDED_KEPT]:
+                del self._decided[old]
             for p in outcome.offenders:
                 self._strike(p, f"round {key.round}: marked by a majority of the view's {len(outcome.view)} owners")
         sent, recv = self.transport.counter.snapshot()
@@ -148,24 +184,42 @@ class Collective:
         return outcome
 
     async def _run(self, key: RoundKey, digest: str, others: list[PeerId], delta: torch.Tensor,
-                   fragment: int, admit: Callable[[tuple[PeerId, ...]], tuple[bool, str]] | None,
-                   wait_for: Collection[PeerId] | None) -> RoundOutcome:
+                   fragment: int, admit: Admit | None, wait_for: Collection[PeerId] | None) -> RoundOutcome:
         rs = self._state(key)
         rs.fragment = fragment
         late = await self._gather(rs, key, digest, others, wait_for)
         if late is not None:
             return late
         assert rs.view is not None
-        ok, why = admit(rs.view) if admit is not None else (
-            len(rs.view) >= self.cfg.min_peers, f"only {len(rs.view)} of min_peers={self.cfg.min_peers} ready")
+        if admit is None:
+            min_peers = self.cfg.min_peers
+            admit = lambda view: (len(view) >= min_peers, f"only {len(view)} of min_peers={min_peers} ready")  # noqa: E731
+        ok, why = admit(rs.view)
         if not ok:
             return RoundOutcome(key, False, why, rs.view)
         chunk = self.pipeline.spec.chunk
         r = Exchange(key, rs, self.me, span_bounds(delta.numel(), len(rs.view), align=chunk.chunk if chunk else 1),
-                      closed_at=time.monotonic())
+                     closed_at=time.monotonic())
+        if rs.carried is None:
+            value = await self._exchange(r, delta)
+            if value is None:
+                return RoundOutcome(key, False, f"no result for {len(r.missing())} span(s) (owners "
+                                    f"{_short(r.missing())})", rs.view, payload_bytes=r.payload_bytes)
+        else:
+            value = await self._carry(r, rs.carried, delta.numel())
+            if value is None:
+                return RoundOutcome(key, False, f"could not fetch the value accepted in attempt {rs.carried[0]} "
+                                    "from any member holding it", rs.view)
+        self._accepted = Accepted(key, rs.vid, value)
+        return await self._decide(r, value, delta, admit)
+
+    async def _exchange(self, r: Exchange, delta: torch.Tensor) -> Value | None:
+        """Steps 2 and 3 with our fresh Δ: the value (every span's result), or None if one is missing."""
+        rs = r.rs
+        self._ran[rs.vid] = r
         # Encoding the whole Δ is the heavy part: off the event loop, so handlers keep answering peers.
         r.payloads = await asyncio.to_thread(lambda: [self.pipeline.encode(delta[lo:hi]) for lo, hi in r.bounds])
-        self.faults.hit("encode", key.round)
+        self.faults.hit("encode", r.key.round)
         own = r.own = self.pipeline.decode(r.payloads[r.mine], r.numel(r.mine))
         rs.contribs.setdefault((rs.vid, r.mine), {})[self.me] = (r.payloads[r.mine], own)
 
@@ -177,9 +231,78 @@ class Collective:
         finally:
             for t in tasks:
                 t.cancel()
-        return self._assemble(r, delta) if complete else RoundOutcome(
-            key, False, f"no result for {len(r.missing())} span(s) (owners {_short(r.missing())})", rs.view,
-            payload_bytes=r.payload_bytes)
+        if not complete:
+            return None
+        spans = range(len(r.view))
+        return Value(r.key, rs.vid, r.view, [rs.frames[(rs.vid, i)] for i in spans],
+                     [rs.results[(rs.vid, i)] for i in spans], [rs.marked.get((rs.vid, i), ()) for i in spans])
+
+    async def _carry(self, r: Exchange, carried: tuple[int, str], numel: int) -> Value | None:
+        """The value our view carries: ours if we accepted it, else fetched from a member that did."""
+        _, value_id = carried
+        if self._accepted is not None and self._accepted.value.vid == value_id:
+            return self._accepted.value
+        holders = sorted(p for p in r.view if p != self.me and r.rs.accepted.get(p, (0, ""))[1] == value_id)
+        deadline = r.closed_at + self.cfg.result_timeout
+        for peer in holders:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                break
+            value = await self._fetch_value(peer, r.key.round, value_id, numel, r.rs.fragment, remaining)
+            if value is not None:
+                return value
+        return None
+
+    async def _decide(self, r: Exchange, value: Value, delta: torch.Tensor, admit: Admit) -> RoundOutcome:
+        """Step 4: vote, and commit once the members that accepted `value` form a quorum."""
+        rs, key = r.rs, r.key
+        votes = rs.votes.setdefault(rs.vid, set())
+        votes.add(self.me)
+        past: set[PeerId] = set()  # members that will never accept this attempt's value
+        elsewhere: list[PeerId] = []  # members that committed this round with another value
+
+        def quorum(members: Collection[PeerId]) -> bool:
+            return 2 * len(members) > len(r.view) and admit(make_view(members))[0]
+
+        async def vote(p: PeerId) -> None:
+            reply = await self._call(p, "diloco.vote", self._frame(msg.VOTE, key, view=rs.vid))
+            if reply is None or not reply.get("ok", False):
+                return  # unreachable or refused: unknown
+            if reply.get("accepted") or (reply.get("committed") and reply.get("value") == value.vid):
+                votes.add(p)  # it accepted our value, or committed it (so a quorum accepted it)
+            elif reply.get("committed"):
+                elsewhere.append(p)
+            elif reply.get("past"):
+                past.add(p)
+            rs.changed.set()
+
+        def settled() -> bool:
+            return quorum(votes) or bool(elsewhere) or not quorum(set(r.view) - past)
+
+        tasks = [asyncio.create_task(vote(p)) for p in r.view if p != self.me]
+        deadline = max(r.closed_at + self.cfg.result_timeout, time.monotonic()) + self.cfg.call_timeout
+        try:
+            self.faults.hit("decide", key.round)
+            await self._wait(rs, settled, deadline)
+        finally:
+            for t in tasks:  # a member still waiting for our vote needs it to decide: let it arrive (bounded)
+                if quorum(votes) and not t.done():
+                    self._background.add(t)
+                    t.add_done_callback(self._background.discard)
+                else:
+                    t.cancel()
+        ran = self._ran.get(rs.vid)
+        spent = ran.payload_bytes if ran is not None else 0
+        if quorum(votes):
+            return self._outcome(key, value, delta, spent)
+        if elsewhere:
+            return RoundOutcome(key, False, f"late: {_short(elsewhere)} committed round {key.round} with another "
+                                "value", rs.view, payload_bytes=spent)
+        if not quorum(set(r.view) - past):
+            return RoundOutcome(key, False, f"abandoned: {len(past)} of {len(r.view)} members moved past attempt "
+                                f"{key.attempt} without accepting its value", rs.view, payload_bytes=spent)
+        return RoundOutcome(key, False, f"in doubt: {len(votes)} of {len(r.view)} members confirmed the value; the "
+                            "next attempt carries it", rs.view, payload_bytes=spent, in_doubt=True)
 
     async def _gather(self, rs: RoundState, key: RoundKey, digest: str, others: list[PeerId],
                       wait_for: Collection[PeerId] | None = None) -> RoundOutcome | None:
@@ -197,7 +320,7 @@ class Collective:
 
         async def ask(p: PeerId) -> None:
             frame = msg.encode(msg.READY, run=self.run_id, sender=self.me, schema=self.schema, key=key,
-                               fragment=rs.fragment, meta={"digest": digest},
+                               fragment=rs.fragment, meta={"digest": digest, **self._accepted_meta(key)},
                                body=msg.pack_names(rs.named(self.me), rs.waited(self.me)))
             r = await self._call(p, "diloco.ready", frame)
             if r is not None and r.get("reason") == Reason.BANNED.value:
@@ -207,9 +330,16 @@ class Collective:
             if r and r.get("closed") and r.get("in_view"):
                 ready = digest
             if isinstance(ready, str) and len(ready) <= 128:
+                try:
+                    accepted = _accepted_of(r or {}, key)
+                except PayloadRejected as e:
+                    log.info("event=ready_reply_ignored peer=%s reason=%s", p, e.detail)
+                    return
                 rs.ready.setdefault(p, ready)
                 rs.lists.setdefault(p, r.get("expect", frozenset()) if r else frozenset())
                 rs.waits.setdefault(p, r.get("waits", frozenset()) if r else frozenset())
+                if accepted is not None:
+                    rs.accepted.setdefault(p, accepted)
             rs.changed.set()
 
         # everyone we expect, and whoever told us already that it is ready for this key. The replies of
@@ -253,8 +383,23 @@ class Collective:
             return late
         named = rs.named(self.me)
         view = make_view([p for p, d in rs.ready.items() if d == digest and (p == self.me or p in named)])
-        rs.view, rs.vid = view, view_id(key, view, rs.fragment)
+        # what the view carries: the value accepted in the highest earlier attempt any member reports
+        reports = [rs.accepted[p] for p in view if p in rs.accepted and p != self.me]
+        own = self._accepted_by_us(key)
+        rs.carried = max([*reports, *([own] if own else [])], default=None)
+        rs.view, rs.vid = view, view_id(key, view, rs.fragment, rs.carried[1] if rs.carried else "")
         return None
+
+    def _accepted_by_us(self, key: RoundKey) -> tuple[int, str] | None:
+        """(attempt, value id) we accepted in an earlier attempt of `key`'s round, if any."""
+        acc = self._accepted
+        if acc is None or acc.ballot.round != key.round or acc.ballot >= key:
+            return None
+        return acc.ballot.attempt, acc.value.vid
+
+    def _accepted_meta(self, key: RoundKey) -> dict[str, Any]:
+        own = self._accepted_by_us(key)
+        return {} if own is None else {"acc_attempt": own[0], "acc_value": own[1]}
 
     @staticmethod
     def _late(key: RoundKey, replies: dict[PeerId, dict[str, Any] | None], named: set[PeerId]) -> RoundOutcome | None:
@@ -305,22 +450,26 @@ class Collective:
         r.rs.changed.set()
         frame = self._frame(msg.RESULT, r.key, view=r.rs.vid, span=r.mine, numel=numel, body=body,
                             meta={"contributors": list(idx), "result": kind, "marked": list(marked)})
+        r.rs.frames[(r.rs.vid, r.mine)] = frame
         await asyncio.gather(*(self._call(p, "diloco.result", frame) for p in r.view if p != self.me))
 
-    def _assemble(self, r: Exchange, delta: torch.Tensor) -> RoundOutcome:
-        """Every span's result is in: the aggregate, who was averaged where, and what of ours counted."""
-        parts = [r.rs.results[(r.rs.vid, i)] for i in range(len(r.view))]
-        aggregate = torch.cat([t for _, t, _ in parts])
-        contributors = [tuple(r.view[j] for j in idx) for _, _, idx in parts]
-        votes = Counter(j for i in range(len(r.view)) for j in r.rs.marked.get((r.rs.vid, i), ()))
-        offenders = tuple(r.view[j] for j, n in sorted(votes.items()) if 2 * n > len(r.view))
+    def _outcome(self, key: RoundKey, value: Value, delta: torch.Tensor, spent: int) -> RoundOutcome:
+        """A committed round: the aggregate, who was averaged where, and what of our Δ counted."""
+        aggregate = torch.cat([t for _, t, _ in value.results])
+        contributors = [tuple(value.view[j] for j in idx) for _, _, idx in value.results]
+        votes = Counter(j for marked in value.marked for j in marked)
+        offenders = tuple(value.view[j] for j, n in sorted(votes.items()) if 2 * n > len(value.view))
         sent = torch.zeros_like(delta)
-        for i, ((lo, hi), (_, _, idx)) in enumerate(zip(r.bounds, parts)):
-            if r.mine in idx:  # the owner of span i included our contribution: it counts as sent
-                ours = r.own if i == r.mine and r.own is not None else self.pipeline.decode(r.payloads[i], hi - lo)
-                sent[lo:hi] = ours.dense(hi - lo)
-        return RoundOutcome(r.key, True, "committed", r.view, aggregate, contributors, sent, offenders,
-                            r.payload_bytes)
+        ran = self._ran.get(value.vid)  # our side of the attempt that computed the value, if we were in it
+        if ran is not None:
+            for i, ((lo, hi), (_, _, idx)) in enumerate(zip(ran.bounds, value.results)):
+                if ran.mine in idx:  # the owner of span i included our contribution: it counts as sent
+                    ours = ran.own if i == ran.mine and ran.own is not None else \
+                        self.pipeline.decode(ran.payloads[i], hi - lo)
+                    sent[lo:hi] = ours.dense(hi - lo)
+        reason = "committed" if value.key == key else f"committed the value of attempt {value.key.attempt}"
+        return RoundOutcome(key, True, reason, value.view, aggregate, contributors, sent, offenders, spent,
+                            value_id=value.vid)
 
     def _frame(self, kind: str, key: RoundKey, **fields: Any) -> bytes:
         fragment = self._rounds[key].fragment if key in self._rounds else 0
@@ -398,19 +547,23 @@ class Collective:
             if key < self._floor:  # a round we already finished: tell the late peer at once
                 return msg.ack(run=self.run_id, sender=self.me, closed=True, in_view=False)
             expects, waits = msg.unpack_names(body)
+            accepted = _accepted_of(dict(header.meta), key)
             rs = self._accepting(key)
             names = rs.named(self.me) if rs.expected is not None else set()
             waited = rs.waited(self.me) if rs.expected is not None else set()
+            ours = self._accepted_meta(key)
             if rs.view is not None:
                 return msg.ack(run=self.run_id, sender=self.me, closed=True, in_view=caller in rs.view, names=names,
-                               waited=waited)
+                               waited=waited, **ours)
             rs.ready[caller] = digest
             rs.lists[caller], rs.waits[caller] = expects, waits
+            if accepted is not None:
+                rs.accepted[caller] = accepted
             rs.changed.set()
             mine: dict[str, Any] = {"ready": rs.ready[self.me]} if self.me in rs.ready else {}
             # we are ready for this key too: say so (see _gather)
             return msg.ack(run=self.run_id, sender=self.me, closed=False, in_view=False, names=names, waited=waited,
-                           **mine)
+                           **mine, **ours)
         except PayloadRejected as e:
             return self._reject(caller, e)
 
@@ -445,26 +598,125 @@ class Collective:
                                            max_body=self.cfg.max_payload, schema=self.schema)
             rs = self._accepting(key)
             self._check_view_slot(rs, header.view, caller, owner=caller, span=header.span)
-            idx = header.meta.get("contributors")
-            if not isinstance(idx, list) or not idx or not all(isinstance(i, int) and i >= 0 for i in idx):
-                raise PayloadRejected(Reason.BAD_HEADER, "result needs a non-empty list of contributor indices")
-            if rs.view and (max(idx) >= len(rs.view) or len(set(idx)) != len(idx)):
-                raise PayloadRejected(Reason.BAD_HEADER, f"contributor indices {idx} do not fit a view of {len(rs.view)}")
-            marked = header.meta.get("marked", [])
-            if not isinstance(marked, list) or not all(isinstance(i, int) and 0 <= i < 1024 for i in marked) \
-                    or len(set(marked)) != len(marked) or (rs.view and any(i >= len(rs.view) for i in marked)):
-                raise PayloadRejected(Reason.BAD_HEADER, f"result's marked list {marked!r} is not unique view indices")
-            self._check_codec(header)
-            kind = header.meta.get("result")
-            tensor = self._decode_result(kind if isinstance(kind, str) else "", body, header.numel, tuple(idx))
+            idx, marked, tensor = self._parse_result(header, body, len(rs.view) if rs.view else None)
             if (header.view, header.span) in rs.results:
                 raise PayloadRejected(Reason.DUPLICATE, f"second result for span {header.span}")
-            rs.results[(header.view, header.span)] = (caller, tensor, tuple(idx))
-            rs.marked[(header.view, header.span)] = tuple(marked)
+            rs.results[(header.view, header.span)] = (caller, tensor, idx)
+            rs.marked[(header.view, header.span)] = marked
+            rs.frames[(header.view, header.span)] = bytes(data)
             rs.changed.set()
             return msg.ack(run=self.run_id, sender=self.me)
         except PayloadRejected as e:
             return self._reject(caller, e)
+
+    def _parse_result(self, header: Header, body: memoryview, members: int | None
+                      ) -> tuple[tuple[int, ...], tuple[int, ...], torch.Tensor]:
+        """(contributor indices, marked indices, the span's aggregate) of a result frame; raises
+        PayloadRejected for anything that does not fit a view of `members` (None: not known yet)."""
+        idx = header.meta.get("contributors")
+        if not isinstance(idx, list) or not idx or not all(isinstance(i, int) and i >= 0 for i in idx):
+            raise PayloadRejected(Reason.BAD_HEADER, "result needs a non-empty list of contributor indices")
+        if members and (max(idx) >= members or len(set(idx)) != len(idx)):
+            raise PayloadRejected(Reason.BAD_HEADER, f"contributor indices {idx} do not fit a view of {members}")
+        marked = header.meta.get("marked", [])
+        if not isinstance(marked, list) or not all(isinstance(i, int) and 0 <= i < 1024 for i in marked) \
+                or len(set(marked)) != len(marked) or (members and any(i >= members for i in marked)):
+            raise PayloadRejected(Reason.BAD_HEADER, f"result's marked list {marked!r} is not unique view indices")
+        self._check_codec(header)
+        kind = header.meta.get("result")
+        tensor = self._decode_result(kind if isinstance(kind, str) else "", body, header.numel, tuple(idx))
+        return tuple(idx), tuple(marked), tensor
+
+    async def _on_vote(self, caller: PeerId, data: bytes) -> bytes:
+        """A member accepted the value of its view `header.view` in attempt `key`: count it, and say
+        whether we accepted it too, committed the round already, or moved past that attempt."""
+        try:
+            self._check_banned(caller)
+            header, _, key = msg.decode(data, run=self.run_id, kind=msg.VOTE, caller=caller, max_body=0,
+                                        schema=self.schema)
+            if key.round <= self._committed_through:
+                return msg.ack(run=self.run_id, sender=self.me, committed=True, value=self._decided.get(key.round, ""))
+            acc = self._accepted
+            accepted = acc is not None and acc.ballot == key and acc.vid == header.view
+            if key < self._floor:  # an attempt we left: we accepted its value then, or we never will
+                return msg.ack(run=self.run_id, sender=self.me, accepted=accepted, past=not accepted)
+            rs = self._accepting(key)
+            if rs.view is None:  # our gather is still open: keep the vote, boundedly, until our view closes
+                if header.view not in rs.views_buffered() and len(rs.views_buffered()) >= _MAX_VIEWS_PER_ROUND:
+                    raise PayloadRejected(Reason.WRONG_VIEW, "too many distinct views buffered for this round")
+            elif rs.vid != header.view or caller not in rs.view:
+                raise PayloadRejected(Reason.WRONG_VIEW, f"vote for view {header.view}, ours is {rs.vid or 'none'}")
+            rs.votes.setdefault(header.view, set()).add(caller)
+            rs.changed.set()
+            return msg.ack(run=self.run_id, sender=self.me, accepted=accepted)
+        except PayloadRejected as e:
+            return self._reject(caller, e)
+
+    async def _on_value(self, caller: PeerId, data: bytes) -> bytes:
+        """Serve the value we accepted (its members and every span's result frame) to a member whose
+        view carries it."""
+        try:
+            self._check_banned(caller)
+            header, _, key = msg.decode(data, run=self.run_id, kind=msg.VALUE, caller=caller, max_body=0,
+                                        schema=self.schema)
+        except PayloadRejected as e:
+            return self._reject(caller, e)
+        acc = self._accepted
+        if acc is None or acc.ballot.round != key.round or acc.value.vid != header.view:  # committed, or moved on
+            return msg.ack(run=self.run_id, sender=self.me, ok=False, reason="value not held")
+        v = acc.value
+        body = msg.pack_bundle([(0, "\n".join(v.view).encode()), *((i + 1, f) for i, f in enumerate(v.frames))])
+        return msg.encode(msg.VALUE, run=self.run_id, sender=self.me, schema=self.schema, key=v.key, view=v.vid,
+                          body=body)
+
+    async def _fetch_value(self, peer: PeerId, rnd: int, value_id: str, numel: int, fragment: int,
+                           timeout: float) -> Value | None:
+        """Download value `value_id` of round `rnd` from `peer` and check it; None when it cannot be had."""
+        request = msg.encode(msg.VALUE, run=self.run_id, sender=self.me, schema=self.schema, key=RoundKey(rnd),
+                             view=value_id)
+        try:
+            reply = await self.transport.call(peer, "diloco.value", request, timeout)
+        except TransportError as e:
+            log.info("event=value_fetch_failed peer=%s reason=%s", peer, e)
+            return None
+        try:
+            return self._read_value(peer, reply, rnd, value_id, numel, fragment)
+        except PayloadRejected as e:
+            if e.reason is Reason.WRONG_KIND:  # an ack: it no longer holds the value
+                log.info("event=value_fetch_refused peer=%s", peer)
+            else:
+                self._count_rejection(peer, e)
+            return None
+
+    def _read_value(self, peer: PeerId, data: bytes, rnd: int, value_id: str, numel: int, fragment: int) -> Value:
+        """A served value, checked: its members hash to its id, and every span's result frame is the
+        one its owner would have sent for that view (size, span, attempt), with values that admit."""
+        header, body, key = msg.decode(data, run=self.run_id, kind=msg.VALUE, caller=peer,
+                                       max_body=self.cfg.max_payload, schema=self.schema)
+        items = msg.unpack_bundle(body, max_items=msg.MAX_NAMES + 1)
+        if key.round != rnd or header.view != value_id or items[0][0] != 0 or \
+                [i for i, _ in items[1:]] != list(range(1, len(items))):
+            raise PayloadRejected(Reason.WRONG_VIEW, f"served value is not {value_id} of round {rnd}")
+        try:
+            members = tuple(PeerId(p) for p in bytes(items[0][1]).decode().split("\n"))
+        except UnicodeDecodeError:
+            raise PayloadRejected(Reason.BAD_HEADER, "value members are not UTF-8") from None
+        if len(members) != len(items) - 1 or view_id(key, members, fragment) != value_id:
+            raise PayloadRejected(Reason.WRONG_VIEW, f"served members do not hash to value {value_id}")
+        chunk = self.pipeline.spec.chunk
+        bounds = span_bounds(numel, len(members), align=chunk.chunk if chunk else 1)
+        frames, results, marked = [], [], []
+        for i, (_, raw) in enumerate(items[1:]):
+            frame = bytes(raw)
+            h, b, k = msg.decode(frame, run=self.run_id, kind=msg.RESULT, caller=members[i],
+                                 max_body=self.cfg.max_payload, schema=self.schema)
+            if k != key or h.view != value_id or h.span != i or h.numel != bounds[i][1] - bounds[i][0]:
+                raise PayloadRejected(Reason.WRONG_SPAN, f"served result {i} is not span {i} of value {value_id}")
+            idx, mk, tensor = self._parse_result(h, b, len(members))
+            frames.append(frame)
+            results.append((members[i], tensor, idx))
+            marked.append(mk)
+        return Value(key, value_id, members, frames, results, marked)
 
     # ---------------------------------------------------------------- checks and plumbing
 
@@ -507,9 +759,12 @@ class Collective:
             raise PayloadRejected(Reason.BAD_DTYPE, f"codec {header.codec!r}, this swarm uses {self.pipeline.name!r}")
 
     def _reject(self, caller: PeerId, e: PayloadRejected) -> bytes:
-        self.rejections[e.reason.value] += 1
-        log.warning("event=payload_rejected reason=%s peer=%s detail=%s", e.reason.value, caller, e.detail)
+        self._count_rejection(caller, e)
         return msg.ack(run=self.run_id, sender=self.me, ok=False, reason=e.reason.value)
+
+    def _count_rejection(self, peer: PeerId, e: PayloadRejected) -> None:
+        self.rejections[e.reason.value] += 1
+        log.warning("event=payload_rejected reason=%s peer=%s detail=%s", e.reason.value, peer, e.detail)
 
     async def _call(self, peer: PeerId, name: str, frame: bytes) -> dict[str, Any] | None:
         """Send one frame; the reply's meta, or None when the peer could not be reached."""
@@ -533,6 +788,9 @@ class Collective:
     def _forget_before(self, key: RoundKey) -> None:
         for k in [k for k in self._rounds if k < key]:
             del self._rounds[k]
+        self._ran = {v: r for v, r in self._ran.items() if r.key.round >= key.round}
+        if self._accepted is not None and self._accepted.ballot.round < key.round:
+            self._accepted = None
 
     @staticmethod
     async def _wait(rs: RoundState, done: Callable[[], bool], deadline: float) -> bool:
@@ -547,6 +805,18 @@ class Collective:
             except asyncio.TimeoutError:
                 pass
         return True
+
+
+def _accepted_of(meta: dict[str, Any], key: RoundKey) -> tuple[int, str] | None:
+    """The (attempt, value id) a ready message or its reply reports as accepted earlier in `key`'s
+    round; None when it reports none. Raises PayloadRejected when the report is malformed."""
+    attempt, value = meta.get("acc_attempt"), meta.get("acc_value")
+    if attempt is None and value is None:
+        return None
+    if not isinstance(attempt, int) or isinstance(attempt, bool) or not 0 <= attempt < key.attempt \
+            or not isinstance(value, str) or not 0 < len(value) <= 64:
+        raise PayloadRejected(Reason.BAD_HEADER, f"accepted report ({attempt!r}, {value!r}) does not fit attempt {key}")
+    return attempt, value
 
 
 def _short(peers: list[PeerId]) -> str:

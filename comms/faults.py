@@ -13,6 +13,7 @@ Phases, in the order a round passes them (RELIABILITY row 1):
 | `encode` | the view closed with us in it; nothing of our Δ went out             | no contribution, no result |
 | `send`   | our contributions reached their owners; our span's result may not    | our span has no result     |
 | `reduce` | our span is reduced but its result not sent: nobody can commit       | our span has no result     |
+| `decide` | we accepted the round's value (every result is in), voted for nobody | members in doubt, or committed |
 | `apply`  | every result is in (others commit), our outer step is not applied    | a committed round, then us gone |
 
 Each kill fires at most once. A poisoning peer is an authorized peer gone bad: robust aggregation
@@ -30,7 +31,7 @@ from typing import TYPE_CHECKING, Callable
 if TYPE_CHECKING:
     import torch
 
-PHASES = ("gather", "encode", "send", "reduce", "apply")
+PHASES = ("gather", "encode", "send", "reduce", "decide", "apply")
 POISON_FACTOR = 1e4
 
 

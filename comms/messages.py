@@ -5,7 +5,12 @@
 | `ready`   | member → member      | peer ids it expects       | attempt, digest               |
 | `contrib` | member → span owner  | encoded span of Δ         | attempt                       |
 | `result`  | owner → every member | mean, or bundle (sparse)  | attempt, contributors, result |
-| `ack`     | reply to any call    | (ready) peer ids expected | ok, reason, closed, in_view, ready |
+| `vote`    | member → member      | (none)                    | attempt (the view names the value accepted) |
+| `value`   | member → member      | (reply) the value's frames | attempt (of the value), members |
+| `ack`     | reply to any call    | (ready) peer ids expected | ok, reason, closed, in_view, ready, accepted |
+
+`ready` and its `ack` also carry what the sender accepted in an earlier attempt of the round
+(`acc_attempt`, `acc_value`); a `vote` is answered with `accepted`, `committed` or `past`.
 
 A frame is checked (magic, version, sizes before allocation, checksum, run id, kind) before any
 field is used; the caller's libp2p-authenticated peer id must equal the frame's `sender`.
@@ -22,6 +27,7 @@ from .spans import RoundKey
 from .transport import PeerId
 
 READY, CONTRIB, RESULT, ACK, STATE = "ready", "contrib", "result", "ack", "state"
+VOTE, VALUE = "vote", "value"
 MAX_NAMES = 4096  # peer ids one ready message (or reply) may name
 MAX_NAMES_BYTES = MAX_NAMES * 129
 

@@ -2,7 +2,9 @@
 
 `CollectiveConfig` bounds every wait of the round protocol (`collective.py`); `RoundOutcome` is what
 a round produced for this peer; `RoundState` collects the frames received for one round key (they
-may arrive before we are ready ourselves); `Exchange` is our side of a round once its view closed.
+may arrive before we are ready ourselves); `Exchange` is our side of a round once its view closed;
+`Value` is what an attempt computed (every span's result) and `Accepted` the value a peer accepted
+in an attempt, which later attempts of the same round carry instead of computing a new one.
 """
 
 from __future__ import annotations
@@ -72,6 +74,11 @@ class RoundOutcome:
     contributions): every member of the view computes the same tuple from the same results."""
     payload_bytes: int = 0
     """Encoded size of our whole contribution (all spans): the codec's cost, without framing."""
+    value_id: str = ""
+    """The committed value's id (the view id of the attempt that computed it)."""
+    in_doubt: bool = False
+    """We accepted a value but could not learn whether a quorum did: not applied; the next attempt of
+    this round carries it (`Collective` docstring, "Deciding")."""
     bytes_sent: int = 0
     bytes_received: int = 0
     seconds: float = 0.0
@@ -96,6 +103,13 @@ class RoundState:
     marked: dict[tuple[str, int], tuple[int, ...]] = field(default_factory=dict)
     """Per (view, span): the view indices its owner marked (refused or far-outlying contributions)."""
     refused: set[PeerId] = field(default_factory=set)  # whose contributions we refused at admission
+    frames: dict[tuple[str, int], bytes] = field(default_factory=dict)
+    """Per (view, span): the result frame as its owner sent it (what we serve if we carry its value)."""
+    accepted: dict[PeerId, tuple[int, str]] = field(default_factory=dict)
+    """What each ready peer told us it accepted in an earlier attempt of this round: (attempt, value id)."""
+    carried: tuple[int, str] | None = None  # the value our view carries (set with `view`), if any
+    votes: dict[str, set[PeerId]] = field(default_factory=dict)
+    """Per view id: the members that told us they accepted that view's value."""
     changed: asyncio.Event = field(default_factory=asyncio.Event)
     banned: frozenset[PeerId] = frozenset()  # peers this round leaves out whoever names them
 
@@ -121,7 +135,7 @@ class RoundState:
         return out | {q for p in named for q in self.waits.get(p, ()) if q in named and q not in own}
 
     def views_buffered(self) -> set[str]:
-        return {v for v, _ in self.contribs} | {v for v, _ in self.results}
+        return {v for v, _ in self.contribs} | {v for v, _ in self.results} | set(self.votes)
 
 
 @dataclass
@@ -158,3 +172,37 @@ class Exchange:
 
     def complete(self) -> bool:
         return not self.missing()
+
+
+@dataclass
+class Value:
+    """What one attempt of a round computed: every span's result, in span order. Members that accept it
+    apply exactly these results, whichever attempt they commit it in."""
+
+    key: RoundKey
+    """The attempt whose members contributed to it."""
+    vid: str
+    """That attempt's view id: names the value."""
+    view: tuple[PeerId, ...]
+    """That attempt's members: the result indices refer to them, and they are the next round's
+    quorum base (the same for every peer that commits the value)."""
+    frames: list[bytes]
+    """Each span's result frame as its owner sent it, so a peer that missed some can be given them."""
+    results: list[tuple[PeerId, torch.Tensor, tuple[int, ...]]]
+    marked: list[tuple[int, ...]]
+
+    @property
+    def numel(self) -> int:
+        return sum(t.numel() for _, t, _ in self.results)
+
+
+@dataclass
+class Accepted:
+    """A value this peer accepted in attempt `ballot` of a round: it may have been decided (a quorum
+    accepted it), so every later attempt this peer joins reports it, and the highest one reported in a
+    view is carried instead of a new exchange."""
+
+    ballot: RoundKey
+    vid: str
+    """The view id of attempt `ballot` (votes name it)."""
+    value: Value

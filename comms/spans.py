@@ -48,8 +48,11 @@ def make_view(members: Sequence[PeerId]) -> tuple[PeerId, ...]:
     return tuple(sorted(set(members)))
 
 
-def view_id(key: RoundKey, view: Sequence[PeerId], fragment: int = 0) -> str:
-    """A short SHA-256 digest naming (round key, model fragment, members); equal only for identical
-    views of the same fragment."""
+def view_id(key: RoundKey, view: Sequence[PeerId], fragment: int = 0, carried: str = "") -> str:
+    """A short SHA-256 digest naming (round key, model fragment, members, and the value an earlier
+    attempt accepted that this one carries, if any); equal only for identical views that agree on
+    what they carry."""
     text = f"{key.round}.{key.attempt}|" + ("" if fragment == 0 else f"f{fragment}|") + ",".join(view)
+    if carried:
+        text += f"|carry:{carried}"
     return hashlib.sha256(text.encode()).hexdigest()[:16]

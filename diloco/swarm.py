@@ -355,7 +355,8 @@ class Swarm:
         """The outcome of a round started with `exchange_async`, waiting (bounded by the round's own
         deadlines) if it is still running; a round that overruns them is cancelled and reported failed.
         Raises `Banned` if the round found most of the last round's members had banned us."""
-        limit = self.cfg.gather_timeout + self.cfg.result_timeout + 3 * self.cfg.call_timeout
+        # gather (and the stragglers' two graces), results, sends, votes, and a call to spare
+        limit = 1.2 * self.cfg.gather_timeout + self.cfg.result_timeout + 4 * self.cfg.call_timeout
         try:
             return future.result(limit)
         except concurrent.futures.TimeoutError:

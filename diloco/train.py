@@ -186,6 +186,8 @@ def run_job(cfg: JobConfig, swarm: Swarm | None, *, metrics: MetricsWriter | Non
                              bytes_sent=sent, bytes_received=recv, utilization=usage.utilization,
                              blocked_seconds=usage.blocked_seconds, mean_bps=usage.mean_bytes_per_second,
                              peak_bps=usage.peak_bytes_per_second)
+    if swarm is not None and not stop.is_set() and d.round >= target:
+        d.linger(swarm.cfg.gather_timeout)  # a peer still behind downloads the final state from us
     if cfg.checkpoint_dir:
         d.save_checkpoint()  # the final one: also on SIGTERM / Ctrl-C, which end the loop above
     with d.global_weights():

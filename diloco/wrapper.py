@@ -556,6 +556,33 @@ class DiLoCo:
                 raise StateError(f"served state {digest} (round {rnd}) is not the swarm's: {why}")
             time.sleep(0.05)
 
+    def linger(self, timeout: float) -> int:
+        """At the end of a run, before leaving: keep serving our state while a peer that is still in the
+        swarm holds an older round (it was in doubt, frozen, or slow when we finished), so that it can
+        download the final state instead of ending on an older one. Returns after `timeout` seconds at
+        most, with the number of peers still behind (0 when everyone caught up)."""
+        if self.swarm is None:
+            return 0
+        started = time.monotonic()
+        deadline, quiet = started + timeout, 3 * self.swarm.cfg.heartbeat_interval + 2
+        first_beat: dict[PeerId, float] = {}
+        while True:
+            now = time.monotonic()
+            behind = []
+            for r in self.swarm.records():
+                if r.peer == self.swarm.peer_id or r.status == "left" or r.round >= self.state.round:
+                    continue
+                # a peer whose heartbeat has not moved for a while is dead or frozen: not worth waiting for
+                if first_beat.setdefault(r.peer, r.beat) != r.beat or now - started < quiet:
+                    behind.append(r.peer)
+            if not behind or now >= deadline:
+                if behind:
+                    log.warning("event=left_peers_behind round=%d peers=%s reason=they did not catch up within "
+                                "%.0fs", self.state.round, ",".join(behind), timeout)
+                return len(behind)
+            log.info("event=linger round=%d behind=%s", self.state.round, ",".join(behind))
+            time.sleep(0.25)
+
     # ------------------------------------------------------------------ checkpoints
 
     def save_checkpoint(self, root: str | os.PathLike[str] | None = None, keep: int = 3) -> Path | None:

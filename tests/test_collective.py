@@ -552,8 +552,12 @@ def test_rejected_frames_are_counted_and_never_reach_the_aggregate():
                                          codec.decode(body, header.numel)))
             return msg.ack(run=RUN, sender="b")
 
+        async def b_vote(caller, data):  # b holds every result too: it accepted the value
+            return msg.ack(run=RUN, sender="b", accepted=True)
+
         await b.register("diloco.contrib", b_contrib)
         await b.register("diloco.result", b_result)
+        await b.register("diloco.vote", b_vote)
 
         delta_a = torch.arange(numel, dtype=torch.float32)
         run = asyncio.create_task(a.run_round(key, DIGEST, ["a", "b"], delta_a))
@@ -645,3 +649,166 @@ def test_frames_of_another_run_or_kind_are_rejected():
     for reason, meta in replies.items():
         assert meta["ok"] is False and meta["reason"] == reason
     assert rejections == Counter({"wrong_run": 1, "wrong_kind": 1, "bad_magic": 1, "bad_header": 1})
+
+
+# ---------------------------------------------------------------------- deciding (step 4): no fork
+
+
+def _quorum_of(members):
+    """The swarm's rule (`peers.quorum`) with `members` as the last round's membership."""
+    from diloco.peers import quorum
+    return lambda view: quorum(view, members, [], 1)
+
+
+class _Freezer:
+    """SIGSTOP for an in-process peer: once `frozen`, its outgoing calls are lost and calls to it hang
+    (callers time out), until `thaw()`."""
+
+    def __init__(self, net: InProcNetwork, peer: str) -> None:
+        self.frozen, self._thawed = False, asyncio.Event()
+        transport = net.lookup(peer)
+        lose = transport.drop
+        transport.drop = lambda target, name: self.frozen or bool(lose and lose(target, name))
+        for name, handler in list(transport.handlers.items()):
+            transport.handlers[name] = self._hold(handler)
+
+    def _hold(self, handler):
+        async def held(caller, data):
+            if self.frozen:
+                await self._thawed.wait()
+            return await handler(caller, data)
+        return held
+
+    def thaw(self) -> None:
+        self.frozen = False
+        self._thawed.set()
+
+
+def test_frozen_after_every_result_a_peer_cannot_commit_what_the_others_abandoned():
+    """The interleaving that forked a real swarm: p holds every result of attempt 0, but its own span's
+    result reached nobody, and it freezes (SIGSTOP) right then. a and b miss p's span, give attempt 0
+    up and commit attempt 1 without p. Without the decide step p committed attempt 0 on its own: two
+    states for one round. Now p accepts the value, learns nothing from anyone while frozen, stays in
+    doubt, applies nothing; thawed, its next attempt learns that the round was committed."""
+    members = ["a", "b", "p"]
+    cfg = replace(FAST, gather_timeout=0.4, result_timeout=0.6, call_timeout=0.4)
+    admit = _quorum_of(members)
+
+    async def main():
+        net = InProcNetwork()
+        results_to_others_lost = lambda target, name: name == "diloco.result"  # noqa: E731
+        cs = {p: await Collective.create(net.transport(p, results_to_others_lost if p == "p" else None), RUN, cfg)
+              for p in members}
+        freezer = _Freezer(net, "p")
+        got: list[str] = []
+        on_result = net.lookup("p").handlers["diloco.result"]
+
+        async def count_then_freeze(caller, data):
+            reply = await on_result(caller, data)
+            got.append(caller)
+            if len(got) == 2:  # a's and b's results are in: p holds every result now
+                freezer.frozen = True
+            return reply
+        net.lookup("p").handlers["diloco.result"] = count_then_freeze
+
+        deltas = _deltas(members, 30, seed=7)
+        key0 = RoundKey(5, 0)
+        first = await asyncio.gather(*(cs[x].run_round(key0, DIGEST, members, deltas[x], admit=admit)
+                                       for x in members))
+        outs0 = dict(zip(members, first))
+        # a and b retry without waiting for p (a straggler now); p is still frozen
+        fresh = _deltas(members, 30, seed=8)
+        retry = await asyncio.gather(*(cs[x].run_round(RoundKey(5, 1), DIGEST, members, fresh[x], admit=admit,
+                                                       wait_for=["a", "b"]) for x in ("a", "b")))
+        outs1 = dict(zip(("a", "b"), retry))
+        freezer.thaw()
+        woke = await cs["p"].run_round(RoundKey(5, 1), DIGEST, members, fresh["p"], admit=admit)
+        return outs0, outs1, woke, fresh
+
+    outs0, outs1, woke, fresh = asyncio.run(main())
+    assert not outs0["a"].committed and not outs0["b"].committed  # p's span never reached them
+    assert outs1["a"].committed and outs1["b"].committed, (outs1["a"].reason, outs1["b"].reason)
+    assert torch.equal(outs1["a"].aggregate, outs1["b"].aggregate)
+    assert torch.allclose(outs1["a"].aggregate, _mean(fresh, ["a", "b"]), rtol=0, atol=1e-6)
+    # the peer that held every result of the abandoned attempt never committed it ...
+    assert not outs0["p"].committed and outs0["p"].in_doubt, outs0["p"].reason
+    # ... and, awake, it learns the round is over (it downloads the swarm's state next)
+    assert not woke.committed and woke.reason.startswith("late"), woke.reason
+
+
+def test_a_value_a_quorum_accepted_is_carried_when_its_committer_dies():
+    """a and p accept attempt 0's value and a commits it (it got p's vote); p never hears back from a,
+    and b misses a result, so neither of them knows. a dies. p and b are a quorum without it: their
+    attempt 1 must commit a's value, not a fresh one (that would be a fork with a's state). p reports
+    the value it accepted, the view carries it, b fetches it from p, and both commit it."""
+    members = ["a", "b", "p"]
+    cfg = replace(FAST, gather_timeout=0.4, result_timeout=0.6, call_timeout=0.4)
+    admit = _quorum_of(members)
+
+    async def main():
+        net = InProcNetwork()
+        lost = {("p", "b", "diloco.result"), ("a", "p", "diloco.vote")}
+        cs = {x: await Collective.create(net.transport(x, lambda t, n, x=x: (x, t, n) in lost), RUN, cfg)
+              for x in members}
+        on_vote, silent = net.lookup("a").handlers["diloco.vote"], asyncio.Event()
+
+        async def takes_votes_answers_none(caller, data):  # a counts p's vote; p never hears back
+            await on_vote(caller, data)
+            await silent.wait()
+        net.lookup("a").handlers["diloco.vote"] = takes_votes_answers_none
+
+        deltas = _deltas(members, 30, seed=9)
+        first = dict(zip(members, await asyncio.gather(*(
+            cs[x].run_round(RoundKey(3, 0), DIGEST, members, deltas[x], admit=admit) for x in members))))
+        net.kill("a")
+        fresh = _deltas(members, 30, seed=10)
+        second = dict(zip(("b", "p"), await asyncio.gather(*(
+            cs[x].run_round(RoundKey(3, 1), DIGEST, members, fresh[x], admit=admit, wait_for=["b", "p"])
+            for x in ("b", "p")))))
+        return first, second, deltas
+
+    first, second, deltas = asyncio.run(main())
+    assert first["a"].committed, first["a"].reason
+    assert torch.allclose(first["a"].aggregate, _mean(deltas, members), rtol=0, atol=1e-6)
+    assert not first["p"].committed and first["p"].in_doubt, first["p"].reason
+    assert not first["b"].committed and not first["b"].in_doubt
+    for x in ("b", "p"):
+        out = second[x]
+        assert out.committed, out.reason
+        assert out.reason == "committed the value of attempt 0"
+        assert torch.equal(out.aggregate, first["a"].aggregate)  # one state for round 3, a's
+        assert out.view == tuple(members) and out.value_id == first["a"].value_id  # the next quorum's base too
+    # b's own attempt-0 contribution counts as delivered (it is in the value), error feedback sees it
+    assert torch.count_nonzero(second["b"].sent) > 0
+
+
+def test_a_served_value_that_does_not_hash_to_its_id_is_refused():
+    """A member asked for a carried value must serve the one named: members and frames are checked
+    against the value id and every frame's view, span and size."""
+    members = ["a", "b"]
+
+    async def main():
+        net = InProcNetwork()
+        cs = await _collectives(net, members)
+        deltas = _deltas(members, 20, seed=11)
+        await _round(cs, RoundKey(1), members, deltas)  # a value to take apart
+        value = cs["a"]._ran[view_id(RoundKey(1), tuple(members))]
+        vid = value.rs.vid
+        frames = [value.rs.frames[(vid, i)] for i in range(2)]
+        good = msg.pack_bundle([(0, "\n".join(members).encode()), (1, frames[0]), (2, frames[1])])
+        swapped = msg.pack_bundle([(0, "\n".join(members).encode()), (1, frames[1]), (2, frames[0])])
+        other = msg.pack_bundle([(0, b"a\nc"), (1, frames[0]), (2, frames[1])])
+        served = lambda body: msg.encode(msg.VALUE, run=RUN, sender="b", key=RoundKey(1), view=vid,  # noqa: E731
+                                         body=body)
+        ok = cs["a"]._read_value("b", served(good), 1, vid, 20, 0)
+        refused = []
+        for body in (swapped, other):
+            try:
+                cs["a"]._read_value("b", served(body), 1, vid, 20, 0)
+            except Exception as e:  # noqa: BLE001
+                refused.append(type(e).__name__ + ": " + str(e))
+        return ok, refused
+
+    ok, refused = asyncio.run(main())
+    assert ok.view == ("a", "b") and len(ok.results) == 2
+    assert len(refused) == 2 and all(r.startswith("PayloadRejected") for r in refused), refused

@@ -103,7 +103,7 @@ def test_each_fault_fires_exactly_once():
             plan.hit(phase, 1)
         plan.hit("encode", 2)
     assert plan.fired == [("encode", 1), ("apply", 1)] and len(fired) == 2
-    with pytest.raises(ValueError, match="PHASE in gather, encode, send, reduce, apply"):
+    with pytest.raises(ValueError, match="PHASE in gather, encode, send, reduce, decide, apply"):
         FaultPlan("kill@decode:1")
 
 
