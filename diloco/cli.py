@@ -2,6 +2,7 @@
 
     diloco start                       # first peer; prints its address and the join line
     diloco join /ip4/…/p2p/12D3Koo…    # any other peer, on any machine that can reach it
+    diloco start -- torchrun --nproc-per-node 2 train.py   # your own script as this site's worker
     diloco demo                        # 4 peers on this machine, live view, summary
     diloco simulate --workers 16       # 16 workers in one process, projected onto 100 Mbit/s links
 
@@ -60,6 +61,10 @@ AllowPeer = typer.Option(None, "--allow-peer", help="Only talk to this peer id (
                          "secret.")
 IdentityFile = typer.Option(None, "--identity", help="This peer's key file (created if missing, mode 600): its peer "
                             "id then survives restarts, as other sites' --allow-peer need. Default: a new id per run.")
+
+
+MaxRestarts = typer.Option(0, help="With `-- CMD`: start the command again this many times if it fails (it "
+                           "rejoins and downloads the swarm's state, or resumes from --checkpoint-dir).")
 
 
 def _fail(message: str, code: int = 2) -> NoReturn:
@@ -182,12 +187,20 @@ def start(
     checkpoint_dir: Optional[Path] = CheckpointDir, checkpoint_every: int = CheckpointEvery, resume: bool = Resume,
     address_file: Optional[Path] = typer.Option(None, help="Write this peer's addresses to this file once up."),
     status_file: Optional[Path] = typer.Option(None, hidden=True),
+    max_restarts: int = MaxRestarts,
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Log every round event."),
+    ctx: typer.Context = typer.Option(None, hidden=True),
 ) -> None:
-    """Start a swarm: train the bundled model and print the line others run to join."""
+    """Start a swarm and print the line others run to join. Trains the bundled model, or runs your own
+    command as this site's worker: `diloco start [OPTIONS] -- CMD [ARGS...]`."""
     _setup_logging(verbose)
+    command = _command(ctx, max_restarts)
     swarm_cfg, job = _configs(locals())
     secret, where = _secret(secret_file, run_id, create=True)
+    if command is not None:
+        _launch([], command, swarm_cfg, secret, where, host=host, port=port, announce=announce,
+                address_file=address_file, metrics=metrics, checkpoint_dir=checkpoint_dir,
+                checkpoint_every=checkpoint_every, max_restarts=max_restarts, wait_for=wait_for)
     swarm_cfg = replace(swarm_cfg, secret=secret)
     _run_peer([], host=host, port=port, announce=announce, address_file=address_file, metrics=metrics,
               status_file=status_file, swarm_cfg=swarm_cfg, job=job, secret_from=where)
@@ -218,18 +231,26 @@ def join(
     checkpoint_dir: Optional[Path] = CheckpointDir, checkpoint_every: int = CheckpointEvery, resume: bool = Resume,
     address_file: Optional[Path] = typer.Option(None, help="Write this peer's addresses to this file once up."),
     status_file: Optional[Path] = typer.Option(None, hidden=True),
+    max_restarts: int = MaxRestarts,
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Log every round event."),
+    ctx: typer.Context = typer.Option(None, hidden=True),
 ) -> None:
-    """Join a running swarm at ADDRESSES and train with it."""
+    """Join a running swarm at ADDRESSES and train with it: the bundled model, or your own command as this
+    site's worker: `diloco join ADDR [OPTIONS] -- CMD [ARGS...]`."""
     _setup_logging(verbose)
     from .swarm import SwarmError, _validate_addrs
 
+    command = _command(ctx, max_restarts)
     try:
         _validate_addrs(addresses)
     except SwarmError as e:
         _fail(str(e))
     swarm_cfg, job = _configs(locals())
     secret, where = _secret(secret_file, run_id, create=False)
+    if command is not None:
+        _launch(addresses, command, swarm_cfg, secret, where, host=host, port=port, announce=announce,
+                address_file=address_file, metrics=metrics, checkpoint_dir=checkpoint_dir,
+                checkpoint_every=checkpoint_every, max_restarts=max_restarts, wait_for=wait_for)
     swarm_cfg = replace(swarm_cfg, secret=secret)
     _run_peer(addresses, host=host, port=port, announce=announce, address_file=address_file, metrics=metrics,
               status_file=status_file, swarm_cfg=swarm_cfg, job=job, secret_from=where)
@@ -540,8 +561,73 @@ def bench_flood_cmd(
         write_json(report, json_path)
 
 
-def main() -> None:
-    app()
+def _command(ctx: typer.Context, max_restarts: int) -> list[str] | None:
+    """The command after `--` (`main` takes it off the arguments), checked; exits 2 naming the fix."""
+    from .launcher import LaunchError, check_command
+
+    command = (ctx.obj or {}).get("command") if ctx is not None else None
+    try:
+        if command is not None:
+            check_command(command, max_restarts)
+        elif max_restarts:
+            raise LaunchError("--max-restarts applies to a command of yours: add `-- CMD [ARGS...]`")
+    except LaunchError as e:
+        _fail(str(e))
+    return command
+
+
+def _launch(initial: list[str], command: list[str], swarm_cfg: SwarmConfig, secret: str, where: str, *,
+            host: str, port: int, announce: Optional[List[str]], address_file: Optional[Path],
+            metrics: Optional[Path], checkpoint_dir: Optional[Path], checkpoint_every: int,
+            max_restarts: int, wait_for: int) -> NoReturn:
+    """Run the user's `command` as this site's worker (`diloco.launcher`) and exit with its status."""
+    import shlex
+    import shutil
+
+    from .environment import Launch, write_lines
+    from .launcher import Supervisor, free_port, private_copy, run_dir
+
+    workdir = run_dir()
+    try:
+        secret_file = private_copy(workdir, "secret", secret) if where.startswith("$") else \
+            where.removeprefix("created ")
+        identity = swarm_cfg.identity_file or str(workdir / "identity.key")  # one peer id across restarts
+        launch = Launch(swarm=replace(swarm_cfg, identity_file=identity), secret_file=secret_file,
+                        peers=tuple(initial), host=host, port=port or free_port(host), announce=tuple(announce or ()),
+                        wait_for=wait_for,
+                        address_file=str(workdir / "address"), peers_file=str(workdir / "peers"),
+                        metrics=str(metrics) if metrics else None,
+                        checkpoint_dir=str(checkpoint_dir) if checkpoint_dir else None,
+                        checkpoint_every=checkpoint_every)
+
+        def on_address(addrs: list[str]) -> None:
+            typer.echo(f"site peer {addrs[0].rsplit('/p2p/', 1)[-1]} in run {swarm_cfg.run_id!r}, swarm secret from "
+                       f"{where}")
+            for addr in addrs:
+                typer.echo(f"  address: {addr}")
+            if not initial:
+                addr = next((a for a in addrs if "/127.0.0.1/" not in a), addrs[0])
+                typer.echo("others join with:\n  " + _join_line(f"diloco join {addr} --run-id {swarm_cfg.run_id}",
+                                                                  where) + f"\n  followed by -- {shlex.join(command)}")
+            if address_file:
+                write_lines(address_file, addrs)
+
+        code = Supervisor(command, launch, max_restarts=max_restarts, on_address=on_address).run()
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    raise typer.Exit(code)
+
+
+def main(argv: Optional[List[str]] = None) -> None:
+    """The `diloco` entry point. Everything after the first `--` is the user's command (start / join)."""
+    from .launcher import split_command
+
+    args, command = split_command(sys.argv[1:] if argv is None else argv)
+    if command is not None and not (args and args[0] in ("start", "join")):
+        typer.echo("error: only `diloco start` and `diloco join` run a command of yours (`-- CMD`); "
+                   "e.g. diloco start -- python train.py", err=True)
+        sys.exit(2)
+    app(args=args, obj={"command": command}, prog_name="diloco")
 
 
 if __name__ == "__main__":

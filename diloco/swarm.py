@@ -51,6 +51,7 @@ from .config import SwarmConfig
 log = logging.getLogger(__name__)
 
 StateProvider = Callable[[], tuple[int, str, bytes]]  # () -> (round, digest, state bytes)
+JOIN_PASSES, JOIN_PAUSE = 3, 2.0  # tries of every bootstrap address, and the growing pause between passes
 
 
 class SwarmError(RuntimeError):
@@ -83,6 +84,8 @@ class Swarm:
         self._seen_at = 0.0
         self._closed = False
         self._exchanges: set[concurrent.futures.Future[RoundOutcome]] = set()  # rounds in flight (`crash`)
+        self._addresses_file: str | None = None
+        self._kept: list[str] = []
         loop.run(transport.register("diloco.state", self._on_state))
         loop.run(transport.register(HELLO, self._on_hello))
         self._heartbeat = loop.submit(self._heartbeat_loop())
@@ -111,15 +114,21 @@ class Swarm:
                              "--secret-file PATH (the file `diloco start` wrote) or the DILOCO_SECRET variable")
         tried, identity = [], _identity(cfg)
         try:
-            for addr in initial_peers:
-                try:
-                    return cls._create_p2p(cfg, [addr], host, port, announce, identity)
-                except HandshakeError:
-                    raise  # the swarm answered and said no: another address would say the same
-                except Exception as e:  # noqa: BLE001 - any failure to bootstrap means "try the next address"
-                    tried.append(f"{addr} ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})")
-                    log.warning("event=bootstrap_failed addr=%s reason=%s", addr, e)
-            raise SwarmError("could not join the swarm; no bootstrap address answered:\n  " + "\n  ".join(tried) +
+            # A dial can fail for a moment (a peer busy with a round, a loaded machine, a lost SYN): every
+            # address gets JOIN_PASSES tries, a few seconds apart, before the join gives up.
+            for attempt in range(JOIN_PASSES):
+                if attempt:
+                    time.sleep(JOIN_PAUSE * attempt)
+                for addr in initial_peers:
+                    try:
+                        return cls._create_p2p(cfg, [addr], host, port, announce, identity)
+                    except HandshakeError:
+                        raise  # the swarm answered and said no: another address would say the same
+                    except Exception as e:  # noqa: BLE001 - any failure to bootstrap means "try the next address"
+                        tried.append(f"{addr} ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})")
+                        log.warning("event=bootstrap_failed addr=%s attempt=%d reason=%s", addr, attempt + 1, e)
+            raise SwarmError(f"could not join the swarm; no bootstrap address answered ({JOIN_PASSES} tries each):\n  "
+                             + "\n  ".join(tried) +
                              "\nCheck the address (copy it from the `diloco start` output) and that the peer is up.")
         except BaseException:
             identity.release()  # only a swarm that started owns it (and releases it when it closes)
@@ -302,10 +311,26 @@ class Swarm:
         except Exception as e:  # noqa: BLE001
             log.warning("event=heartbeat_failed reason=%s", e)
 
+    def keep_addresses(self, path: str) -> None:
+        """Keep the addresses of the other members in `path` (one a line, refreshed with the heartbeat), so
+        that a restarted process of this site can rejoin through them (the launcher reads the file)."""
+        self._addresses_file = path
+
+    def _write_addresses(self, records: list[PeerRecord]) -> None:
+        from .environment import write_lines
+
+        addrs = sorted({a for r in records if r.peer != self.peer_id and r.status != "left" for a in r.addrs})
+        if self._addresses_file and addrs and addrs != self._kept:
+            try:
+                write_lines(self._addresses_file, addrs)
+                self._kept = addrs
+            except OSError as e:
+                log.warning("event=addresses_not_kept path=%s reason=%s", self._addresses_file, e)
+
     async def _heartbeat_loop(self) -> None:
         while not self._closed:
             await self._publish()
-            await self._read_records()  # keeps records(cached=True) fresh
+            self._write_addresses(await self._read_records())  # also keeps records(cached=True) fresh
             await asyncio.sleep(self.cfg.heartbeat_interval)
 
     # ------------------------------------------------------------------ rounds and state

@@ -44,12 +44,13 @@ import concurrent.futures
 import copy
 import logging
 import os
+import signal
 import threading
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable, Iterator, Sequence
+from typing import Callable, Iterator, Literal, Sequence, TypeVar
 
 import torch
 from torch.utils.hooks import RemovableHandle
@@ -64,12 +65,17 @@ from . import persist
 from .accounting import Accounting, Usage
 from .checkpoint import CheckpointError
 from .config import DiLoCoConfig
+from .environment import Launch
+from .metrics import MetricsWriter
 from .fragments import Fragment, StreamingConfig, check_schedule, fragment_of_round, partition, slot_due
 from .outer import OuterFactory, copy_into, default_outer, mix_into, outer_step, pseudo_gradient
+from .site import Site
 from .state import GlobalState, StateError, schema_digest
 from .swarm import Banned, Swarm, SwarmError
 
 log = logging.getLogger(__name__)
+
+_T = TypeVar("_T")
 
 
 @dataclass(frozen=True)
@@ -95,6 +101,9 @@ class RoundReport:
         """What our contribution cost on the wire per parameter: the codec's bits/param/sync."""
         return 8 * self.payload_bytes / self.numel if self.numel else 0.0
 
+    def as_dict(self) -> dict[str, object]:
+        return {**asdict(self), "bits_per_param": round(self.bits_per_param, 5)}
+
 
 @dataclass
 class _Pending:
@@ -110,6 +119,43 @@ class _Pending:
     blocked: bool = False
 
 
+class _StopOnSignal:
+    """SIGTERM / SIGINT for a worker the launcher started: leave at the next inner step (a site: at the
+    next synchronization slot, every rank at the same one), applying the exchange in flight and telling
+    the swarm, instead of dying mid-step. A second signal stops at once."""
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        self._saved: dict[int, object] = {}
+
+    def install(self) -> None:
+        if threading.current_thread() is not threading.main_thread() or self._saved:
+            return
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            self._saved[sig] = signal.signal(sig, self._on_signal)
+
+    def _on_signal(self, signum: int, _frame: object) -> None:
+        if self.signum is not None:
+            self.restore()
+            raise KeyboardInterrupt
+        self.signum = signum
+        log.warning("event=stop_requested signal=%s reason=leaving the swarm at the next inner step",
+                    signal.Signals(signum).name)
+
+    def restore(self) -> None:
+        for sig, handler in self._saved.items():
+            signal.signal(sig, handler)  # type: ignore[arg-type]
+        self._saved.clear()
+
+
+def _canonical(name: str) -> str:
+    """A parameter's name without the prefixes wrappers add (DDP's `module.`, torch.compile's
+    `_orig_mod.`), so sites that wrap the same model differently agree on its schema."""
+    while name.startswith(("module.", "_orig_mod.")):
+        name = name.split(".", 1)[1]
+    return name
+
+
 class DiLoCo:
     """A DiLoCo worker around the user's model and inner optimizer (see the module docstring)."""
 
@@ -118,7 +164,7 @@ class DiLoCo:
         model: torch.nn.Module,
         optimizer: torch.optim.Optimizer,
         *,
-        swarm: Swarm | None = None,
+        swarm: Swarm | None | Literal["auto"] = "auto",
         inner_steps: int = 100,
         outer_optimizer: OuterFactory | None = None,
         on_round: Callable[[RoundReport], None] | None = None,
@@ -127,24 +173,37 @@ class DiLoCo:
         streaming: StreamingConfig | None = None,
         checkpoint_dir: str | os.PathLike[str] | None = None,
         checkpoint_every: int = 0,
+        site: Site | None | Literal["auto"] = "auto",
     ) -> None:
         self.cfg = DiLoCoConfig(inner_steps=inner_steps)
         self.streaming = streaming or StreamingConfig()
-        self.model, self.optimizer, self.swarm = model, optimizer, swarm
+        # "auto": a command started by `diloco start/join -- CMD` finds its swarm in the environment
+        # (connected when we attach); without the launcher's variables, a single worker, no network.
+        self.launch = Launch.from_env() if swarm == "auto" else None
+        self.swarm: Swarm | None = swarm if isinstance(swarm, Swarm) else None
+        self.site = Site.detect() if site == "auto" else site
+        """The torch.distributed group this worker spans (`diloco.site`); None for a lone process."""
+        self._follows = False  # a site rank other than the leader, in a swarm: it applies the leader's decisions
+        self._owns_swarm = False
+        if self.launch is not None:
+            checkpoint_dir = checkpoint_dir if checkpoint_dir is not None else self.launch.checkpoint_dir
+            checkpoint_every = checkpoint_every or self.launch.checkpoint_every
+        self.model, self.optimizer = model, optimizer
         self.local_params = list(model.parameters())
-        named = list(model.named_parameters())
+        named = [(_canonical(n), p) for n, p in model.named_parameters()]
         self.fragments = partition([n for n, _ in named], [p.numel() for _, p in named], self.streaming)
         check_schedule(inner_steps, len(self.fragments), self.streaming)
         # Compression is a property of the swarm (every peer must agree); locally, take it from the
         # argument. Error feedback (the spec's ef:BETA stage) keeps this peer's unsent residual.
-        spec = parse(swarm.cfg.compression if swarm is not None else compression or "fp32")
-        if swarm is not None and compression is not None and parse(compression).text != spec.text:
+        swarm_cfg = self.swarm.cfg if self.swarm is not None else self.launch.swarm if self.launch else None
+        spec = parse(swarm_cfg.compression if swarm_cfg is not None else compression or "fp32")
+        if swarm_cfg is not None and compression is not None and parse(compression).text != spec.text:
             raise ValueError(f"compression={compression!r} differs from the swarm's {spec.text!r}; "
                              "set it once, in SwarmConfig(compression=...)")
         self.compression = spec.text
         self._outer_factory = outer_optimizer or default_outer(spec.ef is not None)
         self.state = GlobalState(self.local_params, self._outer_factory)
-        self._local_pipeline = Pipeline(spec) if swarm is None else None
+        self._local_pipeline = Pipeline(spec) if swarm_cfg is None else None
         # Error feedback and compression apply per fragment: one residual per fragment.
         self.ef = [ErrorFeedback(spec.ef, f.numel) for f in self.fragments] if spec.ef is not None else None
         self._carry: dict[int, torch.Tensor] = {}  # whole-step overlap: a failed round's Δ, resent next time
@@ -183,6 +242,8 @@ class DiLoCo:
         self._digest = ""
         self._recent: collections.deque[tuple[int, str]] = collections.deque(maxlen=4)
         """The last (round, digest) states we held, published with our record (`PeerRecord.recent`)."""
+        self._stop = _StopOnSignal()
+        self._clean_exit = True  # the `with` block ended without an exception (see `detach`)
         self._state_changed()
 
     # ------------------------------------------------------------------ attaching to the loop
@@ -191,11 +252,29 @@ class DiLoCo:
         self.attach()
         return self
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, exc_type: object, *exc: object) -> None:
+        self._clean_exit = exc_type is None
         self.detach()
 
     def attach(self) -> None:
-        """Catch up with the swarm (download θ if others are ahead) and hook the optimizer."""
+        """Join the swarm (the launcher's, for a command started by `diloco start/join -- CMD`), catch up
+        with it (download θ if others are ahead) and hook the optimizer. On a site, the leader does this
+        and every other rank starts from the leader's state."""
+        taken = self._agree(self._join)
+        if self.site is not None and not self.site.leader:
+            self._follows = bool(taken.pop("swarm"))
+            self._take(taken)
+        if self.launch is not None:
+            self._stop.install()
+        if self._hook is None:
+            self._hook = self.optimizer.register_step_post_hook(lambda *_: self._after_step())
+
+    def _join(self) -> dict[str, object]:
+        """The leader's side of `attach` (a lone process's, all of it); for a site, what the others take."""
+        if self.launch is not None and self.swarm is None:
+            if self.checkpoint_dir is not None:
+                self.resume()  # the launcher restarted us: start from our last checkpoint, then catch up
+            self.swarm, self._owns_swarm = self.launch.connect(), True
         if self.swarm is not None:
             self.swarm.collective.schema = self.schema
             self.swarm.handshake(self.schema)  # a peer with another model or codec stops here, saying so
@@ -203,19 +282,67 @@ class DiLoCo:
                                                               "members": ",".join(self.members or ())})
             self._catch_up_on_join()
             self._publish("training")
-        if self._hook is None:
-            self._hook = self.optimizer.register_step_post_hook(lambda *_: self._after_step())
+        if self.site is None:
+            return {}
+        return {"swarm": self.swarm is not None, "state": self.state.to_bytes(), "steps": self.steps,
+                "offset": self._schedule_offset, "attempt": self.attempt, "members": self.members}
+
+    def _take(self, taken: dict[str, object]) -> None:
+        """A site rank other than the leader: start from the leader's state and place in the schedule."""
+        fresh = GlobalState(self.state.params, self._outer_factory)
+        fresh.load_bytes(taken["state"])  # type: ignore[arg-type]
+        with self._state_lock:
+            self.state = fresh
+            self._state_changed()
+        self.steps, self._schedule_offset = int(taken["steps"]), int(taken["offset"])  # type: ignore[call-overload]
+        self.attempt, self.members = int(taken["attempt"]), taken["members"]  # type: ignore[assignment,call-overload]
+        copy_into(self.local_params, self.state.params)
 
     def detach(self) -> None:
-        """Unhook the optimizer after applying the exchange still in flight, if any (`flush`)."""
+        """Unhook the optimizer after applying the exchange still in flight, if any (`flush`). A worker
+        that joined the launcher's swarm also writes its final checkpoint and metrics line and leaves."""
         if self._hook is not None:
             self._hook.remove()
             self._hook = None
-        self.flush()
+        try:
+            self.flush()
+        finally:
+            self._stop.restore()
+            if self.launch is not None:
+                self._finish_launched()
+
+    def _finish_launched(self) -> None:
+        if self._clean_exit and self.swarm is not None:
+            self.linger(self.swarm.cfg.gather_timeout)  # a site still behind downloads the final state from us
+        if self.checkpoint_dir is not None and self._talks:
+            self.save_checkpoint()
+        if self.launch is not None and self.launch.metrics:
+            MetricsWriter(self.launch.metrics).write(
+                "final", rank=self.site.rank if self.site else 0, site_size=self.site.size if self.site else 1,
+                peer=self.swarm.peer_id if self.swarm else "", round=self.state.round, digest=self.digest,
+                steps=self.steps, committed_rounds=sum(r.committed for r in self.reports), restart=self.launch.restart)
+        if self._owns_swarm and self.swarm is not None:
+            self.swarm.close()
+            self.swarm, self._owns_swarm = None, False
+
+    @property
+    def _talks(self) -> bool:
+        """This process is the worker's voice: a lone process, or the leader of its site."""
+        return self.site is None or self.site.leader
+
+    @property
+    def _in_swarm(self) -> bool:
+        return self.swarm is not None or self._follows
+
+    def _agree(self, decide: Callable[[], _T]) -> _T:
+        """`decide()` here, or on a site: the leader's result on every rank (see `diloco.site`)."""
+        return decide() if self.site is None else self.site.agree(decide)
 
     def _after_step(self) -> None:
         self.accounting.begin_sync(time.monotonic())
         self.steps += 1
+        if self.site is None and self._stop.signum is not None:
+            raise SystemExit(128 + self._stop.signum)  # leave now: `with` applies what is in flight
         if self._pending is not None and self._pending.due <= self.steps and self.streaming.outer_overlap == "none":
             self._complete(self._pending)
         if slot_due(self._schedule_step, self.cfg.inner_steps, len(self.fragments)):
@@ -284,14 +411,23 @@ class DiLoCo:
 
     def _check_standing(self) -> None:
         """Stop with `Banned` once most other peers banned us: nobody takes our rounds any more (the
-        exchange in flight, if any, is dropped: it can only fail)."""
-        if self.swarm is None:
+        exchange in flight, if any, is dropped: it can only fail). A site stops here, every rank at
+        the same slot, when its leader was asked to (SIGTERM / SIGINT from the launcher)."""
+        if not self._in_swarm and self.site is None:
             return
+
+        def standing() -> int | None:
+            if self.swarm is not None:
+                self.swarm.check_standing(self.members)
+            return self._stop.signum
+
         try:
-            self.swarm.check_standing(self.members)
+            signum = self._agree(standing)
         except Banned:
             self._pending = None
             raise
+        if signum is not None:
+            raise SystemExit(128 + signum)
 
     def _launch(self, force_complete: bool = False) -> RoundReport | None:
         """A synchronization slot: resync if the swarm moved on, else start the next fragment's round
@@ -370,6 +506,9 @@ class DiLoCo:
     def _start_exchange(self, frag: Fragment, delta: torch.Tensor, started: float) -> _Pending:
         acc = self.ef[frag.index].accumulate(delta) if self.ef is not None else delta
         due = self.steps + (self.streaming.overlap if self.streaming.outer_overlap == "none" else self.cfg.inner_steps)
+        if self._follows:  # the leader sends; we apply the outcome it tells us (`_complete`)
+            self._pending = _Pending(frag, acc, due, started, key=RoundKey(self.state.round, self.attempt))
+            return self._pending
         if self.swarm is None:
             assert self._local_pipeline is not None
             payload = self._local_pipeline.encode(acc)
@@ -389,45 +528,64 @@ class DiLoCo:
         self._pending = None
         outcome = pending.outcome
         if outcome is None:
-            assert pending.future is not None and self.swarm is not None
             waited = time.monotonic()
-            if not pending.future.done() and in_step:
-                pending.blocked = True
-            outcome = self.swarm.finish_exchange(pending.future, pending.key)
+            outcome, pending.blocked = self._agree(lambda: self._outcome_of(pending, in_step))
             if pending.blocked:
                 self.accounting.blocked(time.monotonic() - waited)
             pending.outcome = outcome
         report = self._finish(pending, outcome)
-        if not outcome.committed and self.swarm is not None:
+        if not outcome.committed and self._in_swarm:
             # Maybe the others committed without us: catch up now, not H steps later.
             resync = self._maybe_resync(pending.started)
             if resync is not None:
                 return resync
         return report
 
+    def _outcome_of(self, pending: _Pending, in_step: bool) -> tuple[RoundOutcome, bool]:
+        """The leader's side of `_complete`: the exchange's outcome (waiting for it), and whether the
+        training loop had to wait."""
+        assert pending.future is not None and self.swarm is not None
+        blocked = not pending.future.done() and in_step
+        outcome = self.swarm.finish_exchange(pending.future, pending.key)
+        if outcome.committed:
+            self.swarm.collective.faults.hit("apply", outcome.key.round)
+            if self.swarm.collective.crashed:  # killed in-process before the outer step: it never happens
+                outcome = RoundOutcome(outcome.key, False, "crashed", outcome.view)
+        return outcome, blocked
+
     def _maybe_resync(self, started: float, cached: bool = False) -> RoundReport | None:
         """Download the swarm's state if it moved past us (or ours is in the minority); with `cached`, judge
         from the records the last heartbeat read (no network I/O on the training thread)."""
-        if self.swarm is None:
-            return None
-        records = self.swarm.records(cached=cached)
-        source, why = resync_source(records, self.swarm.peer_id, self.state.round, self.digest, self._bad_sources)
-        if source is None:
+        if not self._in_swarm:
             return None
         sent0, recv0 = self.bytes_on_wire()
-        ok = self._resync(source, why)
+        decided = self._agree(lambda: self._resync_if_behind(cached))
+        if decided is None:
+            return None
+        ok, why, taken = decided
+        if ok and not self._talks:
+            self._take(taken)
         sent, recv = self.bytes_on_wire()
         report = RoundReport(self.state.round, False, f"resynced: {why}" if ok else f"resync failed: {why}", 1,
                              sent - sent0, recv - recv0, time.monotonic() - started, self.steps, resynced=ok)
         return self._report(report)
 
+    def _resync_if_behind(self, cached: bool) -> tuple[bool, str, dict[str, object]] | None:
+        """The leader's side of `_maybe_resync`: None when our state is current, else whether the download
+        worked, why it was needed, and (on a site) the state the other ranks take."""
+        assert self.swarm is not None
+        records = self.swarm.records(cached=cached)
+        source, why = resync_source(records, self.swarm.peer_id, self.state.round, self.digest, self._bad_sources)
+        if source is None:
+            return None
+        ok = self._resync(source, why)
+        taken = {"state": self.state.to_bytes(), "steps": self.steps, "offset": self._schedule_offset,
+                 "attempt": self.attempt, "members": self.members} if ok and self.site is not None else {}
+        return ok, why, taken
+
     def _finish(self, pending: _Pending, outcome: RoundOutcome) -> RoundReport:
         frag = pending.fragment
         overlapped = self.streaming.outer_overlap != "none"
-        if outcome.committed and self.swarm is not None:
-            self.swarm.collective.faults.hit("apply", outcome.key.round)
-            if self.swarm.collective.crashed:  # killed in-process before the outer step: it never happens
-                outcome = RoundOutcome(outcome.key, False, "crashed", outcome.view)
         if outcome.committed:
             assert outcome.aggregate is not None and outcome.sent is not None
             if self.ef is not None:
@@ -448,7 +606,8 @@ class DiLoCo:
                 mix_into(self._frag(self.local_params, frag), global_frag, self.streaming.alpha)
             log.info("event=round_committed round=%d fragment=%d peers=%d", self.state.round, frag.index,
                      len(outcome.view))
-            if self.checkpoint_dir is not None and self.checkpoint_every and self.state.round % self.checkpoint_every == 0:
+            if self.checkpoint_dir is not None and self.checkpoint_every and self._talks and \
+                    self.state.round % self.checkpoint_every == 0:
                 self.save_checkpoint()
         else:
             self.attempt = outcome.key.attempt + 1
@@ -468,6 +627,9 @@ class DiLoCo:
     def _report(self, report: RoundReport) -> RoundReport:
         self.reports.append(report)
         self._publish("training")
+        if self.launch is not None and self.launch.metrics and self._talks:
+            MetricsWriter(self.launch.metrics).write("round", peer=self.swarm.peer_id if self.swarm else "",
+                                                     loss=self.loss, digest=self.digest, **report.as_dict())
         if self.on_round is not None:
             self.on_round(report)
         return report
@@ -591,6 +753,8 @@ class DiLoCo:
         target = Path(root) if root is not None else self.checkpoint_dir
         if target is None:
             raise ValueError("no checkpoint directory: pass root or DiLoCo(checkpoint_dir=...)")
+        if not self._talks:  # a site writes one checkpoint, its leader's (every rank holds the same state)
+            return None
         meta = {"schema": self.schema, "steps": self.steps, "position": self.schedule_position,
                 "members": ",".join(self.members or ()), "compression": self.compression}
         try:

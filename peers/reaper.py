@@ -7,8 +7,13 @@ later). The reaper closes that hole without help from the dying process:
     parent  ──stdin pipe──▶  python -m diloco.peers.reaper
             "pid 1234\n"     (remembers pids and files to clean up)
             "file /tmp/x\n"
+            "env NAME=VALUE\n"  (and every process whose environment holds NAME=VALUE)
     parent dies (any way) → the pipe's write end closes → reaper reads EOF →
     SIGTERM each pid, SIGKILL after 2 s, delete the files, exit.
+
+Processes are found by environment because the launcher's command (torchrun, say) starts its own
+children in sessions of their own: neither parentage nor process groups reach them once their
+parent is gone, but they all inherit the variable the launcher set. Linux only (/proc).
 
 The pipe's write end is close-on-exec, so no other child holds it open. The reaper imports only
 the standard library, so it starts in milliseconds.
@@ -51,6 +56,10 @@ class Reaper:
     def watch_file(self, path: str) -> None:
         self._send(f"file {path}")
 
+    def watch_env(self, name: str, value: str) -> None:
+        """Also take down every process of ours whose environment holds `name=value`."""
+        self._send(f"env {name}={value}")
+
     def close(self) -> None:
         """Parent is exiting cleanly: let the reaper do its sweep now and wait for it."""
         if self._proc.stdin is not None and not self._proc.stdin.closed:
@@ -69,6 +78,28 @@ def _alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+def tagged(name: str, value: str) -> list[int]:
+    """Pids of this user's processes whose environment holds `name=value` (this process excluded)."""
+    needle, me, found = f"{name}={value}".encode(), os.getpid(), []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == me:
+            continue
+        try:
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                if needle in f.read().split(b"\0"):
+                    found.append(int(entry))
+        except OSError:  # gone, or not ours
+            pass
+    return found
+
+
+def kill_tagged(name: str, value: str) -> int:
+    """SIGTERM every process tagged `name=value`, SIGKILL those left after 2 s; how many there were."""
+    pids = tagged(name, value)
+    _sweep(pids, [])
+    return len(pids)
 
 
 def _sweep(pids: list[int], files: list[str]) -> None:
@@ -96,13 +127,17 @@ def main() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # only EOF on stdin ends the reaper
     pids: list[int] = []
     files: list[str] = []
+    tags: list[tuple[str, str]] = []
     for raw in sys.stdin.buffer:
         kind, _, value = raw.decode(errors="replace").strip().partition(" ")
         if kind == "pid" and value.isdigit():
             pids.append(int(value))
         elif kind == "file" and value:
             files.append(value)
-    _sweep(pids, files)
+        elif kind == "env" and "=" in value:
+            name, _, tag = value.partition("=")
+            tags.append((name, tag))
+    _sweep(pids + [p for name, tag in tags for p in tagged(name, tag)], files)
 
 
 if __name__ == "__main__":

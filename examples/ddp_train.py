@@ -1,0 +1,70 @@
+"""Your own DDP training script as a DiLoCo worker: the only DiLoCo line is the `with`.
+
+The same file runs, unchanged:
+
+    python examples/ddp_train.py                                          # alone: no network
+    torchrun --standalone --nproc-per-node 2 examples/ddp_train.py       # one 2-rank site, no swarm
+    diloco start -- python examples/ddp_train.py                          # first site of a swarm
+    diloco join ADDR -- torchrun --standalone --nproc-per-node 2 examples/ddp_train.py   # a 2-rank site
+
+Under the launcher, `DiLoCo(...)` finds the swarm in the environment (`DILOCO_SWARM`, README "Your
+own training script"); under torchrun, the ranks are one worker: rank 0 talks to the swarm, every rank
+ends each round with the same global parameters. CPU and gloo here; on GPUs use the nccl backend and
+move the model and batches to `cuda:LOCAL_RANK`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+import diloco
+
+
+def batches(seed: int, size: int = 32):
+    """A toy regression task, y = sin(x·w): each process draws its own batches."""
+    g = torch.Generator().manual_seed(seed)
+    w = 0.3 * torch.linspace(-1, 1, 16)
+    while True:
+        x = torch.randn(size, 16, generator=g)
+        yield x, torch.sin(x @ w).unsqueeze(1)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rounds", type=int, default=10, help="train until the global round reaches this")
+    ap.add_argument("--inner-steps", type=int, default=20, help="H: inner steps per round")
+    ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--seed", type=int, default=None, help="data seed (default: from the process id)")
+    args = ap.parse_args()
+
+    distributed = "RANK" in os.environ  # started by torchrun
+    if distributed:
+        dist.init_process_group("gloo")
+    rank = dist.get_rank() if distributed else 0
+    torch.manual_seed(0)  # every site starts from the same weights (joiners download the swarm's anyway)
+    model: torch.nn.Module = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.GELU(), torch.nn.Linear(64, 1))
+    if distributed:
+        model = DistributedDataParallel(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    data = batches(args.seed if args.seed is not None else os.getpid() + rank)
+
+    with diloco.DiLoCo(model, opt, inner_steps=args.inner_steps) as d:   # the one DiLoCo line
+        while d.round < args.rounds:
+            x, y = next(data)
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+    if rank == 0:
+        print(f"done: round {d.round}, loss {loss.item():.4f}, digest {d.digest}", flush=True)
+    if distributed:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

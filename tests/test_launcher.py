@@ -1,0 +1,216 @@
+"""The launcher (`diloco start/join -- CMD`) with real processes: the user's own script
+(examples/ddp_train.py) as a site's worker, alone or as a torchrun group of ranks (CPU, gloo), on
+127.0.0.1.
+
+Each test has a hard timeout; every process a launch starts carries DILOCO_LAUNCH_ID, and the tests
+check that none of them outlives its launcher (SIGKILL of the launcher included).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from diloco.environment import LAUNCH_ID
+
+pytestmark = pytest.mark.multiproc
+
+SCRIPT = str(Path(__file__).resolve().parent.parent / "examples" / "ddp_train.py")
+FAST = ["--gather-timeout", "20", "--round-timeout", "6"]
+
+
+def _torchrun(ranks: int) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks)]
+
+
+class Sites:
+    """Launchers (`python -m diloco start|join ... -- CMD`) in a temp dir, killed at teardown."""
+
+    def __init__(self, workdir: Path) -> None:
+        self.workdir, self.run_id = workdir, f"l-{secrets.token_hex(3)}"
+        self.env = {**os.environ, "DILOCO_SECRET": secrets.token_urlsafe(32), "OMP_NUM_THREADS": "1"}
+        self.procs: dict[int, subprocess.Popen] = {}
+
+    def launch(self, i: int, verb: list[str], command: list[str], *extra: str) -> subprocess.Popen:
+        args = [sys.executable, "-m", "diloco", *verb, "--run-id", self.run_id, *FAST, *extra,
+                "--metrics", str(self.metrics(i)), "--address-file", str(self.workdir / f"site{i}.addr"), "--",
+                *command]
+        log = open(self.workdir / f"site{i}.log", "wb")
+        self.procs[i] = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                         env=self.env)
+        return self.procs[i]
+
+    def metrics(self, i: int) -> Path:
+        return self.workdir / f"site{i}.jsonl"
+
+    def lines(self, i: int, event: str) -> list[dict]:
+        try:
+            text = self.metrics(i).read_text()
+        except FileNotFoundError:
+            return []
+        return [r for r in (json.loads(x) for x in text.splitlines() if x.strip()) if r["event"] == event]
+
+    def address(self, i: int, timeout: float = 90) -> str:
+        path = self.workdir / f"site{i}.addr"
+        deadline = time.monotonic() + timeout
+        while not path.exists() or not path.read_text().strip():
+            assert time.monotonic() < deadline, self.log(i)
+            assert self.procs[i].poll() is None, self.log(i)
+            time.sleep(0.1)
+        return path.read_text().split()[0]
+
+    def log(self, i: int) -> str:
+        return (self.workdir / f"site{i}.log").read_text(errors="replace")[-6000:]
+
+    def token(self, i: int) -> str:
+        """The launch id every process of site i's launch carries (read from the launcher's command)."""
+        for child in psutil.Process(self.procs[i].pid).children():
+            token = child.environ().get(LAUNCH_ID)
+            if token:
+                return token
+        raise AssertionError(f"site {i}'s launcher runs no command")
+
+    def kill_all(self) -> None:
+        for p in self.procs.values():
+            if p.poll() is None:
+                p.send_signal(signal.SIGKILL)
+            p.wait()
+
+
+def _tagged(token: str) -> list[psutil.Process]:
+    out = []
+    for proc in psutil.process_iter():
+        try:
+            if proc.environ().get(LAUNCH_ID) == token and proc.status() != psutil.STATUS_ZOMBIE:
+                out.append(proc)
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            pass
+    return out
+
+
+@pytest.fixture
+def sites(tmp_path):
+    group = Sites(tmp_path)
+    yield group
+    group.kill_all()
+
+
+@pytest.mark.timeout(300)
+def test_sites_of_one_two_and_three_ranks_train_together_on_one_digest(sites):
+    """Three sites, one a lone process and two torchrun groups (2 and 3 ranks, DDP over gloo), train
+    one model together: every rank of every site ends on the same global-state digest, and a 2-rank
+    site puts one replica's worth of encoded pseudo-gradient on the WAN, like the lone process."""
+    rounds = ["--rounds", "4", "--inner-steps", "5"]
+    sites.launch(0, ["start", "--wait-for", "3"], [sys.executable, SCRIPT, *rounds])
+    addr = sites.address(0)
+    sites.launch(1, ["join", addr, "--wait-for", "3"], [*_torchrun(2), SCRIPT, *rounds])
+    sites.launch(2, ["join", addr, "--wait-for", "3"], [*_torchrun(3), SCRIPT, *rounds])
+    for i, proc in sites.procs.items():
+        assert proc.wait(timeout=240) == 0, sites.log(i)
+    finals = {i: sites.lines(i, "final") for i in range(3)}
+    assert [len(finals[i]) for i in range(3)] == [1, 2, 3], finals  # one final line per rank
+    digests = {f["digest"] for i in range(3) for f in finals[i]}
+    assert len(digests) == 1 and {f["round"] for i in range(3) for f in finals[i]} == {4}, finals
+    assert sorted(f["rank"] for f in finals[2]) == [0, 1, 2] and {f["site_size"] for f in finals[2]} == {3}
+    # one replica on the WAN: the 2- and 3-rank sites' leaders send what the lone process sends
+    together = {i: [r for r in sites.lines(i, "round") if r["committed"] and r["peers"] == 3] for i in range(3)}
+    assert all(together.values()), together
+    numel = 16 * 64 + 64 + 64 + 1
+    for i in range(3):
+        assert {r["payload_bytes"] for r in together[i]} == {4 * numel}  # fp32: one Δ of the model, encoded
+    lone = max(r["bytes_sent"] for r in together[0])
+    assert all(r["bytes_sent"] < 1.25 * lone for i in (1, 2) for r in together[i]), together
+
+
+@pytest.mark.timeout(420)
+def test_a_killed_rank_takes_its_site_down_the_launcher_restarts_it_and_it_catches_up(sites):
+    """SIGKILL rank 1 of a 2-rank site: torchrun ends the site, the launcher starts it again
+    (--max-restarts), it rejoins under the same peer id, downloads the swarm's state and commits with
+    the others, while the lone site kept committing; every rank ends on one digest. Then SIGKILL of a
+    launcher leaves none of its processes behind."""
+    run = ["--rounds", "100000", "--inner-steps", "5"]
+    sites.launch(0, ["start", "--wait-for", "2"], [sys.executable, SCRIPT, *run])
+    addr = sites.address(0)
+    sites.launch(1, ["join", addr, "--wait-for", "2", "--max-restarts", "1"], [*_torchrun(2), SCRIPT, *run])
+    deadline = time.monotonic() + 180  # two sites start (imports, torchrun, daemons), then a round together
+    while not [r for r in sites.lines(1, "round") if r["committed"] and r["peers"] == 2]:
+        assert time.monotonic() < deadline and sites.procs[1].poll() is None, sites.log(1)
+        time.sleep(0.2)
+    token = sites.token(1)
+    rank1 = [p for p in _tagged(token) if p.environ().get("RANK") == "1"]
+    assert len(rank1) == 1, [p.cmdline() for p in _tagged(token)]
+    peer = {r["peer"] for r in sites.lines(1, "round")}
+    crashed_at = time.time()
+    rank1[0].send_signal(signal.SIGKILL)
+    deadline = time.monotonic() + 150
+    while not [r for r in sites.lines(1, "round") if r["time"] > crashed_at and r["committed"] and r["peers"] == 2]:
+        assert time.monotonic() < deadline and sites.procs[1].poll() is None, sites.log(1)
+        time.sleep(0.2)
+    back = min(r["time"] for r in sites.lines(1, "round") if r["time"] > crashed_at and r["committed"])
+    print(f"site crash -> first committed round after its restart: {back - crashed_at:.1f} s")
+    assert "restarting it (1 of 1)" in sites.log(1)
+    assert {r["peer"] for r in sites.lines(1, "round")} == peer  # the same peer id after the restart
+    # the lone site went on while the other was down
+    assert [r for r in sites.lines(0, "round") if crashed_at < r["time"] < back and r["committed"]], sites.log(0)
+    for i in (0, 1):
+        sites.procs[i].send_signal(signal.SIGTERM)  # both leave at their next step / slot
+    for i in (0, 1):
+        sites.procs[i].wait(timeout=90)
+    finals = [f for i in (0, 1) for f in sites.lines(i, "final") if f["restart"] == (1 if i == 1 else 0)]
+    assert len(finals) == 3, finals
+    # every rank that left holds a state the swarm committed, and the ranks of a site agree
+    committed = {r["round"]: r["digest"] for i in (0, 1) for r in sites.lines(i, "round") if r["committed"]}
+    assert all(committed.get(f["round"], f["digest"]) == f["digest"] for f in finals), (finals, committed)
+    assert len({f["digest"] for f in finals if f["site_size"] == 2}) == 1, finals
+
+
+@pytest.mark.timeout(120)
+def test_sigkill_of_a_launcher_leaves_no_process_behind(sites):
+    """The launcher's command (torchrun, its ranks, their p2pd daemons) dies with the launcher, even
+    when the launcher is SIGKILLed and cannot clean up."""
+    sites.launch(0, ["start"], [*_torchrun(2), SCRIPT, "--rounds", "100000", "--inner-steps", "5"])
+    sites.address(0)
+    token = sites.token(0)
+    before = _tagged(token)
+    assert any(p.name() == "p2pd" for p in before) and len(before) >= 4, [p.name() for p in before]
+    sites.procs[0].send_signal(signal.SIGKILL)
+    deadline = time.monotonic() + 20
+    while _tagged(token):
+        assert time.monotonic() < deadline, [(p.pid, p.name()) for p in _tagged(token)]
+        time.sleep(0.2)
+
+
+def test_the_same_script_trains_alone_without_the_launcher():
+    """`python train.py`: single-worker DiLoCo, no network, the same one line."""
+    proc = subprocess.run([sys.executable, SCRIPT, "--rounds", "3", "--inner-steps", "5"], capture_output=True,
+                          text=True, timeout=120, env={k: v for k, v in os.environ.items() if not k.startswith("DILOCO_")
+                                                       or k == "DILOCO_TEST_SESSION"})
+    assert proc.returncode == 0, proc.stderr
+    assert "done: round 3" in proc.stdout
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["start", "--"], "`--` must be followed by the command to run"),
+    (["start", "--", "no-such-program-xyz"], "command not found: 'no-such-program-xyz'"),
+    (["start", "--max-restarts", "-1", "--", sys.executable, "-c", "pass"], "--max-restarts must be >= 0"),
+    (["start", "--max-restarts", "2"], "--max-restarts applies to a command of yours"),
+    (["demo", "--", sys.executable], "only `diloco start` and `diloco join` run a command"),
+    (["join", "/ip4/127.0.0.1/tcp/9/p2p/12D3KooWRQPiyGWQQdn3DaPhb84P9MBDWaM43QfaVX9YR9qxStbP", "--run-id", "nosecret",
+      "--", sys.executable, "-c", "pass"], "DILOCO_SECRET"),
+])
+def test_bad_launcher_input_exits_2_naming_the_fix_before_anything_starts(tmp_path, args, needle):
+    env = {k: v for k, v in os.environ.items() if k != "DILOCO_SECRET"}
+    proc = subprocess.run([sys.executable, "-m", "diloco", *args], capture_output=True, text=True, timeout=60,
+                          cwd=tmp_path, env={**env, "COLUMNS": "200"})
+    assert proc.returncode == 2, (proc.stdout, proc.stderr)
+    assert needle in proc.stderr, proc.stderr
+    assert not list(tmp_path.iterdir())  # nothing started, nothing written (no secret file either)
