@@ -561,6 +561,29 @@ def bench_flood_cmd(
         write_json(report, json_path)
 
 
+@bench_app.command("site")
+def bench_site_cmd(
+    ranks: int = typer.Option(2, help="Ranks of the torchrun site (DDP over gloo)."),
+    width: int = typer.Option(512, help="Hidden width of the benchmark MLP (4 layers): how long a step takes."),
+    inner_steps: int = typer.Option(20, "--inner-steps", "-H", help="Inner steps per round (H)."),
+    steps: int = typer.Option(200, help="Inner steps timed per overhead run."),
+    json_path: Optional[Path] = typer.Option(None, "--json", help="Write the report as JSON here."),
+) -> None:
+    """A torchrun site as one worker: the wrapper's inner-step overhead, WAN bytes per round vs a lone
+    process, and the time from a rank's crash to the restarted site's first committed round."""
+    import json
+
+    from .bench_site import SiteSetup, markdown, run
+
+    if ranks < 2 or width < 1 or inner_steps < 1 or steps < 1:
+        _fail("--ranks must be >= 2; --width, --inner-steps and --steps >= 1")
+    result = run(SiteSetup(ranks=ranks, width=width, inner_steps=inner_steps, steps=steps),
+                 say=lambda text: typer.echo(text, err=True))
+    typer.echo(markdown(result))
+    if json_path:
+        json_path.write_text(json.dumps(result, indent=1))
+
+
 def _command(ctx: typer.Context, max_restarts: int) -> list[str] | None:
     """The command after `--` (`main` takes it off the arguments), checked; exits 2 naming the fix."""
     from .launcher import LaunchError, check_command

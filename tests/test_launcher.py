@@ -182,6 +182,11 @@ def test_sigkill_of_a_launcher_leaves_no_process_behind(sites):
     token = sites.token(0)
     before = _tagged(token)
     assert any(p.name() == "p2pd" for p in before) and len(before) >= 4, [p.name() for p in before]
+    secret = sites.env["DILOCO_SECRET"]
+    for proc in before:  # the secret is in no process's command line or environment, only in a 600 file
+        assert secret not in " ".join(proc.cmdline()) and secret not in "".join(proc.environ().values())
+    secret_file = Path(before[0].environ()["DILOCO_SECRET_FILE"])
+    assert secret_file.stat().st_mode & 0o077 == 0 and secret_file.read_text().strip() == secret
     sites.procs[0].send_signal(signal.SIGKILL)
     deadline = time.monotonic() + 20
     while _tagged(token):
@@ -214,3 +219,29 @@ def test_bad_launcher_input_exits_2_naming_the_fix_before_anything_starts(tmp_pa
     assert proc.returncode == 2, (proc.stdout, proc.stderr)
     assert needle in proc.stderr, proc.stderr
     assert not list(tmp_path.iterdir())  # nothing started, nothing written (no secret file either)
+
+
+@pytest.mark.timeout(180)
+def test_a_restarted_lone_site_resumes_from_its_checkpoint(sites, tmp_path):
+    """A site alone in its swarm, with --checkpoint-dir: its command is SIGKILLed, the launcher starts it
+    again, and it continues from its last checkpoint rather than from round 0 (nobody else holds the
+    state)."""
+    ckpt = tmp_path / "ckpt"
+    sites.launch(0, ["start", "--max-restarts", "1", "--checkpoint-dir", str(ckpt), "--checkpoint-every", "1"],
+                 [sys.executable, SCRIPT, "--rounds", "100000", "--inner-steps", "5"])
+    deadline = time.monotonic() + 90
+    while max((r["round"] for r in sites.lines(0, "round") if r["committed"]), default=0) < 4:
+        assert time.monotonic() < deadline and sites.procs[0].poll() is None, sites.log(0)
+        time.sleep(0.1)
+    worker = next(p for p in _tagged(sites.token(0)) if "ddp_train.py" in " ".join(p.cmdline()))
+    crashed = time.time()
+    worker.send_signal(signal.SIGKILL)
+    deadline = time.monotonic() + 90
+    while not [r for r in sites.lines(0, "round") if r["time"] > crashed and r["committed"]]:
+        assert time.monotonic() < deadline and sites.procs[0].poll() is None, sites.log(0)
+        time.sleep(0.1)
+    before = max(r["round"] for r in sites.lines(0, "round") if r["time"] < crashed and r["committed"])
+    after = min(r["round"] for r in sites.lines(0, "round") if r["time"] > crashed and r["committed"])
+    assert after >= before, (before, after)  # resumed at its last checkpoint (every round), not at round 1
+    sites.procs[0].send_signal(signal.SIGTERM)
+    assert sites.procs[0].wait(timeout=60) == 128 + signal.SIGTERM, sites.log(0)  # the command's status
