@@ -112,7 +112,7 @@ class Collective:
         self._rounds: dict[RoundKey, RoundState] = {}
         self._floor = RoundKey(0, 0)  # frames for earlier keys are stale
         self._committed_through = -1  # the highest round number this peer committed (or downloaded past)
-        self._decided: dict[int, str] = {}  # the value id of each of the last rounds we committed
+        self._decided: dict[int, tuple[str, str]] = {}  # (ballot's view id, value id) of the last rounds we committed
         self._background: set[asyncio.Task[Any]] = set()  # votes still on their way after we decided
         self._accepted: Accepted | None = None
         """The value we accepted in the latest attempt of the current round, until the round is over."""
@@ -173,7 +173,8 @@ class Collective:
             outcome = RoundOutcome(key, False, "crashed", outcome.view)
         if outcome.committed:
             self._committed_through = max(self._committed_through, key.round)
-            self._decided[key.round], self._accepted = outcome.value_id, None
+            self._decided[key.round] = (self._accepted.vid if self._accepted else "", outcome.value_id)
+            self._accepted = None
             for old in sorted(self._decided)[:-_DECIDED_KEPT]:
                 del self._decided[old]
             for p in outcome.offenders:
@@ -284,8 +285,10 @@ class Collective:
         try:
             self.faults.hit("decide", key.round)
             await self._wait(rs, settled, deadline)
+            if quorum(votes) and tasks:  # a member still waiting for our vote needs it to decide: let it arrive
+                await asyncio.wait(tasks, timeout=min(self.cfg.call_timeout, self.cfg.gather_timeout / 10))
         finally:
-            for t in tasks:  # a member still waiting for our vote needs it to decide: let it arrive (bounded)
+            for t in tasks:  # past the bound, a vote still on its way goes on in the background
                 if quorum(votes) and not t.done():
                     self._background.add(t)
                     t.add_done_callback(self._background.discard)
@@ -635,7 +638,10 @@ class Collective:
             header, _, key = msg.decode(data, run=self.run_id, kind=msg.VOTE, caller=caller, max_body=0,
                                         schema=self.schema)
             if key.round <= self._committed_through:
-                return msg.ack(run=self.run_id, sender=self.me, committed=True, value=self._decided.get(key.round, ""))
+                ballot, value = self._decided.get(key.round, ("", ""))
+                if ballot == header.view:  # we accepted that very attempt's value, then committed it
+                    return msg.ack(run=self.run_id, sender=self.me, accepted=True)
+                return msg.ack(run=self.run_id, sender=self.me, committed=True, value=value)
             acc = self._accepted
             accepted = acc is not None and acc.ballot == key and acc.vid == header.view
             if key < self._floor:  # an attempt we left: we accepted its value then, or we never will

@@ -48,8 +48,10 @@ def unflatten(flat: torch.Tensor, like: Sequence[torch.Tensor]) -> list[torch.Te
 
 
 def pseudo_gradient(global_params: Sequence[torch.Tensor], local_params: Sequence[torch.Tensor]) -> torch.Tensor:
-    """Δ = θ_global − θ_local, flat fp32."""
-    return flatten(global_params) - flatten(local_params)
+    """Δ = θ_global − θ_local, flat fp32, where θ_global lives (the model may be on a GPU, θ in host memory:
+    one device-to-host copy of the local parameters)."""
+    theta = flatten(global_params)
+    return theta - flatten(local_params).to(theta.device)
 
 
 @torch.no_grad()
@@ -75,4 +77,4 @@ def mix_into(local: Sequence[torch.Tensor], global_: Sequence[torch.Tensor], alp
         if alpha == 0.0:
             d.copy_(g)
         elif alpha != 1.0:
-            d.lerp_(g.to(d.dtype), 1.0 - alpha)
+            d.lerp_(g.to(device=d.device, dtype=d.dtype), 1.0 - alpha)

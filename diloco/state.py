@@ -21,6 +21,14 @@ _DTYPES = {"float32": torch.float32, "float64": torch.float64, "float16": torch.
            "bfloat16": torch.bfloat16, "int64": torch.int64, "int32": torch.int32}
 
 
+def _host_copy(p: torch.Tensor, device: torch.device | str | None) -> torch.Tensor:
+    """An fp32 copy of `p` on `device` (pinned host memory when that is the CPU and CUDA is available)."""
+    copy = p.detach().to(device=device if device is not None else p.device, dtype=torch.float32, copy=True)
+    if copy.device.type == "cpu" and torch.cuda.is_available():
+        copy = copy.pin_memory()
+    return copy
+
+
 def schema_digest(named_params: Sequence[tuple[str, torch.Tensor]], compression: str) -> str:
     """SHA-256 over parameter names, shapes and dtypes and the compression spec: peers whose
     digests differ cannot exchange pseudo-gradients (their frames are rejected as wrong_schema)."""
@@ -37,8 +45,11 @@ class StateError(ValueError):
 class GlobalState:
     """θ (fp32 copies of the model's parameters), the outer optimizer over θ, and the round."""
 
-    def __init__(self, params: Sequence[torch.Tensor], outer_factory: OuterFactory) -> None:
-        self.params = [p.detach().to(torch.float32).clone() for p in params]
+    def __init__(self, params: Sequence[torch.Tensor], outer_factory: OuterFactory,
+                 device: torch.device | str | None = None) -> None:
+        """`device`: where θ and the outer state live (default: where `params` are). The wrapper keeps them
+        in host memory, pinned when CUDA is there, so a model on the GPU pays no GPU memory for them."""
+        self.params = [_host_copy(p, device) for p in params]
         self.outer = outer_factory(self.params)
         self.round = 0
 

@@ -148,6 +148,14 @@ class _StopOnSignal:
         self._saved.clear()
 
 
+def _innermost(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """The torch optimizer inside wrappers that hold one as `.optimizer` (accelerate's AcceleratedOptimizer):
+    its `step` is the one that runs (or is skipped, for an overflowing fp16 step or mid-accumulation)."""
+    while isinstance(getattr(optimizer, "optimizer", None), torch.optim.Optimizer):
+        optimizer = optimizer.optimizer  # type: ignore[attr-defined]
+    return optimizer
+
+
 def _canonical(name: str) -> str:
     """A parameter's name without the prefixes wrappers add (DDP's `module.`, torch.compile's
     `_orig_mod.`), so sites that wrap the same model differently agree on its schema."""
@@ -174,6 +182,7 @@ class DiLoCo:
         checkpoint_dir: str | os.PathLike[str] | None = None,
         checkpoint_every: int = 0,
         site: Site | None | Literal["auto"] = "auto",
+        global_device: torch.device | str = "cpu",
     ) -> None:
         self.cfg = DiLoCoConfig(inner_steps=inner_steps)
         self.streaming = streaming or StreamingConfig()
@@ -189,8 +198,11 @@ class DiLoCo:
             checkpoint_dir = checkpoint_dir if checkpoint_dir is not None else self.launch.checkpoint_dir
             checkpoint_every = checkpoint_every or self.launch.checkpoint_every
         self.model, self.optimizer = model, optimizer
-        self.local_params = list(model.parameters())
-        named = [(_canonical(n), p) for n, p in model.named_parameters()]
+        self._inner = _innermost(optimizer)  # accelerate's AcceleratedOptimizer wraps the torch optimizer
+        self.global_device = torch.device(global_device)
+        # Frozen parameters are not trained, so they are not synchronized: every peer loads the same values
+        named = [(_canonical(n), p) for n, p in model.named_parameters() if p.requires_grad]
+        self.local_params = [p for _, p in named]
         self.fragments = partition([n for n, _ in named], [p.numel() for _, p in named], self.streaming)
         check_schedule(inner_steps, len(self.fragments), self.streaming)
         # Compression is a property of the swarm (every peer must agree); locally, take it from the
@@ -202,7 +214,7 @@ class DiLoCo:
                              "set it once, in SwarmConfig(compression=...)")
         self.compression = spec.text
         self._outer_factory = outer_optimizer or default_outer(spec.ef is not None)
-        self.state = GlobalState(self.local_params, self._outer_factory)
+        self.state = GlobalState(self.local_params, self._outer_factory, self.global_device)
         self._local_pipeline = Pipeline(spec) if swarm_cfg is None else None
         # Error feedback and compression apply per fragment: one residual per fragment.
         self.ef = [ErrorFeedback(spec.ef, f.numel) for f in self.fragments] if spec.ef is not None else None
@@ -267,7 +279,7 @@ class DiLoCo:
         if self.launch is not None:
             self._stop.install()
         if self._hook is None:
-            self._hook = self.optimizer.register_step_post_hook(lambda *_: self._after_step())
+            self._hook = self._inner.register_step_post_hook(lambda *_: self._after_step())
 
     def _join(self) -> dict[str, object]:
         """The leader's side of `attach` (a lone process's, all of it); for a site, what the others take."""
@@ -289,7 +301,7 @@ class DiLoCo:
 
     def _take(self, taken: dict[str, object]) -> None:
         """A site rank other than the leader: start from the leader's state and place in the schedule."""
-        fresh = GlobalState(self.state.params, self._outer_factory)
+        fresh = GlobalState(self.state.params, self._outer_factory, self.global_device)
         fresh.load_bytes(taken["state"])  # type: ignore[arg-type]
         with self._state_lock:
             self.state = fresh
@@ -306,6 +318,8 @@ class DiLoCo:
             self._hook = None
         try:
             self.flush()
+            if self._clean_exit:  # a loop that ended behind the swarm (the last round in doubt) ends on its state
+                self._maybe_resync(time.monotonic())
         finally:
             self._stop.restore()
             if self.launch is not None:
@@ -498,7 +512,7 @@ class DiLoCo:
                     "the global state, sent nothing (lower the inner lr or clip gradients if this repeats)",
                     self.state.round)
         copy_into(self.local_params, self.state.params)
-        self.optimizer.state.clear()
+        self._inner.state.clear()
         report = RoundReport(self.state.round, False, "non-finite pseudo-gradient: rolled back, sent nothing", 1,
                              0, 0, time.monotonic() - started, self.steps)
         return self._report(report)
@@ -675,7 +689,7 @@ class DiLoCo:
             rnd, digest, body, info = self.swarm.fetch_state(source.peer)
             if rnd < source.round:
                 raise StateError(f"served round {rnd} is older than the round {source.round} its record advertises")
-            fresh = GlobalState(self.state.params, self._outer_factory)
+            fresh = GlobalState(self.state.params, self._outer_factory, self.global_device)
             fresh.load_bytes(body)
             if fresh.digest() != digest:
                 raise StateError(f"state bytes hash to {fresh.digest()}, not to the {digest} served with them")
