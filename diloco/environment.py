@@ -113,9 +113,6 @@ class Launch:
             write_lines(self.address_file, swarm.addresses)
         if self.peers_file:
             swarm.keep_addresses(self.peers_file)
-        if self.wait_for > 1:
-            seen = swarm.wait_for_peers(self.wait_for, WAIT_TIMEOUT)
-            log.info("event=peers_present count=%d wanted=%d", seen, self.wait_for)
         return swarm
 
 

@@ -65,7 +65,7 @@ from . import persist
 from .accounting import Accounting, Usage
 from .checkpoint import CheckpointError
 from .config import DiLoCoConfig
-from .environment import Launch
+from .environment import WAIT_TIMEOUT, Launch
 from .metrics import MetricsWriter
 from .fragments import Fragment, StreamingConfig, check_schedule, fragment_of_round, partition, slot_due
 from .outer import OuterFactory, copy_into, default_outer, mix_into, outer_step, pseudo_gradient
@@ -255,7 +255,6 @@ class DiLoCo:
         self._recent: collections.deque[tuple[int, str]] = collections.deque(maxlen=4)
         """The last (round, digest) states we held, published with our record (`PeerRecord.recent`)."""
         self._stop = _StopOnSignal()
-        self._clean_exit = True  # the `with` block ended without an exception (see `detach`)
         self._state_changed()
 
     # ------------------------------------------------------------------ attaching to the loop
@@ -265,8 +264,7 @@ class DiLoCo:
         return self
 
     def __exit__(self, exc_type: object, *exc: object) -> None:
-        self._clean_exit = exc_type is None
-        self.detach()
+        self.detach(completed=exc_type is None)
 
     def attach(self) -> None:
         """Join the swarm (the launcher's, for a command started by `diloco start/join -- CMD`), catch up
@@ -294,6 +292,9 @@ class DiLoCo:
                                                               "members": ",".join(self.members or ())})
             self._catch_up_on_join()
             self._publish("training")
+            if self.launch is not None and self.launch.wait_for > 1:  # `--wait-for N`: hold the first step
+                seen = self.swarm.wait_for_peers(self.launch.wait_for, WAIT_TIMEOUT)
+                log.info("event=peers_present count=%d wanted=%d", seen, self.launch.wait_for)
         if self.site is None:
             return {}
         return {"swarm": self.swarm is not None, "state": self.state.to_bytes(), "steps": self.steps,
@@ -310,23 +311,25 @@ class DiLoCo:
         self.attempt, self.members = int(taken["attempt"]), taken["members"]  # type: ignore[assignment,call-overload]
         copy_into(self.local_params, self.state.params)
 
-    def detach(self) -> None:
-        """Unhook the optimizer after applying the exchange still in flight, if any (`flush`). A worker
-        that joined the launcher's swarm also writes its final checkpoint and metrics line and leaves."""
+    def detach(self, *, completed: bool = True) -> None:
+        """Unhook the optimizer after applying the exchange still in flight, if any (`flush`). When the loop
+        `completed` (no exception), a worker behind the swarm downloads its state first. A worker that
+        joined the launcher's swarm also serves stragglers for a while (`linger`), writes its final
+        checkpoint and metrics line, and leaves."""
         if self._hook is not None:
             self._hook.remove()
             self._hook = None
         try:
             self.flush()
-            if self._clean_exit:  # a loop that ended behind the swarm (the last round in doubt) ends on its state
+            if completed:  # a loop that ended behind the swarm (the last round in doubt) ends on its state
                 self._maybe_resync(time.monotonic())
         finally:
             self._stop.restore()
             if self.launch is not None:
-                self._finish_launched()
+                self._finish_launched(completed)
 
-    def _finish_launched(self) -> None:
-        if self._clean_exit and self.swarm is not None:
+    def _finish_launched(self, completed: bool) -> None:
+        if completed and self.swarm is not None:
             self.linger(self.swarm.cfg.gather_timeout)  # a site still behind downloads the final state from us
         if self.checkpoint_dir is not None and self._talks:
             self.save_checkpoint()

@@ -52,6 +52,7 @@ def main() -> None:
         model = DistributedDataParallel(model)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
     data = batches(args.seed if args.seed is not None else os.getpid() + rank)
+    loss = torch.tensor(float("nan"))  # no step at all if the swarm is already past --rounds when we join
 
     with diloco.DiLoCo(model, opt, inner_steps=args.inner_steps) as d:   # the one DiLoCo line
         while d.round < args.rounds:

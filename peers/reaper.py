@@ -39,6 +39,8 @@ class Reaper:
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
             start_new_session=True,  # a Ctrl-C to the parent's group must not kill the reaper first
+            # not tagged as part of a launch: the launcher's sweep must leave it to clean up after its parent
+            env={k: v for k, v in os.environ.items() if k != "DILOCO_LAUNCH_ID"},
         )
 
     @property

@@ -1,0 +1,55 @@
+"""Hugging Face: a `transformers.Trainer` as a DiLoCo worker, with one added line.
+
+    from diloco.hf import DiLoCoCallback
+    trainer = Trainer(model=model, args=args, train_dataset=data,
+                      callbacks=[DiLoCoCallback(inner_steps=100)])      # the one added line
+    trainer.train()
+
+When training begins (the Trainer has built its optimizer and scheduler by then) the callback wraps
+the Trainer's model and optimizer in `diloco.DiLoCo`; every keyword argument but `inner_steps` goes
+to it (`swarm=`, `streaming=`, `outer_optimizer=`, ...). Without `swarm=`, the swarm comes from the
+launcher's environment (`diloco start/join -- python train.py` or `-- torchrun ... train.py`), and
+without a launcher it is single-worker DiLoCo. Under torchrun the ranks are one site (README, "Your
+own training script"). The wrapper hooks the torch optimizer inside accelerate's wrapper, so a step
+that gradient accumulation or an overflowing fp16 step skips is not counted as an inner step. When
+training ends, the exchange in flight is applied and a launched worker leaves the swarm.
+
+The learning-rate schedule, gradient clipping, mixed precision, logging and the Trainer's own
+checkpoints stay the Trainer's. Evaluate the global model with
+`with callback.diloco.global_weights(): trainer.evaluate()`.
+
+`accelerate` loops need nothing special: `model, optimizer = accelerator.prepare(model, optimizer)`,
+then `with diloco.DiLoCo(model, optimizer, inner_steps=H):` around the loop.
+
+Needs the `hf` extra: `pip install "diloco[hf]"`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from transformers import TrainerCallback
+
+from .wrapper import DiLoCo
+
+
+class DiLoCoCallback(TrainerCallback):  # type: ignore[misc]
+    """Makes the Trainer it is given to a DiLoCo worker (see the module docstring)."""
+
+    def __init__(self, inner_steps: int = 100, **diloco_kwargs: Any) -> None:
+        self.inner_steps = inner_steps
+        self.kwargs = diloco_kwargs
+        self.diloco: DiLoCo | None = None
+        """The wrapper, once training began (its `round`, `digest`, `reports`, `global_weights()`)."""
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, *, model: Any = None, optimizer: Any = None,
+                       **_: Any) -> None:
+        if model is None or optimizer is None:
+            raise RuntimeError("DiLoCoCallback needs the Trainer's model and optimizer when training begins; "
+                               "pass it in Trainer(callbacks=[...]) rather than calling it yourself")
+        self.diloco = DiLoCo(model, optimizer, inner_steps=self.inner_steps, **self.kwargs)
+        self.diloco.attach()
+
+    def on_train_end(self, args: Any, state: Any, control: Any, **_: Any) -> None:
+        if self.diloco is not None:
+            self.diloco.detach()

@@ -1,0 +1,112 @@
+"""Hugging Face: a Trainer with `DiLoCoCallback`, an accelerate loop with the plain wrapper, and a
+real 2-peer swarm driven by Trainer processes under the launcher. Tiny GPT-2 and Llama models are
+built from configs inside the test: nothing is downloaded."""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers", reason="the hf extra: pip install 'diloco[hf]'")
+from accelerate import Accelerator  # noqa: E402
+from transformers import Trainer, TrainingArguments  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
+from hf_trainer import Counting, build  # noqa: E402
+
+from diloco import DiLoCo  # noqa: E402
+from diloco.hf import DiLoCoCallback  # noqa: E402
+
+SCRIPT = str(Path(__file__).resolve().parent.parent / "examples" / "hf_trainer.py")
+
+
+@pytest.mark.swarm
+def test_a_trainer_with_the_callback_is_a_diloco_worker(tmp_path):
+    """GPT-2 (tied input and output embeddings), gradient accumulation 2, a cosine schedule: the inner
+    steps are the Trainer's optimizer steps, a round every H of them, the tie survives, and the
+    training loss falls."""
+    callback = DiLoCoCallback(inner_steps=5)
+    model = build("gpt2")
+    trainer = Trainer(model=model, train_dataset=Counting(512, 0), callbacks=[callback],
+                      args=TrainingArguments(output_dir=str(tmp_path), max_steps=20, per_device_train_batch_size=8,
+                                             gradient_accumulation_steps=2, learning_rate=3e-3, report_to=[],
+                                             lr_scheduler_type="cosine", save_strategy="no", use_cpu=True,
+                                             logging_steps=5, disable_tqdm=True))
+    trainer.train()
+    d = callback.diloco
+    assert d is not None and d.steps == 20 and d.round == 4
+    assert all(r.committed for r in d.reports)
+    assert model.lm_head.weight is model.transformer.wte.weight
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    assert losses[-1] < losses[0], losses
+    assert d._hook is None  # detached when training ended
+
+
+@pytest.mark.swarm
+def test_an_accelerate_loop_with_the_wrapper():
+    """Llama through accelerate's prepare, with its gradient accumulation: the wrapper hooks the torch
+    optimizer inside AcceleratedOptimizer, so a micro-batch without an optimizer step is no inner step."""
+    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=2)
+    model = build("llama")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    loader = torch.utils.data.DataLoader(Counting(256, 1), batch_size=8)
+    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    first = None
+    with DiLoCo(model, optimizer, inner_steps=4) as d:
+        for batch in loader:  # 32 micro-batches: 16 optimizer steps
+            with accelerator.accumulate(model):
+                loss = model(**batch).loss
+                first = first if first is not None else loss.item()
+                accelerator.backward(loss)
+                optimizer.step()
+                optimizer.zero_grad()
+    assert d.steps == 16 and d.round == 4
+    assert loss.item() < first
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(300)
+def test_a_real_two_peer_swarm_driven_by_trainer(tmp_path):
+    """Two Trainer processes, each started by the launcher, train a tiny Llama together and end on one
+    global-state digest."""
+    env = {**os.environ, "DILOCO_SECRET": secrets.token_urlsafe(32), "OMP_NUM_THREADS": "1"}
+    run_id = f"hf-{secrets.token_hex(3)}"
+    common = ["--run-id", run_id, "--wait-for", "2", "--gather-timeout", "20", "--round-timeout", "10"]
+    script = [sys.executable, SCRIPT, "--arch", "llama", "--steps", "30", "--inner-steps", "10"]
+    procs = []
+    try:
+        for i in range(2):
+            verb = ["start"] if i == 0 else ["join", _address(tmp_path / "p0.addr", procs[0])]
+            log = open(tmp_path / f"p{i}.log", "wb")
+            procs.append(subprocess.Popen(
+                [sys.executable, "-m", "diloco", *verb, *common, "--metrics", str(tmp_path / f"p{i}.jsonl"),
+                 "--address-file", str(tmp_path / f"p{i}.addr"), "--", *script, "--seed", str(i)],
+                stdout=log, stderr=subprocess.STDOUT, env=env))
+        for i, p in enumerate(procs):
+            assert p.wait(timeout=240) == 0, (tmp_path / f"p{i}.log").read_text()[-4000:]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    finals = [json.loads(line) for i in range(2) for line in (tmp_path / f"p{i}.jsonl").read_text().splitlines()
+              if '"final"' in line]
+    assert len(finals) == 2 and {f["round"] for f in finals} == {3} and len({f["digest"] for f in finals}) == 1, finals
+    together = [json.loads(line) for line in (tmp_path / "p1.jsonl").read_text().splitlines() if '"round"' in line]
+    assert any(r["committed"] and r["peers"] == 2 for r in together), together
+
+
+def _address(path: Path, proc: subprocess.Popen, timeout: float = 120) -> str:
+    deadline = time.monotonic() + timeout
+    while not path.exists() or not path.read_text().strip():
+        assert time.monotonic() < deadline and proc.poll() is None, "the first peer never wrote its address"
+        time.sleep(0.1)
+    return path.read_text().split()[0]
