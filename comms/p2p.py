@@ -18,8 +18,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import tempfile
 from contextlib import contextmanager, nullcontext, suppress
-from typing import Any, Iterator, Literal
+from typing import Any, Iterable, Iterator, Literal, Sequence
 
 from hivemind.p2p import P2P, PeerID
 
@@ -51,22 +53,64 @@ async def _receive(reader: asyncio.StreamReader, max_message: int) -> bytes:
     return await reader.readexactly(_within(await _prefix(reader), max_message))
 
 
+class _Daemon(P2P):
+    """hivemind's P2P with its socket files in the temp directory (`$TMPDIR`, else /tmp), not always /tmp."""
+
+    @classmethod
+    def use_temp_dir(cls) -> None:
+        cls._UNIX_SOCKET_PREFIX = f"/unix{tempfile.gettempdir()}/hivemind-"
+
+
+def _unix_path(maddr: str) -> str | None:
+    """The file of a `/unix/...` multiaddr (how hivemind names the daemon's control socket), else None."""
+    return maddr[len("/unix"):] if maddr.startswith("/unix/") else None
+
+
+def _listen_path(args: Sequence[str]) -> str | None:
+    """The control socket file a p2pd command line (`-listen=/unix/tmp/…sock`) makes the daemon create."""
+    return next((_unix_path(a.split("=", 1)[1]) for a in args if a.startswith("-listen=")), None)
+
+
+def _remove(paths: Iterable[str | None]) -> None:
+    for path in paths:
+        if path:
+            with suppress(FileNotFoundError):
+                os.remove(path)
+
+
 @contextmanager
-def _daemon_in_own_session() -> Iterator[None]:
+def _daemon_in_own_session() -> Iterator[list[tuple[asyncio.subprocess.Process, list[str]]]]:
     """Start hivemind's p2pd in a session of its own. Ctrl-C in a terminal sends SIGINT to the whole
     foreground process group, and p2pd installs its own SIGINT handler and exits at once, so the peer
     could not announce that it leaves; in its own session only we stop it (and our reaper, if we die).
-    hivemind offers no hook for this, so its subprocess call is wrapped while the daemon starts."""
+    hivemind offers no hook for this, so its subprocess call is wrapped while the daemon starts.
+    Yields the list of daemons started, so a start that fails can clean up after them."""
     real = asyncio.subprocess.create_subprocess_exec
+    spawned: list[tuple[asyncio.subprocess.Process, list[str]]] = []
 
     async def spawn(*args: Any, **kwargs: Any) -> asyncio.subprocess.Process:
-        return await real(*args, **{**kwargs, "start_new_session": True})
+        proc = await real(*args, **{**kwargs, "start_new_session": True})
+        spawned.append((proc, [str(a) for a in args]))
+        return proc
 
     asyncio.subprocess.create_subprocess_exec = spawn
     try:
-        yield
+        yield spawned
     finally:
         asyncio.subprocess.create_subprocess_exec = real
+
+
+async def _cleanup_failed_start(spawned: list[tuple[asyncio.subprocess.Process, list[str]]]) -> None:
+    """hivemind's P2P.create leaves its daemon's control socket behind when the daemon exits during
+    start-up (a bootstrap address that does not answer makes p2pd exit before Python is told), and a
+    daemon behind if a later start-up step fails: stop what it started and remove the socket."""
+    for proc, args in spawned:
+        if proc.returncode is None:
+            with suppress(ProcessLookupError):
+                proc.terminate()
+            with suppress(Exception):
+                await asyncio.wait_for(proc.wait(), 5)
+        _remove([_listen_path(args)])
 
 
 class P2PTransport:
@@ -90,19 +134,25 @@ class P2PTransport:
         identity: Identity | None = None,
     ) -> P2PTransport:
         """`identity`: the key the daemon runs under (one we can sign with); None lets the daemon make one."""
-        with _daemon_in_own_session(), (identity.key_file() if identity else nullcontext(None)) as key_path:
-            p2p = await P2P.create(
-                initial_peers=initial_peers or None,
-                host_maddrs=host_maddrs or ["/ip4/127.0.0.1/tcp/0"],
-                announce_maddrs=announce_maddrs or None,
-                identity_path=key_path,
-                # probing the swarm for our id would start a second daemon; a kept key file is locked instead
-                check_if_identity_free=False,
-                # A LAN/WAN swarm of explicitly addressed peers: no IPFS, no NAT port mapping probes.
-                nat_port_map=False,
-                auto_nat=False,
-                startup_timeout=30,
-            )
+        with _daemon_in_own_session() as spawned, \
+                (identity.key_file() if identity else nullcontext(None)) as key_path:
+            _Daemon.use_temp_dir()
+            try:
+                p2p = await _Daemon.create(
+                    initial_peers=initial_peers or None,
+                    host_maddrs=host_maddrs or ["/ip4/127.0.0.1/tcp/0"],
+                    announce_maddrs=announce_maddrs or None,
+                    identity_path=key_path,
+                    # probing the swarm for our id would start a second daemon; a kept key file is locked instead
+                    check_if_identity_free=False,
+                    # A LAN/WAN swarm of explicitly addressed peers: no IPFS, no NAT port mapping probes.
+                    nat_port_map=False,
+                    auto_nat=False,
+                    startup_timeout=30,
+                )
+            except BaseException:
+                await _cleanup_failed_start(spawned)
+                raise
         transport = cls(p2p, max_message)
         if identity is not None and transport.peer_id != identity.peer_id:
             await transport.close()
@@ -196,5 +246,8 @@ class P2PTransport:
             raise TransportError(f"call {name!r} to {peer} failed: {type(e).__name__}: {e}") from e
 
     async def close(self) -> None:
+        """Stop the daemon and remove both socket files (hivemind removes the daemon's only while the
+        daemon still runs: one that died before us would leave its socket in /tmp)."""
         with suppress(Exception):
             await asyncio.wait_for(self.p2p.shutdown(), 10)
+        _remove(self.socket_paths)

@@ -229,6 +229,8 @@ async def _flood(concurrency: int, body_kib: int, patience: float, addrs: list[s
     reaper = Reaper()  # our daemon dies with us, however we end
     if t.daemon_pid:
         reaper.watch_pid(t.daemon_pid)
+    for path in t.socket_paths:
+        reaper.watch_file(path)
     try:
         wrong = Guard(new_secret(), RUN, t.peer_id)
         targets = [PeerId(a.rsplit("/p2p/", 1)[1]) for a in addrs]
