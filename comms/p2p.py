@@ -191,6 +191,10 @@ class P2PTransport:
                 self.counter.add(caller, sent=len(reply) + _LEN)
             except (TransportError, asyncio.IncompleteReadError, ConnectionError) as e:
                 log.debug("event=stream_dropped handler=%s peer=%s reason=%s", name, caller, e)
+            except asyncio.CancelledError:
+                # We are shutting down (a refusal the tarpit holds, a handler mid-call). Nobody awaits this
+                # task but asyncio's stream callback, which logs a cancelled one with a traceback: end quietly.
+                log.debug("event=stream_dropped handler=%s peer=%s reason=shutting down", name, caller)
             finally:
                 writer.close()
 
