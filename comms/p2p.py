@@ -26,6 +26,7 @@ from typing import Any, Iterable, Iterator, Literal, Sequence
 from hivemind.p2p import P2P, PeerID
 
 from .auth import HEAD_SIZE, MAC_SIZE, Guard, Refusal
+from .fdlimit import raise_open_files_limit
 from .identity import Identity
 from .transport import ByteCounter, Handler, PeerId, TransportError
 
@@ -133,7 +134,9 @@ class P2PTransport:
         max_message: int = 1 << 30,
         identity: Identity | None = None,
     ) -> P2PTransport:
-        """`identity`: the key the daemon runs under (one we can sign with); None lets the daemon make one."""
+        """`identity`: the key the daemon runs under (one we can sign with); None lets the daemon make one.
+        Raises this process's soft open-files limit to the hard one first (the daemon inherits it)."""
+        raise_open_files_limit()
         with _daemon_in_own_session() as spawned, \
                 (identity.key_file() if identity else nullcontext(None)) as key_path:
             _Daemon.use_temp_dir()

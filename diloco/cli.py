@@ -120,11 +120,13 @@ def _join_line(command: str, where: str) -> str:
 def _run_peer(initial: list[str], *, host: str, port: int, announce: Optional[List[str]],
               address_file: Optional[Path], metrics: Optional[Path], status_file: Optional[Path],
               swarm_cfg: SwarmConfig, job: JobConfig, secret_from: str) -> None:
+    from .comms.fdlimit import raise_open_files_limit
     from .comms.hello import HandshakeError
     from .metrics import MetricsWriter
     from .swarm import Banned, Swarm, SwarmError
     from .train import run_job
 
+    raise_open_files_limit()  # before the daemon starts: it inherits the limit
     try:
         swarm = Swarm.join(initial, swarm_cfg, host=host, port=port, announce=announce) if initial else \
             Swarm.start(swarm_cfg, host=host, port=port, announce=announce)
