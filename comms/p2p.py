@@ -28,6 +28,7 @@ from hivemind.p2p import P2P, PeerID
 from .auth import HEAD_SIZE, MAC_SIZE, Guard, Refusal
 from .fdlimit import raise_open_files_limit
 from .identity import Identity
+from .streamgate import Cut, StreamGate
 from .transport import ByteCounter, Handler, PeerId, TransportError
 
 log = logging.getLogger(__name__)
@@ -52,6 +53,12 @@ def _within(length: int, max_message: int) -> int:
 
 async def _receive(reader: asyncio.StreamReader, max_message: int) -> bytes:
     return await reader.readexactly(_within(await _prefix(reader), max_message))
+
+
+async def _head(reader: asyncio.StreamReader) -> tuple[int, bytes]:
+    """The length prefix, and the first bytes of the message (its envelope head, if it is that long)."""
+    length = await _prefix(reader)
+    return length, await reader.readexactly(min(length, HEAD_SIZE))
 
 
 class _Daemon(P2P):
@@ -123,6 +130,7 @@ class P2PTransport:
         self.counter = ByteCounter()
         self.max_message = max_message
         self.guard: Guard | None = None
+        self._gate = StreamGate()
 
     @classmethod
     async def create(
@@ -180,19 +188,27 @@ class P2PTransport:
     async def visible_addresses(self) -> list[str]:
         return [str(m) for m in await self.p2p.get_visible_maddrs()]
 
+    @property
+    def gate(self) -> StreamGate:
+        """What bounds streams waiting for their first bytes: the guard's (its counters are the refusal
+        counters), or, without a guard, the transport's own."""
+        return self.guard.gate if self.guard is not None else self._gate
+
     async def register(self, name: str, handler: Handler) -> None:
         async def serve(info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
             caller = PeerId(info.peer_id.to_base58())
             try:
+                length, head = await self._first_bytes(caller, reader)
+                self.counter.add(caller, received=len(head) + _LEN)
                 if self.guard is None:
-                    request = await _receive(reader, self.max_message)
-                    self.counter.add(caller, received=len(request) + _LEN)
+                    request = head + await reader.readexactly(_within(length, self.max_message) - len(head))
+                    self.counter.add(caller, received=len(request) - len(head))
                     reply = await handler(caller, request)
                 else:
-                    reply = await self._serve_guarded(self.guard, name, caller, reader, handler)
+                    reply = await self._serve_guarded(self.guard, name, caller, length, head, reader, handler)
                 await _send(writer, reply)
                 self.counter.add(caller, sent=len(reply) + _LEN)
-            except (TransportError, asyncio.IncompleteReadError, ConnectionError) as e:
+            except (TransportError, Cut, asyncio.IncompleteReadError, ConnectionError) as e:
                 log.debug("event=stream_dropped handler=%s peer=%s reason=%s", name, caller, e)
             except asyncio.CancelledError:
                 # We are shutting down (a refusal the tarpit holds, a handler mid-call). Nobody awaits this
@@ -203,18 +219,26 @@ class P2PTransport:
 
         await self.p2p.add_binary_stream_handler(name, serve)
 
-    async def _serve_guarded(self, guard: Guard, name: str, caller: PeerId, reader: asyncio.StreamReader,
-                             handler: Handler) -> bytes:
-        """Read the head, refuse a caller without the key there (held if it keeps trying: `tarpit.py`);
-        only then look at the declared length, read and open the rest."""
-        length = await _prefix(reader)
-        head = await reader.readexactly(min(length, HEAD_SIZE))
-        self.counter.add(caller, received=len(head) + _LEN)
+    async def _first_bytes(self, caller: PeerId, reader: asyncio.StreamReader) -> tuple[int, bytes]:
+        """A request's declared length and its first (up to HEAD_SIZE) bytes, read within the gate's
+        bounds (`streamgate.py`); raises `Cut` when the stream must be closed instead."""
+        gate = self.gate
+        with gate.opening(caller) as seconds:
+            try:
+                return await asyncio.wait_for(_head(reader), seconds)
+            except asyncio.TimeoutError:
+                raise gate.cut("slow_head", caller, f"no length prefix and head within {seconds:g} s") from None
+
+    async def _serve_guarded(self, guard: Guard, name: str, caller: PeerId, length: int, head: bytes,
+                             reader: asyncio.StreamReader, handler: Handler) -> bytes:
+        """Refuse a caller without the key at its head (held if it keeps trying: `tarpit.py`); only then
+        look at the declared length, read and open the rest."""
         try:
             body_len = guard.check_head(name, caller, head)
         except Refusal as r:
             await guard.tarpit.refused(caller)
             return r.reply
+        guard.gate.passed(caller)
         _within(length, self.max_message)
         try:
             if length != HEAD_SIZE + body_len + MAC_SIZE:
