@@ -61,7 +61,7 @@ async def _head(reader: asyncio.StreamReader) -> tuple[int, bytes]:
     return length, await reader.readexactly(min(length, HEAD_SIZE))
 
 
-class _Daemon(P2P):
+class _Daemon(P2P):  # type: ignore[misc]  # hivemind ships no type information
     """hivemind's P2P with its socket files in the temp directory (`$TMPDIR`, else /tmp), not always /tmp."""
 
     @classmethod
