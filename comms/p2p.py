@@ -62,7 +62,10 @@ async def _head(reader: asyncio.StreamReader) -> tuple[int, bytes]:
 
 
 class _Daemon(P2P):  # type: ignore[misc]  # hivemind ships no type information
-    """hivemind's P2P with its socket files in the temp directory (`$TMPDIR`, else /tmp), not always /tmp."""
+    """hivemind's P2P with its socket files in the temp directory (`$TMPDIR`, else /tmp), not always /tmp,
+    and a daemon that may run without libp2p's DHT (`dht_mode="off"`)."""
+
+    DHT_MODE_MAPPING = {**P2P.DHT_MODE_MAPPING, "off": {}}
 
     @classmethod
     def use_temp_dir(cls) -> None:
@@ -159,6 +162,11 @@ class P2PTransport:
                     # A LAN/WAN swarm of explicitly addressed peers: no IPFS, no NAT port mapping probes.
                     nat_port_map=False,
                     auto_nat=False,
+                    # No libp2p DHT: it told anyone who dialed us every member's id and address. Members find
+                    # each other's addresses in their signed directory records instead (introduce.py).
+                    dht_mode="off",
+                    # Nor do we relay connections for others (a stranger could use us as a relay).
+                    use_relay=False,
                     startup_timeout=30,
                 )
             except BaseException:

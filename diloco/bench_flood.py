@@ -38,6 +38,7 @@ import torch
 
 from diloco.comms import Collective, CollectiveConfig, PeerId, RoundKey
 from diloco.comms.auth import Guard, new_secret
+from diloco.comms.introduce import connect
 from diloco.comms.tarpit import Tarpit, TarpitConfig
 from diloco.procmem import open_fds, rss_mib
 
@@ -78,6 +79,9 @@ async def _swarm(setup: FloodSetup, secret: str) -> tuple[list[Any], list[Collec
     first = await P2PTransport.create()
     transports = [first] + [await P2PTransport.create(initial_peers=await first.visible_addresses())
                             for _ in range(setup.peers - 1)]
+    for i, t in enumerate(transports):  # no directory here to introduce them (comms/introduce.py)
+        for other in transports[i + 2:]:
+            await connect(t.p2p, other.peer_id, await other.visible_addresses(), 10)
     collectives = []
     for t in transports:
         t.guard = Guard(secret, RUN, t.peer_id)
@@ -164,13 +168,15 @@ def run(setup: FloodSetup, progress: Callable[[str], None] = print) -> dict[str,
                     [sys.executable, "-m", "diloco.bench_flood", *mode, *addrs],
                     stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, start_new_session=True,
                     preexec_fn=(lambda: os.sched_setaffinity(0, theirs)) if setup.pin else None))
-            if setup.stalled:  # the attacked rounds start once every flooder holds its streams
-                for p in flooders:
-                    assert p.stdout is not None
-                    line = await asyncio.wait_for(asyncio.to_thread(p.stdout.readline), 120)
-                    progress(f"flooder: {line.strip()}")
-            else:
-                await asyncio.sleep(5)  # daemons up, streams flowing
+            for p in flooders:  # each prints a line once it floods (its calls started, or its streams open)
+                assert p.stdout is not None
+                line = await asyncio.wait_for(asyncio.to_thread(p.stdout.readline), 120)
+                if not line:
+                    raise RuntimeError("a flooder exited before it started (run `python -m diloco.bench_flood` "
+                                       "by hand to see why)")
+                progress(f"flooder: {line.strip()}")
+            if not setup.stalled:
+                await asyncio.sleep(2)  # calls flowing, the tarpit holding
             failed: list[str] = []
             flooded = await _rounds(cs, 100, setup.rounds, setup.numel, failed)
             peaks_flooded = peaks.take()
@@ -302,6 +308,7 @@ async def _flood(concurrency: int, body_kib: int, patience: float, addrs: list[s
                 calls += 1
 
         tasks = [asyncio.create_task(worker(p)) for p in targets for _ in range(concurrency)]
+        print(json.dumps({"flooding": len(tasks)}), flush=True)
         await stop.wait()
         for task in tasks:
             task.cancel()
