@@ -5,12 +5,20 @@ reads one length-prefixed reply, and closes the stream. libp2p encrypts the conn
 authenticates the remote peer id (`StreamInfo.peer_id`), which is what handlers receive as the
 caller. Large payloads are fine: the stream is raw bytes, not a size-limited unary protobuf.
 
+The daemon runs without libp2p's own DHT (which would tell anyone who dials us every member's id
+and address) and relays nothing for others: it dials the peers it joined through, those that dial
+it, and those the directory introduces (`introduce.py`). Its socket files live in the temp directory
+(`$TMPDIR`, else /tmp) and are removed when we close, also when the daemon died first or never
+finished starting.
+
 Failure semantics: every call has a timeout; an unreachable, dead or slow peer surfaces as
-`TransportError`, never as a hang. A request larger than `max_message` is refused before it is
+`TransportError`, never as a hang. A served stream must deliver its length prefix and first 56
+bytes within the stream gate's bounds (`streamgate.py`: a deadline and caps for callers not yet
+known), else it is closed unread. A request larger than `max_message` is refused before it is
 read into memory. With a `Guard` (the swarm's credential, `auth.py`) a request's first 56 bytes
-(envelope head and tag) are read and checked before anything else: a caller without the key is
-answered with a 56-byte refusal and its stream closed, its body never read; one that keeps trying
-waits for its refusals (`tarpit.py`). The daemon is a child
+(envelope head and tag) are checked before anything else: a caller without the key is answered
+with a 56-byte refusal and its stream closed, its body never read; one that keeps trying waits for
+its refusals (`tarpit.py`). Streams still open when we shut down end quietly. The daemon is a child
 process: `diloco.peers.reaper` makes sure it dies with us even when we are SIGKILLed.
 """
 

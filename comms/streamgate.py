@@ -46,6 +46,10 @@ class GateConfig:
     """Known callers remembered (oldest forgotten first)."""
 
 
+CUTS = ("slow_head", "too_many_streams")
+"""Why the gate closes a stream (counted with the credential check's refusals)."""
+
+
 class Cut(Exception):
     """A stream the gate closes: `reason` is `too_many_streams` or `slow_head`."""
 

@@ -79,8 +79,8 @@ async def _swarm(setup: FloodSetup, secret: str) -> tuple[list[Any], list[Collec
     first = await P2PTransport.create()
     transports = [first] + [await P2PTransport.create(initial_peers=await first.visible_addresses())
                             for _ in range(setup.peers - 1)]
-    for i, t in enumerate(transports):  # no directory here to introduce them (comms/introduce.py)
-        for other in transports[i + 2:]:
+    for i, t in enumerate(transports[1:], 1):  # all dialed the first; no directory introduces the rest
+        for other in transports[i + 1:]:
             await connect(t.p2p, other.peer_id, await other.visible_addresses(), 10)
     collectives = []
     for t in transports:
