@@ -43,6 +43,7 @@ from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable
 
+from .streamgate import StreamGate
 from .tarpit import Tarpit
 from .transport import PeerId, TransportError
 
@@ -61,7 +62,8 @@ HELLO = "diloco.hello"  # the one handler keyed by the swarm (not the run): the 
 REQUEST, REPLY, SESSION, REFUSED = 1, 2, 3, 4
 """Envelope kinds: a call, its answer, "use this session" (signed), and a refusal (unsigned)."""
 REASONS = {1: "unauthorized", 2: "not_allowed", 3: "replay", 4: "malformed"}
-"""Why a request was refused; `Guard.refused` counts these and `stale_session`."""
+"""Why a request was refused; `Guard.refused` counts these, `stale_session`, and the streams its gate
+cut before their head arrived (`slow_head`, `too_many_streams`: `streamgate.py`)."""
 
 
 class AuthRefused(TransportError):
@@ -154,6 +156,9 @@ class Guard:
         self._logged: set[tuple[str, str]] = set()
         self.tarpit = Tarpit()
         """Holds the refusals of callers that keep failing `check_head` (a transport that streams applies it)."""
+        self.gate = StreamGate(refused=self.refused)
+        """Bounds the streams waiting for their heads, and for how long (a transport that streams applies
+        it); what it cuts is counted in `refused` too (`slow_head`, `too_many_streams`)."""
 
     def __repr__(self) -> str:  # never show keys
         return f"Guard(me={self.me!r}, session={self.session:x}, allow={len(self.allow) if self.allow else None})"

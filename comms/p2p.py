@@ -5,12 +5,20 @@ reads one length-prefixed reply, and closes the stream. libp2p encrypts the conn
 authenticates the remote peer id (`StreamInfo.peer_id`), which is what handlers receive as the
 caller. Large payloads are fine: the stream is raw bytes, not a size-limited unary protobuf.
 
+The daemon runs without libp2p's own DHT (which would tell anyone who dials us every member's id
+and address) and relays nothing for others: it dials the peers it joined through, those that dial
+it, and those the directory introduces (`introduce.py`). Its socket files live in the temp directory
+(`$TMPDIR`, else /tmp) and are removed when we close, also when the daemon died first or never
+finished starting.
+
 Failure semantics: every call has a timeout; an unreachable, dead or slow peer surfaces as
-`TransportError`, never as a hang. A request larger than `max_message` is refused before it is
+`TransportError`, never as a hang. A served stream must deliver its length prefix and first 56
+bytes within the stream gate's bounds (`streamgate.py`: a deadline and caps for callers not yet
+known), else it is closed unread. A request larger than `max_message` is refused before it is
 read into memory. With a `Guard` (the swarm's credential, `auth.py`) a request's first 56 bytes
-(envelope head and tag) are read and checked before anything else: a caller without the key is
-answered with a 56-byte refusal and its stream closed, its body never read; one that keeps trying
-waits for its refusals (`tarpit.py`). The daemon is a child
+(envelope head and tag) are checked before anything else: a caller without the key is answered
+with a 56-byte refusal and its stream closed, its body never read; one that keeps trying waits for
+its refusals (`tarpit.py`). Streams still open when we shut down end quietly. The daemon is a child
 process: `diloco.peers.reaper` makes sure it dies with us even when we are SIGKILLed.
 """
 
@@ -18,13 +26,17 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import tempfile
 from contextlib import contextmanager, nullcontext, suppress
-from typing import Any, Iterator, Literal
+from typing import Any, Iterable, Iterator, Literal, Sequence
 
 from hivemind.p2p import P2P, PeerID
 
 from .auth import HEAD_SIZE, MAC_SIZE, Guard, Refusal
+from .fdlimit import raise_open_files_limit
 from .identity import Identity
+from .streamgate import Cut, StreamGate
 from .transport import ByteCounter, Handler, PeerId, TransportError
 
 log = logging.getLogger(__name__)
@@ -51,22 +63,73 @@ async def _receive(reader: asyncio.StreamReader, max_message: int) -> bytes:
     return await reader.readexactly(_within(await _prefix(reader), max_message))
 
 
+async def _head(reader: asyncio.StreamReader) -> tuple[int, bytes]:
+    """The length prefix, and the first bytes of the message (its envelope head, if it is that long)."""
+    length = await _prefix(reader)
+    return length, await reader.readexactly(min(length, HEAD_SIZE))
+
+
+class _Daemon(P2P):  # type: ignore[misc]  # hivemind ships no type information
+    """hivemind's P2P with its socket files in the temp directory (`$TMPDIR`, else /tmp), not always /tmp,
+    and a daemon that may run without libp2p's DHT (`dht_mode="off"`)."""
+
+    DHT_MODE_MAPPING = {**P2P.DHT_MODE_MAPPING, "off": {}}
+
+    @classmethod
+    def use_temp_dir(cls) -> None:
+        cls._UNIX_SOCKET_PREFIX = f"/unix{tempfile.gettempdir()}/hivemind-"
+
+
+def _unix_path(maddr: str) -> str | None:
+    """The file of a `/unix/...` multiaddr (how hivemind names the daemon's control socket), else None."""
+    return maddr[len("/unix"):] if maddr.startswith("/unix/") else None
+
+
+def _listen_path(args: Sequence[str]) -> str | None:
+    """The control socket file a p2pd command line (`-listen=/unix/tmp/…sock`) makes the daemon create."""
+    return next((_unix_path(a.split("=", 1)[1]) for a in args if a.startswith("-listen=")), None)
+
+
+def _remove(paths: Iterable[str | None]) -> None:
+    for path in paths:
+        if path:
+            with suppress(FileNotFoundError):
+                os.remove(path)
+
+
 @contextmanager
-def _daemon_in_own_session() -> Iterator[None]:
+def _daemon_in_own_session() -> Iterator[list[tuple[asyncio.subprocess.Process, list[str]]]]:
     """Start hivemind's p2pd in a session of its own. Ctrl-C in a terminal sends SIGINT to the whole
     foreground process group, and p2pd installs its own SIGINT handler and exits at once, so the peer
     could not announce that it leaves; in its own session only we stop it (and our reaper, if we die).
-    hivemind offers no hook for this, so its subprocess call is wrapped while the daemon starts."""
+    hivemind offers no hook for this, so its subprocess call is wrapped while the daemon starts.
+    Yields the list of daemons started, so a start that fails can clean up after them."""
     real = asyncio.subprocess.create_subprocess_exec
+    spawned: list[tuple[asyncio.subprocess.Process, list[str]]] = []
 
     async def spawn(*args: Any, **kwargs: Any) -> asyncio.subprocess.Process:
-        return await real(*args, **{**kwargs, "start_new_session": True})
+        proc = await real(*args, **{**kwargs, "start_new_session": True})
+        spawned.append((proc, [str(a) for a in args]))
+        return proc
 
     asyncio.subprocess.create_subprocess_exec = spawn
     try:
-        yield
+        yield spawned
     finally:
         asyncio.subprocess.create_subprocess_exec = real
+
+
+async def _cleanup_failed_start(spawned: list[tuple[asyncio.subprocess.Process, list[str]]]) -> None:
+    """hivemind's P2P.create leaves its daemon's control socket behind when the daemon exits during
+    start-up (a bootstrap address that does not answer makes p2pd exit before Python is told), and a
+    daemon behind if a later start-up step fails: stop what it started and remove the socket."""
+    for proc, args in spawned:
+        if proc.returncode is None:
+            with suppress(ProcessLookupError):
+                proc.terminate()
+            with suppress(Exception):
+                await asyncio.wait_for(proc.wait(), 5)
+        _remove([_listen_path(args)])
 
 
 class P2PTransport:
@@ -78,6 +141,7 @@ class P2PTransport:
         self.counter = ByteCounter()
         self.max_message = max_message
         self.guard: Guard | None = None
+        self._gate = StreamGate()
 
     @classmethod
     async def create(
@@ -89,20 +153,33 @@ class P2PTransport:
         max_message: int = 1 << 30,
         identity: Identity | None = None,
     ) -> P2PTransport:
-        """`identity`: the key the daemon runs under (one we can sign with); None lets the daemon make one."""
-        with _daemon_in_own_session(), (identity.key_file() if identity else nullcontext(None)) as key_path:
-            p2p = await P2P.create(
-                initial_peers=initial_peers or None,
-                host_maddrs=host_maddrs or ["/ip4/127.0.0.1/tcp/0"],
-                announce_maddrs=announce_maddrs or None,
-                identity_path=key_path,
-                # probing the swarm for our id would start a second daemon; a kept key file is locked instead
-                check_if_identity_free=False,
-                # A LAN/WAN swarm of explicitly addressed peers: no IPFS, no NAT port mapping probes.
-                nat_port_map=False,
-                auto_nat=False,
-                startup_timeout=30,
-            )
+        """`identity`: the key the daemon runs under (one we can sign with); None lets the daemon make one.
+        Raises this process's soft open-files limit to the hard one first (the daemon inherits it)."""
+        raise_open_files_limit()
+        with _daemon_in_own_session() as spawned, \
+                (identity.key_file() if identity else nullcontext(None)) as key_path:
+            _Daemon.use_temp_dir()
+            try:
+                p2p = await _Daemon.create(
+                    initial_peers=initial_peers or None,
+                    host_maddrs=host_maddrs or ["/ip4/127.0.0.1/tcp/0"],
+                    announce_maddrs=announce_maddrs or None,
+                    identity_path=key_path,
+                    # probing the swarm for our id would start a second daemon; a kept key file is locked instead
+                    check_if_identity_free=False,
+                    # A LAN/WAN swarm of explicitly addressed peers: no IPFS, no NAT port mapping probes.
+                    nat_port_map=False,
+                    auto_nat=False,
+                    # No libp2p DHT: it told anyone who dialed us every member's id and address. Members find
+                    # each other's addresses in their signed directory records instead (introduce.py).
+                    dht_mode="off",
+                    # Nor do we relay connections for others (a stranger could use us as a relay).
+                    use_relay=False,
+                    startup_timeout=30,
+                )
+            except BaseException:
+                await _cleanup_failed_start(spawned)
+                raise
         transport = cls(p2p, max_message)
         if identity is not None and transport.peer_id != identity.peer_id:
             await transport.close()
@@ -127,37 +204,57 @@ class P2PTransport:
     async def visible_addresses(self) -> list[str]:
         return [str(m) for m in await self.p2p.get_visible_maddrs()]
 
+    @property
+    def gate(self) -> StreamGate:
+        """What bounds streams waiting for their first bytes: the guard's (its counters are the refusal
+        counters), or, without a guard, the transport's own."""
+        return self.guard.gate if self.guard is not None else self._gate
+
     async def register(self, name: str, handler: Handler) -> None:
         async def serve(info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
             caller = PeerId(info.peer_id.to_base58())
             try:
+                length, head = await self._first_bytes(caller, reader)
+                self.counter.add(caller, received=len(head) + _LEN)
                 if self.guard is None:
-                    request = await _receive(reader, self.max_message)
-                    self.counter.add(caller, received=len(request) + _LEN)
+                    request = head + await reader.readexactly(_within(length, self.max_message) - len(head))
+                    self.counter.add(caller, received=len(request) - len(head))
                     reply = await handler(caller, request)
                 else:
-                    reply = await self._serve_guarded(self.guard, name, caller, reader, handler)
+                    reply = await self._serve_guarded(self.guard, name, caller, length, head, reader, handler)
                 await _send(writer, reply)
                 self.counter.add(caller, sent=len(reply) + _LEN)
-            except (TransportError, asyncio.IncompleteReadError, ConnectionError) as e:
+            except (TransportError, Cut, asyncio.IncompleteReadError, ConnectionError) as e:
                 log.debug("event=stream_dropped handler=%s peer=%s reason=%s", name, caller, e)
+            except asyncio.CancelledError:
+                # We are shutting down (a refusal the tarpit holds, a handler mid-call). Nobody awaits this
+                # task but asyncio's stream callback, which logs a cancelled one with a traceback: end quietly.
+                log.debug("event=stream_dropped handler=%s peer=%s reason=shutting down", name, caller)
             finally:
                 writer.close()
 
         await self.p2p.add_binary_stream_handler(name, serve)
 
-    async def _serve_guarded(self, guard: Guard, name: str, caller: PeerId, reader: asyncio.StreamReader,
-                             handler: Handler) -> bytes:
-        """Read the head, refuse a caller without the key there (held if it keeps trying: `tarpit.py`);
-        only then look at the declared length, read and open the rest."""
-        length = await _prefix(reader)
-        head = await reader.readexactly(min(length, HEAD_SIZE))
-        self.counter.add(caller, received=len(head) + _LEN)
+    async def _first_bytes(self, caller: PeerId, reader: asyncio.StreamReader) -> tuple[int, bytes]:
+        """A request's declared length and its first (up to HEAD_SIZE) bytes, read within the gate's
+        bounds (`streamgate.py`); raises `Cut` when the stream must be closed instead."""
+        gate = self.gate
+        with gate.opening(caller) as seconds:
+            try:
+                return await asyncio.wait_for(_head(reader), seconds)
+            except asyncio.TimeoutError:
+                raise gate.cut("slow_head", caller, f"no length prefix and head within {seconds:g} s") from None
+
+    async def _serve_guarded(self, guard: Guard, name: str, caller: PeerId, length: int, head: bytes,
+                             reader: asyncio.StreamReader, handler: Handler) -> bytes:
+        """Refuse a caller without the key at its head (held if it keeps trying: `tarpit.py`); only then
+        look at the declared length, read and open the rest."""
         try:
             body_len = guard.check_head(name, caller, head)
         except Refusal as r:
             await guard.tarpit.refused(caller)
             return r.reply
+        guard.gate.passed(caller)
         _within(length, self.max_message)
         try:
             if length != HEAD_SIZE + body_len + MAC_SIZE:
@@ -196,5 +293,8 @@ class P2PTransport:
             raise TransportError(f"call {name!r} to {peer} failed: {type(e).__name__}: {e}") from e
 
     async def close(self) -> None:
+        """Stop the daemon and remove both socket files (hivemind removes the daemon's only while the
+        daemon still runs: one that died before us would leave its socket in /tmp)."""
         with suppress(Exception):
             await asyncio.wait_for(self.p2p.shutdown(), 10)
+        _remove(self.socket_paths)

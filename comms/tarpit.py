@@ -73,7 +73,8 @@ class Tarpit:
 
     async def refused(self, caller: str) -> None:
         """Call when `caller` failed the credential check, before answering it: returns at once or after
-        the hold."""
+        the hold. A hold cancelled because the peer shuts down raises `CancelledError` (the transport
+        ends that stream quietly: tests/test_tarpit.py)."""
         now = self._clock()
         seconds = hold_seconds(self.cfg, self._note(caller, now), now, self._held[caller], self.holding)
         if seconds <= 0:

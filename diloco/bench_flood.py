@@ -8,6 +8,12 @@ calls each in flight against every peer's contribution handler, each call a well
 declaring a `body_kib` KiB body. Reported: median round time per phase, the flooded median over
 the quiet ones, calls the flooders made and the peers refused, and bytes the peers read from them.
 
+With `stalled` N, each flooder instead opens N streams to every peer's contribution handler and sends
+nothing on them, holding them until the flooded phase ends (the attack that once took a peer past its
+open-files limit: comms/streamgate.py). Reported then: streams opened, streams the peers cut
+(`slow_head`, `too_many_streams`), and the most file descriptors held by the swarm's process (all its
+peers' handlers) and by one daemon, quiet and attacked, sampled from /proc every 0.2 s.
+
 A real attacker runs on its own machine: its CPU is not ours. With `pin` (the default) the swarm's
 process and daemons get the first half of this machine's cores and the flooders the rest, so what
 the flooded phase measures is what handling the flood costs the swarm, not the attacker's own work
@@ -32,8 +38,9 @@ import torch
 
 from diloco.comms import Collective, CollectiveConfig, PeerId, RoundKey
 from diloco.comms.auth import Guard, new_secret
+from diloco.comms.introduce import connect
 from diloco.comms.tarpit import Tarpit, TarpitConfig
-from diloco.procmem import rss_mib
+from diloco.procmem import open_fds, rss_mib
 
 RUN = "bench-flood"
 
@@ -52,6 +59,8 @@ class FloodSetup:
     """Off: every refusal is answered at once (the control that shows what the tarpit buys)."""
     compression: str = "fp32"
     pin: bool = True
+    stalled: int = 0
+    """Streams each flooder opens to each peer and leaves silent (0: the flooders make calls instead)."""
 
 
 def _split_cores() -> tuple[set[int], set[int]]:
@@ -70,6 +79,9 @@ async def _swarm(setup: FloodSetup, secret: str) -> tuple[list[Any], list[Collec
     first = await P2PTransport.create()
     transports = [first] + [await P2PTransport.create(initial_peers=await first.visible_addresses())
                             for _ in range(setup.peers - 1)]
+    for i, t in enumerate(transports[1:], 1):  # all dialed the first; no directory introduces the rest
+        for other in transports[i + 1:]:
+            await connect(t.p2p, other.peer_id, await other.visible_addresses(), 10)
     collectives = []
     for t in transports:
         t.guard = Guard(secret, RUN, t.peer_id)
@@ -79,21 +91,32 @@ async def _swarm(setup: FloodSetup, secret: str) -> tuple[list[Any], list[Collec
     return transports, collectives
 
 
-class _PeakRss:
-    """Samples the swarm daemons' resident memory every 0.2 s; `take()` returns the peak since the last one."""
+class _Peaks:
+    """Samples every 0.2 s the swarm daemons' resident memory together, the file descriptors this process
+    holds (every peer's handlers), and the most one daemon holds; `take()` returns the peaks since the last."""
 
     def __init__(self, pids: list[int]) -> None:
-        self._pids, self._peak = pids, 0.0
+        self._pids = pids
+        self._peak = self._zero()
         self._task = asyncio.create_task(self._sample())
+
+    @staticmethod
+    def _zero() -> dict[str, float]:
+        return {"rss_mib": 0.0, "swarm_process_fds": 0, "daemon_fds": 0}
+
+    def _now(self) -> dict[str, float]:
+        return {"rss_mib": rss_mib(self._pids), "swarm_process_fds": open_fds(os.getpid()),
+                "daemon_fds": max((open_fds(p) for p in self._pids), default=0)}
 
     async def _sample(self) -> None:
         while True:
-            self._peak = max(self._peak, rss_mib(self._pids))
+            self._peak = {k: max(v, self._peak[k]) for k, v in self._now().items()}
             await asyncio.sleep(0.2)
 
-    def take(self) -> float:
-        peak, self._peak = max(self._peak, rss_mib(self._pids)), 0.0
-        return round(peak, 1)
+    def take(self) -> dict[str, float]:
+        peak = {k: max(v, self._peak[k]) for k, v in self._now().items()}
+        self._peak = self._zero()
+        return {**peak, "rss_mib": round(peak["rss_mib"], 1)}
 
     def stop(self) -> None:
         self._task.cancel()
@@ -132,23 +155,32 @@ def run(setup: FloodSetup, progress: Callable[[str], None] = print) -> dict[str,
             addrs = [f"{(await t.visible_addresses())[0]}" for t in transports]
             addrs = [a if "/p2p/" in a else f"{a}/p2p/{t.peer_id}" for a, t in zip(addrs, transports)]
             await _rounds(cs, 1, 3, setup.numel)  # warm-up: connections, allocator
-            rss = _PeakRss([t.daemon_pid for t in transports if t.daemon_pid])
-            rss.take()
+            peaks = _Peaks([t.daemon_pid for t in transports if t.daemon_pid])
+            peaks.take()
             quiet = await _rounds(cs, 10, setup.rounds, setup.numel)
-            rss_quiet = rss.take()
+            peaks_quiet = peaks.take()
             progress(f"quiet: median round {statistics.median(quiet):.3f} s")
             read_before = [sum(row[1] for row in t.counter.per_peer.values()) for t in transports]
+            mode = ["stalled", str(setup.stalled)] if setup.stalled else \
+                ["calls", str(setup.concurrency), str(setup.body_kib), str(setup.patience)]
             for _ in range(setup.flooders):
                 flooders.append(subprocess.Popen(
-                    [sys.executable, "-m", "diloco.bench_flood", str(setup.concurrency), str(setup.body_kib),
-                     str(setup.patience), *addrs],
+                    [sys.executable, "-m", "diloco.bench_flood", *mode, *addrs],
                     stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, start_new_session=True,
                     preexec_fn=(lambda: os.sched_setaffinity(0, theirs)) if setup.pin else None))
-            await asyncio.sleep(5)  # daemons up, streams flowing
+            for p in flooders:  # each prints a line once it floods (its calls started, or its streams open)
+                assert p.stdout is not None
+                line = await asyncio.wait_for(asyncio.to_thread(p.stdout.readline), 120)
+                if not line:
+                    raise RuntimeError("a flooder exited before it started (run `python -m diloco.bench_flood` "
+                                       "by hand to see why)")
+                progress(f"flooder: {line.strip()}")
+            if not setup.stalled:
+                await asyncio.sleep(2)  # calls flowing, the tarpit holding
             failed: list[str] = []
             flooded = await _rounds(cs, 100, setup.rounds, setup.numel, failed)
-            rss_flooded = rss.take()
-            rss.stop()
+            peaks_flooded = peaks.take()
+            peaks.stop()
             progress(f"flooded: median round {statistics.median(flooded):.3f} s")
             counts = []
             for p in flooders:
@@ -169,14 +201,20 @@ def run(setup: FloodSetup, progress: Callable[[str], None] = print) -> dict[str,
                 "median_round_s": {"quiet": statistics.median(quiet), "flooded": statistics.median(flooded),
                                    "quiet_again": statistics.median(after)},
                 "flooded_over_quiet": statistics.median(flooded) / baseline,
-                "flood_calls": sum(c["calls"] for c in counts),
-                "flood_calls_per_s": sum(c["calls"] / c["seconds"] for c in counts),
+                "flood_calls": sum(c.get("calls", 0) for c in counts),
+                "flood_calls_per_s": sum(c.get("calls", 0) / c["seconds"] for c in counts),
+                "stalled_opened": sum(c.get("opened", 0) for c in counts),
+                "stalled_cut_seen_by_flooders": sum(c.get("cut", 0) for c in counts),
+                "streams_cut": {reason: sum(g.refused[reason] for g in guards)
+                                for reason in ("slow_head", "too_many_streams")},
                 "refused_unauthorized": refused,
                 "refusals_held": sum(g.tarpit.held_total for g in guards),
                 "bytes_read_from_flooders": from_flooders,
                 "bytes_read_before_flood": sum(read_before),
                 "rejections_reaching_collective": sum(sum(c.rejections.values()) for c in cs),
-                "daemon_rss_peak_mib": {"quiet": rss_quiet, "flooded": rss_flooded},
+                "daemon_rss_peak_mib": {"quiet": peaks_quiet["rss_mib"], "flooded": peaks_flooded["rss_mib"]},
+                "fds_peak": {"quiet": {k: v for k, v in peaks_quiet.items() if k != "rss_mib"},
+                             "flooded": {k: v for k, v in peaks_flooded.items() if k != "rss_mib"}},
                 "flooded_rounds_failed": failed,
             }
         finally:
@@ -199,6 +237,8 @@ def run(setup: FloodSetup, progress: Callable[[str], None] = print) -> dict[str,
 
 def markdown(report: dict[str, Any]) -> str:
     m, s = report["median_round_s"], report["setup"]
+    if s.get("stalled"):
+        return _markdown_stalled(report)
     return "\n".join([
         "| phase | median round (s) |", "|---|---|",
         f"| quiet | {m['quiet']:.3f} |", f"| flooded | {m['flooded']:.3f} |", f"| quiet again | {m['quiet_again']:.3f} |",
@@ -217,6 +257,26 @@ def markdown(report: dict[str, Any]) -> str:
     ])
 
 
+def _markdown_stalled(report: dict[str, Any]) -> str:
+    m, s, fds = report["median_round_s"], report["setup"], report["fds_peak"]
+    cut = report["streams_cut"]
+    return "\n".join([
+        "| phase | median round (s) | fds of the swarm's process (peak) | fds of one daemon (peak) |",
+        "|---|---|---|---|",
+        f"| quiet | {m['quiet']:.3f} | {fds['quiet']['swarm_process_fds']} | {fds['quiet']['daemon_fds']} |",
+        f"| stalled streams | {m['flooded']:.3f} | {fds['flooded']['swarm_process_fds']} | "
+        f"{fds['flooded']['daemon_fds']} |",
+        f"| quiet again | {m['quiet_again']:.3f} | | |",
+        "",
+        f"attacked / quiet: {report['flooded_over_quiet']:.3f}; {s['flooders']} flooder(s) opened "
+        f"{report['stalled_opened']} streams ({s['stalled']} to each of {s['peers']} peers each) and sent nothing; "
+        f"the peers cut {cut['too_many_streams']} at once (too_many_streams) and {cut['slow_head']} after the "
+        f"head deadline (slow_head); the flooders saw {report['stalled_cut_seen_by_flooders']} of theirs closed."
+        + (f" {len(report['flooded_rounds_failed'])} of {s['rounds']} attacked rounds failed: "
+           f"{report['flooded_rounds_failed'][0]}" if report["flooded_rounds_failed"] else ""),
+    ])
+
+
 # ---------------------------------------------------------------------- the flooder process
 
 
@@ -229,6 +289,8 @@ async def _flood(concurrency: int, body_kib: int, patience: float, addrs: list[s
     reaper = Reaper()  # our daemon dies with us, however we end
     if t.daemon_pid:
         reaper.watch_pid(t.daemon_pid)
+    for path in t.socket_paths:
+        reaper.watch_file(path)
     try:
         wrong = Guard(new_secret(), RUN, t.peer_id)
         targets = [PeerId(a.rsplit("/p2p/", 1)[1]) for a in addrs]
@@ -246,6 +308,7 @@ async def _flood(concurrency: int, body_kib: int, patience: float, addrs: list[s
                 calls += 1
 
         tasks = [asyncio.create_task(worker(p)) for p in targets for _ in range(concurrency)]
+        print(json.dumps({"flooding": len(tasks)}), flush=True)
         await stop.wait()
         for task in tasks:
             task.cancel()
@@ -256,13 +319,62 @@ async def _flood(concurrency: int, body_kib: int, patience: float, addrs: list[s
         reaper.close()
 
 
+async def _stall(streams: int, addrs: list[str], stop: asyncio.Event) -> dict[str, Any]:
+    """Open `streams` streams to each peer's contribution handler, send nothing, hold them until `stop`.
+    Prints one line once they are open; returns how many opened and how many the peers closed."""
+    from hivemind.p2p import PeerID
+
+    from diloco.comms.p2p import P2PTransport
+    from diloco.peers.reaper import Reaper
+
+    t = await P2PTransport.create(initial_peers=addrs)
+    reaper = Reaper()  # our daemon dies with us, however we end
+    if t.daemon_pid:
+        reaper.watch_pid(t.daemon_pid)
+    for path in t.socket_paths:
+        reaper.watch_file(path)
+    held: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = []
+    failed, started = 0, time.monotonic()
+    limit = asyncio.Semaphore(64)
+
+    async def open_one(peer: str) -> None:
+        nonlocal failed
+        async with limit:
+            try:
+                _, reader, writer = await asyncio.wait_for(
+                    t.p2p.call_binary_stream_handler(PeerID.from_base58(peer), "diloco.contrib"), 30)
+                held.append((reader, writer))
+            except Exception:  # noqa: BLE001 - a stream the daemon would not open is not held
+                failed += 1
+
+    try:
+        targets = [a.rsplit("/p2p/", 1)[1] for a in addrs]
+        await asyncio.gather(*(open_one(p) for p in targets for _ in range(streams)))
+        print(json.dumps({"opened": len(held), "failed": failed,
+                          "seconds_to_open": round(time.monotonic() - started, 2)}), flush=True)
+        await stop.wait()
+        cut = sum(reader.at_eof() for reader, _ in held)
+        return {"opened": len(held), "failed": failed, "cut": cut, "seconds": time.monotonic() - started}
+    finally:
+        for _, writer in held:
+            writer.close()
+        await t.close()
+        reaper.close()
+
+
 def _flooder_main(argv: list[str]) -> None:
-    concurrency, body_kib, patience, addrs = int(argv[0]), int(argv[1]), float(argv[2]), argv[3:]
+    """`calls CONCURRENCY BODY_KIB PATIENCE ADDR...` or `stalled STREAMS ADDR...`; the last line printed
+    (on SIGTERM) is a JSON summary."""
+    mode, args = argv[0], argv[1:]
 
     async def main() -> None:
         stop = asyncio.Event()
         asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
-        print(json.dumps(await _flood(concurrency, body_kib, patience, addrs, stop)), flush=True)
+        if mode == "stalled":
+            result = await _stall(int(args[0]), args[1:], stop)
+        else:
+            result = await _flood(int(args[0]), int(args[1]), float(args[2]), args[3:], stop)
+        print(json.dumps(result), flush=True)
 
     asyncio.run(main())
 

@@ -125,11 +125,13 @@ def _join_line(command: str, where: str) -> str:
 def _run_peer(initial: list[str], *, host: str, port: int, announce: Optional[List[str]],
               address_file: Optional[Path], metrics: Optional[Path], status_file: Optional[Path],
               swarm_cfg: SwarmConfig, job: JobConfig, secret_from: str) -> None:
+    from .comms.fdlimit import raise_open_files_limit
     from .comms.hello import HandshakeError
     from .metrics import MetricsWriter
     from .swarm import Banned, Swarm, SwarmError
     from .train import run_job
 
+    raise_open_files_limit()  # before the daemon starts: it inherits the limit
     try:
         swarm = Swarm.join(initial, swarm_cfg, host=host, port=port, announce=announce) if initial else \
             Swarm.start(swarm_cfg, host=host, port=port, announce=announce)
@@ -546,16 +548,21 @@ def bench_flood_cmd(
                                            "refusal at once, the control."),
     pin: bool = typer.Option(True, help="Swarm on the first half of the cores, flooders on the rest (as if the "
                                         "attackers ran on their own machines)."),
+    stalled: int = typer.Option(0, help="Instead of calls: each flooder opens this many streams to every peer and "
+                                        "sends nothing on them (0: flood with calls)."),
     json_path: Optional[Path] = typer.Option(None, "--json", help="Write the report as JSON here."),
 ) -> None:
-    """Round time of a swarm while processes without its secret flood it with calls (RELIABILITY row 16)."""
+    """Round time of a swarm while processes without its secret flood it with calls (RELIABILITY row 16),
+    or hold streams open without sending anything (--stalled)."""
     from .bench_flood import FloodSetup, markdown, run, write_json
 
-    if peers < 2 or numel < 1 or rounds < 1 or flooders < 1 or concurrency < 1 or body_kib < 0 or patience <= 0:
-        _fail("--peers must be >= 2; --numel, --rounds, --flooders and --concurrency >= 1; --body-kib >= 0; "
-              "--patience > 0")
+    if peers < 2 or numel < 1 or rounds < 1 or flooders < 1 or concurrency < 1 or body_kib < 0 or patience <= 0 \
+            or stalled < 0:
+        _fail("--peers must be >= 2; --numel, --rounds, --flooders and --concurrency >= 1; --body-kib and "
+              "--stalled >= 0; --patience > 0")
     report = run(FloodSetup(peers=peers, numel=numel, rounds=rounds, flooders=flooders, concurrency=concurrency,
-                            body_kib=body_kib, patience=patience, tarpit=tarpit, pin=pin), progress=typer.echo)
+                            body_kib=body_kib, patience=patience, tarpit=tarpit, pin=pin, stalled=stalled),
+                 progress=typer.echo)
     typer.echo(markdown(report))
     if json_path:
         write_json(report, json_path)

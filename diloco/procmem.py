@@ -1,4 +1,5 @@
-"""Resident memory of processes and their descendants, read from Linux /proc (benchmarks only).
+"""Resident memory of processes and their descendants, and their open file descriptors, read from
+Linux /proc (benchmarks and tests only).
 
 No dependency for this: a peer is a Python process plus the p2pd daemon it started, and a benchmark
 wants their resident set together. Where /proc is missing (not Linux) every figure is 0.
@@ -6,6 +7,7 @@ wants their resident set together. Where /proc is missing (not Linux) every figu
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 
@@ -41,3 +43,11 @@ def family_rss_mib(pids: list[int]) -> list[float]:
             todo.extend(children.get(p, []))
         out.append(rss_mib(family))
     return out
+
+
+def open_fds(pid: int) -> int:
+    """File descriptors `pid` holds open now (0 when it is gone or /proc is missing)."""
+    try:
+        return len(os.listdir(f"/proc/{pid}/fd"))
+    except OSError:
+        return 0

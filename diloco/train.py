@@ -25,7 +25,7 @@ from diloco.compression.pipeline import parse as parse_compression
 from .config import ConfigError
 from .corpus import BatchSampler, Corpus, CorpusConfig, evaluate, heldout_batches
 from .fragments import FragmentError, StreamingConfig, check_schedule
-from .metrics import MetricsWriter, write_status
+from .metrics import MetricsWriter, write_failures, write_status
 from .model import GPTConfig, build_model
 from .outer import default_outer
 from .swarm import Swarm
@@ -201,7 +201,7 @@ def run_job(cfg: JobConfig, swarm: Swarm | None, *, metrics: MetricsWriter | Non
                    committed_rounds=sum(r.committed for r in d.reports), wall_seconds=round(time.monotonic() - started, 2),
                    stopped=stop.is_set(), fragments=len(d.fragments), overlap=cfg.overlap, alpha=cfg.alpha,
                    outer_overlap=cfg.outer_overlap, usage=d.usage().as_dict(), rollbacks=d.rollbacks,
-                   **_defences(swarm))
+                   write_failures=dict(sorted(write_failures.items())), **_defences(swarm))
     metrics.write("final", **summary)
     if status_path:
         write_status(status_path, done=True, step=d.steps, loss=d.loss, **summary)

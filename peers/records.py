@@ -6,7 +6,8 @@ refreshing (crashed, partitioned) disappears when its record expires. A peer tha
 purpose publishes `status="left"` so others drop it at once.
 
 Two directories implement the same two calls (`publish`, `read`):
-- `DHTDirectory`: hivemind's Kademlia DHT (`DHTNode`) running on the peer's own libp2p daemon.
+- `DHTDirectory`: hivemind's Kademlia DHT (`DHTNode`) running on the peer's own libp2p daemon; what
+  it reads also tells the daemon where the peers it names can be dialed (`comms/introduce.py`).
 - `InProcBoard`: a dict with expirations, for in-process swarms (tests, simulation).
 
 Records read from the network are validated field by field; malformed ones are dropped and
@@ -27,6 +28,7 @@ from diloco.comms import PeerId
 
 if TYPE_CHECKING:
     from diloco.comms.identity import Identity
+    from diloco.comms.introduce import Introducer
 
     from .signing import SignedRecords
 
@@ -163,10 +165,12 @@ class DHTDirectory:
     counted together in `dropped`. `allow`: if given, only these peers' records (and ours) are read."""
 
     def __init__(self, node: Any, run_id: str, records: SignedRecords | None = None,
-                 allow: frozenset[str] | None = None) -> None:
+                 allow: frozenset[str] | None = None, introducer: Introducer | None = None) -> None:
         from .signing import SignedRecords
 
         self.node = node
+        self.introducer = introducer
+        """Connects our daemon to the peers we read about (`comms/introduce.py`); None for an observer."""
         self.key = f"diloco/{run_id}/peers"
         self.records = records if records is not None else SignedRecords(None)
         self.dropped: Counter[str] = self.records.rejected
@@ -187,11 +191,14 @@ class DHTDirectory:
 
         from .signing import SignedRecords
 
+        from diloco.comms.introduce import Introducer
+
         records = SignedRecords(identity)
         node = await DHTNode.create(p2p=p2p, initial_peers=initial_peers or None, num_workers=4,
                                     cache_locally=False, ensure_bootstrap_success=bool(initial_peers),
                                     client_mode=client_mode, authorizer=authorizer, record_validator=records)
-        return cls(node, run_id, records, allow)
+        introducer = None if client_mode else Introducer(p2p, p2p.peer_id.to_base58())
+        return cls(node, run_id, records, allow, introducer)
 
     async def publish(self, record: PeerRecord, ttl: float) -> None:
         from hivemind.utils import get_dht_time
@@ -212,7 +219,11 @@ class DHTDirectory:
                 self.dropped["malformed_record"] += 1
             else:
                 out.append(rec)
+        if self.introducer is not None:
+            self.introducer.meet(out)
         return out
 
     async def close(self) -> None:
+        if self.introducer is not None:
+            await self.introducer.close()
         await self.node.shutdown()

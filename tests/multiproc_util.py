@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import secrets
 import subprocess
 import sys
@@ -22,16 +23,19 @@ class Peers:
         self.procs: list[subprocess.Popen] = []
 
     def spawn(self, index: int, args: list[str], env: dict[str, str] | None = None,
-              session: bool = False) -> subprocess.Popen:
+              session: bool = False, open_files: int | None = None) -> subprocess.Popen:
         """Start peer `index`; with `session` in a process group of its own (as a shell job is, so a
-        test can send the group Ctrl-C's SIGINT)."""
+        test can send the group Ctrl-C's SIGINT); with `open_files` under that soft and hard limit of
+        open files (its daemon inherits it)."""
         cmd = [sys.executable, "-m", "diloco", *args, "--run-id", self.run_id,
                "--metrics", str(self.metrics(index)), "--address-file", str(self.workdir / f"peer{index}.addr"),
                "--shard", str(index), "--verbose"]
         log = open(self.workdir / f"peer{index}.log", "wb")
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                 env={**os.environ, "DILOCO_SECRET": self.secret, **(env or {})},
-                                start_new_session=session)
+                                start_new_session=session,
+                                preexec_fn=None if open_files is None else lambda: resource.setrlimit(
+                                    resource.RLIMIT_NOFILE, (open_files, open_files)))
         self.procs.append(proc)
         return proc
 

@@ -404,12 +404,13 @@ def test_every_rejection_and_refusal_reason_has_a_troubleshooting_row():
     from pathlib import Path
 
     from diloco.comms.auth import REASONS
+    from diloco.comms.streamgate import CUTS
     from diloco.compression import Reason
     from diloco.peers.signing import REASONS as RECORD_REASONS
 
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
     rows = [line for line in readme.splitlines() if line.startswith("| ")]
-    missing = [r for r in [*(x.value for x in Reason), *REASONS.values(), "stale_session"]
+    missing = [r for r in [*(x.value for x in Reason), *REASONS.values(), "stale_session", *CUTS]
                if not any(f"`{r}`" in row or f"reason={r}" in row for row in rows)]
     record_rows = [row for row in rows if "record_refused" in row]
     missing += [r for r in [*RECORD_REASONS, "not_allowed", "malformed_record"] if not any(f"`{r}`" in row or f"reason={r}" in row

@@ -183,6 +183,7 @@ def test_a_secret_holder_cannot_write_or_erase_another_peers_record_in_the_dht()
     from hivemind.utils import get_dht_time
 
     from diloco.comms.auth import HmacAuthorizer
+    from diloco.comms.introduce import connect
     from diloco.comms.p2p import P2PTransport
     from diloco.peers import DHTDirectory
 
@@ -201,6 +202,8 @@ def test_a_secret_holder_cannot_write_or_erase_another_peers_record_in_the_dht()
             dirs.append(da)
             db = await DHTDirectory.create(tb.p2p, run, addrs, authorizer=HmacAuthorizer(secret, run), identity=ib)
             dirs.append(db)
+            # M holds the secret, so it can read B's address in B's record: it dials B itself
+            await connect(tm.p2p, tb.peer_id, await tb.visible_addresses(), 10)
             node_m = await DHTNode.create(p2p=tm.p2p, initial_peers=addrs, num_workers=4, cache_locally=False,
                                           authorizer=HmacAuthorizer(secret, run))  # no validator: signs nothing
             await da.publish(PeerRecord(peer=ia.peer_id, status="training", round=3), 30)

@@ -65,3 +65,52 @@ def test_callers_remembered_are_bounded_oldest_forgotten_first():
         return pit.held_total
 
     assert asyncio.run(main()) == 1  # only 'e' was held
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(60)
+def test_a_peer_that_exits_while_its_tarpit_holds_a_stream_logs_no_traceback(caplog):
+    """A peer leaves (transport closed, then its loop's tasks cancelled, as `Swarm.close` does) while a
+    refusal is held: the held stream ends quietly, no `CancelledError` traceback is logged."""
+    import logging
+    import time
+
+    from diloco.comms import PeerId
+    from diloco.comms.auth import Guard
+    from diloco.comms.loop import LoopThread
+    from diloco.comms.p2p import P2PTransport
+    from diloco.comms.transport import TransportError
+
+    async def pong(caller: PeerId, data: bytes) -> bytes:
+        return data
+
+    caplog.set_level(logging.DEBUG)
+    ours, theirs = LoopThread(name="peer"), LoopThread(name="stranger")
+    peer = ours.run(P2PTransport.create(), timeout=30)
+    stranger = None
+    try:
+        peer.guard = Guard("s" * 32, "run", peer.peer_id)
+        peer.guard.tarpit = Tarpit(TarpitConfig(hold=30.0))
+        ours.run(peer.register("x", pong), timeout=10)
+        stranger = theirs.run(P2PTransport.create(initial_peers=ours.run(peer.visible_addresses())), timeout=30)
+        stranger.guard = Guard("w" * 32, "run", stranger.peer_id)
+        with pytest.raises(TransportError):
+            theirs.run(stranger.call(peer.peer_id, "x", b"hi", 10), timeout=15)  # first refusal: at once
+        held = theirs.submit(stranger.call(peer.peer_id, "x", b"hi", 40))  # the next one is held
+        deadline = time.monotonic() + 10
+        while peer.guard.tarpit.holding == 0:
+            assert time.monotonic() < deadline, "the second refusal was never held"
+            time.sleep(0.05)
+        ours.run(peer.close(), timeout=20)
+        ours.stop()  # cancels the held refusal
+        with pytest.raises(TransportError):
+            held.result(timeout=20)  # the stranger sees its stream end
+    finally:
+        ours.stop()
+        if stranger is not None:
+            theirs.run(stranger.close(), timeout=20)
+        theirs.stop()
+    noisy = [r for r in caplog.records if r.levelno >= logging.ERROR or r.exc_info
+             or "CancelledError" in r.getMessage()]
+    assert not noisy, [r.getMessage() for r in noisy]
+    assert any("reason=shutting down" in r.getMessage() for r in caplog.records)  # the held stream did end here

@@ -1,0 +1,201 @@
+"""The stream gate (comms/streamgate.py): streams waiting for their first bytes are few and short-lived.
+
+Unit tests of its decisions; then real daemons: a stranger's silent streams are cut (at once past
+the caps, after the head deadline otherwise) while a member is served; and a 2-peer swarm whose
+peers run under a 1,024 open-files limit keeps committing rounds while 2,000 silent streams are
+opened to one of them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections import Counter
+
+import psutil
+import pytest
+
+from diloco.comms import PeerId
+from diloco.comms.auth import Guard
+from diloco.comms.streamgate import Cut, GateConfig, StreamGate, admission, head_deadline
+
+CFG = GateConfig(head_timeout=5.0, per_caller=2, max_strangers=3)
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("by_caller, strangers, known, expected", [
+    (0, 0, False, None),
+    (1, 2, False, None),
+    (2, 0, False, "too_many_streams"),   # this caller's share is full
+    (0, 3, False, "too_many_streams"),   # strangers' share is full
+    (0, 3, True, None),                  # ... which a known caller does not count against
+    (2, 0, True, "too_many_streams"),    # its own share still applies
+])
+def test_admission(by_caller, strangers, known, expected):
+    assert admission(CFG, by_caller, strangers, known) == expected
+
+
+@pytest.mark.unit
+def test_only_strangers_have_a_head_deadline():
+    assert head_deadline(CFG, known=False) == 5.0 and head_deadline(CFG, known=True) is None
+
+
+@pytest.mark.unit
+def test_the_gate_counts_cuts_logs_once_per_caller_and_its_books_balance(caplog):
+    refused: Counter[str] = Counter()
+    gate = StreamGate(CFG, refused)
+    with gate.opening("s1") as d1, gate.opening("s1") as d2:
+        assert (d1, d2) == (5.0, 5.0) and gate.waiting == 2 and gate.strangers == 2
+        for _ in range(2):
+            with pytest.raises(Cut, match="2 streams of this caller"):
+                with gate.opening("s1"):
+                    pass
+        with gate.opening("s2"):
+            with pytest.raises(Cut):  # 3 strangers' streams wait: the cap
+                with gate.opening("s3"):
+                    pass
+            gate.passed("m")
+            with gate.opening("m") as dm:  # a known caller gets in, without a deadline
+                assert dm is None and gate.strangers == 3 and gate.waiting == 4
+    assert gate.waiting == 0 and gate.strangers == 0 and gate.peak == 4
+    assert refused == {"too_many_streams": 3}
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 2 and all("event=call_refused reason=too_many_streams" in x for x in lines)
+
+
+@pytest.mark.unit
+def test_a_guards_gate_counts_into_its_refusals():
+    guard = Guard("s" * 32, "run", PeerId("me"))
+    guard.gate.cut("slow_head", "x", "late")
+    assert guard.refused == {"slow_head": 1}
+
+
+# ---------------------------------------------------------------------- real daemons
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(60)
+def test_silent_streams_are_cut_while_a_member_is_served():
+    """A stranger opens 10 streams and sends nothing: 4 wait (its share), 6 are closed at once; the 4
+    are closed at the head deadline. A member calls meanwhile and is served at once. A stream whose
+    head arrives before the deadline is served as usual (here: refused, as a stranger's)."""
+    from hivemind.p2p import PeerID
+
+    from diloco.comms.auth import AuthRefused
+    from diloco.comms.p2p import P2PTransport
+
+    secret, deadline = "s" * 32, 1.5
+
+    async def pong(caller: PeerId, data: bytes) -> bytes:
+        return b"pong:" + data
+
+    async def main():
+        peer = await P2PTransport.create()
+        addrs = await peer.visible_addresses()
+        member = await P2PTransport.create(initial_peers=addrs)
+        stranger = await P2PTransport.create(initial_peers=addrs)
+        try:
+            peer.guard = Guard(secret, "run", peer.peer_id)
+            peer.guard.gate = StreamGate(GateConfig(head_timeout=deadline, per_caller=4, max_strangers=8),
+                                         peer.guard.refused)
+            member.guard = Guard(secret, "run", member.peer_id)
+            await peer.register("x", pong)
+            target = PeerID.from_base58(peer.peer_id)
+            t0 = time.monotonic()  # before the first stream: the deadline runs from its arrival
+            streams = [await stranger.p2p.call_binary_stream_handler(target, "x") for _ in range(10)]
+            while peer.guard.refused["too_many_streams"] < 6:
+                assert time.monotonic() - t0 < 10, dict(peer.guard.refused)
+                await asyncio.sleep(0.05)
+            waiting = peer.gate.waiting
+            t1 = time.monotonic()
+            served = await member.call(peer.peer_id, "x", b"hi", 5)
+            served_s = time.monotonic() - t1
+            closed = [await asyncio.wait_for(r.read(), deadline + 5) for r, _ in ((r, w) for _, r, w in streams)]
+            cut_s = time.monotonic() - t0
+            stranger.guard = Guard("w" * 32, "run", stranger.peer_id)
+            with pytest.raises(AuthRefused):  # a stream that sends its head in time is handled as usual
+                await stranger.call(peer.peer_id, "x", b"hi", 5)
+            for _, _, w in streams:
+                w.close()
+            return dict(waiting=waiting, served=served, served_s=served_s, closed=closed, cut_s=cut_s,
+                        refused=dict(peer.guard.refused), known=peer.gate.known(member.peer_id),
+                        after=peer.gate.waiting)
+        finally:
+            for t in (peer, member, stranger):
+                await t.close()
+
+    r = asyncio.run(main())
+    assert r["waiting"] == 4 and r["served"] == b"pong:hi" and r["served_s"] < deadline
+    assert r["closed"] == [b""] * 10  # every silent stream was closed by the peer, none answered
+    assert deadline <= r["cut_s"] < deadline + 3
+    assert r["refused"]["too_many_streams"] == 6 and r["refused"]["slow_head"] == 4
+    assert r["refused"]["unauthorized"] == 1
+    assert r["known"] and r["after"] == 0
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(90)
+def test_a_swarm_under_1024_open_files_keeps_committing_while_2000_silent_streams_are_opened(tmp_path):
+    """The attack that killed a peer (EMFILE writing its metrics) and cost the other its quorum: 2,000
+    streams opened to one peer's handler, nothing sent on them. Both peers run under a soft and hard
+    limit of 1,024 open files (so raising soft to hard gains nothing); rounds need both of them. The
+    peer cuts every stream, its process and its daemon stay far below the limit, and rounds go on."""
+    from multiproc_util import TINY, Peers
+
+    from diloco.procmem import open_fds
+
+    streams, limit = 2000, 1024
+    group = Peers(tmp_path, "stall")
+    attacker = None
+    try:
+        common = ["--rounds", "1000", "-H", "4", "--min-peers", "2", "--wait-for", "2", *TINY]
+        victim = group.spawn(0, ["start", *common], open_files=limit)
+        group.spawn(1, ["join", group.address(0), *common], open_files=limit)
+        deadline = time.monotonic() + 45
+        while not all(any(r["committed"] for r in group.lines(i, "round")) for i in (0, 1)):
+            assert time.monotonic() < deadline, group.log(0) + group.log(1)
+            time.sleep(0.2)
+        daemon = next(c for c in psutil.Process(victim.pid).children() if c.name() == "p2pd")
+        attacker = subprocess.Popen([sys.executable, "-m", "diloco.bench_flood", "stalled", str(streams),
+                                     group.address(0)], stdout=subprocess.PIPE, text=True)
+        first: dict = {}  # the attacker prints one line once its streams are open
+        threading.Thread(target=lambda: first.update(line=attacker.stdout.readline(), at=time.time()),
+                         daemon=True).start()
+        peak = {"peer": 0, "daemon": 0}
+        give_up = time.time() + 30
+        while time.time() < give_up and not ("at" in first and time.time() > first["at"] + 7):  # 7 s: past
+            peak = {"peer": max(peak["peer"], open_fds(victim.pid)),                         # the head deadline
+                    "daemon": max(peak["daemon"], open_fds(daemon.pid))}
+            time.sleep(0.1)
+        opened = json.loads(first["line"]) if first.get("line") else None
+        assert opened is not None and opened["opened"] == streams, opened
+        during = [r for i in (0, 1) for r in group.lines(i, "round") if r["time"] >= first["at"] and r["committed"]]
+        attacker.send_signal(signal.SIGTERM)
+        summary = json.loads(attacker.communicate(timeout=30)[0].splitlines()[-1])
+        for p in group.procs:
+            p.send_signal(signal.SIGTERM)
+        codes = [group.wait(p, 60) for p in group.procs]
+        finals = [group.lines(i, "final")[-1] for i in (0, 1)]
+    finally:
+        if attacker is not None and attacker.poll() is None:
+            attacker.kill()
+            attacker.wait()
+        group.kill_all()
+    print(f"stalled streams: {opened}; peak fds peer {peak['peer']}, daemon {peak['daemon']}; "
+          f"rounds committed during the attack: {len(during)}; cut: {finals[0]['auth_refused']}")
+    assert codes == [0, 0], group.log(0)
+    assert summary["cut"] == streams  # the attacker saw every one of its streams closed
+    # The peer cut those that reached it: its share of 32 at the head deadline, the rest at once. The
+    # daemon itself reset the others, which came faster than the peer accepted them (a full accept queue).
+    cut = finals[0]["auth_refused"]
+    assert cut["slow_head"] >= GateConfig().per_caller and cut["too_many_streams"] > 0
+    assert cut["slow_head"] + cut["too_many_streams"] <= streams
+    assert peak["peer"] < limit // 2 and peak["daemon"] < limit // 2
+    assert {r["peer"] for r in during} == {finals[0]["peer"], finals[1]["peer"]} and len(during) >= 4
+    assert finals[0]["write_failures"] == {} and finals[1]["write_failures"] == {}
+
