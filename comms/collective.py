@@ -263,7 +263,7 @@ class Collective:
         elsewhere: list[PeerId] = []  # members that committed this round with another value
 
         def quorum(members: Collection[PeerId]) -> bool:
-            return 2 * len(members) > len(r.view) and admit(make_view(members))[0]
+            return 2 * len(members) > len(r.view) and admit(make_view(list(members)))[0]
 
         async def vote(p: PeerId) -> None:
             reply = await self._call(p, "diloco.vote", self._frame(msg.VOTE, key, view=rs.vid))
@@ -300,12 +300,12 @@ class Collective:
             return self._outcome(key, value, delta, spent)
         if elsewhere:
             return RoundOutcome(key, False, f"late: {_short(elsewhere)} committed round {key.round} with another "
-                                "value", rs.view, payload_bytes=spent)
+                                "value", r.view, payload_bytes=spent)
         if not quorum(set(r.view) - past):
             return RoundOutcome(key, False, f"abandoned: {len(past)} of {len(r.view)} members moved past attempt "
-                                f"{key.attempt} without accepting its value", rs.view, payload_bytes=spent)
+                                f"{key.attempt} without accepting its value", r.view, payload_bytes=spent)
         return RoundOutcome(key, False, f"in doubt: {len(votes)} of {len(r.view)} members confirmed the value; the "
-                            "next attempt carries it", rs.view, payload_bytes=spent, in_doubt=True)
+                            "next attempt carries it", r.view, payload_bytes=spent, in_doubt=True)
 
     async def _gather(self, rs: RoundState, key: RoundKey, digest: str, others: list[PeerId],
                       wait_for: Collection[PeerId] | None = None) -> RoundOutcome | None:

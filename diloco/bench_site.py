@@ -83,7 +83,7 @@ def worker(argv: list[str]) -> None:
 
     def step() -> None:
         started = time.perf_counter()
-        torch.nn.functional.mse_loss(model(x), y).backward()
+        torch.nn.functional.mse_loss(model(x), y).backward()  # type: ignore[no-untyped-call]
         opt.step()
         opt.zero_grad()
         times.append(time.perf_counter() - started)
@@ -181,7 +181,7 @@ def _rank_process(launcher: int, rank: str) -> int:
         try:
             env = proc.environ()
             if env.get(LAUNCH_ID) == token and env.get("RANK") == rank:
-                return proc.pid
+                return int(proc.pid)
         except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
             pass
     raise RuntimeError(f"no rank {rank} found under launcher {launcher}")

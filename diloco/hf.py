@@ -33,7 +33,7 @@ from transformers import TrainerCallback
 from .wrapper import DiLoCo
 
 
-class DiLoCoCallback(TrainerCallback):  # type: ignore[misc]
+class DiLoCoCallback(TrainerCallback):
     """Makes the Trainer it is given to a DiLoCo worker (see the module docstring)."""
 
     def __init__(self, inner_steps: int = 100, **diloco_kwargs: Any) -> None:

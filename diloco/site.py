@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import logging
 import pickle
-from typing import Callable, TypeVar
+from typing import Any, Callable, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -76,13 +76,14 @@ class Site:
             return value
         kind, value = self._broadcast(None)
         if kind == "raise":
+            assert isinstance(value, BaseException)
             raise value
-        return value  # type: ignore[no-any-return]
+        return value
 
-    def _broadcast(self, obj: object) -> tuple[str, object]:
+    def _broadcast(self, obj: Any) -> Any:
         box = [obj]
         dist.broadcast_object_list(box, src=self._src, group=self.group, device=self._device)
-        return box[0]  # type: ignore[return-value]
+        return box[0]
 
     def __repr__(self) -> str:
         return f"Site(rank={self.rank}, size={self.size})"

@@ -15,9 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-transformers = pytest.importorskip("transformers", reason="the hf extra: pip install 'diloco[hf]'")
-from accelerate import Accelerator  # noqa: E402
-from transformers import Trainer, TrainingArguments  # noqa: E402
+from accelerate import Accelerator
+from transformers import Trainer, TrainingArguments
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
 from hf_trainer import Counting, build  # noqa: E402
