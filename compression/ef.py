@@ -30,11 +30,12 @@ class ErrorFeedback:
         """acc = β·e + Δ (a new tensor; the residual is unchanged until `commit`)."""
         if delta.numel() != self.residual.numel():
             raise ValueError(f"pseudo-gradient has {delta.numel()} values, the residual {self.residual.numel()}")
+        self.residual = self.residual.to(delta.device)  # the residual lives where Δ does
         return self.residual * self.beta + delta
 
     def commit(self, acc: torch.Tensor, sent: torch.Tensor) -> None:
         """The round is over: keep what was not delivered."""
-        self.residual = acc - sent
+        self.residual = acc - sent.to(acc.device)
 
     def reset(self) -> None:
         self.residual.zero_()

@@ -183,7 +183,9 @@ class Pipeline:
     # ---------------------------------------------------------------------- encode
 
     def encode(self, t: torch.Tensor) -> bytes:
-        t = t.detach().reshape(-1).to(torch.float32).contiguous()
+        """The wire bytes of `t` (any device and float dtype; a CUDA tensor is copied to the host first:
+        the value codecs work on host memory)."""
+        t = t.detach().reshape(-1).to(device="cpu", dtype=torch.float32).contiguous()
         if self.spec.sparsifier is None:
             raw = self.value.encode(t)
         elif self.spec.sparsifier == "topk":

@@ -58,7 +58,7 @@ def pseudo_gradient(global_params: Sequence[torch.Tensor], local_params: Sequenc
 def outer_step(outer: torch.optim.Optimizer, global_params: Sequence[torch.Tensor], aggregate: torch.Tensor) -> None:
     """Use the averaged pseudo-gradient as the gradient of θ and step the outer optimizer."""
     for p, g in zip(global_params, unflatten(aggregate, global_params)):
-        p.grad = g.clone()
+        p.grad = g.to(device=p.device, copy=True)
     outer.step()
     for p in global_params:
         p.grad = None
