@@ -41,10 +41,8 @@ class SwarmConfig:
     result_timeout: float = 30.0
     """Seconds after the gather closes that a peer waits for all results (> reduce_timeout)."""
     call_timeout: float = 15.0
-    """Seconds one message may take before its peer is treated as unreachable."""
-    state_timeout: float = 300.0
-    """Seconds a download of the global state may take (a catching-up peer): at least the state's size
-    (≈ 2-3× the model's fp32 bytes with momentum) over the link rate; 300 s covers ~1 Mbit/s × 35 MB."""
+    """Seconds one message may take before its peer is treated as unreachable; also the deadline of each
+    4 MiB chunk of state a catching-up peer downloads (the whole download has none)."""
     heartbeat_interval: float = 1.0
     """Seconds between refreshes of this peer's record in the DHT."""
     heartbeat_ttl: float = 30.0
@@ -78,8 +76,6 @@ class SwarmConfig:
             parse_compression(self.compression)
         except ValueError as e:
             raise ConfigError(f"compression: {e}") from e
-        if self.state_timeout <= 0:
-            raise ConfigError(f"state_timeout must be > 0 seconds, got {self.state_timeout}")
         if self.heartbeat_interval <= 0 or self.heartbeat_ttl <= 2 * self.heartbeat_interval:
             raise ConfigError(
                 f"heartbeat_ttl ({self.heartbeat_ttl}) must exceed twice heartbeat_interval "

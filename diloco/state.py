@@ -1,16 +1,27 @@
 """The global state every peer must hold identically: θ, the outer optimizer's state, the round.
 
-`digest()` is a SHA-256 over all of it (round, every parameter's bytes, every outer-optimizer state
-tensor and scalar), so two peers with equal digests hold bit-identical state. `to_bytes()` /
-`load_bytes()` move it between peers as msgpack of raw little-endian tensors: no pickle, and every
-name, shape and dtype is checked against what we expect before anything is loaded.
+The state is laid out as a header (round, every tensor's name, dtype and shape, the outer
+optimizer's non-tensor values) and one stream of raw little-endian tensor bytes (θ, then every
+outer-state tensor), cut into chunks of `CHUNK_BYTES`. Its `Manifest` is the header plus the SHA-256
+of every chunk, and `digest()` is the SHA-256 of the manifest: two peers with equal digests hold
+bit-identical state, and a peer catching up can check every chunk it downloads, from any peer,
+against the digest the swarm advertises before it has the rest (`Receiver`). Hashing reads the
+tensors in place: no copy of the state is made to compute the digest.
+
+`to_bytes()` / `load_bytes()` move the whole state in one message (inside a site, in checkpoints) as
+msgpack of raw little-endian tensors: no pickle, and every name, shape and dtype is checked against
+what we expect before anything is loaded.
 """
 
 from __future__ import annotations
 
 import hashlib
 import math
-from typing import Any, Sequence
+import re
+import struct
+import sys
+from dataclasses import dataclass
+from typing import Any, Iterator, Sequence
 
 import msgpack
 import torch
@@ -42,6 +53,54 @@ class StateError(ValueError):
     """Downloaded state does not fit this model (shape, dtype, count) or is malformed."""
 
 
+CHUNK_BYTES = 4 << 20
+"""Bytes of state per chunk: what a catching-up peer downloads, checks and resumes by."""
+_MANIFEST = struct.Struct("<4sIQI")  # magic, header length, total tensor bytes, chunk bytes
+_MAGIC = b"DLS1"
+_MAX_HEADER = 16 << 20
+_TENSOR_NAME = re.compile(r"^(p\d+|o\d+\.[A-Za-z_][A-Za-z0-9_]{0,63})$")
+assert sys.byteorder == "little", "the state's wire format is little-endian; this host is not"
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """What the state is made of, and the SHA-256 of every chunk of its tensor bytes (see the module
+    docstring); `digest` names it."""
+
+    header: bytes
+    total: int
+    chunk: int
+    hashes: tuple[bytes, ...]
+
+    def pack(self) -> bytes:
+        return _MANIFEST.pack(_MAGIC, len(self.header), self.total, self.chunk) + self.header + b"".join(self.hashes)
+
+    @property
+    def digest(self) -> str:
+        return hashlib.sha256(self.pack()).hexdigest()[:16]
+
+    def span(self, index: int) -> tuple[int, int]:
+        """Byte range [lo, hi) of chunk `index` in the tensor stream."""
+        return index * self.chunk, min(self.total, (index + 1) * self.chunk)
+
+    @classmethod
+    def unpack(cls, data: bytes) -> Manifest:
+        """Parse a manifest from the network; raises StateError for anything malformed."""
+        if len(data) < _MANIFEST.size:
+            raise StateError(f"manifest of {len(data)} bytes is shorter than its {_MANIFEST.size}-byte head")
+        magic, hlen, total, chunk = _MANIFEST.unpack_from(data)
+        if magic != _MAGIC:
+            raise StateError(f"manifest magic {magic!r} is not {_MAGIC!r} (another diloco version?)")
+        if not 0 < chunk <= 1 << 30 or hlen > _MAX_HEADER:
+            raise StateError(f"manifest chunk size {chunk} or header size {hlen} out of range")
+        count = -(-total // chunk)
+        if len(data) != _MANIFEST.size + hlen + 32 * count:
+            raise StateError(f"manifest of {len(data)} bytes does not hold a {hlen}-byte header and {count} hashes")
+        body = data[_MANIFEST.size + hlen:]
+        return cls(bytes(data[_MANIFEST.size:_MANIFEST.size + hlen]), total, chunk,
+                   tuple(bytes(body[32 * i:32 * i + 32]) for i in range(count)))
+
+
 class GlobalState:
     """θ (fp32 copies of the model's parameters), the outer optimizer over θ, and the round."""
 
@@ -58,17 +117,50 @@ class GlobalState:
         return sum(p.numel() for p in self.params)
 
     def digest(self) -> str:
-        h = hashlib.sha256(f"round={self.round}".encode())
-        for p in self.params:
-            h.update(p.detach().contiguous().numpy().tobytes())
+        return self.manifest().digest
+
+    def layout(self) -> tuple[list[tuple[str, torch.Tensor]], list[tuple[str, Any]]]:
+        """(tensors, non-tensor values) in the state's canonical order: θ as p0, p1, …, then the outer
+        optimizer's state of parameter i as oi.<name>, by index and name."""
+        tensors: list[tuple[str, torch.Tensor]] = [(f"p{i}", p) for i, p in enumerate(self.params)]
+        scalars: list[tuple[str, Any]] = []
         for idx, entry in sorted(self.outer.state_dict()["state"].items()):
             for name, value in sorted(entry.items()):
-                if torch.is_tensor(value):
-                    h.update(f"|{idx}.{name}:{tuple(value.shape)}:{value.dtype}=".encode())
-                    h.update(_tensor_bytes(value))
-                else:
-                    h.update(f"|{idx}.{name}={value!r}".encode())
-        return h.hexdigest()[:16]
+                (tensors if torch.is_tensor(value) else scalars).append((f"o{idx}.{name}", value))
+        return tensors, scalars
+
+    def manifest(self, chunk: int = CHUNK_BYTES) -> Manifest:
+        """The header and the SHA-256 of every chunk, hashing the tensors in place."""
+        tensors, scalars = self.layout()
+        header = msgpack.packb({"round": self.round,
+                                "tensors": [[n, str(t.dtype).removeprefix("torch."), list(t.shape)] for n, t in tensors],
+                                "scalars": [[n, v] for n, v in scalars]}, use_bin_type=True)
+        views = [_byte_view(t) for _, t in tensors]
+        total = sum(v.nbytes for v in views)
+        hashes = [hashlib.sha256() for _ in range(-(-total // chunk))]
+        for offset, piece in _pieces(views, 0, total):
+            for at, part in _split(offset, piece, chunk):
+                hashes[at // chunk].update(part)
+        return Manifest(bytes(header), total, chunk, tuple(h.digest() for h in hashes))
+
+    def receiver(self, manifest: Manifest) -> Receiver:
+        """Somewhere to download the state `manifest` describes, checked against this model first."""
+        return Receiver(self, manifest)
+
+    @classmethod
+    def assemble(cls, params: list[torch.Tensor], outer_factory: OuterFactory, outer_state: dict[int, dict[str, Any]],
+                 round_: int) -> GlobalState:
+        """A state made of `params` themselves (no copy) and `outer_state`; raises StateError if it does not fit."""
+        state = cls.__new__(cls)
+        state.params, state.round = params, round_
+        state.outer = outer_factory(params)
+        sd = state.outer.state_dict()
+        sd["state"] = outer_state
+        try:
+            state.outer.load_state_dict(sd)
+        except Exception as e:  # noqa: BLE001 - a state from the network that does not fit
+            raise StateError(f"outer optimizer state does not fit: {e}") from e
+        return state
 
     def to_bytes(self) -> bytes:
         outer_state = {
@@ -170,3 +262,128 @@ def _unpack_value(v: Any, like: torch.Tensor) -> Any:
     if isinstance(v, dict) and "scalar" in v and (v["scalar"] is None or isinstance(v["scalar"], (int, float, bool))):
         return v["scalar"]
     raise StateError("bad outer state value")
+
+
+class Receiver:
+    """A state being downloaded chunk by chunk: every chunk is checked against the manifest's hash
+    before it is written into fresh tensors, so a tampered chunk never lands, and chunks may come
+    from any peer in any order. `assemble()` makes the state once every chunk is in."""
+
+    def __init__(self, like: GlobalState, manifest: Manifest) -> None:
+        try:
+            head = msgpack.unpackb(manifest.header, raw=False, strict_map_key=True, max_bin_len=0,
+                                   max_array_len=1 << 20, max_map_len=16)
+        except Exception as e:  # msgpack raises many types on malformed input
+            raise StateError(f"state header is not valid msgpack: {e}") from e
+        if not isinstance(head, dict) or not {"round", "tensors", "scalars"} <= set(head):
+            raise StateError("state header needs round, tensors and scalars")
+        rnd, described, scalars = head["round"], head["tensors"], head["scalars"]
+        if not isinstance(rnd, int) or isinstance(rnd, bool) or rnd < 0:
+            raise StateError(f"state round must be a non-negative int, got {rnd!r}")
+        if not isinstance(described, list) or not isinstance(scalars, list):
+            raise StateError("state header's tensors and scalars must be lists")
+        self.manifest, self.round = manifest, rnd
+        self._device = like.params[0].device if like.params else torch.device("cpu")
+        self.tensors = [_fresh_tensor(entry, like.params) for entry in described]  # in host memory
+        names = [n for n, _ in self.tensors]
+        if names[:len(like.params)] != [f"p{i}" for i in range(len(like.params))] or len(set(names)) != len(names) or \
+                any(not n.startswith("o") for n in names[len(like.params):]):
+            raise StateError(f"state holds tensors {names[:6]}…, this model needs p0…p{len(like.params) - 1} first")
+        self.scalars = [_scalar(entry, len(like.params)) for entry in scalars]
+        self._views = [_byte_view(t) for _, t in self.tensors]
+        if sum(v.nbytes for v in self._views) != manifest.total:
+            raise StateError(f"state header describes {sum(v.nbytes for v in self._views)} bytes, its manifest "
+                             f"{manifest.total}")
+        self.done: set[int] = set()
+
+    @property
+    def chunks(self) -> int:
+        return len(self.manifest.hashes)
+
+    @property
+    def received(self) -> int:
+        return sum(hi - lo for lo, hi in map(self.manifest.span, self.done))
+
+    def write(self, index: int, data: bytes) -> None:
+        """Check chunk `index` against the manifest and write it; raises StateError if it does not match."""
+        if not 0 <= index < self.chunks:
+            raise StateError(f"chunk {index} of a state of {self.chunks} chunks")
+        lo, hi = self.manifest.span(index)
+        if len(data) != hi - lo or hashlib.sha256(data).digest() != self.manifest.hashes[index]:
+            raise StateError(f"chunk {index} ({len(data)} bytes) does not match its hash in the manifest")
+        src = memoryview(data)
+        for offset, piece in _pieces(self._views, lo, hi):
+            piece[:] = src[offset - lo: offset - lo + piece.nbytes]
+        self.done.add(index)
+
+    def assemble(self, outer_factory: OuterFactory) -> GlobalState:
+        """The downloaded state (its tensors are the ones written: no copy)."""
+        if len(self.done) != self.chunks:
+            raise StateError(f"{self.chunks - len(self.done)} of {self.chunks} chunks are missing")
+        n = sum(1 for name, _ in self.tensors if name.startswith("p"))
+        outer: dict[int, dict[str, Any]] = {}
+        for name, value in [*((nm, t) for nm, t in self.tensors[n:]), *self.scalars]:
+            idx, key = name[1:].split(".", 1)
+            outer.setdefault(int(idx), {})[key] = value
+        params = [t.to(self._device) for _, t in self.tensors[:n]]  # no copy when θ lives in host memory
+        outer = {i: {k: v.to(self._device) if torch.is_tensor(v) else v for k, v in e.items()} for i, e in outer.items()}
+        return GlobalState.assemble(params, outer_factory, outer, self.round)
+
+
+def _fresh_tensor(entry: Any, params: Sequence[torch.Tensor]) -> tuple[str, torch.Tensor]:
+    """An empty tensor for one (name, dtype, shape) of a state header, checked against our parameters."""
+    if not (isinstance(entry, list) and len(entry) == 3 and isinstance(entry[0], str) and _TENSOR_NAME.match(entry[0])
+            and entry[1] in _DTYPES and isinstance(entry[2], list) and len(entry[2]) <= 8
+            and all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in entry[2])):
+        raise StateError(f"bad tensor entry in the state header: {str(entry)[:80]}")
+    name, dtype, shape = entry[0], _DTYPES[entry[1]], tuple(entry[2])
+    index = int(name[1:].split(".")[0])
+    if index >= len(params):
+        raise StateError(f"state tensor {name} names parameter {index}; this model has {len(params)}")
+    like = params[index]
+    if name.startswith("p") and (shape != tuple(like.shape) or dtype != like.dtype):
+        raise StateError(f"tensor {name} {shape} {dtype} does not match expected {tuple(like.shape)} {like.dtype}")
+    if name.startswith("o") and shape not in (tuple(like.shape), ()):
+        raise StateError(f"outer state tensor {name} of shape {shape} for a parameter of {tuple(like.shape)}")
+    return name, torch.empty(shape, dtype=dtype)
+
+
+def _scalar(entry: Any, params: int) -> tuple[str, Any]:
+    if not (isinstance(entry, list) and len(entry) == 2 and isinstance(entry[0], str) and _TENSOR_NAME.match(entry[0])
+            and entry[0].startswith("o") and int(entry[0][1:].split(".")[0]) < params
+            and (entry[1] is None or isinstance(entry[1], (int, float, bool)))):
+        raise StateError(f"bad outer state value in the state header: {str(entry)[:80]}")
+    return entry[0], entry[1]
+
+
+def _byte_view(t: torch.Tensor) -> memoryview:
+    """The bytes of `t` as a writable memoryview of its own storage (host tensors; a GPU tensor is copied)."""
+    t = t.detach()
+    if t.device.type != "cpu" or not t.is_contiguous():
+        t = t.contiguous().cpu()
+    if not t.numel():
+        return memoryview(bytearray())
+    array: Any = t.reshape(-1).view(torch.uint8).numpy()  # shares the tensor's storage
+    return memoryview(array)
+
+
+def _pieces(views: Sequence[memoryview], lo: int, hi: int) -> Iterator[tuple[int, memoryview]]:
+    """(stream offset, slice) of every view's part that lies in the stream range [lo, hi)."""
+    start = 0
+    for v in views:
+        end = start + v.nbytes
+        if end > lo and start < hi:
+            a, b = max(lo, start), min(hi, end)
+            yield a, v[a - start:b - start]
+        start = end
+        if start >= hi:
+            break
+
+
+def _split(offset: int, piece: memoryview, chunk: int) -> Iterator[tuple[int, memoryview]]:
+    """`piece` (at stream `offset`) cut at chunk boundaries."""
+    at = 0
+    while at < piece.nbytes:
+        take = min(piece.nbytes - at, chunk - (offset + at) % chunk)
+        yield offset + at, piece[at:at + take]
+        at += take

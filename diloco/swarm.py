@@ -47,10 +47,12 @@ from diloco.peers import (Directory, InProcBoard, PeerRecord, banned_by_majority
 from diloco.peers.records import MAX_BANNED
 
 from .config import SwarmConfig
+from .state import Manifest, Receiver, StateError
+from .statesync import Progress, Snapshot, download, serve_chunk, serve_manifest
 
 log = logging.getLogger(__name__)
 
-StateProvider = Callable[[], tuple[int, str, bytes]]  # () -> (round, digest, state bytes)
+SnapshotProvider = Callable[[str], "Snapshot | None"]  # digest -> the snapshot of that state, if held
 JOIN_PASSES, JOIN_PAUSE = 3, 2.0  # tries of every bootstrap address, and the growing pause between passes
 
 
@@ -78,15 +80,15 @@ class Swarm:
         self._owns_loop = owns_loop
         self._on_close = on_close
         self._record = PeerRecord(peer=self.peer_id, status="joining", round=0, addrs=tuple(addresses))
-        self._state_provider: StateProvider | None = None
-        self._state_info: Callable[[], dict[str, Any]] | None = None
+        self._snapshot: SnapshotProvider | None = None
         self._seen: list[PeerRecord] | None = None  # the directory as the last read showed it
         self._seen_at = 0.0
         self._closed = False
         self._exchanges: set[concurrent.futures.Future[RoundOutcome]] = set()  # rounds in flight (`crash`)
         self._addresses_file: str | None = None
         self._kept: list[str] = []
-        loop.run(transport.register("diloco.state", self._on_state))
+        loop.run(transport.register("diloco.manifest", self._on_manifest))
+        loop.run(transport.register("diloco.chunk", self._on_chunk))
         loop.run(transport.register(HELLO, self._on_hello))
         self._heartbeat = loop.submit(self._heartbeat_loop())
 
@@ -390,51 +392,50 @@ class Swarm:
         except concurrent.futures.CancelledError:
             return RoundOutcome(key, False, "crashed")
 
-    def serve_state(self, provider: StateProvider, info: Callable[[], dict[str, Any]] | None = None) -> None:
-        """Let peers that are behind download our global state: `provider()` -> (round, digest, bytes);
-        `info()` -> what else a joiner needs (schedule position, last members), sent as frame meta."""
-        self._state_provider = provider
-        self._state_info = info
+    def serve_state(self, snapshot: SnapshotProvider) -> None:
+        """Let peers that are behind download our global state (`diloco.statesync`): `snapshot(digest)` is
+        the `Snapshot` of the state named `digest` when we hold it, else None."""
+        self._snapshot = snapshot
 
-    def fetch_state(self, peer: PeerId) -> tuple[int, str, bytes, dict[str, Any]]:
-        """Download (round, digest, state bytes, info) from `peer`; raises SwarmError if it cannot.
-        `info` is the serving peer's `info()`, unchecked: validate before use."""
-        request = msg.encode(msg.STATE, run=self.cfg.run_id, sender=self.peer_id)
+    def fetch_state(self, digest: str, holders: Sequence[PeerId], receiver: Callable[[Manifest], Receiver],
+                    on_progress: Callable[[Progress], None] = lambda p: None,
+                    ) -> tuple[Receiver, dict[str, Any], Progress]:
+        """Download the state named `digest` from `holders` at once, chunk by chunk, each chunk checked
+        against the manifest (`diloco.statesync.download`). Returns the filled receiver, the serving
+        peer's info (unchecked: validate before use) and how it went; raises SwarmError if it cannot."""
+        def refused(peer: PeerId, reason: str) -> None:
+            if reason == Reason.BANNED.value:
+                self.collective.banned_by.add(peer)  # its own sealed reply: see check_standing
 
-        async def get() -> tuple[int, str, bytes, dict[str, Any]]:
-            reply = await self.transport.call(peer, "diloco.state", request, self.cfg.state_timeout)
-            header, body, _ = msg.decode(reply, run=self.cfg.run_id, kind=msg.STATE, caller=peer,
-                                         max_body=self.cfg.max_payload)
-            rnd, digest = header.round, header.meta.get("digest")
-            if header.meta.get("reason") == Reason.BANNED.value:
-                self.collective.banned_by.add(peer)
-            if not isinstance(digest, str) or not header.meta.get("ok", True):
-                raise SwarmError(f"peer {peer} has no state to serve ({header.meta.get('reason', 'no digest')})")
-            info = {k.removeprefix("info."): v for k, v in header.meta.items() if k.startswith("info.")}
-            return rnd, digest, bytes(body), info
+        async def get() -> tuple[Receiver, dict[str, Any], Progress]:
+            return await download(self.transport.call, run_id=self.cfg.run_id, me=self.peer_id, digest=digest,
+                                  holders=holders, receiver=receiver, chunk_timeout=self.cfg.call_timeout,
+                                  on_progress=on_progress, on_refused=refused)
 
         try:
-            return self.loop.run(get(), timeout=self.cfg.state_timeout + 5)
-        except SwarmError:
-            raise
-        except Exception as e:  # noqa: BLE001 - rejected frames, timeouts, unreachable peers alike
-            raise SwarmError(f"state download from {peer} failed: {e}") from e
+            return self.loop.run(get())
+        except StateError as e:
+            raise SwarmError(f"state download failed: {e}") from e
 
-    async def _on_state(self, caller: PeerId, data: bytes) -> bytes:
+    async def _on_manifest(self, caller: PeerId, data: bytes) -> bytes:
+        snapshot, _, reason = self._state_request(caller, data)
+        return serve_manifest(snapshot, run_id=self.cfg.run_id, me=self.peer_id, reason=reason)
+
+    async def _on_chunk(self, caller: PeerId, data: bytes) -> bytes:
+        snapshot, index, reason = self._state_request(caller, data)
+        return serve_chunk(snapshot, index, run_id=self.cfg.run_id, me=self.peer_id, reason=reason)
+
+    def _state_request(self, caller: PeerId, data: bytes) -> tuple[Snapshot | None, int, str]:
+        """(the snapshot a manifest or chunk request names, the chunk index, why not when there is none)."""
         try:
-            msg.decode(data, run=self.cfg.run_id, kind=msg.STATE, caller=caller, max_body=0)
+            header, _, _ = msg.decode(data, run=self.cfg.run_id, kind=msg.STATE, caller=caller, max_body=0)
             if caller in self.collective.banned:  # it takes nothing from the swarm, our state included
                 raise PayloadRejected(Reason.BANNED, f"{caller} is banned for this run")
         except PayloadRejected as e:
             self.collective.rejections[e.reason.value] += 1
-            return msg.encode(msg.STATE, run=self.cfg.run_id, sender=self.peer_id, meta={"ok": False, "reason": e.reason.value})
-        if self._state_provider is None:
-            return msg.encode(msg.STATE, run=self.cfg.run_id, sender=self.peer_id, meta={"ok": False, "reason": "no state yet"})
-        rnd, digest, body = self._state_provider()
-        meta: dict[str, Any] = {"ok": True, "digest": digest}
-        if self._state_info is not None:  # frame meta holds flat str / int / float values
-            meta.update({f"info.{k}": v for k, v in self._state_info().items()})
-        return msg.encode(msg.STATE, run=self.cfg.run_id, sender=self.peer_id, key=RoundKey(rnd), meta=meta, body=body)
+            return None, -1, e.reason.value
+        snapshot = self._snapshot(header.view) if self._snapshot is not None else None
+        return snapshot, header.span, "" if snapshot is not None else "state not held"
 
     # ------------------------------------------------------------------ leaving
 

@@ -58,7 +58,7 @@ from torch.utils.hooks import RemovableHandle
 from diloco.comms import PeerId, RoundKey, RoundOutcome
 from diloco.compression.ef import ErrorFeedback
 from diloco.compression.pipeline import Pipeline, parse
-from diloco.peers import resync_source, stragglers, vouched
+from diloco.peers import holders, resync_source, stragglers, vouched
 from diloco.peers.records import PeerRecord
 
 from . import persist
@@ -71,11 +71,28 @@ from .fragments import Fragment, StreamingConfig, check_schedule, fragment_of_ro
 from .outer import OuterFactory, copy_into, default_outer, mix_into, outer_step, pseudo_gradient
 from .site import Site
 from .state import GlobalState, StateError, schema_digest
+from .statesync import Progress, Snapshot
 from .swarm import Banned, Swarm, SwarmError
 
 log = logging.getLogger(__name__)
 
 _T = TypeVar("_T")
+SNAPSHOT_IDLE, SNAPSHOTS = 30.0, 2
+"""Seconds a snapshot we serve stays after its last chunk was asked for (a download may resume), and how
+many we hold at most (each is a copy of the state: a download of an older one overlapping a newer)."""
+
+
+class _DownloadLog:
+    """Logs a state download's progress every tenth of it (bytes, rate, sources)."""
+
+    def __init__(self, digest: str) -> None:
+        self.digest, self._next = digest, 0.1
+
+    def __call__(self, p: Progress) -> None:
+        if p.total and p.received / p.total >= self._next:
+            self._next += 0.1
+            log.info("event=state_download digest=%s bytes=%d/%d rate_mb_s=%.1f sources=%d", self.digest, p.received,
+                     p.total, p.rate / 1e6, p.sources)
 
 
 @dataclass(frozen=True)
@@ -238,6 +255,8 @@ class DiLoCo:
         self.stragglers: set[PeerId] = set()
         """Peers the last rounds went on without: asked, taken in when ready in time, not waited for."""
         self.resync_failures = 0
+        self.refused_chunks: collections.Counter[PeerId] = collections.Counter()
+        """Chunks of state that did not match the manifest, by the peer that sent them (refetched elsewhere)."""
         self.rollbacks = 0
         """Syncs at which our own pseudo-gradient was not finite: rolled back to θ, nothing sent."""
         """Downloads that failed or did not verify (counted; the source is tried last next time)."""
@@ -247,7 +266,7 @@ class DiLoCo:
         self._period = inner_steps // len(self.fragments)  # inner steps between synchronization slots
         self._schedule_offset = 0  # shifts our slots onto the swarm's (set when we download its state)
         self._hook: RemovableHandle | None = None
-        self._snapshot: tuple[int, str, bytes] | None = None
+        self._snapshots: list[Snapshot] = []  # what we serve to peers catching up (`_serve`)
         # Held by the training thread while it changes the global state, and by the event-loop thread
         # while it serializes that state for a peer catching up: neither sees a half-applied step.
         self._state_lock = threading.Lock()
@@ -288,8 +307,7 @@ class DiLoCo:
         if self.swarm is not None:
             self.swarm.collective.schema = self.schema
             self.swarm.handshake(self.schema)  # a peer with another model or codec stops here, saying so
-            self.swarm.serve_state(self._serve, info=lambda: {"position": self.schedule_position,
-                                                              "members": ",".join(self.members or ())})
+            self.swarm.serve_state(self._serve)
             self._catch_up_on_join()
             self._publish("training")
             if self.launch is not None and self.launch.wait_for > 1:  # `--wait-for N`: hold the first step
@@ -683,20 +701,30 @@ class DiLoCo:
             time.sleep(0.25)  # nobody visible yet, or another holder of that state to try
 
     def _resync(self, source: PeerRecord, why: str) -> bool:
-        """Download global state from `source`, verify it, adopt it. Verified: its bytes hash to the digest
-        served with them, and the peers' records vouch for that (round, digest) (`_check_vouched`)."""
+        """Download the state `source` advertises, from every peer that holds it, and adopt it. Verified:
+        the peers' records vouch for that (round, digest) before anything is downloaded
+        (`_check_vouched`), the manifest hashes to the digest, and every chunk to its hash in the manifest
+        (`diloco.statesync`)."""
         assert self.swarm is not None
         log.info("event=resync peer=%s reason=%s", source.peer, why)
         self._publish("joining")
         try:
-            rnd, digest, body, info = self.swarm.fetch_state(source.peer)
-            if rnd < source.round:
-                raise StateError(f"served round {rnd} is older than the round {source.round} its record advertises")
-            fresh = GlobalState(self.state.params, self._outer_factory, self.global_device)
-            fresh.load_bytes(body)
-            if fresh.digest() != digest:
-                raise StateError(f"state bytes hash to {fresh.digest()}, not to the {digest} served with them")
-            self._check_vouched(rnd, digest)
+            self._check_vouched(source.round, source.digest)
+            records = self.swarm.records(cached=True)
+            others = holders(records, self.swarm.peer_id, source.round, source.digest)
+            order = [source.peer, *(p for p in others if p != source.peer and p not in self._bad_sources),
+                     *(p for p in others if p != source.peer and p in self._bad_sources)]
+            started = time.monotonic()
+            receiver, info, progress = self.swarm.fetch_state(source.digest, order, self.state.receiver,
+                                                              on_progress=_DownloadLog(source.digest))
+            fresh = receiver.assemble(self._outer_factory)
+            if fresh.round != source.round or fresh.digest() != source.digest:
+                raise StateError(f"downloaded state is round {fresh.round}, digest {fresh.digest()}; expected "
+                                 f"round {source.round}, {source.digest}")
+            log.info("event=state_downloaded round=%d bytes=%d seconds=%.2f sources=%d bad_chunks=%d", fresh.round,
+                     progress.total, time.monotonic() - started, len(order), sum(progress.bad_chunks.values()))
+            self._bad_sources.extend(p for p in progress.bad_chunks if p not in self._bad_sources)
+            self.refused_chunks.update(progress.bad_chunks)
         except (SwarmError, StateError) as e:
             log.warning("event=resync_failed peer=%s reason=%s", source.peer, e)
             self._bad_sources.append(source.peer)  # next time, another holder of that state first
@@ -722,9 +750,8 @@ class DiLoCo:
         return True
 
     def _check_vouched(self, rnd: int, digest: str) -> None:
-        """Raise StateError unless the peers' records vouch for the served state (`peers.vouched`). The
-        server may have committed since we read its record; if no record shows that round yet, the
-        others are about to publish it: read again for up to `call_timeout`."""
+        """Raise StateError unless the peers' records vouch for the state (`peers.vouched`); if no record
+        shows that round yet, the others are about to publish it: read again for up to `call_timeout`."""
         assert self.swarm is not None
         deadline = time.monotonic() + self.swarm.cfg.call_timeout
         while True:
@@ -732,7 +759,7 @@ class DiLoCo:
             if ok:
                 return
             if ok is False or time.monotonic() >= deadline:
-                raise StateError(f"served state {digest} (round {rnd}) is not the swarm's: {why}")
+                raise StateError(f"state {digest} (round {rnd}) is not the swarm's: {why}")
             time.sleep(0.05)
 
     def linger(self, timeout: float) -> int:
@@ -822,10 +849,12 @@ class DiLoCo:
         return self._digest
 
     def _state_changed(self) -> None:
-        """The global state changed (call with `_state_lock` held): new digest; the bytes we serve
-        to peers catching up are rebuilt only when one asks."""
-        self._digest = self.state.digest()
-        self._snapshot = None
+        """The global state changed (call with `_state_lock` held): new manifest and digest. A snapshot we
+        serve stays while a download uses it, and goes once idle."""
+        self._manifest = self.state.manifest()
+        self._digest = self._manifest.digest
+        now = time.monotonic()
+        self._snapshots = [snap for snap in self._snapshots if now - snap.used <= SNAPSHOT_IDLE]
         while self._recent and self._recent[-1][0] >= self.state.round:
             self._recent.pop()  # one state per round: a state replaced at its round (resync) is not ours
         self._recent.append((self.state.round, self._digest))
@@ -844,12 +873,20 @@ class DiLoCo:
         finally:
             copy_into(self.local_params, saved)
 
-    def _serve(self) -> tuple[int, str, bytes]:
-        """(round, digest, state bytes) for a peer catching up; runs on the event-loop thread."""
+    def _serve(self, digest: str) -> Snapshot | None:
+        """The snapshot of state `digest` for peers catching up (`diloco.statesync`), taken from our current
+        state when one first asks for it; None when we do not hold that state. At most `SNAPSHOTS` copies
+        are held (the least recently used goes first). Runs on the event-loop thread."""
         with self._state_lock:
-            if self._snapshot is None:
-                self._snapshot = (self.state.round, self._digest, self.state.to_bytes())
-            return self._snapshot
+            for snap in self._snapshots:
+                if snap.digest == digest:
+                    return snap
+            if digest != self._digest:
+                return None
+            info = {"position": self.schedule_position, "members": ",".join(self.members or ())}
+            snap = Snapshot.take(self.state, self._manifest, info)
+            self._snapshots = [*sorted(self._snapshots, key=lambda s: s.used)[-(SNAPSHOTS - 1):], snap]
+            return snap
 
     def _publish(self, status: str, now: bool = True) -> None:
         if self.swarm is not None:

@@ -7,6 +7,7 @@ is unit-tested deterministically.
 - `round_key_for`: which attempt of our round to run, so that peers at the same round agree.
 - `resync_source`: whether our global state is outdated or in the minority, and whom to copy.
 - `vouched`: whether a state another peer served us is the one the swarm advertises.
+- `holders`: who can serve a chunk of a given state.
 - `departed`: who left for good at or before our round (no longer counted by `quorum`).
 - `banned_by_majority`: peers that most other peers banned (robust aggregation), so a peer that
   joined after the ban leaves them out too.
@@ -116,6 +117,12 @@ def vouched(records: Sequence[PeerRecord], me: PeerId, rnd: int, digest: str) ->
         return True, f"{votes[digest]} peers advertise {digest} for round {rnd}"
     return False, (f"{votes[digest]} peers advertise {digest} for round {rnd} but {rival} advertise "
                    f"{max((d for d in votes if d != digest), key=lambda d: votes[d])}")
+
+
+def holders(records: Sequence[PeerRecord], me: PeerId, rnd: int, digest: str) -> list[PeerId]:
+    """Training peers whose records show state (rnd, digest), now or among their recent states: any of
+    them can serve a chunk of it (every peer that committed a round holds the same bytes)."""
+    return sorted(r.peer for r in training(records) if r.peer != me and (rnd, digest) in ((r.round, r.digest), *r.recent))
 
 
 def departed(records: Sequence[PeerRecord], my_round: int) -> list[PeerId]:

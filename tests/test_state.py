@@ -7,6 +7,7 @@ never any other exception, and must leave our state unchanged when it raises.
 from __future__ import annotations
 
 import copy
+import hashlib
 
 import msgpack
 import pytest
@@ -15,7 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from diloco.outer import nesterov, outer_step
-from diloco.state import GlobalState, StateError
+from diloco.state import CHUNK_BYTES, GlobalState, Manifest, StateError
 
 pytestmark = pytest.mark.unit
 
@@ -286,3 +287,78 @@ def test_fuzz_mutated_valid_state_loads_or_raises_state_error(data):
         else:
             del buf[i : i + data.draw(st.integers(1, 16))]
     _load_or_state_error(bytes(buf))
+
+
+# ---------------------------------------------------------------------- manifest and chunked download
+
+
+def _download(src: GlobalState, dst: GlobalState, chunk: int, order=None) -> GlobalState:
+    manifest = Manifest.unpack(src.manifest(chunk).pack())
+    receiver = dst.receiver(manifest)
+    tensors, _ = src.layout()
+    stream = b"".join(t.detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes() for _, t in tensors)
+    for i in order if order is not None else range(receiver.chunks):
+        lo, hi = manifest.span(i)
+        receiver.write(i, stream[lo:hi])
+    return receiver.assemble(nesterov())
+
+
+@pytest.mark.parametrize("chunk", [7, 64, 1 << 20])
+def test_a_state_downloaded_in_chunks_in_any_order_is_the_same_state(chunk):
+    """Chunks of 7 bytes cut through tensors and through the float values themselves."""
+    src = _stepped()
+    manifest = src.manifest(chunk)
+    order = list(range(len(manifest.hashes)))[::-1]
+    got = _download(src, _fresh(), chunk, order)
+    assert got.digest() == src.digest()
+    assert (manifest.digest == src.digest()) == (chunk == CHUNK_BYTES)  # the digest names the default chunking
+    assert got.round == 3 and all(torch.equal(a, b) for a, b in zip(got.params, src.params))
+    agg = torch.linspace(-1, 1, NUMEL)  # and it evolves exactly like the source
+    outer_step(src.outer, src.params, agg)
+    outer_step(got.outer, got.params, agg)
+    assert got.digest() == src.digest()
+
+
+def test_the_digest_is_the_hash_of_the_manifest_and_a_chunk_size_change_changes_nothing_else():
+    s = _stepped()
+    assert s.digest() == s.manifest().digest == hashlib.sha256(s.manifest().pack()).hexdigest()[:16]
+    assert Manifest.unpack(s.manifest(64).pack()) == s.manifest(64)
+
+
+def test_a_tampered_chunk_is_refused_and_not_written():
+    src = _stepped()
+    manifest = src.manifest(64)
+    receiver = _fresh().receiver(manifest)
+    lo, hi = manifest.span(1)
+    tensors, _ = src.layout()
+    stream = b"".join(t.detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes() for _, t in tensors)
+    bad = bytearray(stream[lo:hi])
+    bad[3] ^= 1
+    with pytest.raises(StateError, match="does not match its hash"):
+        receiver.write(1, bytes(bad))
+    with pytest.raises(StateError, match="does not match its hash"):
+        receiver.write(1, stream[lo:hi - 1])
+    assert receiver.done == set()
+    with pytest.raises(StateError, match="missing"):
+        receiver.assemble(nesterov())
+    receiver.write(1, stream[lo:hi])
+    assert receiver.done == {1}
+
+
+def test_a_manifest_for_another_model_is_refused_before_anything_is_downloaded():
+    other = GlobalState([torch.zeros(4, 3), torch.zeros(6)], nesterov())
+    with pytest.raises(StateError, match="does not match expected|this model"):
+        _fresh().receiver(other.manifest())
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.binary(max_size=512))
+def test_fuzz_random_manifests_parse_or_raise_state_error(data):
+    try:
+        manifest = Manifest.unpack(data)
+    except StateError:
+        return
+    try:
+        _fresh().receiver(manifest)
+    except StateError:
+        pass

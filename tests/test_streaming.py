@@ -556,9 +556,11 @@ def test_delayed_mode_resends_the_delta_of_a_round_that_failed(monkeypatch):
 
 @pytest.mark.swarm
 def test_joiner_rejects_a_tampered_source_and_takes_the_state_from_another():
-    """RELIABILITY row 6: a peer joins mid-cycle (next fragment 1); the first source it asks (peer0)
-    serves tampered state, which fails verification and is never loaded; it asks peer1 instead."""
+    """A peer joins mid-cycle (next fragment 1); the first source it asks (peer0) serves tampered chunks
+    under the real manifest: they fail their hash, are never written, and come from peer1 instead, in
+    the same download."""
     from diloco.state import GlobalState
+    from diloco.statesync import Snapshot
 
     harness = Harness()
     cfg = StreamingConfig(fragments=2, overlap=1, alpha=0.5)
@@ -574,16 +576,18 @@ def test_joiner_rejects_a_tampered_source_and_takes_the_state_from_another():
             model = copy.deepcopy(base)
             opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
             d = DiLoCo(model, opt, swarm=harness.swarm(f"peer{i}"), inner_steps=H, streaming=cfg)
-            if i == 0:  # serve a state whose bytes do not match the digest in peer0's record
+            if i == 0:  # serve bytes that do not match the manifest of the state in peer0's record
                 honest = d._serve
 
-                def forged():
-                    rnd, digest, body = honest()
+                def forged(digest):
+                    real = honest(digest)
+                    if real is None:
+                        return None
                     fake = GlobalState(d.state.params, nesterov(0.7, 0.9))
-                    fake.load_bytes(body)
+                    fake.load_bytes(d.state.to_bytes())
                     with torch.no_grad():
                         fake.params[0].add_(1.0)
-                    return rnd, fake.digest(), fake.to_bytes()
+                    return Snapshot(real.round, real.manifest, [t for _, t in fake.layout()[0]], real.info)
 
                 d._serve = forged
             with d:
@@ -603,6 +607,7 @@ def test_joiner_rejects_a_tampered_source_and_takes_the_state_from_another():
         d = DiLoCo(model, opt, swarm=harness.swarm("peer2", bootstrapped=True), inner_steps=H, streaming=cfg)
         d.attach()
         seen["round"], seen["digest"], seen["failures"] = d.round, d.digest, d.resync_failures
+        seen["refused"] = dict(d.refused_chunks)
         seen["swarm_digest"] = {r.peer: r for r in d.swarm.records()}["peer1"].digest
         resume.wait()
         for s in range(3 * H - 7):
@@ -614,7 +619,7 @@ def test_joiner_rejects_a_tampered_source_and_takes_the_state_from_another():
         _run_threads([early(0), early(1), joiner], [paused, resume, start])
     finally:
         harness.close()
-    assert seen["failures"] == 1  # peer0's state was refused once ...
-    assert seen["round"] == 1 and seen["digest"] == seen["swarm_digest"]  # ... and peer1's adopted
+    assert seen["failures"] == 0 and seen["refused"] == {"peer0": 1}  # peer0's chunk was refused once ...
+    assert seen["round"] == 1 and seen["digest"] == seen["swarm_digest"]  # ... and peer1's copy adopted
     assert len({d.digest for d in out.values()}) == 1 and {d.round for d in out.values()} == {6}
     assert all(r.committed and r.peers == 3 for r in out[2].reports), out[2].reports

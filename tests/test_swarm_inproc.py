@@ -22,6 +22,7 @@ from diloco.comms.loop import LoopThread
 from diloco.outer import nesterov
 from diloco.peers import InProcBoard
 from diloco.state import GlobalState
+from diloco.statesync import Snapshot
 
 pytestmark = pytest.mark.swarm
 
@@ -243,24 +244,27 @@ def test_late_joiner_downloads_state_and_ends_identical(harness):
 # ---------------------------------------------------------------------- a peer serves forged state
 
 
-@pytest.mark.parametrize("forgery", ["body_differs_from_advertised_digest", "digest_differs_from_record"])
+@pytest.mark.parametrize("forgery", ["chunks_differ_from_the_manifest", "manifest_of_another_state"])
 def test_joiner_rejects_state_that_does_not_match_the_digest(harness, monkeypatch, forgery):
-    """peer0 advertises its real digest in its record but serves the bytes of another state (with
-    the real digest in the reply, or with the forged state's own digest). The joiner must refuse
-    it, keep its own state, and report the failed resync; the honest state is then adopted."""
+    """peer0 advertises its real digest in its record but serves another state: that state's bytes under
+    the real manifest, or that state's own manifest under the real digest. The joiner must refuse it,
+    keep its own state, and report the failed resync; the honest state is then adopted."""
     model0 = _mlp(0)
     opt0 = torch.optim.SGD(model0.parameters(), lr=0.05)
     d0 = DiLoCo(model0, opt0, swarm=harness.swarm("peer0"), inner_steps=H)
     honest = d0._serve
 
-    def forged() -> tuple[int, str, bytes]:
-        rnd, digest, body = honest()
+    def forged(digest: str) -> Snapshot | None:
+        real = honest(digest)
+        if real is None:
+            return None
         fake = GlobalState(d0.state.params, nesterov())
-        fake.load_bytes(body)
+        fake.load_bytes(d0.state.to_bytes())
         with torch.no_grad():
             fake.params[0].add_(0.5)
         assert fake.digest() != digest
-        return rnd, (digest if forgery == "body_differs_from_advertised_digest" else fake.digest()), fake.to_bytes()
+        manifest = real.manifest if forgery == "chunks_differ_from_the_manifest" else fake.manifest()
+        return Snapshot(real.round, manifest, [t for _, t in fake.layout()[0]], real.info)
 
     monkeypatch.setattr(d0, "_serve", forged)
     with d0:
@@ -338,15 +342,18 @@ def test_a_peer_most_members_refuse_as_banned_learns_it_and_gets_no_state(harnes
     its last round did, `check_standing` raises `Banned` naming why. Directory records play no part:
     any holder of the secret could forge them."""
     peers = {p: harness.swarm(p) for p in ("a", "b", "c", "x")}
-    peers["a"].serve_state(lambda: (0, "d0", b"state"))
+    state = GlobalState([torch.ones(3)], nesterov())
+    snapshot = Snapshot.take(state, state.manifest(), {})
+    peers["a"].serve_state(lambda digest: snapshot if digest == snapshot.digest else None)
     for s in peers.values():
         s.update(status="training")
     _until(lambda: len(peers["x"].records()) == 4)
     x, members = peers["x"], ("a", "b", "c", "x")
-    assert x.fetch_state("a")[2] == b"state"
+    got, _, _ = x.fetch_state(snapshot.digest, ["a"], GlobalState([torch.zeros(3)], nesterov()).receiver)
+    assert got.assemble(nesterov()).digest() == state.digest()
     peers["a"].collective.adopt_bans(["x"], "test")
     with pytest.raises(diloco.SwarmError, match="banned"):  # a peer that banned x serves it nothing
-        x.fetch_state("a")
+        x.fetch_state(snapshot.digest, ["a"], GlobalState([torch.zeros(3)], nesterov()).receiver)
     assert x.collective.banned_by == {"a"}
     x.check_standing(members)  # one of three is no majority
     for p in ("b", "c"):

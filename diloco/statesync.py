@@ -1,0 +1,201 @@
+"""Moving the global state to a peer that is behind: in chunks, from every peer that holds it.
+
+Every peer that committed a round holds the same bytes, so any of them can serve any chunk. A
+catching-up peer asks one holder for the state's manifest (`diloco.state.Manifest`: the header
+and the SHA-256 of every chunk), checks that it hashes to the digest the swarm's records vouch for,
+then downloads the chunks from all holders at once: each holder's workers take the next missing
+chunk from a shared queue, so faster holders serve more and the download gets faster as the swarm
+grows. Every chunk is checked against the manifest before it is written; a chunk that does not
+match is counted, re-queued for another holder, and the holder that sent it is tried last; a holder
+that stops answering has its chunks taken over by the others. Each chunk has its own deadline
+(`call_timeout`), none the whole state: a large state over a slow link takes as long as it takes,
+as long as chunks keep coming.
+
+A server answers from a *snapshot* (`Snapshot`): a copy of the state taken when the first peer asks
+for its manifest, kept while downloads use it (the live state moves on with every round), and
+dropped when nobody asked for a chunk for a while. The copy costs the state's size while serving.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import Counter, deque
+from dataclasses import dataclass, field
+from typing import Any, Awaitable, Callable, Sequence
+
+import torch
+
+from diloco.comms import PeerId, TransportError
+from diloco.comms import messages as msg
+from diloco.compression import PayloadRejected, Reason
+
+from .state import GlobalState, Manifest, Receiver, StateError, _byte_view, _pieces
+
+log = logging.getLogger(__name__)
+
+IN_FLIGHT = 2
+"""Chunk requests each holder serves at once: keeps its link busy while one chunk's reply is in flight."""
+STRIKES = 3
+"""Failed or bad chunks after which a holder is no longer asked during this download."""
+
+
+@dataclass
+class Snapshot:
+    """A copy of the state as it was at one round, served chunk by chunk."""
+
+    round: int
+    manifest: Manifest
+    tensors: list[torch.Tensor]
+    info: dict[str, Any]
+    used: float = field(default_factory=time.monotonic)
+
+    @classmethod
+    def take(cls, state: GlobalState, manifest: Manifest, info: dict[str, Any]) -> Snapshot:
+        tensors, _ = state.layout()
+        return cls(state.round, manifest, [t.detach().to("cpu", copy=True) for _, t in tensors], info)
+
+    @property
+    def digest(self) -> str:
+        return self.manifest.digest
+
+    def chunk(self, index: int) -> bytes:
+        self.used = time.monotonic()
+        lo, hi = self.manifest.span(index)
+        return b"".join(bytes(piece) for _, piece in _pieces([_byte_view(t) for t in self.tensors], lo, hi))
+
+
+Call = Callable[[PeerId, str, bytes, float], Awaitable[bytes]]
+
+
+@dataclass
+class Progress:
+    """How a download is going: for logs, the metrics and a progress bar."""
+
+    total: int
+    received: int = 0
+    sources: int = 0
+    started: float = field(default_factory=time.monotonic)
+    bad_chunks: Counter[PeerId] = field(default_factory=Counter)
+
+    @property
+    def rate(self) -> float:
+        """Bytes per second so far."""
+        return self.received / max(1e-9, time.monotonic() - self.started)
+
+
+async def download(call: Call, *, run_id: str, me: PeerId, digest: str, holders: Sequence[PeerId],
+                   receiver: Callable[[Manifest], Receiver], chunk_timeout: float,
+                   on_progress: Callable[[Progress], None] = lambda p: None,
+                   on_refused: Callable[[PeerId, str], None] = lambda peer, reason: None,
+                   ) -> tuple[Receiver, dict[str, Any], Progress]:
+    """Download the state named `digest` from `holders` (tried for the manifest in order). Returns the
+    filled receiver, the serving peer's info, and the progress; raises StateError when no holder serves
+    the manifest or when the holders left cannot supply every chunk. `on_refused(peer, reason)` hears
+    every refusal (a peer that banned us says so)."""
+    manifest: Manifest | None = None
+    info: dict[str, Any] = {}
+    why: list[str] = []
+    for peer in holders:
+        try:
+            manifest, info = await _manifest(call, run_id, me, peer, digest, chunk_timeout, on_refused)
+            break
+        except (TransportError, PayloadRejected, StateError) as e:
+            why.append(str(e))
+            log.info("event=manifest_failed peer=%s reason=%s", peer, e)
+    if manifest is None:
+        raise StateError(f"none of the {len(holders)} peer(s) holding state {digest} served its manifest: "
+                         + "; ".join(why[:3]))
+    into = receiver(manifest)  # checks the header against our model before any chunk is asked for
+    progress = Progress(total=manifest.total, sources=len(holders))
+    queue: deque[int] = deque(range(into.chunks))
+    strikes: Counter[PeerId] = Counter()
+    refused: dict[int, set[PeerId]] = {}  # chunk -> holders whose copy of it did not match
+    in_flight, wake = 0, asyncio.Event()
+
+    def take(peer: PeerId) -> int | None:
+        """The next chunk `peer` should send: one it has not sent a bad copy of, unless nobody else can."""
+        for _ in range(len(queue)):
+            index = queue.popleft()
+            others = [p for p in holders if strikes[p] < STRIKES and p not in refused.get(index, ())]
+            if peer not in refused.get(index, ()) or not others:
+                return index
+            queue.append(index)
+        return None
+
+    async def worker(peer: PeerId) -> None:
+        nonlocal in_flight
+        while strikes[peer] < STRIKES:
+            index = take(peer)
+            if index is None:
+                if not in_flight:
+                    return  # nothing left that this holder may send
+                wake.clear()
+                await wake.wait()  # a chunk in flight elsewhere may fail and come back
+                continue
+            in_flight += 1
+            try:
+                data = await _chunk(call, run_id, me, peer, digest, index, chunk_timeout)
+                into.write(index, data)
+                progress.received += len(data)
+                on_progress(progress)
+            except StateError as e:  # a chunk that does not match the manifest: tampered, or a bug
+                refused.setdefault(index, set()).add(peer)
+                progress.bad_chunks[peer] += 1
+                strikes[peer] += 1
+                queue.append(index)
+                log.warning("event=state_chunk_refused peer=%s chunk=%d reason=%s", peer, index, e)
+            except (TransportError, PayloadRejected) as e:
+                strikes[peer] += 1
+                queue.append(index)
+                log.info("event=state_chunk_failed peer=%s chunk=%d reason=%s", peer, index, e)
+            finally:
+                in_flight -= 1
+                wake.set()
+
+    await asyncio.gather(*(worker(p) for p in holders for _ in range(IN_FLIGHT)))
+    progress.sources = sum(1 for p in holders if strikes[p] < STRIKES)
+    if len(into.done) != into.chunks:
+        raise StateError(f"{into.chunks - len(into.done)} of {into.chunks} chunks could not be had from "
+                         f"{len(holders)} holder(s) (failed or refused: {dict(strikes)})")
+    return into, info, progress
+
+
+async def _manifest(call: Call, run_id: str, me: PeerId, peer: PeerId, digest: str, timeout: float,
+                    on_refused: Callable[[PeerId, str], None]) -> tuple[Manifest, dict[str, Any]]:
+    reply = await call(peer, "diloco.manifest", msg.encode(msg.STATE, run=run_id, sender=me, view=digest), timeout)
+    header, body, _ = msg.decode(reply, run=run_id, kind=msg.STATE, caller=peer, max_body=64 << 20)
+    if not header.meta.get("ok", False):
+        reason = str(header.meta.get("reason", "no reason"))
+        on_refused(peer, reason)
+        raise StateError(f"peer {peer} does not serve state {digest} ({reason})")
+    manifest = Manifest.unpack(bytes(body))
+    if manifest.digest != digest:
+        raise StateError(f"peer {peer} served a manifest that hashes to {manifest.digest}, not {digest}")
+    info = {k.removeprefix("info."): v for k, v in header.meta.items() if k.startswith("info.")}
+    return manifest, info
+
+
+async def _chunk(call: Call, run_id: str, me: PeerId, peer: PeerId, digest: str, index: int, timeout: float) -> bytes:
+    request = msg.encode(msg.STATE, run=run_id, sender=me, view=digest, span=index)
+    reply = await call(peer, "diloco.chunk", request, timeout)
+    header, body, _ = msg.decode(reply, run=run_id, kind=msg.STATE, caller=peer, max_body=1 << 30)
+    if not header.meta.get("ok", False) or header.span != index:
+        raise PayloadRejected(Reason.WRONG_SPAN, f"peer {peer} did not serve chunk {index} of {digest} "
+                                                 f"({header.meta.get('reason', 'another chunk')})")
+    return bytes(body)
+
+
+def serve_manifest(snapshot: Snapshot | None, *, run_id: str, me: PeerId, reason: str = "") -> bytes:
+    if snapshot is None:
+        return msg.encode(msg.STATE, run=run_id, sender=me, meta={"ok": False, "reason": reason or "state not held"})
+    meta: dict[str, Any] = {"ok": True, **{f"info.{k}": v for k, v in snapshot.info.items()}}
+    return msg.encode(msg.STATE, run=run_id, sender=me, view=snapshot.digest, meta=meta, body=snapshot.manifest.pack())
+
+
+def serve_chunk(snapshot: Snapshot | None, index: int, *, run_id: str, me: PeerId, reason: str = "") -> bytes:
+    if snapshot is None or not 0 <= index < len(snapshot.manifest.hashes):
+        return msg.encode(msg.STATE, run=run_id, sender=me, meta={"ok": False, "reason": reason or "chunk not held"})
+    return msg.encode(msg.STATE, run=run_id, sender=me, view=snapshot.digest, span=index, meta={"ok": True},
+                      body=snapshot.chunk(index))
