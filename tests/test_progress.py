@@ -108,3 +108,16 @@ def test_transfers_report_to_the_running_commands_reporter_when_large():
     assert not any("small" in ln for ln in lines)
     assert lines == ["writing checkpoint: ckpt-000000000003 - 2.0 kB/2.0 kB (100%), 1.0 kB/s, 0 s left",
                      "writing checkpoint: done in 2 s (ckpt-000000000003)"]
+
+
+def test_a_checkpoint_write_reports_its_bytes_to_the_end(tmp_path):
+    from diloco.checkpoint import TensorData, load_latest, save
+
+    big = TensorData("U8", (40 << 20,), bytes(40 << 20))  # 40 MiB: reported in 16 MiB pieces
+    seen: list[tuple[int, int]] = []
+    path = save(tmp_path, 7, {"big": big, "small": TensorData("F32", (2,), bytes(8))}, {"round": 7},
+                progress=lambda done, total: seen.append((done, total)))
+    total = (path / "tensors.safetensors").stat().st_size
+    assert len(seen) >= 4 and seen[-1] == (total, total)
+    assert [d for d, _ in seen] == sorted(d for d, _ in seen)
+    assert load_latest(tmp_path) is not None
