@@ -59,6 +59,8 @@ SecretFile = typer.Option(None, "--secret-file", help="File holding the swarm se
                           "default diloco-RUN_ID.secret). Or set DILOCO_SECRET.")
 AllowPeer = typer.Option(None, "--allow-peer", help="Only talk to this peer id (repeatable); default: anyone with the "
                          "secret.")
+Quiet = typer.Option(False, "--quiet", "-q", help="Show no progress (results and errors still print). Progress goes "
+                     "to stderr: a live view on a terminal, one line per step of the work elsewhere.")
 IdentityFile = typer.Option(None, "--identity", help="This peer's key file (created if missing, mode 600): its peer "
                             "id then survives restarts, as other sites' --allow-peer need. Default: a new id per run.")
 
@@ -311,11 +313,13 @@ def simulate(
     faults: Optional[str] = typer.Option(None, help="Fault plan: a JSON file (docs/SIMULATE.md), or random:N for N "
                                                      "faults drawn from --seed."),
     json_path: Optional[Path] = typer.Option(None, "--json", help="Write the summary as JSON here."),
+    quiet: bool = Quiet,
 ) -> None:
     """Simulate a swarm of WORKERS in this process (the real round protocol, codecs, fragments and outer
     optimizer) and project wall clock, blocking and compute utilization onto the given links."""
     import json
 
+    from .progress import Reporter
     from .simfaults import load_plan, random_plan
     from .simulate import NetworkModel, parse_link, simulate as run_simulation
 
@@ -341,7 +345,8 @@ def simulate(
     except ConfigError as e:
         _fail(str(e))
     try:
-        summary = run_simulation(job, workers, swarm=swarm_cfg, net=net, faults=plan)
+        with Reporter.for_command(quiet=quiet) as rep, rep.task("simulate") as task:
+            summary = run_simulation(job, workers, swarm=swarm_cfg, net=net, faults=plan, progress=task.update)
     except ConfigError as e:
         _fail(str(e))
     for fault in summary["faults_fired"]:

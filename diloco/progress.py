@@ -123,16 +123,27 @@ class TaskView:
     unit: str
     status: str
     elapsed: float
+    since_update: float = 0.0
+    """Seconds since `done` last changed: rate and time left are as of then, less the time since."""
+
+    @property
+    def rate_elapsed(self) -> float:
+        return max(0.0, self.elapsed - self.since_update)
+
+    @property
+    def left(self) -> float | None:
+        eta = eta_seconds(self.done, self.total, self.rate_elapsed)
+        return None if eta is None else max(0.0, eta - self.since_update)
 
 
 def plain_line(v: TaskView) -> str:
     """One line for logs: 'simulate: round 3/10 - 1,200/8,000 steps (15%), 4.2 steps/s, 27m10s left'."""
     head = f"{v.what}: {v.status}" if v.status else v.what
     facts = [amount(v.done, v.total, v.unit) + (f" ({v.done / v.total:.0%})" if v.total else "")]
-    r = rate(v.done, v.elapsed, v.unit)
+    r = rate(v.done, v.rate_elapsed, v.unit)
     if r:
         facts.append(r)
-    left = eta_seconds(v.done, v.total, v.elapsed)
+    left = v.left
     if left is not None:
         facts.append(f"{duration(left)} left")
     return f"{head} - {', '.join(facts)}"
@@ -154,10 +165,10 @@ def task_line(v: TaskView, width: int) -> str:
     """The live display's line for a task, at most `width` characters. Parts in the order shown:
     what, bar, status, amount, rate, time left; when they do not fit, the rate goes first, then the
     amount, the bar and the time left; the status is cut last, and `what` is always there."""
-    left = eta_seconds(v.done, v.total, v.elapsed)
+    left = v.left
     parts: dict[str, str | None] = {
         "what": v.what, "bar": bar(v.done, v.total) or None, "status": v.status or None,
-        "amount": amount(v.done, v.total, v.unit), "rate": rate(v.done, v.elapsed, v.unit),
+        "amount": amount(v.done, v.total, v.unit), "rate": rate(v.done, v.rate_elapsed, v.unit),
         "eta": f"{duration(left)} left" if left is not None else f"{duration(v.elapsed)} elapsed",
     }
     shown = [k for k, text in parts.items() if text]
@@ -183,12 +194,13 @@ class Task:
     def __init__(self, reporter: Reporter, what: str, total: float | None, unit: str, shown: bool = True) -> None:
         self.reporter, self.what, self.total, self.unit, self.shown = reporter, what, total, unit, shown
         self.done, self.status = 0.0, ""
-        self.started = reporter.clock()
+        self.started = self.updated = reporter.clock()
         self.closed = False
 
     def view(self, now: float | None = None) -> TaskView:
         now = self.reporter.clock() if now is None else now
-        return TaskView(self.what, self.done, self.total, self.unit, self.status, now - self.started)
+        return TaskView(self.what, self.done, self.total, self.unit, self.status, now - self.started,
+                        now - self.updated)
 
     def update(self, done: float | None = None, total: float | None = None, status: str | None = None) -> None:
         """Set how far the work is (absolute), its total and its status; None leaves one as it is."""
@@ -298,7 +310,9 @@ class Reporter:
             if total is not None:
                 t.total = total
             if done is not None:
-                t.done = min(done, t.total) if t.total else done
+                done = min(done, t.total) if t.total else done
+                if done != t.done:
+                    t.done, t.updated = done, self.clock()
             if status is not None:
                 t.status = status
             if self.mode != "lines" or not t.shown:
@@ -317,6 +331,8 @@ class Reporter:
             if t in self._tasks:
                 self._tasks.remove(t)
             self._last_line.pop(id(t), None)
+            if self._live is not None:
+                self._live.refresh()  # the closed task's line goes before its final line is printed
         if t.shown and self.mode != "quiet":
             self.say(finished_line(t.view(), outcome))
 

@@ -121,3 +121,9 @@ def test_a_checkpoint_write_reports_its_bytes_to_the_end(tmp_path):
     assert len(seen) >= 4 and seen[-1] == (total, total)
     assert [d for d, _ in seen] == sorted(d for d, _ in seen)
     assert load_latest(tmp_path) is not None
+
+
+def test_time_left_counts_down_between_updates():
+    v = TaskView("x", done=25, total=100, unit="steps", status="", elapsed=12.0, since_update=2.0)
+    assert v.left == pytest.approx(30.0 - 2.0)  # 25 steps in 10 s: 30 s left then, 28 s now
+    assert "2.5 steps/s" in plain_line(v)
