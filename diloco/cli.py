@@ -126,10 +126,11 @@ def _join_line(command: str, where: str) -> str:
 
 def _run_peer(initial: list[str], *, host: str, port: int, announce: Optional[List[str]],
               address_file: Optional[Path], metrics: Optional[Path], status_file: Optional[Path],
-              swarm_cfg: SwarmConfig, job: JobConfig, secret_from: str) -> None:
+              swarm_cfg: SwarmConfig, job: JobConfig, secret_from: str, quiet: bool = False) -> None:
     from .comms.fdlimit import raise_open_files_limit
     from .comms.hello import HandshakeError
     from .metrics import MetricsWriter
+    from .progress import Reporter
     from .swarm import Banned, Swarm, SwarmError
     from .train import run_job
 
@@ -157,8 +158,10 @@ def _run_peer(initial: list[str], *, host: str, port: int, announce: Optional[Li
             tmp = Path(str(address_file) + ".tmp")
             tmp.write_text("\n".join(swarm.addresses) + "\n")
             os.replace(tmp, address_file)
-        try:
-            summary = run_job(job, swarm, metrics=MetricsWriter(metrics), status_path=status_file, stop=stop)
+        try:  # progress: a live line on a terminal, a line per round elsewhere (and large checkpoint writes)
+            with Reporter.for_command(quiet=quiet) as rep, rep.task("training", job.rounds, unit="rounds") as task:
+                summary = run_job(job, swarm, metrics=MetricsWriter(metrics), status_path=status_file, stop=stop,
+                                  progress=task.update)
         except (HandshakeError, Banned) as e:  # our model or codec differs from the swarm's; the swarm banned us
             _fail(str(e), code=1)
         typer.echo(f"done: round {summary['round']}, held-out loss {summary['eval_loss']:.4f}, "
@@ -193,6 +196,7 @@ def start(
     status_file: Optional[Path] = typer.Option(None, hidden=True),
     max_restarts: int = MaxRestarts,
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Log every round event."),
+    quiet: bool = Quiet,
     ctx: typer.Context = typer.Option(None, hidden=True),
 ) -> None:
     """Start a swarm and print the line others run to join. Trains the bundled model, or runs your own
@@ -207,7 +211,7 @@ def start(
                 checkpoint_every=checkpoint_every, max_restarts=max_restarts, wait_for=wait_for)
     swarm_cfg = replace(swarm_cfg, secret=secret)
     _run_peer([], host=host, port=port, announce=announce, address_file=address_file, metrics=metrics,
-              status_file=status_file, swarm_cfg=swarm_cfg, job=job, secret_from=where)
+              status_file=status_file, swarm_cfg=swarm_cfg, job=job, secret_from=where, quiet=quiet)
 
 
 @app.command()
@@ -237,6 +241,7 @@ def join(
     status_file: Optional[Path] = typer.Option(None, hidden=True),
     max_restarts: int = MaxRestarts,
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Log every round event."),
+    quiet: bool = Quiet,
     ctx: typer.Context = typer.Option(None, hidden=True),
 ) -> None:
     """Join a running swarm at ADDRESSES and train with it: the bundled model, or your own command as this
@@ -257,7 +262,7 @@ def join(
                 checkpoint_every=checkpoint_every, max_restarts=max_restarts, wait_for=wait_for)
     swarm_cfg = replace(swarm_cfg, secret=secret)
     _run_peer(addresses, host=host, port=port, announce=announce, address_file=address_file, metrics=metrics,
-              status_file=status_file, swarm_cfg=swarm_cfg, job=job, secret_from=where)
+              status_file=status_file, swarm_cfg=swarm_cfg, job=job, secret_from=where, quiet=quiet)
 
 
 @app.command()

@@ -163,19 +163,25 @@ def bar(done: float, total: float | None, width: int = BAR_WIDTH) -> str:
 
 def task_line(v: TaskView, width: int) -> str:
     """The live display's line for a task, at most `width` characters. Parts in the order shown:
-    what, bar, status, amount, rate, time left; when they do not fit, the rate goes first, then the
-    amount, the bar and the time left; the status is cut last, and `what` is always there."""
+    what, bar, status, amount, rate, time left. When they do not fit, the rate goes first, then the
+    amount, then the status's trailing comma-separated details one by one (its first one stays),
+    then the bar and the time left; what is left is cut at `width`."""
     left = v.left
+    segments = v.status.split(", ") if v.status else []
     parts: dict[str, str | None] = {
         "what": v.what, "bar": bar(v.done, v.total) or None, "status": v.status or None,
         "amount": amount(v.done, v.total, v.unit), "rate": rate(v.done, v.rate_elapsed, v.unit),
         "eta": f"{duration(left)} left" if left is not None else f"{duration(v.elapsed)} elapsed",
     }
     shown = [k for k, text in parts.items() if text]
-    for drop in ("rate", "amount", "bar", "eta"):
+    drops = ["rate", "amount", *(["status-tail"] * max(0, len(segments) - 1)), "bar", "eta"]
+    for drop in drops:
         if len(_join(parts, shown)) <= width:
             break
-        if drop in shown:
+        if drop == "status-tail":
+            segments.pop()
+            parts["status"] = ", ".join(segments)
+        elif drop in shown:
             shown.remove(drop)
     return _join(parts, shown)[:width]
 

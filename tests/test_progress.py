@@ -127,3 +127,11 @@ def test_time_left_counts_down_between_updates():
     v = TaskView("x", done=25, total=100, unit="steps", status="", elapsed=12.0, since_update=2.0)
     assert v.left == pytest.approx(30.0 - 2.0)  # 25 steps in 10 s: 30 s left then, 28 s now
     assert "2.5 steps/s" in plain_line(v)
+
+
+def test_a_long_status_loses_its_trailing_details_before_the_bar_and_time_left():
+    v = TaskView("training", done=1.5, total=3, unit="rounds", elapsed=10.0,
+                 status="round 1/3, loss 4.992, 4 peers, 0.85 Mbit/s, sent 12.3 MB, recv 12.1 MB")
+    line = task_line(v, 80)
+    assert len(line) <= 80 and "50%" in line and "left" in line and "round 1/3, loss 4.992" in line
+    assert "recv" not in line
