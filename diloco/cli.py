@@ -428,6 +428,7 @@ def bench_codecs_cmd(
     repeats: int = typer.Option(3, help="Runs per measurement; the median is reported."),
     threads: int = typer.Option(2, help="torch CPU threads."),
     json_path: Optional[Path] = typer.Option(None, "--json", help="Write the results as JSON here."),
+    quiet: bool = Quiet,
 ) -> None:
     """Encode/decode speed (as a ratio to torch.clone), bits/param and error of each pipeline."""
     import platform
@@ -435,7 +436,8 @@ def bench_codecs_cmd(
     import torch
     from rich.console import Console
 
-    from .bench import DEFAULT_SPECS, bench_codecs, make_inputs, markdown_table, write_json
+    from .bench import DEFAULT_SPECS, CodecResult, bench_codecs, make_inputs, markdown_table, write_json
+    from .progress import Reporter
     from diloco.compression.pipeline import parse
 
     specs = list(specs or DEFAULT_SPECS)
@@ -451,11 +453,19 @@ def bench_codecs_cmd(
         _fail("--repeats and --size must be >= 1")
     torch.set_num_threads(threads)
     console = Console()
-    data = make_inputs(sizes, inputs)
-    results = bench_codecs(specs, data, repeats, progress=lambda r: console.print(
-        f"{r.input:>14} {r.spec:<32} {r.bits_per_param:8.4f} bits/param  err {r.rel_l2_error:.4f}  "
-        f"encode {r.encode_x:6.1f}× clone  decode {r.decode_x:6.1f}× clone"))
-    console.print(markdown_table(results), markup=False)
+    with Reporter.for_command(quiet=quiet) as rep, \
+            rep.task("codecs", total=len(specs) * len(sizes) * len(inputs), unit="runs") as task:
+        task.update(status="making the inputs" + (" (25 training steps for the demo input)" if "demo" in inputs else ""))
+        data = make_inputs(sizes, inputs)
+        task.update(status=f"{repeats} repeats of each")
+
+        def measured(r: CodecResult) -> None:
+            rep.say(f"{r.input:>14} {r.spec:<32} {r.bits_per_param:8.4f} bits/param  err {r.rel_l2_error:.4f}  "
+                    f"encode {r.encode_x:6.1f}× clone  decode {r.decode_x:6.1f}× clone")
+            task.advance()
+
+        results = bench_codecs(specs, data, repeats, progress=measured)
+    console.print(markdown_table(results), markup=False, soft_wrap=True)
     if json_path:
         write_json(results, json_path, {"machine": platform.machine(), "threads": threads, "repeats": repeats,
                                         "torch": torch.__version__, "cores": os.cpu_count()})
@@ -472,6 +482,7 @@ def bench_convergence_cmd(
     json_path: Optional[Path] = typer.Option(None, "--json", help="Write the results as JSON here."),
     plots_dir: Optional[Path] = typer.Option(None, "--plots", help="Evaluate during training and write PNG plots "
                                                                   "(loss vs tokens, loss vs bytes) into this folder."),
+    quiet: bool = Quiet,
 ) -> None:
     """B1: held-out loss and bytes of DiLoCo variants against synchronous data-parallel training."""
     import platform
@@ -480,6 +491,7 @@ def bench_convergence_cmd(
     from rich.console import Console
 
     from .bench_convergence import VARIANTS, markdown_table, plots, run, write_json
+    from .progress import Reporter
     from .train import JobConfig
 
     if workers < 1 or steps < 1 or steps % 100:
@@ -489,10 +501,11 @@ def bench_convergence_cmd(
     except ConfigError as e:
         _fail(str(e))
     console = Console()
-    rows = run(job, workers, steps, VARIANTS, progress=lambda r: console.print(
-        f"{r['variant']:<36} held-out loss {r['eval_loss']:.4f}  {r['bytes_sent'] / 1e6:10.1f} MB  "
-        f"({r['wall_seconds']:.0f} s)", markup=False), curves=plots_dir is not None)
-    console.print(markdown_table(rows), markup=False)
+    with Reporter.for_command(quiet=quiet) as rep:
+        rows = run(job, workers, steps, VARIANTS, progress=lambda r: rep.say(
+            f"{r['variant']:<36} held-out loss {r['eval_loss']:.4f}  {r['bytes_sent'] / 1e6:10.1f} MB  "
+            f"({r['wall_seconds']:.0f} s)"), curves=plots_dir is not None, reporter=rep)
+    console.print(markdown_table(rows), markup=False, soft_wrap=True)
     if plots_dir is not None:
         for path in plots(rows, plots_dir, workers * batch_size * job.context):
             console.print(f"wrote {path}", markup=False)
@@ -514,11 +527,13 @@ def bench_overlap_cmd(
     compression: str = typer.Option("e3m0", help="Compression pipeline of every variant."),
     json_path: Optional[Path] = typer.Option(None, "--json", help="Write the report as JSON here."),
     workdir: Optional[Path] = typer.Option(None, help="Keep peers' logs and metrics here (default: a temp dir)."),
+    quiet: bool = Quiet,
 ) -> None:
     """B4: compute utilization of plain DiLoCo vs streaming + overlap on an emulated WAN link (needs root)."""
     from rich.console import Console
 
     from .bench_overlap import OverlapSetup, markdown_table, run, write_json
+    from .progress import Reporter
     from .fragments import FragmentError, StreamingConfig, check_schedule
     from .wan import WanError, check_privileges
 
@@ -534,12 +549,13 @@ def bench_overlap_cmd(
     setup = OverlapSetup(peers=peers, rate_mbit=rate, delay_ms=delay, inner_steps=inner_steps,
                          outer_steps=outer_steps, fragments=fragments, tau=tau, compression=compression)
     try:
-        report = run(setup, workdir=workdir, progress=lambda line: console.print(line, markup=False))
+        with Reporter.for_command(quiet=quiet) as rep, rep.task("overlap", unit="variants") as task:
+            report = run(setup, workdir=workdir, progress=rep.say, tick=task.update)
     except (WanError, RuntimeError) as e:
         _fail(str(e), code=1)
     console.print(f"a full-model synchronization costs ~{report['full_sync_costs_inner_steps']} inner steps "
                   "on this link (plain DiLoCo's blocked time per round / time per inner step)")
-    console.print(markdown_table(report), markup=False)
+    console.print(markdown_table(report), markup=False, soft_wrap=True)
     if json_path:
         write_json(report, json_path)
 
@@ -561,18 +577,21 @@ def bench_flood_cmd(
     stalled: int = typer.Option(0, help="Instead of calls: each flooder opens this many streams to every peer and "
                                         "sends nothing on them (0: flood with calls)."),
     json_path: Optional[Path] = typer.Option(None, "--json", help="Write the report as JSON here."),
+    quiet: bool = Quiet,
 ) -> None:
     """Round time of a swarm while processes without its secret flood it with calls (RELIABILITY row 16),
     or hold streams open without sending anything (--stalled)."""
     from .bench_flood import FloodSetup, markdown, run, write_json
+    from .progress import Reporter
 
     if peers < 2 or numel < 1 or rounds < 1 or flooders < 1 or concurrency < 1 or body_kib < 0 or patience <= 0 \
             or stalled < 0:
         _fail("--peers must be >= 2; --numel, --rounds, --flooders and --concurrency >= 1; --body-kib and "
               "--stalled >= 0; --patience > 0")
-    report = run(FloodSetup(peers=peers, numel=numel, rounds=rounds, flooders=flooders, concurrency=concurrency,
-                            body_kib=body_kib, patience=patience, tarpit=tarpit, pin=pin, stalled=stalled),
-                 progress=typer.echo)
+    with Reporter.for_command(quiet=quiet) as rep, rep.task("flood", unit="rounds") as task:
+        report = run(FloodSetup(peers=peers, numel=numel, rounds=rounds, flooders=flooders, concurrency=concurrency,
+                                body_kib=body_kib, patience=patience, tarpit=tarpit, pin=pin, stalled=stalled),
+                     progress=rep.say, tick=task.update)
     typer.echo(markdown(report))
     if json_path:
         write_json(report, json_path)

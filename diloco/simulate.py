@@ -234,8 +234,9 @@ Progress = Callable[[float, float | None, str | None], None]
 
 def progress_status(round_reached: int, fragments: int, rounds: int, running: int | None, workers: int) -> str:
     """'round 3/10, 16 workers' (or '15/16 workers running' while some are down): the outer rounds the
-    swarm committed, and the workers running now (None: the run is over)."""
-    who = f"{workers} workers" if running is None or running == workers else f"{running}/{workers} workers running"
+    swarm committed, and the workers running now (None or 0: the run is over)."""
+    plural = "s" if workers != 1 else ""
+    who = f"{workers} worker{plural}" if running in (None, 0, workers) else f"{running}/{workers} worker{plural} running"
     return f"round {round_reached // fragments}/{rounds}, {who}"
 
 
