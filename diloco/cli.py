@@ -277,10 +277,10 @@ def demo(
     metrics: Optional[Path] = typer.Option(None, help="Append every peer's round lines (with a 'peer' field) here."),
     json_path: Optional[Path] = typer.Option(None, "--json", help="Write the final summary as JSON here."),
     workdir: Optional[Path] = typer.Option(None, help="Keep peers' logs and metrics here (default: a temp dir)."),
-    live: bool = typer.Option(True, help="Show the live view (off: plain progress lines)."),
+    live: bool = typer.Option(True, help="Show the live view on a terminal (off: plain progress lines)."),
     outer_lr: Optional[float] = OuterLr, outer_momentum: Optional[float] = OuterMomentum,
     fragments: int = Fragments, fragment_pattern: str = Pattern, overlap: int = Overlap, alpha: float = Alpha,
-    outer_overlap: str = OuterOverlap,
+    outer_overlap: str = OuterOverlap, quiet: bool = Quiet,
 ) -> None:
     """Run a local swarm of PEERS processes on 127.0.0.1 training the bundled model, with a live view."""
     from .demo import DemoConfig, run_demo
@@ -292,7 +292,7 @@ def demo(
                          outer_overlap=outer_overlap)
     except ConfigError as e:
         _fail(str(e))
-    code = run_demo(cfg, workdir=workdir, metrics=metrics, json_path=json_path, live=live)
+    code = run_demo(cfg, workdir=workdir, metrics=metrics, json_path=json_path, live=live, quiet=quiet)
     raise typer.Exit(code)
 
 
