@@ -4,7 +4,7 @@
     diloco join /ip4/…/p2p/12D3Koo…    # any other peer, on any machine that can reach it
     diloco start -- torchrun --nproc-per-node 2 train.py   # your own script as this site's worker
     diloco demo                        # 4 peers on this machine, live view, summary
-    diloco simulate --workers 16       # 16 workers in one process, projected onto 100 Mbit/s links
+    diloco simulate --workers 16 --rounds 2 -H 10   # 16 workers in one process, projected onto links
 
 Bad input exits with status 2 and a message that names the fix, before any network I/O.
 """
