@@ -337,8 +337,9 @@ class Reporter:
             if t in self._tasks:
                 self._tasks.remove(t)
             self._last_line.pop(id(t), None)
-            if self._live is not None:
-                self._live.refresh()  # the closed task's line goes before its final line is printed
+        live = self._live
+        if live is not None:  # outside our lock: rich's refresh thread takes its lock, then ours
+            live.refresh()  # the closed task's line goes before its final line is printed
         if t.shown and self.mode != "quiet":
             self.say(finished_line(t.view(), outcome))
 

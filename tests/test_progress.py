@@ -4,6 +4,7 @@ fit the terminal. Time comes from a fake clock, so nothing here depends on the m
 from __future__ import annotations
 
 import io
+import threading
 
 import pytest
 from rich.console import Console
@@ -135,3 +136,17 @@ def test_a_long_status_loses_its_trailing_details_before_the_bar_and_time_left()
     line = task_line(v, 80)
     assert len(line) <= 80 and "50%" in line and "left" in line and "round 1/3, loss 4.992" in line
     assert "recv" not in line
+
+
+def test_live_mode_leaves_one_line_per_finished_task_and_the_messages():
+    buf = io.StringIO()
+    console = Console(file=buf, force_terminal=True, width=80)
+    with Reporter("live", console=console) as rep:
+        for k in range(20):  # open, update and close from two threads while the display refreshes
+            with rep.task(f"task {k}", total=10) as t:
+                worker = threading.Thread(target=lambda: [t.update(i) for i in range(11)])
+                worker.start()
+                worker.join()
+        rep.say("a variant's result")
+    out = buf.getvalue()
+    assert all(f"task {k}: done in" in out for k in range(20)) and "a variant's result" in out
