@@ -60,7 +60,7 @@ SecretFile = typer.Option(None, "--secret-file", help="File holding the swarm se
 AllowPeer = typer.Option(None, "--allow-peer", help="Only talk to this peer id (repeatable); default: anyone with the "
                          "secret.")
 Quiet = typer.Option(False, "--quiet", "-q", help="Show no progress (results and errors still print). Progress goes "
-                     "to stderr: a live view on a terminal, one line per step of the work elsewhere.")
+                     "to stderr: a live view on a terminal, plain lines elsewhere (a log, CI).")
 IdentityFile = typer.Option(None, "--identity", help="This peer's key file (created if missing, mode 600): its peer "
                             "id then survives restarts, as other sites' --allow-peer need. Default: a new id per run.")
 
@@ -158,8 +158,11 @@ def _run_peer(initial: list[str], *, host: str, port: int, announce: Optional[Li
             tmp = Path(str(address_file) + ".tmp")
             tmp.write_text("\n".join(swarm.addresses) + "\n")
             os.replace(tmp, address_file)
-        try:  # progress: a live line on a terminal, a line per round elsewhere (and large checkpoint writes)
-            with Reporter.for_command(quiet=quiet) as rep, rep.task("training", job.rounds, unit="rounds") as task:
+        # progress: a live line on a terminal, a line per round elsewhere or with --verbose's log lines
+        live = not logging.getLogger("diloco").isEnabledFor(logging.INFO)
+        try:
+            with Reporter.for_command(quiet=quiet, live=live) as rep, \
+                    rep.task("training", job.rounds, unit="rounds") as task:
                 summary = run_job(job, swarm, metrics=MetricsWriter(metrics), status_path=status_file, stop=stop,
                                   progress=task.update)
         except (HandshakeError, Banned) as e:  # our model or codec differs from the swarm's; the swarm banned us
@@ -457,7 +460,7 @@ def bench_codecs_cmd(
             rep.task("codecs", total=len(specs) * len(sizes) * len(inputs), unit="runs") as task:
         task.update(status="making the inputs" + (" (25 training steps for the demo input)" if "demo" in inputs else ""))
         data = make_inputs(sizes, inputs)
-        task.update(status=f"{repeats} repeats of each")
+        task.update(status=f"{repeats} repeat{'s' if repeats != 1 else ''} of each pipeline")
 
         def measured(r: CodecResult) -> None:
             rep.say(f"{r.input:>14} {r.spec:<32} {r.bits_per_param:8.4f} bits/param  err {r.rel_l2_error:.4f}  "

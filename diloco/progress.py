@@ -287,8 +287,9 @@ class Reporter:
         if self.mode == "live":
             from rich.live import Live
 
+            # stdout writes go above the display only when stdout is that terminal too (not `> file`)
             self._live = Live(console=self.console, refresh_per_second=4, transient=True,
-                              get_renderable=self._renderable)
+                              get_renderable=self._renderable, redirect_stdout=sys.stdout.isatty())
             self._live.start()
         return self
 
