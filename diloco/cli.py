@@ -607,17 +607,20 @@ def bench_site_cmd(
     inner_steps: int = typer.Option(20, "--inner-steps", "-H", help="Inner steps per round (H)."),
     steps: int = typer.Option(200, help="Inner steps timed per overhead run."),
     json_path: Optional[Path] = typer.Option(None, "--json", help="Write the report as JSON here."),
+    quiet: bool = Quiet,
 ) -> None:
     """A torchrun site as one worker: the wrapper's inner-step overhead, WAN bytes per round vs a lone
     process, and the time from a rank's crash to the restarted site's first committed round."""
     import json
 
     from .bench_site import SiteSetup, markdown, run
+    from .progress import Reporter
 
     if ranks < 2 or width < 1 or inner_steps < 1 or steps < 1:
         _fail("--ranks must be >= 2; --width, --inner-steps and --steps >= 1")
-    result = run(SiteSetup(ranks=ranks, width=width, inner_steps=inner_steps, steps=steps),
-                 say=lambda text: typer.echo(text, err=True))
+    with Reporter.for_command(quiet=quiet) as rep, rep.task("site", unit="stages") as task:
+        result = run(SiteSetup(ranks=ranks, width=width, inner_steps=inner_steps, steps=steps), say=rep.say,
+                     tick=task.update)
     typer.echo(markdown(result))
     if json_path:
         json_path.write_text(json.dumps(result, indent=1))

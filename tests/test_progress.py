@@ -150,3 +150,14 @@ def test_live_mode_leaves_one_line_per_finished_task_and_the_messages():
         rep.say("a variant's result")
     out = buf.getvalue()
     assert all(f"task {k}: done in" in out for k in range(20)) and "a variant's result" in out
+
+
+def test_every_long_command_takes_quiet():
+    from typer.testing import CliRunner
+
+    from diloco.cli import app
+
+    for cmd in (["start"], ["join"], ["demo"], ["simulate"], ["bench", "codecs"], ["bench", "convergence"],
+                ["bench", "overlap"], ["bench", "flood"], ["bench", "site"]):
+        out = CliRunner().invoke(app, [*cmd, "--help"], terminal_width=200)
+        assert out.exit_code == 0 and "--quiet" in out.output, cmd

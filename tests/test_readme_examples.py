@@ -15,8 +15,9 @@ What each command does here:
   same fault plan) are parsed and validated, then stopped at the run.
 - `bench convergence` (its smallest budget is 500 inner steps, about 20 s here; the real run at test
   size is tests/test_bench_convergence.py), `start`, `join`, `status`, `demo` (real peers,
-  tests/test_multiproc.py), `bench overlap` (root and network namespaces, tests/test_bench_overlap.py),
-  `bench flood` (real daemons, tests/test_auth.py): parsed and validated by the real command, which
+  tests/test_multiproc.py), `start/join ... -- CMD` (the launcher, tests/test_launcher.py), `bench
+  overlap` (root and network namespaces, tests/test_bench_overlap.py), `bench flood` (real daemons,
+  tests/test_auth.py), `bench site` (torchrun sites): parsed and validated by the real command, which
   must get as far as the call that would start the work (then stopped there, before any network I/O).
 - `make X`: the Makefile has target X.
 - a command's bare name (`diloco bench overlap`, `diloco join`): its `--help` works.
@@ -24,9 +25,10 @@ What each command does here:
 
 from __future__ import annotations
 
-import itertools
+import os
 import re
 import shlex
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +36,7 @@ import pytest
 from typer.testing import CliRunner
 
 from diloco.cli import app
+from diloco.launcher import split_command
 
 pytestmark = pytest.mark.swarm
 
@@ -142,9 +145,17 @@ STOPPED_AT = {  # command -> what would start the work (network, real peers, roo
     ("diloco", "start"): "diloco.cli._run_peer", ("diloco", "join"): "diloco.cli._run_peer",
     ("diloco", "status"): "diloco.status.observe", ("diloco", "demo"): "diloco.demo.run_demo",
     ("diloco", "bench", "overlap"): "diloco.bench_overlap.run", ("diloco", "bench", "flood"): "diloco.bench_flood.run",
-    ("diloco", "bench", "convergence"): "diloco.bench_convergence.run",
+    ("diloco", "bench", "convergence"): "diloco.bench_convergence.run", ("diloco", "bench", "site"): "diloco.bench_site.run",
 }
+LAUNCHED = "diloco.cli._launch"
+"""`diloco start/join ... -- CMD` runs the user's command as the site's worker: stopped there."""
 RUN_REDUCED = {("diloco", "simulate"): "diloco.simulate.simulate", ("diloco", "bench", "codecs"): "diloco.bench.bench_codecs"}
+
+
+def invoke(argv: list[str]) -> Any:
+    """`diloco ARGS [-- CMD]` as `diloco.cli.main` runs it, in this process."""
+    args, command = split_command(argv[1:])
+    return CliRunner().invoke(app, args, obj={"command": command})
 
 
 def _command(argv: list[str]) -> tuple[str, ...]:
@@ -185,6 +196,7 @@ def workdir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     written (copied over, as the README says), fault plans (docs/SIMULATE.md's, and the repo's)."""
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("DILOCO_SECRET", SECRET)
+    monkeypatch.setenv("PATH", f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")  # python, torchrun
     (tmp_path / "diloco-lab-run.secret").write_text(SECRET + "\n")
     (tmp_path / "diloco-lab-run.secret").chmod(0o600)
     plan = re.search(r"```json\n(.*?)```", (ROOT / "docs" / "SIMULATE.md").read_text(), re.S)
@@ -204,19 +216,19 @@ def test_every_documented_command_runs_or_reaches_its_work(workdir: Path, monkey
             assert re.search(rf"^{re.escape(argv[1])}:", makefile, re.M), where
             continue
         if len(argv) <= 2 or argv[1:] == ["bench", argv[2]] or "--help" in argv:  # a name: it has a --help
-            result = CliRunner().invoke(app, [*argv[1:], "--help"] if "--help" not in argv else argv[1:])
+            result = invoke([*argv, "--help"] if "--help" not in argv else argv)
             assert result.exit_code == 0, (where, result.output)
             continue
         command = _command(argv)
         seen: list[Any] = []
         with monkeypatch.context() as m:
             m.setattr("diloco.wan.check_privileges", lambda: None)  # bench overlap: stopped before root matters
-            target = STOPPED_AT.get(command)
+            target = LAUNCHED if "--" in argv else STOPPED_AT.get(command)
             if target is None and _run_key(argv) in ran:  # the same options were run for real already
                 target = RUN_REDUCED[command]
             if target is not None:
                 _stop_at(m, target, where, seen)
-            result = CliRunner().invoke(app, reduced(argv)[1:])
+            result = invoke(reduced(argv))
         if target is not None:
             assert isinstance(result.exception, Reached), (where, result.exit_code, result.output)
             assert seen, where
