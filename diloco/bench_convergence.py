@@ -23,6 +23,7 @@ from typing import Any, Callable
 
 import torch
 
+from . import progress as progress_output
 from .config import SwarmConfig
 from .corpus import BatchSampler, evaluate, heldout_batches
 from .model import GPTConfig, build_model
@@ -50,7 +51,12 @@ VARIANTS = (
 )
 
 
-def data_parallel(job: JobConfig, workers: int, steps: int, eval_every: int = 0) -> dict[str, Any]:
+Progress = Callable[[float, float | None, str | None], None]
+"""(done, total, status) of one variant, in inner steps of all workers (data-parallel: steps × M)."""
+
+
+def data_parallel(job: JobConfig, workers: int, steps: int, eval_every: int = 0,
+                  progress: Progress | None = None) -> dict[str, Any]:
     """The baseline: `steps` AdamW steps on one model, each on one batch from every worker's shard;
     with `eval_every`, the held-out loss every that many steps goes into the result's `curve`."""
     torch.set_num_threads(min(job.threads * workers, os.cpu_count() or 1))  # it does the work of M workers
@@ -76,6 +82,8 @@ def data_parallel(job: JobConfig, workers: int, steps: int, eval_every: int = 0)
         opt.zero_grad(set_to_none=True)
         if eval_every and (step + 1) % eval_every == 0 and step + 1 < steps:
             curve.append(dict(step=step + 1, eval_loss=evaluate(model, heldout), bytes_sent=int(per_step * (step + 1))))
+        if progress is not None:
+            progress((step + 1) * workers, steps * workers, None)
     eval_loss = evaluate(model, heldout)
     curve.append(dict(step=steps, eval_loss=eval_loss, bytes_sent=int(per_step * steps)))
     return dict(variant="data-parallel", eval_loss=eval_loss, params=params,
@@ -84,32 +92,53 @@ def data_parallel(job: JobConfig, workers: int, steps: int, eval_every: int = 0)
 
 
 def run(job: JobConfig, workers: int, steps: int, variants: tuple[Variant, ...] = VARIANTS,
-        progress: Callable[[dict[str, Any]], None] = lambda r: None, curves: bool = False) -> list[dict[str, Any]]:
+        progress: Callable[[dict[str, Any]], None] = lambda r: None, curves: bool = False,
+        reporter: progress_output.Reporter | None = None) -> list[dict[str, Any]]:
     """Data-parallel first, then each variant on the same token budget; one result row each. With
     `curves`, each row's `curve` holds the held-out loss during training (data-parallel every 50 steps,
-    the variants after every round), with inner steps and bytes sent so far."""
-    rows = [data_parallel(job, workers, steps, eval_every=50 if curves else 0)]
-    progress(rows[0])
-    net = NetworkModel(bandwidth_mbit=100.0, latency_ms=50.0)
+    the variants after every round), with inner steps and bytes sent so far. `reporter` (default: the
+    running command's) shows the whole benchmark and the variant running, in inner steps of all workers."""
     for v in variants:
         if steps % v.inner_steps:
             raise ValueError(f"--steps ({steps}) must be a multiple of H={v.inner_steps} ({v.name})")
-        cfg = replace(job, inner_steps=v.inner_steps, rounds=steps // v.inner_steps, fragments=v.fragments,
-                      overlap=v.overlap, alpha=v.alpha, eval_every=1 if curves else 0)
-        started = time.monotonic()
-        out = simulate(cfg, workers, swarm=SwarmConfig(run_id="bench-convergence", compression=v.compression), net=net)
-        rows.append(dict(variant=v.name, eval_loss=out["eval_loss"], params=out["params"], bytes_sent=out["bytes_sent"],
-                         bits_per_param_sync=out["bits_per_param_sync"], syncs=cfg.rounds,
-                         wall_seconds=round(time.monotonic() - started, 1),
-                         projected_utilization=out["projection"]["min_utilization"], digests=out["digests"],
-                         curve=[dict(step=c["step"], eval_loss=c["eval_loss"], bytes_sent=c["bytes_sent"])
-                                for c in out["curve"]]))
-        progress(rows[-1])
+    rep = reporter or progress_output.current()
+    names = ["data-parallel", *(v.name for v in variants)]
+    budget = steps * workers  # inner steps of all workers, per variant
+    with rep.task("convergence", total=budget * len(names)) as overall:
+        def shown(k: int, task: progress_output.Task) -> Progress:
+            def update(done: float, total: float | None, status: str | None) -> None:
+                task.update(done, total, status)
+                overall.update(k * budget + done, status=f"variant {k + 1}/{len(names)}: {names[k]}")
+            return update
+
+        with rep.task(f"[1/{len(names)}] data-parallel") as task:
+            rows = [data_parallel(job, workers, steps, eval_every=50 if curves else 0, progress=shown(0, task))]
+        progress(rows[0])
+        for k, v in enumerate(variants, start=1):
+            with rep.task(f"[{k + 1}/{len(names)}] {v.name}") as task:
+                rows.append(_variant(job, workers, steps, v, curves, shown(k, task)))
+            progress(rows[-1])
     base = rows[0]
     for r in rows:
         r["loss_gap"] = r["eval_loss"] / base["eval_loss"] - 1
         r["bytes_ratio"] = base["bytes_sent"] / r["bytes_sent"] if r["bytes_sent"] else None
     return rows
+
+
+def _variant(job: JobConfig, workers: int, steps: int, v: Variant, curves: bool, progress: Progress) -> dict[str, Any]:
+    """One DiLoCo variant through the simulator: its result row."""
+    net = NetworkModel(bandwidth_mbit=100.0, latency_ms=50.0)
+    cfg = replace(job, inner_steps=v.inner_steps, rounds=steps // v.inner_steps, fragments=v.fragments,
+                  overlap=v.overlap, alpha=v.alpha, eval_every=1 if curves else 0)
+    started = time.monotonic()
+    out = simulate(cfg, workers, swarm=SwarmConfig(run_id="bench-convergence", compression=v.compression), net=net,
+                   progress=progress)
+    return dict(variant=v.name, eval_loss=out["eval_loss"], params=out["params"], bytes_sent=out["bytes_sent"],
+                bits_per_param_sync=out["bits_per_param_sync"], syncs=cfg.rounds,
+                wall_seconds=round(time.monotonic() - started, 1),
+                projected_utilization=out["projection"]["min_utilization"], digests=out["digests"],
+                curve=[dict(step=c["step"], eval_loss=c["eval_loss"], bytes_sent=c["bytes_sent"])
+                       for c in out["curve"]])
 
 
 def markdown_table(rows: list[dict[str, Any]]) -> str:

@@ -123,7 +123,7 @@ class _Peaks:
 
 
 async def _rounds(cs: list[Collective], start: int, count: int, numel: int,
-                  failed: list[str] | None = None) -> list[float]:
+                  failed: list[str] | None = None, done: Callable[[], None] = lambda: None) -> list[float]:
     """Seconds each of `count` rounds took. A round some peer did not commit raises, unless `failed`
     is given: then its reasons are appended there (a flood may make rounds fail, not only slow them)
     and its time, which the swarm lost, still counts."""
@@ -135,6 +135,7 @@ async def _rounds(cs: list[Collective], start: int, count: int, numel: int,
         t0 = time.perf_counter()
         outs = await asyncio.gather(*(c.run_round(RoundKey(r), "d" * 16, ids, d) for c, d in zip(cs, deltas)))
         seconds.append(time.perf_counter() - t0)
+        done()
         if not all(o.committed for o in outs):
             why = f"round {r} did not commit: {[o.reason for o in outs]}"
             if failed is None:
@@ -143,8 +144,23 @@ async def _rounds(cs: list[Collective], start: int, count: int, numel: int,
     return seconds
 
 
-def run(setup: FloodSetup, progress: Callable[[str], None] = print) -> dict[str, Any]:
+def run(setup: FloodSetup, progress: Callable[[str], None] = print,
+        tick: Callable[[float, float | None, str | None], None] | None = None) -> dict[str, Any]:
+    """The benchmark (see the module docstring); `progress` gets a line per phase, `tick(done, total,
+    status)` the rounds run so far (warm-up included) and the phase."""
     secret = new_secret()
+    total = 3 + 3 * setup.rounds
+    ran = [0]
+
+    def phase(name: str) -> Callable[[], None]:
+        def one_round() -> None:
+            ran[0] += 1
+            if tick is not None:
+                tick(ran[0], total, name)
+        if tick is not None:
+            tick(ran[0], total, name)
+        return one_round
+
     ours, theirs = _split_cores() if setup.pin else (set(), set())
     saved = os.sched_getaffinity(0)
 
@@ -154,10 +170,10 @@ def run(setup: FloodSetup, progress: Callable[[str], None] = print) -> dict[str,
         try:
             addrs = [f"{(await t.visible_addresses())[0]}" for t in transports]
             addrs = [a if "/p2p/" in a else f"{a}/p2p/{t.peer_id}" for a, t in zip(addrs, transports)]
-            await _rounds(cs, 1, 3, setup.numel)  # warm-up: connections, allocator
+            await _rounds(cs, 1, 3, setup.numel, done=phase("warm-up"))  # connections, allocator
             peaks = _Peaks([t.daemon_pid for t in transports if t.daemon_pid])
             peaks.take()
-            quiet = await _rounds(cs, 10, setup.rounds, setup.numel)
+            quiet = await _rounds(cs, 10, setup.rounds, setup.numel, done=phase("quiet"))
             peaks_quiet = peaks.take()
             progress(f"quiet: median round {statistics.median(quiet):.3f} s")
             read_before = [sum(row[1] for row in t.counter.per_peer.values()) for t in transports]
@@ -178,7 +194,8 @@ def run(setup: FloodSetup, progress: Callable[[str], None] = print) -> dict[str,
             if not setup.stalled:
                 await asyncio.sleep(2)  # calls flowing, the tarpit holding
             failed: list[str] = []
-            flooded = await _rounds(cs, 100, setup.rounds, setup.numel, failed)
+            flooded = await _rounds(cs, 100, setup.rounds, setup.numel, failed,
+                                    done=phase(f"flooded by {setup.flooders} processes"))
             peaks_flooded = peaks.take()
             peaks.stop()
             progress(f"flooded: median round {statistics.median(flooded):.3f} s")
@@ -193,7 +210,7 @@ def run(setup: FloodSetup, progress: Callable[[str], None] = print) -> dict[str,
             swarm_ids = {t.peer_id for t in transports}
             from_flooders = sum(row[1] for t in transports for p, row in t.counter.per_peer.items()
                                 if p not in swarm_ids)
-            after = await _rounds(cs, 200, setup.rounds, setup.numel)
+            after = await _rounds(cs, 200, setup.rounds, setup.numel, done=phase("quiet again"))
             progress(f"quiet again: median round {statistics.median(after):.3f} s")
             baseline = statistics.median(quiet + after)
             return {

@@ -23,6 +23,7 @@ import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any, Callable
 
@@ -86,9 +87,14 @@ class VariantResult:
     per_peer: list[dict[str, Any]]
 
 
+Tick = Callable[[float, float | None, str | None], None]
+"""(done, total, status): variants done (fractional while one runs, from its first peer's rounds)."""
+
+
 def run(setup: OverlapSetup, *, workdir: Path | None = None,
-        progress: Callable[[str], None] = print) -> dict[str, Any]:
-    """Build one WAN lab and run every variant on it; returns the report (also the JSON)."""
+        progress: Callable[[str], None] = print, tick: Tick | None = None) -> dict[str, Any]:
+    """Build one WAN lab and run every variant on it; returns the report (also the JSON). `progress`
+    gets a line per event; `tick`, how far the benchmark is (about every 2 s while a variant runs)."""
     from .wan import WanLab
 
     workdir = Path(workdir or tempfile.mkdtemp(prefix="diloco-bench-overlap-"))
@@ -102,7 +108,9 @@ def run(setup: OverlapSetup, *, workdir: Path | None = None,
         progress(f"measured between hosts 0 and 1: {measured}")
         for k, v in enumerate(variants):
             progress(f"[{k + 1}/{len(variants)}] {v.name} ...")
-            res = _run_variant(lab, setup, v, workdir / f"v{k}")
+            status = f"[{k + 1}/{len(variants)}] {v.name}"
+            share = partial(_share_done, k, len(variants), status, tick) if tick is not None else None
+            res = _run_variant(lab, setup, v, workdir / f"v{k}", share)
             results.append(res)
             progress(f"    utilization {100 * res.utilization:.1f}%, blocked {res.blocked_seconds:.1f} s/peer, "
                      f"{res.seconds_per_step * 1000:.0f} ms/step, wall {res.wall_seconds:.0f} s, "
@@ -120,7 +128,18 @@ def run(setup: OverlapSetup, *, workdir: Path | None = None,
     }
 
 
-def _run_variant(lab: Any, setup: OverlapSetup, v: Variant, workdir: Path) -> VariantResult:
+def _share_done(k: int, variants: int, status: str, tick: Tick, share: float) -> None:
+    tick(k + min(1.0, share), variants, status)
+
+
+def rounds_share(lines: list[dict[str, Any]], outer_steps: int, fragments: int) -> float:
+    """How far a variant is, from its first peer's metrics: committed rounds over the rounds it runs."""
+    done = sum(1 for ln in lines if ln.get("event") == "round" and ln.get("committed"))
+    return done / max(1, outer_steps * fragments)
+
+
+def _run_variant(lab: Any, setup: OverlapSetup, v: Variant, workdir: Path,
+                 share: Callable[[float], None] | None = None) -> VariantResult:
     workdir.mkdir(parents=True, exist_ok=True)
     run_id = f"b4-{int(time.time() * 1000) % 10**8}"
     common = ["--run-id", run_id, "--rounds", str(setup.outer_steps), "--inner-steps", str(setup.inner_steps),
@@ -147,7 +166,15 @@ def _run_variant(lab: Any, setup: OverlapSetup, v: Variant, workdir: Path) -> Va
                 _wait_for_file(workdir / "peer0.addr", procs[0], 120)
         deadline = time.monotonic() + setup.timeout_s
         for p in procs:
-            p.wait(timeout=max(1.0, deadline - time.monotonic()))
+            while True:
+                try:
+                    p.wait(timeout=min(2.0, max(0.1, deadline - time.monotonic())))
+                    break
+                except subprocess.TimeoutExpired:
+                    if time.monotonic() >= deadline:
+                        raise
+                    if share is not None:
+                        share(rounds_share(read_jsonl(workdir / "peer0.jsonl"), setup.outer_steps, v.fragments))
     finally:
         for p in procs:
             if p.poll() is None:

@@ -107,9 +107,10 @@ def worker(argv: list[str]) -> None:
         dist.destroy_process_group()
 
 
-def _overhead(setup: SiteSetup, workdir: Path) -> dict[str, Any]:
+def _overhead(setup: SiteSetup, workdir: Path, tick: Tick = lambda *_: None) -> dict[str, Any]:
     out: dict[str, Any] = {}
-    for mode in ("bare", "diloco"):
+    for k, mode in enumerate(("bare", "diloco")):
+        tick(k, STAGES, f"inner-step overhead, {'bare DDP' if mode == 'bare' else 'DDP with DiLoCo'}")
         path = workdir / f"{mode}.json"
         env = {k: v for k, v in os.environ.items() if not k.startswith("DILOCO_")}
         subprocess.run([*_torchrun(setup.ranks), "-m", "diloco.bench_site", "worker", "--mode", mode,
@@ -121,7 +122,14 @@ def _overhead(setup: SiteSetup, workdir: Path) -> dict[str, Any]:
     return out
 
 
-def _swarm(setup: SiteSetup, workdir: Path, say: Callable[[str], None]) -> dict[str, Any]:
+Tick = Callable[[float, float | None, str | None], None]
+"""(done, total, status): the benchmark's stages done (fractional while the sites train together)."""
+STAGES = 4
+"""Overhead bare, overhead with DiLoCo, the two sites training together, the crashed site's restart."""
+
+
+def _swarm(setup: SiteSetup, workdir: Path, say: Callable[[str], None],
+           tick: Tick = lambda *_: None) -> dict[str, Any]:
     """Two launched sites (K ranks, 1 process); the K-rank site loses rank 1 mid-run."""
     env = {**os.environ, "DILOCO_SECRET": secrets.token_urlsafe(32), "OMP_NUM_THREADS": "1"}
     run_id = f"bench-site-{secrets.token_hex(3)}"
@@ -146,8 +154,15 @@ def _swarm(setup: SiteSetup, workdir: Path, say: Callable[[str], None]) -> dict[
             return [r for r in read_jsonl(path) if r.get("event") == "round" and r.get("committed")
                     and r.get("peers") == 2]
 
-        _wait(lambda: len(together(site)) >= setup.rounds_before_crash, 300, "rounds of both sites together")
+        def enough() -> bool:
+            done = len(together(site))
+            tick(2 + min(1.0, done / setup.rounds_before_crash), STAGES,
+                 f"sites training together: round {done}/{setup.rounds_before_crash}")
+            return done >= setup.rounds_before_crash
+
+        _wait(enough, 300, "rounds of both sites together")
         say("killing rank 1 of the site")
+        tick(3, STAGES, "rank 1 killed: waiting for the restarted site's first round")
         victim = _rank_process(procs[0].pid, "1")
         crashed = time.time()
         os.kill(victim, signal.SIGKILL)
@@ -198,13 +213,16 @@ def _wait(check: Callable[[], Any], timeout: float, what: str) -> Any:
         time.sleep(0.2)
 
 
-def run(setup: SiteSetup, say: Callable[[str], None] = lambda s: None) -> dict[str, Any]:
+def run(setup: SiteSetup, say: Callable[[str], None] = lambda s: None, tick: Tick = lambda *_: None) -> dict[str, Any]:
+    """The benchmark; `say` gets a line per stage, `tick(done, total, status)` how far it is."""
     with tempfile.TemporaryDirectory(prefix="diloco-bench-site-") as tmp:
         workdir = Path(tmp)
         say(f"inner-step overhead: {setup.steps} DDP steps on {setup.ranks} ranks, bare and with DiLoCo")
-        overhead = _overhead(setup, workdir)
+        overhead = _overhead(setup, workdir, tick)
         say(f"a {setup.ranks}-rank site and a lone process train together; then rank 1 of the site is killed")
-        swarm = _swarm(setup, workdir, say)
+        tick(2, STAGES, "starting the two sites")
+        swarm = _swarm(setup, workdir, say, tick)
+        tick(STAGES, STAGES, "done")
     return {"setup": asdict(setup), "overhead": overhead, "swarm": swarm}
 
 

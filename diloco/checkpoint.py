@@ -69,7 +69,7 @@ import shutil
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, TYPE_CHECKING, Any, Iterable, Mapping
+from typing import IO, TYPE_CHECKING, Any, Callable, Iterable, Mapping
 
 if TYPE_CHECKING:
     import numpy.typing as npt
@@ -89,6 +89,7 @@ DTYPE_SIZES: dict[str, int] = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8
 MAX_HEADER_BYTES = 100_000_000
 MAX_JSON_FILE_BYTES = 64 * 1024 * 1024   # meta.json and MANIFEST.json
 _CHUNK = 1 << 20
+_PROGRESS_CHUNK = 16 << 20   # a save reports its progress at least every this many bytes
 _HUGE = 1 << 64   # byte counts beyond this are reported as too big, not computed
 _CKPT_RE = re.compile(r"^ckpt-(\d{12,})$")
 _TMP_RE = re.compile(r"^\.tmp-[a-z]+-\d+-(\d+)-[0-9a-f]+$")
@@ -349,7 +350,7 @@ class _HashingFile:
     def __init__(self, f: IO[bytes]) -> None:
         self.f, self.sha, self.count = f, hashlib.sha256(), 0
 
-    def write(self, b: bytes) -> int:
+    def write(self, b: bytes | memoryview) -> int:
         self.sha.update(b)
         self.count += len(b)
         return self.f.write(b)
@@ -363,13 +364,17 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _write_file(path: Path, chunks: Iterable[bytes]) -> dict[str, Any]:
-    """Create `path` (must not exist), write, fsync; returns its manifest entry."""
+def _write_file(path: Path, chunks: Iterable[bytes | memoryview],
+                progress: Callable[[int], None] | None = None) -> dict[str, Any]:
+    """Create `path` (must not exist), write, fsync; returns its manifest entry. `progress(n)` gets
+    the bytes written so far after each chunk."""
     try:
         with open(path, "xb") as f:
             h = _HashingFile(f)
             for chunk in chunks:
                 h.write(chunk)
+                if progress is not None:
+                    progress(h.count)
             f.flush()
             os.fsync(f.fileno())
     except OSError as e:
@@ -379,10 +384,12 @@ def _write_file(path: Path, chunks: Iterable[bytes]) -> dict[str, Any]:
     return {"sha256": h.sha.hexdigest(), "bytes": h.count}
 
 
-def _tensor_chunks(tensors: Mapping[str, TensorData], metadata: Mapping[str, str]) -> Iterable[bytes]:
-    yield _header_bytes(tensors, metadata)
+def _tensor_chunks(head: bytes, tensors: Mapping[str, TensorData]) -> Iterable[bytes | memoryview]:
+    yield head
     for name in sorted(tensors):
-        yield tensors[name].data
+        data = memoryview(tensors[name].data)
+        for i in range(0, len(data), _PROGRESS_CHUNK):
+            yield data[i:i + _PROGRESS_CHUNK]
 
 
 def _json_bytes(obj: Any, what: str) -> bytes:
@@ -393,8 +400,12 @@ def _json_bytes(obj: Any, what: str) -> bytes:
                               "bool/None") from None
 
 
-def _write_tmp(tmp: Path, step: int, tensors: Mapping[str, TensorData], meta_raw: bytes) -> None:
-    files = {TENSORS_FILE: _write_file(tmp / TENSORS_FILE, _tensor_chunks(tensors, {"diloco_step": str(step)})),
+def _write_tmp(tmp: Path, step: int, tensors: Mapping[str, TensorData], meta_raw: bytes,
+               progress: Callable[[int, int], None] | None) -> None:
+    head = _header_bytes(tensors, {"diloco_step": str(step)})
+    total = len(head) + sum(t.nbytes for t in tensors.values())
+    report = (lambda done: progress(done, total)) if progress is not None else None
+    files = {TENSORS_FILE: _write_file(tmp / TENSORS_FILE, _tensor_chunks(head, tensors), report),
              META_FILE: _write_file(tmp / META_FILE, [meta_raw])}
     manifest = {"format": FORMAT, "step": step, "files": files}
     _write_file(tmp / MANIFEST_FILE, [_json_bytes(manifest, "manifest")])
@@ -441,10 +452,11 @@ def _save_error(e: OSError, step: int, fallback: Path, root: Path) -> Checkpoint
 
 
 def save(root: Path, step: int, tensors: Mapping[str, TensorData], meta: Mapping[str, Any], *,
-         keep: int = 3) -> Path:
+         keep: int = 3, progress: Callable[[int, int], None] | None = None) -> Path:
     """Atomically write checkpoint `step` under `root` and prune to the newest `keep` checkpoints
     (the new one is never pruned). Returns the checkpoint's directory. Raises `CheckpointError`
-    (previous checkpoints intact, no temporary directory left) on invalid input or any OSError."""
+    (previous checkpoints intact, no temporary directory left) on invalid input or any OSError.
+    `progress(done, total)`: bytes of the tensors file written so far, at least every 16 MiB."""
     root = Path(root)
     _check_save_args(step, tensors, keep)
     if not isinstance(meta, Mapping):
@@ -458,7 +470,7 @@ def save(root: Path, step: int, tensors: Mapping[str, TensorData], meta: Mapping
             _fsync_dir(root.parent)          # make root's own directory entry durable too
         tmp = root / _tmp_name("ckpt", step)
         tmp.mkdir()
-        _write_tmp(tmp, step, tensors, meta_raw)
+        _write_tmp(tmp, step, tensors, meta_raw, progress)
         _install(tmp, final, root, step)
     except BaseException as e:
         if tmp is not None:

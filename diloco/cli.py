@@ -4,7 +4,7 @@
     diloco join /ip4/…/p2p/12D3Koo…    # any other peer, on any machine that can reach it
     diloco start -- torchrun --nproc-per-node 2 train.py   # your own script as this site's worker
     diloco demo                        # 4 peers on this machine, live view, summary
-    diloco simulate --workers 16       # 16 workers in one process, projected onto 100 Mbit/s links
+    diloco simulate --workers 16 --rounds 2 -H 10   # 16 workers in one process, projected onto links
 
 Bad input exits with status 2 and a message that names the fix, before any network I/O.
 """
@@ -59,6 +59,8 @@ SecretFile = typer.Option(None, "--secret-file", help="File holding the swarm se
                           "default diloco-RUN_ID.secret). Or set DILOCO_SECRET.")
 AllowPeer = typer.Option(None, "--allow-peer", help="Only talk to this peer id (repeatable); default: anyone with the "
                          "secret.")
+Quiet = typer.Option(False, "--quiet", "-q", help="Show no progress (results and errors still print). Progress goes "
+                     "to stderr: a live view on a terminal, plain lines elsewhere (a log, CI).")
 IdentityFile = typer.Option(None, "--identity", help="This peer's key file (created if missing, mode 600): its peer "
                             "id then survives restarts, as other sites' --allow-peer need. Default: a new id per run.")
 
@@ -124,10 +126,11 @@ def _join_line(command: str, where: str) -> str:
 
 def _run_peer(initial: list[str], *, host: str, port: int, announce: Optional[List[str]],
               address_file: Optional[Path], metrics: Optional[Path], status_file: Optional[Path],
-              swarm_cfg: SwarmConfig, job: JobConfig, secret_from: str) -> None:
+              swarm_cfg: SwarmConfig, job: JobConfig, secret_from: str, quiet: bool = False) -> None:
     from .comms.fdlimit import raise_open_files_limit
     from .comms.hello import HandshakeError
     from .metrics import MetricsWriter
+    from .progress import Reporter
     from .swarm import Banned, Swarm, SwarmError
     from .train import run_job
 
@@ -155,8 +158,13 @@ def _run_peer(initial: list[str], *, host: str, port: int, announce: Optional[Li
             tmp = Path(str(address_file) + ".tmp")
             tmp.write_text("\n".join(swarm.addresses) + "\n")
             os.replace(tmp, address_file)
+        # progress: a live line on a terminal, a line per round elsewhere or with --verbose's log lines
+        live = not logging.getLogger("diloco").isEnabledFor(logging.INFO)
         try:
-            summary = run_job(job, swarm, metrics=MetricsWriter(metrics), status_path=status_file, stop=stop)
+            with Reporter.for_command(quiet=quiet, live=live) as rep, \
+                    rep.task("training", job.rounds, unit="rounds") as task:
+                summary = run_job(job, swarm, metrics=MetricsWriter(metrics), status_path=status_file, stop=stop,
+                                  progress=task.update)
         except (HandshakeError, Banned) as e:  # our model or codec differs from the swarm's; the swarm banned us
             _fail(str(e), code=1)
         typer.echo(f"done: round {summary['round']}, held-out loss {summary['eval_loss']:.4f}, "
@@ -191,6 +199,7 @@ def start(
     status_file: Optional[Path] = typer.Option(None, hidden=True),
     max_restarts: int = MaxRestarts,
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Log every round event."),
+    quiet: bool = Quiet,
     ctx: typer.Context = typer.Option(None, hidden=True),
 ) -> None:
     """Start a swarm and print the line others run to join. Trains the bundled model, or runs your own
@@ -205,7 +214,7 @@ def start(
                 checkpoint_every=checkpoint_every, max_restarts=max_restarts, wait_for=wait_for)
     swarm_cfg = replace(swarm_cfg, secret=secret)
     _run_peer([], host=host, port=port, announce=announce, address_file=address_file, metrics=metrics,
-              status_file=status_file, swarm_cfg=swarm_cfg, job=job, secret_from=where)
+              status_file=status_file, swarm_cfg=swarm_cfg, job=job, secret_from=where, quiet=quiet)
 
 
 @app.command()
@@ -235,6 +244,7 @@ def join(
     status_file: Optional[Path] = typer.Option(None, hidden=True),
     max_restarts: int = MaxRestarts,
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Log every round event."),
+    quiet: bool = Quiet,
     ctx: typer.Context = typer.Option(None, hidden=True),
 ) -> None:
     """Join a running swarm at ADDRESSES and train with it: the bundled model, or your own command as this
@@ -255,7 +265,7 @@ def join(
                 checkpoint_every=checkpoint_every, max_restarts=max_restarts, wait_for=wait_for)
     swarm_cfg = replace(swarm_cfg, secret=secret)
     _run_peer(addresses, host=host, port=port, announce=announce, address_file=address_file, metrics=metrics,
-              status_file=status_file, swarm_cfg=swarm_cfg, job=job, secret_from=where)
+              status_file=status_file, swarm_cfg=swarm_cfg, job=job, secret_from=where, quiet=quiet)
 
 
 @app.command()
@@ -270,10 +280,10 @@ def demo(
     metrics: Optional[Path] = typer.Option(None, help="Append every peer's round lines (with a 'peer' field) here."),
     json_path: Optional[Path] = typer.Option(None, "--json", help="Write the final summary as JSON here."),
     workdir: Optional[Path] = typer.Option(None, help="Keep peers' logs and metrics here (default: a temp dir)."),
-    live: bool = typer.Option(True, help="Show the live view (off: plain progress lines)."),
+    live: bool = typer.Option(True, help="Show the live view on a terminal (off: plain progress lines)."),
     outer_lr: Optional[float] = OuterLr, outer_momentum: Optional[float] = OuterMomentum,
     fragments: int = Fragments, fragment_pattern: str = Pattern, overlap: int = Overlap, alpha: float = Alpha,
-    outer_overlap: str = OuterOverlap,
+    outer_overlap: str = OuterOverlap, quiet: bool = Quiet,
 ) -> None:
     """Run a local swarm of PEERS processes on 127.0.0.1 training the bundled model, with a live view."""
     from .demo import DemoConfig, run_demo
@@ -285,7 +295,7 @@ def demo(
                          outer_overlap=outer_overlap)
     except ConfigError as e:
         _fail(str(e))
-    code = run_demo(cfg, workdir=workdir, metrics=metrics, json_path=json_path, live=live)
+    code = run_demo(cfg, workdir=workdir, metrics=metrics, json_path=json_path, live=live, quiet=quiet)
     raise typer.Exit(code)
 
 
@@ -311,11 +321,13 @@ def simulate(
     faults: Optional[str] = typer.Option(None, help="Fault plan: a JSON file (docs/SIMULATE.md), or random:N for N "
                                                      "faults drawn from --seed."),
     json_path: Optional[Path] = typer.Option(None, "--json", help="Write the summary as JSON here."),
+    quiet: bool = Quiet,
 ) -> None:
     """Simulate a swarm of WORKERS in this process (the real round protocol, codecs, fragments and outer
     optimizer) and project wall clock, blocking and compute utilization onto the given links."""
     import json
 
+    from .progress import Reporter
     from .simfaults import load_plan, random_plan
     from .simulate import NetworkModel, parse_link, simulate as run_simulation
 
@@ -341,7 +353,8 @@ def simulate(
     except ConfigError as e:
         _fail(str(e))
     try:
-        summary = run_simulation(job, workers, swarm=swarm_cfg, net=net, faults=plan)
+        with Reporter.for_command(quiet=quiet) as rep, rep.task("simulate") as task:
+            summary = run_simulation(job, workers, swarm=swarm_cfg, net=net, faults=plan, progress=task.update)
     except ConfigError as e:
         _fail(str(e))
     for fault in summary["faults_fired"]:
@@ -418,6 +431,7 @@ def bench_codecs_cmd(
     repeats: int = typer.Option(3, help="Runs per measurement; the median is reported."),
     threads: int = typer.Option(2, help="torch CPU threads."),
     json_path: Optional[Path] = typer.Option(None, "--json", help="Write the results as JSON here."),
+    quiet: bool = Quiet,
 ) -> None:
     """Encode/decode speed (as a ratio to torch.clone), bits/param and error of each pipeline."""
     import platform
@@ -425,7 +439,8 @@ def bench_codecs_cmd(
     import torch
     from rich.console import Console
 
-    from .bench import DEFAULT_SPECS, bench_codecs, make_inputs, markdown_table, write_json
+    from .bench import DEFAULT_SPECS, CodecResult, bench_codecs, make_inputs, markdown_table, write_json
+    from .progress import Reporter
     from diloco.compression.pipeline import parse
 
     specs = list(specs or DEFAULT_SPECS)
@@ -441,11 +456,19 @@ def bench_codecs_cmd(
         _fail("--repeats and --size must be >= 1")
     torch.set_num_threads(threads)
     console = Console()
-    data = make_inputs(sizes, inputs)
-    results = bench_codecs(specs, data, repeats, progress=lambda r: console.print(
-        f"{r.input:>14} {r.spec:<32} {r.bits_per_param:8.4f} bits/param  err {r.rel_l2_error:.4f}  "
-        f"encode {r.encode_x:6.1f}× clone  decode {r.decode_x:6.1f}× clone"))
-    console.print(markdown_table(results), markup=False)
+    with Reporter.for_command(quiet=quiet) as rep, \
+            rep.task("codecs", total=len(specs) * len(sizes) * len(inputs), unit="runs") as task:
+        task.update(status="making the inputs" + (" (25 training steps for the demo input)" if "demo" in inputs else ""))
+        data = make_inputs(sizes, inputs)
+        task.update(status=f"{repeats} repeat{'s' if repeats != 1 else ''} of each pipeline")
+
+        def measured(r: CodecResult) -> None:
+            rep.say(f"{r.input:>14} {r.spec:<32} {r.bits_per_param:8.4f} bits/param  err {r.rel_l2_error:.4f}  "
+                    f"encode {r.encode_x:6.1f}× clone  decode {r.decode_x:6.1f}× clone")
+            task.advance()
+
+        results = bench_codecs(specs, data, repeats, progress=measured)
+    console.print(markdown_table(results), markup=False, soft_wrap=True)
     if json_path:
         write_json(results, json_path, {"machine": platform.machine(), "threads": threads, "repeats": repeats,
                                         "torch": torch.__version__, "cores": os.cpu_count()})
@@ -462,6 +485,7 @@ def bench_convergence_cmd(
     json_path: Optional[Path] = typer.Option(None, "--json", help="Write the results as JSON here."),
     plots_dir: Optional[Path] = typer.Option(None, "--plots", help="Evaluate during training and write PNG plots "
                                                                   "(loss vs tokens, loss vs bytes) into this folder."),
+    quiet: bool = Quiet,
 ) -> None:
     """B1: held-out loss and bytes of DiLoCo variants against synchronous data-parallel training."""
     import platform
@@ -470,6 +494,7 @@ def bench_convergence_cmd(
     from rich.console import Console
 
     from .bench_convergence import VARIANTS, markdown_table, plots, run, write_json
+    from .progress import Reporter
     from .train import JobConfig
 
     if workers < 1 or steps < 1 or steps % 100:
@@ -479,10 +504,11 @@ def bench_convergence_cmd(
     except ConfigError as e:
         _fail(str(e))
     console = Console()
-    rows = run(job, workers, steps, VARIANTS, progress=lambda r: console.print(
-        f"{r['variant']:<36} held-out loss {r['eval_loss']:.4f}  {r['bytes_sent'] / 1e6:10.1f} MB  "
-        f"({r['wall_seconds']:.0f} s)", markup=False), curves=plots_dir is not None)
-    console.print(markdown_table(rows), markup=False)
+    with Reporter.for_command(quiet=quiet) as rep:
+        rows = run(job, workers, steps, VARIANTS, progress=lambda r: rep.say(
+            f"{r['variant']:<36} held-out loss {r['eval_loss']:.4f}  {r['bytes_sent'] / 1e6:10.1f} MB  "
+            f"({r['wall_seconds']:.0f} s)"), curves=plots_dir is not None, reporter=rep)
+    console.print(markdown_table(rows), markup=False, soft_wrap=True)
     if plots_dir is not None:
         for path in plots(rows, plots_dir, workers * batch_size * job.context):
             console.print(f"wrote {path}", markup=False)
@@ -504,11 +530,13 @@ def bench_overlap_cmd(
     compression: str = typer.Option("e3m0", help="Compression pipeline of every variant."),
     json_path: Optional[Path] = typer.Option(None, "--json", help="Write the report as JSON here."),
     workdir: Optional[Path] = typer.Option(None, help="Keep peers' logs and metrics here (default: a temp dir)."),
+    quiet: bool = Quiet,
 ) -> None:
     """B4: compute utilization of plain DiLoCo vs streaming + overlap on an emulated WAN link (needs root)."""
     from rich.console import Console
 
     from .bench_overlap import OverlapSetup, markdown_table, run, write_json
+    from .progress import Reporter
     from .fragments import FragmentError, StreamingConfig, check_schedule
     from .wan import WanError, check_privileges
 
@@ -524,12 +552,13 @@ def bench_overlap_cmd(
     setup = OverlapSetup(peers=peers, rate_mbit=rate, delay_ms=delay, inner_steps=inner_steps,
                          outer_steps=outer_steps, fragments=fragments, tau=tau, compression=compression)
     try:
-        report = run(setup, workdir=workdir, progress=lambda line: console.print(line, markup=False))
+        with Reporter.for_command(quiet=quiet) as rep, rep.task("overlap", unit="variants") as task:
+            report = run(setup, workdir=workdir, progress=rep.say, tick=task.update)
     except (WanError, RuntimeError) as e:
         _fail(str(e), code=1)
     console.print(f"a full-model synchronization costs ~{report['full_sync_costs_inner_steps']} inner steps "
                   "on this link (plain DiLoCo's blocked time per round / time per inner step)")
-    console.print(markdown_table(report), markup=False)
+    console.print(markdown_table(report), markup=False, soft_wrap=True)
     if json_path:
         write_json(report, json_path)
 
@@ -551,18 +580,21 @@ def bench_flood_cmd(
     stalled: int = typer.Option(0, help="Instead of calls: each flooder opens this many streams to every peer and "
                                         "sends nothing on them (0: flood with calls)."),
     json_path: Optional[Path] = typer.Option(None, "--json", help="Write the report as JSON here."),
+    quiet: bool = Quiet,
 ) -> None:
     """Round time of a swarm while processes without its secret flood it with calls (RELIABILITY row 16),
     or hold streams open without sending anything (--stalled)."""
     from .bench_flood import FloodSetup, markdown, run, write_json
+    from .progress import Reporter
 
     if peers < 2 or numel < 1 or rounds < 1 or flooders < 1 or concurrency < 1 or body_kib < 0 or patience <= 0 \
             or stalled < 0:
         _fail("--peers must be >= 2; --numel, --rounds, --flooders and --concurrency >= 1; --body-kib and "
               "--stalled >= 0; --patience > 0")
-    report = run(FloodSetup(peers=peers, numel=numel, rounds=rounds, flooders=flooders, concurrency=concurrency,
-                            body_kib=body_kib, patience=patience, tarpit=tarpit, pin=pin, stalled=stalled),
-                 progress=typer.echo)
+    with Reporter.for_command(quiet=quiet) as rep, rep.task("flood", unit="rounds") as task:
+        report = run(FloodSetup(peers=peers, numel=numel, rounds=rounds, flooders=flooders, concurrency=concurrency,
+                                body_kib=body_kib, patience=patience, tarpit=tarpit, pin=pin, stalled=stalled),
+                     progress=rep.say, tick=task.update)
     typer.echo(markdown(report))
     if json_path:
         write_json(report, json_path)
@@ -575,17 +607,20 @@ def bench_site_cmd(
     inner_steps: int = typer.Option(20, "--inner-steps", "-H", help="Inner steps per round (H)."),
     steps: int = typer.Option(200, help="Inner steps timed per overhead run."),
     json_path: Optional[Path] = typer.Option(None, "--json", help="Write the report as JSON here."),
+    quiet: bool = Quiet,
 ) -> None:
     """A torchrun site as one worker: the wrapper's inner-step overhead, WAN bytes per round vs a lone
     process, and the time from a rank's crash to the restarted site's first committed round."""
     import json
 
     from .bench_site import SiteSetup, markdown, run
+    from .progress import Reporter
 
     if ranks < 2 or width < 1 or inner_steps < 1 or steps < 1:
         _fail("--ranks must be >= 2; --width, --inner-steps and --steps >= 1")
-    result = run(SiteSetup(ranks=ranks, width=width, inner_steps=inner_steps, steps=steps),
-                 say=lambda text: typer.echo(text, err=True))
+    with Reporter.for_command(quiet=quiet) as rep, rep.task("site", unit="stages") as task:
+        result = run(SiteSetup(ranks=ranks, width=width, inner_steps=inner_steps, steps=steps), say=rep.say,
+                     tick=task.update)
     typer.echo(markdown(result))
     if json_path:
         json_path.write_text(json.dumps(result, indent=1))

@@ -21,15 +21,15 @@ import subprocess
 import sys
 import tempfile
 import time
-from contextlib import nullcontext
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 from .config import ConfigError, SwarmConfig
-from .dashboard import PeerView, render, summary_table
+from .dashboard import PeerView, demo_progress, demo_status, render, summary_table
 from .metrics import read_jsonl, read_status
 from .procmem import family_rss_mib
+from .progress import Reporter
 from .train import JobConfig
 
 
@@ -157,7 +157,8 @@ def summarize(cfg: DemoConfig, workdir: Path, wall: float) -> dict[str, Any]:
         "inner_steps_total": total_steps,
         "bytes_sent_total": total_sent,
         "bytes_received_total": sum(f["bytes_received"] for f in finals),
-        "compression": finals[0].get("compression"),
+        "compression": finals[0].get("compression"),  # canonical, every default spelled out (e3m0:0)
+        "compression_spec": cfg.compression,  # as the user wrote it (e3m0)
         "bits_per_param_sync": finals[0].get("bits_per_param_sync"),
         "data_parallel_bytes": dp_bytes,
         "reduction_vs_data_parallel": round(dp_bytes / total_sent, 1) if total_sent else None,
@@ -171,9 +172,11 @@ def summarize(cfg: DemoConfig, workdir: Path, wall: float) -> dict[str, Any]:
 
 
 def run_demo(cfg: DemoConfig, *, workdir: Path | None = None, metrics: Path | None = None,
-             json_path: Path | None = None, live: bool = True) -> int:
+             json_path: Path | None = None, live: bool = True, quiet: bool = False) -> int:
+    """Run the demo; the exit code. Progress (`diloco.progress`): the live table and a progress bar on
+    a terminal (unless `live` is off), a line per round of the slowest peer elsewhere, nothing when
+    `quiet`; the summary table always prints."""
     from rich.console import Console
-    from rich.live import Live
 
     console = Console()
     workdir = Path(workdir or tempfile.mkdtemp(prefix="diloco-demo-"))
@@ -183,11 +186,12 @@ def run_demo(cfg: DemoConfig, *, workdir: Path | None = None, metrics: Path | No
     streaming = (f", {cfg.fragments} fragments ({cfg.fragment_pattern}), tau={cfg.overlap}, alpha={cfg.alpha}"
                  if cfg.fragments > 1 or cfg.overlap or cfg.alpha else "")
     streaming += f", outer overlap {cfg.outer_overlap}" if cfg.outer_overlap != "none" else ""
-    console.print(f"[bold]diloco demo[/]: {cfg.peers} peers, {cfg.rounds} rounds of H={cfg.inner_steps}, "
-                  f"compression {cfg.compression}{streaming}; logs in {workdir}")
     started = time.monotonic()
     procs: list[subprocess.Popen[bytes]] = []
     peak_rss = [0.0] * cfg.peers  # MiB, each peer process with its daemon, sampled every 0.5 s
+    rep = Reporter.for_command(quiet=quiet, live=live)
+    rep.say(f"diloco demo: {cfg.peers} peers, {cfg.rounds} rounds of H={cfg.inner_steps}, "
+            f"compression {cfg.compression}{streaming}; logs in {workdir}")
     try:
         procs.append(_spawn(peer_command(cfg, 0, run_id, workdir, None), workdir / "peer0.log", secret))
         addr_file = workdir / "peer0.addr"
@@ -200,18 +204,14 @@ def run_demo(cfg: DemoConfig, *, workdir: Path | None = None, metrics: Path | No
         for i in range(1, cfg.peers):
             procs.append(_spawn(peer_command(cfg, i, run_id, workdir, bootstrap), workdir / f"peer{i}.log", secret))
         deadline = started + cfg.timeout
-        with Live(render(_views(procs, workdir), time.monotonic() - started, cfg.rounds), console=console,
-                  refresh_per_second=2) if live else nullcontext() as view:
-            ticks = 0
+        views = _views(procs, workdir)
+        with rep, rep.task("demo", cfg.rounds, unit="rounds") as task, \
+                rep.show(lambda: render(views, time.monotonic() - started, cfg.rounds)):
             while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
                 time.sleep(0.5)
-                ticks += 1
                 peak_rss = [max(a, b) for a, b in zip(peak_rss, family_rss_mib([p.pid for p in procs]))]
-                if view is not None:
-                    view.update(render(_views(procs, workdir), time.monotonic() - started, cfg.rounds))
-                elif ticks % 10 == 0:
-                    rounds = [v.round for v in _views(procs, workdir)]
-                    console.print(f"{time.monotonic() - started:6.0f}s rounds per peer: {rounds}")
+                views = _views(procs, workdir)
+                task.update(demo_progress(views, cfg.rounds, cfg.inner_steps), status=demo_status(views, cfg.rounds))
     except KeyboardInterrupt:
         console.print("interrupted: asking every peer to leave")
     finally:

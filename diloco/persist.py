@@ -21,6 +21,7 @@ from typing import Any, Sequence
 
 import torch
 
+from . import progress
 from .checkpoint import CheckpointError, Loaded, TensorData, load_latest, save
 from .outer import OuterFactory
 from .state import GlobalState, StateError
@@ -57,7 +58,10 @@ def write(root: Path, names: Sequence[str], state: GlobalState, residuals: Seque
     tensors["global_state"] = TensorData("U8", (len(blob),), blob)
     for i, r in enumerate(residuals or ()):
         tensors[f"ef/{i}"] = tensor_data(r)
-    return save(root, state.round, tensors, {**meta, "round": state.round, "digest": state.digest()}, keep=keep)
+    size = sum(t.nbytes for t in tensors.values())
+    with progress.transfer(f"checkpoint round {state.round}", size) as shown:  # large states only
+        return save(root, state.round, tensors, {**meta, "round": state.round, "digest": state.digest()}, keep=keep,
+                    progress=lambda done, total: shown.update(done, total))
 
 
 def read(root: Path, params: Sequence[torch.Tensor], outer_factory: OuterFactory,

@@ -30,7 +30,7 @@ import threading
 import time
 from dataclasses import dataclass, replace
 from functools import partial
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from diloco.comms import InProcNetwork
 from diloco.comms.loop import LoopThread
@@ -41,6 +41,7 @@ from .metrics import MetricsWriter
 from .simfaults import Fault, FaultRunner, Killed, check_plan
 from .swarm import Banned, Swarm
 from .train import JobConfig, load_corpus, run_job
+from .wrapper import DiLoCo
 
 log = logging.getLogger(__name__)
 
@@ -227,11 +228,29 @@ class _SideOfBoard:
         pass
 
 
+Progress = Callable[[float, float | None, str | None], None]
+"""(done, total, status): how many inner steps all workers took, of how many, and a status line."""
+
+
+def progress_status(round_reached: int, fragments: int, rounds: int, running: int | None, workers: int) -> str:
+    """'round 3/10, 16 workers' (or '15/16 workers running' while some are down): the outer rounds the
+    swarm committed, and the workers running now (None or 0: the run is over)."""
+    plural = "s" if workers != 1 else ""
+    who = f"{workers} worker{plural}" if running in (None, 0, workers) else f"{running}/{workers} worker{plural} running"
+    return f"round {round_reached // fragments}/{rounds}, {who}"
+
+
+def _round_reached(rows: Sequence[tuple[int, _Rows]]) -> int:
+    return max((r["round"] for _, out in rows for r in list(out.rows) if r["event"] == "round" and r["committed"]),
+               default=0)
+
+
 def simulate(job: JobConfig, workers: int, *, swarm: SwarmConfig | None = None, net: NetworkModel | None = None,
-             faults: Sequence[Fault] = (), timeout: float = 3600.0) -> dict[str, Any]:
+             faults: Sequence[Fault] = (), timeout: float = 3600.0, progress: Progress | None = None) -> dict[str, Any]:
     """Run `workers` workers of `job` in this process and project the run onto `net`, playing out the
     fault plan `faults` (`diloco.simfaults`); returns a summary (the global digest, bytes, the faults
-    fired, the projection). Raises RuntimeError if a worker failed."""
+    fired, the projection). Raises RuntimeError if a worker failed. `progress(done, total, status)`
+    is called about once a second from the calling thread (inner steps of all workers so far)."""
     if workers < 1:
         raise ConfigError(f"workers must be >= 1, got {workers}")
     net = net or NetworkModel()
@@ -259,6 +278,7 @@ def simulate(job: JobConfig, workers: int, *, swarm: SwarmConfig | None = None, 
     errors: list[BaseException] = []
     swarms: list[Swarm] = []
     threads: list[threading.Thread] = []
+    steps: dict[str, int] = {}  # inner steps per incarnation
     lock = threading.Lock()
 
     def start(i: int, restarted: bool = False) -> None:
@@ -279,7 +299,11 @@ def simulate(job: JobConfig, workers: int, *, swarm: SwarmConfig | None = None, 
         t.start()
 
     def work(i: int, s: Swarm, out: _Rows, job_i: JobConfig) -> None:
-        hook = partial(runner.after_step, i) if runner is not None else None
+        def hook(d: DiLoCo) -> None:
+            steps[s.peer_id] = d.steps
+            if runner is not None:
+                runner.after_step(i, d)
+
         try:
             finals[i] = run_job(job_i, s, metrics=out, corpus=corpus, on_step=hook)
         except Killed:
@@ -296,10 +320,19 @@ def simulate(job: JobConfig, workers: int, *, swarm: SwarmConfig | None = None, 
 
     runner = FaultRunner(faults, spawn=lambda i: start(i, restarted=True)) if faults else None
     started = time.monotonic()
+    total_steps = workers * job.rounds * job.inner_steps
+
+    def report(over: bool = False) -> None:
+        if progress is not None:
+            running = None if over else sum(t.is_alive() for t in list(threads))
+            progress(min(total_steps, sum(steps.values())), total_steps,
+                     progress_status(_round_reached(list(rows)), job.fragments, job.rounds, running, workers))
+
     try:
         for i in range(workers):
             start(i)
         while True:  # restarts add threads while we wait
+            report()
             alive = [t for t in list(threads) if t.is_alive()]
             if not alive or errors:
                 break
@@ -308,6 +341,7 @@ def simulate(job: JobConfig, workers: int, *, swarm: SwarmConfig | None = None, 
                 raise RuntimeError(f"the simulation did not finish within {timeout:.0f}s")
         if errors:
             raise RuntimeError(f"a simulated worker failed: {errors[0]!r}") from errors[0]
+        report(over=True)
     finally:
         for s in swarms:
             s.close(announce=False)

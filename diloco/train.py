@@ -124,12 +124,26 @@ def load_corpus(cfg: JobConfig) -> Corpus:
     return Corpus.load(CorpusConfig(max_bytes=cfg.corpus_bytes, context=cfg.context))
 
 
+def round_status(rnd: int, rounds: int, fragments: int, fragment: int, committed: bool, reason: str, peers: int,
+                 loss: float | None, bytes_sent: int, bytes_received: int, mean_bps: float) -> str:
+    """What a peer shows after a round: 'round 3/10, loss 2.345, 0.85 Mbit/s, 4 peers, sent 4.2 MB, recv
+    4.1 MB' (most telling first; bytes so far, mean bandwidth of the run so far); a failed round says why."""
+    where = f"round {rnd // fragments}/{rounds}" + (f" (fragment {fragment})" if fragments > 1 else "")
+    if not committed:
+        return f"{where}, not committed: {reason}"
+    return (f"{where}, loss {'-' if loss is None else f'{loss:.3f}'}, {mean_bps * 8 / 1e6:.2f} Mbit/s, "
+            f"{peers} peer{'s' if peers != 1 else ''}, sent {bytes_sent / 1e6:.1f} MB, recv {bytes_received / 1e6:.1f} MB")
+
+
 def run_job(cfg: JobConfig, swarm: Swarm | None, *, metrics: MetricsWriter | None = None,
             status_path: str | os.PathLike[str] | None = None, stop: threading.Event | None = None,
-            corpus: Corpus | None = None, on_step: Callable[[DiLoCo], None] | None = None) -> dict[str, Any]:
+            corpus: Corpus | None = None, on_step: Callable[[DiLoCo], None] | None = None,
+            progress: Callable[[float, float | None, str | None], None] | None = None) -> dict[str, Any]:
     """Train until the global round reaches cfg.rounds (or `stop` is set); returns the final summary.
     `corpus`: `load_corpus(cfg)` already loaded (workers in one process share it, read-only).
-    `on_step(d)`: called after every inner step (the simulator's fault plans act there)."""
+    `on_step(d)`: called after every inner step (the simulator's fault plans act there).
+    `progress(done, total, status)`: outer rounds done (fractional between rounds) of `cfg.rounds`
+    after every inner step, with a new status (`round_status`) after every round."""
     stop = stop or threading.Event()
     metrics = metrics or MetricsWriter(None)
     torch.set_num_threads(cfg.threads)
@@ -142,6 +156,7 @@ def run_job(cfg: JobConfig, swarm: Swarm | None, *, metrics: MetricsWriter | Non
                            shard=shard, num_shards=100_000)
     heldout = heldout_batches(corpus.heldout, batch_size=16, context=cfg.context, max_batches=cfg.eval_batches)
     started = time.monotonic()
+    steps_at_round = [0]
 
     def on_round(r: RoundReport) -> None:
         fields = dict(peer=peer, round=r.round, committed=r.committed, reason=r.reason, peers=r.peers,
@@ -153,6 +168,13 @@ def run_job(cfg: JobConfig, swarm: Swarm | None, *, metrics: MetricsWriter | Non
             with d.global_weights():
                 fields["eval_loss"] = evaluate(model, heldout)
         metrics.write("round", **fields)
+        if progress is not None:
+            sent, recv = d.bytes_on_wire()
+            frags = len(d.fragments)
+            steps_at_round[0] = d.steps
+            progress(r.round / frags, cfg.rounds,
+                     round_status(r.round, cfg.rounds, frags, r.fragment, r.committed, r.reason, r.peers, d.loss,
+                                  sent, recv, d.usage().mean_bytes_per_second))
 
     error_feedback = swarm is not None and parse_compression(swarm.cfg.compression).ef is not None
     outer = default_outer(error_feedback, cfg.outer_lr, cfg.outer_momentum)
@@ -179,6 +201,10 @@ def run_job(cfg: JobConfig, swarm: Swarm | None, *, metrics: MetricsWriter | Non
             inner.zero_grad(set_to_none=True)
             if on_step is not None:
                 on_step(d)
+            if progress is not None:  # between rounds: the share of this round's inner steps taken
+                slot = cfg.inner_steps / len(d.fragments)
+                progress((d.round + min(1.0, (d.steps - steps_at_round[0]) / slot)) / len(d.fragments), cfg.rounds,
+                         None)
             if status_path and (d.steps % 5 == 0 or d.steps == 1):
                 sent, recv = d.bytes_on_wire()
                 usage = d.usage()

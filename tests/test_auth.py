@@ -373,8 +373,10 @@ def test_flood_bench_reads_only_heads_from_flooders_and_nothing_reaches_the_roun
     refusal but each flooder's first at each peer is held by the tarpit."""
     from diloco.bench_flood import FloodSetup, run
 
+    ticks: list[tuple] = []
     report = run(FloodSetup(peers=2, numel=4096, rounds=3, flooders=1, concurrency=2, body_kib=64, pin=False),
-                 progress=lambda _: None)
+                 progress=lambda _: None, tick=lambda *t: ticks.append(t))
+    assert ticks[-1] == (3 + 3 * 3, 12, "quiet again")  # every round, warm-up included, was shown
     assert report["refused_unauthorized"] > 0
     assert report["bytes_read_from_flooders"] == (8 + HEAD_SIZE) * report["refused_unauthorized"]
     assert report["rejections_reaching_collective"] == 0

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import io
 import subprocess
 import sys
 
 import pytest
 
 from diloco.bench_convergence import SPARSE, Variant, markdown_table, plots, run
+from diloco.progress import Reporter
 from diloco.train import JobConfig
 
 pytestmark = pytest.mark.swarm
@@ -15,7 +17,15 @@ pytestmark = pytest.mark.swarm
 
 def test_variants_against_data_parallel_on_equal_tokens(tmp_path):
     job = JobConfig(d_model=32, n_layer=2, batch_size=4, eval_batches=2, corpus_bytes=1 << 20)
-    rows = run(job, 2, 8, (Variant("plain", 4), Variant("sparse", 8, SPARSE)), curves=True)
+    out = io.StringIO()
+    with Reporter("lines", stream=out) as rep:
+        rows = run(job, 2, 8, (Variant("plain", 4), Variant("sparse", 8, SPARSE)), curves=True, reporter=rep)
+    # progress: the whole benchmark and each variant, in inner steps of all workers (2 × 8 a variant)
+    shown = out.getvalue().splitlines()
+    assert shown[0].startswith("convergence: variant 1/3: data-parallel - 2/48 steps (4%)")  # after its first step
+    assert [ln for ln in shown if ": done in" in ln and ln.startswith("[")] and \
+        [ln.split(":")[0] for ln in shown if ": done in" in ln] == ["[1/3] data-parallel", "[2/3] plain",
+                                                                   "[3/3] sparse", "convergence"]
     dp, plain, sparse = rows
     assert [r["variant"] for r in rows] == ["data-parallel", "plain", "sparse"]
     # ring all-reduce of fp32 gradients every step: 2·(M−1)/M · 4 bytes per parameter per worker

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from diloco.bench_overlap import OverlapSetup, Variant, markdown_table, run
+from diloco.bench_overlap import OverlapSetup, Variant, markdown_table, rounds_share, run
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(240)]
 
@@ -22,7 +22,8 @@ def test_plain_and_streaming_variants_run_across_an_emulated_link(tmp_path):
                                    Variant("streaming P=2, overlap tau=1, alpha=0.5", fragments=2, overlap=1,
                                            alpha=0.5)])
     lines: list[str] = []
-    report = run(setup, workdir=tmp_path, progress=lines.append)
+    ticks: list[tuple] = []
+    report = run(setup, workdir=tmp_path, progress=lines.append, tick=lambda *t: ticks.append(t))
     assert "2 hosts in network namespaces" in report["link"]
     assert 18.0 <= report["measured_link"]["rtt_ms"] <= 40.0  # 2 × 10 ms one way, plus the plumbing
     plain, streaming = report["results"]
@@ -37,3 +38,12 @@ def test_plain_and_streaming_variants_run_across_an_emulated_link(tmp_path):
     assert plain["blocked_waits"] == 2 and plain["blocked_seconds"] > 0
     assert "| streaming P=2, overlap tau=1, alpha=0.5 |" in markdown_table(report)
     assert any("measured between hosts 0 and 1" in line for line in lines)
+    # progress: variants done, fractional from the first peer's committed rounds while one runs
+    assert [t[0] for t in ticks] == sorted(t[0] for t in ticks) and all(t[1] == 2 for t in ticks)
+    assert all(0 <= t[0] <= 2 for t in ticks) and ticks[-1][2] == "[2/2] streaming P=2, overlap tau=1, alpha=0.5"
+
+
+def test_a_variant_is_as_far_as_its_first_peers_committed_rounds():
+    lines = [{"event": "round", "committed": True}, {"event": "round", "committed": False},
+             {"event": "round", "committed": True}, {"event": "final"}]
+    assert rounds_share(lines, outer_steps=2, fragments=2) == 0.5 and rounds_share([], 3, 1) == 0

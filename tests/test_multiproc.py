@@ -340,6 +340,10 @@ def test_demo_reports_agreement_memory_and_round_time(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     summary = json.loads(out.read_text())
     assert summary["ok"] and summary["digests_agree"] and summary["rounds"] == 2
+    assert (summary["compression_spec"], summary["compression"]) == ("e3m0", "e3m0:0")  # as given; canonical
+    assert "e3m0: 4.0" in proc.stdout and "e3m0:0" not in proc.stdout  # the summary table shows it as given
+    # --no-live: plain progress lines on stderr, one per round of the slowest peer, and a last one
+    assert "demo: round 2/2 (slowest peer)" in proc.stderr and "demo: done in" in proc.stderr, proc.stderr
     assert len(summary["peak_rss_mib_per_peer"]) == 2
     assert all(m > 100 for m in summary["peak_rss_mib_per_peer"])  # python + torch + p2pd, at the least
     assert 0 < summary["round_seconds_median"] < 30

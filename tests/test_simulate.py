@@ -75,6 +75,33 @@ def test_one_simulated_worker_is_local_training():
     assert sim["digests"] == [local["digest"]]
 
 
+@pytest.mark.swarm
+def test_simulation_reports_progress_to_the_last_step():
+    seen = []
+    simulate(TINY, 2, swarm=SwarmConfig(run_id="simp"), progress=lambda *p: seen.append(p))
+    total = 2 * TINY.rounds * TINY.inner_steps
+    assert seen[0][1] == total and seen[-1] == (total, total, "round 2/2, 2 workers")
+    assert [p[0] for p in seen] == sorted(p[0] for p in seen)
+
+
+@pytest.mark.swarm
+def test_simulate_cli_shows_progress_lines_on_stderr_off_a_terminal_and_none_with_quiet():
+    from typer.testing import CliRunner
+
+    from diloco.cli import app
+
+    args = ["simulate", "--workers", "2", "--rounds", "2", "-H", "2", "--d-model", "16", "--layers", "1",
+            "--batch-size", "2"]
+    out = CliRunner().invoke(app, args)
+    assert out.exit_code == 0, out.output
+    lines = out.stderr.splitlines()
+    assert lines and all(ln.startswith("simulate") for ln in lines), lines
+    assert lines[-1].startswith("simulate: done in") and lines[-1].endswith("(round 2/2, 2 workers)")
+    assert "held-out loss" in out.stdout and "simulate:" not in out.stdout  # results on stdout, progress not
+    quiet = CliRunner().invoke(app, [*args, "--quiet"])
+    assert quiet.exit_code == 0 and quiet.stderr == "" and "held-out loss" in quiet.stdout
+
+
 def test_simulate_cli_rejects_bad_flags_before_running():
     for args, needle in ((["--workers", "2", "--speeds", "1,x"], "--speeds"),
                          (["--workers", "2", "--speeds", "1,1,1"], "one speed per worker"),
