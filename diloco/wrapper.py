@@ -61,7 +61,7 @@ from diloco.compression.pipeline import Pipeline, parse
 from diloco.peers import holders, resync_source, stragglers, vouched
 from diloco.peers.records import PeerRecord
 
-from . import persist
+from . import persist, progress
 from .accounting import Accounting, Usage
 from .checkpoint import CheckpointError
 from .config import DiLoCoConfig
@@ -83,16 +83,25 @@ many we hold at most (each is a copy of the state: a download of an older one ov
 
 
 class _DownloadLog:
-    """Logs a state download's progress every tenth of it (bytes, rate, sources)."""
+    """A state download's progress: a line in the log every tenth of it (bytes, rate, sources), and the
+    command's progress display (`diloco.progress`: shown for large states, when not --quiet)."""
 
     def __init__(self, digest: str) -> None:
         self.digest, self._next = digest, 0.1
+        self.task: progress.Task | None = None
 
     def __call__(self, p: Progress) -> None:
+        if self.task is None:
+            self.task = progress.transfer(f"state {self.digest}", p.total)
+        self.task.update(p.received, status=f"from {p.sources} peer(s)")
         if p.total and p.received / p.total >= self._next:
             self._next += 0.1
             log.info("event=state_download digest=%s bytes=%d/%d rate_mb_s=%.1f sources=%d", self.digest, p.received,
                      p.total, p.rate / 1e6, p.sources)
+
+    def close(self, ok: bool) -> None:
+        if self.task is not None:
+            self.task.close("done" if ok else "failed")
 
 
 @dataclass(frozen=True)
@@ -714,17 +723,20 @@ class DiLoCo:
             others = holders(records, self.swarm.peer_id, source.round, source.digest)
             order = [source.peer, *(p for p in others if p != source.peer and p not in self._bad_sources),
                      *(p for p in others if p != source.peer and p in self._bad_sources)]
-            started = time.monotonic()
-            receiver, info, progress = self.swarm.fetch_state(source.digest, order, self.state.receiver,
-                                                              on_progress=_DownloadLog(source.digest))
+            started, shown = time.monotonic(), _DownloadLog(source.digest)
+            try:
+                receiver, info, moved = self.swarm.fetch_state(source.digest, order, self.state.receiver,
+                                                               on_progress=shown)
+            finally:
+                shown.close(ok=shown.task is not None and shown.task.done >= (shown.task.total or 0))
             fresh = receiver.assemble(self._outer_factory)
             if fresh.round != source.round or fresh.digest() != source.digest:
                 raise StateError(f"downloaded state is round {fresh.round}, digest {fresh.digest()}; expected "
                                  f"round {source.round}, {source.digest}")
             log.info("event=state_downloaded round=%d bytes=%d seconds=%.2f sources=%d bad_chunks=%d", fresh.round,
-                     progress.total, time.monotonic() - started, len(order), sum(progress.bad_chunks.values()))
-            self._bad_sources.extend(p for p in progress.bad_chunks if p not in self._bad_sources)
-            self.refused_chunks.update(progress.bad_chunks)
+                     moved.total, time.monotonic() - started, len(order), sum(moved.bad_chunks.values()))
+            self._bad_sources.extend(p for p in moved.bad_chunks if p not in self._bad_sources)
+            self.refused_chunks.update(moved.bad_chunks)
         except (SwarmError, StateError) as e:
             log.warning("event=resync_failed peer=%s reason=%s", source.peer, e)
             self._bad_sources.append(source.peer)  # next time, another holder of that state first
