@@ -174,7 +174,7 @@ class Collective:
         if outcome.committed:
             self._committed_through = max(self._committed_through, key.round)
             self._decided[key.round] = (self._accepted.vid if self._accepted else "", outcome.value_id)
-            self._accepted = None
+            self._accepted, self._ran = None, {}  # the round is over: its value and our payloads can go
             for old in sorted(self._decided)[:-_DECIDED_KEPT]:
                 del self._decided[old]
             for p in outcome.offenders:
@@ -462,9 +462,9 @@ class Collective:
         contributors = [tuple(value.view[j] for j in idx) for _, _, idx in value.results]
         votes = Counter(j for marked in value.marked for j in marked)
         offenders = tuple(value.view[j] for j, n in sorted(votes.items()) if 2 * n > len(value.view))
-        sent = torch.zeros_like(delta)
         ran = self._ran.get(value.vid)  # our side of the attempt that computed the value, if we were in it
-        if ran is not None:
+        sent = torch.zeros_like(delta) if self.pipeline.spec.ef is not None else None  # for error feedback only
+        if ran is not None and sent is not None:
             for i, ((lo, hi), (_, _, idx)) in enumerate(zip(ran.bounds, value.results)):
                 if ran.mine in idx:  # the owner of span i included our contribution: it counts as sent
                     ours = ran.own if i == ran.mine and ran.own is not None else \

@@ -68,7 +68,8 @@ class RoundOutcome:
     aggregate: torch.Tensor | None = None
     contributors: list[tuple[PeerId, ...]] = field(default_factory=list)
     sent: torch.Tensor | None = None
-    """What of our Δ the aggregate includes, as decoded (0 where our span contribution was left out)."""
+    """What of our Δ the aggregate includes, as decoded (0 where our span contribution was left out);
+    computed only when the pipeline has error feedback (the one user of it)."""
     offenders: tuple[PeerId, ...] = ()
     """Members a majority of the view's span owners marked this round (refused or far-outlying
     contributions): every member of the view computes the same tuple from the same results."""

@@ -47,18 +47,22 @@ def unflatten(flat: torch.Tensor, like: Sequence[torch.Tensor]) -> list[torch.Te
     return out
 
 
+@torch.no_grad()
 def pseudo_gradient(global_params: Sequence[torch.Tensor], local_params: Sequence[torch.Tensor]) -> torch.Tensor:
     """Δ = θ_global − θ_local, flat fp32, where θ_global lives (the model may be on a GPU, θ in host memory:
-    one device-to-host copy of the local parameters)."""
-    theta = flatten(global_params)
-    return theta - flatten(local_params).to(theta.device)
+    the local parameters are copied over one at a time). One allocation: Δ itself."""
+    device = global_params[0].device if global_params else torch.device("cpu")
+    delta = torch.empty(sum(p.numel() for p in global_params), dtype=torch.float32, device=device)
+    for out, g, p in zip(unflatten(delta, global_params), global_params, local_params):
+        torch.sub(g, p.detach().to(device=device, dtype=torch.float32), out=out)
+    return delta
 
 
 @torch.no_grad()
 def outer_step(outer: torch.optim.Optimizer, global_params: Sequence[torch.Tensor], aggregate: torch.Tensor) -> None:
     """Use the averaged pseudo-gradient as the gradient of θ and step the outer optimizer."""
     for p, g in zip(global_params, unflatten(aggregate, global_params)):
-        p.grad = g.to(device=p.device, copy=True)
+        p.grad = g.to(device=p.device)  # a view of the aggregate on the same device: torch optimizers do not write it
     outer.step()
     for p in global_params:
         p.grad = None

@@ -631,8 +631,9 @@ class DiLoCo:
         frag = pending.fragment
         overlapped = self.streaming.outer_overlap != "none"
         if outcome.committed:
-            assert outcome.aggregate is not None and outcome.sent is not None
+            assert outcome.aggregate is not None
             if self.ef is not None:
+                assert outcome.sent is not None
                 self.ef[frag.index].commit(pending.acc, outcome.sent)
             global_frag = self._frag(self.state.params, frag)
             with self._state_lock:

@@ -742,7 +742,7 @@ def test_a_value_a_quorum_accepted_is_carried_when_its_committer_dies():
     attempt 1 must commit a's value, not a fresh one (that would be a fork with a's state). p reports
     the value it accepted, the view carries it, b fetches it from p, and both commit it."""
     members = ["a", "b", "p"]
-    cfg = replace(FAST, gather_timeout=0.4, result_timeout=0.6, call_timeout=0.4)
+    cfg = replace(FAST, gather_timeout=0.4, result_timeout=0.6, call_timeout=0.4, compression="fp32+ef:1")
     admit = _quorum_of(members)
 
     async def main():
@@ -790,11 +790,18 @@ def test_a_served_value_that_does_not_hash_to_its_id_is_refused():
     async def main():
         net = InProcNetwork()
         cs = await _collectives(net, members)
+        seen: dict[str, bytes] = {}  # each owner's result frame, as the other member received it
+        for x in members:
+            inner = net.lookup(x).handlers["diloco.result"]
+
+            async def keep(caller, data, inner=inner):
+                seen[caller] = data
+                return await inner(caller, data)
+            net.lookup(x).handlers["diloco.result"] = keep
         deltas = _deltas(members, 20, seed=11)
         await _round(cs, RoundKey(1), members, deltas)  # a value to take apart
-        value = cs["a"]._ran[view_id(RoundKey(1), tuple(members))]
-        vid = value.rs.vid
-        frames = [value.rs.frames[(vid, i)] for i in range(2)]
+        vid = view_id(RoundKey(1), tuple(members))
+        frames = [seen["a"], seen["b"]]
         good = msg.pack_bundle([(0, "\n".join(members).encode()), (1, frames[0]), (2, frames[1])])
         swapped = msg.pack_bundle([(0, "\n".join(members).encode()), (1, frames[1]), (2, frames[0])])
         other = msg.pack_bundle([(0, b"a\nc"), (1, frames[0]), (2, frames[1])])

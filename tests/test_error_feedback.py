@@ -22,7 +22,7 @@ from diloco.compression.pipeline import Pipeline
 
 pytestmark = pytest.mark.swarm
 
-SPEC = "topk:8/64+fp16"  # lossy (top-k and fp16): what is sent differs from what was accumulated
+SPEC = "topk:8/64+fp16+ef:1"  # lossy (top-k and fp16), with error feedback: the round reports what it sent
 NUMEL = 3 * 64 * 4
 PEERS = ("a", "b", "c")
 
