@@ -80,7 +80,7 @@ from .faults import FaultPlan
 from . import robust
 from .reduce import canonical_order
 from .rounds import Accepted, CollectiveConfig, Exchange, RoundOutcome, RoundState, Value
-from .spans import RoundKey, make_view, span_bounds, view_id
+from .spans import MAX_SPANS, RoundKey, make_view, span_bounds, spans_for, view_id
 from .transport import PeerId, Transport, TransportError
 
 log = logging.getLogger(__name__)
@@ -198,9 +198,8 @@ class Collective:
         ok, why = admit(rs.view)
         if not ok:
             return RoundOutcome(key, False, why, rs.view)
-        chunk = self.pipeline.spec.chunk
-        r = Exchange(key, rs, self.me, span_bounds(delta.numel(), len(rs.view), align=chunk.chunk if chunk else 1),
-                     closed_at=time.monotonic())
+        r = Exchange(key, rs, self.me, self._bounds(delta.numel(), len(rs.view)), closed_at=time.monotonic())
+        rs.spans = len(r.bounds)
         if rs.carried is None:
             value = await self._exchange(r, delta)
             if value is None:
@@ -221,8 +220,9 @@ class Collective:
         # Encoding the whole Δ is the heavy part: off the event loop, so handlers keep answering peers.
         r.payloads = await asyncio.to_thread(lambda: [self.pipeline.encode(delta[lo:hi]) for lo, hi in r.bounds])
         self.faults.hit("encode", r.key.round)
-        own = r.own = self.pipeline.decode(r.payloads[r.mine], r.numel(r.mine))
-        rs.contribs.setdefault((rs.vid, r.mine), {})[self.me] = (r.payloads[r.mine], own)
+        for span in r.owned:
+            own = r.own[span] = self.pipeline.decode(r.payloads[span], r.numel(span))
+            rs.contribs.setdefault((rs.vid, span), {})[self.me] = (r.payloads[span], own)
 
         tasks = [asyncio.create_task(self._send_contributions(r)), asyncio.create_task(self._reduce_and_broadcast(r))]
         try:
@@ -234,7 +234,7 @@ class Collective:
                 t.cancel()
         if not complete:
             return None
-        spans = range(len(r.view))
+        spans = range(len(r.bounds))
         return Value(r.key, rs.vid, r.view, [rs.frames[(rs.vid, i)] for i in spans],
                      [rs.results[(rs.vid, i)] for i in spans], [rs.marked.get((rs.vid, i), ()) for i in spans])
 
@@ -332,7 +332,7 @@ class Collective:
             ready = r.get("ready") if r else None
             if r and r.get("closed") and r.get("in_view"):
                 ready = digest
-            if isinstance(ready, str) and len(ready) <= 128:
+            if isinstance(ready, str) and 0 < len(ready) <= 128:
                 try:
                     accepted = _accepted_of(r or {}, key)
                 except PayloadRejected as e:
@@ -417,57 +417,75 @@ class Collective:
             return RoundOutcome(key, False, f"late: {len(closed_without_us)} peer(s) closed round {key} without us")
         return None
 
+    def _bounds(self, numel: int, members: int) -> list[tuple[int, int]]:
+        """The span partition of a Δ of `numel` values among `members` (`spans.spans_for`)."""
+        chunk = self.pipeline.spec.chunk
+        return span_bounds(numel, spans_for(numel, members), align=chunk.chunk if chunk else 1)
+
     async def _send_contributions(self, r: Exchange) -> None:
         await asyncio.gather(*(
-            self._call(owner, "diloco.contrib", self._frame(
+            self._call(r.owner(i), "diloco.contrib", self._frame(
                 msg.CONTRIB, r.key, view=r.rs.vid, span=i, numel=r.numel(i), body=r.payloads[i]))
-            for i, owner in enumerate(r.view) if owner != self.me
+            for i in range(len(r.bounds)) if r.owner(i) != self.me
         ))
         self.faults.hit("send", r.key.round)
 
     async def _reduce_and_broadcast(self, r: Exchange) -> None:
-        """Owner's side: wait for contributions to our span until the deadline, then send one result."""
-        got = r.rs.contribs.setdefault((r.rs.vid, r.mine), {})
-        await self._wait(r.rs, lambda: len(got) + len(r.rs.refused & set(r.view)) >= len(r.view),
-                         r.closed_at + self.cfg.reduce_timeout)
+        """Owner's side: wait for contributions to our spans until the deadline, then send one result each."""
+        def arrived(span: int) -> bool:
+            got = r.rs.contribs.get((r.rs.vid, span), {})
+            return len(got) + len(r.rs.refused.get(span, set()) & set(r.view)) >= len(r.view)
+
+        await self._wait(r.rs, lambda: all(arrived(s) for s in r.owned), r.closed_at + self.cfg.reduce_timeout)
+        for span in r.owned:
+            await self._reduce_span(r, span)
+
+    async def _reduce_span(self, r: Exchange, span: int) -> None:
+        got = r.rs.contribs.setdefault((r.rs.vid, span), {})
+        refused = r.rs.refused.setdefault(span, set())
         if self.me in got and not robust.admit(got[self.me][1], self.cfg.robust)[0]:
             log.warning("event=own_contribution_refused round=%s reason=%s", r.key,
                         robust.admit(got.pop(self.me)[1], self.cfg.robust)[1])
-            r.rs.refused.add(self.me)
+            refused.add(self.me)
         senders = [p for p in r.view if p in got]
         idx = tuple(r.view.index(p) for p in senders)
-        numel = r.numel(r.mine)
+        numel = r.numel(span)
         order = canonical_order([got[p][0] for p in senders])
         combined = robust.combine([got[senders[i]][1] for i in order], numel, self.cfg.robust)
         outliers = self._judge([senders[i] for i in order], combined.norms, r.key)
-        marked = tuple(sorted(r.view.index(p) for p in (outliers | r.rs.refused) if p in r.view))
-        r.rs.marked[(r.rs.vid, r.mine)] = marked
+        marked = tuple(sorted(r.view.index(p) for p in (outliers | refused) if p in r.view))
+        r.rs.marked[(r.rs.vid, span)] = marked
         if self.pipeline.sparse:  # every member combines the bundle itself, the same way
             body = msg.pack_bundle([(i, got[p][0]) for i, p in zip(idx, senders)])
             kind = "bundle"
         else:
             body = self.mean_pipeline.encode(combined.values)
             kind = "mean"
+        del combined, got  # the span's contributions are not needed past its result
+        r.rs.contribs.pop((r.rs.vid, span), None)
         self.faults.hit("reduce", r.key.round)
-        r.rs.results[(r.rs.vid, r.mine)] = (self.me, self._decode_result(kind, memoryview(body), numel, idx), idx)
+        r.rs.results[(r.rs.vid, span)] = (self.me, self._decode_result(kind, memoryview(body), numel, idx), idx)
         r.rs.changed.set()
-        frame = self._frame(msg.RESULT, r.key, view=r.rs.vid, span=r.mine, numel=numel, body=body,
+        frame = self._frame(msg.RESULT, r.key, view=r.rs.vid, span=span, numel=numel, body=body,
                             meta={"contributors": list(idx), "result": kind, "marked": list(marked)})
-        r.rs.frames[(r.rs.vid, r.mine)] = frame
+        r.rs.frames[(r.rs.vid, span)] = frame
         await asyncio.gather(*(self._call(p, "diloco.result", frame) for p in r.view if p != self.me))
 
     def _outcome(self, key: RoundKey, value: Value, delta: torch.Tensor, spent: int) -> RoundOutcome:
         """A committed round: the aggregate, who was averaged where, and what of our Δ counted."""
         aggregate = torch.cat([t for _, t, _ in value.results])
         contributors = [tuple(value.view[j] for j in idx) for _, _, idx in value.results]
-        votes = Counter(j for marked in value.marked for j in marked)
-        offenders = tuple(value.view[j] for j, n in sorted(votes.items()) if 2 * n > len(value.view))
+        owners: dict[int, set[int]] = {}  # member -> the owners (view indices) that marked it in some span
+        for span, marked in enumerate(value.marked):
+            for j in marked:
+                owners.setdefault(j, set()).add(span % len(value.view))
+        offenders = tuple(value.view[j] for j, by in sorted(owners.items()) if 2 * len(by) > len(value.view))
         ran = self._ran.get(value.vid)  # our side of the attempt that computed the value, if we were in it
         sent = torch.zeros_like(delta) if self.pipeline.spec.ef is not None else None  # for error feedback only
         if ran is not None and sent is not None:
             for i, ((lo, hi), (_, _, idx)) in enumerate(zip(ran.bounds, value.results)):
                 if ran.mine in idx:  # the owner of span i included our contribution: it counts as sent
-                    ours = ran.own if i == ran.mine and ran.own is not None else \
+                    ours = ran.own[i] if i in ran.own else \
                         self.pipeline.decode(ran.payloads[i], hi - lo)
                     sent[lo:hi] = ours.dense(hi - lo)
         reason = "committed" if value.key == key else f"committed the value of attempt {value.key.attempt}"
@@ -563,8 +581,9 @@ class Collective:
             if accepted is not None:
                 rs.accepted[caller] = accepted
             rs.changed.set()
-            mine: dict[str, Any] = {"ready": rs.ready[self.me]} if self.me in rs.ready else {}
-            # we are ready for this key too: say so (see _gather)
+            # whether we are ready for this key too (see _gather); "" when not yet: the reply is the same size
+            # either way, so a round's bytes do not depend on who asked first
+            mine: dict[str, Any] = {"ready": rs.ready.get(self.me, "")}
             return msg.ack(run=self.run_id, sender=self.me, closed=False, in_view=False, names=names, waited=waited,
                            **mine, **ours)
         except PayloadRejected as e:
@@ -579,13 +598,13 @@ class Collective:
             self._check_view_slot(rs, header.view, caller, owner=self.me, span=header.span)
             self._check_codec(header)
             bucket = rs.contribs.setdefault((header.view, header.span), {})
-            if caller in bucket or caller in rs.refused:  # one contribution a round: a refused one counts
+            if caller in bucket or caller in rs.refused.get(header.span, ()):  # one a span: a refused one counts
                 raise PayloadRejected(Reason.DUPLICATE, f"second contribution from {caller} for span {header.span}")
             decoded = self.pipeline.decode(body, header.numel)
             try:
                 self._admit(decoded, "contribution")
             except PayloadRejected:  # a member's own pseudo-gradient: our result marks it (see _strike)
-                rs.refused.add(caller)
+                rs.refused.setdefault(header.span, set()).add(caller)
                 rs.changed.set()
                 raise
             bucket[caller] = (bytes(body), decoded)
@@ -707,20 +726,22 @@ class Collective:
             members = tuple(PeerId(p) for p in bytes(items[0][1]).decode().split("\n"))
         except UnicodeDecodeError:
             raise PayloadRejected(Reason.BAD_HEADER, "value members are not UTF-8") from None
-        if len(members) != len(items) - 1 or view_id(key, members, fragment) != value_id:
+        if view_id(key, members, fragment) != value_id:
             raise PayloadRejected(Reason.WRONG_VIEW, f"served members do not hash to value {value_id}")
-        chunk = self.pipeline.spec.chunk
-        bounds = span_bounds(numel, len(members), align=chunk.chunk if chunk else 1)
+        bounds = self._bounds(numel, len(members))
+        if len(bounds) != len(items) - 1:
+            raise PayloadRejected(Reason.WRONG_VIEW, f"served value has {len(items) - 1} spans, a Δ of {numel} "
+                                                     f"among {len(members)} members has {len(bounds)}")
         frames, results, marked = [], [], []
         for i, (_, raw) in enumerate(items[1:]):
             frame = bytes(raw)
-            h, b, k = msg.decode(frame, run=self.run_id, kind=msg.RESULT, caller=members[i],
+            h, b, k = msg.decode(frame, run=self.run_id, kind=msg.RESULT, caller=members[i % len(members)],
                                  max_body=self.cfg.max_payload, schema=self.schema)
             if k != key or h.view != value_id or h.span != i or h.numel != bounds[i][1] - bounds[i][0]:
                 raise PayloadRejected(Reason.WRONG_SPAN, f"served result {i} is not span {i} of value {value_id}")
             idx, mk, tensor = self._parse_result(h, b, len(members))
             frames.append(frame)
-            results.append((members[i], tensor, idx))
+            results.append((members[i % len(members)], tensor, idx))
             marked.append(mk)
         return Value(key, value_id, members, frames, results, marked)
 
@@ -738,14 +759,15 @@ class Collective:
         if rs.view is None:  # our gather is still open: buffer, boundedly, and check later by view id
             if vid not in rs.views_buffered() and len(rs.views_buffered()) >= _MAX_VIEWS_PER_ROUND:
                 raise PayloadRejected(Reason.WRONG_VIEW, "too many distinct views buffered for this round")
-            if not 0 <= span < 1024:
+            if not 0 <= span < MAX_SPANS:
                 raise PayloadRejected(Reason.WRONG_SPAN, f"span {span} out of range")
             return
         if not rs.view or rs.vid != vid:
             raise PayloadRejected(Reason.WRONG_VIEW, f"frame for view {vid}, ours is {rs.vid or 'none'}")
         if sender not in rs.view:
             raise PayloadRejected(Reason.NOT_MEMBER, f"{sender} is not in this round's view")
-        if not 0 <= span < len(rs.view) or rs.view[span] != owner:
+        limit = rs.spans or MAX_SPANS  # known once our exchange starts
+        if not 0 <= span < limit or rs.view[span % len(rs.view)] != owner:
             raise PayloadRejected(Reason.WRONG_SPAN, f"span {span} is not owned by {owner}")
 
     def adopt_bans(self, peers: Collection[PeerId], why: str) -> None:

@@ -103,12 +103,13 @@ class RoundState:
     results: dict[tuple[str, int], tuple[PeerId, torch.Tensor, tuple[int, ...]]] = field(default_factory=dict)
     marked: dict[tuple[str, int], tuple[int, ...]] = field(default_factory=dict)
     """Per (view, span): the view indices its owner marked (refused or far-outlying contributions)."""
-    refused: set[PeerId] = field(default_factory=set)  # whose contributions we refused at admission
+    refused: dict[int, set[PeerId]] = field(default_factory=dict)  # per span: whose contributions we refused
     frames: dict[tuple[str, int], bytes] = field(default_factory=dict)
     """Per (view, span): the result frame as its owner sent it (what we serve if we carry its value)."""
     accepted: dict[PeerId, tuple[int, str]] = field(default_factory=dict)
     """What each ready peer told us it accepted in an earlier attempt of this round: (attempt, value id)."""
     carried: tuple[int, str] | None = None  # the value our view carries (set with `view`), if any
+    spans: int = 0  # how many spans this round's Δ is cut into (set when our exchange starts)
     votes: dict[str, set[PeerId]] = field(default_factory=dict)
     """Per view id: the members that told us they accepted that view's value."""
     changed: asyncio.Event = field(default_factory=asyncio.Event)
@@ -149,7 +150,8 @@ class Exchange:
     bounds: list[tuple[int, int]]
     closed_at: float
     payloads: list[bytes] = field(default_factory=list)
-    own: Decoded | None = None
+    own: dict[int, Decoded] = field(default_factory=dict)
+    """Our own contribution to each span we own, decoded."""
 
     @property
     def view(self) -> tuple[PeerId, ...]:
@@ -158,7 +160,15 @@ class Exchange:
 
     @property
     def mine(self) -> int:
+        """Our index in the view (we own the spans s with s mod N = mine)."""
         return self.view.index(self.me)
+
+    @property
+    def owned(self) -> list[int]:
+        return list(range(self.mine, len(self.bounds), len(self.view)))
+
+    def owner(self, span: int) -> PeerId:
+        return self.view[span % len(self.view)]
 
     @property
     def payload_bytes(self) -> int:
@@ -169,7 +179,9 @@ class Exchange:
         return hi - lo
 
     def missing(self) -> list[PeerId]:
-        return [self.view[i] for i in range(len(self.view)) if (self.rs.vid, i) not in self.rs.results]
+        """Owners of the spans that have no result yet (each named once)."""
+        spans = [s for s in range(len(self.bounds)) if (self.rs.vid, s) not in self.rs.results]
+        return list(dict.fromkeys(self.owner(s) for s in spans))
 
     def complete(self) -> bool:
         return not self.missing()

@@ -1,9 +1,11 @@
 """Pure helpers of the round protocol: span partition, view identity, round keys.
 
-Every member of a round's view owns one span of the flat pseudo-gradient. Span i belongs to the
-i-th member of the sorted view; all peers that hold the same view compute the same partition,
-and the view id (a hash of round key and members) travels in every frame so that a peer with a
-different view can never mix its data into ours.
+The flat pseudo-gradient is cut into spans, and every member of a round's view owns some: span s
+belongs to member s mod N of the sorted view. There is one span per member unless a member's share
+would exceed `SPAN_VALUES`; then each member owns k spans (`spans_for`), so that no frame grows with
+the model (`max_payload` stays a bound against hostile input, not a model-size cap). All peers that
+hold the same view compute the same partition, and the view id (a hash of round key and members)
+travels in every frame so that a peer with a different view can never mix its data into ours.
 """
 
 from __future__ import annotations
@@ -41,6 +43,21 @@ def span_bounds(numel: int, parts: int, align: int = 1) -> list[tuple[int, int]]
         bounds.append((start, end))
         start = end
     return bounds
+
+
+SPAN_VALUES = 16 << 20
+"""Values in a span at most (64 MiB of fp32): larger shares are cut into more spans per member."""
+MAX_SPANS = 1 << 16
+"""Spans a round may have at all (frames naming a higher span are refused)."""
+
+
+def spans_for(numel: int, members: int) -> int:
+    """How many spans a round of `members` cuts a Δ of `numel` values into: a multiple of `members`, one
+    each unless a member's share exceeds `SPAN_VALUES`. Every member computes the same number."""
+    if members < 1:
+        raise ValueError(f"a round needs at least one member, got {members}")
+    share = -(-numel // members)
+    return members * max(1, -(-share // SPAN_VALUES))
 
 
 def make_view(members: Sequence[PeerId]) -> tuple[PeerId, ...]:

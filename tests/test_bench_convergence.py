@@ -46,7 +46,9 @@ def test_variants_against_data_parallel_on_equal_tokens(tmp_path):
         assert r["curve"][-1]["eval_loss"] == pytest.approx(r["eval_loss"])
         # the rounds' bytes so far; the total also counts what moved outside rounds (~150 bytes here)
         assert 0.9 * r["bytes_sent"] <= r["curve"][-1]["bytes_sent"] <= r["bytes_sent"]
-    assert 2 * plain["curve"][0]["bytes_sent"] == plain["curve"][1]["bytes_sent"]  # fp32: every round moves the same
+    # fp32: every round moves the same payload; replies differ by a few dozen bytes with who reached the
+    # round first (a ready answered before or after the answerer's own gather began names its peers or not)
+    assert plain["curve"][1]["bytes_sent"] == pytest.approx(2 * plain["curve"][0]["bytes_sent"], abs=400)
     written = plots(rows, tmp_path, tokens_per_step=2 * 4 * job.context)
     assert [p.name for p in written] == ["b1-loss-vs-tokens.png", "b1-loss-vs-bytes.png"]
     assert all(p.read_bytes()[:4] == b"\x89PNG" for p in written)

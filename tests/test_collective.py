@@ -736,11 +736,16 @@ def test_frozen_after_every_result_a_peer_cannot_commit_what_the_others_abandone
     assert not woke.committed and woke.reason.startswith("late"), woke.reason
 
 
-def test_a_value_a_quorum_accepted_is_carried_when_its_committer_dies():
+@pytest.mark.parametrize("span_values", [None, 4], ids=["one_span_each", "four_spans_each"])
+def test_a_value_a_quorum_accepted_is_carried_when_its_committer_dies(monkeypatch, span_values):
     """a and p accept attempt 0's value and a commits it (it got p's vote); p never hears back from a,
     and b misses a result, so neither of them knows. a dies. p and b are a quorum without it: their
     attempt 1 must commit a's value, not a fresh one (that would be a fork with a's state). p reports
-    the value it accepted, the view carries it, b fetches it from p, and both commit it."""
+    the value it accepted, the view carries it, b fetches it from p, and both commit it (also when the
+    value has several spans per member)."""
+    if span_values is not None:
+        from diloco.comms import spans
+        monkeypatch.setattr(spans, "SPAN_VALUES", span_values)
     members = ["a", "b", "p"]
     cfg = replace(FAST, gather_timeout=0.4, result_timeout=0.6, call_timeout=0.4, compression="fp32+ef:1")
     admit = _quorum_of(members)
@@ -819,3 +824,40 @@ def test_a_served_value_that_does_not_hash_to_its_id_is_refused():
     ok, refused = asyncio.run(main())
     assert ok.view == ("a", "b") and len(ok.results) == 2
     assert len(refused) == 2 and all(r.startswith("PayloadRejected") for r in refused), refused
+
+
+# ---------------------------------------------------------------------- frames at size
+
+
+def test_a_large_share_is_cut_into_several_spans_per_member(monkeypatch):
+    """When a member's share of Δ exceeds SPAN_VALUES, every member owns several spans (span s belongs to
+    member s mod N), so no frame grows with the model; the round commits the same mean, and a value
+    carried into a later attempt keeps its spans."""
+    from diloco.comms import spans
+
+    monkeypatch.setattr(spans, "SPAN_VALUES", 100)
+    ids, numel = PEERS[:3], 1000  # a share of 334 values: 4 spans each, 12 in all
+    sizes: list[int] = []
+
+    async def main():
+        net = InProcNetwork()
+        cs = await _collectives(net, ids)
+        for x in ids:
+            inner = net.lookup(x).handlers["diloco.contrib"]
+
+            async def measure(caller, data, inner=inner):
+                sizes.append(msg.decode(data, run=RUN, kind=msg.CONTRIB, caller=caller, max_body=1 << 20)[0].numel)
+                return await inner(caller, data)
+            net.lookup(x).handlers["diloco.contrib"] = measure
+        deltas = _deltas(ids, numel, seed=12)
+        return deltas, await _round(cs, RoundKey(0), ids, deltas)
+
+    deltas, outs = asyncio.run(main())
+    assert spans.spans_for(numel, 3) == 12
+    first = outs["p0"].aggregate
+    for o in outs.values():
+        assert o.committed, o.reason
+        assert len(o.contributors) == 12 and o.contributors == [tuple(ids)] * 12
+        assert torch.equal(o.aggregate, first)
+    assert torch.allclose(first, _mean(deltas, ids), rtol=0, atol=1e-6)
+    assert max(sizes) <= 100 and len(sizes) == 3 * 8  # each member sends the 8 spans it does not own
