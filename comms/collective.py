@@ -65,6 +65,7 @@ counted in `robust_events`.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import time
 from collections import Counter
@@ -79,7 +80,7 @@ from . import messages as msg
 from .faults import FaultPlan
 from . import robust
 from .reduce import canonical_order
-from .rounds import Accepted, CollectiveConfig, Exchange, RoundOutcome, RoundState, Value
+from .rounds import Accepted, CollectiveConfig, Exchange, Handoff, RoundOutcome, RoundState, Value
 from .spans import MAX_SPANS, RoundKey, make_view, span_bounds, spans_for, view_id
 from .transport import PeerId, Transport, TransportError
 
@@ -144,11 +145,12 @@ class Collective:
     # ---------------------------------------------------------------- the round, from our side
 
     async def run_round(
-        self, key: RoundKey, digest: str, expected: list[PeerId], delta: torch.Tensor, fragment: int = 0,
+        self, key: RoundKey, digest: str, expected: list[PeerId], delta: torch.Tensor | Handoff, fragment: int = 0,
         admit: Admit | None = None,
         wait_for: Collection[PeerId] | None = None,
     ) -> RoundOutcome:
-        """Run round `key` with our pseudo-gradient `delta` (1-D fp32) of model fragment `fragment`;
+        """Run round `key` with our pseudo-gradient `delta` (1-D fp32; a `Handoff` lets the round drop it
+        once encoded) of model fragment `fragment`;
         never blocks past the deadlines. The fragment is bound into the view id, so peers that
         disagree on which fragment a round is cannot mix their data. `admit(view)` -> (ok, reason)
         decides whether the closed view may go on (default: at least `min_peers` members); a view
@@ -165,7 +167,9 @@ class Collective:
         self._forget_before(key)
         others = [p for p in expected if p != self.me and p not in self.banned]
         try:
-            outcome = await self._run(key, digest, others, delta, fragment, admit, wait_for)
+            handoff = delta if isinstance(delta, Handoff) else Handoff(delta)
+            del delta
+            outcome = await self._run(key, digest, others, handoff, fragment, admit, wait_for)
         finally:
             self._floor = RoundKey(key.round, key.attempt + 1)
             self._forget_before(self._floor)
@@ -184,7 +188,7 @@ class Collective:
         outcome.seconds = time.monotonic() - started
         return outcome
 
-    async def _run(self, key: RoundKey, digest: str, others: list[PeerId], delta: torch.Tensor,
+    async def _run(self, key: RoundKey, digest: str, others: list[PeerId], delta: Handoff,
                    fragment: int, admit: Admit | None, wait_for: Collection[PeerId] | None) -> RoundOutcome:
         rs = self._state(key)
         rs.fragment = fragment
@@ -198,31 +202,41 @@ class Collective:
         ok, why = admit(rs.view)
         if not ok:
             return RoundOutcome(key, False, why, rs.view)
-        r = Exchange(key, rs, self.me, self._bounds(delta.numel(), len(rs.view)), closed_at=time.monotonic())
-        rs.spans = len(r.bounds)
+        r = Exchange(key, rs, self.me, self._bounds(delta.numel, len(rs.view)), closed_at=time.monotonic())
+        rs.spans, rs.bounds = len(r.bounds), r.bounds
         if rs.carried is None:
             value = await self._exchange(r, delta)
             if value is None:
                 return RoundOutcome(key, False, f"no result for {len(r.missing())} span(s) (owners "
                                     f"{_short(r.missing())})", rs.view, payload_bytes=r.payload_bytes)
         else:
-            value = await self._carry(r, rs.carried, delta.numel())
+            value = await self._carry(r, rs.carried, delta.numel)
             if value is None:
                 return RoundOutcome(key, False, f"could not fetch the value accepted in attempt {rs.carried[0]} "
                                     "from any member holding it", rs.view)
         self._accepted = Accepted(key, rs.vid, value)
-        return await self._decide(r, value, delta, admit)
+        return await self._decide(r, value, delta.numel, admit)
 
-    async def _exchange(self, r: Exchange, delta: torch.Tensor) -> Value | None:
+    async def _exchange(self, r: Exchange, handoff: Handoff) -> Value | None:
         """Steps 2 and 3 with our fresh Δ: the value (every span's result), or None if one is missing."""
         rs = r.rs
         self._ran[rs.vid] = r
         # Encoding the whole Δ is the heavy part: off the event loop, so handlers keep answering peers.
-        r.payloads = await asyncio.to_thread(lambda: [self.pipeline.encode(delta[lo:hi]) for lo, hi in r.bounds])
+        r.payloads = await asyncio.to_thread(self._encode, handoff, r.bounds)
+        r.payload_bytes = sum(len(p) for p in r.payloads)
         self.faults.hit("encode", r.key.round)
         for span in r.owned:
             own = r.own[span] = self.pipeline.decode(r.payloads[span], r.numel(span))
             rs.contribs.setdefault((rs.vid, span), {})[self.me] = (r.payloads[span], own)
+        for (view, span), (owner, tensor, idx) in list(rs.results.items()):  # results that came before our view
+            if view != rs.vid:
+                continue
+            if span >= rs.spans or tensor.numel() != r.numel(span):
+                del rs.results[(view, span)]
+                self._count_rejection(owner, PayloadRejected(Reason.WRONG_SIZE, f"result for span {span} does not "
+                                                             "fit the round's partition"))
+            else:
+                rs.results[(view, span)] = (owner, self._into_aggregate(rs, span, tensor), idx)
 
         tasks = [asyncio.create_task(self._send_contributions(r)), asyncio.create_task(self._reduce_and_broadcast(r))]
         try:
@@ -254,7 +268,11 @@ class Collective:
                 return value
         return None
 
-    async def _decide(self, r: Exchange, value: Value, delta: torch.Tensor, admit: Admit) -> RoundOutcome:
+    def _encode(self, handoff: Handoff, bounds: list[tuple[int, int]]) -> list[bytes]:
+        delta = handoff.take()  # after this, the round holds Δ only as its encoded spans
+        return [self.pipeline.encode(delta[lo:hi]) for lo, hi in bounds]
+
+    async def _decide(self, r: Exchange, value: Value, numel: int, admit: Admit) -> RoundOutcome:
         """Step 4: vote, and commit once the members that accepted `value` form a quorum."""
         rs, key = r.rs, r.key
         votes = rs.votes.setdefault(rs.vid, set())
@@ -297,7 +315,7 @@ class Collective:
         ran = self._ran.get(rs.vid)
         spent = ran.payload_bytes if ran is not None else 0
         if quorum(votes):
-            return self._outcome(key, value, delta, spent)
+            return self._outcome(key, value, numel, spent)
         if elsewhere:
             return RoundOutcome(key, False, f"late: {_short(elsewhere)} committed round {key.round} with another "
                                 "value", r.view, payload_bytes=spent)
@@ -423,11 +441,13 @@ class Collective:
         return span_bounds(numel, spans_for(numel, members), align=chunk.chunk if chunk else 1)
 
     async def _send_contributions(self, r: Exchange) -> None:
-        await asyncio.gather(*(
-            self._call(r.owner(i), "diloco.contrib", self._frame(
-                msg.CONTRIB, r.key, view=r.rs.vid, span=i, numel=r.numel(i), body=r.payloads[i]))
-            for i in range(len(r.bounds)) if r.owner(i) != self.me
-        ))
+        async def send(span: int) -> None:
+            await self._call(r.owner(span), "diloco.contrib", self._frame(
+                msg.CONTRIB, r.key, view=r.rs.vid, span=span, numel=r.numel(span), body=r.payloads[span]))
+            if self.pipeline.spec.ef is None:  # only error feedback reads it again (what of Δ was sent)
+                r.payloads[span] = b""
+
+        await asyncio.gather(*(send(i) for i in range(len(r.bounds)) if r.owner(i) != self.me))
         self.faults.hit("send", r.key.round)
 
     async def _reduce_and_broadcast(self, r: Exchange) -> None:
@@ -464,16 +484,19 @@ class Collective:
         del combined, got  # the span's contributions are not needed past its result
         r.rs.contribs.pop((r.rs.vid, span), None)
         self.faults.hit("reduce", r.key.round)
-        r.rs.results[(r.rs.vid, span)] = (self.me, self._decode_result(kind, memoryview(body), numel, idx), idx)
+        result = self._into_aggregate(r.rs, span, self._decode_result(kind, memoryview(body), numel, idx))
+        r.rs.results[(r.rs.vid, span)] = (self.me, result, idx)
+        if self.pipeline.spec.ef is None:
+            r.own.pop(span, None)  # our decoded contribution is needed past here only for error feedback
         r.rs.changed.set()
         frame = self._frame(msg.RESULT, r.key, view=r.rs.vid, span=span, numel=numel, body=body,
                             meta={"contributors": list(idx), "result": kind, "marked": list(marked)})
         r.rs.frames[(r.rs.vid, span)] = frame
         await asyncio.gather(*(self._call(p, "diloco.result", frame) for p in r.view if p != self.me))
 
-    def _outcome(self, key: RoundKey, value: Value, delta: torch.Tensor, spent: int) -> RoundOutcome:
+    def _outcome(self, key: RoundKey, value: Value, numel: int, spent: int) -> RoundOutcome:
         """A committed round: the aggregate, who was averaged where, and what of our Δ counted."""
-        aggregate = torch.cat([t for _, t, _ in value.results])
+        aggregate = self._assembled(value)
         contributors = [tuple(value.view[j] for j in idx) for _, _, idx in value.results]
         owners: dict[int, set[int]] = {}  # member -> the owners (view indices) that marked it in some span
         for span, marked in enumerate(value.marked):
@@ -481,7 +504,7 @@ class Collective:
                 owners.setdefault(j, set()).add(span % len(value.view))
         offenders = tuple(value.view[j] for j, by in sorted(owners.items()) if 2 * len(by) > len(value.view))
         ran = self._ran.get(value.vid)  # our side of the attempt that computed the value, if we were in it
-        sent = torch.zeros_like(delta) if self.pipeline.spec.ef is not None else None  # for error feedback only
+        sent = torch.zeros(numel) if self.pipeline.spec.ef is not None else None  # for error feedback only
         if ran is not None and sent is not None:
             for i, ((lo, hi), (_, _, idx)) in enumerate(zip(ran.bounds, value.results)):
                 if ran.mine in idx:  # the owner of span i included our contribution: it counts as sent
@@ -496,6 +519,30 @@ class Collective:
         fragment = self._rounds[key].fragment if key in self._rounds else 0
         return msg.encode(kind, run=self.run_id, sender=self.me, schema=self.schema, key=key,
                           codec=self.pipeline.name, fragment=fragment, **fields)
+
+    @staticmethod
+    def _into_aggregate(rs: RoundState, span: int, tensor: torch.Tensor) -> torch.Tensor:
+        """Move a result of our view into the round's aggregate buffer; the buffer's slice, which replaces it."""
+        if not rs.bounds:
+            return tensor
+        if rs.aggregate is None:  # allocated with the first result: it is not needed while spans are reduced
+            rs.aggregate = torch.empty(rs.bounds[-1][1], dtype=torch.float32)
+        lo, hi = rs.bounds[span]
+        slot = rs.aggregate[lo:hi]
+        slot.copy_(tensor)
+        return slot
+
+    @staticmethod
+    def _assembled(value: Value) -> torch.Tensor:
+        """The value's results as one Δ̄: the aggregate buffer they were written into, or (a value fetched
+        from another member) a concatenation."""
+        tensors = [t for _, t, _ in value.results]
+        base = tensors[0]._base if tensors and tensors[0]._base is not None else None
+        if base is not None and base.numel() == sum(t.numel() for t in tensors) and all(
+                t._base is base and t.storage_offset() == off for t, off in
+                zip(tensors, itertools.accumulate([0, *(t.numel() for t in tensors[:-1])]))):
+            return base
+        return torch.cat(tensors)
 
     def _decode_result(self, kind: str, body: memoryview, numel: int, idx: tuple[int, ...]) -> torch.Tensor:
         """The span's aggregate from a result body; identical on every peer for identical bytes."""
@@ -620,9 +667,16 @@ class Collective:
                                            max_body=self.cfg.max_payload, schema=self.schema)
             rs = self._accepting(key)
             self._check_view_slot(rs, header.view, caller, owner=caller, span=header.span)
+            if rs.bounds and header.view == rs.vid:
+                lo, hi = rs.bounds[header.span]
+                if header.numel != hi - lo:
+                    raise PayloadRejected(Reason.WRONG_SIZE, f"result for span {header.span} holds {header.numel} "
+                                                             f"values, the span has {hi - lo}")
             idx, marked, tensor = self._parse_result(header, body, len(rs.view) if rs.view else None)
             if (header.view, header.span) in rs.results:
                 raise PayloadRejected(Reason.DUPLICATE, f"second result for span {header.span}")
+            if header.view == rs.vid and rs.view is not None:
+                tensor = self._into_aggregate(rs, header.span, tensor)
             rs.results[(header.view, header.span)] = (caller, tensor, idx)
             rs.marked[(header.view, header.span)] = marked
             rs.frames[(header.view, header.span)] = bytes(data)

@@ -34,7 +34,7 @@ def average(parts: Sequence[Decoded], numel: int) -> torch.Tensor:
     if all(p.indices is None for p in parts):
         for p in parts:
             total += p.values
-        return total / len(parts)
+        return total.div_(len(parts))  # in place: the span's one buffer (the same values as `total / n`)
     count = torch.zeros(numel, dtype=torch.float32)
     for p in parts:
         if p.indices is None:

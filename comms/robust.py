@@ -63,9 +63,23 @@ class RobustConfig:
             raise ValueError(f"max_rms must be > 0, got {self.max_rms}")
 
 
+_CHUNK = 1 << 20  # values per float64 piece: the norm's temporary stays 8 MiB whatever the span
+
+
+def finite(values: torch.Tensor) -> bool:
+    """No NaN or Inf in `values` (one pass, no temporary: the extremes propagate both)."""
+    if not values.numel():
+        return True
+    lo, hi = torch.aminmax(values)
+    return math.isfinite(float(lo)) and math.isfinite(float(hi))
+
+
 def norm(part: Decoded) -> float:
-    """L2 norm of a contribution's values, accumulated in float64."""
-    return float(torch.linalg.vector_norm(part.values, dtype=torch.float64))
+    """L2 norm of a contribution's values, accumulated in float64, a piece at a time."""
+    flat, squares = part.values.reshape(-1), 0.0
+    for lo in range(0, flat.numel(), _CHUNK):
+        squares += float(torch.linalg.vector_norm(flat[lo:lo + _CHUNK], dtype=torch.float64)) ** 2
+    return math.sqrt(squares)
 
 
 def rms(part: Decoded) -> float:
@@ -76,7 +90,7 @@ def rms(part: Decoded) -> float:
 
 def admit(part: Decoded, cfg: RobustConfig) -> tuple[bool, str]:
     """Whether a decoded contribution may be combined at all, and why not."""
-    if not bool(torch.isfinite(part.values).all()):
+    if not finite(part.values):
         return False, "holds NaN or Inf"
     r = rms(part)
     if r > cfg.max_rms:

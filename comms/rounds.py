@@ -110,6 +110,10 @@ class RoundState:
     """What each ready peer told us it accepted in an earlier attempt of this round: (attempt, value id)."""
     carried: tuple[int, str] | None = None  # the value our view carries (set with `view`), if any
     spans: int = 0  # how many spans this round's Δ is cut into (set when our exchange starts)
+    bounds: list[tuple[int, int]] = field(default_factory=list)  # their ranges (set with `spans`)
+    aggregate: torch.Tensor | None = None
+    """Where our view's span results are written as they arrive (set when our exchange starts): the round's
+    averaged Δ without a second copy of it."""
     votes: dict[str, set[PeerId]] = field(default_factory=dict)
     """Per view id: the members that told us they accepted that view's value."""
     changed: asyncio.Event = field(default_factory=asyncio.Event)
@@ -150,6 +154,8 @@ class Exchange:
     bounds: list[tuple[int, int]]
     closed_at: float
     payloads: list[bytes] = field(default_factory=list)
+    payload_bytes: int = 0
+    """Encoded size of our whole contribution (payloads sent to other owners are dropped once sent)."""
     own: dict[int, Decoded] = field(default_factory=dict)
     """Our own contribution to each span we own, decoded."""
 
@@ -170,10 +176,6 @@ class Exchange:
     def owner(self, span: int) -> PeerId:
         return self.view[span % len(self.view)]
 
-    @property
-    def payload_bytes(self) -> int:
-        return sum(len(p) for p in self.payloads)
-
     def numel(self, span: int) -> int:
         lo, hi = self.bounds[span]
         return hi - lo
@@ -185,6 +187,23 @@ class Exchange:
 
     def complete(self) -> bool:
         return not self.missing()
+
+
+class Handoff:
+    """A pseudo-gradient handed from the training loop to a round, which lets go of it once it is encoded:
+    Δ is the size of the model, and nothing needs it while the round waits on the network (the caller
+    keeps its own reference only when it needs Δ later, e.g. for error feedback)."""
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self._tensor: torch.Tensor | None = tensor
+        self.numel = tensor.numel()
+
+    def take(self) -> torch.Tensor:
+        """The tensor (once: the handoff no longer holds it after this)."""
+        if self._tensor is None:
+            raise RuntimeError("this pseudo-gradient was already taken by its round")
+        tensor, self._tensor = self._tensor, None
+        return tensor
 
 
 @dataclass

@@ -600,6 +600,40 @@ def bench_flood_cmd(
         write_json(report, json_path)
 
 
+@bench_app.command("size")
+def bench_size_cmd(
+    sizes: str = typer.Option("10M,30M,100M,300M", help="Model sizes, comma-separated (M = million parameters)."),
+    codec: List[str] = typer.Option(["fp32", "e3m0"], "--codec", help="Compression of the rounds (repeatable)."),
+    rounds: int = typer.Option(3, help="Rounds at each size (after the first, which both peers take together)."),
+    catchup: bool = typer.Option(True, help="Also time a joiner's catch-up from 1, 2 and 3 peers (needs root)."),
+    catchup_params: str = typer.Option("25M", help="Model size for the catch-up part."),
+    rate_mbit: float = typer.Option(200.0, help="Catch-up part: every host's uplink, Mbit/s."),
+    json_path: Optional[Path] = typer.Option(None, "--json", help="Write the report as JSON here."),
+) -> None:
+    """The sync path at size: round time, bytes and peak memory per peer of 2 real peers from 10M to 300M
+    parameters (fp32, e3m0), and a joiner's catch-up time from 1, 2 and 3 serving peers on emulated links."""
+    import json
+
+    from .bench_size import SizeSetup, markdown, run
+
+    def count(text: str) -> int:
+        text = text.strip().upper()
+        return int(float(text[:-1]) * 1e6) if text.endswith("M") else int(text)
+
+    try:
+        size_list = tuple(count(x) for x in sizes.split(","))
+        setup = SizeSetup(sizes=size_list, codecs=tuple(codec), rounds=rounds, catchup=catchup,
+                          catchup_params=count(catchup_params), rate_mbit=rate_mbit)
+    except ValueError:
+        _fail(f"--sizes and --catchup-params take counts like 10M or 2500000, got {sizes!r} / {catchup_params!r}")
+    if rounds < 1 or any(n < 1 for n in setup.sizes):
+        _fail("--rounds and every size must be >= 1")
+    result = run(setup, say=lambda text: typer.echo(text, err=True))
+    typer.echo(markdown(result))
+    if json_path:
+        json_path.write_text(json.dumps(result, indent=1))
+
+
 @bench_app.command("site")
 def bench_site_cmd(
     ranks: int = typer.Option(2, help="Ranks of the torchrun site (DDP over gloo)."),

@@ -17,9 +17,11 @@ from __future__ import annotations
 
 import hashlib
 import math
+import os
 import re
 import struct
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Iterator, Sequence
 
@@ -137,11 +139,20 @@ class GlobalState:
                                 "scalars": [[n, v] for n, v in scalars]}, use_bin_type=True)
         views = [_byte_view(t) for _, t in tensors]
         total = sum(v.nbytes for v in views)
-        hashes = [hashlib.sha256() for _ in range(-(-total // chunk))]
-        for offset, piece in _pieces(views, 0, total):
-            for at, part in _split(offset, piece, chunk):
-                hashes[at // chunk].update(part)
-        return Manifest(bytes(header), total, chunk, tuple(h.digest() for h in hashes))
+        count = -(-total // chunk)
+
+        def hash_chunk(index: int) -> bytes:
+            h = hashlib.sha256()
+            for _, piece in _pieces(views, index * chunk, min(total, (index + 1) * chunk)):
+                h.update(piece)  # hashlib lets go of the GIL while it hashes a large piece
+            return h.digest()
+
+        if count <= 2:
+            hashes = [hash_chunk(i) for i in range(count)]
+        else:
+            with ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1)) as pool:
+                hashes = list(pool.map(hash_chunk, range(count)))
+        return Manifest(bytes(header), total, chunk, tuple(hashes))
 
     def receiver(self, manifest: Manifest) -> Receiver:
         """Somewhere to download the state `manifest` describes, checked against this model first."""
@@ -378,12 +389,3 @@ def _pieces(views: Sequence[memoryview], lo: int, hi: int) -> Iterator[tuple[int
         start = end
         if start >= hi:
             break
-
-
-def _split(offset: int, piece: memoryview, chunk: int) -> Iterator[tuple[int, memoryview]]:
-    """`piece` (at stream `offset`) cut at chunk boundaries."""
-    at = 0
-    while at < piece.nbytes:
-        take = min(piece.nbytes - at, chunk - (offset + at) % chunk)
-        yield offset + at, piece[at:at + take]
-        at += take

@@ -34,6 +34,7 @@ from typing import Any, Callable, Collection, Sequence
 import torch
 
 from diloco.comms import Collective, PeerId, RoundKey, RoundOutcome, Transport
+from diloco.comms.rounds import Handoff
 from diloco.comms import hello as hs
 from diloco.comms import messages as msg
 from diloco.comms.auth import HELLO, AuthRefused, new_secret
@@ -345,7 +346,8 @@ class Swarm:
         no network I/O. With `majority` on, the round commits only with a majority of `previous` (the
         members of the last round we committed); peers in `skip` are not waited for.
         `finish_exchange` collects the outcome."""
-        delta = self.collective.faults.outgoing(rnd, delta)  # fault injection: a poisoning peer
+        handoff = Handoff(self.collective.faults.outgoing(rnd, delta))  # fault injection: a poisoning peer
+        del delta  # the round lets go of Δ once encoded: nothing here may keep it
 
         async def go() -> RoundOutcome:
             self.check_standing(previous)
@@ -367,7 +369,7 @@ class Swarm:
             # Stragglers (members the last round went on without) are still asked, and taken in if they
             # are ready in time, but not waited for: a slow peer costs the others one gather timeout, once.
             wait_for = None if not skip and not resyncing else {p for p in expected if p not in skip}
-            outcome = await self.collective.run_round(key, digest, sorted({*expected, *resyncing}), delta,
+            outcome = await self.collective.run_round(key, digest, sorted({*expected, *resyncing}), handoff,
                                                       fragment=fragment, admit=admit, wait_for=wait_for)
             if not outcome.committed:
                 self.check_standing(previous)  # refused as banned by most of them: stop now, not next slot

@@ -56,6 +56,7 @@ import torch
 from torch.utils.hooks import RemovableHandle
 
 from diloco.comms import PeerId, RoundKey, RoundOutcome
+from diloco.comms.robust import finite
 from diloco.compression.ef import ErrorFeedback
 from diloco.compression.pipeline import Pipeline, parse
 from diloco.peers import holders, resync_source, stragglers, vouched
@@ -136,7 +137,9 @@ class _Pending:
     """A round in flight: what we sent (error-feedback accumulator) and when it must be applied."""
 
     fragment: Fragment
-    acc: torch.Tensor
+    acc: torch.Tensor | None
+    """What we sent, kept only when something needs it after the round (error feedback, a failed whole-step
+    overlap's carry); otherwise the round drops Δ once it is encoded."""
     due: int  # inner step at which the result is applied
     started: float
     future: concurrent.futures.Future[RoundOutcome] | None = None
@@ -482,9 +485,10 @@ class DiLoCo:
             return resync
         frag = self.fragments[fragment_of_round(self.state.round, len(self.fragments))]
         delta = pseudo_gradient(self._frag(self.state.params, frag), self._frag(self.local_params, frag))
-        if not bool(torch.isfinite(delta).all()):
+        if not finite(delta):
             return self._roll_back(started)
         pending = self._start_exchange(frag, delta, started)
+        del delta  # the round has it; holding it here would keep a copy of the model alive through the round
         if self.streaming.overlap == 0 or force_complete:
             return self._complete(pending)
         return None
@@ -496,7 +500,7 @@ class DiLoCo:
         frag = self.fragments[0]
         start = self._start if self._start is not None else self.state.params
         delta = pseudo_gradient(start, self.local_params)  # before the late aggregate moves θ
-        if not bool(torch.isfinite(delta).all()):
+        if not finite(delta):
             if self._pending is not None:
                 self._complete(self._pending)
             self._roll_back(started)
@@ -563,7 +567,9 @@ class DiLoCo:
             return self._pending
         future = self.swarm.exchange_async(self.state.round, self.attempt, self.digest, acc, fragment=frag.index,
                                            previous=self.members, skip=self.stragglers)
-        self._pending = _Pending(frag, acc, due, started, future=future, key=RoundKey(self.state.round, self.attempt))
+        keep = self.ef is not None or self.streaming.outer_overlap != "none"
+        self._pending = _Pending(frag, acc if keep else None, due, started, future=future,
+                                 key=RoundKey(self.state.round, self.attempt))
         return self._pending
 
     def _complete(self, pending: _Pending, in_step: bool = True) -> RoundReport | None:
@@ -633,7 +639,7 @@ class DiLoCo:
         if outcome.committed:
             assert outcome.aggregate is not None
             if self.ef is not None:
-                assert outcome.sent is not None
+                assert outcome.sent is not None and pending.acc is not None
                 self.ef[frag.index].commit(pending.acc, outcome.sent)
             global_frag = self._frag(self.state.params, frag)
             with self._state_lock:
@@ -657,6 +663,7 @@ class DiLoCo:
         else:
             self.attempt = outcome.key.attempt + 1
             if overlapped:  # the local copy no longer carries this Δ: deliver it with the next round
+                assert pending.acc is not None
                 if self.ef is not None:
                     self.ef[frag.index].commit(pending.acc, torch.zeros_like(pending.acc))
                 else:
