@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import re
 import secrets
@@ -70,6 +71,9 @@ def worker(argv: list[str]) -> None:
     ap.add_argument("--step-seconds", type=float, default=0.0, help="sleep per inner step (a slower model)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    for noisy in ("hivemind", "asyncio"):
+        logging.getLogger(noisy).setLevel(logging.ERROR)
     torch.set_num_threads(1)
     sizes = [PIECE] * (args.params // PIECE) + ([args.params % PIECE] if args.params % PIECE else [])
     params = [torch.nn.Parameter(torch.full((n,), 0.01)) for n in sizes]

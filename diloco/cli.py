@@ -605,7 +605,8 @@ def bench_size_cmd(
     sizes: str = typer.Option("10M,30M,100M,300M", help="Model sizes, comma-separated (M = million parameters)."),
     codec: List[str] = typer.Option(["fp32", "e3m0"], "--codec", help="Compression of the rounds (repeatable)."),
     rounds: int = typer.Option(3, help="Rounds at each size (after the first, which both peers take together)."),
-    catchup: bool = typer.Option(True, help="Also time a joiner's catch-up from 1, 2 and 3 peers (needs root)."),
+    part: str = typer.Option("all", help="rounds (round time and memory by size), catchup (a joiner's catch-up "
+                                        "from 1, 2 and 3 peers on emulated links; needs root) or all."),
     catchup_params: str = typer.Option("25M", help="Model size for the catch-up part."),
     rate_mbit: float = typer.Option(200.0, help="Catch-up part: every host's uplink, Mbit/s."),
     json_path: Optional[Path] = typer.Option(None, "--json", help="Write the report as JSON here."),
@@ -620,9 +621,11 @@ def bench_size_cmd(
         text = text.strip().upper()
         return int(float(text[:-1]) * 1e6) if text.endswith("M") else int(text)
 
+    if part not in ("rounds", "catchup", "all"):
+        _fail(f"--part must be rounds, catchup or all, got {part!r}")
     try:
-        size_list = tuple(count(x) for x in sizes.split(","))
-        setup = SizeSetup(sizes=size_list, codecs=tuple(codec), rounds=rounds, catchup=catchup,
+        size_list = tuple(count(x) for x in sizes.split(",")) if part != "catchup" else ()
+        setup = SizeSetup(sizes=size_list, codecs=tuple(codec), rounds=rounds, catchup=part != "rounds",
                           catchup_params=count(catchup_params), rate_mbit=rate_mbit)
     except ValueError:
         _fail(f"--sizes and --catchup-params take counts like 10M or 2500000, got {sizes!r} / {catchup_params!r}")
