@@ -82,6 +82,7 @@ class Swarm:
         self._on_close = on_close
         self._record = PeerRecord(peer=self.peer_id, status="joining", round=0, addrs=tuple(addresses))
         self._snapshot: SnapshotProvider | None = None
+        self._fetchers: dict[PeerId, float] = {}  # peers that asked us for state, and when they last did
         self._seen: list[PeerRecord] | None = None  # the directory as the last read showed it
         self._seen_at = 0.0
         self._closed = False
@@ -360,6 +361,7 @@ class Swarm:
             # too (a ready from a peer nobody asked is left out), but give it only the stragglers' grace
             known = set(skip) | set(previous or ())
             resyncing = [r.peer for r in records if r.status == "joining" and r.peer in known and r.peer != self.peer_id]
+            fetching = self._catching_up()
             left = departed(records, rnd)
             prev = previous if self.cfg.majority else None
 
@@ -368,9 +370,13 @@ class Swarm:
 
             # Stragglers (members the last round went on without) are still asked, and taken in if they
             # are ready in time, but not waited for: a slow peer costs the others one gather timeout, once.
+            # A peer downloading our state is waited for: without that, a swarm whose rounds are quicker
+            # than a download would move on under it each time and it would never get in.
             wait_for = None if not skip and not resyncing else {p for p in expected if p not in skip}
-            outcome = await self.collective.run_round(key, digest, sorted({*expected, *resyncing}), handoff,
-                                                      fragment=fragment, admit=admit, wait_for=wait_for)
+            if fetching:
+                wait_for = {*(expected if wait_for is None else wait_for), *fetching}
+            outcome = await self.collective.run_round(key, digest, sorted({*expected, *resyncing, *fetching}),
+                                                      handoff, fragment=fragment, admit=admit, wait_for=wait_for)
             if not outcome.committed:
                 self.check_standing(previous)  # refused as banned by most of them: stop now, not next slot
             return outcome
@@ -436,8 +442,16 @@ class Swarm:
         except PayloadRejected as e:
             self.collective.rejections[e.reason.value] += 1
             return None, -1, e.reason.value
+        self._fetchers[caller] = time.monotonic()
         snapshot = self._snapshot(header.view) if self._snapshot is not None else None
         return snapshot, header.span, "" if snapshot is not None else "state not held"
+
+    def _catching_up(self) -> set[PeerId]:
+        """Peers that asked us for state (a manifest or a chunk, whether we still held it or not) within
+        the last `call_timeout`: they are catching up to us, and our next round waits for them."""
+        now = time.monotonic()
+        self._fetchers = {p: t for p, t in self._fetchers.items() if now - t < self.cfg.call_timeout}
+        return {p for p in self._fetchers if p != self.peer_id and p not in self.collective.banned}
 
     # ------------------------------------------------------------------ leaving
 

@@ -7,6 +7,7 @@ attaching makes sure no peer starts its first round alone.
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import threading
 import time
@@ -239,6 +240,61 @@ def test_late_joiner_downloads_state_and_ends_identical(harness):
         (3, True, 4, False), (4, True, 4, False)]
     for p, q in zip(out["joiner"].state.params, ds[0].state.params):
         assert torch.equal(p, q)
+
+
+def test_a_joiner_gets_in_while_the_swarm_commits_rounds_faster_than_a_download(harness):
+    """A lone peer commits a round every few milliseconds (H=1, a tiny model), faster than a joiner can
+    read its record and ask for the state it advertises, which is gone by then. The holder hears the
+    joiner asking for state and gives it a grace in its next rounds, so the joiner downloads a state that
+    is still current and then commits rounds with the holder, on the holder's digests."""
+    holder_model, joiner_model = _mlp(0), _mlp(1)
+    batches = _batches(0, 1)
+    started, stop = threading.Event(), threading.Event()
+    digests: dict[str, dict[int, str]] = {"holder": {}, "joiner": {}}
+    out: dict[str, DiLoCo] = {}
+
+    def wrap(name: str, model: torch.nn.Module, **kw) -> DiLoCo:
+        opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+        swarm = harness.swarm(name, bootstrapped=name != "holder")
+        if name == "joiner":  # its link is slow: every call it makes takes 30 ms more
+            call = swarm.transport.call
+
+            async def slow_call(peer, method, payload, timeout):
+                await asyncio.sleep(0.03)
+                return await call(peer, method, payload, timeout)
+
+            swarm.transport.call = slow_call
+        d = DiLoCo(model, opt, swarm=swarm, inner_steps=1,
+                   on_round=lambda r: digests[name].__setitem__(r.round, d.digest) if r.committed else None, **kw)
+        out[name] = d
+        return d
+
+    def holder():
+        with wrap("holder", holder_model) as d:
+            started.set()
+            while not stop.is_set():
+                _train(holder_model, d.optimizer, batches)
+
+    def joiner():
+        assert started.wait(5)
+        deadline = time.monotonic() + 5
+        while out["holder"].round < 50:  # the holder is well under way, a round every few milliseconds
+            assert time.monotonic() < deadline, "the holder does not commit rounds"
+            time.sleep(0.01)
+        try:
+            with wrap("joiner", joiner_model, join_timeout=5) as d:
+                deadline = time.monotonic() + 10
+                while not any(r.committed and r.peers == 2 for r in d.reports):
+                    assert time.monotonic() < deadline, [(r.round, r.reason) for r in d.reports[-5:]]
+                    _train(joiner_model, d.optimizer, batches)
+        finally:
+            stop.set()
+
+    _run_threads([holder, joiner], [])
+    h, j = out["holder"], out["joiner"]
+    together = [r.round for r in j.reports if r.committed and r.peers == 2]
+    assert any(r.round == together[0] and r.committed and r.peers == 2 for r in h.reports), h.reports[-5:]
+    assert all(digests["holder"][n] == digests["joiner"][n] for n in together), (together, digests)
 
 
 # ---------------------------------------------------------------------- a peer serves forged state
