@@ -3,9 +3,9 @@ peer, for tests and chaos runs.
 
     DILOCO_FAULTS="kill@reduce:2"   # SIGKILL ourselves in round 2 before our span's result goes out
     DILOCO_FAULTS="kill@gather:1,kill@apply:3"
-    DILOCO_FAULTS="poison@2"        # from round 2 on, contribute our pseudo-gradient x 1e4 (RELIABILITY row 17)
+    DILOCO_FAULTS="poison@2"        # from round 2 on, contribute our pseudo-gradient x 1e4
 
-Phases, in the order a round passes them (RELIABILITY row 1):
+Phases, in the order a round passes them:
 
 | phase    | where the peer dies                                                  | what the others see        |
 |----------|----------------------------------------------------------------------|----------------------------|

@@ -1,4 +1,4 @@
-"""Benchmark: does a flood of unauthorized callers slow a swarm's rounds? (RELIABILITY row 16)
+"""Benchmark: does a flood of unauthorized callers slow a swarm's rounds?
 
 A swarm of `peers` real peers (hivemind daemons on 127.0.0.1, guarded by one secret, the round
 collective of `diloco.comms`) runs back-to-back rounds on a fixed pseudo-gradient of `numel` fp32

@@ -582,7 +582,7 @@ def bench_flood_cmd(
     json_path: Optional[Path] = typer.Option(None, "--json", help="Write the report as JSON here."),
     quiet: bool = Quiet,
 ) -> None:
-    """Round time of a swarm while processes without its secret flood it with calls (RELIABILITY row 16),
+    """Round time of a swarm while processes without its secret flood it with calls,
     or hold streams open without sending anything (--stalled)."""
     from .bench_flood import FloodSetup, markdown, run, write_json
     from .progress import Reporter

@@ -1,6 +1,6 @@
 """Checkpoints (diloco/checkpoint.py): safetensors round trips, strict decoding of lying headers,
-fallback past corrupt checkpoints, pruning, disk full (RELIABILITY row 18), kill -9 during a write
-(RELIABILITY row 19), and no pickle."""
+fallback past corrupt checkpoints, pruning, disk full, kill -9 during a write, and
+no pickle."""
 
 from __future__ import annotations
 
@@ -359,7 +359,7 @@ def test_prune_removes_dead_writers_temp_dirs_only(tmp_path: Path) -> None:
 
 
 # -------------------------------------------------------------------------------------------------
-# disk full (RELIABILITY row 18)
+# disk full
 
 @pytest.fixture
 def small_tmpfs(tmp_path: Path) -> Any:
@@ -409,7 +409,7 @@ def test_disk_full_at_every_point_of_a_save(small_tmpfs: Path) -> None:
 
 
 # -------------------------------------------------------------------------------------------------
-# kill -9 during a write (RELIABILITY row 19)
+# kill -9 during a write
 
 def spawn_writer(root: Path, start: int) -> subprocess.Popen[bytes]:
     return subprocess.Popen([sys.executable, "-I", "-S", str(WRITER), str(MODULE), str(root), str(start)],

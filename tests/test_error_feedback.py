@@ -1,4 +1,4 @@
-"""Error feedback through the real round protocol (RELIABILITY.md row 22): with random exclusions
+"""Error feedback through the real round protocol: with random exclusions
 of a peer's span contributions, nothing is lost and nothing is counted twice.
 
 The oracle is independent of what the collective reports as "sent": the test re-encodes every

@@ -1,4 +1,4 @@
-"""A peer that joins and leaves every round (RELIABILITY row 7), in-process.
+"""A peer that joins and leaves every round, in-process.
 
 Two steady peers train for ROUNDS rounds while a third keeps flapping: attach (download the state),
 take part in one round, leave with a goodbye, and come back under a new identity, as a spot instance

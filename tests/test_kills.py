@@ -1,4 +1,4 @@
-"""A peer killed at each phase of a round (RELIABILITY row 1, goals G1 and G3), in-process.
+"""A peer killed at each phase of a round, in-process.
 
 Three peers train; the victim's fault plan kills it in round 2 at one phase (`comms/faults.py`):
 it drops off the network at once and never says goodbye, its record lingering until
@@ -74,7 +74,7 @@ def test_survivors_commit_without_a_peer_killed_at_each_phase(phase):
 
     assert killed.is_set(), f"the fault at {phase} never fired"
     assert set(finals) == {0, 1} and finals[0] == finals[1]
-    # G1: one state per round id, on every peer, the victim's rounds before it died included
+    # one state per round id, on every peer, the victim's rounds before it died included
     states: dict[int, set[str]] = {}
     for rows in seen.values():
         for rnd, committed, digest, _, _ in rows:
@@ -82,7 +82,7 @@ def test_survivors_commit_without_a_peer_killed_at_each_phase(phase):
                 states.setdefault(rnd, set()).add(digest)
     assert all(len(d) == 1 for d in states.values()), (states, seen)
     assert set(states) >= set(range(1, TARGET + 1))
-    # G3: the survivors' first commit without the victim comes within the round deadline + heartbeat
+    # the survivors' first commit without the victim comes within the round deadline + heartbeat
     # (a kill after the victim's span result went out, at send or apply, lets that round commit with 3)
     for i in (0, 1):
         alone = [t for _, committed, _, peers, t in seen[i] if committed and peers == 2 and t > killed_at[0]]

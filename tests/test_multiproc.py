@@ -213,7 +213,7 @@ def test_ctrl_c_leaves_cleanly_with_a_final_checkpoint(peers, tmp_path):
 
 @pytest.mark.timeout(240)
 def test_a_hung_peer_is_left_out_then_catches_up(peers):
-    """RELIABILITY row 3: one of three peers is frozen (SIGSTOP) for a while. The other two go on
+    """One of three peers is frozen (SIGSTOP) for a while. The other two go on
     without it (its calls time out); when it wakes (SIGCONT) its stale round fails instead of
     entering an aggregate, it downloads the swarm's state, and all three end identical."""
     common = ["--rounds", "12", "-H", "5", "--wait-for", "3", *TINY]
@@ -255,7 +255,7 @@ def test_a_hung_peer_is_left_out_then_catches_up(peers):
 
 @pytest.mark.timeout(180)
 def test_a_killed_peer_restarts_and_catches_up(peers):
-    """RELIABILITY rows 2, 6 and 8: SIGKILL one of three peers of a streaming swarm (2 fragments), start
+    """SIGKILL one of three peers of a streaming swarm (2 fragments), start
     it again (a new process, a new peer id) with a dead bootstrap address given first: it skips that
     address, downloads the swarm's state and schedule position, and holds the swarm's digest from its
     first round on. The swarm runs until the test stops it (SIGTERM), so a slow restart cannot find
@@ -281,11 +281,11 @@ def test_a_killed_peer_restarts_and_catches_up(peers):
         p.send_signal(signal.SIGTERM)
     for i, p in [(0, procs[0]), (1, procs[1]), (3, restarted)]:
         assert peers.wait(p, 60) == 0, peers.log(i)
-    assert joined < 30 + 20, joined  # row 8: joins within 30 s of a dead first address (plus start-up)
+    assert joined < 30 + 20, joined  # joins within 30 s of a dead first address (plus start-up)
     mine = [r for r in peers.lines(3, "round") if r["committed"]]
     assert any(str(r["reason"]).startswith("resynced") for r in peers.lines(3, "round")) or \
         "event=resync" in peers.log(3), peers.log(3)
-    # one state per round id across the swarm (G1), and the restarted peer's rounds are the swarm's
+    # one state per round id across the swarm, and the restarted peer's rounds are the swarm's
     states: dict[int, set[str]] = {}
     for i in (0, 1, 2, 3):
         for r in peers.lines(i, "round"):
@@ -298,7 +298,7 @@ def test_a_killed_peer_restarts_and_catches_up(peers):
 
 
 def test_a_poisoning_peer_is_banned_then_stops_naming_why_and_the_others_go_on(peers):
-    """RELIABILITY row 17 with real processes: peer 2 contributes its pseudo-gradient x 1e4 from round 1
+    """A poisoning peer with real processes: peer 2 contributes its pseudo-gradient x 1e4 from round 1
     (DILOCO_FAULTS=poison@1). The honest two clip it, strike it three times (--ban-after 3) and ban it;
     refused as banned by both in its next round, it exits 1 with a message naming why, within seconds,
     instead of training on alone; the honest two finish every round on one digest."""

@@ -1,4 +1,4 @@
-"""Partitions (RELIABILITY row 4, goal G4): at most one side of a split swarm commits, and after the
+"""Partitions: at most one side of a split swarm commits, and after the
 split heals the minority catches up, so no round id ever has two global states.
 
 Four in-process peers train together; then calls between two groups are dropped and each group

@@ -1,4 +1,4 @@
-"""Compression pipelines: spec parsing, round trips, hostile payloads (RELIABILITY rows 9, 11, 12)."""
+"""Compression pipelines: spec parsing, round trips, hostile payloads."""
 
 from __future__ import annotations
 

@@ -182,7 +182,7 @@ def test_the_cli_reads_a_plan_and_says_what_fired(tmp_path):
     assert bad.returncode == 2 and "random:N needs a count" in bad.stderr
 
 
-# ---------------------------------------------------------------------- RELIABILITY row 17: a poisoning worker
+# ---------------------------------------------------------------------- a poisoning worker
 
 POISON_JOB = JobConfig(rounds=6, inner_steps=8, d_model=32, n_layer=1, batch_size=4, eval_batches=4,
                        corpus_bytes=1 << 20)
@@ -192,7 +192,7 @@ POISON = [Fault(1, "poison", 7, factor=1e4)]
 @pytest.mark.swarm
 @pytest.mark.timeout(600)
 def test_one_of_eight_workers_poisoning_every_round_is_banned_and_training_goes_on():
-    """RELIABILITY row 17 on the real training loop: worker 7 multiplies its pseudo-gradient by 1e4 from
+    """A poisoning worker on the real training loop: worker 7 multiplies its pseudo-gradient by 1e4 from
     round 1 on. With robust aggregation (the default) it is clipped, then banned (and, seeing that in
     the others' records, stops), and worker 0's final loss is within 2% of the fault-free run's; with
     it off (the control) the model is wrecked."""

@@ -1,4 +1,4 @@
-"""A straggler (RELIABILITY row 5): one of three peers becomes ~10× slower. The round it misses closes
+"""A straggler: one of three peers becomes ~10× slower. The round it misses closes
 at the gather deadline without it; after that the fast peers no longer wait for it (it is asked, and
 given a tenth of the deadline as grace), so they keep their pace; when it is healthy again it is
 back in their rounds. Asserted on the rounds' own durations and members, not on a wall-clock rate."""
