@@ -57,8 +57,10 @@ class Peers:
             time.sleep(0.1)
         return path.read_text().split()[0]
 
-    def log(self, index: int) -> str:
-        return (self.workdir / f"peer{index}.log").read_text(errors="replace")[-4000:]
+    def log(self, index: int, whole: bool = False) -> str:
+        """Peer `index`'s output: its last 4000 characters (for assertion messages), or all of it."""
+        text = (self.workdir / f"peer{index}.log").read_text(errors="replace")
+        return text if whole else text[-4000:]
 
     def wait(self, proc: subprocess.Popen, timeout: float) -> int:
         return proc.wait(timeout=timeout)

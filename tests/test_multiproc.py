@@ -45,7 +45,7 @@ def test_three_peers_train_and_end_bit_identical(peers, compression):
     finals = [peers.lines(i, "final")[-1] for i in range(3)]
     assert {f["round"] for f in finals} == {3}
     for i in range(3):  # a clean run logs no error, not even at shutdown (no task left pending on the loop)
-        assert " ERROR " not in peers.log(i) and "Traceback" not in peers.log(i), peers.log(i)
+        assert " ERROR " not in peers.log(i, whole=True) and "Traceback" not in peers.log(i, whole=True), peers.log(i)
     # every peer signs its directory records, and every record checks: nothing dropped (frames may be
     # refused in an honest run: a late frame of a round the receiver finished is `wrong_round`)
     assert all(f["records_dropped"] == {} for f in finals), [f["records_dropped"] for f in finals]
@@ -206,7 +206,7 @@ def test_ctrl_c_leaves_cleanly_with_a_final_checkpoint(peers, tmp_path):
     again = peers.spawn(1, ["start", "--rounds", str(final["round"] + 1), "-H", "5", *TINY,
                             "--checkpoint-dir", str(ckpt), "--resume"])
     assert peers.wait(again, 60) == 0, peers.log(1)
-    assert "event=resumed" in peers.log(1)
+    assert "event=resumed" in peers.log(1, whole=True)
     assert peers.lines(1, "final")[-1]["round"] == final["round"] + 1  # one more outer step after the resume
     assert len(peers.lines(1, "round")) == 1
 
@@ -284,7 +284,7 @@ def test_a_killed_peer_restarts_and_catches_up(peers):
     assert joined < 30 + 20, joined  # joins within 30 s of a dead first address (plus start-up)
     mine = [r for r in peers.lines(3, "round") if r["committed"]]
     assert any(str(r["reason"]).startswith("resynced") for r in peers.lines(3, "round")) or \
-        "event=resync" in peers.log(3), peers.log(3)
+        "event=resync" in peers.log(3, whole=True), peers.log(3)
     # one state per round id across the swarm, and the restarted peer's rounds are the swarm's
     states: dict[int, set[str]] = {}
     for i in (0, 1, 2, 3):
@@ -294,7 +294,7 @@ def test_a_killed_peer_restarts_and_catches_up(peers):
     assert all(len(d) == 1 for d in states.values()), {k: v for k, v in states.items() if len(v) > 1}
     swarm = {r["round"]: r["digest"] for r in peers.lines(0, "round") if r["committed"]}
     assert mine and all(swarm.get(r["round"], r["digest"]) == r["digest"] for r in mine)
-    assert "event=bootstrap_failed" in peers.log(3)  # it did try the dead address first
+    assert "event=bootstrap_failed" in peers.log(3, whole=True)  # it did try the dead address first
 
 
 def test_a_poisoning_peer_is_banned_then_stops_naming_why_and_the_others_go_on(peers):
@@ -318,7 +318,7 @@ def test_a_poisoning_peer_is_banned_then_stops_naming_why_and_the_others_go_on(p
     bad_id = peers.log(2).split("peer ", 1)[1].split()[0]
     for f in finals:
         assert f["banned"] == [bad_id] and f["robust"]["clipped"] >= 3, f
-    banned_at = min(_logged_at(line) for i in (0, 1) for line in peers.log(i).splitlines() if "event=peer_banned" in line)
+    banned_at = min(_logged_at(line) for i in (0, 1) for line in peers.log(i, whole=True).splitlines() if "event=peer_banned" in line)
     # it stops at its next round (its peers refuse it at once), then leaves: well within a round timeout (6 s)
     assert stopped_at - banned_at < 6 + 10, (stopped_at, banned_at)
 
