@@ -18,7 +18,7 @@ demo: $(STAMP)
 	$(BIN)/diloco demo
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=15
 
 test-slow: $(STAMP)
 	$(BIN)/python -m pytest -q -m slow

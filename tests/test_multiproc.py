@@ -59,6 +59,7 @@ def test_three_peers_train_and_end_bit_identical(peers, compression):
         assert r["bits_per_param"] == pytest.approx(expected_bits) if expected_bits else 0 < r["bits_per_param"] < 2
 
 
+@pytest.mark.slow  # 30 s; in-process runs are deterministic under their seed too (tests/test_simulate.py)
 def test_two_runs_of_the_same_swarm_reach_the_same_state(tmp_path):
     """The global state depends on data and seeds only, not on the random peer ids that order a
     view: two independent 3-peer runs end with the same digest (fp32 on the wire: any change in
@@ -95,7 +96,10 @@ def _gone(p: psutil.Process) -> bool:
         return True
 
 
-@pytest.mark.parametrize("phase", PHASES)
+# every phase dies in-process in tests/test_kills.py; with real processes the default run kills at the
+# first and the last phase of a round's protocol, `make test-slow` at every phase
+@pytest.mark.parametrize("phase", [p if p in ("gather", "decide") else pytest.param(p, marks=pytest.mark.slow)
+                                   for p in PHASES])
 def test_sigkill_mid_round_survivors_commit_next_round(peers, phase):
     """SIGKILL one of 3 peers in round 2 at each phase (at `reduce`: after it reduced its span but
     before it sent the result, so no one can commit that round): the survivors commit without it
