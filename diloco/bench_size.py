@@ -189,7 +189,15 @@ def _catchup(servers: int, setup: SizeSetup, say: Callable[[str], None]) -> dict
                                      popen=lambda cmd, **kw: lab.popen(i, cmd, **kw)))
             for i in range(servers):
                 _wait_file(workdir / f"s{i}.addr", procs, 300)
-            time.sleep(10)  # a round among the servers, so every one of them holds the state
+            # a round among all the servers first, so every one of them holds the state the joiner asks for
+            deadline = time.monotonic() + 600
+            committed = f"peers={servers}"
+            while not all(any("event=round_committed" in line and committed in line for line in
+                              (workdir / f"s{i}.log").read_text(errors="replace").splitlines())
+                          for i in range(servers)):
+                if time.monotonic() > deadline or any(p.poll() not in (None, 0) for p in procs):
+                    raise RuntimeError(f"the {servers} servers did not commit a round together; see {workdir}")
+                time.sleep(0.5)
             joiner = ["--host", lab.address(servers), "--verbose", "--gather-timeout", "60", "--round-timeout", "120"]
             args = ["--params", str(setup.catchup_params), "--rounds", "1", "--inner-steps", "2"]
             j = _launch(["join", _wait_file(workdir / "s0.addr", procs, 60)], run_id, joiner, args, workdir, "joiner",
