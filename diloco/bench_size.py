@@ -173,9 +173,12 @@ def _catchup(servers: int, setup: SizeSetup, say: Callable[[str], None]) -> dict
 
     env = {**os.environ, "DILOCO_SECRET": secrets.token_urlsafe(32), "OMP_NUM_THREADS": "1"}
     run_id = f"catchup-{secrets.token_hex(3)}"
-    # the servers train slowly (their state must not move on faster than a download takes) and long
-    slow = ["--params", str(setup.catchup_params), "--rounds", "1000000", "--inner-steps", "2",
-            "--step-seconds", "2"]
+    # The servers train slowly and long: one round together, then none while the joiner downloads (a
+    # round's Δ of the state's size would share their uplinks with the chunks and measure that instead):
+    # an inner step lasts three times the download from one server at the link rate.
+    one_server = 8 * 8 * setup.catchup_params / (setup.rate_mbit * 1e6)
+    slow = ["--params", str(setup.catchup_params), "--rounds", "1000000", "--inner-steps", "1",
+            "--step-seconds", f"{max(10.0, 3 * one_server):.0f}"]
     with tempfile.TemporaryDirectory(prefix="diloco-bench-catchup-") as tmp, \
             WanLab(hosts=servers + 1, rate_mbit=setup.rate_mbit, delay_ms=setup.delay_ms) as lab:
         workdir = Path(tmp)
