@@ -681,7 +681,8 @@ class DiLoCo:
         self._publish("training")
         if self.launch is not None and self.launch.metrics and self._talks:
             MetricsWriter(self.launch.metrics).write("round", peer=self.swarm.peer_id if self.swarm else "",
-                                                     loss=self.loss, digest=self.digest, **report.as_dict())
+                                                     loss=self.loss, digest=self.digest, restart=self.launch.restart,
+                                                     **report.as_dict())
         if self.on_round is not None:
             self.on_round(report)
         return report

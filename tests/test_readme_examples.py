@@ -17,7 +17,8 @@ What each command does here:
   size is tests/test_bench_convergence.py), `start`, `join`, `status`, `demo` (real peers,
   tests/test_multiproc.py), `start/join ... -- CMD` (the launcher, tests/test_launcher.py), `bench
   overlap` (root and network namespaces, tests/test_bench_overlap.py), `bench flood` (real daemons,
-  tests/test_auth.py), `bench site` (torchrun sites): parsed and validated by the real command, which
+  tests/test_auth.py), `bench site` (torchrun sites), `bench size` (models of up to 300M parameters,
+  tests/test_bench_size.py): parsed and validated by the real command, which
   must get as far as the call that would start the work (then stopped there, before any network I/O).
 - `make X`: the Makefile has target X.
 - a command's bare name (`diloco bench overlap`, `diloco join`): its `--help` works.
@@ -146,6 +147,7 @@ STOPPED_AT = {  # command -> what would start the work (network, real peers, roo
     ("diloco", "status"): "diloco.status.observe", ("diloco", "demo"): "diloco.demo.run_demo",
     ("diloco", "bench", "overlap"): "diloco.bench_overlap.run", ("diloco", "bench", "flood"): "diloco.bench_flood.run",
     ("diloco", "bench", "convergence"): "diloco.bench_convergence.run", ("diloco", "bench", "site"): "diloco.bench_site.run",
+    ("diloco", "bench", "size"): "diloco.bench_size.run",
 }
 LAUNCHED = "diloco.cli._launch"
 """`diloco start/join ... -- CMD` runs the user's command as the site's worker: stopped there."""
