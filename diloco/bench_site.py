@@ -31,6 +31,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+from .launcher import terminate
 from .metrics import read_jsonl
 
 
@@ -175,14 +176,7 @@ def _swarm(setup: SiteSetup, workdir: Path, say: Callable[[str], None],
         return {"crash_to_commit_s": back - crashed, "site_bytes_per_round": sorted(bytes_site)[len(bytes_site) // 2],
                 "lone_bytes_per_round": sorted(bytes_lone)[len(bytes_lone) // 2], "payload_bytes": payload}
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        for p in procs:
-            try:
-                p.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        terminate(procs)
 
 
 def _rank_process(launcher: int, rank: str) -> int:

@@ -21,7 +21,6 @@ import logging
 import os
 import re
 import secrets
-import signal
 import statistics
 import subprocess
 import sys
@@ -30,6 +29,8 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable
+
+from .launcher import terminate
 
 PIECE = 1 << 24  # parameters per tensor of the benchmark model (16M: like a large linear layer)
 
@@ -139,10 +140,7 @@ def _rounds_at(params: int, codec: str, setup: SizeSetup, say: Callable[[str], N
                                    (workdir / "p1.log").read_text()[-2000:])
             peers = [json.loads((workdir / f"p{i}.json").read_text()) for i in range(2)]
         finally:
-            for p in procs:
-                if p.poll() is None:
-                    p.send_signal(signal.SIGTERM)
-                    p.wait(60)
+            terminate(procs)
     seconds = [s for p in peers for s in p["round_seconds"]]
     extra = [(p["peak_rss_kib"] - p["base_rss_kib"]) * 1024 for p in peers]
     out = {"params": params, "codec": codec, "round_s_median": statistics.median(seconds) if seconds else None,
@@ -216,14 +214,7 @@ def _catchup(servers: int, setup: SizeSetup, say: Callable[[str], None]) -> dict
                           log.read_text(errors="replace"))
             assert m is not None
         finally:
-            for p in procs:
-                if p.poll() is None:
-                    p.send_signal(signal.SIGTERM)
-            for p in procs:
-                try:
-                    p.wait(60)
-                except subprocess.TimeoutExpired:
-                    p.kill()
+            terminate(procs)
     got = {"servers": servers, "bytes": int(m.group(1)), "seconds": float(m.group(2)), "sources": int(m.group(3))}
     got["mbit_s"] = 8 * got["bytes"] / got["seconds"] / 1e6
     say(f"catch-up from {servers} peer(s): {got['bytes'] / 1e6:.0f} MB in {got['seconds']:.1f} s "

@@ -28,7 +28,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 from .environment import LAUNCH_ID, Launch, read_lines
 from .peers.reaper import Reaper, kill_tagged
@@ -155,6 +155,20 @@ class Supervisor:
                 os.killpg(proc.pid, signum)
             except ProcessLookupError:
                 pass
+
+
+def terminate(procs: Sequence[subprocess.Popen[Any]], timeout: float = 60.0) -> None:
+    """SIGTERM every process of `procs` still running (each leaves its swarm gracefully), then wait up to
+    `timeout` seconds for each and SIGKILL those still there (their reapers take their daemons down)."""
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+    for p in procs:
+        try:
+            p.wait(timeout)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
 
 
 def run_dir() -> Path:
