@@ -269,8 +269,8 @@ class Collective:
         return None
 
     def _encode(self, handoff: Handoff, bounds: list[tuple[int, int]]) -> list[bytes]:
-        delta = handoff.take()  # after this, the round holds Δ only as its encoded spans
-        return [self.pipeline.encode(delta[lo:hi]) for lo, hi in bounds]
+        # after this, the round holds Δ only as its encoded spans
+        return [self.pipeline.encode(span) for span in handoff.spans(bounds)]
 
     async def _decide(self, r: Exchange, value: Value, numel: int, admit: Admit) -> RoundOutcome:
         """Step 4: vote, and commit once the members that accepted `value` form a quorum."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, field
+from typing import Iterator, Sequence
 
 import torch
 
@@ -204,6 +205,16 @@ class Handoff:
             raise RuntimeError("this pseudo-gradient was already taken by its round")
         tensor, self._tensor = self._tensor, None
         return tensor
+
+    def spans(self, bounds: Sequence[tuple[int, int]]) -> Iterator[torch.Tensor]:
+        """Δ[lo:hi] for each of `bounds`, in order (the round encodes each as it comes). A subclass may
+        produce them one at a time without ever holding the whole Δ (an FSDP2 site's, `diloco.shards`)."""
+        delta = self.take()
+        for lo, hi in bounds:
+            yield delta[lo:hi]
+
+    def close(self) -> None:
+        """The round is over, whether or not it read Δ."""
 
 
 @dataclass

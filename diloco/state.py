@@ -103,6 +103,15 @@ class Manifest:
                    tuple(bytes(body[32 * i:32 * i + 32]) for i in range(count)))
 
 
+def manifest_header(round_: int, tensors: Sequence[tuple[str, torch.dtype, tuple[int, ...]]],
+                    scalars: Sequence[tuple[str, Any]]) -> bytes:
+    """The state header a manifest starts with: the round, every tensor's (name, dtype, shape) in stream order,
+    and the outer optimizer's non-tensor values."""
+    return bytes(msgpack.packb({"round": round_,
+                                "tensors": [[n, str(d).removeprefix("torch."), list(s)] for n, d, s in tensors],
+                                "scalars": [[n, v] for n, v in scalars]}, use_bin_type=True))
+
+
 class GlobalState:
     """θ (fp32 copies of the model's parameters), the outer optimizer over θ, and the round."""
 
@@ -134,9 +143,7 @@ class GlobalState:
     def manifest(self, chunk: int = CHUNK_BYTES) -> Manifest:
         """The header and the SHA-256 of every chunk, hashing the tensors in place."""
         tensors, scalars = self.layout()
-        header = msgpack.packb({"round": self.round,
-                                "tensors": [[n, str(t.dtype).removeprefix("torch."), list(t.shape)] for n, t in tensors],
-                                "scalars": [[n, v] for n, v in scalars]}, use_bin_type=True)
+        header = manifest_header(self.round, [(n, t.dtype, tuple(t.shape)) for n, t in tensors], scalars)
         views = [_byte_view(t) for _, t in tensors]
         total = sum(v.nbytes for v in views)
         count = -(-total // chunk)
@@ -152,7 +159,7 @@ class GlobalState:
         else:
             with ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1)) as pool:
                 hashes = list(pool.map(hash_chunk, range(count)))
-        return Manifest(bytes(header), total, chunk, tuple(hashes))
+        return Manifest(header, total, chunk, tuple(hashes))
 
     def receiver(self, manifest: Manifest) -> Receiver:
         """Somewhere to download the state `manifest` describes, checked against this model first."""

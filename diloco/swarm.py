@@ -339,7 +339,7 @@ class Swarm:
 
     # ------------------------------------------------------------------ rounds and state
 
-    def exchange_async(self, rnd: int, attempt: int, digest: str, delta: torch.Tensor, fragment: int = 0,
+    def exchange_async(self, rnd: int, attempt: int, digest: str, delta: torch.Tensor | Handoff, fragment: int = 0,
                        previous: tuple[PeerId, ...] | None = None,
                        skip: Collection[PeerId] = ()) -> concurrent.futures.Future[RoundOutcome]:
         """Start our next round in the background (training goes on) and return at once: which attempt
@@ -347,7 +347,8 @@ class Swarm:
         no network I/O. With `majority` on, the round commits only with a majority of `previous` (the
         members of the last round we committed); peers in `skip` are not waited for.
         `finish_exchange` collects the outcome."""
-        handoff = Handoff(self.collective.faults.outgoing(rnd, delta))  # fault injection: a poisoning peer
+        # fault injection (a poisoning peer) applies to a Δ held whole, not to a site's sharded one
+        handoff = delta if isinstance(delta, Handoff) else Handoff(self.collective.faults.outgoing(rnd, delta))
         del delta  # the round lets go of Δ once encoded: nothing here may keep it
 
         async def go() -> RoundOutcome:

@@ -70,6 +70,7 @@ from .environment import WAIT_TIMEOUT, Launch
 from .metrics import MetricsWriter
 from .fragments import Fragment, StreamingConfig, check_schedule, fragment_of_round, partition, slot_due
 from .outer import OuterFactory, copy_into, default_outer, mix_into, outer_step, pseudo_gradient
+from .shards import ShardedHandoff, SiteShards, is_sharded, local_view
 from .site import Site
 from .state import GlobalState, StateError, schema_digest
 from .statesync import Progress, Snapshot
@@ -143,6 +144,7 @@ class _Pending:
     due: int  # inner step at which the result is applied
     started: float
     future: concurrent.futures.Future[RoundOutcome] | None = None
+    source: ShardedHandoff | None = None  # an FSDP2 site leader's Δ, read span by span by the round
     key: RoundKey = RoundKey(0)
     outcome: RoundOutcome | None = None
     blocked: bool = False
@@ -231,7 +233,7 @@ class DiLoCo:
         self.global_device = torch.device(global_device)
         # Frozen parameters are not trained, so they are not synchronized: every peer loads the same values
         named = [(_canonical(n), p) for n, p in model.named_parameters() if p.requires_grad]
-        self.local_params = [p for _, p in named]
+        self._params = [p for _, p in named]
         self.fragments = partition([n for n, _ in named], [p.numel() for _, p in named], self.streaming)
         check_schedule(inner_steps, len(self.fragments), self.streaming)
         # Compression is a property of the swarm (every peer must agree); locally, take it from the
@@ -247,6 +249,12 @@ class DiLoCo:
         self._local_pipeline = Pipeline(spec) if swarm_cfg is None else None
         # Error feedback and compression apply per fragment: one residual per fragment.
         self.ef = [ErrorFeedback(spec.ef, f.numel) for f in self.fragments] if spec.ef is not None else None
+        self.shards = self._shard(named, spec.ef is not None)
+        """An FSDP2 site's transfers (`diloco.shards`): θ, the outer state and Δ are this rank's pieces."""
+        self._incoming: GlobalState | None = None  # an FSDP2 leader's downloaded or resumed state, to hand out
+        self._aggregate: torch.Tensor | None = None  # an FSDP2 leader's averaged Δ, to hand out
+        self._asked_at = self._snapshot_at = -1.0
+        """An FSDP2 leader: when a peer last asked for a state we hold no snapshot of, and when we last took one."""
         self._carry: dict[int, torch.Tensor] = {}  # whole-step overlap: a failed round's Δ, resent next time
         layout = f"fragments={len(self.fragments)}:{self.streaming.pattern}"
         self.schema = schema_digest(named, f"{spec.text}|{layout}")
@@ -288,6 +296,28 @@ class DiLoCo:
         self._stop = _StopOnSignal()
         self._state_changed()
 
+    @property
+    def local_params(self) -> list[torch.Tensor]:
+        """The model's trainable parameters as this process holds them: whole, or on an FSDP2 site this
+        rank's piece of each (views of the parameters' storage: writes land in the model)."""
+        return [local_view(p) for p in self._params]
+
+    def _shard(self, named: list[tuple[str, torch.Tensor]], error_feedback: bool) -> SiteShards | None:
+        """The site's shard transfers when FSDP2 shards the model over it (None otherwise); ValueError for what
+        a sharded site does not support yet, naming what to use instead."""
+        if self.site is None or not any(is_sharded(p) for _, p in named):
+            return None  # FSDP2 over one rank: every piece is the whole parameter
+        why = []
+        if error_feedback:
+            why.append("error feedback (an ef:BETA compression stage): use a compression without it, e.g. e3m0")
+        if self.streaming.overlap or self.streaming.outer_overlap != "none":
+            why.append("overlapping communication (StreamingConfig overlap / outer_overlap): use overlap=0")
+        if self.global_device.type != "cpu":
+            why.append(f"global_device={self.global_device}: keep θ in host memory (the default)")
+        if why:
+            raise ValueError("an FSDP2 site (sharded parameters) does not support " + "; ".join(why))
+        return SiteShards.build(self.site, named)
+
     # ------------------------------------------------------------------ attaching to the loop
 
     def __enter__(self) -> DiLoCo:
@@ -305,6 +335,8 @@ class DiLoCo:
         if self.site is not None and not self.site.leader:
             self._follows = bool(taken.pop("swarm"))
             self._take(taken)
+        if self.shards is not None and taken.get("incoming"):
+            self._adopt_incoming()
         if self.launch is not None:
             self._stop.install()
         if self._hook is None:
@@ -314,7 +346,7 @@ class DiLoCo:
         """The leader's side of `attach` (a lone process's, all of it); for a site, what the others take."""
         if self.launch is not None and self.swarm is None:
             if self.checkpoint_dir is not None:
-                self.resume()  # the launcher restarted us: start from our last checkpoint, then catch up
+                self._resume()  # the launcher restarted us: start from our last checkpoint, then catch up
             self.swarm, self._owns_swarm = self.launch.connect(), True
         if self.swarm is not None:
             self.swarm.collective.schema = self.schema
@@ -327,19 +359,51 @@ class DiLoCo:
                 log.info("event=peers_present count=%d wanted=%d", seen, self.launch.wait_for)
         if self.site is None:
             return {}
-        return {"swarm": self.swarm is not None, "state": self.state.to_bytes(), "steps": self.steps,
-                "offset": self._schedule_offset, "attempt": self.attempt, "members": self.members}
+        return {"swarm": self.swarm is not None, **self._handed_out()}
+
+    def _handed_out(self) -> dict[str, object]:
+        """What a site leader hands its other ranks with a new state: the state itself (an FSDP2 site's comes
+        next, piece by piece: `_adopt_incoming`) and the place in the schedule."""
+        state: dict[str, object] = {"incoming": self._incoming is not None} if self.shards is not None else \
+            {"state": self.state.to_bytes()}
+        return {**state, "steps": self.steps, "offset": self._schedule_offset, "attempt": self.attempt,
+                "members": self.members}
 
     def _take(self, taken: dict[str, object]) -> None:
         """A site rank other than the leader: start from the leader's state and place in the schedule."""
-        fresh = GlobalState(self.state.params, self._outer_factory, self.global_device)
-        fresh.load_bytes(taken["state"])  # type: ignore[arg-type]
+        if "state" in taken:
+            fresh = GlobalState(self.state.params, self._outer_factory, self.global_device)
+            fresh.load_bytes(taken["state"])  # type: ignore[arg-type]
+            with self._state_lock:
+                self.state = fresh
+                self._state_changed()
+            copy_into(self.local_params, self.state.params)
+        self.steps, self._schedule_offset = int(taken["steps"]), int(taken["offset"])  # type: ignore[call-overload]
+        self.attempt, self.members = int(taken["attempt"]), taken["members"]  # type: ignore[assignment,call-overload]
+
+    def _adopt(self, fresh: GlobalState) -> None:
+        """Start from the state `fresh` (downloaded, or read from a checkpoint). On an FSDP2 site the leader
+        holds it whole until every rank took its pieces (`_adopt_incoming`, right after the decision)."""
+        if self.shards is not None:
+            self._incoming = fresh
+            return
         with self._state_lock:
             self.state = fresh
             self._state_changed()
-        self.steps, self._schedule_offset = int(taken["steps"]), int(taken["offset"])  # type: ignore[call-overload]
-        self.attempt, self.members = int(taken["attempt"]), taken["members"]  # type: ignore[assignment,call-overload]
         copy_into(self.local_params, self.state.params)
+
+    def _adopt_incoming(self) -> None:
+        """Every rank of an FSDP2 site: take its pieces of the state the leader holds whole (the new digest is
+        hashed from the pieces: a peer that vouches for the state checks the site holds it)."""
+        assert self.shards is not None
+        whole, self._incoming = self._incoming, None
+        local = self.shards.scatter_state(whole, self.state, self._outer_factory)
+        del whole
+        with self._state_lock:
+            self.state = local
+            self._state_changed()
+        copy_into(self.local_params, self.state.params)
+        self._publish("training")
 
     def detach(self, *, completed: bool = True) -> None:
         """Unhook the optimizer after applying the exchange still in flight, if any (`flush`). When the loop
@@ -359,9 +423,11 @@ class DiLoCo:
                 self._finish_launched(completed)
 
     def _finish_launched(self, completed: bool) -> None:
+        if completed and self.shards is not None and self._in_swarm:
+            self._take_snapshot()  # an FSDP2 site serves its final state to a peer still behind
         if completed and self.swarm is not None:
             self.linger(self.swarm.cfg.gather_timeout)  # a site still behind downloads the final state from us
-        if self.checkpoint_dir is not None and self._talks:
+        if self.checkpoint_dir is not None and self._writes_checkpoints:
             self.save_checkpoint()
         if self.launch is not None and self.launch.metrics:
             MetricsWriter(self.launch.metrics).write(
@@ -376,6 +442,12 @@ class DiLoCo:
     def _talks(self) -> bool:
         """This process is the worker's voice: a lone process, or the leader of its site."""
         return self.site is None or self.site.leader
+
+    @property
+    def _writes_checkpoints(self) -> bool:
+        """This process takes part in writing checkpoints: the worker's voice, or every rank of an FSDP2 site
+        (each holds a piece of the state)."""
+        return self._talks or self.shards is not None
 
     @property
     def _in_swarm(self) -> bool:
@@ -485,7 +557,8 @@ class DiLoCo:
             return resync
         frag = self.fragments[fragment_of_round(self.state.round, len(self.fragments))]
         delta = pseudo_gradient(self._frag(self.state.params, frag), self._frag(self.local_params, frag))
-        if not finite(delta):
+        ok = finite(delta)
+        if not (self.shards.all_true(ok) if self.shards is not None else ok):  # every rank judges its own piece
             return self._roll_back(started)
         pending = self._start_exchange(frag, delta, started)
         del delta  # the round has it; holding it here would keep a copy of the model alive through the round
@@ -565,10 +638,11 @@ class DiLoCo:
                                    payload_bytes=len(payload))
             self._pending = _Pending(frag, acc, due, started, outcome=outcome)
             return self._pending
-        future = self.swarm.exchange_async(self.state.round, self.attempt, self.digest, acc, fragment=frag.index,
-                                           previous=self.members, skip=self.stragglers)
+        source = ShardedHandoff(self.shards, acc, frag.params) if self.shards is not None else None
+        future = self.swarm.exchange_async(self.state.round, self.attempt, self.digest, source or acc,
+                                           fragment=frag.index, previous=self.members, skip=self.stragglers)
         keep = self.ef is not None or self.streaming.outer_overlap != "none"
-        self._pending = _Pending(frag, acc if keep else None, due, started, future=future,
+        self._pending = _Pending(frag, acc if keep else None, due, started, future=future, source=source,
                                  key=RoundKey(self.state.round, self.attempt))
         return self._pending
 
@@ -578,6 +652,9 @@ class DiLoCo:
         self._pending = None
         outcome = pending.outcome
         if outcome is None:
+            if self.shards is not None and self._follows:  # the leader's round reads our piece of Δ meanwhile
+                assert pending.acc is not None
+                self.shards.serve(pending.acc, pending.fragment.params)
             waited = time.monotonic()
             outcome, pending.blocked = self._agree(lambda: self._outcome_of(pending, in_step))
             if pending.blocked:
@@ -596,7 +673,13 @@ class DiLoCo:
         training loop had to wait."""
         assert pending.future is not None and self.swarm is not None
         blocked = not pending.future.done() and in_step
-        outcome = self.swarm.finish_exchange(pending.future, pending.key)
+        try:
+            outcome = self.swarm.finish_exchange(pending.future, pending.key)
+        finally:
+            if pending.source is not None:
+                pending.source.close()  # the ranks serving its spans go on
+        if self.shards is not None:  # each rank gets its piece of Δ̄ when it applies it (`_finish`), not all of it
+            self._aggregate, outcome.aggregate = outcome.aggregate, None
         if outcome.committed:
             self.swarm.collective.faults.hit("apply", outcome.key.round)
             if self.swarm.collective.crashed:  # killed in-process before the outer step: it never happens
@@ -615,6 +698,8 @@ class DiLoCo:
         ok, why, taken = decided
         if ok and not self._talks:
             self._take(taken)
+        if ok and self.shards is not None:
+            self._adopt_incoming()
         sent, recv = self.bytes_on_wire()
         report = RoundReport(self.state.round, False, f"resynced: {why}" if ok else f"resync failed: {why}", 1,
                              sent - sent0, recv - recv0, time.monotonic() - started, self.steps, resynced=ok)
@@ -629,23 +714,23 @@ class DiLoCo:
         if source is None:
             return None
         ok = self._resync(source, why)
-        taken = {"state": self.state.to_bytes(), "steps": self.steps, "offset": self._schedule_offset,
-                 "attempt": self.attempt, "members": self.members} if ok and self.site is not None else {}
-        return ok, why, taken
+        return ok, why, self._handed_out() if ok and self.site is not None else {}
 
     def _finish(self, pending: _Pending, outcome: RoundOutcome) -> RoundReport:
         frag = pending.fragment
         overlapped = self.streaming.outer_overlap != "none"
         if outcome.committed:
-            assert outcome.aggregate is not None
+            aggregate = self._my_aggregate(frag, outcome)
             if self.ef is not None:
                 assert outcome.sent is not None and pending.acc is not None
                 self.ef[frag.index].commit(pending.acc, outcome.sent)
             global_frag = self._frag(self.state.params, frag)
             with self._state_lock:
-                outer_step(self.state.outer, global_frag, outcome.aggregate)
+                outer_step(self.state.outer, global_frag, aggregate)
                 self.state.round += 1
                 self._state_changed()
+            del aggregate
+            self._maybe_snapshot()
             self.attempt = 0
             self._last_view = max(1, len(outcome.view))
             if outcome.view:
@@ -657,7 +742,7 @@ class DiLoCo:
                 mix_into(self._frag(self.local_params, frag), global_frag, self.streaming.alpha)
             log.info("event=round_committed round=%d fragment=%d peers=%d", self.state.round, frag.index,
                      len(outcome.view))
-            if self.checkpoint_dir is not None and self.checkpoint_every and self._talks and \
+            if self.checkpoint_dir is not None and self.checkpoint_every and self._writes_checkpoints and \
                     self.state.round % self.checkpoint_every == 0:
                 self.save_checkpoint()
         else:
@@ -675,6 +760,35 @@ class DiLoCo:
                              self.steps, payload_bytes=outcome.payload_bytes, numel=frag.numel,
                              fragment=frag.index, blocked=pending.blocked)
         return self._report(report)
+
+    def _my_aggregate(self, frag: Fragment, outcome: RoundOutcome) -> torch.Tensor:
+        """The committed Δ̄ of `frag` as this process applies it: whole, or on an FSDP2 site in a swarm this
+        rank's pieces, handed out by the leader piece by piece."""
+        if self.shards is None or not self._in_swarm:
+            assert outcome.aggregate is not None
+            return outcome.aggregate
+        whole, self._aggregate = self._aggregate, None
+        mine = torch.empty(self.shards.map.local_numel(frag.params), dtype=torch.float32)
+        self.shards.scatter_flat(whole, frag.params, mine)
+        return mine
+
+    def _maybe_snapshot(self) -> None:
+        """An FSDP2 site a peer asked for state lately: gather the state just committed on the leader, which
+        serves it while the peer downloads (the swarm's next round waits for that peer)."""
+        if self.shards is not None and self._in_swarm and self._agree(lambda: self._asked_at > self._snapshot_at):
+            self._take_snapshot()
+
+    def _take_snapshot(self) -> None:
+        """Every rank of an FSDP2 site: the current state, whole, as a snapshot the leader serves."""
+        assert self.shards is not None
+        whole = self.shards.gather_state(self.state, self._outer_factory)
+        if whole is None:
+            return
+        self._snapshot_at = time.monotonic()
+        info = {"position": self.schedule_position, "members": ",".join(self.members or ())}
+        snap = Snapshot(whole.round, self._manifest, [t for _, t in whole.layout()[0]], info)
+        with self._state_lock:
+            self._snapshots = [*sorted(self._snapshots, key=lambda s: s.used)[-(SNAPSHOTS - 1):], snap]
 
     def _report(self, report: RoundReport) -> RoundReport:
         self.reports.append(report)
@@ -752,9 +866,7 @@ class DiLoCo:
             self.resync_failures += 1
             self._publish("training")
             return False
-        with self._state_lock:
-            self.state = fresh
-            self._state_changed()
+        self._adopt(fresh)
         self.attempt = 0
         self._carry.clear()
         self._bad_sources.clear()
@@ -765,9 +877,9 @@ class DiLoCo:
             self._schedule_offset = (self._schedule_offset + position - self._schedule_step) % self._period
         if isinstance(members, str) and members:
             self.members = tuple(PeerId(m) for m in members.split(",")[:4096] if m)
-        self.swarm.collective.advance_to(RoundKey(self.state.round))
-        copy_into(self.local_params, self.state.params)
-        self._publish("training")
+        self.swarm.collective.advance_to(RoundKey(fresh.round))
+        if self.shards is None:
+            self._publish("training")  # an FSDP2 site publishes once its ranks took their pieces
         return True
 
     def _check_vouched(self, rnd: int, digest: str) -> None:
@@ -818,13 +930,16 @@ class DiLoCo:
         target = Path(root) if root is not None else self.checkpoint_dir
         if target is None:
             raise ValueError("no checkpoint directory: pass root or DiLoCo(checkpoint_dir=...)")
-        if not self._talks:  # a site writes one checkpoint, its leader's (every rank holds the same state)
+        state: GlobalState | None = self.state
+        if self.shards is not None:  # every rank sends its pieces; the leader writes the whole state
+            state = self.shards.gather_state(self.state, self._outer_factory)
+        if state is None or not self._talks:  # a site writes one checkpoint, its leader's
             return None
         meta = {"schema": self.schema, "steps": self.steps, "position": self.schedule_position,
                 "members": ",".join(self.members or ()), "compression": self.compression}
         try:
             with self._state_lock:
-                path = persist.write(target, self._names, self.state,
+                path = persist.write(target, self._names, state,
                                      [e.residual for e in self.ef] if self.ef is not None else None, meta, keep)
         except CheckpointError as e:
             log.warning("event=checkpoint_failed reason=%s", e)
@@ -834,18 +949,29 @@ class DiLoCo:
 
     def resume(self, root: str | os.PathLike[str] | None = None) -> bool:
         """Load the newest verified checkpoint (falling back past damaged ones); False when there is none.
-        Call before training; if the swarm is ahead, catching up downloads its newer state anyway."""
+        Call before training; if the swarm is ahead, catching up downloads its newer state anyway. On an
+        FSDP2 site every rank calls it: the leader reads the checkpoint and hands out the pieces."""
+        if self.shards is None:
+            return self._resume(root)
+        taken = self._agree(lambda: self._handed_out() if self._resume(root) else None)
+        if taken is None:
+            return False
+        if not self._talks:
+            self._take(taken)
+        self._adopt_incoming()
+        return True
+
+    def _resume(self, root: str | os.PathLike[str] | None = None) -> bool:
         target = Path(root) if root is not None else self.checkpoint_dir
         if target is None:
             raise ValueError("no checkpoint directory: pass root or DiLoCo(checkpoint_dir=...)")
         sizes = [f.numel for f in self.fragments] if self.ef is not None else None
-        got = persist.read(target, self.state.params, self._outer_factory, sizes, self.schema)
+        like = self.state.params if self.shards is None else [torch.empty(s) for s in self.shards.map.shapes]
+        got = persist.read(target, like, self._outer_factory, sizes, self.schema)
         if got is None:
             return False
         state, residuals, loaded = got
-        with self._state_lock:
-            self.state = state
-            self._state_changed()
+        self._adopt(state)
         if self.ef is not None and residuals is not None:
             for e, r in zip(self.ef, residuals):
                 e.residual = r
@@ -856,10 +982,9 @@ class DiLoCo:
         # majority of its old round. A running swarm's state (and members) arrive with the catch-up.
         self.members = None
         self.attempt = 0
-        copy_into(self.local_params, self.state.params)
         if self.swarm is not None:
-            self.swarm.collective.advance_to(RoundKey(self.state.round))
-        log.info("event=resumed path=%s round=%d skipped=%d", loaded.path, self.state.round, len(loaded.skipped))
+            self.swarm.collective.advance_to(RoundKey(state.round))
+        log.info("event=resumed path=%s round=%d skipped=%d", loaded.path, state.round, len(loaded.skipped))
         return True
 
     # ------------------------------------------------------------------ helpers
@@ -872,7 +997,7 @@ class DiLoCo:
     def _state_changed(self) -> None:
         """The global state changed (call with `_state_lock` held): new manifest and digest. A snapshot we
         serve stays while a download uses it, and goes once idle."""
-        self._manifest = self.state.manifest()
+        self._manifest = self.shards.manifest(self.state) if self.shards is not None else self.state.manifest()
         self._digest = self._manifest.digest
         now = time.monotonic()
         self._snapshots = [snap for snap in self._snapshots if now - snap.used <= SNAPSHOT_IDLE]
@@ -902,6 +1027,9 @@ class DiLoCo:
             for snap in self._snapshots:
                 if snap.digest == digest:
                     return snap
+            if self.shards is not None:  # the leader holds a piece: the site gathers a snapshot after its next commit
+                self._asked_at = time.monotonic()
+                return None
             if digest != self._digest:
                 return None
             info = {"position": self.schedule_position, "members": ",".join(self.members or ())}

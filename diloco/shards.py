@@ -1,0 +1,413 @@
+"""FSDP2 sites: a site whose ranks hold the model in shards keeps DiLoCo's state in the same shards.
+
+With FSDP2 (`torch.distributed.fsdp.fully_shard`) every parameter is a DTensor sharded by rows
+(`Shard(0)`) over the site's ranks: rank r holds rows [a_r, b_r) of parameter i, one contiguous piece
+of its flattened values. The wrapper keeps θ, the outer optimizer's state and Δ for exactly those
+pieces on each rank. The outer optimizers are elementwise, so stepping the pieces gives the same
+bits as stepping whole tensors (tests/test_shards.py checks it), and the site's state is the same as
+a full-replica peer's. The swarm still sees one worker and one flat Δ of the whole model, in the
+canonical order every other site uses (whole parameters, one after the other); `ShardMap` says which
+rank holds which part of it, so sites of any size and sharding train together.
+
+The whole model never gathers on one rank in a round. What crosses the site's gloo group, always to
+or from its leader (rank 0, the site's only peer in the swarm), one piece at a time:
+
+- Δ, one span at a time, as the leader's round encodes it (`ShardedHandoff`, while the other ranks
+  answer in `SiteShards.serve`): the leader holds one span of fp32 values (at most `SPAN_VALUES`)
+  plus the encoded payloads;
+- the round's averaged Δ, handed to each rank piece by piece (`SiteShards.scatter_flat`);
+- after each commit, every rank's pieces of θ and of the outer state, which the leader hashes in the
+  state's stream order into its manifest (`SiteShards.manifest`): the same digest a full-replica peer
+  computes, holding one piece at a time.
+
+Exceptions, where the whole state is held on the leader's host memory for a while (docs/SITES.md): a
+snapshot served to a peer catching up from this site, a checkpoint being written, and a state the
+leader downloaded or read from a checkpoint before it is handed out (`gather_state`, `scatter_state`).
+
+Every method of `SiteShards` is collective: every rank of the site calls it at the same point, in
+the same order (the wrapper's decision points guarantee it), except `ShardedHandoff`'s requests, which
+run on the leader's round thread while the other ranks wait in `serve`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import threading
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, NamedTuple, Sequence
+
+import torch
+import torch.distributed as dist
+
+from diloco.comms.rounds import Handoff
+
+from .outer import OuterFactory
+from .site import Site
+from .state import CHUNK_BYTES, GlobalState, Manifest, StateError, manifest_header
+
+__all__ = ["Piece", "ShardMap", "SiteShards", "ShardedHandoff", "is_sharded", "local_view"]
+
+
+class Piece(NamedTuple):
+    """A part of the canonical flat vector held by one rank: `n` values at canonical offset `at`, which are
+    values [local, local + n) of that rank's local flat vector."""
+
+    rank: int
+    at: int
+    local: int
+    n: int
+
+
+def is_sharded(p: torch.Tensor) -> bool:
+    """Whether `p` is a DTensor (a parameter FSDP2 sharded)."""
+    from torch.distributed.tensor import DTensor  # only sites that shard pay for the import
+
+    return isinstance(p, DTensor)
+
+
+def local_view(p: torch.Tensor) -> torch.Tensor:
+    """This rank's piece of `p` (a DTensor), sharing its storage (writes land in the parameter); `p` itself
+    for a plain tensor. Detached: autograd forbids writing into `to_local()`'s output in place."""
+    return p.to_local().detach() if is_sharded(p) else p  # type: ignore[attr-defined]
+
+
+def _rows_range(p: torch.Tensor, site_size: int, name: str) -> tuple[int, int]:
+    """[lo, hi) of `p`'s flattened values that this rank holds; raises ValueError for a sharding a site
+    cannot take part in the swarm with."""
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    if not is_sharded(p):
+        raise ValueError(f"parameter {name} is not sharded while others are: apply fully_shard to every module "
+                         "that holds trainable parameters (at least the root module)")
+    mesh, placements = p.device_mesh, p.placements  # type: ignore[attr-defined]
+    if mesh.ndim != 1 or placements != (Shard(0),) or mesh.size() != site_size or \
+            mesh.mesh.flatten().tolist() != list(range(site_size)):
+        raise ValueError(f"parameter {name} is sharded as {placements} over a {mesh.ndim}-D mesh of {mesh.size()} "
+                         f"ranks; a DiLoCo site needs FSDP2's default: Shard(0) over one 1-D mesh of all the site's "
+                         f"{site_size} ranks (HSDP and custom placements are not supported)")
+    shape, offset = compute_local_shape_and_global_offset(p.shape, mesh, placements)
+    row = math.prod(p.shape[1:])
+    return offset[0] * row, offset[0] * row + math.prod(shape)
+
+
+@dataclass(frozen=True)
+class ShardMap:
+    """Which rank holds which values of every parameter (see the module docstring)."""
+
+    numels: tuple[int, ...]
+    """Every parameter's full size, in canonical order."""
+    shapes: tuple[tuple[int, ...], ...]
+    """Every parameter's full shape."""
+    ranges: tuple[tuple[tuple[int, int], ...], ...]
+    """ranges[i][r]: the [lo, hi) of parameter i's flattened values that rank r holds."""
+    rank: int
+
+    @property
+    def size(self) -> int:
+        return len(self.ranges[0]) if self.ranges else 1
+
+    @classmethod
+    def of(cls, shapes: Sequence[tuple[int, ...]], ranges: Sequence[Sequence[tuple[int, int]]], rank: int) -> ShardMap:
+        """Check that every parameter's pieces tile it in rank order; raises ValueError otherwise."""
+        numels = tuple(math.prod(s) for s in shapes)
+        for i, (numel, pieces) in enumerate(zip(numels, ranges)):
+            at = 0
+            for lo, hi in pieces:
+                if lo != at or hi < lo:
+                    raise ValueError(f"parameter {i}'s shards {list(pieces)} do not tile its {numel} values in rank "
+                                     "order (a DiLoCo site needs FSDP2's row sharding)")
+                at = hi
+            if at != numel:
+                raise ValueError(f"parameter {i}'s shards cover {at} of its {numel} values")
+        return cls(numels, tuple(tuple(s) for s in shapes), tuple(tuple(p) for p in ranges), rank)
+
+    def local_numel(self, params: Sequence[int], rank: int | None = None) -> int:
+        r = self.rank if rank is None else rank
+        return sum(self.ranges[i][r][1] - self.ranges[i][r][0] for i in params)
+
+    def pieces(self, params: Sequence[int], lo: int, hi: int) -> list[Piece]:
+        """The parts of [lo, hi) of the canonical flat vector of `params` (whole parameters, in that order),
+        each held by one rank, in canonical order."""
+        out: list[Piece] = []
+        base, local = 0, [0] * self.size
+        for i in params:
+            if base >= hi:
+                break
+            for r, (a, b) in enumerate(self.ranges[i]):
+                x, y = max(lo, base + a), min(hi, base + b)
+                if x < y:
+                    out.append(Piece(r, x, local[r] + x - base - a, y - x))
+                local[r] += b - a
+            base += self.numels[i]
+        return out
+
+
+def _tensor_plan(state: GlobalState, m: ShardMap) -> list[tuple[str, torch.Tensor, tuple[int, ...], int | None]]:
+    """The local state's tensors in stream order: (name, local tensor, full shape, parameter index when it is
+    sharded like its parameter, else None: a 0-d value every rank holds, e.g. Adam's step)."""
+    tensors, _ = state.layout()
+    plan = []
+    for name, t in tensors:
+        index = int(name[1:].split(".")[0])
+        sharded = name.startswith("p") or t.dim() > 0
+        plan.append((name, t, m.shapes[index] if sharded else tuple(t.shape), index if sharded else None))
+    return plan
+
+
+class SiteShards:
+    """An FSDP2 site's transfers (see the module docstring); collective: every rank calls each method."""
+
+    def __init__(self, site: Site, shard_map: ShardMap) -> None:
+        self.site, self.map = site, shard_map
+        # Host tensors move over gloo whatever the training backend (NCCL moves GPU tensors only).
+        self.group = dist.new_group(backend="gloo")
+        self._global = [dist.get_global_rank(self.group, r) for r in range(site.size)]
+
+    @classmethod
+    def build(cls, site: Site, named: Sequence[tuple[str, torch.Tensor]]) -> SiteShards:
+        """Every rank says which rows it holds (one all-gather); raises ValueError, on every rank, for a
+        sharding the swarm cannot take (the same check runs everywhere on the same data)."""
+        mine: list[tuple[int, int]] | str
+        try:
+            mine = [_rows_range(p, site.size, n) for n, p in named]
+        except ValueError as e:
+            mine = str(e)
+        everyone: list[Any] = [None] * site.size
+        dist.all_gather_object(everyone, mine, group=site.group)
+        for r, got in enumerate(everyone):
+            if isinstance(got, str):
+                raise ValueError(got if r == site.rank else f"rank {r}: {got}")
+        shapes = [tuple(p.shape) for _, p in named]
+        ranges = [[everyone[r][i] for r in range(site.size)] for i in range(len(named))]
+        return cls(site, ShardMap.of(shapes, ranges, site.rank))
+
+    @property
+    def leader(self) -> bool:
+        return self.site.leader
+
+    # ---------------------------------------------------------------- plumbing
+
+    def _send(self, t: torch.Tensor, rank: int) -> None:
+        dist.send(t.contiguous(), dst=self._global[rank], group=self.group)
+
+    def _recv(self, t: torch.Tensor, rank: int) -> None:
+        dist.recv(t, src=self._global[rank], group=self.group)
+
+    def _broadcast(self, obj: Any) -> Any:
+        box = [obj]
+        dist.broadcast_object_list(box, src=self._global[0], group=self.group)
+        return box[0]
+
+    def all_true(self, flag: bool) -> bool:
+        """Whether `flag` holds on every rank (for decisions each rank takes from its own shard)."""
+        t = torch.tensor([1 if flag else 0], dtype=torch.int32)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)
+        return bool(t.item())
+
+    # ---------------------------------------------------------------- Δ and the averaged Δ
+
+    def gather_span(self, local: torch.Tensor, params: Sequence[int], lo: int, hi: int) -> torch.Tensor | None:
+        """Values [lo, hi) of the canonical flat vector of `params`, assembled on the leader from every rank's
+        local flat vector `local` (None elsewhere)."""
+        pieces = self.map.pieces(params, lo, hi)
+        if not self.leader:
+            for pc in pieces:
+                if pc.rank == self.site.rank:
+                    self._send(local[pc.local:pc.local + pc.n], 0)
+            return None
+        out = torch.empty(hi - lo, dtype=local.dtype)
+        for pc in pieces:
+            part = out[pc.at - lo:pc.at - lo + pc.n]
+            if pc.rank == 0:
+                part.copy_(local[pc.local:pc.local + pc.n])
+            else:
+                self._recv(part, pc.rank)
+        return out
+
+    def scatter_flat(self, full: torch.Tensor | None, params: Sequence[int], out: torch.Tensor) -> None:
+        """Each rank's part of the canonical flat vector `full` of `params` (given on the leader) into its local
+        flat vector `out`."""
+        numel = sum(self.map.numels[i] for i in params)
+        for pc in self.map.pieces(params, 0, numel):
+            if self.leader:
+                assert full is not None
+                part = full[pc.at:pc.at + pc.n]
+                if pc.rank == 0:
+                    out[pc.local:pc.local + pc.n].copy_(part)
+                else:
+                    self._send(part, pc.rank)
+            elif pc.rank == self.site.rank:
+                self._recv(out[pc.local:pc.local + pc.n], 0)
+
+    def serve(self, local: torch.Tensor, params: Sequence[int]) -> None:
+        """A rank other than the leader, while the leader's round runs: send the pieces of the spans of Δ it
+        asks for (`ShardedHandoff`) until it says the round is over."""
+        while True:
+            span = self._broadcast(None)
+            if span is None:
+                return
+            self.gather_span(local, params, *span)
+
+    # ---------------------------------------------------------------- the whole state
+
+    def _stream(self, state: GlobalState, take: Callable[[int, int, torch.Tensor], None]) -> None:
+        """Every rank's pieces of every state tensor to the leader, in the state's stream order:
+        `take(tensor index, offset in its flattened values, piece)` on the leader, one piece at a time."""
+        for k, (_, t, _, index) in enumerate(_tensor_plan(state, self.map)):
+            flat = t.detach().reshape(-1)
+            if index is None:  # the same on every rank: the leader's
+                if self.leader:
+                    take(k, 0, flat)
+                continue
+            for r, (lo, hi) in enumerate(self.map.ranges[index]):
+                if hi == lo:
+                    continue
+                if r == self.site.rank:
+                    if self.leader:
+                        take(k, lo, flat)
+                    else:
+                        self._send(flat, 0)
+                elif self.leader:
+                    piece = torch.empty(hi - lo, dtype=t.dtype)
+                    self._recv(piece, r)
+                    take(k, lo, piece)
+
+    def _header(self, state: GlobalState) -> bytes:
+        _, scalars = state.layout()
+        plan = _tensor_plan(state, self.map)
+        return manifest_header(state.round, [(n, t.dtype, full) for n, t, full, _ in plan], scalars)
+
+    def manifest(self, state: GlobalState, chunk: int = CHUNK_BYTES) -> Manifest:
+        """The manifest (and so the digest) of the site's state, the same bytes a peer holding the whole
+        state computes; the leader hashes every rank's pieces in stream order, one at a time."""
+        hasher = _ChunkHasher(chunk)
+        self._stream(state, lambda _k, _at, piece: hasher.feed(piece))
+        packed = None
+        if self.leader:
+            packed = Manifest(self._header(state), hasher.total, chunk, tuple(hasher.finish())).pack()
+        return Manifest.unpack(self._broadcast(packed))
+
+    def gather_state(self, state: GlobalState, outer_factory: OuterFactory) -> GlobalState | None:
+        """The whole state on the leader (a copy; None elsewhere): for a snapshot or a checkpoint."""
+        plan = _tensor_plan(state, self.map)
+        full = [torch.empty(shape, dtype=t.dtype) if self.leader else None for _, t, shape, _ in plan]
+
+        def take(k: int, at: int, piece: torch.Tensor) -> None:
+            target = full[k]
+            assert target is not None
+            target.reshape(-1)[at:at + piece.numel()].copy_(piece)
+
+        self._stream(state, take)
+        if not self.leader:
+            return None
+        _, scalars = state.layout()
+        return _assemble([(n, t) for (n, *_), t in zip(plan, full) if t is not None], scalars, state.round,
+                         outer_factory)
+
+    def scatter_state(self, whole: GlobalState | None, like: GlobalState, outer_factory: OuterFactory) -> GlobalState:
+        """Each rank's pieces of the state `whole` (given on the leader: downloaded or read from a checkpoint)
+        as its local state, shaped like `like` (this rank's current state)."""
+        if self.leader:
+            assert whole is not None
+            tensors, scalars = whole.layout()
+            head = (whole.round, [(n, t.dim() > 0 or n.startswith("p")) for n, t in tensors], scalars,
+                    {n: t for n, t in tensors if not (t.dim() > 0 or n.startswith("p"))})
+        else:
+            tensors, head = [], None
+        rnd, names, scalars, replicated = self._broadcast(head)
+        local: list[tuple[str, torch.Tensor]] = []
+        for k, (name, sharded) in enumerate(names):
+            if not sharded:
+                local.append((name, replicated[name].clone()))
+                continue
+            index = int(name[1:].split(".")[0])
+            param = like.params[index]
+            lo, hi = self.map.ranges[index][self.site.rank]
+            if self.leader:
+                flat = tensors[k][1].detach().reshape(-1)
+                for r, (a, b) in enumerate(self.map.ranges[index]):
+                    if r != 0 and b > a:
+                        self._send(flat[a:b], r)
+                mine = flat[lo:hi].clone().reshape(param.shape)
+            else:
+                mine = torch.empty(param.shape, dtype=param.dtype)
+                if hi > lo:
+                    self._recv(mine.reshape(-1), 0)
+            local.append((name, mine.to(param.device)))
+        return _assemble(local, scalars, rnd, outer_factory)
+
+
+def _assemble(tensors: list[tuple[str, torch.Tensor]], scalars: list[tuple[str, Any]], rnd: int,
+              outer_factory: OuterFactory) -> GlobalState:
+    """A state from its tensors (θ as p0, p1, … first) and the outer state's scalars, by their stream names."""
+    params = [t for n, t in tensors if n.startswith("p")]
+    outer: dict[int, dict[str, Any]] = {}
+    for name, value in [*((n, t) for n, t in tensors if n.startswith("o")), *scalars]:
+        idx, key = name[1:].split(".", 1)
+        outer.setdefault(int(idx), {})[key] = value
+    return GlobalState.assemble(params, outer_factory, outer, rnd)
+
+
+class _ChunkHasher:
+    """SHA-256 of every `chunk` bytes of a stream fed piece by piece (the state manifest's hashes)."""
+
+    def __init__(self, chunk: int) -> None:
+        self.chunk, self.total, self._filled = chunk, 0, 0
+        self._h = hashlib.sha256()
+        self._hashes: list[bytes] = []
+
+    def feed(self, t: torch.Tensor) -> None:
+        if not t.numel():
+            return
+        t = t.contiguous()
+        data = memoryview(t.view(torch.uint8).numpy() if t.dtype != torch.bfloat16 else
+                          t.view(torch.int16).view(torch.uint8).numpy())
+        self.total += data.nbytes
+        while data.nbytes:
+            take = min(data.nbytes, self.chunk - self._filled)
+            self._h.update(data[:take])
+            data, self._filled = data[take:], self._filled + take
+            if self._filled == self.chunk:
+                self._hashes.append(self._h.digest())
+                self._h, self._filled = hashlib.sha256(), 0
+
+    def finish(self) -> list[bytes]:
+        if self._filled:
+            self._hashes.append(self._h.digest())
+            self._h, self._filled = hashlib.sha256(), 0
+        return self._hashes
+
+
+class ShardedHandoff(Handoff):
+    """An FSDP2 site leader's Δ for its round: the round asks for it one span at a time (`spans`), and each
+    span is gathered from the ranks then (they wait in `SiteShards.serve`); `close()` tells them the round
+    is over. The leader never holds more than one span of fp32 Δ."""
+
+    def __init__(self, shards: SiteShards, local: torch.Tensor, params: Sequence[int]) -> None:
+        self.shards, self._local, self._params = shards, local, list(params)
+        self.numel = sum(shards.map.numels[i] for i in self._params)
+        self._tensor = None
+        self._lock = threading.Lock()
+        self._open = True
+
+    def take(self) -> torch.Tensor:
+        raise RuntimeError("a sharded pseudo-gradient is read one span at a time (spans), never whole")
+
+    def spans(self, bounds: Sequence[tuple[int, int]]) -> Iterator[torch.Tensor]:
+        for lo, hi in bounds:
+            with self._lock:  # close() waits for a span being gathered
+                if not self._open:
+                    raise StateError("the round ended before it read Δ")
+                self.shards._broadcast((lo, hi))
+                span = self.shards.gather_span(self._local, self._params, lo, hi)
+            assert span is not None
+            yield span
+
+    def close(self) -> None:
+        """The round is over (whether or not it read Δ): release the ranks waiting in `serve`."""
+        with self._lock:
+            if self._open:
+                self._open = False
+                self.shards._broadcast(None)

@@ -1,0 +1,83 @@
+"""Your own FSDP2 training script as a DiLoCo worker: the only DiLoCo line is the `with`.
+
+The same file runs, unchanged:
+
+    python examples/fsdp_train.py                                          # alone: no network, no sharding
+    torchrun --standalone --nproc-per-node 2 examples/fsdp_train.py       # one 2-rank FSDP2 site, no swarm
+    diloco start -- torchrun --standalone --nproc-per-node 2 examples/fsdp_train.py      # first site of a swarm
+    diloco join ADDR -- torchrun --standalone --nproc-per-node 3 examples/fsdp_train.py  # a 3-rank site joins
+
+Under torchrun every parameter is sharded by FSDP2 (`fully_shard`) over the ranks, which are one worker
+of the swarm: each rank keeps the global parameters and the outer optimizer's state for its own shard
+only, and its shard of the pseudo-gradient reaches the swarm through rank 0 one span at a time, so no
+rank ever holds the whole model's state (docs/SITES.md). It trains in one swarm with DDP sites and lone
+processes of the same model. CPU and gloo here; on GPUs use the nccl backend and move the model and
+batches to `cuda:LOCAL_RANK`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+import torch
+import torch.distributed as dist
+
+import diloco
+
+
+def batches(seed: int, size: int = 32):
+    """A toy regression task, y = sin(x·w): each process draws its own batches."""
+    g = torch.Generator().manual_seed(seed)
+    w = 0.3 * torch.linspace(-1, 1, 16)
+    while True:
+        x = torch.randn(size, 16, generator=g)
+        yield x, torch.sin(x @ w).unsqueeze(1)
+
+
+def build() -> torch.nn.Module:
+    """63 hidden units: the rows do not divide evenly among 2 or 3 ranks, and the last layer's single row
+    leaves some ranks with an empty shard; DiLoCo handles both."""
+    torch.manual_seed(0)  # every site starts from the same weights (joiners download the swarm's anyway)
+    return torch.nn.Sequential(torch.nn.Linear(16, 63), torch.nn.GELU(), torch.nn.Linear(63, 63), torch.nn.GELU(),
+                               torch.nn.Linear(63, 1))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rounds", type=int, default=10, help="train until the global round reaches this")
+    ap.add_argument("--inner-steps", type=int, default=20, help="H: inner steps per round")
+    ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--seed", type=int, default=None, help="data seed (default: from the process id)")
+    args = ap.parse_args()
+
+    distributed = "RANK" in os.environ  # started by torchrun
+    model = build()
+    if distributed:
+        from torch.distributed.fsdp import fully_shard
+
+        dist.init_process_group("gloo")
+        for layer in model:
+            if isinstance(layer, torch.nn.Linear):
+                fully_shard(layer)
+        fully_shard(model)
+    rank = dist.get_rank() if distributed else 0
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    data = batches(args.seed if args.seed is not None else os.getpid() + rank)
+    loss = torch.tensor(float("nan"))  # no step at all if the swarm is already past --rounds when we join
+
+    with diloco.DiLoCo(model, opt, inner_steps=args.inner_steps) as d:   # the one DiLoCo line
+        while d.round < args.rounds:
+            x, y = next(data)
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+    if rank == 0:
+        print(f"done: round {d.round}, loss {loss.item():.4f}, digest {d.digest}", flush=True)
+    if distributed:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
