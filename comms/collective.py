@@ -69,7 +69,7 @@ import itertools
 import logging
 import time
 from collections import Counter
-from typing import Any, Callable, Collection
+from typing import Any, Callable, Collection, Iterator
 
 import torch
 
@@ -191,7 +191,7 @@ class Collective:
     async def _run(self, key: RoundKey, digest: str, others: list[PeerId], delta: Handoff,
                    fragment: int, admit: Admit | None, wait_for: Collection[PeerId] | None) -> RoundOutcome:
         rs = self._state(key)
-        rs.fragment = fragment
+        rs.fragment, rs.lean = fragment, not delta.keeps_aggregate
         late = await self._gather(rs, key, digest, others, wait_for)
         if late is not None:
             return late
@@ -263,7 +263,7 @@ class Collective:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 break
-            value = await self._fetch_value(peer, r.key.round, value_id, numel, r.rs.fragment, remaining)
+            value = await self._fetch_value(peer, r.key.round, value_id, numel, r.rs.fragment, remaining, r.rs.lean)
             if value is not None:
                 return value
         return None
@@ -315,7 +315,7 @@ class Collective:
         ran = self._ran.get(rs.vid)
         spent = ran.payload_bytes if ran is not None else 0
         if quorum(votes):
-            return self._outcome(key, value, numel, spent)
+            return self._outcome(key, value, numel, spent, rs.lean)
         if elsewhere:
             return RoundOutcome(key, False, f"late: {_short(elsewhere)} committed round {key.round} with another "
                                 "value", r.view, payload_bytes=spent)
@@ -494,9 +494,10 @@ class Collective:
         r.rs.frames[(r.rs.vid, span)] = frame
         await asyncio.gather(*(self._call(p, "diloco.result", frame) for p in r.view if p != self.me))
 
-    def _outcome(self, key: RoundKey, value: Value, numel: int, spent: int) -> RoundOutcome:
-        """A committed round: the aggregate, who was averaged where, and what of our Δ counted."""
-        aggregate = self._assembled(value)
+    def _outcome(self, key: RoundKey, value: Value, numel: int, spent: int, lean: bool = False) -> RoundOutcome:
+        """A committed round: the aggregate (or, `lean`, the value to read it from span by span), who was
+        averaged where, and what of our Δ counted."""
+        aggregate = None if lean else self._assembled(value)
         contributors = [tuple(value.view[j] for j in idx) for _, _, idx in value.results]
         owners: dict[int, set[int]] = {}  # member -> the owners (view indices) that marked it in some span
         for span, marked in enumerate(value.marked):
@@ -513,7 +514,16 @@ class Collective:
                     sent[lo:hi] = ours.dense(hi - lo)
         reason = "committed" if value.key == key else f"committed the value of attempt {value.key.attempt}"
         return RoundOutcome(key, True, reason, value.view, aggregate, contributors, sent, offenders, spent,
-                            value_id=value.vid)
+                            value_id=value.vid, value=value if lean else None)
+
+    def value_spans(self, value: Value) -> Iterator[tuple[int, int, torch.Tensor]]:
+        """(lo, hi, Δ̄[lo:hi]) for every span of a committed `value`, decoded from its result frames one at a
+        time: the bytes every member applies (a lean round's `RoundOutcome.value`)."""
+        for (lo, hi), frame, (owner, _, _) in zip(self._bounds(value.numel, len(value.view)), value.frames,
+                                                  value.results):
+            header, body, _ = msg.decode(frame, run=self.run_id, kind=msg.RESULT, caller=owner,
+                                         max_body=self.cfg.max_payload, schema=self.schema)
+            yield lo, hi, self._parse_result(header, body, len(value.view))[2]
 
     def _frame(self, kind: str, key: RoundKey, **fields: Any) -> bytes:
         fragment = self._rounds[key].fragment if key in self._rounds else 0
@@ -525,6 +535,8 @@ class Collective:
         """Move a result of our view into the round's aggregate buffer; the buffer's slice, which replaces it."""
         if not rs.bounds:
             return tensor
+        if rs.lean:
+            return _placeholder(tensor.numel())
         if rs.aggregate is None:  # allocated with the first result: it is not needed while spans are reduced
             rs.aggregate = torch.empty(rs.bounds[-1][1], dtype=torch.float32)
         lo, hi = rs.bounds[span]
@@ -749,7 +761,7 @@ class Collective:
                           body=body)
 
     async def _fetch_value(self, peer: PeerId, rnd: int, value_id: str, numel: int, fragment: int,
-                           timeout: float) -> Value | None:
+                           timeout: float, lean: bool = False) -> Value | None:
         """Download value `value_id` of round `rnd` from `peer` and check it; None when it cannot be had."""
         request = msg.encode(msg.VALUE, run=self.run_id, sender=self.me, schema=self.schema, key=RoundKey(rnd),
                              view=value_id)
@@ -759,7 +771,7 @@ class Collective:
             log.info("event=value_fetch_failed peer=%s reason=%s", peer, e)
             return None
         try:
-            return self._read_value(peer, reply, rnd, value_id, numel, fragment)
+            return self._read_value(peer, reply, rnd, value_id, numel, fragment, lean)
         except PayloadRejected as e:
             if e.reason is Reason.WRONG_KIND:  # an ack: it no longer holds the value
                 log.info("event=value_fetch_refused peer=%s", peer)
@@ -767,7 +779,8 @@ class Collective:
                 self._count_rejection(peer, e)
             return None
 
-    def _read_value(self, peer: PeerId, data: bytes, rnd: int, value_id: str, numel: int, fragment: int) -> Value:
+    def _read_value(self, peer: PeerId, data: bytes, rnd: int, value_id: str, numel: int, fragment: int,
+                    lean: bool = False) -> Value:
         """A served value, checked: its members hash to its id, and every span's result frame is the
         one its owner would have sent for that view (size, span, attempt), with values that admit."""
         header, body, key = msg.decode(data, run=self.run_id, kind=msg.VALUE, caller=peer,
@@ -795,7 +808,7 @@ class Collective:
                 raise PayloadRejected(Reason.WRONG_SPAN, f"served result {i} is not span {i} of value {value_id}")
             idx, mk, tensor = self._parse_result(h, b, len(members))
             frames.append(frame)
-            results.append((members[i % len(members)], tensor, idx))
+            results.append((members[i % len(members)], _placeholder(tensor.numel()) if lean else tensor, idx))
             marked.append(mk)
         return Value(key, value_id, members, frames, results, marked)
 
@@ -887,6 +900,11 @@ class Collective:
             except asyncio.TimeoutError:
                 pass
         return True
+
+
+def _placeholder(numel: int) -> torch.Tensor:
+    """A result's stand-in in a lean round: its size, no storage (the frame holds the values)."""
+    return torch.zeros(1).expand(numel)
 
 
 def _accepted_of(meta: dict[str, Any], key: RoundKey) -> tuple[int, str] | None:

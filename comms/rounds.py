@@ -78,6 +78,9 @@ class RoundOutcome:
     """Encoded size of our whole contribution (all spans): the codec's cost, without framing."""
     value_id: str = ""
     """The committed value's id (the view id of the attempt that computed it)."""
+    value: Value | None = None
+    """A committed round that kept no decoded values (`Handoff.keeps_aggregate` off): Δ̄ as its result frames,
+    read one span at a time with `Collective.value_spans`, in place of `aggregate`."""
     in_doubt: bool = False
     """We accepted a value but could not learn whether a quorum did: not applied; the next attempt of
     this round carries it (`Collective` docstring, "Deciding")."""
@@ -112,6 +115,9 @@ class RoundState:
     carried: tuple[int, str] | None = None  # the value our view carries (set with `view`), if any
     spans: int = 0  # how many spans this round's Δ is cut into (set when our exchange starts)
     bounds: list[tuple[int, int]] = field(default_factory=list)  # their ranges (set with `spans`)
+    lean: bool = False
+    """Keep no decoded values: each result is decoded to be checked, then only its frame is kept (see
+    `Handoff.keeps_aggregate`)."""
     aggregate: torch.Tensor | None = None
     """Where our view's span results are written as they arrive (set when our exchange starts): the round's
     averaged Δ without a second copy of it."""
@@ -194,6 +200,11 @@ class Handoff:
     """A pseudo-gradient handed from the training loop to a round, which lets go of it once it is encoded:
     Δ is the size of the model, and nothing needs it while the round waits on the network (the caller
     keeps its own reference only when it needs Δ later, e.g. for error feedback)."""
+
+    keeps_aggregate = True
+    """Whether the round assembles Δ̄ as one decoded tensor (`RoundOutcome.aggregate`). Off, it keeps only the
+    result frames (`RoundOutcome.value`), so that no tensor of the whole model's size exists on this peer:
+    an FSDP2 site's leader hands Δ̄ out span by span (`diloco.shards`)."""
 
     def __init__(self, tensor: torch.Tensor) -> None:
         self._tensor: torch.Tensor | None = tensor

@@ -15,7 +15,9 @@ or from its leader (rank 0, the site's only peer in the swarm), one piece at a t
 - Δ, one span at a time, as the leader's round encodes it (`ShardedHandoff`, while the other ranks
   answer in `SiteShards.serve`): the leader holds one span of fp32 values (at most `SPAN_VALUES`)
   plus the encoded payloads;
-- the round's averaged Δ, handed to each rank piece by piece (`SiteShards.scatter_flat`);
+- the round's averaged Δ, which the leader's round keeps as its result frames only (a lean round,
+  `Handoff.keeps_aggregate`) and decodes one span at a time to hand each rank its pieces
+  (`SiteShards.scatter_spans`);
 - after each commit, every rank's pieces of θ and of the outer state, which the leader hashes in the
   state's stream order into its manifest (`SiteShards.manifest`): the same digest a full-replica peer
   computes, holding one piece at a time.
@@ -35,7 +37,7 @@ import hashlib
 import math
 import threading
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, NamedTuple, Sequence
+from typing import Any, Callable, Iterable, Iterator, NamedTuple, Sequence
 
 import torch
 import torch.distributed as dist
@@ -226,20 +228,34 @@ class SiteShards:
                 self._recv(part, pc.rank)
         return out
 
-    def scatter_flat(self, full: torch.Tensor | None, params: Sequence[int], out: torch.Tensor) -> None:
-        """Each rank's part of the canonical flat vector `full` of `params` (given on the leader) into its local
-        flat vector `out`."""
-        numel = sum(self.map.numels[i] for i in params)
-        for pc in self.map.pieces(params, 0, numel):
+    def scatter_span(self, span: torch.Tensor | None, params: Sequence[int], lo: int, hi: int,
+                     out: torch.Tensor) -> None:
+        """Each rank's part of values [lo, hi) of the canonical flat vector of `params` (`span`, given on the
+        leader) into its local flat vector `out`."""
+        for pc in self.map.pieces(params, lo, hi):
             if self.leader:
-                assert full is not None
-                part = full[pc.at:pc.at + pc.n]
+                assert span is not None
+                part = span[pc.at - lo:pc.at - lo + pc.n]
                 if pc.rank == 0:
                     out[pc.local:pc.local + pc.n].copy_(part)
                 else:
                     self._send(part, pc.rank)
             elif pc.rank == self.site.rank:
                 self._recv(out[pc.local:pc.local + pc.n], 0)
+
+    def scatter_spans(self, spans: Iterable[tuple[int, int, torch.Tensor]] | None, params: Sequence[int],
+                      out: torch.Tensor) -> None:
+        """`scatter_span` for every (lo, hi, values) the leader's `spans` yields (decoded one at a time: the
+        round's result frames), into every rank's `out`."""
+        if self.leader:
+            assert spans is not None
+            for lo, hi, values in spans:
+                self._broadcast((lo, hi))
+                self.scatter_span(values, params, lo, hi, out)
+            self._broadcast(None)
+            return
+        while (bounds := self._broadcast(None)) is not None:
+            self.scatter_span(None, params, *bounds, out)
 
     def serve(self, local: torch.Tensor, params: Sequence[int]) -> None:
         """A rank other than the leader, while the leader's round runs: send the pieces of the spans of Δ it
@@ -383,7 +399,9 @@ class _ChunkHasher:
 class ShardedHandoff(Handoff):
     """An FSDP2 site leader's Δ for its round: the round asks for it one span at a time (`spans`), and each
     span is gathered from the ranks then (they wait in `SiteShards.serve`); `close()` tells them the round
-    is over. The leader never holds more than one span of fp32 Δ."""
+    is over. The leader never holds more than one span of fp32 Δ, and the round keeps Δ̄ as frames (lean)."""
+
+    keeps_aggregate = False
 
     def __init__(self, shards: SiteShards, local: torch.Tensor, params: Sequence[int]) -> None:
         self.shards, self._local, self._params = shards, local, list(params)

@@ -56,6 +56,7 @@ import torch
 from torch.utils.hooks import RemovableHandle
 
 from diloco.comms import PeerId, RoundKey, RoundOutcome
+from diloco.comms.rounds import Value
 from diloco.comms.robust import finite
 from diloco.compression.ef import ErrorFeedback
 from diloco.compression.pipeline import Pipeline, parse
@@ -252,7 +253,7 @@ class DiLoCo:
         self.shards = self._shard(named, spec.ef is not None)
         """An FSDP2 site's transfers (`diloco.shards`): θ, the outer state and Δ are this rank's pieces."""
         self._incoming: GlobalState | None = None  # an FSDP2 leader's downloaded or resumed state, to hand out
-        self._aggregate: torch.Tensor | None = None  # an FSDP2 leader's averaged Δ, to hand out
+        self._value: Value | None = None  # an FSDP2 leader's committed Δ̄ (result frames), to hand out
         self._asked_at = self._snapshot_at = -1.0
         """An FSDP2 leader: when a peer last asked for a state we hold no snapshot of, and when we last took one."""
         self._carry: dict[int, torch.Tensor] = {}  # whole-step overlap: a failed round's Δ, resent next time
@@ -678,8 +679,8 @@ class DiLoCo:
         finally:
             if pending.source is not None:
                 pending.source.close()  # the ranks serving its spans go on
-        if self.shards is not None:  # each rank gets its piece of Δ̄ when it applies it (`_finish`), not all of it
-            self._aggregate, outcome.aggregate = outcome.aggregate, None
+        if self.shards is not None:  # each rank gets its pieces of Δ̄ when it applies it (`_finish`), span by span
+            self._value, outcome.value = outcome.value, None
         if outcome.committed:
             self.swarm.collective.faults.hit("apply", outcome.key.round)
             if self.swarm.collective.crashed:  # killed in-process before the outer step: it never happens
@@ -767,9 +768,10 @@ class DiLoCo:
         if self.shards is None or not self._in_swarm:
             assert outcome.aggregate is not None
             return outcome.aggregate
-        whole, self._aggregate = self._aggregate, None
+        value, self._value = self._value, None
+        spans = self.swarm.collective.value_spans(value) if value is not None and self.swarm is not None else None
         mine = torch.empty(self.shards.map.local_numel(frag.params), dtype=torch.float32)
-        self.shards.scatter_flat(whole, frag.params, mine)
+        self.shards.scatter_spans(spans, frag.params, mine)
         return mine
 
     def _maybe_snapshot(self) -> None:

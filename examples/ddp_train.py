@@ -34,6 +34,11 @@ def batches(seed: int, size: int = 32):
         yield x, torch.sin(x @ w).unsqueeze(1)
 
 
+def build() -> torch.nn.Module:
+    torch.manual_seed(0)  # every site starts from the same weights (joiners download the swarm's anyway)
+    return torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.GELU(), torch.nn.Linear(64, 1))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=10, help="train until the global round reaches this")
@@ -46,8 +51,7 @@ def main() -> None:
     if distributed:
         dist.init_process_group("gloo")
     rank = dist.get_rank() if distributed else 0
-    torch.manual_seed(0)  # every site starts from the same weights (joiners download the swarm's anyway)
-    model: torch.nn.Module = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.GELU(), torch.nn.Linear(64, 1))
+    model = build()
     if distributed:
         model = DistributedDataParallel(model)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)

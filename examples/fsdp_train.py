@@ -10,9 +10,11 @@ The same file runs, unchanged:
 Under torchrun every parameter is sharded by FSDP2 (`fully_shard`) over the ranks, which are one worker
 of the swarm: each rank keeps the global parameters and the outer optimizer's state for its own shard
 only, and its shard of the pseudo-gradient reaches the swarm through rank 0 one span at a time, so no
-rank ever holds the whole model's state (docs/SITES.md). It trains in one swarm with DDP sites and lone
-processes of the same model. CPU and gloo here; on GPUs use the nccl backend and move the model and
-batches to `cuda:LOCAL_RANK`.
+rank ever holds the whole model's state (docs/SITES.md). The model and data are examples/ddp_train.py's,
+so FSDP2 sites, DDP sites and lone processes of either script train in one swarm. (The model's 64 hidden
+rows do not divide evenly among 3 ranks, and its last layer's one row leaves some ranks an empty shard:
+both are fine.) CPU and gloo here; on GPUs use the nccl backend and move the model and batches to
+`cuda:LOCAL_RANK`.
 """
 
 from __future__ import annotations
@@ -24,23 +26,7 @@ import torch
 import torch.distributed as dist
 
 import diloco
-
-
-def batches(seed: int, size: int = 32):
-    """A toy regression task, y = sin(x·w): each process draws its own batches."""
-    g = torch.Generator().manual_seed(seed)
-    w = 0.3 * torch.linspace(-1, 1, 16)
-    while True:
-        x = torch.randn(size, 16, generator=g)
-        yield x, torch.sin(x @ w).unsqueeze(1)
-
-
-def build() -> torch.nn.Module:
-    """63 hidden units: the rows do not divide evenly among 2 or 3 ranks, and the last layer's single row
-    leaves some ranks with an empty shard; DiLoCo handles both."""
-    torch.manual_seed(0)  # every site starts from the same weights (joiners download the swarm's anyway)
-    return torch.nn.Sequential(torch.nn.Linear(16, 63), torch.nn.GELU(), torch.nn.Linear(63, 63), torch.nn.GELU(),
-                               torch.nn.Linear(63, 1))
+from ddp_train import batches, build  # the same model and data as the DDP example (same folder)
 
 
 def main() -> None:
