@@ -37,7 +37,8 @@ import hashlib
 import math
 import threading
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Iterator, NamedTuple, Sequence
+from types import SimpleNamespace
+from typing import Any, Callable, Iterable, Iterator, NamedTuple, Sequence, cast
 
 import torch
 import torch.distributed as dist
@@ -46,7 +47,7 @@ from diloco.comms.rounds import Handoff
 
 from .outer import OuterFactory
 from .site import Site
-from .state import CHUNK_BYTES, GlobalState, Manifest, StateError, manifest_header
+from .state import CHUNK_BYTES, GlobalState, Manifest, Receiver, StateError, manifest_header
 
 __all__ = ["Piece", "ShardMap", "SiteShards", "ShardedHandoff", "is_sharded", "local_view"]
 
@@ -267,6 +268,12 @@ class SiteShards:
             self.gather_span(local, params, *span)
 
     # ---------------------------------------------------------------- the whole state
+
+    def receiver(self, manifest: Manifest) -> Receiver:
+        """Somewhere for the leader to download the whole state `manifest` describes (checked against the
+        model's full shapes, not this rank's pieces); it is handed out with `scatter_state`."""
+        shapes = SimpleNamespace(params=[torch.zeros(1).expand(s) for s in self.map.shapes])  # shape, no storage
+        return Receiver(cast(GlobalState, shapes), manifest)
 
     def _stream(self, state: GlobalState, take: Callable[[int, int, torch.Tensor], None]) -> None:
         """Every rank's pieces of every state tensor to the leader, in the state's stream order:

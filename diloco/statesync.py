@@ -33,6 +33,13 @@ from diloco.compression import PayloadRejected, Reason
 
 from .state import GlobalState, Manifest, Receiver, StateError, _byte_view, _pieces
 
+NOT_HELD = "state not held"
+
+
+class NotHeld(StateError):
+    """No holder serves that state at the moment: it moved on to a newer one, or (an FSDP2 site) gathers it
+    from its ranks at its next synchronization slot. Nobody misbehaved: read the records and ask again."""
+
 log = logging.getLogger(__name__)
 
 IN_FLIGHT = 2
@@ -105,8 +112,9 @@ async def download(call: Call, *, run_id: str, me: PeerId, digest: str, holders:
             why.append(str(e))
             log.info("event=manifest_failed peer=%s reason=%s", peer, e)
     if manifest is None:
-        raise StateError(f"none of the {len(holders)} peer(s) holding state {digest} served its manifest: "
-                         + "; ".join(why[:3]))
+        kind = NotHeld if why and all(NOT_HELD in w for w in why) else StateError
+        raise kind(f"none of the {len(holders)} peer(s) holding state {digest} served its manifest: "
+                   + "; ".join(why[:3]))
     into = receiver(manifest)  # checks the header against our model before any chunk is asked for
     progress = Progress(total=manifest.total, sources=len(holders))
     queue: deque[int] = deque(range(into.chunks))
@@ -189,7 +197,7 @@ async def _chunk(call: Call, run_id: str, me: PeerId, peer: PeerId, digest: str,
 
 def serve_manifest(snapshot: Snapshot | None, *, run_id: str, me: PeerId, reason: str = "") -> bytes:
     if snapshot is None:
-        return msg.encode(msg.STATE, run=run_id, sender=me, meta={"ok": False, "reason": reason or "state not held"})
+        return msg.encode(msg.STATE, run=run_id, sender=me, meta={"ok": False, "reason": reason or NOT_HELD})
     meta: dict[str, Any] = {"ok": True, **{f"info.{k}": v for k, v in snapshot.info.items()}}
     return msg.encode(msg.STATE, run=run_id, sender=me, view=snapshot.digest, meta=meta, body=snapshot.manifest.pack())
 

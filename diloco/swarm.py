@@ -49,7 +49,7 @@ from diloco.peers.records import MAX_BANNED
 
 from .config import SwarmConfig
 from .state import Manifest, Receiver, StateError
-from .statesync import Progress, Snapshot, download, serve_chunk, serve_manifest
+from .statesync import NOT_HELD, NotHeld, Progress, Snapshot, download, serve_chunk, serve_manifest
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +59,10 @@ JOIN_PASSES, JOIN_PAUSE = 3, 2.0  # tries of every bootstrap address, and the gr
 
 class SwarmError(RuntimeError):
     """The swarm could not be started or joined; the message says what was tried and what to do."""
+
+
+class StateNotHeld(SwarmError):
+    """No peer serves the state asked for right now (`diloco.statesync.NotHeld`): ask again later."""
 
 
 class Banned(SwarmError):
@@ -423,6 +427,8 @@ class Swarm:
 
         try:
             return self.loop.run(get())
+        except NotHeld as e:
+            raise StateNotHeld(f"state download failed: {e}") from e
         except StateError as e:
             raise SwarmError(f"state download failed: {e}") from e
 
@@ -445,7 +451,7 @@ class Swarm:
             return None, -1, e.reason.value
         self._fetchers[caller] = time.monotonic()
         snapshot = self._snapshot(header.view) if self._snapshot is not None else None
-        return snapshot, header.span, "" if snapshot is not None else "state not held"
+        return snapshot, header.span, "" if snapshot is not None else NOT_HELD
 
     def _catching_up(self) -> set[PeerId]:
         """Peers that asked us for state (a manifest or a chunk, whether we still held it or not) within

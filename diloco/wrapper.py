@@ -75,7 +75,7 @@ from .shards import ShardedHandoff, SiteShards, is_sharded, local_view
 from .site import Site
 from .state import GlobalState, StateError, schema_digest
 from .statesync import Progress, Snapshot
-from .swarm import Banned, Swarm, SwarmError
+from .swarm import Banned, StateNotHeld, Swarm, SwarmError
 
 log = logging.getLogger(__name__)
 
@@ -532,22 +532,26 @@ class DiLoCo:
     def _check_standing(self) -> None:
         """Stop with `Banned` once most other peers banned us: nobody takes our rounds any more (the
         exchange in flight, if any, is dropped: it can only fail). A site stops here, every rank at
-        the same slot, when its leader was asked to (SIGTERM / SIGINT from the launcher)."""
+        the same slot, when its leader was asked to (SIGTERM / SIGINT from the launcher). An FSDP2 site that
+        a peer asked for our state since its last snapshot gathers one here, for that peer to download
+        while the round we are about to run waits for it."""
         if not self._in_swarm and self.site is None:
             return
 
-        def standing() -> int | None:
+        def standing() -> tuple[int | None, bool]:
             if self.swarm is not None:
                 self.swarm.check_standing(self.members)
-            return self._stop.signum
+            return self._stop.signum, self._asked_at > self._snapshot_at
 
         try:
-            signum = self._agree(standing)
+            signum, snapshot = self._agree(standing)
         except Banned:
             self._pending = None
             raise
         if signum is not None:
             raise SystemExit(128 + signum)
+        if snapshot and self.shards is not None:
+            self._take_snapshot()
 
     def _launch(self, force_complete: bool = False) -> RoundReport | None:
         """A synchronization slot: resync if the swarm moved on, else start the next fragment's round
@@ -731,7 +735,6 @@ class DiLoCo:
                 self.state.round += 1
                 self._state_changed()
             del aggregate
-            self._maybe_snapshot()
             self.attempt = 0
             self._last_view = max(1, len(outcome.view))
             if outcome.view:
@@ -773,12 +776,6 @@ class DiLoCo:
         mine = torch.empty(self.shards.map.local_numel(frag.params), dtype=torch.float32)
         self.shards.scatter_spans(spans, frag.params, mine)
         return mine
-
-    def _maybe_snapshot(self) -> None:
-        """An FSDP2 site a peer asked for state lately: gather the state just committed on the leader, which
-        serves it while the peer downloads (the swarm's next round waits for that peer)."""
-        if self.shards is not None and self._in_swarm and self._agree(lambda: self._asked_at > self._snapshot_at):
-            self._take_snapshot()
 
     def _take_snapshot(self) -> None:
         """Every rank of an FSDP2 site: the current state, whole, as a snapshot the leader serves."""
@@ -850,7 +847,8 @@ class DiLoCo:
                      *(p for p in others if p != source.peer and p in self._bad_sources)]
             started, shown = time.monotonic(), _DownloadLog(source.digest)
             try:
-                receiver, info, moved = self.swarm.fetch_state(source.digest, order, self.state.receiver,
+                into = self.shards.receiver if self.shards is not None else self.state.receiver  # the whole state
+                receiver, info, moved = self.swarm.fetch_state(source.digest, order, into,
                                                                on_progress=shown)
             finally:
                 shown.close(ok=shown.task is not None and shown.task.done >= (shown.task.total or 0))
@@ -862,6 +860,10 @@ class DiLoCo:
                      moved.total, time.monotonic() - started, len(order), sum(moved.bad_chunks.values()))
             self._bad_sources.extend(p for p in moved.bad_chunks if p not in self._bad_sources)
             self.refused_chunks.update(moved.bad_chunks)
+        except StateNotHeld as e:  # it moved on, or (an FSDP2 site) gathers it at its next slot: ask again
+            log.info("event=resync_deferred peer=%s reason=%s", source.peer, e)
+            self._publish("training")
+            return False
         except (SwarmError, StateError) as e:
             log.warning("event=resync_failed peer=%s reason=%s", source.peer, e)
             self._bad_sources.append(source.peer)  # next time, another holder of that state first
@@ -1029,7 +1031,7 @@ class DiLoCo:
             for snap in self._snapshots:
                 if snap.digest == digest:
                     return snap
-            if self.shards is not None:  # the leader holds a piece: the site gathers a snapshot after its next commit
+            if self.shards is not None:  # the leader holds a piece: the site gathers a snapshot at its next slot
                 self._asked_at = time.monotonic()
                 return None
             if digest != self._digest:

@@ -25,6 +25,7 @@ from diloco.environment import LAUNCH_ID
 pytestmark = pytest.mark.multiproc
 
 SCRIPT = str(Path(__file__).resolve().parent.parent / "examples" / "ddp_train.py")
+FSDP_SCRIPT = str(Path(SCRIPT).with_name("fsdp_train.py"))  # the same model, sharded by FSDP2 under torchrun
 FAST = ["--gather-timeout", "20", "--round-timeout", "6"]
 
 
@@ -108,14 +109,14 @@ def sites(tmp_path):
 
 @pytest.mark.timeout(300)
 def test_sites_of_one_two_and_three_ranks_train_together_on_one_digest(sites):
-    """Three sites, one a lone process and two torchrun groups (2 and 3 ranks, DDP over gloo), train
-    one model together: every rank of every site ends on the same global-state digest, and a 2-rank
-    site puts one replica's worth of encoded pseudo-gradient on the WAN, like the lone process."""
+    """Three sites, one a lone process and two torchrun groups (2 ranks with DDP, 3 ranks with FSDP2, over
+    gloo), train one model together: every rank of every site ends on the same global-state digest, and
+    each site puts one replica's worth of encoded pseudo-gradient on the WAN, like the lone process."""
     rounds = ["--rounds", "4", "--inner-steps", "5"]
     sites.launch(0, ["start", "--wait-for", "3"], [sys.executable, SCRIPT, *rounds])
     addr = sites.address(0)
     sites.launch(1, ["join", addr, "--wait-for", "3"], [*_torchrun(2), SCRIPT, *rounds])
-    sites.launch(2, ["join", addr, "--wait-for", "3"], [*_torchrun(3), SCRIPT, *rounds])
+    sites.launch(2, ["join", addr, "--wait-for", "3"], [*_torchrun(3), FSDP_SCRIPT, *rounds])
     for i, proc in sites.procs.items():
         assert proc.wait(timeout=240) == 0, sites.log(i)
     finals = {i: sites.lines(i, "final") for i in range(3)}
@@ -123,7 +124,8 @@ def test_sites_of_one_two_and_three_ranks_train_together_on_one_digest(sites):
     digests = {f["digest"] for i in range(3) for f in finals[i]}
     assert len(digests) == 1 and {f["round"] for i in range(3) for f in finals[i]} == {4}, finals
     assert sorted(f["rank"] for f in finals[2]) == [0, 1, 2] and {f["site_size"] for f in finals[2]} == {3}
-    # one replica on the WAN: the 2- and 3-rank sites' leaders send what the lone process sends
+    # one replica on the WAN: the 2- and 3-rank sites' leaders send what the lone process sends (the FSDP2
+    # site's leader reads Δ from its ranks one span at a time: tests/test_shards.py)
     together = {i: [r for r in sites.lines(i, "round") if r["committed"] and r["peers"] == 3] for i in range(3)}
     assert all(together.values()), together
     numel = 16 * 64 + 64 + 64 + 1
@@ -171,6 +173,58 @@ def test_a_killed_rank_takes_its_site_down_the_launcher_restarts_it_and_it_catch
     finals = [f for i in (0, 1) for f in sites.lines(i, "final") if f["restart"] == (1 if i == 1 else 0)]
     assert len(finals) == 3, finals
     # every rank that left holds a state the swarm committed, and the ranks of a site agree
+    committed = {r["round"]: r["digest"] for i in (0, 1) for r in sites.lines(i, "round") if r["committed"]}
+    assert all(committed.get(f["round"], f["digest"]) == f["digest"] for f in finals), (finals, committed)
+    assert len({f["digest"] for f in finals if f["site_size"] == 2}) == 1, finals
+
+
+@pytest.mark.timeout(420)
+def test_an_fsdp2_site_serves_a_late_joiner_and_catches_up_after_a_rank_dies(sites):
+    """A 2-rank FSDP2 site starts the swarm alone, so it is the only holder of the state: a lone process
+    that joins later downloads it from the site (whose leader gathers a snapshot from its ranks once asked).
+    Then SIGKILL rank 1: the launcher restarts the site, which downloads the swarm's state from the lone
+    process into its shards and commits with it again; every rank ends on a state the swarm committed."""
+    run = ["--rounds", "100000", "--inner-steps", "5"]
+    sites.launch(0, ["start", "--max-restarts", "1"], [*_torchrun(2), FSDP_SCRIPT, *run])
+    addr = sites.address(0)
+    deadline = time.monotonic() + 120
+    while max((r["round"] for r in sites.lines(0, "round") if r["committed"]), default=0) < 3:
+        assert time.monotonic() < deadline and sites.procs[0].poll() is None, sites.log(0)
+        time.sleep(0.2)
+    sites.launch(1, ["join", addr], [sys.executable, SCRIPT, *run])
+    deadline = time.monotonic() + 150
+    while not all([r for r in sites.lines(i, "round") if r["committed"] and r["peers"] == 2] for i in (0, 1)):
+        assert time.monotonic() < deadline and sites.procs[1].poll() is None, sites.log(1) + sites.log(0)
+        time.sleep(0.2)
+    # it got the state at its join (the site gathered a snapshot at its next slot; asking again until then is
+    # no failure) and committed its first round with the site: it never trained from its own start
+    first = sites.lines(1, "round")[0]
+    assert first["committed"] and first["round"] > 3 and "resync_failed" not in sites.log(1, whole=True), first
+    token = sites.token(0)
+    rank1 = [p for p in _tagged(token) if p.environ().get("RANK") == "1"]
+    assert len(rank1) == 1, [p.cmdline() for p in _tagged(token)]
+    # the site started the swarm: its restart rejoins through the members its leader last wrote down
+    kept = Path(rank1[0].environ()["DILOCO_PEERS_FILE"])
+    deadline = time.monotonic() + 30
+    while sites.address(1) not in (kept.read_text() if kept.exists() else ""):
+        assert time.monotonic() < deadline, "the site's leader never wrote down the joiner's address"
+        time.sleep(0.2)
+    crashed_at = time.time()
+    rank1[0].send_signal(signal.SIGKILL)
+    deadline = time.monotonic() + 150
+    while not [r for r in sites.lines(0, "round") if r["restart"] == 1 and r["committed"] and r["peers"] == 2]:
+        assert time.monotonic() < deadline and sites.procs[0].poll() is None, sites.log(0)
+        time.sleep(0.2)
+    restarted = [r for r in sites.lines(0, "round") if r["restart"] == 1]
+    assert restarted[0]["round"] > 3, restarted[:3]  # it downloaded the swarm's state into its shards at its join
+    print(f"FSDP2 site crash -> first committed round after its restart: "
+          f"{min(r['time'] for r in restarted if r['committed']) - crashed_at:.1f} s")
+    for i in (0, 1):
+        sites.procs[i].send_signal(signal.SIGTERM)
+    for i in (0, 1):
+        sites.procs[i].wait(timeout=90)
+    finals = [f for i in (0, 1) for f in sites.lines(i, "final") if f["restart"] == (1 if i == 0 else 0)]
+    assert len(finals) == 3, finals
     committed = {r["round"]: r["digest"] for i in (0, 1) for r in sites.lines(i, "round") if r["committed"]}
     assert all(committed.get(f["round"], f["digest"]) == f["digest"] for f in finals), (finals, committed)
     assert len({f["digest"] for f in finals if f["site_size"] == 2}) == 1, finals
