@@ -2,8 +2,8 @@
 
 Three figures, each from real processes on this machine (CPU, gloo, 127.0.0.1):
 
-1. **Inner-step overhead of the wrapper in a K-rank site.** The same DDP loop (an MLP big enough for
-   a step to take milliseconds) under `torchrun --nproc-per-node K`, bare and with `DiLoCo` (no
+1. **Inner-step overhead of the wrapper in a K-rank site.** The same DDP (or, `sharding="fsdp"`,
+   FSDP2) loop (an MLP big enough for a step to take milliseconds) under `torchrun --nproc-per-node K`, bare and with `DiLoCo` (no
    swarm: the hook, the slot decisions broadcast inside the site, the outer step): mean wall time per
    inner step, over every step including the synchronization slots.
 2. **WAN bytes per round of a K-rank site vs a 1-process peer.** Two launched sites (`diloco start
@@ -44,6 +44,8 @@ class SiteSetup:
     steps: int = 200
     """Inner steps timed per overhead run (after warm-up)."""
     rounds_before_crash: int = 3
+    sharding: str = "ddp"
+    """How the site holds the model: "ddp" (a replica per rank) or "fsdp" (FSDP2 shards)."""
 
 
 def _torchrun(ranks: int) -> list[str]:
@@ -65,6 +67,7 @@ def worker(argv: list[str]) -> None:
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--warmup", type=int, default=20)
     ap.add_argument("--out", default="")
+    ap.add_argument("--sharding", choices=["ddp", "fsdp"], default="ddp")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     distributed = "RANK" in os.environ
@@ -75,7 +78,14 @@ def worker(argv: list[str]) -> None:
     w = args.width
     model: torch.nn.Module = torch.nn.Sequential(*(m for _ in range(4) for m in (torch.nn.Linear(w, w), torch.nn.GELU())),
                                                  torch.nn.Linear(w, 1))
-    if distributed:
+    if distributed and args.sharding == "fsdp":
+        from torch.distributed.fsdp import fully_shard
+
+        for layer in model:
+            if isinstance(layer, torch.nn.Linear):
+                fully_shard(layer)
+        fully_shard(model)
+    elif distributed:
         model = DistributedDataParallel(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     g = torch.Generator().manual_seed(rank + 1)
@@ -111,12 +121,13 @@ def worker(argv: list[str]) -> None:
 def _overhead(setup: SiteSetup, workdir: Path, tick: Tick = lambda *_: None) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for k, mode in enumerate(("bare", "diloco")):
-        tick(k, STAGES, f"inner-step overhead, {'bare DDP' if mode == 'bare' else 'DDP with DiLoCo'}")
+        kind = setup.sharding.upper()
+        tick(k, STAGES, f"inner-step overhead, {f'bare {kind}' if mode == 'bare' else f'{kind} with DiLoCo'}")
         path = workdir / f"{mode}.json"
         env = {k: v for k, v in os.environ.items() if not k.startswith("DILOCO_")}
         subprocess.run([*_torchrun(setup.ranks), "-m", "diloco.bench_site", "worker", "--mode", mode,
                         "--width", str(setup.width), "--inner-steps", str(setup.inner_steps), "--steps",
-                        str(setup.steps), "--out", str(path)], check=True, env={**env, "OMP_NUM_THREADS": "1"},
+                        str(setup.steps), "--out", str(path), "--sharding", setup.sharding], check=True, env={**env, "OMP_NUM_THREADS": "1"},
                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=600)
         out[mode] = json.loads(path.read_text())
     out["overhead"] = out["diloco"]["mean_step_s"] / out["bare"]["mean_step_s"] - 1
@@ -136,7 +147,7 @@ def _swarm(setup: SiteSetup, workdir: Path, say: Callable[[str], None],
     run_id = f"bench-site-{secrets.token_hex(3)}"
     common = ["--run-id", run_id, "--gather-timeout", "20", "--round-timeout", "10", "--wait-for", "2"]
     loop = ["-m", "diloco.bench_site", "worker", "--mode", "diloco", "--width", str(setup.width),
-            "--inner-steps", str(setup.inner_steps), "--steps", "1000000", "--warmup", "0"]
+            "--inner-steps", str(setup.inner_steps), "--steps", "1000000", "--warmup", "0", "--sharding", setup.sharding]
     procs: list[subprocess.Popen[bytes]] = []
     try:
         site = workdir / "site.jsonl"
@@ -212,7 +223,8 @@ def run(setup: SiteSetup, say: Callable[[str], None] = lambda s: None, tick: Tic
     """The benchmark; `say` gets a line per stage, `tick(done, total, status)` how far it is."""
     with tempfile.TemporaryDirectory(prefix="diloco-bench-site-") as tmp:
         workdir = Path(tmp)
-        say(f"inner-step overhead: {setup.steps} DDP steps on {setup.ranks} ranks, bare and with DiLoCo")
+        say(f"inner-step overhead: {setup.steps} {setup.sharding.upper()} steps on {setup.ranks} ranks, bare and "
+            "with DiLoCo")
         overhead = _overhead(setup, workdir, tick)
         say(f"a {setup.ranks}-rank site and a lone process train together; then rank 1 of the site is killed")
         tick(2, STAGES, "starting the two sites")
@@ -223,10 +235,11 @@ def run(setup: SiteSetup, say: Callable[[str], None] = lambda s: None, tick: Tic
 
 def markdown(result: dict[str, Any]) -> str:
     o, s, k = result["overhead"], result["swarm"], result["setup"]["ranks"]
+    kind = result["setup"].get("sharding", "ddp").upper()
     return "\n".join([
         "| figure | value |", "|---|---|",
-        f"| inner step, {k}-rank DDP, bare | {1e3 * o['bare']['mean_step_s']:.2f} ms |",
-        f"| inner step, {k}-rank DDP, with DiLoCo (H={result['setup']['inner_steps']}, no swarm) | "
+        f"| inner step, {k}-rank {kind}, bare | {1e3 * o['bare']['mean_step_s']:.2f} ms |",
+        f"| inner step, {k}-rank {kind}, with DiLoCo (H={result['setup']['inner_steps']}, no swarm) | "
         f"{1e3 * o['diloco']['mean_step_s']:.2f} ms ({100 * o['overhead']:+.1f}%) |",
         f"| WAN bytes sent per round, {k}-rank site | {s['site_bytes_per_round']:,} B |",
         f"| WAN bytes sent per round, 1-process peer | {s['lone_bytes_per_round']:,} B |",

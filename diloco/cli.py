@@ -639,7 +639,8 @@ def bench_size_cmd(
 
 @bench_app.command("site")
 def bench_site_cmd(
-    ranks: int = typer.Option(2, help="Ranks of the torchrun site (DDP over gloo)."),
+    ranks: int = typer.Option(2, help="Ranks of the torchrun site (gloo)."),
+    sharding: str = typer.Option("ddp", help="How the site holds the model: ddp (replicas) or fsdp (FSDP2 shards)."),
     width: int = typer.Option(512, help="Hidden width of the benchmark MLP (4 layers): how long a step takes."),
     inner_steps: int = typer.Option(20, "--inner-steps", "-H", help="Inner steps per round (H)."),
     steps: int = typer.Option(200, help="Inner steps timed per overhead run."),
@@ -655,9 +656,11 @@ def bench_site_cmd(
 
     if ranks < 2 or width < 1 or inner_steps < 1 or steps < 1:
         _fail("--ranks must be >= 2; --width, --inner-steps and --steps >= 1")
+    if sharding not in ("ddp", "fsdp"):
+        _fail(f"--sharding must be ddp or fsdp, not {sharding!r}")
     with Reporter.for_command(quiet=quiet) as rep, rep.task("site", unit="stages") as task:
-        result = run(SiteSetup(ranks=ranks, width=width, inner_steps=inner_steps, steps=steps), say=rep.say,
-                     tick=task.update)
+        result = run(SiteSetup(ranks=ranks, width=width, inner_steps=inner_steps, steps=steps, sharding=sharding),
+                     say=rep.say, tick=task.update)
     typer.echo(markdown(result))
     if json_path:
         json_path.write_text(json.dumps(result, indent=1))

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import sys
 import threading
 from dataclasses import dataclass
 from types import SimpleNamespace
@@ -63,10 +64,10 @@ class Piece(NamedTuple):
 
 
 def is_sharded(p: torch.Tensor) -> bool:
-    """Whether `p` is a DTensor (a parameter FSDP2 sharded)."""
-    from torch.distributed.tensor import DTensor  # only sites that shard pay for the import
-
-    return isinstance(p, DTensor)
+    """Whether `p` is a DTensor (a parameter FSDP2 sharded). A model that shards has imported DTensor already:
+    a process that does not never pays for the import."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(p, module.DTensor)
 
 
 def local_view(p: torch.Tensor) -> torch.Tensor:
