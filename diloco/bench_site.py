@@ -46,6 +46,8 @@ class SiteSetup:
     rounds_before_crash: int = 3
     sharding: str = "ddp"
     """How the site holds the model: "ddp" (a replica per rank) or "fsdp" (FSDP2 shards)."""
+    repeats: int = 3
+    """Overhead runs of each kind, interleaved; the median counts."""
 
 
 def _torchrun(ranks: int) -> list[str]:
@@ -119,17 +121,24 @@ def worker(argv: list[str]) -> None:
 
 
 def _overhead(setup: SiteSetup, workdir: Path, tick: Tick = lambda *_: None) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for k, mode in enumerate(("bare", "diloco")):
-        kind = setup.sharding.upper()
-        tick(k, STAGES, f"inner-step overhead, {f'bare {kind}' if mode == 'bare' else f'{kind} with DiLoCo'}")
-        path = workdir / f"{mode}.json"
+    """Bare and with DiLoCo, interleaved `setup.repeats` times (one run of a few seconds is at the mercy of
+    whatever else the machine does); the median run of each."""
+    runs: dict[str, list[dict[str, Any]]] = {"bare": [], "diloco": []}
+    kind = setup.sharding.upper()
+    for k in range(2 * setup.repeats):
+        mode = ("bare", "diloco")[k % 2]
+        what = f"bare {kind}" if mode == "bare" else f"{kind} with DiLoCo"
+        tick(k / setup.repeats, STAGES, f"inner-step overhead, {what} ({k // 2 + 1} of {setup.repeats})")
+        path = workdir / f"{mode}-{k}.json"
         env = {k: v for k, v in os.environ.items() if not k.startswith("DILOCO_")}
         subprocess.run([*_torchrun(setup.ranks), "-m", "diloco.bench_site", "worker", "--mode", mode,
                         "--width", str(setup.width), "--inner-steps", str(setup.inner_steps), "--steps",
-                        str(setup.steps), "--out", str(path), "--sharding", setup.sharding], check=True, env={**env, "OMP_NUM_THREADS": "1"},
-                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=600)
-        out[mode] = json.loads(path.read_text())
+                        str(setup.steps), "--out", str(path), "--sharding", setup.sharding], check=True,
+                       env={**env, "OMP_NUM_THREADS": "1"}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                       timeout=600)
+        runs[mode].append(json.loads(path.read_text()))
+    out: dict[str, Any] = {mode: sorted(r, key=lambda x: x["mean_step_s"])[len(r) // 2] for mode, r in runs.items()}
+    out["runs_s"] = {mode: [x["mean_step_s"] for x in r] for mode, r in runs.items()}
     out["overhead"] = out["diloco"]["mean_step_s"] / out["bare"]["mean_step_s"] - 1
     return out
 
