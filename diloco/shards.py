@@ -165,8 +165,10 @@ class SiteShards:
 
     def __init__(self, site: Site, shard_map: ShardMap) -> None:
         self.site, self.map = site, shard_map
-        # Host tensors move over gloo whatever the training backend (NCCL moves GPU tensors only).
-        self.group = dist.new_group(backend="gloo")
+        # Host tensors move over gloo whatever the training backend (NCCL moves GPU tensors only). Every
+        # process of the job creates the group (torch.distributed's rule), with the site's ranks in it.
+        ranks = None if site.group is None else [dist.get_global_rank(site.group, r) for r in range(site.size)]
+        self.group = dist.new_group(ranks=ranks, backend="gloo")
         self._global = [dist.get_global_rank(self.group, r) for r in range(site.size)]
 
     @classmethod

@@ -366,7 +366,7 @@ class Swarm:
             # too (a ready from a peer nobody asked is left out), but give it only the stragglers' grace
             known = set(skip) | set(previous or ())
             resyncing = [r.peer for r in records if r.status == "joining" and r.peer in known and r.peer != self.peer_id]
-            fetching = self._catching_up()
+            fetching = self._catching_up() - set(skip)  # a straggler that downloads our state keeps the grace
             left = departed(records, rnd)
             prev = previous if self.cfg.majority else None
 
@@ -376,7 +376,9 @@ class Swarm:
             # Stragglers (members the last round went on without) are still asked, and taken in if they
             # are ready in time, but not waited for: a slow peer costs the others one gather timeout, once.
             # A peer downloading our state is waited for: without that, a swarm whose rounds are quicker
-            # than a download would move on under it each time and it would never get in.
+            # than a download would move on under it each time and it would never get in. Not a straggler:
+            # one that stays slow would download at each of its slots and cost the others a timeout each
+            # time (test_straggler.py).
             wait_for = None if not skip and not resyncing else {p for p in expected if p not in skip}
             if fetching:
                 wait_for = {*(expected if wait_for is None else wait_for), *fetching}
