@@ -22,6 +22,7 @@ import torch
 
 from diloco.compression.pipeline import parse as parse_compression
 
+from .checkpoint import CheckpointError, require_safetensors
 from .config import ConfigError
 from .corpus import BatchSampler, Corpus, CorpusConfig, evaluate, heldout_batches
 from .fragments import FragmentError, StreamingConfig, check_schedule
@@ -110,6 +111,11 @@ class JobConfig:
             raise ConfigError(str(e)) from e
         if self.resume and not self.checkpoint_dir:
             raise ConfigError("resume needs checkpoint_dir (--checkpoint-dir DIR)")
+        if self.checkpoint_dir:
+            try:
+                require_safetensors()
+            except CheckpointError as e:
+                raise ConfigError(f"--checkpoint-dir: {e}") from None
         if self.checkpoint_every < 0:
             raise ConfigError(f"checkpoint_every must be >= 0, got {self.checkpoint_every}")
         if self.fragments > self.n_layer:
