@@ -5,6 +5,7 @@
     diloco start -- torchrun --nproc-per-node 2 train.py   # your own script as this site's worker
     diloco demo                        # 4 peers on this machine, live view, summary
     diloco simulate --workers 16 --rounds 2 -H 10   # 16 workers in one process, projected onto links
+    diloco plot run.jsonl              # a run's curves (loss vs tokens, bytes, time) as PNG files
 
 Bad input exits with status 2 and a message that names the fix, before any network I/O.
 """
@@ -419,6 +420,35 @@ def status(
         typer.echo(f"no peer records for run {run_id!r} (wrong --run-id?)", err=True)
 
 
+@app.command()
+def plot(
+    runs: List[Path] = typer.Argument(..., help="Metrics files (JSON lines written by --metrics), one or more."),
+    out: Path = typer.Option(Path("plots"), "--out", help="Folder to write the PNG files to."),
+    metric: str = typer.Option("loss", help="What to plot: a numeric field of the round lines (loss, eval_loss, "
+                                            "utilization, seconds, ...)."),
+) -> None:
+    """Draw RUNS' curves: METRIC against tokens (or inner steps), bytes on the wire and wall-clock time, one
+    curve per peer, as PNG files in --out."""
+    from .curves import Run, plot_runs
+    from .metrics import read_jsonl
+    from .plot import PlotError, require_matplotlib
+
+    missing = [str(p) for p in runs if not p.is_file()]
+    if missing:
+        _fail(f"no such metrics file: {', '.join(missing)} (write one with --metrics PATH)")
+    try:
+        require_matplotlib()
+        names = [p.stem for p in runs]
+        loaded = [Run(p.stem if names.count(p.stem) == 1 else str(p), read_jsonl(p)) for p in runs]
+        written = plot_runs(loaded, out, metric)
+    except PlotError as e:
+        _fail(str(e))
+    except OSError as e:
+        _fail(f"cannot write the plots to {out}: {e}", code=1)
+    for path in written:
+        typer.echo(f"wrote {path}")
+
+
 bench_app = typer.Typer(add_completion=False, no_args_is_help=True, help="Benchmarks (results: docs/BENCHMARKS.md).")
 app.add_typer(bench_app, name="bench")
 
@@ -485,6 +515,8 @@ def bench_convergence_cmd(
     json_path: Optional[Path] = typer.Option(None, "--json", help="Write the results as JSON here."),
     plots_dir: Optional[Path] = typer.Option(None, "--plots", help="Evaluate during training and write PNG plots "
                                                                   "(loss vs tokens, loss vs bytes) into this folder."),
+    replot: Optional[Path] = typer.Option(None, "--replot", help="Do not train: draw the --plots of a result written "
+                                                                "by --json (it must hold curves, from a run with --plots)."),
     quiet: bool = Quiet,
 ) -> None:
     """B1: held-out loss and bytes of DiLoCo variants against synchronous data-parallel training."""
@@ -493,17 +525,31 @@ def bench_convergence_cmd(
     import torch
     from rich.console import Console
 
-    from .bench_convergence import VARIANTS, markdown_table, plots, run, write_json
+    from .bench_convergence import VARIANTS, markdown_table, plots, replot_rows, run, write_json
+    from .plot import PlotError, require_matplotlib
     from .progress import Reporter
     from .train import JobConfig
 
     if workers < 1 or steps < 1 or steps % 100:
         _fail(f"--workers must be >= 1 and --steps a positive multiple of 100 (H=50 and H=100), got {steps}")
+    if replot is not None and plots_dir is None:
+        _fail("--replot draws plots: give the folder to write them to with --plots DIR")
     try:
         job = JobConfig(batch_size=batch_size, d_model=d_model, n_layer=layers, threads=threads)
-    except ConfigError as e:
+        if plots_dir is not None:
+            require_matplotlib()  # before a run of minutes, not after it
+    except (ConfigError, PlotError) as e:
         _fail(str(e))
     console = Console()
+    if replot is not None and plots_dir is not None:
+        try:
+            rows, tokens_per_step = replot_rows(replot, job.context)
+            written = plots(rows, plots_dir, tokens_per_step)
+        except (OSError, ValueError, KeyError, PlotError) as e:
+            _fail(f"cannot replot {replot}: {type(e).__name__}: {e}", code=1)
+        for path in written:
+            console.print(f"wrote {path}", markup=False)
+        return
     with Reporter.for_command(quiet=quiet) as rep:
         rows = run(job, workers, steps, VARIANTS, progress=lambda r: rep.say(
             f"{r['variant']:<36} held-out loss {r['eval_loss']:.4f}  {r['bytes_sent'] / 1e6:10.1f} MB  "

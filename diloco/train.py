@@ -168,7 +168,8 @@ def run_job(cfg: JobConfig, swarm: Swarm | None, *, metrics: MetricsWriter | Non
         fields = dict(peer=peer, round=r.round, committed=r.committed, reason=r.reason, peers=r.peers,
                       loss=d.loss, bytes_sent=r.bytes_sent, bytes_received=r.bytes_received,
                       payload_bytes=r.payload_bytes, bits_per_param=round(r.bits_per_param, 5),
-                      seconds=round(r.seconds, 3), step=r.step, digest=d.digest, fragment=r.fragment,
+                      seconds=round(r.seconds, 3), step=r.step, tokens=r.step * cfg.batch_size * cfg.context,
+                      digest=d.digest, fragment=r.fragment,
                       blocked=r.blocked, **d.usage().as_dict())
         if cfg.eval_every and r.committed and r.round % cfg.eval_every == 0:
             with d.global_weights():
