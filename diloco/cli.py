@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any, List, NoReturn, Optional
 import typer
 
 from .config import ConfigError, SwarmConfig
+from .sinks import SinkConfig
 
 if TYPE_CHECKING:  # the job module imports torch: keep `diloco --help` fast
     from .train import JobConfig
@@ -42,6 +43,11 @@ InnerSteps = typer.Option(50, "--inner-steps", "-H", help="Inner steps per round
 Compression = typer.Option("fp32", help="Compression pipeline, e.g. fp16, e3m0, q8+zstd, topk:64/4096+s2+ef:0.95.")
 MinPeers = typer.Option(1, help="Fewest peers that may commit a round.")
 Metrics = typer.Option(None, help="Append one JSON line per round (and a final one) to this file.")
+TensorBoard = typer.Option(None, "--tensorboard", help="Also log every round to TensorBoard event files in "
+                           "DIR/<peer id> (`tensorboard --logdir DIR`). Needs: pip install \"diloco[tensorboard]\".")
+Wandb = typer.Option(None, "--wandb", help="Also log every round to this Weights & Biases project (offline, "
+                     "into ./wandb, without an API key or with WANDB_MODE=offline). Needs: pip install "
+                     "\"diloco[wandb]\".")
 OuterLr = typer.Option(None, help="Outer SGD lr (default 0.7; 1.0 when the compression has error feedback).")
 OuterMomentum = typer.Option(None, help="Outer Nesterov momentum (default 0.9; 0 with error feedback).")
 CheckpointDir = typer.Option(None, help="Write atomic, verified checkpoints here (a final one on leaving).")
@@ -106,6 +112,18 @@ def _configs(o: dict[str, Any]) -> tuple[SwarmConfig, JobConfig]:
     return swarm_cfg, job
 
 
+def _sinks(tensorboard: Optional[Path], wandb: Optional[str]) -> SinkConfig:
+    """What --tensorboard / --wandb ask for, with their packages checked; exits 2 naming the install line."""
+    from .sinks import SinkError
+
+    sinks = SinkConfig(tensorboard=str(tensorboard) if tensorboard else None, wandb=wandb or None)
+    try:
+        sinks.require()
+    except SinkError as e:
+        _fail(str(e))
+    return sinks
+
+
 def _secret(path: Optional[Path], run_id: str, *, create: bool) -> tuple[str, str]:
     """The swarm secret and where it came from (see `diloco.credentials.resolve`); exits 2 naming the fix."""
     from .credentials import CredentialError, resolve
@@ -127,11 +145,13 @@ def _join_line(command: str, where: str) -> str:
 
 def _run_peer(initial: list[str], *, host: str, port: int, announce: Optional[List[str]],
               address_file: Optional[Path], metrics: Optional[Path], status_file: Optional[Path],
-              swarm_cfg: SwarmConfig, job: JobConfig, secret_from: str, quiet: bool = False) -> None:
+              swarm_cfg: SwarmConfig, job: JobConfig, secret_from: str, quiet: bool = False,
+              sinks: SinkConfig = SinkConfig()) -> None:
     from .comms.fdlimit import raise_open_files_limit
     from .comms.hello import HandshakeError
     from .metrics import MetricsWriter
     from .progress import Reporter
+    from .sinks import SinkError
     from .swarm import Banned, Swarm, SwarmError
     from .train import run_job
 
@@ -159,26 +179,39 @@ def _run_peer(initial: list[str], *, host: str, port: int, announce: Optional[Li
             tmp = Path(str(address_file) + ".tmp")
             tmp.write_text("\n".join(swarm.addresses) + "\n")
             os.replace(tmp, address_file)
+        try:
+            writer = MetricsWriter(metrics, sinks.open(swarm.peer_id, swarm_cfg.run_id, _run_config(swarm_cfg, job)))
+        except SinkError as e:
+            _fail(str(e), code=1)
         # progress: a live line on a terminal, a line per round elsewhere or with --verbose's log lines
         live = not logging.getLogger("diloco").isEnabledFor(logging.INFO)
         try:
             with Reporter.for_command(quiet=quiet, live=live) as rep, \
                     rep.task("training", job.rounds, unit="rounds") as task:
-                summary = run_job(job, swarm, metrics=MetricsWriter(metrics), status_path=status_file, stop=stop,
-                                  progress=task.update)
+                summary = run_job(job, swarm, metrics=writer, status_path=status_file, stop=stop, progress=task.update)
         except (HandshakeError, Banned) as e:  # our model or codec differs from the swarm's; the swarm banned us
             _fail(str(e), code=1)
+        finally:
+            writer.close()
         typer.echo(f"done: round {summary['round']}, held-out loss {summary['eval_loss']:.4f}, "
                    f"sent {summary['bytes_sent'] / 1e6:.1f} MB, received {summary['bytes_received'] / 1e6:.1f} MB")
     finally:
         swarm.close()
 
 
+def _run_config(swarm_cfg: SwarmConfig, job: JobConfig) -> dict[str, Any]:
+    """The settings of a run, for W&B's run config: the job's and the swarm's, never the secret."""
+    from dataclasses import asdict
+
+    swarm = {k: v for k, v in asdict(swarm_cfg).items() if k not in ("secret", "identity_file")}
+    return {**asdict(job), **swarm}
+
+
 @app.command()
 def start(
     run_id: str = RunId, host: str = Host, port: int = Port, announce: Optional[List[str]] = Announce,
     rounds: int = Rounds, inner_steps: int = InnerSteps, compression: str = Compression, min_peers: int = MinPeers,
-    metrics: Optional[Path] = Metrics,
+    metrics: Optional[Path] = Metrics, tensorboard: Optional[Path] = TensorBoard, wandb: Optional[str] = Wandb,
     batch_size: int = typer.Option(8, help="Sequences per inner step."),
     seed: int = typer.Option(0, help="Model initialization seed (the same on every peer)."),
     shard: Optional[int] = typer.Option(None, help="Data shard of this peer (default: from its peer id)."),
@@ -208,14 +241,15 @@ def start(
     _setup_logging(verbose)
     command = _command(ctx, max_restarts)
     swarm_cfg, job = _configs(locals())
+    sinks = _sinks(tensorboard, wandb)
     secret, where = _secret(secret_file, run_id, create=True)
     if command is not None:
         _launch([], command, swarm_cfg, secret, where, host=host, port=port, announce=announce,
-                address_file=address_file, metrics=metrics, checkpoint_dir=checkpoint_dir,
+                address_file=address_file, metrics=metrics, sinks=sinks, checkpoint_dir=checkpoint_dir,
                 checkpoint_every=checkpoint_every, max_restarts=max_restarts, wait_for=wait_for)
     swarm_cfg = replace(swarm_cfg, secret=secret)
     _run_peer([], host=host, port=port, announce=announce, address_file=address_file, metrics=metrics,
-              status_file=status_file, swarm_cfg=swarm_cfg, job=job, secret_from=where, quiet=quiet)
+              status_file=status_file, swarm_cfg=swarm_cfg, job=job, secret_from=where, quiet=quiet, sinks=sinks)
 
 
 @app.command()
@@ -223,7 +257,7 @@ def join(
     addresses: List[str] = typer.Argument(..., help="Address(es) of running peers, tried in order."),
     run_id: str = RunId, host: str = Host, port: int = Port, announce: Optional[List[str]] = Announce,
     rounds: int = Rounds, inner_steps: int = InnerSteps, compression: str = Compression, min_peers: int = MinPeers,
-    metrics: Optional[Path] = Metrics,
+    metrics: Optional[Path] = Metrics, tensorboard: Optional[Path] = TensorBoard, wandb: Optional[str] = Wandb,
     batch_size: int = typer.Option(8, help="Sequences per inner step."),
     seed: int = typer.Option(0, help="Model initialization seed (the same on every peer)."),
     shard: Optional[int] = typer.Option(None, help="Data shard of this peer (default: from its peer id)."),
@@ -259,14 +293,15 @@ def join(
     except SwarmError as e:
         _fail(str(e))
     swarm_cfg, job = _configs(locals())
+    sinks = _sinks(tensorboard, wandb)
     secret, where = _secret(secret_file, run_id, create=False)
     if command is not None:
         _launch(addresses, command, swarm_cfg, secret, where, host=host, port=port, announce=announce,
-                address_file=address_file, metrics=metrics, checkpoint_dir=checkpoint_dir,
+                address_file=address_file, metrics=metrics, sinks=sinks, checkpoint_dir=checkpoint_dir,
                 checkpoint_every=checkpoint_every, max_restarts=max_restarts, wait_for=wait_for)
     swarm_cfg = replace(swarm_cfg, secret=secret)
     _run_peer(addresses, host=host, port=port, announce=announce, address_file=address_file, metrics=metrics,
-              status_file=status_file, swarm_cfg=swarm_cfg, job=job, secret_from=where, quiet=quiet)
+              status_file=status_file, swarm_cfg=swarm_cfg, job=job, secret_from=where, quiet=quiet, sinks=sinks)
 
 
 @app.command()
@@ -279,6 +314,7 @@ def demo(
     d_model: int = typer.Option(192, help="Model width."),
     layers: int = typer.Option(4, help="Transformer blocks."),
     metrics: Optional[Path] = typer.Option(None, help="Append every peer's round lines (with a 'peer' field) here."),
+    tensorboard: Optional[Path] = TensorBoard, wandb: Optional[str] = Wandb,
     json_path: Optional[Path] = typer.Option(None, "--json", help="Write the final summary as JSON here."),
     workdir: Optional[Path] = typer.Option(None, help="Keep peers' logs and metrics here (default: a temp dir)."),
     live: bool = typer.Option(True, help="Show the live view on a terminal (off: plain progress lines)."),
@@ -296,7 +332,8 @@ def demo(
                          outer_overlap=outer_overlap)
     except ConfigError as e:
         _fail(str(e))
-    code = run_demo(cfg, workdir=workdir, metrics=metrics, json_path=json_path, live=live, quiet=quiet)
+    code = run_demo(cfg, workdir=workdir, metrics=metrics, json_path=json_path, live=live, quiet=quiet,
+                    sinks=_sinks(tensorboard, wandb))
     raise typer.Exit(code)
 
 
@@ -726,7 +763,7 @@ def _command(ctx: typer.Context, max_restarts: int) -> list[str] | None:
 
 def _launch(initial: list[str], command: list[str], swarm_cfg: SwarmConfig, secret: str, where: str, *,
             host: str, port: int, announce: Optional[List[str]], address_file: Optional[Path],
-            metrics: Optional[Path], checkpoint_dir: Optional[Path], checkpoint_every: int,
+            metrics: Optional[Path], sinks: SinkConfig, checkpoint_dir: Optional[Path], checkpoint_every: int,
             max_restarts: int, wait_for: int) -> NoReturn:
     """Run the user's `command` as this site's worker (`diloco.launcher`) and exit with its status."""
     import shlex
@@ -744,7 +781,7 @@ def _launch(initial: list[str], command: list[str], swarm_cfg: SwarmConfig, secr
                         peers=tuple(initial), host=host, port=port or free_port(host), announce=tuple(announce or ()),
                         wait_for=wait_for,
                         address_file=str(workdir / "address"), peers_file=str(workdir / "peers"),
-                        metrics=str(metrics) if metrics else None,
+                        metrics=str(metrics) if metrics else None, sinks=sinks,
                         checkpoint_dir=str(checkpoint_dir) if checkpoint_dir else None,
                         checkpoint_every=checkpoint_every)
 
