@@ -52,6 +52,11 @@ def _number(value: Any) -> float | None:
     return float(value) if ok else None
 
 
+def _short(peer: str) -> str:
+    """A peer id as legends show it: its tail (every libp2p peer id starts with the same "12D3KooW")."""
+    return peer if len(peer) <= 8 else "…" + peer[-6:]
+
+
 def _peers(run: Run) -> dict[str, list[dict[str, Any]]]:
     """The run's round lines by peer, in the order they were written."""
     out: dict[str, list[dict[str, Any]]] = {}
@@ -88,7 +93,7 @@ def series(runs: Sequence[Run], metric: str, axis: str) -> list[Series]:
         times = [t for line in run.lines if isinstance(line, dict) and (t := _number(line.get("time"))) is not None]
         t0 = min(times, default=0.0)
         for peer, lines in peers.items():
-            label = run.name if len(peers) == 1 else f"{run.name} {peer[:10]}"
+            label = run.name if len(peers) == 1 else f"{run.name} {_short(peer)}"
             xs, ys = [], []
             for x, line in zip(_xs(lines, axis, t0), lines):
                 y = _number(line.get(metric))
