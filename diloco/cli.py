@@ -414,15 +414,21 @@ def status(
     run_id: str = RunId,
     secret_file: Optional[Path] = typer.Option(None, "--secret-file", help="The swarm's secret file (or set "
                                                "DILOCO_SECRET): its DHT answers only peers that hold it."),
-    interval: float = typer.Option(2.0, help="Seconds between the two reads that measure throughput."),
-    json_out: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
+    interval: float = typer.Option(2.0, help="Seconds between the two reads that measure rates (with --watch: "
+                                             "between refreshes)."),
+    watch: bool = typer.Option(False, "--watch", help="Keep reading and showing the swarm every --interval seconds "
+                                                      "(a live table on a terminal, plain lines elsewhere) until "
+                                                      "Ctrl-C."),
+    json_out: bool = typer.Option(False, "--json", help="Print JSON instead of a table (with --watch: one line per "
+                                                         "refresh)."),
 ) -> None:
-    """Who is in the swarm at ADDRESSES: status, round, last heartbeat, inner steps per second."""
+    """Who is in the swarm at ADDRESSES: status, round, inner steps per second, loss, bandwidth, compute
+    utilization, last heartbeat."""
     import json
 
     from rich.console import Console
-    from rich.table import Table
 
+    from . import statusview
     from .status import observe
     from .swarm import SwarmError, _validate_addrs
 
@@ -435,26 +441,58 @@ def status(
     secret, _ = _secret(secret_file, run_id, create=False)
     for noisy in ("hivemind", "asyncio"):
         logging.getLogger(noisy).setLevel(logging.CRITICAL)
+    if watch:
+        _watch(addresses, run_id, secret, interval, json_out)
+        return
     try:
         rows = observe(addresses, run_id, secret, interval=interval)
     except RuntimeError as e:
         _fail(str(e), code=1)
     if json_out:
-        typer.echo(json.dumps([{**r.record.to_wire(), "heartbeat_age": r.heartbeat_age,
-                                "steps_per_second": r.steps_per_second} for r in rows], indent=2))
+        typer.echo(json.dumps([r.to_json() for r in rows], indent=2))
         return
-    table = Table(title=f"swarm {run_id!r}: {sum(r.record.status == 'training' for r in rows)} training")
-    for col in ("peer", "status", "round", "attempt", "step", "steps/s", "loss", "digest", "heartbeat"):
-        table.add_column(col)
-    for r in rows:
-        rec = r.record
-        table.add_row(rec.peer, rec.status, str(rec.round), str(rec.attempt), str(rec.step),
-                      "-" if r.steps_per_second is None else f"{r.steps_per_second:.2f}",
-                      "-" if rec.loss is None else f"{rec.loss:.3f}", rec.digest or "-",
-                      "-" if r.heartbeat_age is None else f"{r.heartbeat_age:.1f} s ago")
-    Console(width=max(Console().width, 150)).print(table)
+    Console(width=max(Console().width, 170)).print(statusview.table(rows, run_id))
     if not rows:
         typer.echo(f"no peer records for run {run_id!r} (wrong --run-id?)", err=True)
+
+
+def _watch(addresses: List[str], run_id: str, secret: str, interval: float, json_out: bool) -> None:
+    """`diloco status --watch`: a rich Live table on a terminal, else plain lines (or JSON lines); Ctrl-C
+    (or SIGTERM) ends it with status 0."""
+    import time
+
+    from rich.console import Console
+    from rich.live import Live
+
+    from . import statusview
+    from .status import PeerStatus, watch
+
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    console = Console(width=max(Console().width, 170))
+    live = None if json_out or not sys.stdout.isatty() else Live(console=console, auto_refresh=False)
+
+    def show(rows: list[PeerStatus]) -> None:
+        now = time.time()
+        if json_out:
+            typer.echo(statusview.json_line(rows, now))
+        elif live is not None:
+            live.update(statusview.table(rows, run_id, caption=f"every {interval:g} s; Ctrl-C to stop"), refresh=True)
+        else:
+            typer.echo("\n".join(statusview.lines(rows, run_id, now)))
+        sys.stdout.flush()
+
+    try:
+        if live is not None:
+            live.start()
+        watch(addresses, run_id, secret, show, interval=interval, stop=stop)
+    except RuntimeError as e:
+        _fail(str(e), code=1)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        if live is not None:
+            live.stop()
 
 
 @app.command()

@@ -912,8 +912,12 @@ class DiLoCo:
 
     def _publish(self, status: str, now: bool = True) -> None:
         if self.swarm is not None:
+            sent, received = self.bytes_on_wire()
+            usage = self.accounting.usage()
             self.swarm.update(now=now, status=status, round=self.state.round, attempt=self.attempt,
-                              digest=self.digest, step=self.steps, loss=self.loss, recent=tuple(self._recent))
+                              digest=self.digest, step=self.steps, loss=self.loss, recent=tuple(self._recent),
+                              bytes_sent=sent, bytes_received=received,
+                              utilization=round(usage.utilization, 4) if usage.steps else None)
 
     def bytes_on_wire(self) -> tuple[int, int]:
         """(sent, received) bytes of this peer so far, every message included."""
