@@ -10,6 +10,7 @@ available (no psutil, not Linux) every figure is 0.
 
 from __future__ import annotations
 
+import importlib
 import os
 from pathlib import Path
 from types import ModuleType
@@ -19,10 +20,9 @@ MIB = 1 << 20
 
 def _psutil() -> ModuleType | None:
     try:
-        import psutil
+        return importlib.import_module("psutil")
     except ImportError:
         return None
-    return psutil
 
 
 psutil = _psutil()
@@ -51,6 +51,29 @@ def family(pid: int) -> list[int]:
         return [pid, *(child.pid for child in proc.children(recursive=True))]
     except (psutil.NoSuchProcess, psutil.AccessDenied):
         return []
+
+
+def named(pids: list[int], name: str) -> list[int]:
+    """Those of `pids` whose process is called `name` (as `ps -o comm` shows it), e.g. "p2pd"."""
+    if psutil is None:
+        return [pid for pid in pids if _proc.name(pid) == name]
+    out = []
+    for pid in pids:
+        try:
+            if psutil.Process(pid).name() == name:
+                out.append(pid)
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            pass
+    return out
+
+
+def peak_rss_mib() -> float:
+    """This process's peak resident memory so far, MiB (getrusage: kilobytes on Linux, bytes on macOS)."""
+    import resource
+    import sys
+
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak / MIB if sys.platform == "darwin" else peak / 1024
 
 
 def family_rss_mib(pids: list[int]) -> list[float]:
@@ -101,6 +124,13 @@ class _proc:
             out.append(p)
             todo.extend(children.get(p, []))
         return out
+
+    @staticmethod
+    def name(pid: int) -> str | None:
+        try:
+            return Path(f"/proc/{pid}/comm").read_text().strip()
+        except OSError:
+            return None
 
     @staticmethod
     def open_fds(pid: int) -> int:

@@ -89,8 +89,10 @@ def _display_fields(value: dict[str, Any]) -> dict[str, Any]:
         v = value.get(name, 0)
         out[name] = v if isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= MAX_BYTES else 0
     u = value.get("utilization")
-    ok = isinstance(u, (int, float)) and not isinstance(u, bool) and math.isfinite(u) and 0.0 <= u <= 1.0
-    out["utilization"] = float(u) if ok else None
+    if isinstance(u, (int, float)) and not isinstance(u, bool) and math.isfinite(u) and 0.0 <= u <= 1.0:
+        out["utilization"] = float(u)
+    else:
+        out["utilization"] = None
     return out
 
 

@@ -78,3 +78,20 @@ def test_both_readers_agree_on_a_process() -> None:
     with_psutil = procmem.rss_mib([os.getpid()])
     from_proc = procmem._proc.rss_kib([os.getpid()]) / 1024
     assert abs(with_psutil - from_proc) < 8, (with_psutil, from_proc)
+
+
+def test_processes_are_found_by_name(backend: str, child) -> None:
+    grandchild = int(child.stdout.readline())
+    try:
+        family = procmem.family(child.pid)
+        python = os.path.basename(sys.executable)[:15]  # the name it was started by; the kernel keeps 15 characters
+        assert set(procmem.named(family, python)) == {child.pid, grandchild}
+        assert procmem.named(family, "p2pd") == []
+    finally:
+        os.kill(grandchild, 9)
+
+
+def test_peak_memory_of_this_process_is_at_least_what_it_holds_now() -> None:
+    held = bytearray(32 << 20)
+    held[::4096] = b"x" * len(held[::4096])  # touch every page
+    assert procmem.peak_rss_mib() >= procmem.rss_mib([os.getpid()]) - 1 >= 32
