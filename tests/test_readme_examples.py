@@ -14,7 +14,7 @@ What each command does here:
   `--link`). Commands that differ from one already run only in their option values (or that play the
   same fault plan) are parsed and validated, then stopped at the run.
 - `bench convergence` (its smallest budget is 500 inner steps, about 20 s here; the real run at test
-  size is tests/test_bench_convergence.py), `start`, `join`, `status`, `demo` (real peers,
+  size is tests/test_bench_convergence.py), `start`, `join`, `status` (and `status --watch`), `demo` (real peers,
   tests/test_multiproc.py), `start/join ... -- CMD` (the launcher, tests/test_launcher.py), `bench
   overlap` (root and network namespaces, tests/test_bench_overlap.py), `bench flood` (real daemons,
   tests/test_auth.py), `bench site` (torchrun sites), `bench size` (models of up to 300M parameters,
@@ -232,7 +232,8 @@ def test_every_documented_command_runs_or_reaches_its_work(workdir: Path, monkey
         seen: list[Any] = []
         with monkeypatch.context() as m:
             m.setattr("diloco.wan.check_privileges", lambda: None)  # bench overlap: stopped before root matters
-            target = LAUNCHED if "--" in argv else None if "--replot" in argv else STOPPED_AT.get(command)
+            target = LAUNCHED if "--" in argv else None if "--replot" in argv else \
+                "diloco.status.watch" if "--watch" in argv else STOPPED_AT.get(command)
             if target is None and _run_key(argv) in ran:  # the same options were run for real already
                 target = RUN_REDUCED[command]
             if target is not None:
