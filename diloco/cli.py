@@ -775,10 +775,10 @@ def bench_site_cmd(
     from .bench_site import SiteSetup, markdown, run
     from .progress import Reporter
 
-    if ranks < 2 or width < 1 or inner_steps < 1 or steps < 1:
-        _fail("--ranks must be >= 2; --width, --inner-steps and --steps >= 1")
     if procmem.psutil is None:  # it finds a site's ranks by their environment
         _fail('diloco bench site needs the psutil package, which is not installed: pip install "diloco[psutil]"')
+    if ranks < 2 or width < 1 or inner_steps < 1 or steps < 1:
+        _fail("--ranks must be >= 2; --width, --inner-steps and --steps >= 1")
     with Reporter.for_command(quiet=quiet) as rep, rep.task("site", unit="stages") as task:
         result = run(SiteSetup(ranks=ranks, width=width, inner_steps=inner_steps, steps=steps), say=rep.say,
                      tick=task.update)
