@@ -160,9 +160,8 @@ class SinkConfig:
                 sinks.append(WandbSink(self.wandb, peer, run_id, config))
         except Exception as e:  # noqa: BLE001 - the libraries raise many types; the peer must say which sink
             close_all(sinks)
-            raise SinkError(f"cannot start {what} logging: {type(e).__name__}: {e}; fix it, or leave out "
-                            f"{'--tensorboard' if what == 'TensorBoard' else '--wandb (WANDB_MODE=offline logs without a network)'}"
-                            ) from e
+            fix = "--tensorboard" if what == "TensorBoard" else "--wandb (WANDB_MODE=offline logs without a network)"
+            raise SinkError(f"cannot start {what} logging: {type(e).__name__}: {e}; fix it, or leave out {fix}") from e
         return sinks
 
 
