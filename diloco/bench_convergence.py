@@ -159,7 +159,8 @@ def write_json(rows: list[dict[str, Any]], path: Path, setup: dict[str, Any]) ->
 
 
 def plots(rows: list[dict[str, Any]], directory: Path, tokens_per_step: int) -> list[Path]:
-    """Loss vs tokens and loss vs bytes (log scale) of every row's curve, as PNG files in `directory`."""
+    """Held-out loss vs tokens and vs bytes sent (log scale) of every row's curve, as PNG files in
+    `directory` (drawn by matplotlib: `pip install "diloco[plot]"`)."""
     from .plot import Series, line_plot
 
     with_curves = [r for r in rows if r.get("curve")]
@@ -167,7 +168,16 @@ def plots(rows: list[dict[str, Any]], directory: Path, tokens_per_step: int) -> 
                      [c["eval_loss"] for c in r["curve"]]) for r in with_curves]
     moved = [Series(r["variant"], [c["bytes_sent"] for c in r["curve"]], [c["eval_loss"] for c in r["curve"]])
              for r in with_curves]
-    out = [directory / "b1-loss-vs-tokens.png", directory / "b1-loss-vs-bytes.png"]
-    line_plot(out[0], tokens, x_label="TOKENS SEEN (ALL WORKERS)", y_label="HELD-OUT LOSS")
-    line_plot(out[1], moved, log_x=True, x_label="BYTES SENT (ALL WORKERS)", y_label="HELD-OUT LOSS")
-    return out
+    return [line_plot(directory / "b1-loss-vs-tokens.png", tokens, x_label="tokens seen (all workers)",
+                      y_label="held-out loss", x_unit="", title="B1: held-out loss vs tokens"),
+            line_plot(directory / "b1-loss-vs-bytes.png", moved, log_x=True, x_label="bytes sent (all workers)",
+                      y_label="held-out loss", x_unit="B", title="B1: held-out loss vs bytes sent")]
+
+
+def replot_rows(path: Path, context: int) -> tuple[list[dict[str, Any]], int]:
+    """The rows of a result written by `write_json` and the tokens per step of its setup (all workers)."""
+    saved = json.loads(Path(path).read_text())
+    setup = saved["setup"]
+    if not any(r.get("curve") for r in saved["results"]):
+        raise ValueError("it holds no curves: it was written by a run without --plots")
+    return saved["results"], int(setup["workers"]) * int(setup["batch_size"]) * context

@@ -30,6 +30,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+from . import procmem
 from .launcher import terminate
 
 PIECE = 1 << 24  # parameters per tensor of the benchmark model (16M: like a large linear layer)
@@ -50,12 +51,9 @@ class SizeSetup:
     catchup: bool = True
 
 
-def _rss_kib(pid: int | str = "self", field_name: str = "VmRSS") -> int:
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith(field_name + ":"):
-                return int(line.split()[1])
-    return 0
+def _rss_kib(pid: int) -> int:
+    """Resident memory of `pid` now, KiB (`diloco.procmem`: psutil, or /proc without it)."""
+    return round(procmem.rss_mib([pid]) * 1024)
 
 
 def worker(argv: list[str]) -> None:
@@ -82,7 +80,7 @@ def worker(argv: list[str]) -> None:
         p.grad = torch.full_like(p, 1e-4)  # the stand-in gradient: the inner step is one SGD update
     model = torch.nn.ParameterList(params)
     opt = torch.optim.SGD(model.parameters(), lr=1.0)
-    base = _rss_kib()
+    base = _rss_kib(os.getpid())
     started = time.monotonic()
     with diloco.DiLoCo(model, opt, inner_steps=args.inner_steps) as d:
         while d.round < args.rounds:
@@ -91,7 +89,7 @@ def worker(argv: list[str]) -> None:
                 time.sleep(args.step_seconds)
     rounds = [r for r in d.reports if r.committed and r.peers > 1]
     Path(args.out).write_text(json.dumps({
-        "params": args.params, "base_rss_kib": base, "peak_rss_kib": _rss_kib("self", "VmHWM"),
+        "params": args.params, "base_rss_kib": base, "peak_rss_kib": round(procmem.peak_rss_mib() * 1024),
         "round_seconds": [r.seconds for r in rounds], "bytes_sent": [r.bytes_sent for r in rounds],
         "rounds": d.round, "wall_s": time.monotonic() - started, "resyncs": sum(r.resynced for r in d.reports),
     }))
@@ -130,10 +128,7 @@ def _rounds_at(params: int, codec: str, setup: SizeSetup, say: Callable[[str], N
             procs.append(_launch(["join", addr], run_id, common, args, workdir, "p1", env))
             while any(p.poll() is None for p in procs):
                 for pid in _daemons_of(procs):
-                    try:
-                        daemon_peak[pid] = max(daemon_peak.get(pid, 0), _rss_kib(pid))
-                    except OSError:
-                        pass
+                    daemon_peak[pid] = max(daemon_peak.get(pid, 0), _rss_kib(pid))
                 time.sleep(0.5)
             if any(p.returncode for p in procs):
                 raise RuntimeError(f"a peer failed at {params:,} parameters ({codec}); logs:\n" +
@@ -154,15 +149,7 @@ def _rounds_at(params: int, codec: str, setup: SizeSetup, say: Callable[[str], N
 
 
 def _daemons_of(procs: list[subprocess.Popen[bytes]]) -> list[int]:
-    import psutil
-
-    found = []
-    for proc in procs:
-        try:
-            found += [c.pid for c in psutil.Process(proc.pid).children(recursive=True) if c.name() == "p2pd"]
-        except psutil.Error:
-            pass
-    return found
+    return [pid for proc in procs for pid in procmem.named(procmem.family(proc.pid)[1:], "p2pd")]
 
 
 def _catchup(servers: int, setup: SizeSetup, say: Callable[[str], None]) -> dict[str, Any]:

@@ -5,6 +5,7 @@
     diloco start -- torchrun --nproc-per-node 2 train.py   # your own script as this site's worker
     diloco demo                        # 4 peers on this machine, live view, summary
     diloco simulate --workers 16 --rounds 2 -H 10   # 16 workers in one process, projected onto links
+    diloco plot run.jsonl              # a run's curves (loss vs tokens, bytes, time) as PNG files
 
 Bad input exits with status 2 and a message that names the fix, before any network I/O.
 """
@@ -23,6 +24,7 @@ from typing import TYPE_CHECKING, Any, List, NoReturn, Optional
 import typer
 
 from .config import ConfigError, SwarmConfig
+from .sinks import SinkConfig
 
 if TYPE_CHECKING:  # the job module imports torch: keep `diloco --help` fast
     from .train import JobConfig
@@ -41,6 +43,11 @@ InnerSteps = typer.Option(50, "--inner-steps", "-H", help="Inner steps per round
 Compression = typer.Option("fp32", help="Compression pipeline, e.g. fp16, e3m0, q8+zstd, topk:64/4096+s2+ef:0.95.")
 MinPeers = typer.Option(1, help="Fewest peers that may commit a round.")
 Metrics = typer.Option(None, help="Append one JSON line per round (and a final one) to this file.")
+TensorBoard = typer.Option(None, "--tensorboard", help="Also log every round to TensorBoard event files in "
+                           "DIR/<peer id> (`tensorboard --logdir DIR`). Needs: pip install \"diloco[tensorboard]\".")
+Wandb = typer.Option(None, "--wandb", help="Also log every round to this Weights & Biases project (offline, "
+                     "into ./wandb, without an API key or with WANDB_MODE=offline). Needs: pip install "
+                     "\"diloco[wandb]\".")
 OuterLr = typer.Option(None, help="Outer SGD lr (default 0.7; 1.0 when the compression has error feedback).")
 OuterMomentum = typer.Option(None, help="Outer Nesterov momentum (default 0.9; 0 with error feedback).")
 CheckpointDir = typer.Option(None, help="Write atomic, verified checkpoints here (a final one on leaving).")
@@ -105,6 +112,18 @@ def _configs(o: dict[str, Any]) -> tuple[SwarmConfig, JobConfig]:
     return swarm_cfg, job
 
 
+def _sinks(tensorboard: Optional[Path], wandb: Optional[str]) -> SinkConfig:
+    """What --tensorboard / --wandb ask for, with their packages checked; exits 2 naming the install line."""
+    from .sinks import SinkError
+
+    sinks = SinkConfig(tensorboard=str(tensorboard) if tensorboard else None, wandb=wandb or None)
+    try:
+        sinks.require()
+    except SinkError as e:
+        _fail(str(e))
+    return sinks
+
+
 def _secret(path: Optional[Path], run_id: str, *, create: bool) -> tuple[str, str]:
     """The swarm secret and where it came from (see `diloco.credentials.resolve`); exits 2 naming the fix."""
     from .credentials import CredentialError, resolve
@@ -126,11 +145,13 @@ def _join_line(command: str, where: str) -> str:
 
 def _run_peer(initial: list[str], *, host: str, port: int, announce: Optional[List[str]],
               address_file: Optional[Path], metrics: Optional[Path], status_file: Optional[Path],
-              swarm_cfg: SwarmConfig, job: JobConfig, secret_from: str, quiet: bool = False) -> None:
+              swarm_cfg: SwarmConfig, job: JobConfig, secret_from: str, quiet: bool = False,
+              sinks: SinkConfig = SinkConfig()) -> None:
     from .comms.fdlimit import raise_open_files_limit
     from .comms.hello import HandshakeError
     from .metrics import MetricsWriter
     from .progress import Reporter
+    from .sinks import SinkError
     from .swarm import Banned, Swarm, SwarmError
     from .train import run_job
 
@@ -158,26 +179,39 @@ def _run_peer(initial: list[str], *, host: str, port: int, announce: Optional[Li
             tmp = Path(str(address_file) + ".tmp")
             tmp.write_text("\n".join(swarm.addresses) + "\n")
             os.replace(tmp, address_file)
+        try:
+            writer = MetricsWriter(metrics, sinks.open(swarm.peer_id, swarm_cfg.run_id, _run_config(swarm_cfg, job)))
+        except SinkError as e:
+            _fail(str(e), code=1)
         # progress: a live line on a terminal, a line per round elsewhere or with --verbose's log lines
         live = not logging.getLogger("diloco").isEnabledFor(logging.INFO)
         try:
             with Reporter.for_command(quiet=quiet, live=live) as rep, \
                     rep.task("training", job.rounds, unit="rounds") as task:
-                summary = run_job(job, swarm, metrics=MetricsWriter(metrics), status_path=status_file, stop=stop,
-                                  progress=task.update)
+                summary = run_job(job, swarm, metrics=writer, status_path=status_file, stop=stop, progress=task.update)
         except (HandshakeError, Banned) as e:  # our model or codec differs from the swarm's; the swarm banned us
             _fail(str(e), code=1)
+        finally:
+            writer.close()
         typer.echo(f"done: round {summary['round']}, held-out loss {summary['eval_loss']:.4f}, "
                    f"sent {summary['bytes_sent'] / 1e6:.1f} MB, received {summary['bytes_received'] / 1e6:.1f} MB")
     finally:
         swarm.close()
 
 
+def _run_config(swarm_cfg: SwarmConfig, job: JobConfig) -> dict[str, Any]:
+    """The settings of a run, for W&B's run config: the job's and the swarm's, never the secret."""
+    from dataclasses import asdict
+
+    swarm = {k: v for k, v in asdict(swarm_cfg).items() if k not in ("secret", "identity_file")}
+    return {**asdict(job), **swarm}
+
+
 @app.command()
 def start(
     run_id: str = RunId, host: str = Host, port: int = Port, announce: Optional[List[str]] = Announce,
     rounds: int = Rounds, inner_steps: int = InnerSteps, compression: str = Compression, min_peers: int = MinPeers,
-    metrics: Optional[Path] = Metrics,
+    metrics: Optional[Path] = Metrics, tensorboard: Optional[Path] = TensorBoard, wandb: Optional[str] = Wandb,
     batch_size: int = typer.Option(8, help="Sequences per inner step."),
     seed: int = typer.Option(0, help="Model initialization seed (the same on every peer)."),
     shard: Optional[int] = typer.Option(None, help="Data shard of this peer (default: from its peer id)."),
@@ -207,14 +241,15 @@ def start(
     _setup_logging(verbose)
     command = _command(ctx, max_restarts)
     swarm_cfg, job = _configs(locals())
+    sinks = _sinks(tensorboard, wandb)
     secret, where = _secret(secret_file, run_id, create=True)
     if command is not None:
         _launch([], command, swarm_cfg, secret, where, host=host, port=port, announce=announce,
-                address_file=address_file, metrics=metrics, checkpoint_dir=checkpoint_dir,
+                address_file=address_file, metrics=metrics, sinks=sinks, checkpoint_dir=checkpoint_dir,
                 checkpoint_every=checkpoint_every, max_restarts=max_restarts, wait_for=wait_for)
     swarm_cfg = replace(swarm_cfg, secret=secret)
     _run_peer([], host=host, port=port, announce=announce, address_file=address_file, metrics=metrics,
-              status_file=status_file, swarm_cfg=swarm_cfg, job=job, secret_from=where, quiet=quiet)
+              status_file=status_file, swarm_cfg=swarm_cfg, job=job, secret_from=where, quiet=quiet, sinks=sinks)
 
 
 @app.command()
@@ -222,7 +257,7 @@ def join(
     addresses: List[str] = typer.Argument(..., help="Address(es) of running peers, tried in order."),
     run_id: str = RunId, host: str = Host, port: int = Port, announce: Optional[List[str]] = Announce,
     rounds: int = Rounds, inner_steps: int = InnerSteps, compression: str = Compression, min_peers: int = MinPeers,
-    metrics: Optional[Path] = Metrics,
+    metrics: Optional[Path] = Metrics, tensorboard: Optional[Path] = TensorBoard, wandb: Optional[str] = Wandb,
     batch_size: int = typer.Option(8, help="Sequences per inner step."),
     seed: int = typer.Option(0, help="Model initialization seed (the same on every peer)."),
     shard: Optional[int] = typer.Option(None, help="Data shard of this peer (default: from its peer id)."),
@@ -258,14 +293,15 @@ def join(
     except SwarmError as e:
         _fail(str(e))
     swarm_cfg, job = _configs(locals())
+    sinks = _sinks(tensorboard, wandb)
     secret, where = _secret(secret_file, run_id, create=False)
     if command is not None:
         _launch(addresses, command, swarm_cfg, secret, where, host=host, port=port, announce=announce,
-                address_file=address_file, metrics=metrics, checkpoint_dir=checkpoint_dir,
+                address_file=address_file, metrics=metrics, sinks=sinks, checkpoint_dir=checkpoint_dir,
                 checkpoint_every=checkpoint_every, max_restarts=max_restarts, wait_for=wait_for)
     swarm_cfg = replace(swarm_cfg, secret=secret)
     _run_peer(addresses, host=host, port=port, announce=announce, address_file=address_file, metrics=metrics,
-              status_file=status_file, swarm_cfg=swarm_cfg, job=job, secret_from=where, quiet=quiet)
+              status_file=status_file, swarm_cfg=swarm_cfg, job=job, secret_from=where, quiet=quiet, sinks=sinks)
 
 
 @app.command()
@@ -278,6 +314,7 @@ def demo(
     d_model: int = typer.Option(192, help="Model width."),
     layers: int = typer.Option(4, help="Transformer blocks."),
     metrics: Optional[Path] = typer.Option(None, help="Append every peer's round lines (with a 'peer' field) here."),
+    tensorboard: Optional[Path] = TensorBoard, wandb: Optional[str] = Wandb,
     json_path: Optional[Path] = typer.Option(None, "--json", help="Write the final summary as JSON here."),
     workdir: Optional[Path] = typer.Option(None, help="Keep peers' logs and metrics here (default: a temp dir)."),
     live: bool = typer.Option(True, help="Show the live view on a terminal (off: plain progress lines)."),
@@ -295,7 +332,8 @@ def demo(
                          outer_overlap=outer_overlap)
     except ConfigError as e:
         _fail(str(e))
-    code = run_demo(cfg, workdir=workdir, metrics=metrics, json_path=json_path, live=live, quiet=quiet)
+    code = run_demo(cfg, workdir=workdir, metrics=metrics, json_path=json_path, live=live, quiet=quiet,
+                    sinks=_sinks(tensorboard, wandb))
     raise typer.Exit(code)
 
 
@@ -376,15 +414,21 @@ def status(
     run_id: str = RunId,
     secret_file: Optional[Path] = typer.Option(None, "--secret-file", help="The swarm's secret file (or set "
                                                "DILOCO_SECRET): its DHT answers only peers that hold it."),
-    interval: float = typer.Option(2.0, help="Seconds between the two reads that measure throughput."),
-    json_out: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
+    interval: float = typer.Option(2.0, help="Seconds between the two reads that measure rates (with --watch: "
+                                             "between refreshes)."),
+    watch: bool = typer.Option(False, "--watch", help="Keep reading and showing the swarm every --interval seconds "
+                                                      "(a live table on a terminal, plain lines elsewhere) until "
+                                                      "Ctrl-C."),
+    json_out: bool = typer.Option(False, "--json", help="Print JSON instead of a table (with --watch: one line per "
+                                                         "refresh)."),
 ) -> None:
-    """Who is in the swarm at ADDRESSES: status, round, last heartbeat, inner steps per second."""
+    """Who is in the swarm at ADDRESSES: status, round, inner steps per second, loss, bandwidth, compute
+    utilization, last heartbeat."""
     import json
 
     from rich.console import Console
-    from rich.table import Table
 
+    from . import statusview
     from .status import observe
     from .swarm import SwarmError, _validate_addrs
 
@@ -397,26 +441,87 @@ def status(
     secret, _ = _secret(secret_file, run_id, create=False)
     for noisy in ("hivemind", "asyncio"):
         logging.getLogger(noisy).setLevel(logging.CRITICAL)
+    if watch:
+        _watch(addresses, run_id, secret, interval, json_out)
+        return
     try:
         rows = observe(addresses, run_id, secret, interval=interval)
     except RuntimeError as e:
         _fail(str(e), code=1)
     if json_out:
-        typer.echo(json.dumps([{**r.record.to_wire(), "heartbeat_age": r.heartbeat_age,
-                                "steps_per_second": r.steps_per_second} for r in rows], indent=2))
+        typer.echo(json.dumps([r.to_json() for r in rows], indent=2))
         return
-    table = Table(title=f"swarm {run_id!r}: {sum(r.record.status == 'training' for r in rows)} training")
-    for col in ("peer", "status", "round", "attempt", "step", "steps/s", "loss", "digest", "heartbeat"):
-        table.add_column(col)
-    for r in rows:
-        rec = r.record
-        table.add_row(rec.peer, rec.status, str(rec.round), str(rec.attempt), str(rec.step),
-                      "-" if r.steps_per_second is None else f"{r.steps_per_second:.2f}",
-                      "-" if rec.loss is None else f"{rec.loss:.3f}", rec.digest or "-",
-                      "-" if r.heartbeat_age is None else f"{r.heartbeat_age:.1f} s ago")
-    Console(width=max(Console().width, 150)).print(table)
+    Console(width=max(Console().width, 170)).print(statusview.table(rows, run_id))
     if not rows:
         typer.echo(f"no peer records for run {run_id!r} (wrong --run-id?)", err=True)
+
+
+def _watch(addresses: List[str], run_id: str, secret: str, interval: float, json_out: bool) -> None:
+    """`diloco status --watch`: a rich Live table on a terminal, else plain lines (or JSON lines); Ctrl-C
+    (or SIGTERM) ends it with status 0."""
+    import time
+
+    from rich.console import Console
+    from rich.live import Live
+
+    from . import statusview
+    from .status import PeerStatus, watch
+
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    console = Console(width=max(Console().width, 170))
+    live = None if json_out or not sys.stdout.isatty() else Live(console=console, auto_refresh=False)
+
+    def show(rows: list[PeerStatus]) -> None:
+        now = time.time()
+        if json_out:
+            typer.echo(statusview.json_line(rows, now))
+        elif live is not None:
+            live.update(statusview.table(rows, run_id, caption=f"every {interval:g} s; Ctrl-C to stop"), refresh=True)
+        else:
+            typer.echo("\n".join(statusview.lines(rows, run_id, now)))
+        sys.stdout.flush()
+
+    try:
+        if live is not None:
+            live.start()
+        watch(addresses, run_id, secret, show, interval=interval, stop=stop)
+    except RuntimeError as e:
+        _fail(str(e), code=1)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        if live is not None:
+            live.stop()
+
+
+@app.command()
+def plot(
+    runs: List[Path] = typer.Argument(..., help="Metrics files (JSON lines written by --metrics), one or more."),
+    out: Path = typer.Option(Path("plots"), "--out", help="Folder to write the PNG files to."),
+    metric: str = typer.Option("loss", help="What to plot: a numeric field of the round lines (loss, eval_loss, "
+                                            "utilization, seconds, ...)."),
+) -> None:
+    """Draw RUNS' curves: METRIC against tokens (or inner steps), bytes on the wire and wall-clock time, one
+    curve per peer, as PNG files in --out."""
+    from .curves import Run, plot_runs
+    from .metrics import read_jsonl
+    from .plot import PlotError, require_matplotlib
+
+    missing = [str(p) for p in runs if not p.is_file()]
+    if missing:
+        _fail(f"no such metrics file: {', '.join(missing)} (write one with --metrics PATH)")
+    try:
+        require_matplotlib()
+        names = [p.stem for p in runs]
+        loaded = [Run(p.stem if names.count(p.stem) == 1 else str(p), read_jsonl(p)) for p in runs]
+        written = plot_runs(loaded, out, metric)
+    except PlotError as e:
+        _fail(str(e))
+    except OSError as e:
+        _fail(f"cannot write the plots to {out}: {e}", code=1)
+    for path in written:
+        typer.echo(f"wrote {path}")
 
 
 bench_app = typer.Typer(add_completion=False, no_args_is_help=True, help="Benchmarks (results: docs/BENCHMARKS.md).")
@@ -485,6 +590,8 @@ def bench_convergence_cmd(
     json_path: Optional[Path] = typer.Option(None, "--json", help="Write the results as JSON here."),
     plots_dir: Optional[Path] = typer.Option(None, "--plots", help="Evaluate during training and write PNG plots "
                                                                   "(loss vs tokens, loss vs bytes) into this folder."),
+    replot: Optional[Path] = typer.Option(None, "--replot", help="Do not train: draw the --plots of a result written "
+                                                                "by --json (it must hold curves, from a run with --plots)."),
     quiet: bool = Quiet,
 ) -> None:
     """B1: held-out loss and bytes of DiLoCo variants against synchronous data-parallel training."""
@@ -493,17 +600,31 @@ def bench_convergence_cmd(
     import torch
     from rich.console import Console
 
-    from .bench_convergence import VARIANTS, markdown_table, plots, run, write_json
+    from .bench_convergence import VARIANTS, markdown_table, plots, replot_rows, run, write_json
+    from .plot import PlotError, require_matplotlib
     from .progress import Reporter
     from .train import JobConfig
 
     if workers < 1 or steps < 1 or steps % 100:
         _fail(f"--workers must be >= 1 and --steps a positive multiple of 100 (H=50 and H=100), got {steps}")
+    if replot is not None and plots_dir is None:
+        _fail("--replot draws plots: give the folder to write them to with --plots DIR")
     try:
         job = JobConfig(batch_size=batch_size, d_model=d_model, n_layer=layers, threads=threads)
-    except ConfigError as e:
+        if plots_dir is not None:
+            require_matplotlib()  # before a run of minutes, not after it
+    except (ConfigError, PlotError) as e:
         _fail(str(e))
     console = Console()
+    if replot is not None and plots_dir is not None:
+        try:
+            rows, tokens_per_step = replot_rows(replot, job.context)
+            written = plots(rows, plots_dir, tokens_per_step)
+        except (OSError, ValueError, KeyError, PlotError) as e:
+            _fail(f"cannot replot {replot}: {type(e).__name__}: {e}", code=1)
+        for path in written:
+            console.print(f"wrote {path}", markup=False)
+        return
     with Reporter.for_command(quiet=quiet) as rep:
         rows = run(job, workers, steps, VARIANTS, progress=lambda r: rep.say(
             f"{r['variant']:<36} held-out loss {r['eval_loss']:.4f}  {r['bytes_sent'] / 1e6:10.1f} MB  "
@@ -651,9 +772,12 @@ def bench_site_cmd(
     process, and the time from a rank's crash to the restarted site's first committed round."""
     import json
 
+    from . import procmem
     from .bench_site import SiteSetup, markdown, run
     from .progress import Reporter
 
+    if procmem.psutil is None:  # it finds a site's ranks by their environment
+        _fail('diloco bench site needs the psutil package, which is not installed: pip install "diloco[psutil]"')
     if ranks < 2 or width < 1 or inner_steps < 1 or steps < 1:
         _fail("--ranks must be >= 2; --width, --inner-steps and --steps >= 1")
     if sharding not in ("ddp", "fsdp"):
@@ -683,7 +807,7 @@ def _command(ctx: typer.Context, max_restarts: int) -> list[str] | None:
 
 def _launch(initial: list[str], command: list[str], swarm_cfg: SwarmConfig, secret: str, where: str, *,
             host: str, port: int, announce: Optional[List[str]], address_file: Optional[Path],
-            metrics: Optional[Path], checkpoint_dir: Optional[Path], checkpoint_every: int,
+            metrics: Optional[Path], sinks: SinkConfig, checkpoint_dir: Optional[Path], checkpoint_every: int,
             max_restarts: int, wait_for: int) -> NoReturn:
     """Run the user's `command` as this site's worker (`diloco.launcher`) and exit with its status."""
     import shlex
@@ -701,7 +825,7 @@ def _launch(initial: list[str], command: list[str], swarm_cfg: SwarmConfig, secr
                         peers=tuple(initial), host=host, port=port or free_port(host), announce=tuple(announce or ()),
                         wait_for=wait_for,
                         address_file=str(workdir / "address"), peers_file=str(workdir / "peers"),
-                        metrics=str(metrics) if metrics else None,
+                        metrics=str(metrics) if metrics else None, sinks=sinks,
                         checkpoint_dir=str(checkpoint_dir) if checkpoint_dir else None,
                         checkpoint_every=checkpoint_every)
 

@@ -29,6 +29,7 @@ from .config import ConfigError, SwarmConfig
 from .dashboard import PeerView, demo_progress, demo_status, render, summary_table
 from .metrics import read_jsonl, read_status
 from .procmem import family_rss_mib
+from .sinks import SinkConfig
 from .progress import Reporter
 from .train import JobConfig
 
@@ -77,7 +78,9 @@ class DemoConfig:
         SwarmConfig(compression=self.compression)
 
 
-def peer_command(cfg: DemoConfig, index: int, run_id: str, workdir: Path, bootstrap: str | None) -> list[str]:
+def peer_command(cfg: DemoConfig, index: int, run_id: str, workdir: Path, bootstrap: str | None,
+                 sinks: SinkConfig = SinkConfig()) -> list[str]:
+    """Peer `index`'s `diloco start/join` command line (each peer logs to TensorBoard and W&B itself)."""
     cmd = [sys.executable, "-m", "diloco"]
     cmd += ["join", bootstrap] if bootstrap else ["start"]
     cmd += ["--run-id", run_id, "--rounds", str(cfg.rounds), "--inner-steps", str(cfg.inner_steps),
@@ -89,7 +92,9 @@ def peer_command(cfg: DemoConfig, index: int, run_id: str, workdir: Path, bootst
             *(["--outer-lr", str(cfg.outer_lr)] if cfg.outer_lr is not None else []),
             *(["--outer-momentum", str(cfg.outer_momentum)] if cfg.outer_momentum is not None else []),
             "--metrics", str(workdir / f"peer{index}.jsonl"), "--status-file", str(workdir / f"peer{index}.status.json"),
-            "--address-file", str(workdir / f"peer{index}.addr"), "--verbose"]
+            "--address-file", str(workdir / f"peer{index}.addr"), "--verbose",
+            *(["--tensorboard", str(Path(sinks.tensorboard).resolve())] if sinks.tensorboard else []),
+            *(["--wandb", sinks.wandb] if sinks.wandb else [])]
     return cmd
 
 
@@ -172,10 +177,12 @@ def summarize(cfg: DemoConfig, workdir: Path, wall: float) -> dict[str, Any]:
 
 
 def run_demo(cfg: DemoConfig, *, workdir: Path | None = None, metrics: Path | None = None,
-             json_path: Path | None = None, live: bool = True, quiet: bool = False) -> int:
+             json_path: Path | None = None, live: bool = True, quiet: bool = False,
+             sinks: SinkConfig = SinkConfig()) -> int:
     """Run the demo; the exit code. Progress (`diloco.progress`): the live table and a progress bar on
     a terminal (unless `live` is off), a line per round of the slowest peer elsewhere, nothing when
-    `quiet`; the summary table always prints."""
+    `quiet`; the summary table always prints. `sinks`: every peer also logs to TensorBoard (one run per
+    peer under the directory) and W&B (one run per peer in the project, grouped by the demo's run id)."""
     from rich.console import Console
 
     console = Console()
@@ -193,7 +200,7 @@ def run_demo(cfg: DemoConfig, *, workdir: Path | None = None, metrics: Path | No
     rep.say(f"diloco demo: {cfg.peers} peers, {cfg.rounds} rounds of H={cfg.inner_steps}, "
             f"compression {cfg.compression}{streaming}; logs in {workdir}")
     try:
-        procs.append(_spawn(peer_command(cfg, 0, run_id, workdir, None), workdir / "peer0.log", secret))
+        procs.append(_spawn(peer_command(cfg, 0, run_id, workdir, None, sinks), workdir / "peer0.log", secret))
         addr_file = workdir / "peer0.addr"
         while not addr_file.exists():
             if procs[0].poll() is not None or time.monotonic() - started > 120:
@@ -202,7 +209,8 @@ def run_demo(cfg: DemoConfig, *, workdir: Path | None = None, metrics: Path | No
             time.sleep(0.2)
         bootstrap = addr_file.read_text().split()[0]
         for i in range(1, cfg.peers):
-            procs.append(_spawn(peer_command(cfg, i, run_id, workdir, bootstrap), workdir / f"peer{i}.log", secret))
+            procs.append(_spawn(peer_command(cfg, i, run_id, workdir, bootstrap, sinks), workdir / f"peer{i}.log",
+                                secret))
         deadline = started + cfg.timeout
         views = _views(procs, workdir)
         with rep, rep.task("demo", cfg.rounds, unit="rounds") as task, \

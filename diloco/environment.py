@@ -8,6 +8,7 @@ command's environment, and how the wrapper turns it back into a swarm peer.
 | `DILOCO_ADDRESS_FILE` | where the site's peer writes its addresses once it is up (the launcher prints the join line from it) |
 | `DILOCO_PEERS_FILE` | where the site's peer keeps the addresses of the swarm's members, so a restarted command can rejoin through them |
 | `DILOCO_METRICS` | a JSON-lines file for the wrapper's round and final lines (only with `--metrics`) |
+| `DILOCO_TENSORBOARD`, `DILOCO_WANDB` | a TensorBoard directory and a W&B project for the same events (only with `--tensorboard` / `--wandb`; `diloco.sinks`) |
 | `DILOCO_CHECKPOINT_DIR`, `DILOCO_CHECKPOINT_EVERY` | checkpoints (only with `--checkpoint-dir`): the wrapper resumes from the newest one when it attaches |
 | `DILOCO_RESTART` | how many times the launcher restarted the command (0 the first time) |
 | `DILOCO_LAUNCH_ID` | tags every process of one launch, so that nothing outlives the launcher |
@@ -27,8 +28,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping
 
 from .config import ConfigError, SwarmConfig
+from .sinks import SinkConfig
 
 if TYPE_CHECKING:
+    from .metrics import MetricsWriter
     from .swarm import Swarm
 
 log = logging.getLogger(__name__)
@@ -36,9 +39,11 @@ log = logging.getLogger(__name__)
 SWARM, SECRET_FILE, ADDRESS_FILE, PEERS_FILE = "DILOCO_SWARM", "DILOCO_SECRET_FILE", "DILOCO_ADDRESS_FILE", \
     "DILOCO_PEERS_FILE"
 METRICS, CHECKPOINT_DIR, CHECKPOINT_EVERY = "DILOCO_METRICS", "DILOCO_CHECKPOINT_DIR", "DILOCO_CHECKPOINT_EVERY"
+TENSORBOARD, WANDB = "DILOCO_TENSORBOARD", "DILOCO_WANDB"
 RESTART, LAUNCH_ID = "DILOCO_RESTART", "DILOCO_LAUNCH_ID"
 WAIT_TIMEOUT = 120.0  # seconds a launched worker waits for `wait_for` peers, then trains with whoever is there
-ALL = (SWARM, SECRET_FILE, ADDRESS_FILE, PEERS_FILE, METRICS, CHECKPOINT_DIR, CHECKPOINT_EVERY, RESTART, LAUNCH_ID)
+ALL = (SWARM, SECRET_FILE, ADDRESS_FILE, PEERS_FILE, METRICS, TENSORBOARD, WANDB, CHECKPOINT_DIR, CHECKPOINT_EVERY,
+       RESTART, LAUNCH_ID)
 
 
 @dataclass(frozen=True)
@@ -57,6 +62,8 @@ class Launch:
     address_file: str | None = None
     peers_file: str | None = None
     metrics: str | None = None
+    sinks: SinkConfig = SinkConfig()
+    """TensorBoard and W&B, next to the metrics lines."""
     checkpoint_dir: str | None = None
     checkpoint_every: int = 0
     restart: int = 0
@@ -70,7 +77,8 @@ class Launch:
         env = {SWARM: json.dumps(settings, sort_keys=True), SECRET_FILE: self.secret_file, RESTART: str(self.restart),
                CHECKPOINT_EVERY: str(self.checkpoint_every), **self.extra}
         for name, value in ((ADDRESS_FILE, self.address_file), (PEERS_FILE, self.peers_file),
-                            (METRICS, self.metrics), (CHECKPOINT_DIR, self.checkpoint_dir)):
+                            (METRICS, self.metrics), (TENSORBOARD, self.sinks.tensorboard), (WANDB, self.sinks.wandb),
+                            (CHECKPOINT_DIR, self.checkpoint_dir)):
             if value:
                 env[name] = value
         return env
@@ -97,7 +105,22 @@ class Launch:
         return cls(swarm=swarm, secret_file=env[SECRET_FILE], peers=tuple(connect["peers"]), host=connect["host"],
                    port=int(connect["port"]), announce=tuple(connect["announce"] or ()), wait_for=int(connect["wait_for"]),
                    address_file=env.get(ADDRESS_FILE), peers_file=env.get(PEERS_FILE), metrics=env.get(METRICS),
+                   sinks=SinkConfig(tensorboard=env.get(TENSORBOARD) or None, wandb=env.get(WANDB) or None),
                    checkpoint_dir=env.get(CHECKPOINT_DIR), checkpoint_every=every, restart=restart)
+
+    @property
+    def records_metrics(self) -> bool:
+        """Round and final events go somewhere: JSON lines, TensorBoard or W&B."""
+        return bool(self.metrics or self.sinks)
+
+    def metrics_writer(self, peer: str, *, sinks: bool = True) -> MetricsWriter:
+        """The launch's metrics writer for this process (opened once, on first use; `sinks=False`: the JSON
+        lines only, as for a site's ranks other than its leader). Closed by `metrics.close_launched`."""
+        from .metrics import launched_writer
+
+        config = {k: v for k, v in dataclasses.asdict(self.swarm).items() if k not in ("secret", "identity_file")}
+        return launched_writer(self.metrics, self.sinks if sinks else SinkConfig(), peer, self.swarm.run_id,
+                               {**config, "restart": self.restart})
 
     def connect(self) -> Swarm:
         """Start or join the swarm as this launch says (reading the secret from its file), write our

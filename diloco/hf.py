@@ -28,7 +28,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from transformers import TrainerCallback
+try:
+    from transformers import TrainerCallback
+except ImportError as e:
+    raise ImportError(f'diloco.hf needs transformers, which is not installed ({e}): pip install "diloco[hf]"') from e
 
 from .wrapper import DiLoCo
 

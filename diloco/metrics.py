@@ -4,9 +4,13 @@
 (`event: "final"`); the fields are listed in README ("Metrics"). The status file is what the demo's
 live view polls: the peer's latest step, loss and byte counters, rewritten atomically.
 
-Failure semantics: a write that fails (disk full, the directory gone, no file descriptor left) never
-stops a peer: it is counted in `write_failures` (reported in the final line, if that one gets
-written), logged once per file and kind of error, and training goes on.
+The same events can also go to TensorBoard and W&B (`--tensorboard DIR`, `--wandb PROJECT`:
+`diloco.sinks`), next to the JSON lines.
+
+Failure semantics: a write that fails (disk full, the directory gone, no file descriptor left, a
+TensorBoard or W&B call that raises) never stops a peer: it is counted in `write_failures` by
+what was written (reported in the final line, if that one gets written), logged once per file and
+kind of error, and training goes on.
 """
 
 from __future__ import annotations
@@ -17,7 +21,10 @@ import os
 import time
 from collections import Counter
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
+
+if TYPE_CHECKING:
+    from .sinks import Sink, SinkConfig
 
 log = logging.getLogger(__name__)
 
@@ -26,17 +33,21 @@ write_failures: Counter[str] = Counter()
 _logged: set[tuple[str, str, int | None]] = set()
 
 
-def _failed(kind: str, path: Path, error: OSError) -> None:
+def _failed(kind: str, path: Path | str, error: Exception) -> None:
     write_failures[kind] += 1
-    if (kind, str(path), error.errno) not in _logged and len(_logged) < 100:
-        _logged.add((kind, str(path), error.errno))
+    code = getattr(error, "errno", None) if isinstance(error, OSError) else hash(type(error).__name__)
+    if (kind, str(path), code) not in _logged and len(_logged) < 100:
+        _logged.add((kind, str(path), code))
         log.warning("event=%s_write_failed path=%s reason=%s: training goes on without it; free disk space, "
                     "fix the path, or raise the open-files limit (`ulimit -n`)", kind, path, error)
 
 
 class MetricsWriter:
-    def __init__(self, path: str | os.PathLike[str] | None) -> None:
+    """JSON lines to `path` (None: none), and the same events to `sinks` (TensorBoard, W&B)."""
+
+    def __init__(self, path: str | os.PathLike[str] | None, sinks: Sequence[Sink] = ()) -> None:
         self.path = Path(path) if path else None
+        self.sinks = list(sinks)
         if self.path is not None:
             try:
                 self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -44,15 +55,54 @@ class MetricsWriter:
                 _failed("metrics", self.path, e)
 
     def write(self, event: str, **fields: Any) -> None:
-        """Append one line (a failure is counted and logged once: see the module's failure semantics)."""
-        if self.path is None:
-            return
-        line = json.dumps({"event": event, "time": round(time.time(), 3), **fields}, sort_keys=True)
+        """Append one line and hand the event to each sink (a failure is counted and logged once: see the
+        module's failure semantics)."""
+        stamped = {"event": event, "time": round(time.time(), 3), **fields}
+        if self.path is not None:
+            try:
+                with open(self.path, "a", encoding="utf-8") as f:
+                    f.write(json.dumps(stamped, sort_keys=True) + "\n")
+            except OSError as e:
+                _failed("metrics", self.path, e)
+        for sink in self.sinks:
+            try:
+                sink.log(event, stamped)
+            except Exception as e:  # noqa: BLE001 - a sink's failure must never stop the peer
+                _failed(sink.name, getattr(sink, "log_dir", sink.name), e)
+
+    def close(self) -> None:
+        """Close the sinks (W&B finishes its run); the JSON lines need nothing."""
+        from .sinks import close_all
+
+        close_all(self.sinks)
+        self.sinks = []
+
+
+_launched: dict[tuple[str | None, SinkConfig, str], MetricsWriter] = {}
+
+
+def launched_writer(path: str | None, sinks: SinkConfig, peer: str, run_id: str,
+                    config: Mapping[str, Any]) -> MetricsWriter:
+    """The one writer of a launched worker's peer (its sinks are opened once, on first use, and stay
+    open until `close_launched`). A sink that cannot start is logged and counted, never raised: the
+    worker is training already."""
+    from .sinks import SinkError
+
+    key = (path, sinks, peer)
+    if key not in _launched:
+        opened: list[Sink] = []
         try:
-            with open(self.path, "a", encoding="utf-8") as f:
-                f.write(line + "\n")
-        except OSError as e:
-            _failed("metrics", self.path, e)
+            opened = sinks.open(peer, run_id, config) if sinks else []
+        except SinkError as e:
+            _failed("sinks", sinks.tensorboard or sinks.wandb or "", e)
+        _launched[key] = MetricsWriter(path, opened)
+    return _launched[key]
+
+
+def close_launched() -> None:
+    """Close every launched writer's sinks (the worker is leaving)."""
+    while _launched:
+        _launched.popitem()[1].close()
 
 
 def write_status(path: str | os.PathLike[str] | None, **fields: Any) -> None:

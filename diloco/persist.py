@@ -1,4 +1,5 @@
-"""What a DiLoCo worker writes to a checkpoint, and how it reads it back (format: diloco.checkpoint).
+"""What a DiLoCo worker writes to a checkpoint, and how it reads it back (format: diloco.checkpoint;
+the tensors file is written by the safetensors package).
 
 A checkpoint holds, as safetensors tensors:
 
@@ -19,29 +20,27 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
+import numpy as np
+import numpy.typing as npt
 import torch
 
 from . import progress
-from .checkpoint import CheckpointError, Loaded, TensorData, load_latest, save
+from .checkpoint import CheckpointError, Loaded, load_latest, save
 from .outer import OuterFactory
 from .state import GlobalState, StateError
 
-_CODES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
-          torch.int64: "I64", torch.int32: "I32", torch.uint8: "U8"}
+
+def fp32_array(t: torch.Tensor, what: str) -> npt.NDArray[np.float32]:
+    """A CPU fp32 tensor as a numpy array sharing its memory (θ and residuals are always fp32)."""
+    if t.dtype != torch.float32:
+        raise CheckpointError(f"{what}: expected an fp32 tensor, got {t.dtype}")
+    return t.detach().cpu().contiguous().numpy()
 
 
-def tensor_data(t: torch.Tensor) -> TensorData:
-    t = t.detach().contiguous().cpu()
-    if t.dtype not in _CODES:
-        raise CheckpointError(f"cannot checkpoint a tensor of dtype {t.dtype}")
-    raw = t.view(torch.int16) if t.dtype == torch.bfloat16 else t
-    return TensorData(_CODES[t.dtype], tuple(t.shape), raw.numpy().tobytes())
-
-
-def fp32_tensor(td: TensorData, numel: int, what: str) -> torch.Tensor:
-    if td.dtype != "F32" or len(td.data) != 4 * numel:
-        raise CheckpointError(f"{what}: expected {numel} fp32 values, found {td.dtype} {td.shape}")
-    return torch.frombuffer(bytearray(td.data), dtype=torch.float32).clone()
+def fp32_tensor(arr: npt.NDArray[Any], numel: int, what: str) -> torch.Tensor:
+    if arr.dtype != np.float32 or arr.size != numel:
+        raise CheckpointError(f"{what}: expected {numel} fp32 values, found {arr.dtype} {arr.shape}")
+    return torch.from_numpy(arr.reshape(-1))
 
 
 @dataclass(frozen=True)
@@ -53,11 +52,10 @@ class WorkerSnapshot:
 
 def write(root: Path, names: Sequence[str], state: GlobalState, residuals: Sequence[torch.Tensor] | None,
           meta: dict[str, Any], keep: int = 3) -> Path:
-    tensors = {f"theta/{n}": tensor_data(p) for n, p in zip(names, state.params)}
-    blob = state.to_bytes()
-    tensors["global_state"] = TensorData("U8", (len(blob),), blob)
+    tensors = {f"theta/{n}": fp32_array(p, f"theta/{n}") for n, p in zip(names, state.params)}
+    tensors["global_state"] = np.frombuffer(state.to_bytes(), dtype=np.uint8)
     for i, r in enumerate(residuals or ()):
-        tensors[f"ef/{i}"] = tensor_data(r)
+        tensors[f"ef/{i}"] = fp32_array(r, f"ef/{i}")
     size = sum(t.nbytes for t in tensors.values())
     with progress.transfer(f"checkpoint round {state.round}", size) as shown:  # large states only
         return save(root, state.round, tensors, {**meta, "round": state.round, "digest": state.digest()}, keep=keep,
@@ -76,11 +74,11 @@ def read(root: Path, params: Sequence[torch.Tensor], outer_factory: OuterFactory
                               f"(schema {loaded.meta.get('schema')!r}, this run {schema!r}); "
                               "point --checkpoint-dir elsewhere or start without --resume")
     blob = loaded.tensors.get("global_state")
-    if blob is None or blob.dtype != "U8":
+    if blob is None or blob.dtype != np.uint8 or blob.ndim != 1:
         raise CheckpointError(f"checkpoint {loaded.path} has no global_state")
     state = GlobalState(params, outer_factory)
     try:
-        state.load_bytes(blob.data)
+        state.load_bytes(blob.tobytes())
     except StateError as e:
         raise CheckpointError(f"checkpoint {loaded.path}: {e}") from e
     if state.digest() != loaded.meta.get("digest"):
@@ -90,6 +88,6 @@ def read(root: Path, params: Sequence[torch.Tensor], outer_factory: OuterFactory
     if residual_sizes is not None:
         residuals = []
         for i, n in enumerate(residual_sizes):
-            td = loaded.tensors.get(f"ef/{i}")
-            residuals.append(torch.zeros(n) if td is None else fp32_tensor(td, n, f"ef/{i}"))
+            arr = loaded.tensors.get(f"ef/{i}")
+            residuals.append(torch.zeros(n) if arr is None else fp32_tensor(arr, n, f"ef/{i}"))
     return state, residuals, loaded

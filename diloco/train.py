@@ -22,6 +22,7 @@ import torch
 
 from diloco.compression.pipeline import parse as parse_compression
 
+from .checkpoint import CheckpointError, require_safetensors
 from .config import ConfigError
 from .corpus import BatchSampler, Corpus, CorpusConfig, evaluate, heldout_batches
 from .fragments import FragmentError, StreamingConfig, check_schedule
@@ -110,6 +111,11 @@ class JobConfig:
             raise ConfigError(str(e)) from e
         if self.resume and not self.checkpoint_dir:
             raise ConfigError("resume needs checkpoint_dir (--checkpoint-dir DIR)")
+        if self.checkpoint_dir:
+            try:
+                require_safetensors()
+            except CheckpointError as e:
+                raise ConfigError(f"--checkpoint-dir: {e}") from None
         if self.checkpoint_every < 0:
             raise ConfigError(f"checkpoint_every must be >= 0, got {self.checkpoint_every}")
         if self.fragments > self.n_layer:
@@ -162,7 +168,8 @@ def run_job(cfg: JobConfig, swarm: Swarm | None, *, metrics: MetricsWriter | Non
         fields = dict(peer=peer, round=r.round, committed=r.committed, reason=r.reason, peers=r.peers,
                       loss=d.loss, bytes_sent=r.bytes_sent, bytes_received=r.bytes_received,
                       payload_bytes=r.payload_bytes, bits_per_param=round(r.bits_per_param, 5),
-                      seconds=round(r.seconds, 3), step=r.step, digest=d.digest, fragment=r.fragment,
+                      seconds=round(r.seconds, 3), step=r.step, tokens=r.step * cfg.batch_size * cfg.context,
+                      digest=d.digest, fragment=r.fragment,
                       blocked=r.blocked, **d.usage().as_dict())
         if cfg.eval_every and r.committed and r.round % cfg.eval_every == 0:
             with d.global_weights():

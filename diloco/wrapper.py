@@ -68,7 +68,7 @@ from .accounting import Accounting, Usage
 from .checkpoint import CheckpointError
 from .config import DiLoCoConfig
 from .environment import WAIT_TIMEOUT, Launch
-from .metrics import MetricsWriter
+from .metrics import close_launched
 from .fragments import Fragment, StreamingConfig, check_schedule, fragment_of_round, partition, slot_due
 from .outer import OuterFactory, copy_into, default_outer, mix_into, outer_step, pseudo_gradient
 from .shards import ShardedHandoff, SiteShards, is_sharded, local_view
@@ -430,11 +430,12 @@ class DiLoCo:
             self.linger(self.swarm.cfg.gather_timeout)  # a site still behind downloads the final state from us
         if self.checkpoint_dir is not None and self._writes_checkpoints:
             self.save_checkpoint()
-        if self.launch is not None and self.launch.metrics:
-            MetricsWriter(self.launch.metrics).write(
+        if self.launch is not None and self.launch.records_metrics:
+            self.launch.metrics_writer(self.swarm.peer_id if self.swarm else "", sinks=self._talks).write(
                 "final", rank=self.site.rank if self.site else 0, site_size=self.site.size if self.site else 1,
                 peer=self.swarm.peer_id if self.swarm else "", round=self.state.round, digest=self.digest,
                 steps=self.steps, committed_rounds=sum(r.committed for r in self.reports), restart=self.launch.restart)
+            close_launched()
         if self._owns_swarm and self.swarm is not None:
             self.swarm.close()
             self.swarm, self._owns_swarm = None, False
@@ -792,10 +793,10 @@ class DiLoCo:
     def _report(self, report: RoundReport) -> RoundReport:
         self.reports.append(report)
         self._publish("training")
-        if self.launch is not None and self.launch.metrics and self._talks:
-            MetricsWriter(self.launch.metrics).write("round", peer=self.swarm.peer_id if self.swarm else "",
-                                                     loss=self.loss, digest=self.digest, restart=self.launch.restart,
-                                                     **report.as_dict())
+        if self.launch is not None and self.launch.records_metrics and self._talks:
+            self.launch.metrics_writer(self.swarm.peer_id if self.swarm else "").write(
+                "round", peer=self.swarm.peer_id if self.swarm else "", loss=self.loss, digest=self.digest,
+                restart=self.launch.restart, **report.as_dict())
         if self.on_round is not None:
             self.on_round(report)
         return report
@@ -1043,8 +1044,12 @@ class DiLoCo:
 
     def _publish(self, status: str, now: bool = True) -> None:
         if self.swarm is not None:
+            sent, received = self.bytes_on_wire()
+            usage = self.accounting.usage()
             self.swarm.update(now=now, status=status, round=self.state.round, attempt=self.attempt,
-                              digest=self.digest, step=self.steps, loss=self.loss, recent=tuple(self._recent))
+                              digest=self.digest, step=self.steps, loss=self.loss, recent=tuple(self._recent),
+                              bytes_sent=sent, bytes_received=received,
+                              utilization=round(usage.utilization, 4) if usage.steps else None)
 
     def bytes_on_wire(self) -> tuple[int, int]:
         """(sent, received) bytes of this peer so far, every message included."""

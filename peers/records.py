@@ -60,6 +60,12 @@ class PeerRecord:
     banned: tuple[PeerId, ...] = ()
     """Peers this peer banned for the run (robust aggregation); a peer a majority bans is left out by
     everyone, including peers that joined after the ban (`peers.membership.banned_by_majority`)."""
+    bytes_sent: int = 0
+    """Bytes this peer has sent so far, every message included (for `diloco status`: bandwidth)."""
+    bytes_received: int = 0
+    """Bytes it has received so far."""
+    utilization: float | None = None
+    """Its compute utilization so far, in [0, 1] (None before its first inner steps)."""
 
     def to_wire(self) -> dict[str, Any]:
         out = asdict(self)
@@ -71,6 +77,23 @@ class PeerRecord:
 
 MAX_RECENT = 8  # longest `recent` accepted from the network
 MAX_BANNED = 64  # longest `banned` accepted from the network
+MAX_BYTES = 1 << 62  # largest byte counter accepted from the network (msgpack packs it in 9 bytes)
+
+
+def _display_fields(value: dict[str, Any]) -> dict[str, Any]:
+    """The fields only `diloco status` shows (bandwidth, utilization): a value that is missing (a peer of
+    an older version) or malformed is taken as unknown; the record itself stays valid, since nothing
+    the swarm decides depends on these."""
+    out: dict[str, Any] = {}
+    for name in ("bytes_sent", "bytes_received"):
+        v = value.get(name, 0)
+        out[name] = v if isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= MAX_BYTES else 0
+    u = value.get("utilization")
+    if isinstance(u, (int, float)) and not isinstance(u, bool) and math.isfinite(u) and 0.0 <= u <= 1.0:
+        out["utilization"] = float(u)
+    else:
+        out["utilization"] = None
+    return out
 
 
 def _parse_banned(value: Any) -> tuple[PeerId, ...] | None:
@@ -119,7 +142,7 @@ def parse_record(peer: str, value: Any) -> PeerRecord | None:
         return None
     return PeerRecord(peer=PeerId(peer), status=status, round=rnd, attempt=attempt, digest=digest,
                       step=step, loss=None if loss is None else float(loss), addrs=tuple(addrs), beat=float(beat),
-                      recent=recent, banned=banned)
+                      recent=recent, banned=banned, **_display_fields(value))
 
 
 class Directory(Protocol):

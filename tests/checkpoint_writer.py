@@ -1,18 +1,19 @@
-"""Writer process for test_checkpoint's kill -9 test (run as `python -I -S checkpoint_writer.py
-MODULE ROOT START`). It loads diloco/checkpoint.py straight from its file (no torch, no numpy, no
-site-packages), prints "ready", then saves checkpoints START, START+1, ... until it is killed,
-printing "saved STEP" after each save returns. Every tensor is a function of its step (`tensors`),
-so the parent can verify any checkpoint it loads."""
+"""Writer process for test_checkpoint's kill -9 test (run as `python -I checkpoint_writer.py MODULE ROOT
+START`). It loads diloco/checkpoint.py straight from its file (no torch: safetensors and numpy come from
+site-packages), prints "ready", then saves checkpoints START, START+1, ... until it is killed, printing
+"saved STEP" after each save returns. Every tensor is a function of its step (`tensors`), so the parent
+can verify any checkpoint it loads."""
 
 from __future__ import annotations
 
 import hashlib
 import importlib.util
-import struct
 import sys
 from pathlib import Path
 from types import ModuleType
 from typing import Any
+
+import numpy as np
 
 PAYLOAD_BYTES = 2 << 20   # 2 MiB per checkpoint: a save takes ~10 ms on the CI box
 
@@ -30,9 +31,9 @@ def payload(step: int) -> bytes:
     return hashlib.shake_256(b"step=%d" % step).digest(1 << 16) * (PAYLOAD_BYTES >> 16)
 
 
-def tensors(ck: Any, step: int) -> dict[str, Any]:
-    return {"w": ck.TensorData("F32", (PAYLOAD_BYTES // 4096, 1024), payload(step)),
-            "b": ck.TensorData("I64", (3,), struct.pack("<3q", step, 2 * step, -step))}
+def tensors(step: int) -> dict[str, Any]:
+    return {"w": np.frombuffer(payload(step), dtype="<f4").reshape(PAYLOAD_BYTES // 4096, 1024),
+            "b": np.array([step, 2 * step, -step], dtype=np.int64)}
 
 
 def meta(step: int) -> dict[str, Any]:
@@ -42,10 +43,10 @@ def meta(step: int) -> dict[str, Any]:
 def main() -> None:
     module_path, root, start = sys.argv[1], Path(sys.argv[2]), int(sys.argv[3])
     ck = load_module(module_path)
-    print("ready", "torch" in sys.modules, "numpy" in sys.modules, flush=True)
+    print("ready", "torch" in sys.modules, flush=True)
     step = start
     while True:
-        ck.save(root, step, tensors(ck, step), meta(step), keep=3)
+        ck.save(root, step, tensors(step), meta(step), keep=3)
         print(f"saved {step}", flush=True)
         step += 1
 

@@ -1,6 +1,6 @@
-"""Checkpoints (diloco/checkpoint.py): safetensors round trips, strict decoding of lying headers,
-fallback past corrupt checkpoints, pruning, disk full, kill -9 during a write, and
-no pickle."""
+"""Checkpoints (diloco/checkpoint.py): round trips through the safetensors package, files any
+safetensors reader loads, lying headers caught, fallback past corrupt checkpoints, pruning, disk full,
+kill -9 during a write, a clear error without safetensors, and no pickle."""
 
 from __future__ import annotations
 
@@ -13,7 +13,6 @@ import struct
 import subprocess
 import sys
 import time
-import tracemalloc
 from pathlib import Path
 from typing import Any
 
@@ -22,33 +21,54 @@ import pytest
 
 import checkpoint_writer
 from diloco import checkpoint as ck
-from diloco.checkpoint import CheckpointError, TensorData
+from diloco.checkpoint import CheckpointError
 
 MODULE = Path(ck.__file__)
 WRITER = Path(checkpoint_writer.__file__)
 
 
-def sample_tensors() -> dict[str, TensorData]:
+def sample_tensors() -> dict[str, np.ndarray]:
     return {
-        "f32": ck.from_numpy(np.arange(6, dtype=np.float32).reshape(2, 3)),
-        "f64_scalar": ck.from_numpy(np.float64(3.25)),                       # 0-d
-        "i64_empty": ck.from_numpy(np.zeros((0, 4), dtype=np.int64)),         # no elements
-        "bf16": TensorData("BF16", (3,), bytes.fromhex("803f0040c0bf")),     # 1, 2, -1.5 raw
-        "f16": ck.from_numpy(np.array([0.5, -2.0], dtype=np.float16)),
-        "i32": ck.from_numpy(np.array([[1, -2], [3, 2**31 - 1]], dtype=np.int32)),
-        "i16": ck.from_numpy(np.array([-7], dtype=np.int16)),
-        "i8": ck.from_numpy(np.array([-128, 127], dtype=np.int8)),
-        "u8": ck.from_numpy(np.array([0, 255, 1], dtype=np.uint8)),
-        "bool": ck.from_numpy(np.array([True, False, True])),
+        "f32": np.arange(6, dtype=np.float32).reshape(2, 3),
+        "f64_scalar": np.array(3.25),                                          # 0-d
+        "i64_empty": np.zeros((0, 4), dtype=np.int64),                         # no elements
+        "f16": np.array([0.5, -2.0], dtype=np.float16),
+        "i32": np.array([[1, -2], [3, 2**31 - 1]], dtype=np.int32),
+        "i16": np.array([-7], dtype=np.int16),
+        "i8": np.array([-128, 127], dtype=np.int8),
+        "u8": np.array([0, 255, 1], dtype=np.uint8),
+        "u16": np.array([65535], dtype=np.uint16),
+        "u32": np.array([2**32 - 1], dtype=np.uint32),
+        "u64": np.array([2**64 - 1], dtype=np.uint64),
+        "bool": np.array([True, False, True]),
     }
+
+
+def assert_same(got: dict[str, np.ndarray], want: dict[str, np.ndarray]) -> None:
+    assert sorted(got) == sorted(want)
+    for name in want:
+        assert got[name].dtype == want[name].dtype and got[name].shape == want[name].shape, name
+        assert got[name].tobytes() == np.ascontiguousarray(want[name]).astype(want[name].dtype.newbyteorder("<")
+                                                                             ).tobytes(), name
 
 
 def tmp_dirs(root: Path) -> list[str]:
     return sorted(n for n in os.listdir(root) if n.startswith(".tmp-"))
 
 
-def small(step: int, nbytes: int = 64) -> dict[str, TensorData]:
-    return {"x": TensorData("U8", (nbytes,), bytes([step % 256]) * nbytes)}
+def small(step: int, nbytes: int = 64) -> dict[str, np.ndarray]:
+    return {"x": np.full(nbytes, step % 256, dtype=np.uint8)}
+
+
+def read_by_hand(raw: bytes) -> tuple[dict[str, Any], bytes]:
+    """The safetensors layout, checked independently of the package: 8-byte little-endian header length,
+    a JSON header, then a data buffer the tensors tile exactly."""
+    (n,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8:8 + n].decode("utf-8"))
+    data = raw[8 + n:]
+    spans = sorted(tuple(spec["data_offsets"]) for name, spec in header.items() if name != "__metadata__")
+    assert [b for b, _ in spans] == [0] + [e for _, e in spans[:-1]] and (spans[-1][1] if spans else 0) == len(data)
+    return header, data
 
 
 # -------------------------------------------------------------------------------------------------
@@ -64,14 +84,9 @@ def test_round_trip_all_dtypes_and_meta(tmp_path: Path) -> None:
     loaded = ck.load_latest(tmp_path)
     assert loaded is not None
     assert (loaded.path, loaded.step, loaded.skipped) == (path, 42, [])
-    assert loaded.tensors == tensors
+    assert_same(loaded.tensors, tensors)
     assert loaded.meta == meta
-    assert ck.to_numpy(loaded.tensors["f64_scalar"]).shape == ()
-    assert ck.to_numpy(loaded.tensors["f64_scalar"]) == 3.25
-    assert ck.to_numpy(loaded.tensors["i64_empty"]).shape == (0, 4)
-    np.testing.assert_array_equal(ck.to_numpy(loaded.tensors["i32"]), [[1, -2], [3, 2**31 - 1]])
-    np.testing.assert_array_equal(ck.to_numpy(loaded.tensors["bool"]), [True, False, True])
-    assert loaded.tensors["bf16"].data == bytes.fromhex("803f0040c0bf")
+    assert loaded.tensors["f64_scalar"].shape == () and loaded.tensors["f64_scalar"] == 3.25
     manifest = json.loads((path / "MANIFEST.json").read_bytes())
     assert manifest["format"] == 1 and manifest["step"] == 42
     for name in ("tensors.safetensors", "meta.json"):
@@ -80,80 +95,55 @@ def test_round_trip_all_dtypes_and_meta(tmp_path: Path) -> None:
 
 
 @pytest.mark.unit
-def test_file_is_valid_safetensors_by_hand(tmp_path: Path) -> None:
+def test_the_file_is_standard_safetensors_that_other_readers_load(tmp_path: Path) -> None:
+    """By hand (the layout the format specifies) and through safetensors' torch reader, which is what a
+    user loading θ into a model calls."""
+    import torch
+    from safetensors.torch import load_file
+
     tensors = sample_tensors()
-    raw = (ck.save(tmp_path, 1, tensors, {}) / "tensors.safetensors").read_bytes()
-    (n,) = struct.unpack("<Q", raw[:8])
-    assert (8 + n) % 8 == 0, "data must start 8-byte aligned"
-    header_raw = raw[8:8 + n]
-    body = header_raw.rstrip(b" ")
-    assert header_raw == body + b" " * (n - len(body)) and len(header_raw) - len(body) < 8
-    header = json.loads(body.decode("utf-8"))
+    file = ck.save(tmp_path, 1, tensors, {}) / "tensors.safetensors"
+    header, data = read_by_hand(file.read_bytes())
     assert header.pop("__metadata__") == {"diloco_step": "1"}
-    data = raw[8 + n:]
-    offset = 0
-    for name in sorted(tensors):                       # sorted by name, contiguous, no gaps
-        t = tensors[name]
-        assert header[name] == {"dtype": t.dtype, "shape": list(t.shape), "data_offsets": [offset, offset + len(t.data)]}
-        assert data[offset:offset + len(t.data)] == t.data
-        offset += len(t.data)
     assert set(header) == set(tensors)
-    assert offset == len(data), "no trailing bytes"
+    for name, arr in tensors.items():
+        begin, end = header[name]["data_offsets"]
+        assert header[name]["shape"] == list(arr.shape) and data[begin:end] == arr.astype(arr.dtype.newbyteorder("<")
+                                                                                          ).tobytes()
+    by_torch = load_file(file)
+    assert torch.equal(by_torch["f32"], torch.arange(6, dtype=torch.float32).reshape(2, 3))
+    assert by_torch["u8"].tolist() == [0, 255, 1] and by_torch["f64_scalar"].shape == ()
 
 
 @pytest.mark.unit
-def test_encode_decode_and_streaming_writer_agree() -> None:
-    import io
-    tensors = sample_tensors()
-    buf = ck.encode_safetensors(tensors, {"k": "v"})
-    out = io.BytesIO()
-    assert ck.write_safetensors(out, tensors, {"k": "v"}) == len(buf)
-    assert out.getvalue() == buf
-    decoded, metadata = ck.decode_safetensors_with_metadata(buf)
-    assert decoded == tensors and metadata == {"k": "v"}
-    assert ck.decode_safetensors(memoryview(buf)) == tensors
-    assert ck.decode_safetensors(ck.encode_safetensors({})) == {}
-
-
-@pytest.mark.unit
-def test_decode_accepts_other_writers_data_order() -> None:
-    """Real safetensors writers order the data by alignment, not by name: any exact tiling is valid."""
-    header = {"a": {"dtype": "U8", "shape": [2], "data_offsets": [4, 6]},
-              "b": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}}
-    buf = encode_raw(header, b"\x00\x00\x80\x3f" + b"\x01\x02")
-    out = ck.decode_safetensors(buf)
-    assert out["a"].data == b"\x01\x02" and ck.to_numpy(out["b"]).tolist() == [1.0]
-
-
-@pytest.mark.unit
-def test_numpy_helpers() -> None:
+def test_any_layout_of_input_is_stored_as_its_values(tmp_path: Path) -> None:
     big_endian = np.array([1.5, -2.0], dtype=">f4")
-    t = ck.from_numpy(big_endian)
-    assert t.dtype == "F32" and t.data == np.array([1.5, -2.0], dtype="<f4").tobytes()
     fortran = np.asfortranarray(np.arange(6, dtype=np.int64).reshape(2, 3))
-    np.testing.assert_array_equal(ck.to_numpy(ck.from_numpy(fortran)), fortran)
-    for bad in (np.zeros(2, dtype=np.complex64), np.zeros(2, dtype=np.uint16)):
-        with pytest.raises(CheckpointError, match="not storable"):
-            ck.from_numpy(bad)
-    with pytest.raises(CheckpointError, match="BF16 has no numpy dtype"):
-        ck.to_numpy(TensorData("BF16", (1,), b"\x80\x3f"))
-    with pytest.raises(CheckpointError, match="other than 0 and 1"):
-        ck.to_numpy(TensorData("BOOL", (2,), b"\x01\x07"))
+    strided = np.arange(20, dtype=np.float32)[::3]
+    ck.save(tmp_path, 1, {"be": big_endian, "fortran": fortran, "strided": strided}, {})
+    loaded = ck.load_latest(tmp_path)
+    assert loaded is not None
+    assert loaded.tensors["be"].dtype == np.dtype("<f4") and loaded.tensors["be"].tolist() == [1.5, -2.0]
+    np.testing.assert_array_equal(loaded.tensors["fortran"], fortran)
+    np.testing.assert_array_equal(loaded.tensors["strided"], strided)
 
 
 @pytest.mark.unit
 def test_invalid_input_is_rejected_before_touching_disk(tmp_path: Path) -> None:
-    with pytest.raises(CheckpointError, match="needs 12 bytes, got 8"):
-        TensorData("F32", (3,), b"\x00" * 8)
-    with pytest.raises(CheckpointError, match="unknown dtype"):
-        TensorData("F8_E4M3", (1,), b"\x00")
+    import torch
+
     root = tmp_path / "r"
     with pytest.raises(CheckpointError, match="meta is not strict JSON"):
         ck.save(root, 1, small(1), {"loss": float("nan")})
     with pytest.raises(CheckpointError, match="meta is not strict JSON"):
         ck.save(root, 1, small(1), {"obj": object()})
-    with pytest.raises(CheckpointError, match="not TensorData"):
-        ck.save(root, 1, {"x": np.zeros(3)}, {})  # type: ignore[dict-item]
+    with pytest.raises(CheckpointError, match=r"is a Tensor, not a numpy array.*\.numpy\(\)"):
+        ck.save(root, 1, {"x": torch.zeros(3)}, {})  # type: ignore[dict-item]
+    for bad in (np.zeros(2, dtype=np.complex64), np.array(["a"], dtype=object)):
+        with pytest.raises(CheckpointError, match="not storable: cast it to"):
+            ck.save(root, 1, {"x": bad}, {})
+    with pytest.raises(CheckpointError, match="invalid tensor name"):
+        ck.save(root, 1, {"__metadata__": np.zeros(1)}, {})
     with pytest.raises(CheckpointError, match="step must be"):
         ck.save(root, -1, small(1), {})
     with pytest.raises(CheckpointError, match="keep must be"):
@@ -166,12 +156,26 @@ def test_resave_same_step_replaces_it(tmp_path: Path) -> None:
     ck.save(tmp_path, 5, small(1), {"v": 1})
     ck.save(tmp_path, 5, small(2), {"v": 2})
     loaded = ck.load_latest(tmp_path)
-    assert loaded is not None and loaded.step == 5 and loaded.meta == {"v": 2} and loaded.tensors == small(2)
+    assert loaded is not None and loaded.step == 5 and loaded.meta == {"v": 2}
+    assert_same(loaded.tensors, small(2))
     assert os.listdir(tmp_path) == ["ckpt-000000000005"]
 
 
+@pytest.mark.unit
+def test_progress_is_reported_while_safetensors_writes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(ck, "_PROGRESS_SECONDS", 0.001)
+    big = np.zeros(64 << 20, dtype=np.uint8)
+    seen: list[tuple[int, int]] = []
+    ck.save(tmp_path, 7, {"big": big, "small": np.zeros(2, dtype=np.float32)}, {"round": 7},
+            progress=lambda done, total: seen.append((done, total)))
+    total = big.nbytes + 8
+    assert len(seen) >= 2 and seen[-1] == (total, total) and {t for _, t in seen} == {total}
+    assert [d for d, _ in seen] == sorted(d for d, _ in seen)
+    assert any(0 < d < total for d, _ in seen), seen  # reported while the file grew, not only at the end
+
+
 # -------------------------------------------------------------------------------------------------
-# strict decoding: headers that lie
+# headers that lie: safetensors refuses them when the file is opened, and the reader falls back
 
 def encode_raw(header: Any, data: bytes, n: int | None = None) -> bytes:
     raw = header if isinstance(header, bytes) else json.dumps(header).encode()
@@ -183,71 +187,46 @@ def t(dtype: str, shape: list[Any], begin: Any, end: Any) -> dict[str, Any]:
 
 
 LIES: dict[str, tuple[bytes, str]] = {
-    "offsets beyond the file": (encode_raw({"a": t("F32", [10**12], 0, 4 * 10**12)}, b"\x00" * 16), "outside"),
-    "end before begin": (encode_raw({"a": t("U8", [0], 8, 4)}, b"\x00" * 16), "outside"),
-    "overlapping": (encode_raw({"a": t("F32", [2], 0, 8), "b": t("F32", [2], 4, 12)}, b"\x00" * 12), "overlaps"),
-    "gap": (encode_raw({"a": t("F32", [1], 0, 4), "b": t("F32", [1], 8, 12)}, b"\x00" * 12), "gap"),
-    "wrong length": (encode_raw({"a": t("F32", [3], 0, 8)}, b"\x00" * 8), "needs 12 bytes"),
-    "huge shape, capped product": (encode_raw({"a": t("F32", [10**300] * 3000, 0, 8)}, b"\x00" * 8),
-                                   "needs more than 2\\*\\*64 bytes"),
-    "unknown dtype": (encode_raw({"a": t("F8_E4M3", [1], 0, 1)}, b"\x00"), "unknown dtype"),
-    "negative dim": (encode_raw({"a": t("U8", [-1], 0, 0)}, b""), "non-negative ints"),
-    "bool dim": (encode_raw({"a": t("U8", [True], 0, 1)}, b"\x00"), "non-negative ints"),
-    "float offset": (encode_raw({"a": t("U8", [1], 0.0, 1)}, b"\x00"), "data_offsets must be"),
-    "extra field": (encode_raw({"a": {**t("U8", [1], 0, 1), "x": 1}}, b"\x00"), "exactly dtype, shape"),
-    "trailing data": (encode_raw({"a": t("U8", [1], 0, 1)}, b"\x00" * 9), "trailing bytes"),
-    "huge header length": (encode_raw({"a": t("U8", [1], 0, 1)}, b"\x00", n=2**63), "exceeds"),
-    "header past the end": (encode_raw({"a": t("U8", [1], 0, 1)}, b"\x00", n=10_000), "runs past the end"),
-    "too short": (b"\x05\x00\x00", "too short"),
-    "not json": (encode_raw(b"{not json}", b""), "not valid UTF-8 JSON"),
-    "not utf-8": (encode_raw(b'{"\xff": 1}', b""), "not valid UTF-8 JSON"),
-    "not an object": (encode_raw([1, 2], b""), "not a JSON object"),
+    "offsets beyond the file": (encode_raw({"a": t("F32", [10**12], 0, 4 * 10**12)}, b"\x00" * 16),
+                                "incomplete metadata"),
+    "end before begin": (encode_raw({"a": t("U8", [0], 8, 4)}, b"\x00" * 16), "invalid offset"),
+    "overlapping": (encode_raw({"a": t("F32", [2], 0, 8), "b": t("F32", [2], 4, 12)}, b"\x00" * 12), "invalid offset"),
+    "gap": (encode_raw({"a": t("F32", [1], 0, 4), "b": t("F32", [1], 8, 12)}, b"\x00" * 12), "invalid offset"),
+    "wrong length": (encode_raw({"a": t("F32", [3], 0, 8)}, b"\x00" * 8), "invalid shape"),
+    "huge shape": (encode_raw({"a": t("F32", [2**40, 2**40, 2**40], 0, 8)}, b"\x00" * 8), "overflow"),
+    "huge dims": (encode_raw({"a": t("F32", [10**300] * 3000, 0, 8)}, b"\x00" * 8), "invalid JSON"),
+    "float8 dtype": (encode_raw({"a": t("F8_E4M3", [1], 0, 1)}, b"\x00"), "has dtype F8_E4M3"),
+    "unknown dtype": (encode_raw({"a": t("F7", [1], 0, 1)}, b"\x00"), "invalid JSON"),
+    "negative dim": (encode_raw({"a": t("U8", [-1], 0, 0)}, b""), "invalid JSON"),
+    "bool dim": (encode_raw({"a": t("U8", [True], 0, 1)}, b"\x00"), "invalid JSON"),
+    "float offset": (encode_raw({"a": t("U8", [1], 0.0, 1)}, b"\x00"), "invalid JSON"),
+    "trailing data": (encode_raw({"a": t("U8", [1], 0, 1)}, b"\x00" * 9), "incomplete metadata"),
+    "huge header length": (encode_raw({"a": t("U8", [1], 0, 1)}, b"\x00", n=2**63), "header too large"),
+    "header past the end": (encode_raw({"a": t("U8", [1], 0, 1)}, b"\x00", n=10_000), "invalid header length"),
+    "too short": (b"\x05\x00\x00", "header too small"),
+    "not json": (encode_raw(b"{not json}", b""), "invalid JSON"),
+    "not utf-8": (encode_raw(b'{"\xff": 1}', b""), "invalid UTF-8"),
+    "not an object": (encode_raw([1, 2], b""), "invalid JSON"),
     "duplicate names": (encode_raw(b'{"a":' + json.dumps(t("U8", [1], 0, 1)).encode() + b',"a":'
-                                   + json.dumps(t("U8", [1], 1, 2)).encode() + b"}", b"\x00\x00"), "duplicate key"),
-    "NaN constant": (encode_raw(b'{"__metadata__": {"x": NaN}}', b""), "non-standard JSON constant"),
-    "bad metadata": (encode_raw({"__metadata__": {"x": 1}}, b""), "__metadata__ must be"),
-    "deep nesting": (encode_raw(b"[" * 100_000 + b"]" * 100_000, b""), "not valid UTF-8 JSON"),
+                                   + json.dumps(t("U8", [1], 1, 2)).encode() + b"}", b"\x00\x00"), "invalid offset"),
+    "NaN constant": (encode_raw(b'{"__metadata__": {"x": NaN}}', b""), "invalid JSON"),
+    "bad metadata": (encode_raw({"__metadata__": {"x": 1}}, b""), "invalid JSON"),
+    "deep nesting": (encode_raw(b"[" * 100_000 + b"]" * 100_000, b""), "invalid JSON"),
 }
 
 
-@pytest.mark.unit
-@pytest.mark.parametrize("case", sorted(LIES))
-def test_decode_rejects_lying_headers_fast_and_small(case: str) -> None:
-    buf, message = LIES[case]
-    tracemalloc.start()
-    t0 = time.perf_counter()
-    try:
-        with pytest.raises(CheckpointError, match=message):
-            ck.decode_safetensors(buf)
-        elapsed = time.perf_counter() - t0
-        _, peak = tracemalloc.get_traced_memory()
-    finally:
-        tracemalloc.stop()
-    assert elapsed < 2.0, f"{case}: took {elapsed:.2f} s"
-    assert peak < 20 * len(buf) + (4 << 20), f"{case}: peak {peak} bytes for a {len(buf)}-byte buffer"
-
-
-# -------------------------------------------------------------------------------------------------
-# fallback past bad checkpoints
-
 def two_checkpoints(root: Path) -> tuple[Path, Path]:
-    old = ck.save(root, 1, {"x": ck.from_numpy(np.arange(1000, dtype=np.float32))}, {"n": 1})
-    new = ck.save(root, 2, {"x": ck.from_numpy(np.arange(1000, dtype=np.float32) * 2)}, {"n": 2})
+    old = ck.save(root, 1, {"x": np.arange(1000, dtype=np.float32)}, {"n": 1})
+    new = ck.save(root, 2, {"x": np.arange(1000, dtype=np.float32) * 2}, {"n": 2})
     return old, new
 
 
 def assert_falls_back(root: Path, bad: Path, reason: str) -> None:
     loaded = ck.load_latest(root)
     assert loaded is not None and loaded.step == 1 and loaded.meta == {"n": 1}
-    np.testing.assert_array_equal(ck.to_numpy(loaded.tensors["x"]), np.arange(1000, dtype=np.float32))
+    np.testing.assert_array_equal(loaded.tensors["x"], np.arange(1000, dtype=np.float32))
     assert [p for p, _ in loaded.skipped] == [bad]
     assert reason in loaded.skipped[0][1], loaded.skipped
-
-
-def flip(path: Path, offset: int) -> None:
-    raw = bytearray(path.read_bytes())
-    raw[offset] ^= 0x01
-    path.write_bytes(bytes(raw))
 
 
 def rewrite_manifest(ckpt: Path) -> None:
@@ -256,6 +235,29 @@ def rewrite_manifest(ckpt: Path) -> None:
              for n in ("tensors.safetensors", "meta.json")}
     step = int(ckpt.name.split("-")[1])
     (ckpt / "MANIFEST.json").write_text(json.dumps({"format": 1, "step": step, "files": files}))
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("case", sorted(LIES))
+def test_a_lying_header_with_a_matching_manifest_is_refused_fast(tmp_path: Path, case: str) -> None:
+    buf, message = LIES[case]
+    _, new = two_checkpoints(tmp_path)
+    (new / "tensors.safetensors").write_bytes(buf)
+    rewrite_manifest(new)
+    t0 = time.perf_counter()
+    assert_falls_back(tmp_path, new, "tensors.safetensors")
+    assert time.perf_counter() - t0 < 2.0
+    loaded = ck.load_latest(tmp_path)
+    assert loaded is not None and message in loaded.skipped[0][1], loaded.skipped
+
+
+# -------------------------------------------------------------------------------------------------
+# fallback past bad checkpoints
+
+def flip(path: Path, offset: int) -> None:
+    raw = bytearray(path.read_bytes())
+    raw[offset] ^= 0x01
+    path.write_bytes(bytes(raw))
 
 
 @pytest.mark.unit
@@ -290,9 +292,9 @@ def test_truncated_file_falls_back(tmp_path: Path) -> None:
     ("meta not object", "meta.json is not a JSON object"),
     ("meta missing", "No such file or directory"),
     ("manifest garbage", "MANIFEST.json is not valid UTF-8 JSON"),
+    ("manifest duplicate key", "duplicate key"),
     ("manifest wrong step", "does not match directory step 2"),
     ("manifest wrong format", "format 2 is not 1"),
-    ("header lies, hashes agree", "overlaps"),
 ])
 def test_other_damage_falls_back(tmp_path: Path, damage: str, reason: str) -> None:
     _, new = two_checkpoints(tmp_path)
@@ -304,14 +306,12 @@ def test_other_damage_falls_back(tmp_path: Path, damage: str, reason: str) -> No
         (new / "meta.json").unlink()
     elif damage == "manifest garbage":
         (new / "MANIFEST.json").write_bytes(b"\x00garbage")
+    elif damage == "manifest duplicate key":
+        (new / "MANIFEST.json").write_text('{"step": 2, "step": 2}')
     elif damage == "manifest wrong step":
         (new / "MANIFEST.json").write_text(json.dumps({**manifest, "step": 3}))
-    elif damage == "manifest wrong format":
-        (new / "MANIFEST.json").write_text(json.dumps({**manifest, "format": 2}))
     else:
-        buf = encode_raw({"a": t("F32", [2], 0, 8), "b": t("F32", [2], 4, 12)}, b"\x00" * 12)
-        (new / "tensors.safetensors").write_bytes(buf)
-        rewrite_manifest(new)
+        (new / "MANIFEST.json").write_text(json.dumps({**manifest, "format": 2}))
     assert_falls_back(tmp_path, new, reason)
 
 
@@ -381,7 +381,8 @@ def test_disk_full_keeps_previous_checkpoint(small_tmpfs: Path) -> None:
     assert str(root) in str(err.value) and "intact" in str(err.value)
     assert tmp_dirs(root) == []
     loaded = ck.load_latest(root)
-    assert loaded is not None and loaded.step == 1 and loaded.tensors == small(1, 16 << 10) and loaded.skipped == []
+    assert loaded is not None and loaded.step == 1 and loaded.skipped == []
+    assert_same(loaded.tensors, small(1, 16 << 10))
 
 
 def test_disk_full_at_every_point_of_a_save(small_tmpfs: Path) -> None:
@@ -404,7 +405,8 @@ def test_disk_full_at_every_point_of_a_save(small_tmpfs: Path) -> None:
         assert tmp_dirs(root) == []
         loaded = ck.load_latest(root)
         assert loaded is not None and loaded.skipped == []
-        assert (loaded.step, loaded.tensors, loaded.meta) == (1, small(1, 8 << 10), {"step": 1})
+        assert (loaded.step, loaded.meta) == (1, {"step": 1})
+        assert_same(loaded.tensors, small(1, 8 << 10))
     assert failed_in == {"tensors.safetensors", "meta.json", "MANIFEST.json"}
 
 
@@ -412,15 +414,14 @@ def test_disk_full_at_every_point_of_a_save(small_tmpfs: Path) -> None:
 # kill -9 during a write
 
 def spawn_writer(root: Path, start: int) -> subprocess.Popen[bytes]:
-    return subprocess.Popen([sys.executable, "-I", "-S", str(WRITER), str(MODULE), str(root), str(start)],
+    return subprocess.Popen([sys.executable, "-I", str(WRITER), str(MODULE), str(root), str(start)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL)
 
 
 def verify(loaded: ck.Loaded) -> None:
-    want = checkpoint_writer.tensors(ck, loaded.step)
-    assert loaded.tensors == want, f"step {loaded.step}: tensor contents do not match their step"
+    assert_same(loaded.tensors, checkpoint_writer.tensors(loaded.step))
     assert loaded.meta == checkpoint_writer.meta(loaded.step)
-    assert hashlib.sha256(loaded.tensors["w"].data).hexdigest() == loaded.meta["sha256"]
+    assert hashlib.sha256(loaded.tensors["w"].tobytes()).hexdigest() == loaded.meta["sha256"]
 
 
 @pytest.mark.multiproc
@@ -428,14 +429,14 @@ def verify(loaded: ck.Loaded) -> None:
 def test_kill_9_during_writes_always_leaves_a_verified_checkpoint(tmp_path: Path) -> None:
     iterations, rng = 200, random.Random(1234)
     root = tmp_path / "ckpts"
-    ck.save(root, 0, checkpoint_writer.tensors(ck, 0), checkpoint_writer.meta(0))
+    ck.save(root, 0, checkpoint_writer.tensors(0), checkpoint_writer.meta(0))
     newest_durable, mid_write, unreported, errors, t0 = 0, 0, 0, [], time.monotonic()
     for i in range(iterations):
         proc = spawn_writer(root, (i + 1) * 1000)
         try:
             assert proc.stdout is not None and proc.stderr is not None
             ready = proc.stdout.readline().split()
-            assert ready == [b"ready", b"False", b"False"], (ready, proc.stderr.read())
+            assert ready == [b"ready", b"False"], (ready, proc.stderr.read())
             time.sleep(rng.uniform(0.0, 0.05))
             assert proc.poll() is None, f"writer died on its own: {proc.stderr.read().decode()}"
             proc.kill()
@@ -458,7 +459,7 @@ def test_kill_9_during_writes_always_leaves_a_verified_checkpoint(tmp_path: Path
         newest_durable = loaded.step
         verify(loaded)
     assert errors == []
-    ck.save(root, 10**9, checkpoint_writer.tensors(ck, 0), checkpoint_writer.meta(0), keep=1)
+    ck.save(root, 10**9, checkpoint_writer.tensors(0), checkpoint_writer.meta(0), keep=1)
     assert tmp_dirs(root) == [] and len(ck.list_checkpoints(root)) == 1
     print(f"\nkill -9: {iterations}/{iterations} verified; {mid_write} kills landed mid-write and load_latest "
           f"fell back past the partial write; {unreported} loaded a checkpoint whose save() never returned; "
@@ -467,7 +468,48 @@ def test_kill_9_during_writes_always_leaves_a_verified_checkpoint(tmp_path: Path
 
 
 # -------------------------------------------------------------------------------------------------
-# hygiene
+# without safetensors; hygiene
+
+def run_without_safetensors(code: str) -> subprocess.CompletedProcess[str]:
+    """`code` in a fresh interpreter where `import safetensors` fails, as it does when it is not installed."""
+    prelude = "import sys; sys.modules['safetensors'] = None\n"
+    return subprocess.run([sys.executable, "-c", prelude + code], capture_output=True, text=True, timeout=60)
+
+
+def test_without_safetensors_saving_and_loading_say_how_to_install_it(tmp_path: Path) -> None:
+    ck.save(tmp_path / "full", 1, small(1), {})
+    out = run_without_safetensors(f"""
+import numpy as np
+from pathlib import Path
+from diloco.checkpoint import CheckpointError, load_latest, save
+assert load_latest(Path({str(tmp_path / 'empty')!r})) is None  # nothing to load needs no package
+for attempt in (lambda: save(Path({str(tmp_path / 'new')!r}), 1, {{"x": np.zeros(2)}}, {{}}),
+                lambda: load_latest(Path({str(tmp_path / 'full')!r}))):
+    try:
+        attempt()
+    except CheckpointError as e:
+        print(e)
+""")
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert len(lines) == 2 and all('safetensors package, which is not installed: pip install "diloco[checkpoint]"'
+                                   in line for line in lines), lines
+    assert not (tmp_path / "new").exists()
+
+
+def test_without_safetensors_a_run_with_checkpoints_stops_before_it_starts(tmp_path: Path) -> None:
+    out = run_without_safetensors(f"""
+from diloco.config import ConfigError
+from diloco.train import JobConfig
+JobConfig()  # no checkpoints: nothing needed
+try:
+    JobConfig(checkpoint_dir={str(tmp_path)!r})
+except ConfigError as e:
+    print(e)
+""")
+    assert out.returncode == 0, out.stderr
+    assert 'pip install "diloco[checkpoint]"' in out.stdout and "--checkpoint-dir" in out.stdout
+
 
 @pytest.mark.unit
 def test_no_pickle_and_no_torch_import() -> None:
@@ -479,7 +521,6 @@ def test_no_pickle_and_no_torch_import() -> None:
 def test_module_loads_standalone_without_torch_or_numpy() -> None:
     code = ("import importlib.util, sys; s = importlib.util.spec_from_file_location('c', sys.argv[1]); "
             "m = importlib.util.module_from_spec(s); sys.modules['c'] = m; s.loader.exec_module(m); "
-            "print(sorted(k for k in ('torch', 'numpy') if k in sys.modules))")
+            "print(sorted(k for k in ('torch', 'numpy', 'safetensors') if k in sys.modules))")
     out = subprocess.run([sys.executable, "-I", "-S", "-c", code, str(MODULE)], capture_output=True, check=True)
     assert out.stdout.strip() == b"[]"
-

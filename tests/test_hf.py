@@ -109,3 +109,10 @@ def _address(path: Path, proc: subprocess.Popen, timeout: float = 120) -> str:
         assert time.monotonic() < deadline and proc.poll() is None, "the first peer never wrote its address"
         time.sleep(0.1)
     return path.read_text().split()[0]
+
+
+def test_without_transformers_the_import_names_the_extra():
+    code = ("import sys; sys.modules['transformers'] = None\n"
+            "try:\n    import diloco.hf\nexcept ImportError as e:\n    print(e)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and 'pip install "diloco[hf]"' in out.stdout, (out.stdout, out.stderr)

@@ -309,3 +309,32 @@ def test_a_restarted_lone_site_resumes_from_its_checkpoint(sites, tmp_path):
     assert after >= before, (before, after)  # resumed at its last checkpoint (every round), not at round 1
     sites.procs[0].send_signal(signal.SIGTERM)
     assert sites.procs[0].wait(timeout=60) == 128 + signal.SIGTERM, sites.log(0)  # the command's status
+
+
+@pytest.mark.timeout(240)
+def test_a_launched_site_logs_to_tensorboard_and_wandb_from_its_leader_only(sites, tmp_path):
+    """`--tensorboard DIR --wandb PROJECT` reach the user's command through its environment: the site's
+    voice (rank 0 of a 2-rank torchrun group) logs every round and its final line to one TensorBoard run
+    and one W&B run (offline: no API key); the other rank writes only its final JSON line."""
+    from test_sinks import tensorboard_scalars
+    from wandb_offline import history, run_info
+
+    sites.env = {k: v for k, v in sites.env.items() if not k.startswith("WANDB_")}
+    sites.env.update(WANDB_DIR=str(tmp_path), WANDB_CONFIG_DIR=str(tmp_path / "wbconfig"), HOME=str(tmp_path),
+                     WANDB_SILENT="true")
+    sites.launch(0, ["start", "--tensorboard", str(tmp_path / "tb"), "--wandb", "diloco-site"],
+                 [*_torchrun(2), SCRIPT, "--rounds", "3", "--inner-steps", "5"])
+    assert sites.procs[0].wait(timeout=200) == 0, sites.log(0)
+    rounds, finals = sites.lines(0, "round"), sites.lines(0, "final")
+    assert len(finals) == 2 and rounds, (rounds, finals)  # the JSON lines are as before
+    (peer,) = {r["peer"] for r in rounds}
+    assert [p.name for p in (tmp_path / "tb").iterdir()] == [peer]  # the leader's run, no other rank's
+    tb = tensorboard_scalars(tmp_path / "tb" / peer)
+    assert [step for step, _ in tb["round/round"]] == [r["step"] for r in rounds]
+    assert [value for _, value in tb["round/bytes_sent"]] == [float(r["bytes_sent"]) for r in rounds]
+    assert [value for _, value in tb["final/round"]] == [3.0]
+    (run,) = (tmp_path / "wandb").glob("offline-run-*")
+    assert [row["round/round"] for row in history(run) if "round/round" in row] == [r["round"] for r in rounds]
+    info = run_info(run)
+    assert (info.display_name, info.run_group, info.project) == (peer, sites.run_id, "diloco-site")
+    assert "secret" not in {item.key for item in info.config.update}

@@ -206,6 +206,34 @@ def test_parse_record_rejects_malformed(name):
     assert parse_record("p1", BAD_VALUES[name]) is None
 
 
+def test_bandwidth_and_utilization_round_trip_and_bad_values_are_taken_as_unknown():
+    """Fields only `diloco status` shows: a malformed one (a buggy or hostile writer) becomes unknown and
+    the record stays (membership never depends on them); a record of an older peer has none."""
+    r = parse_record("p1", {**VALID, "bytes_sent": 10**9, "bytes_received": 7, "utilization": 0.93})
+    assert (r.bytes_sent, r.bytes_received, r.utilization) == (10**9, 7, 0.93)
+    assert parse_record("p1", r.to_wire()) == r
+    old = parse_record("p1", dict(VALID))
+    assert (old.bytes_sent, old.bytes_received, old.utilization) == (0, 0, None)
+    for bad in ({"bytes_sent": -1}, {"bytes_sent": 2**70}, {"bytes_sent": True}, {"bytes_received": 1.5},
+                {"bytes_received": "9"}, {"utilization": 1.5}, {"utilization": -0.1}, {"utilization": math.nan},
+                {"utilization": "0.9"}, {"utilization": True}, {"bytes_sent": [1] * 10**4}):
+        got = parse_record("p1", {**VALID, **bad})
+        assert got is not None and (got.bytes_sent, got.bytes_received, got.utilization) == (0, 0, None), bad
+        assert got.round == 3 and got.digest == "abcd"  # the rest of the record is as sent
+
+
+def test_a_record_with_every_field_at_its_limit_stays_small():
+    import msgpack
+
+    big = PeerRecord(peer="p" * 52, status="training", round=2**62, attempt=2**62, digest="x" * 64, step=2**62,
+                     loss=1e300, addrs=tuple("/" + "a" * 500 for _ in range(16)),
+                     recent=tuple((2**62, "x" * 64) for _ in range(8)), banned=tuple("p" * 128 for _ in range(64)),
+                     bytes_sent=2**62, bytes_received=2**62, utilization=1.0)
+    without = PeerRecord(**{**big.__dict__, "bytes_sent": 0, "bytes_received": 0, "utilization": None})
+    added = len(msgpack.packb(big.to_wire())) - len(msgpack.packb(without.to_wire()))
+    assert added <= 3 * 9  # the new fields cost at most 27 bytes of a record
+
+
 def test_parse_record_limits_are_inclusive():
     assert parse_record("p1", {**VALID, "addrs": ["/a"] * 16}) is not None
     assert parse_record("p1", {**VALID, "digest": "x" * 64}) is not None

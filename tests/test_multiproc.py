@@ -336,12 +336,37 @@ def _logged_at(line: str) -> float:
 
 def test_demo_reports_agreement_memory_and_round_time(tmp_path):
     """`diloco demo` (B6's real-swarm half uses it at 8 peers): the summary says the peers agree, and
-    carries each peer's peak resident memory (process and daemon) and the median round time."""
+    carries each peer's peak resident memory (process and daemon) and the median round time. Every peer
+    also logs to TensorBoard and to W&B (offline: no API key), and `diloco plot` draws the run."""
+    from test_plot import C0, C1, has_colour, pixels
+    from test_sinks import tensorboard_scalars
+    from wandb_offline import history
+
+    from diloco.metrics import read_jsonl
+
     out = tmp_path / "demo.json"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}
+    env.update(WANDB_DIR=str(tmp_path), WANDB_CONFIG_DIR=str(tmp_path / "wbconfig"), HOME=str(tmp_path),
+               WANDB_SILENT="true")
     proc = subprocess.run([sys.executable, "-m", "diloco", "demo", "--peers", "2", "--rounds", "2", "-H", "3",
                            "--d-model", "32", "--layers", "1", "--batch-size", "4", "--no-live", "--json", str(out),
-                           "--workdir", str(tmp_path / "w")], capture_output=True, text=True, timeout=180)
+                           "--workdir", str(tmp_path / "w"), "--metrics", str(tmp_path / "demo.jsonl"),
+                           "--tensorboard", str(tmp_path / "tb"), "--wandb", "diloco-demo"],
+                          capture_output=True, text=True, timeout=180, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    peers = {line["peer"] for line in read_jsonl(tmp_path / "demo.jsonl") if line["event"] == "round"}
+    assert len(peers) == 2 and {p.name for p in (tmp_path / "tb").iterdir()} == peers  # a TensorBoard run per peer
+    for peer in peers:
+        losses = tensorboard_scalars(tmp_path / "tb" / peer)["round/loss"]
+        assert len(losses) >= 2 and all(step > 0 and value > 0 for step, value in losses)
+    runs = sorted((tmp_path / "wandb").glob("offline-run-*"))
+    assert len(runs) == 2 and all(any("round/loss" in row for row in history(run)) for run in runs)
+    plotted = subprocess.run([sys.executable, "-m", "diloco", "plot", str(tmp_path / "demo.jsonl"), "--out",
+                              str(tmp_path / "plots")], capture_output=True, text=True, timeout=60)
+    assert plotted.returncode == 0, plotted.stderr
+    for name in ("loss-vs-tokens.png", "loss-vs-bytes.png", "loss-vs-time.png"):
+        img = pixels(tmp_path / "plots" / name)
+        assert has_colour(img, C0) and has_colour(img, C1), name  # both peers' curves
     summary = json.loads(out.read_text())
     assert summary["ok"] and summary["digests_agree"] and summary["rounds"] == 2
     assert (summary["compression_spec"], summary["compression"]) == ("e3m0", "e3m0:0")  # as given; canonical

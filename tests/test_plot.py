@@ -1,70 +1,122 @@
-"""PNG line plots without a plotting library: the file is a valid PNG that shows what was drawn."""
+"""Plots (diloco/plot.py, drawn by matplotlib) and `diloco plot` (diloco/curves.py): the PNG shows every
+series, Greek letters render, a run's metrics lines become curves against tokens, bytes and time, and
+a missing matplotlib is named with its install line."""
 
 from __future__ import annotations
 
-import struct
-import zlib
+import json
+import subprocess
+import sys
+import warnings
+from pathlib import Path
 
+import numpy as np
 import pytest
+from typer.testing import CliRunner
 
-from diloco.plot import BLACK, COLORS, WHITE, Canvas, Series, line_plot, nice_ticks, render
+from diloco.cli import app
+from diloco.curves import Run, check, plot_runs, series, token_axis
+from diloco.plot import PlotError, Series, drawable, line_plot
 
 pytestmark = pytest.mark.unit
 
-
-def _read_png(data: bytes) -> tuple[int, int, list[bytes]]:
-    """Width, height and RGB rows of an 8-bit RGB PNG whose rows use filter 0 (what write_png writes)."""
-    assert data[:8] == b"\x89PNG\r\n\x1a\n"
-    pos, chunks = 8, {}
-    while pos < len(data):
-        (n,) = struct.unpack(">I", data[pos:pos + 4])
-        kind, body = data[pos + 4:pos + 8], data[pos + 8:pos + 8 + n]
-        assert struct.unpack(">I", data[pos + 8 + n:pos + 12 + n])[0] == zlib.crc32(kind + body) & 0xFFFFFFFF
-        chunks[kind] = chunks.get(kind, b"") + body
-        pos += 12 + n
-    w, h, depth, color = struct.unpack(">IIBB", chunks[b"IHDR"][:10])
-    assert (depth, color) == (8, 2) and b"IEND" in chunks
-    raw = zlib.decompress(chunks[b"IDAT"])
-    rows = [raw[y * (3 * w + 1):(y + 1) * (3 * w + 1)] for y in range(h)]
-    assert all(r[0] == 0 for r in rows)
-    return w, h, [r[1:] for r in rows]
+C0, C1 = (0x1F, 0x77, 0xB4), (0xFF, 0x7F, 0x0E)  # matplotlib's first two line colours
 
 
-def test_a_plot_is_a_valid_png_with_every_series_drawn(tmp_path):
-    path = tmp_path / "p.png"
-    line_plot(path, [Series("A", [1, 2, 3], [3.0, 2.0, 1.0]), Series("B", [1, 3], [1.0, 3.0])],
-              x_label="TOKENS", y_label="LOSS")
-    w, h, rows = _read_png(path.read_bytes())
-    assert (w, h) == (720, 440)
-    pixels = {bytes(r[i:i + 3]) for r in rows for i in range(0, len(r), 3)}
-    assert {bytes(COLORS[0]), bytes(COLORS[1]), bytes(BLACK), bytes(WHITE)} <= pixels
+def pixels(path: Path) -> np.ndarray:
+    from matplotlib.image import imread
+
+    img = imread(path)
+    return (np.asarray(img[..., :3]) * 255).round().astype(int)
 
 
-def test_points_land_where_the_axes_say():
-    c = render([Series("A", [0, 10], [0.0, 10.0])], width=300, height=200)
-    # the first point is drawn at the lower left of the plot area, the last at the upper right
-    def color(x: int, y: int) -> tuple[int, ...]:
-        i = 3 * (y * c.width + x)
-        return tuple(c.pixels[i:i + 3])
-    lit = [(x, y) for y in range(c.height) for x in range(c.width) if color(x, y) == COLORS[0]]
-    xs, ys = [x for x, _ in lit if x > 60], [y for x, y in lit if x > 60]  # skip the legend swatch
-    assert min(xs) <= 72 and max(xs) >= 278  # spans the plot area (left edge 70, right 280)
-    assert min(ys) <= 35  # reaches the top (with 5% padding)
+def has_colour(img: np.ndarray, rgb: tuple[int, int, int]) -> bool:
+    return bool((np.abs(img - np.array(rgb)).sum(axis=-1) <= 6).sum() > 20)
 
 
-def test_nice_ticks_cover_the_range_with_round_steps():
-    assert nice_ticks(0, 10) == [0, 2, 4, 6, 8, 10]
-    assert nice_ticks(1.6, 2.6) == pytest.approx([1.6, 1.8, 2.0, 2.2, 2.4, 2.6])
-    assert nice_ticks(3, 3) == [3]
+def test_a_plot_is_a_png_showing_every_series_with_greek_labels(tmp_path: Path) -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a glyph missing from the font is a warning: fail on it
+        path = line_plot(tmp_path / "sub" / "p.png",
+                         [Series("Streaming P=2, τ=1, α=0.5", [1, 2, 3], [3.0, 2.0, 1.0]),
+                          Series("DiLoCo H=50", [1, 3], [1.0, 3.0])],
+                         x_label="tokens seen", y_label="held-out loss", x_unit="", title="loss vs tokens")
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    img = pixels(path)
+    assert img.shape == (600, 960, 3)
+    assert has_colour(img, C0) and has_colour(img, C1)
 
 
-def test_text_uses_the_built_in_font():
-    c = Canvas(40, 20)
-    c.text(0, 0, "1", scale=1)
-    lit = {(x, y) for y in range(5) for x in range(3) if c.pixels[3 * (y * 40 + x)] == 0}
-    assert lit == {(1, 0), (0, 1), (1, 1), (1, 2), (1, 3), (0, 4), (1, 4), (2, 4)}  # the glyph "1"
+def test_log_axis_drops_points_it_cannot_show_and_nothing_left_is_an_error(tmp_path: Path) -> None:
+    kept = drawable([Series("a", [0, 10, 100], [1.0, float("nan"), 2.0]), Series("b", [0], [1.0])], log_x=True)
+    assert kept == [Series("a", [100], [2.0])]
+    with pytest.raises(PlotError, match="nothing to plot"):
+        line_plot(tmp_path / "p.png", [Series("a", [], [])])
+    assert not (tmp_path / "p.png").exists()
 
 
-def test_nothing_to_plot_is_an_error():
-    with pytest.raises(ValueError, match="nothing to plot"):
-        render([Series("A", [], [])])
+def round_line(peer: str, t: float, step: int, loss: float | None, sent: int, recv: int, **kw) -> dict:
+    return {"event": "round", "peer": peer, "time": t, "step": step, "loss": loss, "bytes_sent": sent,
+            "bytes_received": recv, **kw}
+
+
+def test_a_runs_lines_become_curves_against_tokens_bytes_and_time() -> None:
+    run = Run("demo", [
+        round_line("A", 100.0, 10, 5.0, 100, 50, tokens=1280),
+        round_line("B", 101.0, 10, 5.5, 10, 10, tokens=1280),
+        {"event": "final", "peer": "A", "time": 99.0},           # not a round line, but the run's first time
+        round_line("A", 104.0, 20, None, 100, 50, tokens=2560),   # no loss: its bytes still count
+        round_line("A", 108.0, 30, 4.0, 100, 50, tokens=3840),
+    ])
+    assert token_axis([run]) == "tokens"
+    assert series([run], "loss", "tokens") == [Series("demo A", [1280, 3840], [5.0, 4.0]),
+                                               Series("demo B", [1280], [5.5])]
+    assert series([run], "loss", "bytes")[0] == Series("demo A", [150, 450], [5.0, 4.0])
+    assert series([run], "loss", "time")[0] == Series("demo A", [1.0, 9.0], [5.0, 4.0])
+    own_script = Run("mine", [round_line("A", 1.0, 5, 3.0, 1, 1)])  # a launched worker: no tokens
+    assert token_axis([run, own_script]) == "step"
+    assert series([own_script], "loss", "step") == [Series("mine", [5], [3.0])]  # one peer: the run's name
+
+
+def test_a_run_without_the_metric_is_named() -> None:
+    with pytest.raises(PlotError, match="'eval_loss' in b:"):
+        check([Run("a", [round_line("A", 1.0, 5, 3.0, 1, 1, eval_loss=2.0)]),
+               Run("b", [round_line("A", 1.0, 5, 3.0, 1, 1), {"event": "final", "eval_loss": 2.0}])], "eval_loss")
+
+
+def test_diloco_plot_writes_three_pngs_and_names_bad_input(tmp_path: Path) -> None:
+    run = tmp_path / "run.jsonl"
+    run.write_text("".join(json.dumps(round_line("A", 100.0 + i, 10 * i, 5.0 - i / 10, 1000 * i, 900 * i,
+                                                 tokens=1280 * i)) + "\n" for i in range(1, 6))
+                   + '{"event": "round", "lo')  # a last line cut short, as a live run's may be
+    out = CliRunner().invoke(app, ["plot", str(run), "--out", str(tmp_path / "plots")])
+    assert out.exit_code == 0, out.output
+    names = ["loss-vs-tokens.png", "loss-vs-bytes.png", "loss-vs-time.png"]
+    assert sorted(p.name for p in (tmp_path / "plots").iterdir()) == sorted(names)
+    assert all(has_colour(pixels(tmp_path / "plots" / n), C0) for n in names)
+    missing = CliRunner().invoke(app, ["plot", str(tmp_path / "nope.jsonl")])
+    assert missing.exit_code == 2 and "no such metrics file" in missing.output
+    wrong = CliRunner().invoke(app, ["plot", str(run), "--metric", "eval_loss", "--out", str(tmp_path / "x")])
+    assert wrong.exit_code == 2 and "--eval-every" in wrong.output
+
+
+def test_without_matplotlib_the_install_line_is_named(tmp_path: Path) -> None:
+    run = tmp_path / "run.jsonl"
+    run.write_text(json.dumps(round_line("A", 1.0, 5, 3.0, 1, 1)) + "\n")
+    code = ("import sys; sys.modules['matplotlib'] = None\n"
+            "from diloco.cli import main\n"
+            f"main(['plot', {str(run)!r}, '--out', {str(tmp_path / 'p')!r}])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2, out.stderr
+    assert 'matplotlib, which is not installed: pip install "diloco[plot]"' in out.stderr
+    assert not (tmp_path / "p").exists()
+
+
+def test_b1_plots_are_redrawn_from_a_saved_result(tmp_path: Path) -> None:
+    saved = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "convergence-2026-11-23.json"
+    out = CliRunner().invoke(app, ["bench", "convergence", "--plots", str(tmp_path), "--replot", str(saved)])
+    assert out.exit_code == 0, out.output
+    for name in ("b1-loss-vs-tokens.png", "b1-loss-vs-bytes.png"):
+        img = pixels(tmp_path / name)
+        assert has_colour(img, C0) and has_colour(img, C1)
+    assert CliRunner().invoke(app, ["bench", "convergence", "--replot", str(saved)]).exit_code == 2

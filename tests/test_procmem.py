@@ -1,4 +1,5 @@
-"""diloco/procmem.py: resident memory of a process and of everything below it, from /proc."""
+"""diloco/procmem.py: resident memory of a process and of everything below it, and its open files,
+through psutil and through the /proc fallback used where psutil is not installed."""
 
 from __future__ import annotations
 
@@ -6,28 +7,91 @@ import os
 import subprocess
 import sys
 import time
+from typing import Iterator
 
 import pytest
 
-from diloco.procmem import family_rss_mib, rss_mib
+from diloco import procmem
 
 pytestmark = pytest.mark.unit
 
 
-def test_a_family_counts_its_children_and_a_gone_process_counts_nothing():
-    child = subprocess.Popen([sys.executable, "-c", "import time; b = bytearray(64 << 20); time.sleep(30)"],
-                             stdout=subprocess.PIPE)
+@pytest.fixture(params=["psutil", "proc"])
+def backend(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Every test runs twice: with psutil (installed by the test extra) and with the /proc reader."""
+    assert procmem.psutil is not None, 'the test extra installs psutil: pip install -e ".[test]"'
+    if request.param == "proc":
+        monkeypatch.setattr(procmem, "psutil", None)
+    return str(request.param)
+
+
+@pytest.fixture
+def child() -> Iterator[subprocess.Popen[bytes]]:
+    """A child process holding 64 MiB it has touched, with a grandchild of its own."""
+    code = ("import subprocess, sys, time; b = bytearray(64 << 20); "
+            "g = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(30)']); "
+            "print(g.pid, flush=True); time.sleep(30)")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE)
     try:
-        own, alone = rss_mib([os.getpid()]), rss_mib([child.pid])
+        yield proc
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_a_family_counts_its_children_and_a_gone_process_counts_nothing(backend: str, child) -> None:
+    grandchild = int(child.stdout.readline())
+    try:
+        own, alone = procmem.rss_mib([os.getpid()]), procmem.rss_mib([child.pid])
         deadline = time.monotonic() + 20
         while alone < 64:  # until the child has touched its 64 MiB
             assert time.monotonic() < deadline and child.poll() is None, alone
             time.sleep(0.05)
-            alone = rss_mib([child.pid])
-        family, just_child = family_rss_mib([os.getpid(), child.pid])
-        assert own > 10 and just_child >= 64
+            alone = procmem.rss_mib([child.pid])
+        assert set(procmem.family(child.pid)) == {child.pid, grandchild}
+        family, just_child = procmem.family_rss_mib([os.getpid(), child.pid])
+        assert own > 10 and just_child >= 64 + 3  # the grandchild's interpreter is counted too
         assert family >= own + 64 - 5  # ours (which may have moved a little since) plus the child's
     finally:
+        os.kill(grandchild, 9)
         child.kill()
         child.wait()
-    assert rss_mib([child.pid]) == 0 and family_rss_mib([child.pid]) == [0.0]
+    assert procmem.rss_mib([child.pid]) == 0 and procmem.family_rss_mib([child.pid]) == [0.0]
+    assert procmem.family(child.pid) == []
+
+
+def test_open_files_are_counted(backend: str, tmp_path) -> None:
+    before = procmem.open_fds(os.getpid())
+    files = [open(tmp_path / f"f{i}", "w") for i in range(5)]
+    try:
+        assert procmem.open_fds(os.getpid()) == before + 5
+    finally:
+        for f in files:
+            f.close()
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    assert procmem.open_fds(dead.pid) == 0
+
+
+def test_both_readers_agree_on_a_process() -> None:
+    assert procmem.psutil is not None
+    with_psutil = procmem.rss_mib([os.getpid()])
+    from_proc = procmem._proc.rss_kib([os.getpid()]) / 1024
+    assert abs(with_psutil - from_proc) < 8, (with_psutil, from_proc)
+
+
+def test_processes_are_found_by_name(backend: str, child) -> None:
+    grandchild = int(child.stdout.readline())
+    try:
+        family = procmem.family(child.pid)
+        python = os.path.basename(sys.executable)[:15]  # the name it was started by; the kernel keeps 15 characters
+        assert set(procmem.named(family, python)) == {child.pid, grandchild}
+        assert procmem.named(family, "p2pd") == []
+    finally:
+        os.kill(grandchild, 9)
+
+
+def test_peak_memory_of_this_process_is_at_least_what_it_holds_now() -> None:
+    held = bytearray(32 << 20)
+    held[::4096] = b"x" * len(held[::4096])  # touch every page
+    assert procmem.peak_rss_mib() >= procmem.rss_mib([os.getpid()]) - 1 >= 32

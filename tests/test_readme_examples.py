@@ -14,12 +14,14 @@ What each command does here:
   `--link`). Commands that differ from one already run only in their option values (or that play the
   same fault plan) are parsed and validated, then stopped at the run.
 - `bench convergence` (its smallest budget is 500 inner steps, about 20 s here; the real run at test
-  size is tests/test_bench_convergence.py), `start`, `join`, `status`, `demo` (real peers,
+  size is tests/test_bench_convergence.py), `start`, `join`, `status` (and `status --watch`), `demo` (real peers,
   tests/test_multiproc.py), `start/join ... -- CMD` (the launcher, tests/test_launcher.py), `bench
   overlap` (root and network namespaces, tests/test_bench_overlap.py), `bench flood` (real daemons,
   tests/test_auth.py), `bench site` (torchrun sites), `bench size` (models of up to 300M parameters,
   tests/test_bench_size.py): parsed and validated by the real command, which
   must get as far as the call that would start the work (then stopped there, before any network I/O).
+- `plot`, `bench convergence --replot` (redraws saved curves): run for real, on a small metrics
+  file (`run.jsonl`) and the saved B1 result.
 - `make X`: the Makefile has target X.
 - a command's bare name (`diloco bench overlap`, `diloco join`): its `--help` works.
 """
@@ -207,6 +209,11 @@ def workdir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     for d in ("benchmarks/results", "docs/img"):
         (tmp_path / d).mkdir(parents=True)
     (tmp_path / "benchmarks" / "poison-plan.json").write_text((ROOT / "benchmarks" / "poison-plan.json").read_text())
+    for saved in ("convergence-2026-11-23.json",):  # what `bench convergence --replot` redraws
+        (tmp_path / "benchmarks" / "results" / saved).write_text((ROOT / "benchmarks" / "results" / saved).read_text())
+    (tmp_path / "run.jsonl").write_text("".join(  # what `diloco plot run.jsonl` draws: a run's round lines
+        '{"event": "round", "peer": "A", "time": %d, "step": %d, "tokens": %d, "loss": %.1f, "bytes_sent": 100, '
+        '"bytes_received": 90}\n' % (100 + i, 10 * i, 1280 * i, 5 - i / 10) for i in range(1, 4)))
     return tmp_path
 
 
@@ -225,7 +232,8 @@ def test_every_documented_command_runs_or_reaches_its_work(workdir: Path, monkey
         seen: list[Any] = []
         with monkeypatch.context() as m:
             m.setattr("diloco.wan.check_privileges", lambda: None)  # bench overlap: stopped before root matters
-            target = LAUNCHED if "--" in argv else STOPPED_AT.get(command)
+            target = LAUNCHED if "--" in argv else None if "--replot" in argv else \
+                "diloco.status.watch" if "--watch" in argv else STOPPED_AT.get(command)
             if target is None and _run_key(argv) in ran:  # the same options were run for real already
                 target = RUN_REDUCED[command]
             if target is not None:

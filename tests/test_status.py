@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import json
 import os
+import pty
 import secrets
+import select
+import signal
 import subprocess
 import sys
 import time
@@ -13,19 +16,57 @@ import pytest
 from multiproc_util import TINY, Peers
 
 from diloco.peers import PeerRecord
-from diloco.status import summarize
+from diloco import statusview
+from diloco.status import Tracker, rates, summarize
 
 
 def test_rows_rate_age_and_order():
-    a0 = PeerRecord(peer="a", status="training", round=3, step=100, beat=1000.0)
-    a1 = PeerRecord(peer="a", status="training", round=3, step=110, beat=1001.5)
-    b1 = PeerRecord(peer="b", status="joining", round=0, step=0)
+    a0 = PeerRecord(peer="a", status="training", round=3, step=100, beat=1000.0, bytes_sent=1000, bytes_received=500)
+    a1 = PeerRecord(peer="a", status="training", round=3, step=110, beat=1002.0, bytes_sent=3000, bytes_received=1500)
+    b0 = PeerRecord(peer="b", status="joining", round=0, step=0)
+    b1 = PeerRecord(peer="b", status="joining", round=0, step=4)
     c1 = PeerRecord(peer="c", status="training", round=4, step=7, beat=1002.0)
-    rows = summarize([a0], [b1, a1, c1], interval=2.0, now=1003.0)
+    rows = summarize([a0, b0], [b1, a1, c1], interval=4.0, now=1003.0)
     assert [r.record.peer for r in rows] == ["c", "a", "b"]  # training first, newest round first
-    assert rows[1].steps_per_second == pytest.approx(5.0) and rows[1].heartbeat_age == pytest.approx(1.5)
-    assert rows[0].steps_per_second is None  # not seen in the first read
-    assert rows[2].heartbeat_age is None  # no heartbeat time in its record
+    a = rows[1]  # rates over the time between its two heartbeats (2 s), not between our reads (4 s)
+    assert a.steps_per_second == pytest.approx(5.0) and a.bytes_per_second == pytest.approx(1500.0)
+    assert a.heartbeat_age == pytest.approx(1.0)
+    assert rows[0].steps_per_second is None and rows[0].bytes_per_second is None  # not seen in the first read
+    assert rows[2].heartbeat_age is None and rows[2].steps_per_second == pytest.approx(1.0)  # no beat: our interval
+    assert rows[2].bytes_per_second is None  # an older peer publishes no byte counters
+
+
+def test_rates_of_a_restarted_peer_are_unknown_not_negative():
+    before = PeerRecord(peer="a", status="training", round=3, step=500, beat=10.0, bytes_sent=9000)
+    after = PeerRecord(peer="a", status="training", round=3, step=20, beat=12.0, bytes_sent=100)
+    assert rates(before, after, 2.0) == (None, None)
+
+
+def test_watch_rates_stand_until_the_next_heartbeat():
+    """Reads come faster than heartbeats: a read that finds the same record keeps the last rates."""
+    t = Tracker()
+    rec = lambda beat, step, sent: PeerRecord(peer="a", status="training", round=1, step=step, beat=beat,  # noqa: E731
+                                              bytes_sent=sent, bytes_received=sent, utilization=0.9)
+    (first,) = t.rows([rec(100.0, 10, 1000)], interval=0.5, now=100.2)
+    assert (first.steps_per_second, first.bytes_per_second) == (None, None)
+    (second,) = t.rows([rec(101.0, 20, 2000)], interval=0.5, now=101.1)
+    assert (second.steps_per_second, second.bytes_per_second) == (10.0, 2000.0)
+    (same,) = t.rows([rec(101.0, 20, 2000)], interval=0.5, now=101.6)
+    assert (same.steps_per_second, same.bytes_per_second) == (10.0, 2000.0)
+    assert same.heartbeat_age == pytest.approx(0.6)
+    (third,) = t.rows([rec(103.0, 24, 2000)], interval=0.5, now=103.1)
+    assert (third.steps_per_second, third.bytes_per_second) == (2.0, 0.0)
+
+
+def test_plain_lines_and_json_show_every_column():
+    row = summarize([], [PeerRecord(peer="12D3KooWx", status="training", round=2, step=40, loss=2.5, beat=99.0,
+                                    bytes_sent=2_000_000, bytes_received=1_000_000, utilization=0.875)], 1.0, 100.0)[0]
+    head, line = statusview.lines([row], "r", 100.0)
+    assert "swarm 'r': 1 training" in head
+    assert all(f"{k} " in line for k in statusview.COLUMNS)
+    assert "util 87.5%" in line and "sent 2.0 MB" in line and "loss 2.500" in line
+    parsed = json.loads(statusview.json_line([row], 100.0))
+    assert parsed["peers"][0]["utilization"] == 0.875 and parsed["peers"][0]["bytes_sent"] == 2_000_000
 
 
 @pytest.mark.multiproc
@@ -57,5 +98,109 @@ def test_status_shows_a_running_peer(tmp_path):
                                  capture_output=True, text=True, timeout=90,
                                  env={k: v for k, v in os.environ.items() if k != "DILOCO_SECRET"})
         assert nothing.returncode == 2 and "--secret-file" in nothing.stderr
+    finally:
+        group.kill_all()
+
+
+def _refreshes(proc: subprocess.Popen, until, timeout: float) -> list[str]:
+    """Lines `proc` prints until `until(lines)` holds (or `timeout` passes: an assertion error)."""
+    lines: list[str] = []
+    deadline = time.monotonic() + timeout
+    while not until(lines):
+        assert time.monotonic() < deadline and proc.poll() is None, (proc.poll(), lines[-20:])
+        ready, _, _ = select.select([proc.stdout], [], [], 0.5)
+        if ready:
+            line = proc.stdout.readline()
+            if line:
+                lines.append(line.rstrip("\n"))
+    return lines
+
+
+def _ctrl_c(proc: subprocess.Popen) -> int:
+    proc.send_signal(signal.SIGINT)
+    return proc.wait(timeout=30)
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(300)
+def test_watch_shows_each_peers_round_loss_bandwidth_and_utilization_live(tmp_path):
+    """Two real peers train; `diloco status ADDR --watch` follows them: every refresh has both peers, their
+    rounds advance between refreshes, their bandwidth and utilization are measured, and Ctrl-C ends it
+    with status 0: as JSON lines, as plain lines into a pipe, and as a live table on a terminal. The first
+    peer also logs to TensorBoard and W&B (`diloco start --tensorboard --wandb`, WANDB_MODE=offline)."""
+    from test_sinks import tensorboard_scalars
+    from wandb_offline import history
+
+    group = Peers(tmp_path, f"sw-{secrets.token_hex(3)}")
+    wandb_env = {"WANDB_DIR": str(tmp_path), "WANDB_CONFIG_DIR": str(tmp_path / "wbconfig"), "HOME": str(tmp_path),
+                 "WANDB_SILENT": "true", "WANDB_MODE": "offline"}
+    try:
+        group.spawn(0, ["start", "--rounds", "1000", "-H", "10", *TINY, "--tensorboard", str(tmp_path / "tb"),
+                        "--wandb", "diloco-start"], env=wandb_env)
+        addr = group.address(0)
+        group.spawn(1, ["join", addr, "--rounds", "1000", "-H", "10", *TINY])
+        deadline = time.monotonic() + 90
+        while not [r for r in group.lines(1, "round") if r["committed"] and r["peers"] == 2]:  # training together
+            assert time.monotonic() < deadline, group.log(1)
+            time.sleep(0.2)
+        env = {**os.environ, "DILOCO_SECRET": group.secret, "COLUMNS": "220"}
+        status = [sys.executable, "-m", "diloco", "status", addr, "--run-id", group.run_id, "--watch", "--interval", "1"]
+
+        proc = subprocess.Popen([*status, "--json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+
+        def measured(lines: list[str]) -> bool:
+            if len(lines) < 3:
+                return False
+            peers = json.loads(lines[-1])["peers"]
+            return len(peers) == 2 and all(p["bytes_per_second"] and p["utilization"] for p in peers)
+        try:
+            lines = _refreshes(proc, measured, timeout=90)
+            first_round = {p["peer"]: p["round"] for p in json.loads(lines[0])["peers"]}
+            lines += _refreshes(proc, lambda more: any(
+                all(p["round"] > first_round[p["peer"]] for p in json.loads(x)["peers"]) for x in more), timeout=90)
+        finally:
+            code = _ctrl_c(proc)
+        assert code == 0, proc.stderr.read()
+        refreshes = [json.loads(x) for x in lines]
+        assert all(len(r["peers"]) == 2 for r in refreshes) and refreshes[-1]["time"] > refreshes[0]["time"]
+        last = {p["peer"]: p for p in refreshes[-1]["peers"]}
+        assert addr.endswith(next(iter(sorted(last, key=lambda p: not addr.endswith(p)))))
+        for p in last.values():
+            assert p["status"] == "training" and p["round"] >= 1 and p["loss"] > 0 and p["bytes_sent"] > 0
+            assert 0 < p["utilization"] <= 1 and p["bytes_per_second"] > 0 and p["steps_per_second"] > 0
+
+        plain = subprocess.Popen(status, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        try:
+            text = _refreshes(plain, lambda ls: sum("swarm" in x for x in ls) >= 2 and len(ls) >= 6, timeout=60)
+        finally:
+            assert _ctrl_c(plain) == 0, plain.stderr.read()
+        assert f"swarm '{group.run_id}': 2 training" in text[0]
+        assert sum(" Mbit/s " in x and " util " in x for x in text) >= 4  # both peers, each refresh
+
+        master, slave = pty.openpty()  # a terminal: the live table
+        live = subprocess.Popen(status, stdout=slave, stderr=subprocess.PIPE, env=env)
+        os.close(slave)
+        shown = b""
+        deadline = time.monotonic() + 60
+        try:
+            while shown.count(b"Ctrl-C to stop") < 2:  # redrawn in place, refresh after refresh
+                assert time.monotonic() < deadline and live.poll() is None, shown[-2000:]
+                if select.select([master], [], [], 0.5)[0]:
+                    shown += os.read(master, 65536)
+        finally:
+            code = _ctrl_c(live)
+            os.close(master)
+        assert code == 0, live.stderr.read()
+        assert f"swarm '{group.run_id}': 2 training".encode() in shown and "Mbit/s".encode() in shown
+
+        group.procs[0].send_signal(signal.SIGTERM)  # the first peer leaves: its sinks are closed
+        assert group.procs[0].wait(timeout=60) == 0, group.log(0)
+        peer0 = next(p for p in last if addr.endswith(p))
+        rounds = [r for r in group.lines(0, "round")]
+        tb = tensorboard_scalars(tmp_path / "tb" / peer0)
+        assert [step for step, _ in tb["round/loss"]] == [r["step"] for r in rounds if r["loss"] is not None]
+        assert tb["final/round"] and tb["final/eval_loss"][0][1] > 0
+        (run,) = (tmp_path / "wandb").glob("offline-run-*")
+        assert len([row for row in history(run) if "round/loss" in row]) == len(rounds)
     finally:
         group.kill_all()
