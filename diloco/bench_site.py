@@ -83,7 +83,7 @@ def worker(argv: list[str]) -> None:
     if distributed and args.sharding == "fsdp":
         from torch.distributed.fsdp import fully_shard
 
-        for layer in model:
+        for layer in model.children():
             if isinstance(layer, torch.nn.Linear):
                 fully_shard(layer)
         fully_shard(model)

@@ -259,7 +259,8 @@ class SiteShards:
             self._broadcast(None)
             return
         while (bounds := self._broadcast(None)) is not None:
-            self.scatter_span(None, params, *bounds, out)
+            lo, hi = bounds
+            self.scatter_span(None, params, lo, hi, out)
 
     def serve(self, local: torch.Tensor, params: Sequence[int]) -> None:
         """A rank other than the leader, while the leader's round runs: send the pieces of the spans of Δ it
@@ -387,9 +388,8 @@ class _ChunkHasher:
     def feed(self, t: torch.Tensor) -> None:
         if not t.numel():
             return
-        t = t.contiguous()
-        data = memoryview(t.view(torch.uint8).numpy() if t.dtype != torch.bfloat16 else
-                          t.view(torch.int16).view(torch.uint8).numpy())
+        t = t.contiguous().reshape(-1)
+        data = (t.view(torch.uint8) if t.dtype != torch.bfloat16 else t.view(torch.int16).view(torch.uint8)).numpy().data
         self.total += data.nbytes
         while data.nbytes:
             take = min(data.nbytes, self.chunk - self._filled)

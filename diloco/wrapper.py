@@ -303,7 +303,7 @@ class DiLoCo:
         rank's piece of each (views of the parameters' storage: writes land in the model)."""
         return [local_view(p) for p in self._params]
 
-    def _shard(self, named: list[tuple[str, torch.Tensor]], error_feedback: bool) -> SiteShards | None:
+    def _shard(self, named: Sequence[tuple[str, torch.Tensor]], error_feedback: bool) -> SiteShards | None:
         """The site's shard transfers when FSDP2 shards the model over it (None otherwise); ValueError for what
         a sharded site does not support yet, naming what to use instead."""
         if self.site is None or not any(is_sharded(p) for _, p in named):
