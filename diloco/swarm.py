@@ -87,6 +87,8 @@ class Swarm:
         self._record = PeerRecord(peer=self.peer_id, status="joining", round=0, addrs=tuple(addresses))
         self._snapshot: SnapshotProvider | None = None
         self._fetchers: dict[PeerId, float] = {}  # peers that asked us for state, and when they last did
+        self._wait_unserved = True  # see serve_state
+        self._unserved: dict[PeerId, float] = {}  # with wait_unserved off: who asked for state we did not hold
         self._seen: list[PeerRecord] | None = None  # the directory as the last read showed it
         self._seen_at = 0.0
         self._closed = False
@@ -407,10 +409,14 @@ class Swarm:
         except concurrent.futures.CancelledError:
             return RoundOutcome(key, False, "crashed")
 
-    def serve_state(self, snapshot: SnapshotProvider) -> None:
+    def serve_state(self, snapshot: SnapshotProvider, wait_unserved: bool = True) -> None:
         """Let peers that are behind download our global state (`diloco.statesync`): `snapshot(digest)` is
-        the `Snapshot` of the state named `digest` when we hold it, else None."""
-        self._snapshot = snapshot
+        the `Snapshot` of the state named `digest` when we hold it, else None. A peer that asked is waited
+        for in our next round (`_catching_up`), also one we could not serve, unless `wait_unserved` is off:
+        an FSDP2 site takes its snapshot only at a synchronization slot, so its round would wait for a
+        peer that cannot download anything until that round is over. Such a site reads `unserved()` at
+        its slot, takes a snapshot, and then waits for them (`wait_for_unserved`)."""
+        self._snapshot, self._wait_unserved = snapshot, wait_unserved
 
     def fetch_state(self, digest: str, holders: Sequence[PeerId], receiver: Callable[[Manifest], Receiver],
                     on_progress: Callable[[Progress], None] = lambda p: None,
@@ -451,9 +457,26 @@ class Swarm:
         except PayloadRejected as e:
             self.collective.rejections[e.reason.value] += 1
             return None, -1, e.reason.value
-        self._fetchers[caller] = time.monotonic()
         snapshot = self._snapshot(header.view) if self._snapshot is not None else None
+        if snapshot is not None or self._wait_unserved:
+            self._fetchers[caller] = time.monotonic()
+        else:
+            self._unserved[caller] = time.monotonic()
         return snapshot, header.span, "" if snapshot is not None else NOT_HELD
+
+    def unserved(self) -> set[PeerId]:
+        """Peers that asked us for a state we did not hold within the last `call_timeout` (`serve_state` with
+        `wait_unserved` off)."""
+        now = time.monotonic()
+        return {p for p, t in list(self._unserved.items()) if now - t < self.cfg.call_timeout}
+
+    def wait_for_unserved(self) -> None:
+        """We now hold the state those peers want (a snapshot just taken): our next round waits for them, so
+        the state stays current while they download it."""
+        now = time.monotonic()
+        for peer in self.unserved():
+            self._fetchers[peer] = now
+        self._unserved.clear()
 
     def _catching_up(self) -> set[PeerId]:
         """Peers that asked us for state (a manifest or a chunk, whether we still held it or not) within

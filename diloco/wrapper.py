@@ -254,8 +254,6 @@ class DiLoCo:
         """An FSDP2 site's transfers (`diloco.shards`): θ, the outer state and Δ are this rank's pieces."""
         self._incoming: GlobalState | None = None  # an FSDP2 leader's downloaded or resumed state, to hand out
         self._value: Value | None = None  # an FSDP2 leader's committed Δ̄ (result frames), to hand out
-        self._asked_at = self._snapshot_at = -1.0
-        """An FSDP2 leader: when a peer last asked for a state we hold no snapshot of, and when we last took one."""
         self._carry: dict[int, torch.Tensor] = {}  # whole-step overlap: a failed round's Δ, resent next time
         layout = f"fragments={len(self.fragments)}:{self.streaming.pattern}"
         self.schema = schema_digest(named, f"{spec.text}|{layout}")
@@ -352,7 +350,7 @@ class DiLoCo:
         if self.swarm is not None:
             self.swarm.collective.schema = self.schema
             self.swarm.handshake(self.schema)  # a peer with another model or codec stops here, saying so
-            self.swarm.serve_state(self._serve)
+            self.swarm.serve_state(self._serve, wait_unserved=self.shards is None)
             self._catch_up_on_join()
             self._publish("training")
             if self.launch is not None and self.launch.wait_for > 1:  # `--wait-for N`: hold the first step
@@ -542,7 +540,7 @@ class DiLoCo:
         def standing() -> tuple[int | None, bool]:
             if self.swarm is not None:
                 self.swarm.check_standing(self.members)
-            return self._stop.signum, self._asked_at > self._snapshot_at
+            return self._stop.signum, self.shards is not None and self.swarm is not None and bool(self.swarm.unserved())
 
         try:
             signum, snapshot = self._agree(standing)
@@ -784,11 +782,12 @@ class DiLoCo:
         whole = self.shards.gather_state(self.state, self._outer_factory)
         if whole is None:
             return
-        self._snapshot_at = time.monotonic()
         info = {"position": self.schedule_position, "members": ",".join(self.members or ())}
         snap = Snapshot(whole.round, self._manifest, [t for _, t in whole.layout()[0]], info)
         with self._state_lock:
             self._snapshots = [*sorted(self._snapshots, key=lambda s: s.used)[-(SNAPSHOTS - 1):], snap]
+        if self.swarm is not None:
+            self.swarm.wait_for_unserved()  # our next round waits for the peers that asked, while they download
 
     def _report(self, report: RoundReport) -> RoundReport:
         self.reports.append(report)
@@ -1033,7 +1032,6 @@ class DiLoCo:
                 if snap.digest == digest:
                     return snap
             if self.shards is not None:  # the leader holds a piece: the site gathers a snapshot at its next slot
-                self._asked_at = time.monotonic()
                 return None
             if digest != self._digest:
                 return None
