@@ -6,8 +6,9 @@ model, only bytes and tensors.
 - `pipeline.Pipeline("topk:64/4096+s2+ef:0.95")` encodes a flat fp32 pseudo-gradient to bytes
   and decodes it back (`Decoded`: values, and indices when sparse); `pipeline.parse` validates a
   spec string with messages that say what is allowed.
-- Stages: value codecs (`codecs.py`: fp32, fp16; `quant.py`: bf16, q8/q4/q2, s4/s2, fp8,
-  e3m0), sparsifiers (`sparse.py`: chunked top-k, seeded random-k), index codes (`indexcode.py`:
+- Stages: value codecs (`codecs.py`: the interface, fp32, fp16; `quant.py`: the quantizer specs,
+  made by `floatquant.py`: bf16, fp8, e3m0, and `intquant.py`: q8/q4/q2, s4/s2, on `blockscale.py`'s
+  block scaling), sparsifiers (`sparse.py`: chunked top-k, seeded random-k), index codes (`indexcode.py`:
   12-bit packed, Rice-coded gaps), zstd, and error feedback (`ef.py`, state kept by the caller).
 - `frame.pack` / `frame.unpack`: the versioned, checksummed msgpack frame every message travels
   in, checked before anything sized from the wire is allocated.

@@ -7,7 +7,7 @@ A checkpoint holds, as safetensors tensors:
   (any safetensors reader can load them as a plain model state);
 - ``global_state``: the whole global state (θ, outer-optimizer state, round) as the same strictly
   validated msgpack bytes peers exchange (`GlobalState.to_bytes`), stored as a U8 tensor: this is
-  what `restore` loads, so a checkpoint passes exactly the checks a downloaded state passes;
+  what `read` loads, so a checkpoint passes exactly the checks a downloaded state passes;
 - ``ef/<fragment>``: this worker's error-feedback residuals (what it has not delivered yet);
 
 and as metadata: round, state digest, schema digest (model, compression, fragments), inner steps,
@@ -16,7 +16,6 @@ schedule position and the last round's members. No pickle anywhere.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -41,13 +40,6 @@ def fp32_tensor(arr: npt.NDArray[Any], numel: int, what: str) -> torch.Tensor:
     if arr.dtype != np.float32 or arr.size != numel:
         raise CheckpointError(f"{what}: expected {numel} fp32 values, found {arr.dtype} {arr.shape}")
     return torch.from_numpy(arr.reshape(-1))
-
-
-@dataclass(frozen=True)
-class WorkerSnapshot:
-    state: GlobalState
-    residuals: list[torch.Tensor] | None
-    meta: dict[str, Any]
 
 
 def write(root: Path, names: Sequence[str], state: GlobalState, residuals: Sequence[torch.Tensor] | None,
