@@ -224,9 +224,6 @@ class Handoff:
         for lo, hi in bounds:
             yield delta[lo:hi]
 
-    def close(self) -> None:
-        """The round is over, whether or not it read Δ."""
-
 
 @dataclass
 class Value:

@@ -125,12 +125,12 @@ def _overhead(setup: SiteSetup, workdir: Path, tick: Tick = lambda *_: None) -> 
     whatever else the machine does); the median run of each."""
     runs: dict[str, list[dict[str, Any]]] = {"bare": [], "diloco": []}
     kind = setup.sharding.upper()
+    env = {name: v for name, v in os.environ.items() if not name.startswith("DILOCO_")}
     for k in range(2 * setup.repeats):
         mode = ("bare", "diloco")[k % 2]
         what = f"bare {kind}" if mode == "bare" else f"{kind} with DiLoCo"
         tick(k / setup.repeats, STAGES, f"inner-step overhead, {what} ({k // 2 + 1} of {setup.repeats})")
         path = workdir / f"{mode}-{k}.json"
-        env = {k: v for k, v in os.environ.items() if not k.startswith("DILOCO_")}
         subprocess.run([*_torchrun(setup.ranks), "-m", "diloco.bench_site", "worker", "--mode", mode,
                         "--width", str(setup.width), "--inner-steps", str(setup.inner_steps), "--steps",
                         str(setup.steps), "--out", str(path), "--sharding", setup.sharding], check=True,

@@ -33,7 +33,6 @@ run on the leader's round thread while the other ranks wait in `serve`.
 
 from __future__ import annotations
 
-import hashlib
 import math
 import sys
 import threading
@@ -48,7 +47,7 @@ from diloco.comms.rounds import Handoff
 
 from .outer import OuterFactory
 from .site import Site
-from .state import CHUNK_BYTES, GlobalState, Manifest, Receiver, StateError, manifest_header
+from .state import CHUNK_BYTES, ChunkHasher, GlobalState, Manifest, Receiver, StateError, manifest_header
 
 __all__ = ["Piece", "ShardMap", "SiteShards", "ShardedHandoff", "is_sharded", "local_view"]
 
@@ -148,6 +147,12 @@ class ShardMap:
         return out
 
 
+def _sharded(name: str, t: torch.Tensor) -> bool:
+    """Whether a state tensor is cut like its parameter (θ, and outer state shaped like it) or is a 0-d value
+    every rank holds whole (e.g. Adam's step)."""
+    return name.startswith("p") or t.dim() > 0
+
+
 def _tensor_plan(state: GlobalState, m: ShardMap) -> list[tuple[str, torch.Tensor, tuple[int, ...], int | None]]:
     """The local state's tensors in stream order: (name, local tensor, full shape, parameter index when it is
     sharded like its parameter, else None: a 0-d value every rank holds, e.g. Adam's step)."""
@@ -155,7 +160,7 @@ def _tensor_plan(state: GlobalState, m: ShardMap) -> list[tuple[str, torch.Tenso
     plan = []
     for name, t in tensors:
         index = int(name[1:].split(".")[0])
-        sharded = name.startswith("p") or t.dim() > 0
+        sharded = _sharded(name, t)
         plan.append((name, t, m.shapes[index] if sharded else tuple(t.shape), index if sharded else None))
     return plan
 
@@ -309,11 +314,9 @@ class SiteShards:
     def manifest(self, state: GlobalState, chunk: int = CHUNK_BYTES) -> Manifest:
         """The manifest (and so the digest) of the site's state, the same bytes a peer holding the whole
         state computes; the leader hashes every rank's pieces in stream order, one at a time."""
-        hasher = _ChunkHasher(chunk)
+        hasher = ChunkHasher(chunk)
         self._stream(state, lambda _k, _at, piece: hasher.feed(piece))
-        packed = None
-        if self.leader:
-            packed = Manifest(self._header(state), hasher.total, chunk, tuple(hasher.finish())).pack()
+        packed = hasher.manifest(self._header(state)).pack() if self.leader else None
         return Manifest.unpack(self._broadcast(packed))
 
     def gather_state(self, state: GlobalState, outer_factory: OuterFactory) -> GlobalState | None:
@@ -330,8 +333,8 @@ class SiteShards:
         if not self.leader:
             return None
         _, scalars = state.layout()
-        return _assemble([(n, t) for (n, *_), t in zip(plan, full) if t is not None], scalars, state.round,
-                         outer_factory)
+        return GlobalState.from_layout([(n, t) for (n, *_), t in zip(plan, full) if t is not None], scalars,
+                                       state.round, outer_factory)
 
     def scatter_state(self, whole: GlobalState | None, like: GlobalState, outer_factory: OuterFactory) -> GlobalState:
         """Each rank's pieces of the state `whole` (given on the leader: downloaded or read from a checkpoint)
@@ -339,8 +342,8 @@ class SiteShards:
         if self.leader:
             assert whole is not None
             tensors, scalars = whole.layout()
-            head = (whole.round, [(n, t.dim() > 0 or n.startswith("p")) for n, t in tensors], scalars,
-                    {n: t for n, t in tensors if not (t.dim() > 0 or n.startswith("p"))})
+            head = (whole.round, [(n, _sharded(n, t)) for n, t in tensors], scalars,
+                    {n: t for n, t in tensors if not _sharded(n, t)})
         else:
             tensors, head = [], None
         rnd, names, scalars, replicated = self._broadcast(head)
@@ -363,47 +366,7 @@ class SiteShards:
                 if hi > lo:
                     self._recv(mine.reshape(-1), 0)
             local.append((name, mine.to(param.device)))
-        return _assemble(local, scalars, rnd, outer_factory)
-
-
-def _assemble(tensors: list[tuple[str, torch.Tensor]], scalars: list[tuple[str, Any]], rnd: int,
-              outer_factory: OuterFactory) -> GlobalState:
-    """A state from its tensors (θ as p0, p1, … first) and the outer state's scalars, by their stream names."""
-    params = [t for n, t in tensors if n.startswith("p")]
-    outer: dict[int, dict[str, Any]] = {}
-    for name, value in [*((n, t) for n, t in tensors if n.startswith("o")), *scalars]:
-        idx, key = name[1:].split(".", 1)
-        outer.setdefault(int(idx), {})[key] = value
-    return GlobalState.assemble(params, outer_factory, outer, rnd)
-
-
-class _ChunkHasher:
-    """SHA-256 of every `chunk` bytes of a stream fed piece by piece (the state manifest's hashes)."""
-
-    def __init__(self, chunk: int) -> None:
-        self.chunk, self.total, self._filled = chunk, 0, 0
-        self._h = hashlib.sha256()
-        self._hashes: list[bytes] = []
-
-    def feed(self, t: torch.Tensor) -> None:
-        if not t.numel():
-            return
-        t = t.contiguous().reshape(-1)
-        data = (t.view(torch.uint8) if t.dtype != torch.bfloat16 else t.view(torch.int16).view(torch.uint8)).numpy().data
-        self.total += data.nbytes
-        while data.nbytes:
-            take = min(data.nbytes, self.chunk - self._filled)
-            self._h.update(data[:take])
-            data, self._filled = data[take:], self._filled + take
-            if self._filled == self.chunk:
-                self._hashes.append(self._h.digest())
-                self._h, self._filled = hashlib.sha256(), 0
-
-    def finish(self) -> list[bytes]:
-        if self._filled:
-            self._hashes.append(self._h.digest())
-            self._h, self._filled = hashlib.sha256(), 0
-        return self._hashes
+        return GlobalState.from_layout(local, scalars, rnd, outer_factory)
 
 
 class ShardedHandoff(Handoff):

@@ -180,6 +180,19 @@ class GlobalState:
             raise StateError(f"outer optimizer state does not fit: {e}") from e
         return state
 
+    @classmethod
+    def from_layout(cls, tensors: Sequence[tuple[str, torch.Tensor]], scalars: Sequence[tuple[str, Any]], round_: int,
+                    outer_factory: OuterFactory, device: torch.device | None = None) -> GlobalState:
+        """The state whose `layout()` is (`tensors`, `scalars`): θ as p0, p1, … and the outer optimizer's state as
+        oI.NAME, each moved to `device` (no copy when it is already there); raises StateError if it does not fit."""
+        params = [t.to(device) if device is not None else t for n, t in tensors if n.startswith("p")]
+        outer: dict[int, dict[str, Any]] = {}
+        for name, value in [*((n, t) for n, t in tensors if n.startswith("o")), *scalars]:
+            idx, key = name[1:].split(".", 1)
+            outer.setdefault(int(idx), {})[key] = value.to(device) if device is not None and torch.is_tensor(value) \
+                else value
+        return cls.assemble(params, outer_factory, outer, round_)
+
     def to_bytes(self) -> bytes:
         outer_state = {
             str(idx): {name: _pack_value(v) for name, v in entry.items()}
@@ -338,14 +351,7 @@ class Receiver:
         """The downloaded state (its tensors are the ones written: no copy)."""
         if len(self.done) != self.chunks:
             raise StateError(f"{self.chunks - len(self.done)} of {self.chunks} chunks are missing")
-        n = sum(1 for name, _ in self.tensors if name.startswith("p"))
-        outer: dict[int, dict[str, Any]] = {}
-        for name, value in [*((nm, t) for nm, t in self.tensors[n:]), *self.scalars]:
-            idx, key = name[1:].split(".", 1)
-            outer.setdefault(int(idx), {})[key] = value
-        params = [t.to(self._device) for _, t in self.tensors[:n]]  # no copy when θ lives in host memory
-        outer = {i: {k: v.to(self._device) if torch.is_tensor(v) else v for k, v in e.items()} for i, e in outer.items()}
-        return GlobalState.assemble(params, outer_factory, outer, self.round)
+        return GlobalState.from_layout(self.tensors, self.scalars, self.round, outer_factory, self._device)
 
 
 def _fresh_tensor(entry: Any, params: Sequence[torch.Tensor]) -> tuple[str, torch.Tensor]:
@@ -372,6 +378,34 @@ def _scalar(entry: Any, params: int) -> tuple[str, Any]:
             and (entry[1] is None or isinstance(entry[1], (int, float, bool)))):
         raise StateError(f"bad outer state value in the state header: {str(entry)[:80]}")
     return entry[0], entry[1]
+
+
+class ChunkHasher:
+    """The manifest's chunk hashes of a tensor stream fed piece by piece, in stream order (`GlobalState.manifest`
+    hashes tensors it holds whole; an FSDP2 site's leader feeds its ranks' pieces as they arrive)."""
+
+    def __init__(self, chunk: int = CHUNK_BYTES) -> None:
+        self.chunk, self.total, self._filled = chunk, 0, 0
+        self._h = hashlib.sha256()
+        self.hashes: list[bytes] = []
+
+    def feed(self, t: torch.Tensor) -> None:
+        data = _byte_view(t.reshape(-1))
+        self.total += data.nbytes
+        while data.nbytes:
+            take = min(data.nbytes, self.chunk - self._filled)
+            self._h.update(data[:take])
+            data, self._filled = data[take:], self._filled + take
+            if self._filled == self.chunk:
+                self.hashes.append(self._h.digest())
+                self._h, self._filled = hashlib.sha256(), 0
+
+    def manifest(self, header: bytes) -> Manifest:
+        """The manifest of everything fed, under `header`."""
+        if self._filled:
+            self.hashes.append(self._h.digest())
+            self._h, self._filled = hashlib.sha256(), 0
+        return Manifest(header, self.total, self.chunk, tuple(self.hashes))
 
 
 def _byte_view(t: torch.Tensor) -> memoryview:

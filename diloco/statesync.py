@@ -103,18 +103,18 @@ async def download(call: Call, *, run_id: str, me: PeerId, digest: str, holders:
     every refusal (a peer that banned us says so)."""
     manifest: Manifest | None = None
     info: dict[str, Any] = {}
-    why: list[str] = []
+    why: list[Exception] = []
     for peer in holders:
         try:
             manifest, info = await _manifest(call, run_id, me, peer, digest, chunk_timeout, on_refused)
             break
         except (TransportError, PayloadRejected, StateError) as e:
-            why.append(str(e))
+            why.append(e)
             log.info("event=manifest_failed peer=%s reason=%s", peer, e)
     if manifest is None:
-        kind = NotHeld if why and all(NOT_HELD in w for w in why) else StateError
+        kind = NotHeld if why and all(isinstance(e, NotHeld) for e in why) else StateError
         raise kind(f"none of the {len(holders)} peer(s) holding state {digest} served its manifest: "
-                   + "; ".join(why[:3]))
+                   + "; ".join(map(str, why[:3])))
     into = receiver(manifest)  # checks the header against our model before any chunk is asked for
     progress = Progress(total=manifest.total, sources=len(holders))
     queue: deque[int] = deque(range(into.chunks))
@@ -177,7 +177,7 @@ async def _manifest(call: Call, run_id: str, me: PeerId, peer: PeerId, digest: s
     if not header.meta.get("ok", False):
         reason = str(header.meta.get("reason", "no reason"))
         on_refused(peer, reason)
-        raise StateError(f"peer {peer} does not serve state {digest} ({reason})")
+        raise (NotHeld if reason == NOT_HELD else StateError)(f"peer {peer} does not serve state {digest} ({reason})")
     manifest = Manifest.unpack(bytes(body))
     if manifest.digest != digest:
         raise StateError(f"peer {peer} served a manifest that hashes to {manifest.digest}, not {digest}")

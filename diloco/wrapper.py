@@ -540,7 +540,8 @@ class DiLoCo:
         def standing() -> tuple[int | None, bool]:
             if self.swarm is not None:
                 self.swarm.check_standing(self.members)
-            return self._stop.signum, self.shards is not None and self.swarm is not None and bool(self.swarm.unserved())
+            wanted = self.shards is not None and self.swarm is not None and bool(self.swarm.unserved())
+            return self._stop.signum, wanted
 
         try:
             signum, snapshot = self._agree(standing)
@@ -549,7 +550,7 @@ class DiLoCo:
             raise
         if signum is not None:
             raise SystemExit(128 + signum)
-        if snapshot and self.shards is not None:
+        if snapshot:
             self._take_snapshot()
 
     def _launch(self, force_complete: bool = False) -> RoundReport | None:
@@ -782,10 +783,9 @@ class DiLoCo:
         whole = self.shards.gather_state(self.state, self._outer_factory)
         if whole is None:
             return
-        info = {"position": self.schedule_position, "members": ",".join(self.members or ())}
-        snap = Snapshot(whole.round, self._manifest, [t for _, t in whole.layout()[0]], info)
+        snap = Snapshot(whole.round, self._manifest, [t for _, t in whole.layout()[0]], self._snapshot_info())
         with self._state_lock:
-            self._snapshots = [*sorted(self._snapshots, key=lambda s: s.used)[-(SNAPSHOTS - 1):], snap]
+            self._keep_snapshot(snap)
         if self.swarm is not None:
             self.swarm.wait_for_unserved()  # our next round waits for the peers that asked, while they download
 
@@ -1031,14 +1031,19 @@ class DiLoCo:
             for snap in self._snapshots:
                 if snap.digest == digest:
                     return snap
-            if self.shards is not None:  # the leader holds a piece: the site gathers a snapshot at its next slot
+            if self.shards is not None or digest != self._digest:  # an FSDP2 leader gathers one at its next slot
                 return None
-            if digest != self._digest:
-                return None
-            info = {"position": self.schedule_position, "members": ",".join(self.members or ())}
-            snap = Snapshot.take(self.state, self._manifest, info)
-            self._snapshots = [*sorted(self._snapshots, key=lambda s: s.used)[-(SNAPSHOTS - 1):], snap]
-            return snap
+            return self._keep_snapshot(Snapshot.take(self.state, self._manifest, self._snapshot_info()))
+
+    def _snapshot_info(self) -> dict[str, object]:
+        """What a peer downloading our state learns with it: our place in the schedule, and the last members."""
+        return {"position": self.schedule_position, "members": ",".join(self.members or ())}
+
+    def _keep_snapshot(self, snap: Snapshot) -> Snapshot:
+        """Serve `snap` from now on (call with `_state_lock` held): at most `SNAPSHOTS` are kept, the least
+        recently used goes first."""
+        self._snapshots = [*sorted(self._snapshots, key=lambda s: s.used)[-(SNAPSHOTS - 1):], snap]
+        return snap
 
     def _publish(self, status: str, now: bool = True) -> None:
         if self.swarm is not None:
