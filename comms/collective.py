@@ -387,7 +387,14 @@ class Collective:
         try:
             await asyncio.gather(*(ask(p) for p in asked & first))
             self.faults.hit("gather", key.round)
-            await self._wait(rs, lambda: closed(False), time.monotonic() + self.cfg.gather_timeout)
+            deadline = time.monotonic() + self.cfg.gather_timeout
+            while not await self._wait(rs, lambda: closed(False), min(deadline, time.monotonic() + grace)) \
+                    and time.monotonic() < deadline:
+                # one we wait for that answered "not yet" may have died, left or closed its view since (its
+                # ready would then never come): ask it again, a grace apart, to hear which
+                for p in rs.waited(self.me) - set(rs.ready):
+                    if replies.get(p, {}) is not None and (p not in later or later[p].done()):
+                        later[p] = asyncio.create_task(ask(p))
             if not closed(True):  # stragglers get a short grace (a tenth of the gather timeout) to get back in
                 await self._wait(rs, lambda: closed(True), time.monotonic() + grace)
             # a straggler that told us it is ready may have moved on since (committed, or closed

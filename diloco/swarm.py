@@ -368,8 +368,9 @@ class Swarm:
             # too (a ready from a peer nobody asked is left out), but give it only the stragglers' grace
             known = set(skip) | set(previous or ())
             resyncing = [r.peer for r in records if r.status == "joining" and r.peer in known and r.peer != self.peer_id]
-            fetching = self._catching_up() - set(skip)  # a straggler that downloads our state keeps the grace
             left = departed(records, rnd)
+            # a straggler that downloads our state keeps the grace; one that said goodbye since is not waited for
+            fetching = self._catching_up() - set(skip) - {r.peer for r in records if r.status == "left"}
             prev = previous if self.cfg.majority else None
 
             def admit(view: tuple[PeerId, ...]) -> tuple[bool, str]:

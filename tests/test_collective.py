@@ -208,6 +208,39 @@ def test_expected_peer_unreachable_others_commit_without_it(absent):
     assert torch.allclose(first, _mean(deltas, present), rtol=0, atol=1e-6)
 
 
+def test_a_peer_that_answered_not_yet_and_then_went_away_costs_a_grace_not_the_gather():
+    """x is expected and answers the others' ready with "not ready yet" (it has not started the round),
+    then goes away for good, as a spot instance reclaimed mid-gather: its own ready never comes. The
+    others ask it again a tenth of gather_timeout later, find it unreachable, and close without it,
+    instead of waiting out the whole gather (the in-process flapping test failed that way under load)."""
+    gather = 3.0
+
+    async def main():
+        net = InProcNetwork()
+        cs = await _collectives(net, ["p0", "p1", "x"], CollectiveConfig(gather_timeout=gather, reduce_timeout=0.5,
+                                                                         result_timeout=1, call_timeout=1))
+        answered = asyncio.Event()
+        on_ready = net.lookup("x").handlers["diloco.ready"]
+
+        async def answer_then_note(caller, data):
+            reply = await on_ready(caller, data)
+            answered.set()
+            return reply
+        net.lookup("x").handlers["diloco.ready"] = answer_then_note
+        deltas = _deltas(["p0", "p1"], 30, seed=9)
+        started = time.monotonic()
+        running = asyncio.gather(*(cs[p].run_round(RoundKey(2), DIGEST, ["p0", "p1", "x"], deltas[p])
+                                   for p in ("p0", "p1")))
+        await asyncio.wait_for(answered.wait(), 1)
+        net.kill("x")
+        outs = await running
+        return outs, time.monotonic() - started
+
+    outs, took = asyncio.run(main())
+    assert all(o.committed and o.view == ("p0", "p1") for o in outs), [(o.reason, o.view) for o in outs]
+    assert took < gather / 3, took  # a grace (0.3 s) or two, and the round
+
+
 def test_a_hung_straggler_costs_the_grace_not_a_call_timeout():
     """p3 is a straggler (the others go on without waiting for it) whose record is still live, and it
     is frozen: its ready handler never answers. The others ask it, but do not wait out their call to
