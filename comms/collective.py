@@ -79,8 +79,8 @@ from diloco.compression.pipeline import Decoded, Pipeline
 from . import messages as msg
 from .faults import FaultPlan
 from . import robust
-from .reduce import canonical_order
-from .rounds import Accepted, CollectiveConfig, Exchange, Handoff, RoundOutcome, RoundState, Value
+from .reduce import canonical_order, order_key
+from .rounds import Accepted, CollectiveConfig, Contribution, Exchange, Handoff, RoundOutcome, RoundState, Value
 from .spans import MAX_SPANS, RoundKey, make_view, span_bounds, spans_for, view_id
 from .transport import PeerId, Transport, TransportError
 
@@ -227,7 +227,7 @@ class Collective:
         self.faults.hit("encode", r.key.round)
         for span in r.owned:
             own = r.own[span] = self.pipeline.decode(r.payloads[span], r.numel(span))
-            rs.contribs.setdefault((rs.vid, span), {})[self.me] = (r.payloads[span], own)
+            rs.contribs.setdefault((rs.vid, span), {})[self.me] = self._contribution(r.payloads[span], own)
         for (view, span), (owner, tensor, idx) in list(rs.results.items()):  # results that came before our view
             if view != rs.vid:
                 continue
@@ -267,6 +267,9 @@ class Collective:
             if value is not None:
                 return value
         return None
+
+    def _contribution(self, body: bytes | memoryview, decoded: Decoded) -> Contribution:
+        return Contribution(order_key(body), decoded, bytes(body) if self.pipeline.sparse else None)
 
     def _encode(self, handoff: Handoff, bounds: list[tuple[int, int]]) -> list[bytes]:
         # after this, the round holds Δ only as its encoded spans
@@ -448,13 +451,17 @@ class Collective:
         return span_bounds(numel, spans_for(numel, members), align=chunk.chunk if chunk else 1)
 
     async def _send_contributions(self, r: Exchange) -> None:
-        async def send(span: int) -> None:
-            await self._call(r.owner(span), "diloco.contrib", self._frame(
-                msg.CONTRIB, r.key, view=r.rs.vid, span=span, numel=r.numel(span), body=r.payloads[span]))
-            if self.pipeline.spec.ef is None:  # only error feedback reads it again (what of Δ was sent)
-                r.payloads[span] = b""
+        async def send_to(owner: PeerId) -> None:
+            # one frame at a time to each owner (the transport copies a frame while it is on its way): a model
+            # cut into many spans costs one span in flight per owner, and a slow owner holds up only its own
+            for span in range(len(r.bounds)):
+                if r.owner(span) == owner:
+                    await self._call(owner, "diloco.contrib", self._frame(
+                        msg.CONTRIB, r.key, view=r.rs.vid, span=span, numel=r.numel(span), body=r.payloads[span]))
+                    if self.pipeline.spec.ef is None:  # only error feedback reads it again (what of Δ was sent)
+                        r.payloads[span] = b""
 
-        await asyncio.gather(*(send(i) for i in range(len(r.bounds)) if r.owner(i) != self.me))
+        await asyncio.gather(*(send_to(p) for p in r.view if p != self.me))
         self.faults.hit("send", r.key.round)
 
     async def _reduce_and_broadcast(self, r: Exchange) -> None:
@@ -470,20 +477,20 @@ class Collective:
     async def _reduce_span(self, r: Exchange, span: int) -> None:
         got = r.rs.contribs.setdefault((r.rs.vid, span), {})
         refused = r.rs.refused.setdefault(span, set())
-        if self.me in got and not robust.admit(got[self.me][1], self.cfg.robust)[0]:
+        if self.me in got and not robust.admit(got[self.me].decoded, self.cfg.robust)[0]:
             log.warning("event=own_contribution_refused round=%s reason=%s", r.key,
-                        robust.admit(got.pop(self.me)[1], self.cfg.robust)[1])
+                        robust.admit(got.pop(self.me).decoded, self.cfg.robust)[1])
             refused.add(self.me)
         senders = [p for p in r.view if p in got]
         idx = tuple(r.view.index(p) for p in senders)
         numel = r.numel(span)
-        order = canonical_order([got[p][0] for p in senders])
-        combined = robust.combine([got[senders[i]][1] for i in order], numel, self.cfg.robust)
+        order = sorted(range(len(senders)), key=lambda i: got[senders[i]].order)  # reduce.canonical_order
+        combined = robust.combine([got[senders[i]].decoded for i in order], numel, self.cfg.robust)
         outliers = self._judge([senders[i] for i in order], combined.norms, r.key)
         marked = tuple(sorted(r.view.index(p) for p in (outliers | refused) if p in r.view))
         r.rs.marked[(r.rs.vid, span)] = marked
         if self.pipeline.sparse:  # every member combines the bundle itself, the same way
-            body = msg.pack_bundle([(i, got[p][0]) for i, p in zip(idx, senders)])
+            body = msg.pack_bundle([(i, got[p].body or b"") for i, p in zip(idx, senders)])
             kind = "bundle"
         else:
             body = self.mean_pipeline.encode(combined.values)
@@ -673,7 +680,7 @@ class Collective:
                 rs.refused.setdefault(header.span, set()).add(caller)
                 rs.changed.set()
                 raise
-            bucket[caller] = (bytes(body), decoded)
+            bucket[caller] = self._contribution(body, decoded)
             rs.changed.set()
             return msg.ack(run=self.run_id, sender=self.me)
         except PayloadRejected as e:

@@ -21,9 +21,15 @@ import torch
 from diloco.compression.pipeline import Decoded
 
 
+def order_key(payload: bytes | memoryview) -> bytes:
+    """Where an encoded contribution goes in the summation order: the BLAKE2b digest of its bytes (an owner
+    keeps this, not the bytes, of a dense contribution once decoded)."""
+    return hashlib.blake2b(payload, digest_size=16).digest()
+
+
 def canonical_order(payloads: Sequence[bytes | memoryview]) -> list[int]:
-    """Indices of `payloads` sorted by the BLAKE2b digest of their bytes (the summation order)."""
-    return sorted(range(len(payloads)), key=lambda i: hashlib.blake2b(payloads[i], digest_size=16).digest())
+    """Indices of `payloads` sorted by `order_key` (the summation order)."""
+    return sorted(range(len(payloads)), key=lambda i: order_key(payloads[i]))
 
 
 def average(parts: Sequence[Decoded], numel: int) -> torch.Tensor:

@@ -89,6 +89,18 @@ class RoundOutcome:
     seconds: float = 0.0
 
 
+@dataclass(frozen=True)
+class Contribution:
+    """One member's contribution to a span we own, as the reduce needs it."""
+
+    order: bytes
+    """`reduce.order_key` of its encoded bytes: its place in the summation order."""
+    decoded: Decoded
+    body: bytes | None
+    """The encoded bytes, kept only where the result bundles them (sparse pipelines): a dense one would
+    hold the span twice for nothing."""
+
+
 @dataclass
 class RoundState:
     """Everything received for one round key; created by whichever message arrives first."""
@@ -103,7 +115,7 @@ class RoundState:
     view: tuple[PeerId, ...] | None = None  # set when this peer closes its gather
     vid: str = ""  # the view's id, set with `view`
     fragment: int = 0  # model fragment of this round (set when we run it)
-    contribs: dict[tuple[str, int], dict[PeerId, tuple[bytes, Decoded]]] = field(default_factory=dict)
+    contribs: dict[tuple[str, int], dict[PeerId, Contribution]] = field(default_factory=dict)
     results: dict[tuple[str, int], tuple[PeerId, torch.Tensor, tuple[int, ...]]] = field(default_factory=dict)
     marked: dict[tuple[str, int], tuple[int, ...]] = field(default_factory=dict)
     """Per (view, span): the view indices its owner marked (refused or far-outlying contributions)."""

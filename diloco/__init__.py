@@ -10,8 +10,9 @@ hivemind peer-to-peer swarm and apply them with an outer Nesterov optimizer. See
 """
 
 from . import credentials
+from .accounting import Usage
 from .comms.hello import HandshakeError
-from .config import ConfigError, DiLoCoConfig, SwarmConfig
+from .config import ConfigError, SwarmConfig
 from .fragments import FragmentError, StreamingConfig
 from .outer import nesterov
 from .swarm import Banned, Swarm, SwarmError
@@ -19,5 +20,5 @@ from .wrapper import DiLoCo, RoundReport
 
 __version__ = "0.1.0"
 
-__all__ = ["Banned", "ConfigError", "DiLoCo", "DiLoCoConfig", "FragmentError", "HandshakeError", "RoundReport",
-           "StreamingConfig", "Swarm", "SwarmConfig", "SwarmError", "credentials", "nesterov", "__version__"]
+__all__ = ["Banned", "ConfigError", "DiLoCo", "FragmentError", "HandshakeError", "RoundReport",
+           "StreamingConfig", "Swarm", "SwarmConfig", "SwarmError", "Usage", "credentials", "nesterov", "__version__"]

@@ -285,11 +285,11 @@ def join(
     """Join a running swarm at ADDRESSES and train with it: the bundled model, or your own command as this
     site's worker: `diloco join ADDR [OPTIONS] -- CMD [ARGS...]`."""
     _setup_logging(verbose)
-    from .swarm import SwarmError, _validate_addrs
+    from .swarm import SwarmError, validate_addrs
 
     command = _command(ctx, max_restarts)
     try:
-        _validate_addrs(addresses)
+        validate_addrs(addresses)
     except SwarmError as e:
         _fail(str(e))
     swarm_cfg, job = _configs(locals())
@@ -430,10 +430,10 @@ def status(
 
     from . import statusview
     from .status import observe
-    from .swarm import SwarmError, _validate_addrs
+    from .swarm import SwarmError, validate_addrs
 
     try:
-        _validate_addrs(addresses)
+        validate_addrs(addresses)
     except SwarmError as e:
         _fail(str(e))
     if interval <= 0:

@@ -108,13 +108,3 @@ class SwarmConfig:
             min_peers=self.min_peers, compression=self.compression, max_payload=self.max_payload,
             robust=RobustConfig(clip=self.clip, trim=self.trim, ban_after=self.ban_after, max_rms=self.max_update_rms),
         )
-
-
-@dataclass(frozen=True, kw_only=True)
-class DiLoCoConfig:
-    inner_steps: int = 100
-    """H: inner optimizer steps between synchronizations."""
-
-    def __post_init__(self) -> None:
-        if self.inner_steps < 1:
-            raise ConfigError(f"inner_steps must be >= 1, got {self.inner_steps}")

@@ -116,7 +116,12 @@ class Swarm:
     @classmethod
     def join(cls, initial_peers: list[str], cfg: SwarmConfig, *, host: str = "127.0.0.1", port: int = 0,
              announce: list[str] | None = None) -> Swarm:
-        """Join the swarm reachable at any of `initial_peers`, tried in order."""
+        """Join the swarm reachable at any of `initial_peers`, tried in order.
+
+        Raises:
+            SwarmError: no address given, no secret in `cfg`, an address that is not a swarm multiaddress, or
+                none of them answered after a few tries each (the message lists each address and why).
+            HandshakeError: the swarm answered and refused us (another run id or protocol version)."""
         if not initial_peers:
             raise SwarmError("join needs at least one address, e.g. /ip4/1.2.3.4/tcp/31337/p2p/12D3Koo…")
         if cfg.secret is None:
@@ -153,7 +158,7 @@ class Swarm:
         from diloco.peers import DHTDirectory
         from diloco.peers.reaper import Reaper
 
-        _validate_addrs(initial)
+        validate_addrs(initial)
         if cfg.secret is None:
             cfg = replace(cfg, secret=new_secret())
         loop = LoopThread()
@@ -424,7 +429,11 @@ class Swarm:
                     ) -> tuple[Receiver, dict[str, Any], Progress]:
         """Download the state named `digest` from `holders` at once, chunk by chunk, each chunk checked
         against the manifest (`diloco.statesync.download`). Returns the filled receiver, the serving
-        peer's info (unchecked: validate before use) and how it went; raises SwarmError if it cannot."""
+        peer's info (unchecked: validate before use) and how it went.
+
+        Raises:
+            StateNotHeld: no holder holds that state any more (the swarm moved on): ask again for the new one.
+            SwarmError: the download failed otherwise (every holder refused, timed out or sent bad chunks)."""
         def refused(peer: PeerId, reason: str) -> None:
             if reason == Reason.BANNED.value:
                 self.collective.banned_by.add(peer)  # its own sealed reply: see check_standing
@@ -567,7 +576,8 @@ def _peer_of(addr: str) -> PeerId:
     return PeerId(addr.rsplit("/p2p/", 1)[1])
 
 
-def _validate_addrs(addrs: list[str]) -> None:
+def validate_addrs(addrs: list[str]) -> None:
+    """Raises `SwarmError` naming the first of `addrs` that is not a swarm multiaddress (…/p2p/<peer id>)."""
     for a in addrs:
         if not a.startswith("/") or "/p2p/" not in a:
             raise SwarmError(

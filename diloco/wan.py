@@ -166,6 +166,8 @@ def _owner_pid(name: str, prefix: str = PREFIX) -> int | None:
 
 
 def _pid_alive(pid: int) -> bool:
+    """`diloco.peers.reaper.pid_alive`, repeated: this file also runs alone (`python -I wan.py _switch`, inside
+    the namespaces), where it imports nothing of the package."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

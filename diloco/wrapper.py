@@ -66,7 +66,7 @@ from diloco.peers.records import PeerRecord
 from . import persist, progress
 from .accounting import Accounting, Usage
 from .checkpoint import CheckpointError
-from .config import DiLoCoConfig
+from .config import ConfigError
 from .environment import WAIT_TIMEOUT, Launch
 from .metrics import close_launched
 from .fragments import Fragment, StreamingConfig, check_schedule, fragment_of_round, partition, slot_due
@@ -216,7 +216,9 @@ class DiLoCo:
         site: Site | None | Literal["auto"] = "auto",
         global_device: torch.device | str = "cpu",
     ) -> None:
-        self.cfg = DiLoCoConfig(inner_steps=inner_steps)
+        if inner_steps < 1:
+            raise ConfigError(f"inner_steps must be >= 1, got {inner_steps}")
+        self.inner_steps = inner_steps
         self.streaming = streaming or StreamingConfig()
         # "auto": a command started by `diloco start/join -- CMD` finds its swarm in the environment
         # (connected when we attach); without the launcher's variables, a single worker, no network.
@@ -329,7 +331,13 @@ class DiLoCo:
     def attach(self) -> None:
         """Join the swarm (the launcher's, for a command started by `diloco start/join -- CMD`), catch up
         with it (download θ if others are ahead) and hook the optimizer. On a site, the leader does this
-        and every other rank starts from the leader's state."""
+        and every other rank starts from the leader's state.
+
+        Raises:
+            SwarmError: the launcher's swarm could not be joined (none of its addresses answered).
+            HandshakeError: the swarm trains another model, run or compression; the message names the field.
+        A swarm that cannot be caught up with in time is not an error: training starts from our own state
+        and resynchronizes at the first slot (the report says so)."""
         taken = self._agree(self._join)
         if self.site is not None and not self.site.leader:
             self._follows = bool(taken.pop("swarm"))
@@ -464,7 +472,7 @@ class DiLoCo:
             raise SystemExit(128 + self._stop.signum)  # leave now: `with` applies what is in flight
         if self._pending is not None and self._pending.due <= self.steps and self.streaming.outer_overlap == "none":
             self._complete(self._pending)
-        if slot_due(self._schedule_step, self.cfg.inner_steps, len(self.fragments)):
+        if slot_due(self._schedule_step, self.inner_steps, len(self.fragments)):
             self._check_standing()
             if self.streaming.outer_overlap == "none":
                 self._launch()
@@ -508,7 +516,13 @@ class DiLoCo:
     # ------------------------------------------------------------------ the outer round
 
     def sync(self) -> RoundReport:
-        """Synchronize the next fragment now and wait for its result (τ is not waited out)."""
+        """Synchronize the next fragment now and wait for its result (τ is not waited out).
+
+        Raises:
+            RuntimeError: with `outer_overlap`, whose rounds complete at the next slot (call `flush()`).
+            Banned: most members of the last round banned this peer; it must stop (the CLI exits 1).
+        A round that fails is not raised: the report says why (`RoundReport.reason`), and the next slot
+        retries it."""
         if self.streaming.outer_overlap != "none":
             raise RuntimeError("with outer_overlap the rounds complete at the next synchronization slot; "
                                "call flush() to apply the exchange in flight")
@@ -631,7 +645,7 @@ class DiLoCo:
 
     def _start_exchange(self, frag: Fragment, delta: torch.Tensor, started: float) -> _Pending:
         acc = self.ef[frag.index].accumulate(delta) if self.ef is not None else delta
-        due = self.steps + (self.streaming.overlap if self.streaming.outer_overlap == "none" else self.cfg.inner_steps)
+        due = self.steps + (self.streaming.overlap if self.streaming.outer_overlap == "none" else self.inner_steps)
         if self._follows:  # the leader sends; we apply the outcome it tells us (`_complete`)
             self._pending = _Pending(frag, acc, due, started, key=RoundKey(self.state.round, self.attempt))
             return self._pending

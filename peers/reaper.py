@@ -72,14 +72,19 @@ class Reaper:
             self._proc.kill()
 
 
-def _alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether process `pid` is still running: it exists (ours or another user's) and is not a zombie."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
         return True
-    return True
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True
 
 
 def tagged(name: str, value: str) -> list[int]:
@@ -111,7 +116,7 @@ def _sweep(pids: list[int], files: list[str]) -> None:
         except (ProcessLookupError, PermissionError):
             pass
     deadline = time.monotonic() + 2.0
-    while time.monotonic() < deadline and any(_alive(p) for p in pids):
+    while time.monotonic() < deadline and any(pid_alive(p) for p in pids):
         time.sleep(0.05)
     for pid in pids:
         try:
