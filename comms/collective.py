@@ -228,6 +228,8 @@ class Collective:
         for span in r.owned:
             own = r.own[span] = self.pipeline.decode(r.payloads[span], r.numel(span))
             rs.contribs.setdefault((rs.vid, span), {})[self.me] = self._contribution(r.payloads[span], own)
+            if self.pipeline.spec.ef is None:  # only error feedback reads it again; we hold it decoded meanwhile
+                r.payloads[span] = b""
         for (view, span), (owner, tensor, idx) in list(rs.results.items()):  # results that came before our view
             if view != rs.vid:
                 continue

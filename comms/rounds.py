@@ -215,12 +215,14 @@ class Handoff:
 
     keeps_aggregate = True
     """Whether the round assembles Δ̄ as one decoded tensor (`RoundOutcome.aggregate`). Off, it keeps only the
-    result frames (`RoundOutcome.value`), so that no tensor of the whole model's size exists on this peer:
-    an FSDP2 site's leader hands Δ̄ out span by span (`diloco.shards`)."""
+    result frames (`RoundOutcome.value`), so that the frames and a decoded copy of them never coexist: an
+    FSDP2 site's leader hands Δ̄ out span by span (`diloco.shards`), a lone peer decodes it span by span into
+    its outer step's gradient while it lets go of the frames (`diloco.wrapper`)."""
 
-    def __init__(self, tensor: torch.Tensor) -> None:
+    def __init__(self, tensor: torch.Tensor, keeps_aggregate: bool = True) -> None:
         self._tensor: torch.Tensor | None = tensor
         self.numel = tensor.numel()
+        self.keeps_aggregate = keeps_aggregate
 
     def take(self) -> torch.Tensor:
         """The tensor (once: the handoff no longer holds it after this)."""

@@ -352,14 +352,17 @@ class Swarm:
 
     def exchange_async(self, rnd: int, attempt: int, digest: str, delta: torch.Tensor | Handoff, fragment: int = 0,
                        previous: tuple[PeerId, ...] | None = None,
-                       skip: Collection[PeerId] = ()) -> concurrent.futures.Future[RoundOutcome]:
+                       skip: Collection[PeerId] = (), lean: bool = False,
+                       ) -> concurrent.futures.Future[RoundOutcome]:
         """Start our next round in the background (training goes on) and return at once: which attempt
         to run and whom to wait for are decided there from fresh records, so the training thread does
         no network I/O. With `majority` on, the round commits only with a majority of `previous` (the
-        members of the last round we committed); peers in `skip` are not waited for.
+        members of the last round we committed); peers in `skip` are not waited for. `lean`: the outcome
+        holds Δ̄ only as its result frames, not decoded (`Handoff.keeps_aggregate`).
         `finish_exchange` collects the outcome."""
         # fault injection (a poisoning peer) applies to a Δ held whole, not to a site's sharded one
-        handoff = delta if isinstance(delta, Handoff) else Handoff(self.collective.faults.outgoing(rnd, delta))
+        handoff = delta if isinstance(delta, Handoff) else \
+            Handoff(self.collective.faults.outgoing(rnd, delta), keeps_aggregate=not lean)
         del delta  # the round lets go of Δ once encoded: nothing here may keep it
 
         async def go() -> RoundOutcome:

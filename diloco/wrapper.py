@@ -658,8 +658,12 @@ class DiLoCo:
             self._pending = _Pending(frag, acc, due, started, outcome=outcome)
             return self._pending
         source = ShardedHandoff(self.shards, acc, frag.params) if self.shards is not None else None
+        # a lone peer applying Δ̄ whole keeps it as the round's frames until the outer step (SIZE.md): a site's
+        # leader hands the whole outcome to its ranks, error feedback and overlap read the decoded aggregate
+        lean = self.site is None and self.ef is None and self.streaming.outer_overlap == "none"
         future = self.swarm.exchange_async(self.state.round, self.attempt, self.digest, source or acc,
-                                           fragment=frag.index, previous=self.members, skip=self.stragglers)
+                                           fragment=frag.index, previous=self.members, skip=self.stragglers,
+                                           lean=lean)
         keep = self.ef is not None or self.streaming.outer_overlap != "none"
         self._pending = _Pending(frag, acc if keep else None, due, started, future=future, source=source,
                                  key=RoundKey(self.state.round, self.attempt))
@@ -783,6 +787,8 @@ class DiLoCo:
         """The committed Δ̄ of `frag` as this process applies it: whole, or on an FSDP2 site in a swarm this
         rank's pieces, handed out by the leader piece by piece."""
         if self.shards is None or not self._in_swarm:
+            if outcome.aggregate is None and outcome.value is not None and self.swarm is not None:
+                return self._decode_value(outcome)
             assert outcome.aggregate is not None
             return outcome.aggregate
         value, self._value = self._value, None
@@ -790,6 +796,17 @@ class DiLoCo:
         mine = torch.empty(self.shards.map.local_numel(frag.params), dtype=torch.float32)
         self.shards.scatter_spans(spans, frag.params, mine)
         return mine
+
+    def _decode_value(self, outcome: RoundOutcome) -> torch.Tensor:
+        """A lean round's Δ̄, decoded span by span from its result frames, each frame let go once read: the
+        frames and their decoded copy never both exist whole."""
+        assert outcome.value is not None and self.swarm is not None
+        value, outcome.value = outcome.value, None
+        aggregate = torch.empty(value.numel, dtype=torch.float32)
+        for i, (lo, hi, span) in enumerate(self.swarm.collective.value_spans(value)):
+            aggregate[lo:hi] = span
+            value.frames[i] = b""
+        return aggregate
 
     def _take_snapshot(self) -> None:
         """Every rank of an FSDP2 site: the current state, whole, as a snapshot the leader serves."""
