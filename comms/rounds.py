@@ -239,6 +239,44 @@ class Handoff:
             yield delta[lo:hi]
 
 
+class PiecewiseHandoff(Handoff):
+    """Δ held as consecutive pieces, each its own allocation (`diloco.outer.pseudo_gradient_pieces`): the round
+    reads its spans in order and each piece is freed once every span that covers it has been read, so Δ
+    shrinks while its encoding grows (a span that crosses pieces is copied, one span at a time)."""
+
+    def __init__(self, pieces: list[torch.Tensor], keeps_aggregate: bool = True) -> None:
+        self._pieces: list[torch.Tensor | None] | None = list(pieces)
+        self._tensor = None
+        self.numel = sum(p.numel() for p in pieces)
+        self.keeps_aggregate = keeps_aggregate
+
+    def take(self) -> torch.Tensor:
+        raise RuntimeError("a pseudo-gradient in pieces is read one span at a time (spans), never whole")
+
+    def spans(self, bounds: Sequence[tuple[int, int]]) -> Iterator[torch.Tensor]:
+        if self._pieces is None:
+            raise RuntimeError("this pseudo-gradient was already taken by its round")
+        pieces, self._pieces = self._pieces, None
+        first, base = 0, 0  # the first piece still needed, and where it starts in Δ
+        for lo, hi in bounds:
+            while first < len(pieces) and base + _numel(pieces[first]) <= lo:
+                base += _numel(pieces[first])
+                pieces[first] = None  # every span that covers it was read
+                first += 1
+            parts, at, i = [], base, first
+            while at < hi:
+                piece = pieces[i]
+                assert piece is not None
+                parts.append(piece[max(lo - at, 0):min(hi - at, piece.numel())])
+                at, i = at + piece.numel(), i + 1
+            yield parts[0] if len(parts) == 1 else torch.cat(parts) if parts else torch.empty(0)
+        pieces.clear()
+
+
+def _numel(t: torch.Tensor | None) -> int:
+    return 0 if t is None else t.numel()
+
+
 @dataclass
 class Value:
     """What one attempt of a round computed: every span's result, in span order. Members that accept it

@@ -58,6 +58,20 @@ def pseudo_gradient(global_params: Sequence[torch.Tensor], local_params: Sequenc
     return delta
 
 
+def pseudo_gradient_pieces(global_params: Sequence[torch.Tensor], local_params: Sequence[torch.Tensor],
+                           piece: int = 1 << 24) -> list[torch.Tensor]:
+    """`pseudo_gradient` as consecutive pieces of at most `piece` values, each its own allocation, in flat
+    order: a round frees each once it has encoded it (`diloco.comms.rounds.PiecewiseHandoff`), so Δ and its
+    whole encoding never coexist."""
+    out = []
+    for g, p in zip(global_params, local_params):
+        flat_g, flat_p = g.reshape(-1), p.detach().reshape(-1)
+        for lo in range(0, flat_g.numel(), piece):
+            hi = min(lo + piece, flat_g.numel())
+            out.append(torch.sub(flat_g[lo:hi], flat_p[lo:hi].to(device=g.device, dtype=torch.float32)))
+    return out
+
+
 @torch.no_grad()
 def outer_step(outer: torch.optim.Optimizer, global_params: Sequence[torch.Tensor], aggregate: torch.Tensor) -> None:
     """Use the averaged pseudo-gradient as the gradient of θ and step the outer optimizer."""

@@ -34,7 +34,7 @@ from typing import Any, Callable, Collection, Sequence
 import torch
 
 from diloco.comms import Collective, PeerId, RoundKey, RoundOutcome, Transport
-from diloco.comms.rounds import Handoff
+from diloco.comms.rounds import Handoff, PiecewiseHandoff
 from diloco.comms import hello as hs
 from diloco.comms import messages as msg
 from diloco.comms.auth import HELLO, AuthRefused, new_secret
@@ -350,7 +350,8 @@ class Swarm:
 
     # ------------------------------------------------------------------ rounds and state
 
-    def exchange_async(self, rnd: int, attempt: int, digest: str, delta: torch.Tensor | Handoff, fragment: int = 0,
+    def exchange_async(self, rnd: int, attempt: int, digest: str, delta: torch.Tensor | list[torch.Tensor] | Handoff,
+                       fragment: int = 0,
                        previous: tuple[PeerId, ...] | None = None,
                        skip: Collection[PeerId] = (), lean: bool = False,
                        ) -> concurrent.futures.Future[RoundOutcome]:
@@ -361,8 +362,13 @@ class Swarm:
         holds Δ̄ only as its result frames, not decoded (`Handoff.keeps_aggregate`).
         `finish_exchange` collects the outcome."""
         # fault injection (a poisoning peer) applies to a Δ held whole, not to a site's sharded one
-        handoff = delta if isinstance(delta, Handoff) else \
-            Handoff(self.collective.faults.outgoing(rnd, delta), keeps_aggregate=not lean)
+        faults = self.collective.faults
+        if isinstance(delta, Handoff):
+            handoff = delta
+        elif isinstance(delta, list):  # Δ in pieces (`pseudo_gradient_pieces`), freed as the round encodes them
+            handoff = PiecewiseHandoff([faults.outgoing(rnd, p) for p in delta], keeps_aggregate=not lean)
+        else:
+            handoff = Handoff(faults.outgoing(rnd, delta), keeps_aggregate=not lean)
         del delta  # the round lets go of Δ once encoded: nothing here may keep it
 
         async def go() -> RoundOutcome:

@@ -56,7 +56,7 @@ import torch
 from torch.utils.hooks import RemovableHandle
 
 from diloco.comms import PeerId, RoundKey, RoundOutcome
-from diloco.comms.rounds import Value
+from diloco.comms.rounds import Handoff, Value
 from diloco.comms.robust import finite
 from diloco.compression.ef import ErrorFeedback
 from diloco.compression.pipeline import Pipeline, parse
@@ -70,7 +70,8 @@ from .config import ConfigError
 from .environment import WAIT_TIMEOUT, Launch
 from .metrics import close_launched
 from .fragments import Fragment, StreamingConfig, check_schedule, fragment_of_round, partition, slot_due
-from .outer import OuterFactory, copy_into, default_outer, mix_into, outer_step, pseudo_gradient
+from .outer import OuterFactory, copy_into, default_outer, mix_into, outer_step, pseudo_gradient, \
+    pseudo_gradient_pieces
 from .shards import ShardedHandoff, SiteShards, is_sharded, local_view
 from .site import Site
 from .state import GlobalState, StateError, schema_digest
@@ -575,6 +576,13 @@ class DiLoCo:
         if resync is not None:
             return resync
         frag = self.fragments[fragment_of_round(self.state.round, len(self.fragments))]
+        if self._lean:  # in pieces the round frees as it encodes them (SIZE.md)
+            pieces = pseudo_gradient_pieces(self._frag(self.state.params, frag), self._frag(self.local_params, frag))
+            if not all(finite(p) for p in pieces):
+                return self._roll_back(started)
+            pending = self._start_exchange(frag, pieces, started)
+            del pieces
+            return self._complete(pending) if self.streaming.overlap == 0 or force_complete else None
         delta = pseudo_gradient(self._frag(self.state.params, frag), self._frag(self.local_params, frag))
         ok = finite(delta)
         if not (self.shards.all_true(ok) if self.shards is not None else ok):  # every rank judges its own piece
@@ -643,7 +651,19 @@ class DiLoCo:
                              0, 0, time.monotonic() - started, self.steps)
         return self._report(report)
 
-    def _start_exchange(self, frag: Fragment, delta: torch.Tensor, started: float) -> _Pending:
+    @property
+    def _lean(self) -> bool:
+        """Whether our rounds keep Δ̄ as their frames and take Δ in pieces: a lone peer in a swarm (a site's
+        leader hands the whole outcome to its ranks; error feedback and overlap read Δ and Δ̄ whole)."""
+        return self.swarm is not None and self.site is None and self.ef is None and \
+            self.streaming.outer_overlap == "none"
+
+    def _start_exchange(self, frag: Fragment, delta: torch.Tensor | list[torch.Tensor], started: float) -> _Pending:
+        if isinstance(delta, list):  # a lean round's Δ in pieces: only the round reads it
+            future = self._exchange(frag, delta)
+            self._pending = _Pending(frag, None, self.steps + self.streaming.overlap, started, future=future,
+                                     key=RoundKey(self.state.round, self.attempt))
+            return self._pending
         acc = self.ef[frag.index].accumulate(delta) if self.ef is not None else delta
         due = self.steps + (self.streaming.overlap if self.streaming.outer_overlap == "none" else self.inner_steps)
         if self._follows:  # the leader sends; we apply the outcome it tells us (`_complete`)
@@ -658,16 +678,17 @@ class DiLoCo:
             self._pending = _Pending(frag, acc, due, started, outcome=outcome)
             return self._pending
         source = ShardedHandoff(self.shards, acc, frag.params) if self.shards is not None else None
-        # a lone peer applying Δ̄ whole keeps it as the round's frames until the outer step (SIZE.md): a site's
-        # leader hands the whole outcome to its ranks, error feedback and overlap read the decoded aggregate
-        lean = self.site is None and self.ef is None and self.streaming.outer_overlap == "none"
-        future = self.swarm.exchange_async(self.state.round, self.attempt, self.digest, source or acc,
-                                           fragment=frag.index, previous=self.members, skip=self.stragglers,
-                                           lean=lean)
+        future = self._exchange(frag, source or acc)
         keep = self.ef is not None or self.streaming.outer_overlap != "none"
         self._pending = _Pending(frag, acc if keep else None, due, started, future=future, source=source,
                                  key=RoundKey(self.state.round, self.attempt))
         return self._pending
+
+    def _exchange(self, frag: Fragment, delta: torch.Tensor | list[torch.Tensor] | Handoff,
+                  ) -> concurrent.futures.Future[RoundOutcome]:
+        assert self.swarm is not None
+        return self.swarm.exchange_async(self.state.round, self.attempt, self.digest, delta, fragment=frag.index,
+                                         previous=self.members, skip=self.stragglers, lean=self._lean)
 
     def _complete(self, pending: _Pending, in_step: bool = True) -> RoundReport | None:
         """Wait for the exchange in flight and apply it; waiting inside an inner step (not in `flush`)

@@ -137,9 +137,12 @@ def test_sites_of_one_two_and_three_ranks_train_together_on_one_digest(sites):
 
 @pytest.mark.timeout(420)
 def test_a_killed_rank_takes_its_site_down_the_launcher_restarts_it_and_it_catches_up(sites):
-    """SIGKILL rank 1 of a 2-rank site: torchrun ends the site, the lone site goes on committing without
-    it, the launcher starts it again (--max-restarts), it rejoins under the same peer id, downloads the
-    swarm's state and commits with the others; every rank ends on one digest."""
+    """SIGKILL rank 1 of a 2-rank site: torchrun ends the site, the launcher starts it again (--max-restarts),
+    it rejoins under the same peer id, downloads the swarm's state if it moved on and commits with the
+    others; every rank ends on one digest. Meanwhile the lone site goes on alone if the site's leader said
+    goodbye (it does when its gloo group breaks under it), or waits for it: a member of a two-member swarm
+    that vanished without a word keeps counting (docs/PROTOCOL.md, quorum), so the lone site's rounds fail
+    "no quorum" until the site is back. Which happens is a timing: where rank 0 was when rank 1 died."""
     run = ["--rounds", "100000", "--inner-steps", "5"]
     sites.launch(0, ["start", "--wait-for", "2"], [sys.executable, SCRIPT, *run])
     addr = sites.address(0)
@@ -159,8 +162,13 @@ def test_a_killed_rank_takes_its_site_down_the_launcher_restarts_it_and_it_catch
     crashed_at = time.time()
     rank1[0].send_signal(signal.SIGKILL)
     deadline = time.monotonic() + 120
-    while not [r for r in sites.lines(0, "round") if r["time"] > crashed_at and r["committed"] and r["peers"] == 1]:
-        assert time.monotonic() < deadline and sites.procs[0].poll() is None, sites.log(0)  # went on alone
+
+    def alone_or_waiting() -> bool:
+        after = [r for r in sites.lines(0, "round") if r["time"] > crashed_at]
+        return any(r["committed"] and r["peers"] == 1 for r in after) or \
+            sum(r["reason"].startswith("no quorum") for r in after) >= 3
+    while not alone_or_waiting():
+        assert time.monotonic() < deadline and sites.procs[0].poll() is None, sites.log(0)  # went on, or waits
         time.sleep(0.2)
     resumed_at = time.time()
     sites.procs[1].send_signal(signal.SIGCONT)

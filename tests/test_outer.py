@@ -13,12 +13,15 @@ import threading
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import diloco
 from diloco import DiLoCo
 from diloco.comms import InProcNetwork
 from diloco.comms.loop import LoopThread
-from diloco.outer import flatten, nesterov, outer_step, pseudo_gradient, unflatten
+from diloco.comms.rounds import PiecewiseHandoff
+from diloco.outer import flatten, nesterov, outer_step, pseudo_gradient, pseudo_gradient_pieces, unflatten
 from diloco.peers import InProcBoard
 
 pytestmark = pytest.mark.unit
@@ -280,3 +283,31 @@ def test_outer_state_persists_and_inner_state_is_untouched_by_sync():
             for g, p in zip(d.state.params, model.parameters()):
                 assert torch.equal(g, p.detach())
         assert torch.count_nonzero(prev_buf) > 0
+
+
+@settings(max_examples=200, deadline=None)
+@given(shapes=st.lists(st.tuples(st.integers(0, 40), st.integers(1, 5)), min_size=1, max_size=5),
+       piece=st.integers(1, 30), cuts=st.lists(st.floats(0, 1), max_size=6), seed=st.integers(0, 2**16))
+def test_delta_in_pieces_reads_as_the_whole_delta_span_by_span_and_frees_pieces_once_read(shapes, piece, cuts, seed):
+    """A lone peer's Δ travels in pieces the round frees as it encodes them: whatever the pieces and the
+    span partition, the spans are Δ's, and a piece is let go once every span covering it was read."""
+    g = torch.Generator().manual_seed(seed)
+    global_, local = [torch.randn(s, generator=g) for s in shapes], [torch.randn(s, generator=g) for s in shapes]
+    whole = pseudo_gradient(global_, local)
+    pieces = pseudo_gradient_pieces(global_, local, piece)
+    assert all(0 < p.numel() <= piece for p in pieces)
+    assert torch.equal(torch.cat(pieces) if pieces else torch.empty(0), whole)
+    n = whole.numel()
+    edges = sorted({0, n, *(int(c * n) for c in cuts)}) + ([0] if n == 0 else [])  # one empty span when Δ is empty
+    bounds = list(zip(edges[:-1], edges[1:]))
+    handoff = PiecewiseHandoff(pieces)
+    del pieces
+    spans = handoff.spans(bounds)
+    got = []
+    for lo, hi in bounds:
+        got.append(next(spans).clone())
+        held = [p for p in spans.gi_frame.f_locals["pieces"] if p is not None]
+        assert sum(p.numel() for p in held) <= n - lo + 2 * piece  # the pieces before this span are gone
+    assert torch.equal(torch.cat(got) if got else torch.empty(0), whole)
+    with pytest.raises(RuntimeError):
+        next(iter(handoff.spans(bounds)))  # the round took it
