@@ -79,7 +79,7 @@ from diloco.compression.pipeline import Decoded, Pipeline
 from . import messages as msg
 from .faults import FaultPlan
 from . import robust
-from .reduce import canonical_order, order_key
+from .reduce import canonical_order, order_key, summation_order
 from .rounds import Accepted, CollectiveConfig, Contribution, Exchange, Handoff, RoundOutcome, RoundState, Value
 from .spans import MAX_SPANS, RoundKey, make_view, span_bounds, spans_for, view_id
 from .transport import PeerId, Transport, TransportError
@@ -486,7 +486,7 @@ class Collective:
         senders = [p for p in r.view if p in got]
         idx = tuple(r.view.index(p) for p in senders)
         numel = r.numel(span)
-        order = sorted(range(len(senders)), key=lambda i: got[senders[i]].order)  # reduce.canonical_order
+        order = summation_order([got[p].order for p in senders])
         combined = robust.combine([got[senders[i]].decoded for i in order], numel, self.cfg.robust)
         outliers = self._judge([senders[i] for i in order], combined.norms, r.key)
         marked = tuple(sorted(r.view.index(p) for p in (outliers | refused) if p in r.view))

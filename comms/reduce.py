@@ -27,9 +27,14 @@ def order_key(payload: bytes | memoryview) -> bytes:
     return hashlib.blake2b(payload, digest_size=16).digest()
 
 
+def summation_order(keys: Sequence[bytes]) -> list[int]:
+    """Indices of contributions sorted by their `order_key`s `keys`: the summation order."""
+    return sorted(range(len(keys)), key=keys.__getitem__)
+
+
 def canonical_order(payloads: Sequence[bytes | memoryview]) -> list[int]:
-    """Indices of `payloads` sorted by `order_key` (the summation order)."""
-    return sorted(range(len(payloads)), key=lambda i: order_key(payloads[i]))
+    """The summation order of encoded `payloads`."""
+    return summation_order([order_key(p) for p in payloads])
 
 
 def average(parts: Sequence[Decoded], numel: int) -> torch.Tensor:

@@ -10,6 +10,7 @@ in an attempt, which later attempts of the same round carry instead of computing
 from __future__ import annotations
 
 import asyncio
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Iterator, Sequence
 
@@ -217,12 +218,11 @@ class Handoff:
     """Whether the round assembles Δ̄ as one decoded tensor (`RoundOutcome.aggregate`). Off, it keeps only the
     result frames (`RoundOutcome.value`), so that the frames and a decoded copy of them never coexist: an
     FSDP2 site's leader hands Δ̄ out span by span (`diloco.shards`), a lone peer decodes it span by span into
-    its outer step's gradient while it lets go of the frames (`diloco.wrapper`)."""
+    its outer step's gradient while it lets go of the frames (`PiecewiseHandoff`, `diloco.wrapper`)."""
 
-    def __init__(self, tensor: torch.Tensor, keeps_aggregate: bool = True) -> None:
+    def __init__(self, tensor: torch.Tensor) -> None:
         self._tensor: torch.Tensor | None = tensor
         self.numel = tensor.numel()
-        self.keeps_aggregate = keeps_aggregate
 
     def take(self) -> torch.Tensor:
         """The tensor (once: the handoff no longer holds it after this)."""
@@ -240,15 +240,17 @@ class Handoff:
 
 
 class PiecewiseHandoff(Handoff):
-    """Δ held as consecutive pieces, each its own allocation (`diloco.outer.pseudo_gradient_pieces`): the round
-    reads its spans in order and each piece is freed once every span that covers it has been read, so Δ
-    shrinks while its encoding grows (a span that crosses pieces is copied, one span at a time)."""
+    """A lone peer's Δ, held as consecutive pieces, each its own allocation (`diloco.outer.pseudo_gradient_pieces`):
+    the round reads its spans in order and each piece is freed once every span that covers it has been read,
+    so Δ shrinks while its encoding grows (a span that crosses pieces is copied, one span at a time). The
+    round keeps Δ̄ as its result frames, which the peer decodes span by span at its outer step."""
 
-    def __init__(self, pieces: list[torch.Tensor], keeps_aggregate: bool = True) -> None:
-        self._pieces: list[torch.Tensor | None] | None = list(pieces)
+    keeps_aggregate = False
+
+    def __init__(self, pieces: list[torch.Tensor]) -> None:
+        self._pieces: deque[torch.Tensor] | None = deque(pieces)
         self._tensor = None
         self.numel = sum(p.numel() for p in pieces)
-        self.keeps_aggregate = keeps_aggregate
 
     def take(self) -> torch.Tensor:
         raise RuntimeError("a pseudo-gradient in pieces is read one span at a time (spans), never whole")
@@ -257,24 +259,18 @@ class PiecewiseHandoff(Handoff):
         if self._pieces is None:
             raise RuntimeError("this pseudo-gradient was already taken by its round")
         pieces, self._pieces = self._pieces, None
-        first, base = 0, 0  # the first piece still needed, and where it starts in Δ
+        base = 0  # where pieces[0] starts in Δ
         for lo, hi in bounds:
-            while first < len(pieces) and base + _numel(pieces[first]) <= lo:
-                base += _numel(pieces[first])
-                pieces[first] = None  # every span that covers it was read
-                first += 1
-            parts, at, i = [], base, first
-            while at < hi:
-                piece = pieces[i]
-                assert piece is not None
+            while pieces and base + pieces[0].numel() <= lo:
+                base += pieces.popleft().numel()  # every span that covers it was read
+            parts, at = [], base
+            for piece in pieces:
+                if at >= hi:
+                    break
                 parts.append(piece[max(lo - at, 0):min(hi - at, piece.numel())])
-                at, i = at + piece.numel(), i + 1
+                at += piece.numel()
             yield parts[0] if len(parts) == 1 else torch.cat(parts) if parts else torch.empty(0)
         pieces.clear()
-
-
-def _numel(t: torch.Tensor | None) -> int:
-    return 0 if t is None else t.numel()
 
 
 @dataclass

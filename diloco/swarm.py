@@ -353,22 +353,21 @@ class Swarm:
     def exchange_async(self, rnd: int, attempt: int, digest: str, delta: torch.Tensor | list[torch.Tensor] | Handoff,
                        fragment: int = 0,
                        previous: tuple[PeerId, ...] | None = None,
-                       skip: Collection[PeerId] = (), lean: bool = False,
-                       ) -> concurrent.futures.Future[RoundOutcome]:
+                       skip: Collection[PeerId] = ()) -> concurrent.futures.Future[RoundOutcome]:
         """Start our next round in the background (training goes on) and return at once: which attempt
         to run and whom to wait for are decided there from fresh records, so the training thread does
         no network I/O. With `majority` on, the round commits only with a majority of `previous` (the
-        members of the last round we committed); peers in `skip` are not waited for. `lean`: the outcome
-        holds Δ̄ only as its result frames, not decoded (`Handoff.keeps_aggregate`).
+        members of the last round we committed); peers in `skip` are not waited for. A list `delta` is a lone
+        peer's Δ in pieces (`PiecewiseHandoff`): its outcome holds Δ̄ as the result frames, not decoded.
         `finish_exchange` collects the outcome."""
         # fault injection (a poisoning peer) applies to a Δ held whole, not to a site's sharded one
         faults = self.collective.faults
         if isinstance(delta, Handoff):
             handoff = delta
         elif isinstance(delta, list):  # Δ in pieces (`pseudo_gradient_pieces`), freed as the round encodes them
-            handoff = PiecewiseHandoff([faults.outgoing(rnd, p) for p in delta], keeps_aggregate=not lean)
+            handoff = PiecewiseHandoff([faults.outgoing(rnd, p) for p in delta])
         else:
-            handoff = Handoff(faults.outgoing(rnd, delta), keeps_aggregate=not lean)
+            handoff = Handoff(faults.outgoing(rnd, delta))
         del delta  # the round lets go of Δ once encoded: nothing here may keep it
 
         async def go() -> RoundOutcome:
@@ -383,8 +382,7 @@ class Swarm:
             known = set(skip) | set(previous or ())
             resyncing = [r.peer for r in records if r.status == "joining" and r.peer in known and r.peer != self.peer_id]
             left = departed(records, rnd)
-            # a straggler that downloads our state keeps the grace; one that said goodbye since is not waited for
-            fetching = self._catching_up() - set(skip) - {r.peer for r in records if r.status == "left"}
+            fetching = self._catching_up(records) - set(skip)  # a straggler that downloads our state keeps the grace
             prev = previous if self.cfg.majority else None
 
             def admit(view: tuple[PeerId, ...]) -> tuple[bool, str]:
@@ -497,12 +495,14 @@ class Swarm:
             self._fetchers[peer] = now
         self._unserved.clear()
 
-    def _catching_up(self) -> set[PeerId]:
+    def _catching_up(self, records: Sequence[PeerRecord]) -> set[PeerId]:
         """Peers that asked us for state (a manifest or a chunk, whether we still held it or not) within
-        the last `call_timeout`: they are catching up to us, and our next round waits for them."""
+        the last `call_timeout`: they are catching up to us, and our next round waits for them, unless
+        `records` show that they said goodbye since."""
         now = time.monotonic()
         self._fetchers = {p: t for p, t in self._fetchers.items() if now - t < self.cfg.call_timeout}
-        return {p for p in self._fetchers if p != self.peer_id and p not in self.collective.banned}
+        gone = {r.peer for r in records if r.status == "left"} | self.collective.banned | {self.peer_id}
+        return set(self._fetchers) - gone
 
     # ------------------------------------------------------------------ leaving
 

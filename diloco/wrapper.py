@@ -576,15 +576,14 @@ class DiLoCo:
         if resync is not None:
             return resync
         frag = self.fragments[fragment_of_round(self.state.round, len(self.fragments))]
+        global_frag, local_frag = self._frag(self.state.params, frag), self._frag(self.local_params, frag)
+        delta: torch.Tensor | list[torch.Tensor]
         if self._lean:  # in pieces the round frees as it encodes them (SIZE.md)
-            pieces = pseudo_gradient_pieces(self._frag(self.state.params, frag), self._frag(self.local_params, frag))
-            if not all(finite(p) for p in pieces):
-                return self._roll_back(started)
-            pending = self._start_exchange(frag, pieces, started)
-            del pieces
-            return self._complete(pending) if self.streaming.overlap == 0 or force_complete else None
-        delta = pseudo_gradient(self._frag(self.state.params, frag), self._frag(self.local_params, frag))
-        ok = finite(delta)
+            delta = pseudo_gradient_pieces(global_frag, local_frag)
+            ok = all(finite(p) for p in delta)
+        else:
+            delta = pseudo_gradient(global_frag, local_frag)
+            ok = finite(delta)
         if not (self.shards.all_true(ok) if self.shards is not None else ok):  # every rank judges its own piece
             return self._roll_back(started)
         pending = self._start_exchange(frag, delta, started)
@@ -653,8 +652,9 @@ class DiLoCo:
 
     @property
     def _lean(self) -> bool:
-        """Whether our rounds keep Δ̄ as their frames and take Δ in pieces: a lone peer in a swarm (a site's
-        leader hands the whole outcome to its ranks; error feedback and overlap read Δ and Δ̄ whole)."""
+        """Whether our rounds take Δ in pieces and keep Δ̄ as their frames (`PiecewiseHandoff`): a lone peer in a
+        swarm (a site's leader hands the whole outcome to its ranks; error feedback and overlap read Δ and Δ̄
+        whole)."""
         return self.swarm is not None and self.site is None and self.ef is None and \
             self.streaming.outer_overlap == "none"
 
@@ -688,7 +688,7 @@ class DiLoCo:
                   ) -> concurrent.futures.Future[RoundOutcome]:
         assert self.swarm is not None
         return self.swarm.exchange_async(self.state.round, self.attempt, self.digest, delta, fragment=frag.index,
-                                         previous=self.members, skip=self.stragglers, lean=self._lean)
+                                         previous=self.members, skip=self.stragglers)
 
     def _complete(self, pending: _Pending, in_step: bool = True) -> RoundReport | None:
         """Wait for the exchange in flight and apply it; waiting inside an inner step (not in `flush`)
@@ -808,7 +808,7 @@ class DiLoCo:
         """The committed Δ̄ of `frag` as this process applies it: whole, or on an FSDP2 site in a swarm this
         rank's pieces, handed out by the leader piece by piece."""
         if self.shards is None or not self._in_swarm:
-            if outcome.aggregate is None and outcome.value is not None and self.swarm is not None:
+            if outcome.value is not None:  # a lean round (`_lean`)
                 return self._decode_value(outcome)
             assert outcome.aggregate is not None
             return outcome.aggregate
