@@ -19,7 +19,7 @@ import os
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -28,7 +28,7 @@ from .config import SwarmConfig
 from .corpus import BatchSampler, evaluate, heldout_batches
 from .model import GPTConfig, build_model
 from .simulate import NetworkModel, simulate
-from .train import JobConfig, load_corpus
+from .train import JobConfig, inner_lr, load_corpus
 
 SPARSE = "topk:64/4096+s2+ef:0.95"  # 1.56% of each chunk, 2-bit values, error feedback (SparseLoCo's recipe)
 
@@ -41,6 +41,9 @@ class Variant:
     fragments: int = 1
     overlap: int = 0
     alpha: float = 0.0
+    outer_lr: float | None = None
+    """None: the default outer optimizer of the compression (`diloco.outer.default_outer`)."""
+    outer_momentum: float | None = None
 
 
 VARIANTS = (
@@ -49,6 +52,36 @@ VARIANTS = (
     Variant("Streaming P=2, τ=1, α=0.5, e3m0", 50, "e3m0", fragments=2, overlap=1, alpha=0.5),
     Variant("Sparse top-k 1.6%, 2-bit, EF", 50, SPARSE),
 )
+NAMED = dict(zip(("h50", "h100", "streaming", "sparse"), VARIANTS))
+"""The variants by the short names `--variant` takes."""
+_KNOBS = {"H": ("inner_steps", int), "compression": ("compression", str), "fragments": ("fragments", int),
+          "overlap": ("overlap", int), "alpha": ("alpha", float), "outer_lr": ("outer_lr", float),
+          "outer_momentum": ("outer_momentum", float)}
+
+
+def parse_variant(spec: str) -> Variant:
+    """A variant from `NAME[,KNOB=VALUE...]`: one of `NAMED` with knobs changed, e.g.
+    `h50,outer_lr=0.5,outer_momentum=0.8` or `sparse,H=20`. Knobs: H, compression, fragments, overlap,
+    alpha, outer_lr, outer_momentum. Raises ValueError naming what is wrong."""
+    name, *knobs = [part.strip() for part in spec.split(",")]
+    if name not in NAMED:
+        raise ValueError(f"unknown variant {name!r} in {spec!r}: choose one of {', '.join(NAMED)}")
+    changes: dict[str, Any] = {}
+    for knob in knobs:
+        key, eq, value = knob.partition("=")
+        if not eq or key not in _KNOBS:
+            raise ValueError(f"{knob!r} in {spec!r}: write KNOB=VALUE with KNOB one of {', '.join(_KNOBS)}")
+        field, kind = _KNOBS[key]
+        try:
+            changes[field] = kind(value)
+        except ValueError:
+            raise ValueError(f"{knob!r} in {spec!r}: {value!r} is not a {kind.__name__}") from None
+    base = NAMED[name]
+    label = base.name
+    if "inner_steps" in changes and f"H={base.inner_steps}" in label:  # 'DiLoCo H=20', not 'DiLoCo H=50 (H=20)'
+        label = label.replace(f"H={base.inner_steps}", f"H={changes['inner_steps']}")
+        knobs = [k for k in knobs if not k.startswith("H=")]
+    return replace(base, name=f"{label} ({', '.join(knobs)})" if knobs else label, **changes)
 
 
 Progress = Callable[[float, float | None, str | None], None]
@@ -57,8 +90,9 @@ Progress = Callable[[float, float | None, str | None], None]
 
 def data_parallel(job: JobConfig, workers: int, steps: int, eval_every: int = 0,
                   progress: Progress | None = None) -> dict[str, Any]:
-    """The baseline: `steps` AdamW steps on one model, each on one batch from every worker's shard;
-    with `eval_every`, the held-out loss every that many steps goes into the result's `curve`."""
+    """The baseline: `steps` AdamW steps on one model, each on one batch from every worker's shard, at
+    `job.lr` on `job.schedule` (`diloco.train.inner_lr`, as the workers); with `eval_every`, the held-out
+    loss every that many steps goes into the result's `curve`."""
     torch.set_num_threads(min(job.threads * workers, os.cpu_count() or 1))  # it does the work of M workers
     corpus = load_corpus(job)
     model = build_model(GPTConfig(context=job.context, d_model=job.d_model, n_layer=job.n_layer), seed=job.seed)
@@ -72,7 +106,7 @@ def data_parallel(job: JobConfig, workers: int, steps: int, eval_every: int = 0,
     curve = []
     for step in range(steps):
         for group in opt.param_groups:
-            group["lr"] = job.lr * min(1.0, (step + 1) / max(1, job.warmup))
+            group["lr"] = inner_lr(step, lr=job.lr, warmup=job.warmup, total=steps, schedule=job.schedule)
         batches = [s.next() for s in samplers]
         x, y = torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches])
         _, loss = model(x, y)
@@ -86,23 +120,27 @@ def data_parallel(job: JobConfig, workers: int, steps: int, eval_every: int = 0,
             progress((step + 1) * workers, steps * workers, None)
     eval_loss = evaluate(model, heldout)
     curve.append(dict(step=steps, eval_loss=eval_loss, bytes_sent=int(per_step * steps)))
-    return dict(variant="data-parallel", eval_loss=eval_loss, params=params,
+    return dict(variant="data-parallel", workers=workers, lr=job.lr, eval_loss=eval_loss, params=params,
                 bytes_sent=int(per_step * steps), bits_per_param_sync=32.0, syncs=steps,
                 wall_seconds=round(time.monotonic() - started, 1), projected_utilization=None, curve=curve)
 
 
 def run(job: JobConfig, workers: int, steps: int, variants: tuple[Variant, ...] = VARIANTS,
         progress: Callable[[dict[str, Any]], None] = lambda r: None, curves: bool = False,
-        reporter: progress_output.Reporter | None = None) -> list[dict[str, Any]]:
-    """Data-parallel first, then each variant on the same token budget; one result row each. With
-    `curves`, each row's `curve` holds the held-out loss during training (data-parallel every 50 steps,
-    the variants after every round), with inner steps and bytes sent so far. `reporter` (default: the
-    running command's) shows the whole benchmark and the variant running, in inner steps of all workers."""
+        reporter: progress_output.Reporter | None = None, dp_lrs: Sequence[float] = ()) -> list[dict[str, Any]]:
+    """Data-parallel first (once per learning rate in `dp_lrs`, default `job.lr`), then each variant on
+    the same token budget; one result row each. Gaps and byte ratios are against the data-parallel row
+    with the lowest held-out loss (`baseline: True`; its lr is the tuned one). With `curves`, each row's
+    `curve` holds the held-out loss during training (data-parallel every 50 steps, the variants after
+    every round), with inner steps and bytes sent so far. `reporter` (default: the running command's)
+    shows the whole benchmark and the variant running, in inner steps of all workers."""
     for v in variants:
         if steps % v.inner_steps:
             raise ValueError(f"--steps ({steps}) must be a multiple of H={v.inner_steps} ({v.name})")
+    lrs = tuple(dp_lrs) or (job.lr,)
+    dp_names = ["data-parallel"] if len(lrs) == 1 else [f"data-parallel lr={lr:g}" for lr in lrs]
     rep = reporter or progress_output.current()
-    names = ["data-parallel", *(v.name for v in variants)]
+    names = [*dp_names, *(v.name for v in variants)]
     budget = steps * workers  # inner steps of all workers, per variant
     with rep.task("convergence", total=budget * len(names)) as overall:
         def shown(k: int, task: progress_output.Task) -> Progress:
@@ -111,15 +149,19 @@ def run(job: JobConfig, workers: int, steps: int, variants: tuple[Variant, ...] 
                 overall.update(k * budget + done, status=f"variant {k + 1}/{len(names)}: {names[k]}")
             return update
 
-        with rep.task(f"[1/{len(names)}] data-parallel") as task:
-            rows = [data_parallel(job, workers, steps, eval_every=50 if curves else 0, progress=shown(0, task))]
-        progress(rows[0])
-        for k, v in enumerate(variants, start=1):
+        rows = []
+        for k, (name, lr) in enumerate(zip(dp_names, lrs)):
+            with rep.task(f"[{k + 1}/{len(names)}] {name}") as task:
+                rows.append(data_parallel(replace(job, lr=lr), workers, steps, eval_every=50 if curves else 0,
+                                          progress=shown(k, task)) | dict(variant=name))
+            progress(rows[-1])
+        for k, v in enumerate(variants, start=len(lrs)):
             with rep.task(f"[{k + 1}/{len(names)}] {v.name}") as task:
                 rows.append(_variant(job, workers, steps, v, curves, shown(k, task)))
             progress(rows[-1])
-    base = rows[0]
+    base = min(rows[:len(lrs)], key=lambda r: r["eval_loss"])
     for r in rows:
+        r["baseline"] = r is base
         r["loss_gap"] = r["eval_loss"] / base["eval_loss"] - 1
         r["bytes_ratio"] = base["bytes_sent"] / r["bytes_sent"] if r["bytes_sent"] else None
     return rows
@@ -129,11 +171,12 @@ def _variant(job: JobConfig, workers: int, steps: int, v: Variant, curves: bool,
     """One DiLoCo variant through the simulator: its result row."""
     net = NetworkModel(bandwidth_mbit=100.0, latency_ms=50.0)
     cfg = replace(job, inner_steps=v.inner_steps, rounds=steps // v.inner_steps, fragments=v.fragments,
-                  overlap=v.overlap, alpha=v.alpha, eval_every=1 if curves else 0)
+                  overlap=v.overlap, alpha=v.alpha, outer_lr=v.outer_lr, outer_momentum=v.outer_momentum,
+                  eval_every=1 if curves else 0)
     started = time.monotonic()
     out = simulate(cfg, workers, swarm=SwarmConfig(run_id="bench-convergence", compression=v.compression), net=net,
                    progress=progress)
-    return dict(variant=v.name, eval_loss=out["eval_loss"], params=out["params"], bytes_sent=out["bytes_sent"],
+    return dict(variant=v.name, workers=workers, lr=job.lr, eval_loss=out["eval_loss"], params=out["params"], bytes_sent=out["bytes_sent"],
                 bits_per_param_sync=out["bits_per_param_sync"], syncs=cfg.rounds,
                 wall_seconds=round(time.monotonic() - started, 1),
                 projected_utilization=out["projection"]["min_utilization"], digests=out["digests"],
@@ -142,14 +185,16 @@ def _variant(job: JobConfig, workers: int, steps: int, v: Variant, curves: bool,
 
 
 def markdown_table(rows: list[dict[str, Any]]) -> str:
-    lines = ["| variant | held-out loss | gap to DP | bytes sent (all workers) | fewer bytes than DP | "
+    lines = ["| M | variant | held-out loss | gap to DP | bytes sent (all workers) | fewer bytes than DP | "
              "bits/param/sync | syncs | projected utilization (100 Mbit/s, 50 ms) |",
-             "|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         util = "-" if r["projected_utilization"] is None else f"{r['projected_utilization']:.1%}"
-        ratio = "-" if r["variant"] == "data-parallel" or not r["bytes_ratio"] else f"{r['bytes_ratio']:,.0f}×"
-        lines.append(f"| {r['variant']} | {r['eval_loss']:.4f} | {r['loss_gap']:+.2%} | {r['bytes_sent'] / 1e6:,.1f} MB | "
-                     f"{ratio} | {r['bits_per_param_sync']:.3f} | {r['syncs']} | {util} |")
+        dp = r["variant"].startswith("data-parallel")
+        ratio = "-" if dp or not r["bytes_ratio"] else f"{r['bytes_ratio']:,.0f}×"
+        name = r["variant"] + (" (tuned)" if dp and r.get("baseline") and r["variant"] != "data-parallel" else "")
+        lines.append(f"| {r['workers']} | {name} | {r['eval_loss']:.4f} | {r['loss_gap']:+.2%} | "
+                     f"{r['bytes_sent'] / 1e6:,.1f} MB | {ratio} | {r['bits_per_param_sync']:.3f} | {r['syncs']} | {util} |")
     return "\n".join(lines)
 
 
@@ -158,26 +203,37 @@ def write_json(rows: list[dict[str, Any]], path: Path, setup: dict[str, Any]) ->
     path.write_text(json.dumps({"setup": setup, "results": rows}, indent=2) + "\n")
 
 
-def plots(rows: list[dict[str, Any]], directory: Path, tokens_per_step: int) -> list[Path]:
-    """Held-out loss vs tokens and vs bytes sent (log scale) of every row's curve, as PNG files in
-    `directory` (drawn by matplotlib: `pip install "diloco[plot]"`)."""
+def plots(rows: list[dict[str, Any]], directory: Path, tokens_per_worker_step: int) -> list[Path]:
+    """Held-out loss vs tokens (all workers) and vs bytes sent (log scale) of every row's curve, as PNG
+    files in `directory` (drawn by matplotlib: `pip install "diloco[plot]"`): b1-loss-vs-{tokens,bytes}.png,
+    or one pair per worker count, b1-M4-loss-vs-tokens.png..., when the rows hold several (M=1 moves no
+    bytes: no bytes plot)."""
     from .plot import Series, line_plot
 
-    with_curves = [r for r in rows if r.get("curve")]
-    tokens = [Series(r["variant"], [c["step"] * tokens_per_step for c in r["curve"]],
-                     [c["eval_loss"] for c in r["curve"]]) for r in with_curves]
-    moved = [Series(r["variant"], [c["bytes_sent"] for c in r["curve"]], [c["eval_loss"] for c in r["curve"]])
-             for r in with_curves]
-    return [line_plot(directory / "b1-loss-vs-tokens.png", tokens, x_label="tokens seen (all workers)",
-                      y_label="held-out loss", x_unit="", title="B1: held-out loss vs tokens"),
-            line_plot(directory / "b1-loss-vs-bytes.png", moved, log_x=True, x_label="bytes sent (all workers)",
-                      y_label="held-out loss", x_unit="B", title="B1: held-out loss vs bytes sent")]
+    counts = sorted({int(r["workers"]) for r in rows})
+    written = []
+    for m in counts:
+        with_curves = [r for r in rows if r.get("curve") and int(r["workers"]) == m]
+        stem, where = ("b1", "") if len(counts) == 1 else (f"b1-M{m}", f", M={m}")
+        tokens = [Series(r["variant"], [c["step"] * tokens_per_worker_step * m for c in r["curve"]],
+                         [c["eval_loss"] for c in r["curve"]]) for r in with_curves]
+        moved = [Series(r["variant"], [c["bytes_sent"] for c in r["curve"]], [c["eval_loss"] for c in r["curve"]])
+                 for r in with_curves if r["bytes_sent"]]  # M=1 sends nothing
+        written.append(line_plot(directory / f"{stem}-loss-vs-tokens.png", tokens, x_label="tokens seen (all workers)",
+                                 y_label="held-out loss", x_unit="", title=f"B1: held-out loss vs tokens{where}"))
+        if moved:
+            written.append(line_plot(directory / f"{stem}-loss-vs-bytes.png", moved, log_x=True,
+                                     x_label="bytes sent (all workers)", y_label="held-out loss", x_unit="B",
+                                     title=f"B1: held-out loss vs bytes sent{where}"))
+    return written
 
 
-def replot_rows(path: Path, context: int) -> tuple[list[dict[str, Any]], int]:
-    """The rows of a result written by `write_json` and the tokens per step of its setup (all workers)."""
+def replot_rows(path: Path) -> tuple[list[dict[str, Any]], int]:
+    """The rows of a result written by `write_json` (each with its `workers`) and the tokens of one inner
+    step of one worker in its setup."""
     saved = json.loads(Path(path).read_text())
     setup = saved["setup"]
     if not any(r.get("curve") for r in saved["results"]):
         raise ValueError("it holds no curves: it was written by a run without --plots")
-    return saved["results"], int(setup["workers"]) * int(setup["batch_size"]) * context
+    rows = [{"workers": setup["workers"]} | r for r in saved["results"]]  # results before several M name none
+    return rows, int(setup["batch_size"]) * int(setup.get("context", JobConfig().context))

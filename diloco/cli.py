@@ -581,11 +581,23 @@ def bench_codecs_cmd(
 
 @bench_app.command("convergence")
 def bench_convergence_cmd(
-    workers: int = typer.Option(4, help="Workers (M) of every variant."),
-    steps: int = typer.Option(400, help="Inner steps per worker (the token budget); a multiple of 100."),
+    workers: List[int] = typer.Option([4], help="Workers (M) of every variant; repeat it to run several M, each "
+                                               "against its own data-parallel baseline."),
+    steps: int = typer.Option(400, help="Inner steps per worker (the token budget); a multiple of every variant's H."),
+    variant: List[str] = typer.Option(list(("h50", "h100", "streaming", "sparse")), help=(
+        "Variants to run, by name (h50, h100, streaming, sparse), each optionally with knobs changed: "
+        "'h50,outer_lr=0.5,outer_momentum=0.8', 'sparse,H=20' (knobs: H, compression, fragments, overlap, alpha, "
+        "outer_lr, outer_momentum). Repeat it.")),
+    dp_lr: List[float] = typer.Option([], help="Inner lr of data-parallel training; repeat it to tune over several "
+                                              "(gaps are to the best). Default: --lr."),
+    lr: float = typer.Option(2e-3, help="Inner AdamW lr of the DiLoCo workers."),
+    warmup: int = typer.Option(20, help="Inner steps of linear lr warmup (data-parallel and workers alike)."),
+    schedule: str = typer.Option("constant", help="Inner lr after the warmup, for data-parallel and workers alike: "
+                                                  "constant, or cosine (down to lr/10 at the last step)."),
     batch_size: int = typer.Option(8, help="Sequences per inner step per worker."),
     d_model: int = typer.Option(192, help="Model width."),
     layers: int = typer.Option(4, help="Transformer blocks."),
+    context: int = typer.Option(128, help="Bytes of context."),
     threads: int = typer.Option(1, help="torch CPU threads per worker (data-parallel: M times as many, up to the cores)."),
     json_path: Optional[Path] = typer.Option(None, "--json", help="Write the results as JSON here."),
     plots_dir: Optional[Path] = typer.Option(None, "--plots", help="Evaluate during training and write PNG plots "
@@ -600,43 +612,57 @@ def bench_convergence_cmd(
     import torch
     from rich.console import Console
 
-    from .bench_convergence import VARIANTS, markdown_table, plots, replot_rows, run, write_json
+    from .bench_convergence import markdown_table, parse_variant, plots, replot_rows, run, write_json
     from .plot import PlotError, require_matplotlib
     from .progress import Reporter
     from .train import JobConfig
 
-    if workers < 1 or steps < 1 or steps % 100:
-        _fail(f"--workers must be >= 1 and --steps a positive multiple of 100 (H=50 and H=100), got {steps}")
     if replot is not None and plots_dir is None:
         _fail("--replot draws plots: give the folder to write them to with --plots DIR")
     try:
-        job = JobConfig(batch_size=batch_size, d_model=d_model, n_layer=layers, threads=threads)
+        job = JobConfig(batch_size=batch_size, d_model=d_model, n_layer=layers, context=context, threads=threads,
+                        lr=lr, warmup=warmup, schedule=schedule)
+        chosen = tuple(parse_variant(v) for v in variant)
         if plots_dir is not None:
             require_matplotlib()  # before a run of minutes, not after it
-    except (ConfigError, PlotError) as e:
+    except (ConfigError, PlotError, ValueError) as e:
         _fail(str(e))
+    if min(workers) < 1 or steps < 1:
+        _fail(f"--workers must be >= 1 and --steps >= 1, got {workers} and {steps}")
+    for v in chosen:
+        if steps % v.inner_steps:
+            _fail(f"--steps ({steps}) must be a multiple of H={v.inner_steps} ({v.name})")
+    bad_lr = [x for x in dp_lr if not 0 < x < 1]
+    if bad_lr:
+        _fail(f"--dp-lr must be in (0, 1), got {bad_lr[0]}")
     console = Console()
     if replot is not None and plots_dir is not None:
         try:
-            rows, tokens_per_step = replot_rows(replot, job.context)
+            rows, tokens_per_step = replot_rows(replot)
             written = plots(rows, plots_dir, tokens_per_step)
         except (OSError, ValueError, KeyError, PlotError) as e:
             _fail(f"cannot replot {replot}: {type(e).__name__}: {e}", code=1)
         for path in written:
             console.print(f"wrote {path}", markup=False)
         return
+    rows = []
     with Reporter.for_command(quiet=quiet) as rep:
-        rows = run(job, workers, steps, VARIANTS, progress=lambda r: rep.say(
-            f"{r['variant']:<36} held-out loss {r['eval_loss']:.4f}  {r['bytes_sent'] / 1e6:10.1f} MB  "
-            f"({r['wall_seconds']:.0f} s)"), curves=plots_dir is not None, reporter=rep)
+        for m in workers:
+            rows += run(job, m, steps, chosen, progress=lambda r: rep.say(
+                f"M={r['workers']} {r['variant']:<36} held-out loss {r['eval_loss']:.4f}  "
+                f"{r['bytes_sent'] / 1e6:10.1f} MB  ({r['wall_seconds']:.0f} s)"), curves=plots_dir is not None,
+                reporter=rep, dp_lrs=dp_lr)
     console.print(markdown_table(rows), markup=False, soft_wrap=True)
     if plots_dir is not None:
-        for path in plots(rows, plots_dir, workers * batch_size * job.context):
+        for path in plots(rows, plots_dir, batch_size * job.context):
             console.print(f"wrote {path}", markup=False)
     if json_path:
-        write_json(rows, json_path, {"workers": workers, "steps": steps, "batch_size": batch_size, "d_model": d_model,
-                                     "layers": layers, "threads": threads, "torch": torch.__version__,
-                                     "machine": platform.machine(), "cores": os.cpu_count()})
+        write_json(rows, json_path, {"workers": workers if len(workers) > 1 else workers[0], "steps": steps,
+                                     "batch_size": batch_size, "d_model": d_model, "layers": layers,
+                                     "context": context, "lr": lr, "dp_lrs": dp_lr or [lr], "warmup": warmup,
+                                     "schedule": schedule, "variants": variant, "threads": threads,
+                                     "torch": torch.__version__, "machine": platform.machine(),
+                                     "cores": os.cpu_count()})
 
 
 @bench_app.command("overlap")

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from diloco.bench_convergence import SPARSE, Variant, markdown_table, plots, run
+from diloco.bench_convergence import NAMED, SPARSE, Variant, markdown_table, parse_variant, plots, run
 from diloco.progress import Reporter
 from diloco.train import JobConfig
 
@@ -49,12 +49,42 @@ def test_variants_against_data_parallel_on_equal_tokens(tmp_path):
     # fp32: every round moves the same payload; replies differ by a few dozen bytes with who reached the
     # round first (a ready answered before or after the answerer's own gather began names its peers or not)
     assert plain["curve"][1]["bytes_sent"] == pytest.approx(2 * plain["curve"][0]["bytes_sent"], abs=400)
-    written = plots(rows, tmp_path, tokens_per_step=2 * 4 * job.context)
+    written = plots(rows, tmp_path, tokens_per_worker_step=4 * job.context)
     assert [p.name for p in written] == ["b1-loss-vs-tokens.png", "b1-loss-vs-bytes.png"]
     assert all(p.read_bytes()[:4] == b"\x89PNG" for p in written)
 
 
-def test_cli_wants_a_budget_that_both_h_divide():
+def test_cli_wants_a_budget_that_every_h_divides_and_names_it_refuses():
     out = subprocess.run([sys.executable, "-m", "diloco", "bench", "convergence", "--steps", "150"],
                          capture_output=True, text=True, timeout=60)
-    assert out.returncode == 2 and "multiple of 100" in out.stderr, out.stderr
+    assert out.returncode == 2 and "multiple of H=100 (DiLoCo H=100)" in out.stderr, out.stderr
+    out = subprocess.run([sys.executable, "-m", "diloco", "bench", "convergence", "--variant", "h50,outer=1"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "write KNOB=VALUE with KNOB one of H," in out.stderr, out.stderr
+
+
+def test_variants_by_name_with_knobs_changed():
+    assert parse_variant("h50") == NAMED["h50"]
+    v = parse_variant("h100,H=20,outer_lr=0.5,outer_momentum=0.8")
+    assert (v.name, v.inner_steps, v.outer_lr, v.outer_momentum) == ("DiLoCo H=20 (outer_lr=0.5, outer_momentum=0.8)",
+                                                                      20, 0.5, 0.8)
+    assert parse_variant("sparse,H=20").name == "Sparse top-k 1.6%, 2-bit, EF (H=20)"  # no H in its name to change
+    for bad, said in (("dp", "unknown variant 'dp'"), ("h50,H=x", "'x' is not a int"), ("h50,lr=1", "KNOB=VALUE")):
+        with pytest.raises(ValueError, match=said):
+            parse_variant(bad)
+
+
+def test_data_parallel_is_tuned_over_its_lrs_and_gaps_are_to_the_best(tmp_path):
+    job = JobConfig(d_model=32, n_layer=2, batch_size=4, eval_batches=2, corpus_bytes=1 << 20, context=32,
+                    schedule="cosine", warmup=2)
+    rows = run(job, 2, 8, (Variant("plain", 4, outer_lr=0.5, outer_momentum=0.0),), dp_lrs=(1e-4, 3e-3),
+               reporter=Reporter("quiet"))
+    slow, fast, plain = rows
+    assert [r["variant"] for r in rows] == ["data-parallel lr=0.0001", "data-parallel lr=0.003", "plain"]
+    assert [r["workers"] for r in rows] == [2, 2, 2] and [r["lr"] for r in rows] == [1e-4, 3e-3, job.lr]
+    assert fast["eval_loss"] < slow["eval_loss"]  # 30x the lr over 8 steps: not a close call
+    assert (slow["baseline"], fast["baseline"], plain["baseline"]) == (False, True, False)
+    assert fast["loss_gap"] == 0 and slow["loss_gap"] > 0
+    assert plain["loss_gap"] == pytest.approx(plain["eval_loss"] / fast["eval_loss"] - 1)
+    table = markdown_table(rows)
+    assert "| 2 | data-parallel lr=0.003 (tuned) |" in table and "| 2 | data-parallel lr=0.0001 |" in table
