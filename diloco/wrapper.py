@@ -63,7 +63,9 @@ from diloco.compression.pipeline import Pipeline, parse
 from diloco.peers import holders, resync_source, stragglers, vouched
 from diloco.peers.records import PeerRecord
 
-from . import persist, progress
+from . import persist
+
+from . import progress
 from .accounting import Accounting, Usage
 from .checkpoint import CheckpointError
 from .config import ConfigError

@@ -343,7 +343,7 @@ def test_cli_join_refused_at_handshake_exits_nonzero_naming_the_field(tmp_path):
             ("clock", [*TINY, "--run-id", "hs-run"], {}, 1, "its clock is 12"),  # this machine runs 120 s fast
         ]
         skewed = [sys.executable, "-c", "import time; t = time.time; time.time = lambda: t() + 120; "
-                  "from diloco.cli import main; main()", *base[3:]]
+                  "from diloco.cli.main import main; main()", *base[3:]]
         seconds = {}
         for name, args, env, code, needle in cases:
             environ = {k: v for k, v in os.environ.items() if k != "DILOCO_SECRET"}
@@ -371,7 +371,7 @@ def test_flood_bench_reads_only_heads_from_flooders_and_nothing_reaches_the_roun
     """`diloco bench flood` in small: every flooding call is refused after its 64 bytes (length prefix
     and head), none reaches the round protocol, and the swarm commits every round meanwhile. Every
     refusal but each flooder's first at each peer is held by the tarpit."""
-    from diloco.bench_flood import FloodSetup, run
+    from diloco.bench.flood import FloodSetup, run
 
     ticks: list[tuple] = []
     report = run(FloodSetup(peers=2, numel=4096, rounds=3, flooders=1, concurrency=2, body_kib=64, pin=False),

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from diloco.bench import CodecResult, bench_codecs, make_inputs
+from diloco.bench.codecs import CodecResult, bench_codecs, make_inputs
 
 pytestmark = pytest.mark.unit
 

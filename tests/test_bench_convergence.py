@@ -8,9 +8,9 @@ import sys
 
 import pytest
 
-from diloco.bench_convergence import NAMED, SPARSE, Variant, markdown_table, parse_variant, plots, run
+from diloco.bench.convergence import NAMED, SPARSE, Variant, markdown_table, parse_variant, plots, run
 from diloco.progress import Reporter
-from diloco.train import JobConfig
+from diloco.job.train import JobConfig
 
 pytestmark = pytest.mark.swarm
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from diloco.bench_overlap import OverlapSetup, Variant, markdown_table, rounds_share, run
+from diloco.bench.overlap import OverlapSetup, Variant, markdown_table, rounds_share, run
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(240)]
 

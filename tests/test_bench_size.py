@@ -1,7 +1,7 @@
 """`diloco bench size` end to end at a small size: two real peers (`diloco start`/`join` processes with
 their daemons) run a round of a 1M-parameter model and the report carries the round time, the bytes a
 peer sent (one fp32 Δ of the model, plus the round's messages) and the peak memory beyond the model.
-The catch-up half needs root and network namespaces; its machinery is diloco.wan's (tests/test_wan.py)
+The catch-up half needs root and network namespaces; its machinery is diloco.bench.wan's (tests/test_wan.py)
 and the download's is tests/test_statesync.py."""
 
 from __future__ import annotations

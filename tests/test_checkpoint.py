@@ -500,7 +500,7 @@ for attempt in (lambda: save(Path({str(tmp_path / 'new')!r}), 1, {{"x": np.zeros
 def test_without_safetensors_a_run_with_checkpoints_stops_before_it_starts(tmp_path: Path) -> None:
     out = run_without_safetensors(f"""
 from diloco.config import ConfigError
-from diloco.train import JobConfig
+from diloco.job.train import JobConfig
 JobConfig()  # no checkpoints: nothing needed
 try:
     JobConfig(checkpoint_dir={str(tmp_path)!r})

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from rich.console import Console
 
-from diloco.dashboard import HEADERS, PeerView, demo_progress, demo_status, fit_columns, render, summary_table
+from diloco.cli.dashboard import HEADERS, PeerView, demo_progress, demo_status, fit_columns, render, summary_table
 
 
 def _text(renderable, width: int = 200) -> str:

@@ -1,4 +1,4 @@
-"""Unit tests for the byte-level GPT (diloco.model) and the stdlib corpus (diloco.corpus)."""
+"""Unit tests for the byte-level GPT (diloco.job.model) and the stdlib corpus (diloco.job.corpus)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from diloco.corpus import BatchSampler, Corpus, CorpusConfig, evaluate, heldout_batches
-from diloco.model import GPTConfig, build_model
+from diloco.job.corpus import BatchSampler, Corpus, CorpusConfig, evaluate, heldout_batches
+from diloco.job.model import GPTConfig, build_model
 
 TINY = GPTConfig(context=32, n_layer=2, n_head=2, d_model=32)
 

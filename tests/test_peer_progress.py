@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from diloco.progress import Reporter
-from diloco.train import JobConfig, round_status, run_job
+from diloco.job.train import JobConfig, round_status, run_job
 
 TINY = JobConfig(rounds=3, inner_steps=4, d_model=16, n_layer=1, batch_size=2, eval_batches=1, corpus_bytes=1 << 20)
 

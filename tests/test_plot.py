@@ -1,4 +1,4 @@
-"""Plots (diloco/plot.py, drawn by matplotlib) and `diloco plot` (diloco/curves.py): the PNG shows every
+"""Plots (diloco/bench/plot.py, drawn by matplotlib) and `diloco plot` (diloco/bench/curves.py): the PNG shows every
 series, Greek letters render, a run's metrics lines become curves against tokens, bytes and time, and
 a missing matplotlib is named with its install line."""
 
@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
-from diloco.cli import app
-from diloco.curves import Run, check, plot_runs, series, token_axis
-from diloco.plot import PlotError, Series, drawable, line_plot
+from diloco.cli.main import app
+from diloco.bench.curves import Run, check, plot_runs, series, token_axis
+from diloco.bench.plot import PlotError, Series, drawable, line_plot
 
 pytestmark = pytest.mark.unit
 
@@ -104,7 +104,7 @@ def test_without_matplotlib_the_install_line_is_named(tmp_path: Path) -> None:
     run = tmp_path / "run.jsonl"
     run.write_text(json.dumps(round_line("A", 1.0, 5, 3.0, 1, 1)) + "\n")
     code = ("import sys; sys.modules['matplotlib'] = None\n"
-            "from diloco.cli import main\n"
+            "from diloco.cli.main import main\n"
             f"main(['plot', {str(run)!r}, '--out', {str(tmp_path / 'p')!r}])")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 2, out.stderr

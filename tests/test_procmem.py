@@ -1,4 +1,4 @@
-"""diloco/procmem.py: resident memory of a process and of everything below it, and its open files,
+"""diloco/bench/procmem.py: resident memory of a process and of everything below it, and its open files,
 through psutil and through the /proc fallback used where psutil is not installed."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from typing import Iterator
 
 import pytest
 
-from diloco import procmem
+from diloco.bench import procmem
 
 pytestmark = pytest.mark.unit
 

@@ -159,7 +159,7 @@ def test_live_mode_leaves_one_line_per_finished_task_and_the_messages():
 def test_every_long_command_takes_quiet():
     from typer.testing import CliRunner
 
-    from diloco.cli import app
+    from diloco.cli.main import app
 
     for cmd in (["start"], ["join"], ["demo"], ["simulate"], ["bench", "codecs"], ["bench", "convergence"],
                 ["bench", "overlap"], ["bench", "flood"], ["bench", "site"]):

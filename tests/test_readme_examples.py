@@ -38,7 +38,7 @@ from typing import Any
 import pytest
 from typer.testing import CliRunner
 
-from diloco.cli import app
+from diloco.cli.main import app
 from diloco.launcher import split_command
 
 pytestmark = pytest.mark.swarm
@@ -145,19 +145,19 @@ def _stop_at(monkeypatch: pytest.MonkeyPatch, target: str, name: str, seen: list
 
 
 STOPPED_AT = {  # command -> what would start the work (network, real peers, root, or a long budget)
-    ("diloco", "start"): "diloco.cli._run_peer", ("diloco", "join"): "diloco.cli._run_peer",
-    ("diloco", "status"): "diloco.status.observe", ("diloco", "demo"): "diloco.demo.run_demo",
-    ("diloco", "bench", "overlap"): "diloco.bench_overlap.run", ("diloco", "bench", "flood"): "diloco.bench_flood.run",
-    ("diloco", "bench", "convergence"): "diloco.bench_convergence.run", ("diloco", "bench", "site"): "diloco.bench_site.run",
-    ("diloco", "bench", "size"): "diloco.bench_size.run",
+    ("diloco", "start"): "diloco.cli.main._run_peer", ("diloco", "join"): "diloco.cli.main._run_peer",
+    ("diloco", "status"): "diloco.cli.status.observe", ("diloco", "demo"): "diloco.cli.demo.run_demo",
+    ("diloco", "bench", "overlap"): "diloco.bench.overlap.run", ("diloco", "bench", "flood"): "diloco.bench.flood.run",
+    ("diloco", "bench", "convergence"): "diloco.bench.convergence.run", ("diloco", "bench", "site"): "diloco.bench.site.run",
+    ("diloco", "bench", "size"): "diloco.bench.size.run",
 }
-LAUNCHED = "diloco.cli._launch"
+LAUNCHED = "diloco.cli.main._launch"
 """`diloco start/join ... -- CMD` runs the user's command as the site's worker: stopped there."""
-RUN_REDUCED = {("diloco", "simulate"): "diloco.simulate.simulate", ("diloco", "bench", "codecs"): "diloco.bench.bench_codecs"}
+RUN_REDUCED = {("diloco", "simulate"): "diloco.sim.simulate.simulate", ("diloco", "bench", "codecs"): "diloco.bench.codecs.bench_codecs"}
 
 
 def invoke(argv: list[str]) -> Any:
-    """`diloco ARGS [-- CMD]` as `diloco.cli.main` runs it, in this process."""
+    """`diloco ARGS [-- CMD]` as `diloco.cli.main.main` runs it, in this process."""
     args, command = split_command(argv[1:])
     return CliRunner().invoke(app, args, obj={"command": command})
 
@@ -231,9 +231,9 @@ def test_every_documented_command_runs_or_reaches_its_work(workdir: Path, monkey
         command = _command(argv)
         seen: list[Any] = []
         with monkeypatch.context() as m:
-            m.setattr("diloco.wan.check_privileges", lambda: None)  # bench overlap: stopped before root matters
+            m.setattr("diloco.bench.wan.check_privileges", lambda: None)  # bench overlap: stopped before root matters
             target = LAUNCHED if "--" in argv else None if "--replot" in argv else \
-                "diloco.status.watch" if "--watch" in argv else STOPPED_AT.get(command)
+                "diloco.cli.status.watch" if "--watch" in argv else STOPPED_AT.get(command)
             if target is None and _run_key(argv) in ran:  # the same options were run for real already
                 target = RUN_REDUCED[command]
             if target is not None:

@@ -13,9 +13,9 @@ from dataclasses import replace
 import pytest
 
 from diloco.config import ConfigError, SwarmConfig
-from diloco.simfaults import Fault, check_plan, load_plan, parse_fault, random_plan
-from diloco.simulate import Link, NetworkModel, parse_link, project, simulate
-from diloco.train import JobConfig
+from diloco.sim.faults import Fault, check_plan, load_plan, parse_fault, random_plan
+from diloco.sim.simulate import Link, NetworkModel, parse_link, project, simulate
+from diloco.job.train import JobConfig
 
 JOB = JobConfig(rounds=8, inner_steps=2, d_model=32, n_layer=1, batch_size=4, eval_batches=1, corpus_bytes=1 << 20)
 SWARM = SwarmConfig(run_id="simfaults", compression="e3m0", heartbeat_interval=0.1, heartbeat_ttl=5.0,

@@ -12,8 +12,8 @@ import sys
 import pytest
 
 from diloco.config import ConfigError, SwarmConfig
-from diloco.simulate import NetworkModel, project, simulate, step_seconds
-from diloco.train import JobConfig, run_job
+from diloco.sim.simulate import NetworkModel, project, simulate, step_seconds
+from diloco.job.train import JobConfig, run_job
 
 TINY = JobConfig(rounds=2, inner_steps=4, d_model=32, n_layer=1, batch_size=4, eval_batches=1, corpus_bytes=1 << 20)
 
@@ -88,7 +88,7 @@ def test_simulation_reports_progress_to_the_last_step():
 def test_simulate_cli_shows_progress_lines_on_stderr_off_a_terminal_and_none_with_quiet():
     from typer.testing import CliRunner
 
-    from diloco.cli import app
+    from diloco.cli.main import app
 
     args = ["simulate", "--workers", "2", "--rounds", "2", "-H", "2", "--d-model", "16", "--layers", "1",
             "--batch-size", "2"]

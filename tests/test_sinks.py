@@ -125,7 +125,7 @@ def test_a_failing_sink_is_counted_and_the_json_lines_go_on(tmp_path: Path, monk
 @pytest.mark.parametrize("flag, value, extra", [("--tensorboard", "tb", "tensorboard"), ("--wandb", "proj", "wandb")])
 def test_a_missing_package_is_named_before_anything_starts(tmp_path: Path, flag: str, value: str, extra: str) -> None:
     code = (f"import sys; sys.modules[{extra!r}] = None\n"
-            "from diloco.cli import main\n"
+            "from diloco.cli.main import main\n"
             f"main(['start', {flag!r}, {value!r}, '--secret-file', {str(tmp_path / 's')!r}])")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=tmp_path)
     assert out.returncode == 2, out.stderr

@@ -16,8 +16,8 @@ import pytest
 from multiproc_util import TINY, Peers
 
 from diloco.peers import PeerRecord
-from diloco import statusview
-from diloco.status import Tracker, rates, summarize
+from diloco.cli import statusview
+from diloco.cli.status import Tracker, rates, summarize
 
 
 def test_rows_rate_age_and_order():

@@ -147,7 +147,7 @@ def test_a_swarm_under_1024_open_files_keeps_committing_while_2000_silent_stream
     peer cuts every stream, its process and its daemon stay far below the limit, and rounds go on."""
     from multiproc_util import TINY, Peers
 
-    from diloco.procmem import open_fds
+    from diloco.bench.procmem import open_fds
 
     streams, limit = 2000, 1024
     group = Peers(tmp_path, "stall")
@@ -161,7 +161,7 @@ def test_a_swarm_under_1024_open_files_keeps_committing_while_2000_silent_stream
             assert time.monotonic() < deadline, group.log(0) + group.log(1)
             time.sleep(0.2)
         daemon = next(c for c in psutil.Process(victim.pid).children() if c.name() == "p2pd")
-        attacker = subprocess.Popen([sys.executable, "-m", "diloco.bench_flood", "stalled", str(streams),
+        attacker = subprocess.Popen([sys.executable, "-m", "diloco.bench.flood", "stalled", str(streams),
                                      group.address(0)], stdout=subprocess.PIPE, text=True)
         first: dict = {}  # the attacker prints one line once its streams are open
         threading.Thread(target=lambda: first.update(line=attacker.stdout.readline(), at=time.time()),

@@ -20,7 +20,7 @@ from test_swarm_inproc import Harness, _batches, _run_threads
 from diloco import DiLoCo
 from diloco.accounting import Accounting
 from diloco.fragments import (FragmentError, StreamingConfig, block_units, check_schedule, partition, slot_due)
-from diloco.model import GPTConfig, build_model
+from diloco.job.model import GPTConfig, build_model
 from diloco.outer import flatten, mix_into, nesterov, outer_step, unflatten
 
 H = 8

@@ -1,4 +1,4 @@
-"""diloco.wan: emulated WAN links between network namespaces. These tests build real labs (root, `ip`, `tc`,
+"""diloco.bench.wan: emulated WAN links between network namespaces. These tests build real labs (root, `ip`, `tc`,
 /dev/net/tun), measure real RTT and goodput through them, and check that nothing survives a lab: not its
 namespaces, not its processes, not its forwarder, whether the body returns, raises, or the owner is
 SIGTERMed or SIGKILLed."""
@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from diloco import wan
-from diloco.wan import PREFIX, WanError, WanLab, check_privileges, cleanup_stale
+from diloco.bench import wan
+from diloco.bench.wan import PREFIX, WanError, WanLab, check_privileges, cleanup_stale
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(120)]
 

@@ -23,15 +23,15 @@ import torch
 
 from diloco.compression.pipeline import parse as parse_compression
 
-from .checkpoint import CheckpointError, require_safetensors
-from .config import ConfigError
+from ..checkpoint import CheckpointError, require_safetensors
+from ..config import ConfigError
 from .corpus import BatchSampler, Corpus, CorpusConfig, evaluate, heldout_batches
-from .fragments import FragmentError, StreamingConfig, check_schedule
-from .metrics import MetricsWriter, write_failures, write_status
+from ..fragments import FragmentError, StreamingConfig, check_schedule
+from ..metrics import MetricsWriter, write_failures, write_status
 from .model import GPTConfig, build_model
-from .outer import default_outer
-from .swarm import Swarm
-from .wrapper import DiLoCo, RoundReport
+from ..outer import default_outer
+from ..swarm import Swarm
+from ..wrapper import DiLoCo, RoundReport
 
 log = logging.getLogger(__name__)
 

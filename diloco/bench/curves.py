@@ -10,7 +10,7 @@ What each axis is, from the round lines (README, "Metrics"):
   line counts its own round's);
 - time: seconds since the run's first line (`time`), so that the peers of one run share a clock.
 
-Everything here is pure but `plot_runs`, which draws through `diloco.plot` (matplotlib).
+Everything here is pure but `plot_runs`, which draws through `diloco.bench.plot` (matplotlib).
 """
 
 from __future__ import annotations

@@ -40,7 +40,7 @@ from diloco.comms import Collective, CollectiveConfig, PeerId, RoundKey
 from diloco.comms.auth import Guard, new_secret
 from diloco.comms.introduce import connect
 from diloco.comms.tarpit import Tarpit, TarpitConfig
-from diloco.procmem import open_fds, rss_mib
+from diloco.bench.procmem import open_fds, rss_mib
 
 RUN = "bench-flood"
 
@@ -181,14 +181,14 @@ def run(setup: FloodSetup, progress: Callable[[str], None] = print,
                 ["calls", str(setup.concurrency), str(setup.body_kib), str(setup.patience)]
             for _ in range(setup.flooders):
                 flooders.append(subprocess.Popen(
-                    [sys.executable, "-m", "diloco.bench_flood", *mode, *addrs],
+                    [sys.executable, "-m", "diloco.bench.flood", *mode, *addrs],
                     stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, start_new_session=True,
                     preexec_fn=(lambda: os.sched_setaffinity(0, theirs)) if setup.pin else None))
             for p in flooders:  # each prints a line once it floods (its calls started, or its streams open)
                 assert p.stdout is not None
                 line = await asyncio.wait_for(asyncio.to_thread(p.stdout.readline), 120)
                 if not line:
-                    raise RuntimeError("a flooder exited before it started (run `python -m diloco.bench_flood` "
+                    raise RuntimeError("a flooder exited before it started (run `python -m diloco.bench.flood` "
                                        "by hand to see why)")
                 progress(f"flooder: {line.strip()}")
             if not setup.stalled:

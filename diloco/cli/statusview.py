@@ -1,4 +1,4 @@
-"""How `diloco status` shows a swarm's rows (`diloco.status.PeerStatus`): a rich table (once, or live with
+"""How `diloco status` shows a swarm's rows (`diloco.cli.status.PeerStatus`): a rich table (once, or live with
 `--watch` on a terminal), plain lines (`--watch` into a log or a pipe), or JSON. No I/O here."""
 
 from __future__ import annotations

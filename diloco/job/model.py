@@ -22,7 +22,7 @@ Why it looks like this
 
 How to run
     >>> import torch
-    >>> from diloco.model import GPTConfig, build_model
+    >>> from diloco.job.model import GPTConfig, build_model
     >>> model = build_model(GPTConfig(), seed=0)
     >>> idx = torch.randint(0, 256, (2, 128))
     >>> logits, loss = model(idx, targets=idx)

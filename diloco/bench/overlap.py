@@ -2,7 +2,7 @@
 wide-area link where a full synchronization costs many inner steps.
 
 Real peers (`diloco start` / `diloco join` processes training the bundled model) run in network
-namespaces joined by shaped links (`diloco.wan.WanLab`: kernel netem where the kernel has it, else
+namespaces joined by shaped links (`diloco.bench.wan.WanLab`: kernel netem where the kernel has it, else
 tbf rate limiting plus a userspace delay line). Every variant runs on the same lab, one after the
 other, with the same model, data, H, compression and number of outer steps; each peer reports its
 own accounting (`DiLoCo.usage()`): compute utilization = inner-step time / wall time, time blocked
@@ -27,7 +27,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any, Callable
 
-from .metrics import read_jsonl
+from ..metrics import read_jsonl
 
 
 @dataclass(frozen=True)

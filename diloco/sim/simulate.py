@@ -36,12 +36,12 @@ from diloco.comms import InProcNetwork
 from diloco.comms.loop import LoopThread
 from diloco.peers import InProcBoard, PeerRecord
 
-from .config import ConfigError, SwarmConfig
-from .metrics import MetricsWriter
-from .simfaults import Fault, FaultRunner, Killed, check_plan
-from .swarm import Banned, Swarm
-from .train import JobConfig, load_corpus, run_job
-from .wrapper import DiLoCo
+from ..config import ConfigError, SwarmConfig
+from ..metrics import MetricsWriter
+from .faults import Fault, FaultRunner, Killed, check_plan
+from ..swarm import Banned, Swarm
+from ..job.train import JobConfig, load_corpus, run_job
+from ..wrapper import DiLoCo
 
 log = logging.getLogger(__name__)
 
@@ -248,7 +248,7 @@ def _round_reached(rows: Sequence[tuple[int, _Rows]]) -> int:
 def simulate(job: JobConfig, workers: int, *, swarm: SwarmConfig | None = None, net: NetworkModel | None = None,
              faults: Sequence[Fault] = (), timeout: float = 3600.0, progress: Progress | None = None) -> dict[str, Any]:
     """Run `workers` workers of `job` in this process and project the run onto `net`, playing out the
-    fault plan `faults` (`diloco.simfaults`); returns a summary (the global digest, bytes, the faults
+    fault plan `faults` (`diloco.sim.faults`); returns a summary (the global digest, bytes, the faults
     fired, the projection). Raises RuntimeError if a worker failed. `progress(done, total, status)`
     is called about once a second from the calling thread (inner steps of all workers so far)."""
     if workers < 1:

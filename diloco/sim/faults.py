@@ -43,10 +43,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
-from .config import ConfigError
+from ..config import ConfigError
 
 if TYPE_CHECKING:
-    from .wrapper import DiLoCo
+    from ..wrapper import DiLoCo
 
 log = logging.getLogger(__name__)
 

@@ -23,11 +23,11 @@ from typing import TYPE_CHECKING, Any, List, NoReturn, Optional
 
 import typer
 
-from .config import ConfigError, SwarmConfig
-from .sinks import SinkConfig
+from ..config import ConfigError, SwarmConfig
+from ..sinks import SinkConfig
 
 if TYPE_CHECKING:  # the job module imports torch: keep `diloco --help` fast
-    from .train import JobConfig
+    from ..job.train import JobConfig
 
 DEFAULT_DEMO_COMPRESSION = "e3m0"
 
@@ -90,7 +90,7 @@ def _setup_logging(verbose: bool) -> None:
 
 def _configs(o: dict[str, Any]) -> tuple[SwarmConfig, JobConfig]:
     """The swarm's and the job's settings from a command's options (`locals()` of start / join)."""
-    from .train import JobConfig
+    from ..job.train import JobConfig
 
     try:
         swarm_cfg = SwarmConfig(run_id=o["run_id"], compression=o["compression"], min_peers=o["min_peers"],
@@ -114,7 +114,7 @@ def _configs(o: dict[str, Any]) -> tuple[SwarmConfig, JobConfig]:
 
 def _sinks(tensorboard: Optional[Path], wandb: Optional[str]) -> SinkConfig:
     """What --tensorboard / --wandb ask for, with their packages checked; exits 2 naming the install line."""
-    from .sinks import SinkError
+    from ..sinks import SinkError
 
     sinks = SinkConfig(tensorboard=str(tensorboard) if tensorboard else None, wandb=wandb or None)
     try:
@@ -126,7 +126,7 @@ def _sinks(tensorboard: Optional[Path], wandb: Optional[str]) -> SinkConfig:
 
 def _secret(path: Optional[Path], run_id: str, *, create: bool) -> tuple[str, str]:
     """The swarm secret and where it came from (see `diloco.credentials.resolve`); exits 2 naming the fix."""
-    from .credentials import CredentialError, resolve
+    from ..credentials import CredentialError, resolve
 
     try:
         return resolve(path, run_id=run_id, create=create)
@@ -147,13 +147,13 @@ def _run_peer(initial: list[str], *, host: str, port: int, announce: Optional[Li
               address_file: Optional[Path], metrics: Optional[Path], status_file: Optional[Path],
               swarm_cfg: SwarmConfig, job: JobConfig, secret_from: str, quiet: bool = False,
               sinks: SinkConfig = SinkConfig()) -> None:
-    from .comms.fdlimit import raise_open_files_limit
-    from .comms.hello import HandshakeError
-    from .metrics import MetricsWriter
-    from .progress import Reporter
-    from .sinks import SinkError
-    from .swarm import Banned, Swarm, SwarmError
-    from .train import run_job
+    from ..comms.fdlimit import raise_open_files_limit
+    from ..comms.hello import HandshakeError
+    from ..metrics import MetricsWriter
+    from ..progress import Reporter
+    from ..sinks import SinkError
+    from ..swarm import Banned, Swarm, SwarmError
+    from ..job.train import run_job
 
     raise_open_files_limit()  # before the daemon starts: it inherits the limit
     try:
@@ -285,7 +285,7 @@ def join(
     """Join a running swarm at ADDRESSES and train with it: the bundled model, or your own command as this
     site's worker: `diloco join ADDR [OPTIONS] -- CMD [ARGS...]`."""
     _setup_logging(verbose)
-    from .swarm import SwarmError, validate_addrs
+    from ..swarm import SwarmError, validate_addrs
 
     command = _command(ctx, max_restarts)
     try:
@@ -365,9 +365,9 @@ def simulate(
     optimizer) and project wall clock, blocking and compute utilization onto the given links."""
     import json
 
-    from .progress import Reporter
-    from .simfaults import load_plan, random_plan
-    from .simulate import NetworkModel, parse_link, simulate as run_simulation
+    from ..progress import Reporter
+    from ..sim.faults import load_plan, random_plan
+    from ..sim.simulate import NetworkModel, parse_link, simulate as run_simulation
 
     try:
         speed_list = tuple(float(v) for v in speeds.split(",")) if speeds else ()
@@ -430,7 +430,7 @@ def status(
 
     from . import statusview
     from .status import observe
-    from .swarm import SwarmError, validate_addrs
+    from ..swarm import SwarmError, validate_addrs
 
     try:
         validate_addrs(addresses)
@@ -504,9 +504,9 @@ def plot(
 ) -> None:
     """Draw RUNS' curves: METRIC against tokens (or inner steps), bytes on the wire and wall-clock time, one
     curve per peer, as PNG files in --out."""
-    from .curves import Run, plot_runs
-    from .metrics import read_jsonl
-    from .plot import PlotError, require_matplotlib
+    from ..bench.curves import Run, plot_runs
+    from ..metrics import read_jsonl
+    from ..bench.plot import PlotError, require_matplotlib
 
     missing = [str(p) for p in runs if not p.is_file()]
     if missing:
@@ -544,8 +544,8 @@ def bench_codecs_cmd(
     import torch
     from rich.console import Console
 
-    from .bench import DEFAULT_SPECS, CodecResult, bench_codecs, make_inputs, markdown_table, write_json
-    from .progress import Reporter
+    from ..bench.codecs import DEFAULT_SPECS, CodecResult, bench_codecs, make_inputs, markdown_table, write_json
+    from ..progress import Reporter
     from diloco.compression.pipeline import parse
 
     specs = list(specs or DEFAULT_SPECS)
@@ -612,10 +612,10 @@ def bench_convergence_cmd(
     import torch
     from rich.console import Console
 
-    from .bench_convergence import markdown_table, parse_variant, plots, replot_rows, run, write_json
-    from .plot import PlotError, require_matplotlib
-    from .progress import Reporter
-    from .train import JobConfig
+    from ..bench.convergence import markdown_table, parse_variant, plots, replot_rows, run, write_json
+    from ..bench.plot import PlotError, require_matplotlib
+    from ..progress import Reporter
+    from ..job.train import JobConfig
 
     if replot is not None and plots_dir is None:
         _fail("--replot draws plots: give the folder to write them to with --plots DIR")
@@ -682,10 +682,10 @@ def bench_overlap_cmd(
     """B4: compute utilization of plain DiLoCo vs streaming + overlap on an emulated WAN link (needs root)."""
     from rich.console import Console
 
-    from .bench_overlap import OverlapSetup, markdown_table, run, write_json
-    from .progress import Reporter
-    from .fragments import FragmentError, StreamingConfig, check_schedule
-    from .wan import WanError, check_privileges
+    from ..bench.overlap import OverlapSetup, markdown_table, run, write_json
+    from ..progress import Reporter
+    from ..fragments import FragmentError, StreamingConfig, check_schedule
+    from ..bench.wan import WanError, check_privileges
 
     try:
         check_privileges()
@@ -731,8 +731,8 @@ def bench_flood_cmd(
 ) -> None:
     """Round time of a swarm while processes without its secret flood it with calls,
     or hold streams open without sending anything (--stalled)."""
-    from .bench_flood import FloodSetup, markdown, run, write_json
-    from .progress import Reporter
+    from ..bench.flood import FloodSetup, markdown, run, write_json
+    from ..progress import Reporter
 
     if peers < 2 or numel < 1 or rounds < 1 or flooders < 1 or concurrency < 1 or body_kib < 0 or patience <= 0 \
             or stalled < 0:
@@ -762,7 +762,7 @@ def bench_size_cmd(
     parameters (fp32, e3m0), and a joiner's catch-up time from 1, 2 and 3 serving peers on emulated links."""
     import json
 
-    from .bench_size import SizeSetup, markdown, run
+    from ..bench.size import SizeSetup, markdown, run
 
     def count(text: str) -> int:
         text = text.strip().upper()
@@ -798,9 +798,9 @@ def bench_site_cmd(
     process, and the time from a rank's crash to the restarted site's first committed round."""
     import json
 
-    from . import procmem
-    from .bench_site import SiteSetup, markdown, run
-    from .progress import Reporter
+    from ..bench import procmem
+    from ..bench.site import SiteSetup, markdown, run
+    from ..progress import Reporter
 
     if procmem.psutil is None:  # it finds a site's ranks by their environment
         _fail('diloco bench site needs the psutil package, which is not installed: pip install "diloco[psutil]"')
@@ -818,7 +818,7 @@ def bench_site_cmd(
 
 def _command(ctx: typer.Context, max_restarts: int) -> list[str] | None:
     """The command after `--` (`main` takes it off the arguments), checked; exits 2 naming the fix."""
-    from .launcher import LaunchError, check_command
+    from ..launcher import LaunchError, check_command
 
     command = (ctx.obj or {}).get("command") if ctx is not None else None
     try:
@@ -839,8 +839,8 @@ def _launch(initial: list[str], command: list[str], swarm_cfg: SwarmConfig, secr
     import shlex
     import shutil
 
-    from .environment import Launch, write_lines
-    from .launcher import Supervisor, free_port, private_copy, run_dir
+    from ..environment import Launch, write_lines
+    from ..launcher import Supervisor, free_port, private_copy, run_dir
 
     workdir = run_dir()
     try:
@@ -875,7 +875,7 @@ def _launch(initial: list[str], command: list[str], swarm_cfg: SwarmConfig, secr
 
 def main(argv: Optional[List[str]] = None) -> None:
     """The `diloco` entry point. Everything after the first `--` is the user's command (start / join)."""
-    from .launcher import split_command
+    from ..launcher import split_command
 
     args, command = split_command(sys.argv[1:] if argv is None else argv)
     if command is not None and not (args and args[0] in ("start", "join")):

@@ -71,9 +71,9 @@ def _median_time(fn: Callable[[], object], repeats: int) -> tuple[float, object]
 
 def demo_pseudo_gradient(steps: int = 25, seed: int = 0) -> torch.Tensor:
     """θ₀ − θ_H of the bundled GPT after `steps` AdamW steps on the bundled corpus (1.85M values)."""
-    from .corpus import BatchSampler, Corpus, CorpusConfig
-    from .model import GPTConfig, build_model
-    from .outer import flatten
+    from ..job.corpus import BatchSampler, Corpus, CorpusConfig
+    from ..job.model import GPTConfig, build_model
+    from ..outer import flatten
 
     corpus = Corpus.load(CorpusConfig(max_bytes=1 << 20))
     model = build_model(GPTConfig(), seed=seed)

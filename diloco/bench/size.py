@@ -1,6 +1,6 @@
 """Benchmark: the sync path at hundreds of millions of parameters (`diloco bench size`).
 
-Real peers (`diloco start/join -- python -m diloco.bench_size worker ...`, each with its own libp2p
+Real peers (`diloco start/join -- python -m diloco.bench.size worker ...`, each with its own libp2p
 daemon) hold a model of P fp32 parameters. Their inner step is a cheap stand-in (an SGD step with a
 fixed gradient): what is measured is the synchronization path, not the model.
 
@@ -9,7 +9,7 @@ fixed gradient): what is measured is the synchronization path, not the model.
    memory beyond its model and gradients (the worker reads its resident memory before it attaches
    the wrapper and its peak at the end; the daemon's is reported beside it).
 2. **Catching up from 1, 2 and 3 peers** (emulated WAN, root): k serving peers train in network
-   namespaces whose uplinks are limited to `rate` (diloco.wan.WanLab); a joiner then downloads their
+   namespaces whose uplinks are limited to `rate` (diloco.bench.wan.WanLab); a joiner then downloads their
    state (`diloco.statesync`: chunks from every holder at once); its download time for k = 1, 2, 3.
 """
 
@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from . import procmem
-from .launcher import terminate
+from ..launcher import terminate
 
 PIECE = 1 << 24  # parameters per tensor of the benchmark model (16M: like a large linear layer)
 
@@ -52,7 +52,7 @@ class SizeSetup:
 
 
 def _rss_kib(pid: int) -> int:
-    """Resident memory of `pid` now, KiB (`diloco.procmem`: psutil, or /proc without it)."""
+    """Resident memory of `pid` now, KiB (`diloco.bench.procmem`: psutil, or /proc without it)."""
     return round(procmem.rss_mib([pid]) * 1024)
 
 
@@ -99,7 +99,7 @@ def _launch(verb: list[str], run_id: str, common: list[str], worker_args: list[s
             env: dict[str, str], popen: Callable[..., subprocess.Popen[bytes]] = subprocess.Popen
             ) -> subprocess.Popen[bytes]:
     cmd = [sys.executable, "-m", "diloco", *verb, "--run-id", run_id, *common, "--address-file",
-           str(workdir / f"{name}.addr"), "--", sys.executable, "-m", "diloco.bench_size", "worker", *worker_args,
+           str(workdir / f"{name}.addr"), "--", sys.executable, "-m", "diloco.bench.size", "worker", *worker_args,
            "--out", str(workdir / f"{name}.json")]
     return popen(cmd, env=env, stdout=open(workdir / f"{name}.log", "wb"), stderr=subprocess.STDOUT)
 
@@ -237,4 +237,4 @@ if __name__ == "__main__":
     if sys.argv[1:2] == ["worker"]:
         worker(sys.argv[2:])
     else:
-        raise SystemExit("usage: python -m diloco.bench_size worker ...; the benchmark itself: diloco bench size")
+        raise SystemExit("usage: python -m diloco.bench.size worker ...; the benchmark itself: diloco bench size")

@@ -4,7 +4,7 @@ hosts and see what a slow link does to the protocol. Standard library only (so t
 measurement helpers start in a few milliseconds); needs root, `ip` and `tc` (iproute2).
 
     import subprocess, sys
-    from diloco.wan import WanLab
+    from diloco.bench.wan import WanLab
 
     with WanLab(hosts=3, rate_mbit=100.0, delay_ms=50.0) as lab:
         print(lab.describe())
@@ -51,7 +51,7 @@ SystemExit(143) there, so the with-block unwinds; the previous handler comes bac
 interpreter exit; if the owner is SIGKILLed, the forwarder exits by itself (its stdin closes) and
 the next lab start removes the namespaces.
 
-Manual check: ``python -m diloco.wan --hosts 2 --rate 100 --delay 50`` builds a lab, prints describe()
+Manual check: ``python -m diloco.bench.wan --hosts 2 --rate 100 --delay 50`` builds a lab, prints describe()
 and a measurement between hosts 0 and 1, and tears down.
 """
 
@@ -531,7 +531,7 @@ class WanLab:
         if errors and raise_errors:
             raise WanError("WAN lab teardown incomplete: " + "; ".join(errors)
                            + ". Hint: `ip netns list` and `ip netns pids NAME` show what is left; "
-                           "diloco.wan.cleanup_stale() removes it once this process has exited")
+                           "diloco.bench.wan.cleanup_stale() removes it once this process has exited")
 
     def _atexit(self) -> None:
         self.close(raise_errors=False)
@@ -600,7 +600,7 @@ class WanLab:
 
     def _add_netns(self, name: str) -> None:
         _run(["ip", "netns", "add", name], hint="run as root on a kernel with network namespaces "
-             "(CONFIG_NET_NS); a leftover of the same name is removed by diloco.wan.cleanup_stale()")
+             "(CONFIG_NET_NS); a leftover of the same name is removed by diloco.bench.wan.cleanup_stale()")
         self._created.append(name)
         _run(["ip", "-n", name, "link", "set", "lo", "up"])
 
@@ -834,7 +834,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         a = p.parse_args(argv[1:])
         return _probe_client(a.host, a.port, a.nbytes, a.pings, a.timeout)
 
-    p = argparse.ArgumentParser(prog="python -m diloco.wan",
+    p = argparse.ArgumentParser(prog="python -m diloco.bench.wan",
                                 description="Build an emulated WAN lab, measure it, tear it down.")
     p.add_argument("--hosts", type=int, default=2)
     p.add_argument("--rate", type=float, default=100.0, help="per-host uplink rate, Mbit/s (0: unlimited)")

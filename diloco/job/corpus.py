@@ -20,7 +20,7 @@ Why
     and is stable when the cap or the directory contents change.
 
 How to run
-    >>> from diloco.corpus import Corpus, CorpusConfig, BatchSampler, heldout_batches, evaluate
+    >>> from diloco.job.corpus import Corpus, CorpusConfig, BatchSampler, heldout_batches, evaluate
     >>> corpus = Corpus.load(CorpusConfig(max_bytes=1 << 20))
     >>> sampler = BatchSampler(corpus.train, batch_size=16, context=128,
     ...                        seed=0, shard=0, num_shards=4)

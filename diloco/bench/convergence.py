@@ -2,7 +2,7 @@
 
 Every variant trains the bundled GPT on the bundled corpus with M workers and the same token budget:
 `steps` inner steps of `batch_size` sequences per worker. The DiLoCo variants run through
-`diloco.simulate` (the real round protocol, codecs and outer optimizer; worker i on data shard i).
+`diloco.sim.simulate` (the real round protocol, codecs and outer optimizer; worker i on data shard i).
 The baseline is synchronous data-parallel training: one model, the same AdamW schedule, and each step
 one batch from every worker's shard, which is gradient averaging over M workers every step. Reported
 per variant: held-out loss of the global model, its gap to data-parallel, bytes on the wire, bits per
@@ -23,12 +23,12 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from . import progress as progress_output
-from .config import SwarmConfig
-from .corpus import BatchSampler, evaluate, heldout_batches
-from .model import GPTConfig, build_model
-from .simulate import NetworkModel, simulate
-from .train import JobConfig, inner_lr, load_corpus
+from .. import progress as progress_output
+from ..config import SwarmConfig
+from ..job.corpus import BatchSampler, evaluate, heldout_batches
+from ..job.model import GPTConfig, build_model
+from ..sim.simulate import NetworkModel, simulate
+from ..job.train import JobConfig, inner_lr, load_corpus
 
 SPARSE = "topk:64/4096+s2+ef:0.95"  # 1.56% of each chunk, 2-bit values, error feedback (SparseLoCo's recipe)
 
@@ -91,7 +91,7 @@ Progress = Callable[[float, float | None, str | None], None]
 def data_parallel(job: JobConfig, workers: int, steps: int, eval_every: int = 0,
                   progress: Progress | None = None) -> dict[str, Any]:
     """The baseline: `steps` AdamW steps on one model, each on one batch from every worker's shard, at
-    `job.lr` on `job.schedule` (`diloco.train.inner_lr`, as the workers); with `eval_every`, the held-out
+    `job.lr` on `job.schedule` (`diloco.job.train.inner_lr`, as the workers); with `eval_every`, the held-out
     loss every that many steps goes into the result's `curve`."""
     torch.set_num_threads(min(job.threads * workers, os.cpu_count() or 1))  # it does the work of M workers
     corpus = load_corpus(job)

@@ -13,7 +13,7 @@ Three figures, each from real processes on this machine (CPU, gloo, 127.0.0.1):
    launcher restarts the site (`--max-restarts 1`), which rejoins and catches up: the seconds from
    the kill to its first committed round after the restart.
 
-The worker half runs as `python -m diloco.bench_site worker ...` (under torchrun or the launcher).
+The worker half runs as `python -m diloco.bench.site worker ...` (under torchrun or the launcher).
 """
 
 from __future__ import annotations
@@ -31,8 +31,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from .launcher import terminate
-from .metrics import read_jsonl
+from ..launcher import terminate
+from ..metrics import read_jsonl
 
 
 @dataclass(frozen=True)
@@ -131,7 +131,7 @@ def _overhead(setup: SiteSetup, workdir: Path, tick: Tick = lambda *_: None) -> 
         what = f"bare {kind}" if mode == "bare" else f"{kind} with DiLoCo"
         tick(k / setup.repeats, STAGES, f"inner-step overhead, {what} ({k // 2 + 1} of {setup.repeats})")
         path = workdir / f"{mode}-{k}.json"
-        subprocess.run([*_torchrun(setup.ranks), "-m", "diloco.bench_site", "worker", "--mode", mode,
+        subprocess.run([*_torchrun(setup.ranks), "-m", "diloco.bench.site", "worker", "--mode", mode,
                         "--width", str(setup.width), "--inner-steps", str(setup.inner_steps), "--steps",
                         str(setup.steps), "--out", str(path), "--sharding", setup.sharding], check=True,
                        env={**env, "OMP_NUM_THREADS": "1"}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
@@ -155,7 +155,7 @@ def _swarm(setup: SiteSetup, workdir: Path, say: Callable[[str], None],
     env = {**os.environ, "DILOCO_SECRET": secrets.token_urlsafe(32), "OMP_NUM_THREADS": "1"}
     run_id = f"bench-site-{secrets.token_hex(3)}"
     common = ["--run-id", run_id, "--gather-timeout", "20", "--round-timeout", "10", "--wait-for", "2"]
-    loop = ["-m", "diloco.bench_site", "worker", "--mode", "diloco", "--width", str(setup.width),
+    loop = ["-m", "diloco.bench.site", "worker", "--mode", "diloco", "--width", str(setup.width),
             "--inner-steps", str(setup.inner_steps), "--steps", "1000000", "--warmup", "0", "--sharding", setup.sharding]
     procs: list[subprocess.Popen[bytes]] = []
     try:
@@ -204,7 +204,7 @@ def _rank_process(launcher: int, rank: str) -> int:
     but they carry the launch id; we match the launcher's command's id)."""
     import psutil
 
-    from .environment import LAUNCH_ID
+    from ..environment import LAUNCH_ID
 
     token = next(c.environ().get(LAUNCH_ID) for c in psutil.Process(launcher).children() if c.environ().get(LAUNCH_ID))
     for proc in psutil.process_iter():
@@ -262,4 +262,4 @@ if __name__ == "__main__":
     if sys.argv[1:2] == ["worker"]:
         worker(sys.argv[2:])
     else:
-        raise SystemExit("usage: python -m diloco.bench_site worker ...; the benchmark itself: diloco bench site")
+        raise SystemExit("usage: python -m diloco.bench.site worker ...; the benchmark itself: diloco bench site")

@@ -1,0 +1,83 @@
+"""The architecture as a test: floors and rooms, each importing only from itself and below.
+
+Floors (top-level folders, one namespace): compression ← comms ← peers ← diloco. Inside diloco/, rooms:
+the library (diloco/*.py) ← the bundled job (diloco/job) ← simulation (diloco/sim) ← measuring
+(diloco/bench) ← the command line (diloco/cli). Every import is counted, also those inside functions
+(the lazy ones), so a shortcut upward fails here rather than in a review.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.unit
+
+ROOT = Path(__file__).resolve().parents[1]
+FOLDERS = {"compression": "diloco.compression", "comms": "diloco.comms", "peers": "diloco.peers", "diloco": "diloco"}
+ORDER = ("diloco.compression", "diloco.comms", "diloco.peers", "diloco", "diloco.job", "diloco.sim", "diloco.bench",
+         "diloco.cli")
+
+
+def modules() -> dict[str, Path]:
+    found = {}
+    for folder, package in FOLDERS.items():
+        for path in (ROOT / folder).rglob("*.py"):
+            parts = list(path.relative_to(ROOT / folder).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts.pop()
+            found[".".join([package, *parts])] = path
+    return found
+
+
+def level(module: str) -> int:
+    """The index in ORDER of the innermost floor or room that holds `module`; `python -m diloco`
+    (diloco/__main__.py) is the command line's door."""
+    if module == "diloco.__main__":
+        return ORDER.index("diloco.cli")
+    return ORDER.index(max((room for room in ORDER if module == room or module.startswith(room + ".")), key=len))
+
+
+def imports(module: str, path: Path) -> set[str]:
+    """The diloco modules `module` imports anywhere in its file, relative imports resolved."""
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            out |= {a.name for a in node.names if a.name.startswith("diloco")}
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            if target.startswith("diloco"):
+                out.add(target)
+                out |= {f"{target}.{a.name}" for a in node.names}  # `from . import train` names a module
+    return out
+
+
+def test_the_four_folders_and_the_rooms_import_only_downward():
+    found = modules()
+    assert {"diloco.wrapper", "diloco.job.train", "diloco.sim.simulate", "diloco.bench.convergence",
+            "diloco.cli.main", "diloco.comms.collective", "diloco.compression.pipeline"} <= set(found)
+    upward = []
+    for module, path in sorted(found.items()):
+        for target in sorted(imports(module, path)):
+            if target not in found:  # a name imported from a module, not a module
+                continue
+            if level(target) > level(module):
+                upward.append(f"{module} imports {target} ({ORDER[level(target)]} is above {ORDER[level(module)]})")
+    assert not upward, "\n".join(upward)
+
+
+def test_the_check_sees_an_upward_import(tmp_path):
+    """The rule is not vacuous: a library module importing the bundled job, even inside a function, is caught."""
+    bad = tmp_path / "wrapper.py"
+    bad.write_text("def f():\n    from .job.train import run_job\n    from . import cli\n")
+    got = imports("diloco.wrapper", bad)
+    assert {"diloco.job.train", "diloco.cli"} <= got
+    assert level("diloco.job.train") > level("diloco.wrapper") and level("diloco.cli") > level("diloco.wrapper")
+    assert level("diloco.comms.collective") < level("diloco.peers.reaper") < level("diloco.swarm")
