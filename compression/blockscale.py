@@ -7,20 +7,20 @@ damage to its own block; ``N = 0`` (``e3m0`` only) means one scale for the whole
 tensor. This module holds what that scheme needs, independent of the code
 format:
 
-* **Block sizes** -- :func:`_parse_block_args` / :func:`_check_block`: powers of
+* **Block sizes** -- :func:`parse_block_args` / :func:`check_block`: powers of
   two between :data:`BLOCK_MIN` and :data:`BLOCK_MAX` (or 0 where allowed).
 * **Chunking** -- codecs walk the tensor in chunks of :data:`CHUNK` values
-  (:func:`_chunks`) with reused scratch (:func:`_scratch`): a few MB that stay in
+  (:func:`chunks`) with reused scratch (:func:`scratch`): a few MB that stay in
   the last-level cache, instead of tensor-sized temporaries whose page faults
   alone cost as much as a clone. Each chunk gets a fixed number of vectorized
   torch/numpy operations -- never a Python loop over elements.
-  :func:`_blockwise` applies ``op(value, its block's scale)`` to one chunk.
-* **Encoding** -- :func:`_block_absmax` (which also rejects non-finite input),
-  :func:`_safe` divisors, and :class:`_Dither`, the noise for stochastic rounding.
-* **Decoding** -- :func:`_read_f32` and :func:`_check_scales` read and vet the
-  scales, :func:`_check_padding` insists on zero padding bits, and
-  :func:`_decode_table` turns packed codes into values with a 256-row byte table
-  (:func:`_byte_table`) and one fp32 multiply per value.
+  :func:`blockwise` applies ``op(value, its block's scale)`` to one chunk.
+* **Encoding** -- :func:`block_absmax` (which also rejects non-finite input),
+  :func:`safe` divisors, and :class:`Dither`, the noise for stochastic rounding.
+* **Decoding** -- :func:`read_f32` and :func:`_check_scales` read and vet the
+  scales, :func:`check_padding` insists on zero padding bits, and
+  :func:`decode_table` turns packed codes into values with a 256-row byte table
+  (:func:`byte_table`) and one fp32 multiply per value.
 * :class:`BlockScaledCodec` -- the layout ``[fp32 scales][packed codes]`` with
   its exact size and the checks every decoder runs before it reads a code.
 
@@ -49,7 +49,7 @@ import numpy as np
 import torch
 
 from .bits import packed_size, padding_bits_clear
-from .codecs import Codec, _byte_view, _expect_size
+from .codecs import Codec, byte_view, expect_size
 from .errors import PayloadRejected, Reason
 
 __all__ = ["CHUNK", "BLOCK_MIN", "BLOCK_MAX", "FLT_MAX", "BlockScaledCodec"]
@@ -62,10 +62,10 @@ BLOCK_MIN: Final[int] = 16
 BLOCK_MAX: Final[int] = 65536
 FLT_MAX: Final[float] = float(np.finfo(np.float32).max)
 
-_F32: Final[str] = "<f4"
+F32: Final[str] = "<f4"
 
 
-def _max_scale(top: float) -> float:
+def scale_limit(top: float) -> float:
     """Largest fp32 ``s`` whose fp32 product with ``top`` is still finite.
 
     Encoders clamp block scales to it and decoders reject larger ones, so that
@@ -98,7 +98,7 @@ def _parse_block(stage: str, text: str, *, per_tensor_ok: bool) -> int:
     return block
 
 
-def _parse_block_args(stage: str, args: list[str], *, default_block: int, per_tensor_ok: bool = False,
+def parse_block_args(stage: str, args: list[str], *, default_block: int, per_tensor_ok: bool = False,
                       sr_ok: bool = True) -> tuple[int, bool]:
     """Parse ``[BLOCK][:sr]`` stage arguments into (block, stochastic)."""
     usage = f"{stage}[:BLOCK]" + ("[:sr]" if sr_ok else "")
@@ -117,7 +117,7 @@ def _parse_block_args(stage: str, args: list[str], *, default_block: int, per_te
     return block, stochastic
 
 
-def _check_block(stage: str, block: int, *, per_tensor_ok: bool = False) -> int:
+def check_block(stage: str, block: int, *, per_tensor_ok: bool = False) -> int:
     if type(block) is not int:
         raise ValueError(f"{stage} block size must be an int, got {block!r}")
     return _parse_block(stage, str(block), per_tensor_ok=per_tensor_ok)
@@ -126,17 +126,17 @@ def _check_block(stage: str, block: int, *, per_tensor_ok: bool = False) -> int:
 # --------------------------------------------------------------------------- chunking
 
 
-def _chunks(n: int) -> Iterator[tuple[int, int]]:
+def chunks(n: int) -> Iterator[tuple[int, int]]:
     for start in range(0, n, CHUNK):
         yield start, min(n, start + CHUNK)
 
 
-def _scratch(n: int, dtype: torch.dtype) -> torch.Tensor:
+def scratch(n: int, dtype: torch.dtype) -> torch.Tensor:
     """Uninitialised scratch for one chunk of an ``n``-value tensor."""
     return torch.empty(min(n, CHUNK), dtype=dtype)
 
 
-def _blockwise(op: Callable[..., torch.Tensor], src: torch.Tensor, scales: torch.Tensor, block: int,
+def blockwise(op: Callable[..., torch.Tensor], src: torch.Tensor, scales: torch.Tensor, block: int,
                out: torch.Tensor) -> None:
     """``out = op(src, scale of each value's block)`` for a chunk that starts on a
     block boundary; the chunk's last block may be partial."""
@@ -151,7 +151,7 @@ def _blockwise(op: Callable[..., torch.Tensor], src: torch.Tensor, scales: torch
 # --------------------------------------------------------------------------- encoding
 
 
-def _block_absmax(x: torch.Tensor, block: int) -> np.ndarray:
+def block_absmax(x: torch.Tensor, block: int) -> np.ndarray:
     """fp32 ``max |x|`` of each block of ``block`` values (the last may be partial).
 
     NaN and inf propagate, so one look at the (small) result checks the whole
@@ -172,12 +172,12 @@ def _block_absmax(x: torch.Tensor, block: int) -> np.ndarray:
     return np.asarray(absmax, dtype=np.float32)
 
 
-def _safe(scales: np.ndarray) -> torch.Tensor:
+def safe(scales: np.ndarray) -> torch.Tensor:
     """Scales to divide by: a zero scale (all-zero block) becomes 1 (its codes are 0)."""
     return torch.from_numpy(np.where(scales > 0, scales, np.float32(1.0)).astype(np.float32))
 
 
-class _Dither:
+class Dither:
     """Uniform [0, 1) noise for stochastic rounding, from a generator the codec owns.
 
     torch's CPU ``uniform_`` draws fp32 values on a 2**-24 grid, so ``P(u < p)`` is within
@@ -203,9 +203,9 @@ class _Dither:
 # --------------------------------------------------------------------------- decoding
 
 
-def _read_f32(view: memoryview, offset: int, count: int) -> np.ndarray:
+def read_f32(view: memoryview, offset: int, count: int) -> np.ndarray:
     """``count`` little-endian fp32 values at ``offset``, as a new native array."""
-    return np.frombuffer(view, dtype=_F32, count=count, offset=offset).astype(np.float32)
+    return np.frombuffer(view, dtype=F32, count=count, offset=offset).astype(np.float32)
 
 
 def _check_scales(codec: Codec, scales: np.ndarray, max_scale: float) -> None:
@@ -217,18 +217,18 @@ def _check_scales(codec: Codec, scales: np.ndarray, max_scale: float) -> None:
         raise PayloadRejected(Reason.BAD_HEADER, f"{codec.name}: negative scale")
 
 
-def _check_padding(codec: Codec, view: memoryview, bits: int, numel: int) -> None:
+def check_padding(codec: Codec, view: memoryview, bits: int, numel: int) -> None:
     if not padding_bits_clear(view, bits, numel):
         raise PayloadRejected(Reason.BAD_DTYPE, f"{codec.name}: non-zero padding bits")
 
 
-def _packed_chunk(view: memoryview, offset: int, bits: int, start: int, stop: int) -> np.ndarray:
+def packed_chunk(view: memoryview, offset: int, bits: int, start: int, stop: int) -> np.ndarray:
     """Read-only uint8 array of the packed codes of values ``start:stop`` (start % 8 == 0)."""
     return np.frombuffer(view, dtype=np.uint8, count=packed_size(stop - start, bits),
                          offset=offset + start * bits // 8)
 
 
-def _byte_table(values: np.ndarray, bits: int) -> np.ndarray:
+def byte_table(values: np.ndarray, bits: int) -> np.ndarray:
     """(256, 8 // bits) fp32 table: row ``b`` holds the values of the codes packed in byte ``b``."""
     per_byte = 8 // bits
     mask = (1 << bits) - 1
@@ -237,7 +237,7 @@ def _byte_table(values: np.ndarray, bits: int) -> np.ndarray:
     return values.astype(np.float32)[codes]
 
 
-def _take_bytes(table: np.ndarray, packed: np.ndarray, out: np.ndarray) -> None:
+def take_bytes(table: np.ndarray, packed: np.ndarray, out: np.ndarray) -> None:
     """``out`` = the values of ``out.size`` codes packed in ``packed``, via a byte table."""
     per_byte = table.shape[1]
     full = out.size // per_byte
@@ -247,7 +247,7 @@ def _take_bytes(table: np.ndarray, packed: np.ndarray, out: np.ndarray) -> None:
         out[full * per_byte :] = table[packed[full], : out.size - full * per_byte]
 
 
-def _decode_table(codec: Codec, view: memoryview, numel: int, head: int, bits: int, table: np.ndarray,
+def decode_table(codec: Codec, view: memoryview, numel: int, head: int, bits: int, table: np.ndarray,
                   scales: torch.Tensor | None, block: int, reason: Reason, what: str) -> torch.Tensor:
     """Decode ``numel`` packed codes after ``head`` header bytes: a byte-table look-up,
     then (when ``scales`` is given) one fp32 multiply by each value's block scale.
@@ -258,23 +258,23 @@ def _decode_table(codec: Codec, view: memoryview, numel: int, head: int, bits: i
     """
     out = np.empty(numel, dtype=np.float32)
     result = torch.from_numpy(out)
-    for start, stop in _chunks(numel):
-        _take_bytes(table, _packed_chunk(view, head, bits, start, stop), out[start:stop])
+    for start, stop in chunks(numel):
+        take_bytes(table, packed_chunk(view, head, bits, start, stop), out[start:stop])
         if scales is not None:
             o = result[start:stop]
-            _blockwise(torch.mul, o, scales[start // block :], block, o)
-    _require_finite_output(codec, result, reason, what)
+            blockwise(torch.mul, o, scales[start // block :], block, o)
+    require_finite_output(codec, result, reason, what)
     return result
 
 
-def _require_finite_output(codec: Codec, out: torch.Tensor, reason: Reason, what: str) -> None:
+def require_finite_output(codec: Codec, out: torch.Tensor, reason: Reason, what: str) -> None:
     if out.numel():
         low, high = torch.aminmax(out)  # NaN propagates; one pass, no allocation
         if not (math.isfinite(float(low)) and math.isfinite(float(high))):
             raise PayloadRejected(reason, f"{codec.name}: {what}")
 
 
-def _empty() -> torch.Tensor:
+def empty() -> torch.Tensor:
     return torch.empty(0, dtype=torch.float32)
 
 
@@ -311,7 +311,7 @@ class BlockScaledCodec(Codec):
     def _clamped_scales(self, x: torch.Tensor, top: float) -> np.ndarray:
         """Block scales ``absmax / top`` that map each block's largest value onto code
         magnitude ``top``, clamped to ``_max_scale`` so ``top * s`` stays finite."""
-        absmax = _block_absmax(x, self.block)
+        absmax = block_absmax(x, self.block)
         return np.asarray(np.minimum(np.divide(absmax, np.float32(top), dtype=np.float32),
                                      np.float32(self._max_scale)), dtype=np.float32)
 
@@ -319,7 +319,7 @@ class BlockScaledCodec(Codec):
         """(payload with ``scales`` written, writable view of its code bytes)."""
         head = 4 * scales.size
         out = np.empty(self.encoded_size(numel), dtype=np.uint8)
-        out[:head].view(_F32)[:] = scales
+        out[:head].view(F32)[:] = scales
         return out, torch.from_numpy(out[head:])
 
     def _chunk_scales(self, scales: np.ndarray, numel: int) -> tuple[int, torch.Tensor]:
@@ -331,14 +331,14 @@ class BlockScaledCodec(Codec):
         return CHUNK, table.expand(-(-numel // CHUNK))
 
     def decode(self, payload: bytes | bytearray | memoryview, numel: int) -> torch.Tensor:
-        view = _byte_view(payload)
-        _expect_size(self, view, numel)
+        view = byte_view(payload)
+        expect_size(self, view, numel)
         if numel == 0:
-            return _empty()
-        scales = _read_f32(view, 0, self._blocks(numel))
+            return empty()
+        scales = read_f32(view, 0, self._blocks(numel))
         _check_scales(self, scales, self._max_scale)
         if self.bits < 8:
-            _check_padding(self, view, self.bits, numel)
+            check_padding(self, view, self.bits, numel)
         return self._decode_codes(view, numel, scales)
 
     @abc.abstractmethod

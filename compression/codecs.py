@@ -95,20 +95,22 @@ def check_vector(t: torch.Tensor) -> None:
         raise ValueError(f"expected a 1-D tensor, got shape {tuple(t.shape)}")
 
 
-def _check_input(t: torch.Tensor) -> torch.Tensor:
+def check_input(t: torch.Tensor) -> torch.Tensor:
     """Validate an encode() argument and return it detached, on CPU, contiguous."""
     check_vector(t)
     return t.detach().cpu().contiguous()
 
 
-def _byte_view(payload: bytes | bytearray | memoryview) -> memoryview:
+def byte_view(payload: bytes | bytearray | memoryview) -> memoryview:
+    """`payload` as a flat memoryview of bytes (no copy)."""
     view = memoryview(payload)
     if view.format != "B" or view.ndim != 1:
         view = view.cast("B")
     return view
 
 
-def _expect_size(codec: Codec, view: memoryview, numel: int) -> None:
+def expect_size(codec: Codec, view: memoryview, numel: int) -> None:
+    """Reject (`PayloadRejected`, WRONG_SIZE) a payload whose length is not `codec.encoded_size(numel)`."""
     if type(numel) is not int or numel < 0:
         raise PayloadRejected(Reason.WRONG_SIZE, f"{codec.name}: invalid element count {numel!r}")
     expected = codec.encoded_size(numel)
@@ -135,12 +137,12 @@ class Fp32Codec(FixedWidthCodec):
     bits_per_value = 32.0
 
     def encode(self, t: torch.Tensor) -> bytes:
-        array = _check_input(t).numpy()
+        array = check_input(t).numpy()
         return array.astype("<f4", copy=False).tobytes()
 
     def decode(self, payload: bytes | bytearray | memoryview, numel: int) -> torch.Tensor:
-        view = _byte_view(payload)
-        _expect_size(self, view, numel)
+        view = byte_view(payload)
+        expect_size(self, view, numel)
         wire = np.frombuffer(view, dtype="<f4", count=numel)
         native = wire.astype(np.float32, copy=True)  # copy: never alias the payload
         return torch.from_numpy(native)
@@ -153,15 +155,15 @@ class Fp16Codec(FixedWidthCodec):
     bits_per_value = 16.0
 
     def encode(self, t: torch.Tensor) -> bytes:
-        source = _check_input(t)
+        source = check_input(t)
         clamped = source.clamp(-FP16_MAX, FP16_MAX)
         clamped = torch.where(torch.isinf(source), source, clamped)  # keep +-inf visible
         array = clamped.to(torch.float16).numpy()
         return array.astype("<f2", copy=False).tobytes()
 
     def decode(self, payload: bytes | bytearray | memoryview, numel: int) -> torch.Tensor:
-        view = _byte_view(payload)
-        _expect_size(self, view, numel)
+        view = byte_view(payload)
+        expect_size(self, view, numel)
         wire = np.frombuffer(view, dtype="<f2", count=numel)
         native = wire.astype(np.float32)  # exact for every non-NaN half; a new array
         nan_mask = np.isnan(native)

@@ -26,20 +26,20 @@ from .bits import pack_bits_tensor
 from .blockscale import (
     FLT_MAX,
     BlockScaledCodec,
-    _block_absmax,
-    _blockwise,
-    _byte_table,
-    _check_block,
-    _chunks,
-    _decode_table,
-    _Dither,
-    _max_scale,
-    _parse_block_args,
-    _require_finite_output,
-    _safe,
-    _scratch,
+    Dither,
+    block_absmax,
+    blockwise,
+    byte_table,
+    check_block,
+    chunks,
+    decode_table,
+    parse_block_args,
+    require_finite_output,
+    safe,
+    scale_limit,
+    scratch,
 )
-from .codecs import Codec, FixedWidthCodec, _byte_view, _check_input, _expect_size
+from .codecs import Codec, FixedWidthCodec, byte_view, check_input, expect_size
 from .errors import Reason
 
 __all__ = ["BF16_MAX", "FP8_MAX", "Bf16Codec", "Fp8Codec", "E3M0Codec"]
@@ -70,7 +70,7 @@ class Bf16Codec(FixedWidthCodec):
     bits_per_value = 16.0
 
     def encode(self, t: torch.Tensor) -> bytes:
-        x = _check_input(t)
+        x = check_input(t)
         if x.numel() == 0:
             return b""
         low, high = torch.aminmax(x)
@@ -83,20 +83,20 @@ class Bf16Codec(FixedWidthCodec):
         return half.astype("<i2", copy=False).tobytes()
 
     def decode(self, payload: bytes | bytearray | memoryview, numel: int) -> torch.Tensor:
-        view = _byte_view(payload)
-        _expect_size(self, view, numel)
+        view = byte_view(payload)
+        expect_size(self, view, numel)
         words = np.frombuffer(view, dtype="<u2", count=numel)
         wide = np.empty(numel, dtype=np.uint32)
         np.left_shift(words, np.uint32(16), out=wide, dtype=np.uint32)
         out = torch.from_numpy(wide.view(np.float32))
-        _require_finite_output(self, out, Reason.NON_FINITE, "inf or NaN value")
+        require_finite_output(self, out, Reason.NON_FINITE, "inf or NaN value")
         return out
 
 
 # --------------------------------------------------------------------------- fp8 e4m3
 
 
-_FP8_TABLE: Final[np.ndarray] = _byte_table(
+_FP8_TABLE: Final[np.ndarray] = byte_table(
     torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float().numpy(), 8)
 """The exact fp32 value of every e4m3 byte (NaN for 0x7f and 0xff), from torch's conversion."""
 
@@ -121,14 +121,14 @@ class Fp8Codec(BlockScaledCodec):
     bits = 8
 
     def __init__(self, block: int = 256) -> None:
-        self.block = _check_block("fp8", block)
+        self.block = check_block("fp8", block)
         self.name = f"fp8:{self.block}"
         self.bits_per_value = 8 + 32.0 / self.block
-        self._max_scale = _max_scale(FP8_MAX)
+        self._max_scale = scale_limit(FP8_MAX)
 
     @classmethod
     def from_args(cls, args: list[str]) -> Fp8Codec:
-        block, _ = _parse_block_args("fp8", args, default_block=256, sr_ok=False)
+        block, _ = parse_block_args("fp8", args, default_block=256, sr_ok=False)
         return cls(block)
 
     def encoded_size(self, numel: int) -> int:
@@ -139,23 +139,23 @@ class Fp8Codec(BlockScaledCodec):
         return 4 * self._blocks(numel) + numel
 
     def encode(self, t: torch.Tensor) -> bytes:
-        x = _check_input(t)
+        x = check_input(t)
         n = x.numel()
         if n == 0:
             return b""
         scales = self._clamped_scales(x, FP8_MAX)
-        divisors = _safe(scales)
+        divisors = safe(scales)
         out, body = self._new_payload(scales, n)
-        work = _scratch(n, torch.float32)
-        for start, stop in _chunks(n):
+        work = scratch(n, torch.float32)
+        for start, stop in chunks(n):
             v = work[: stop - start]
-            _blockwise(torch.div, x[start:stop], divisors[start // self.block :], self.block, v)
+            blockwise(torch.div, x[start:stop], divisors[start // self.block :], self.block, v)
             v.clamp_(-FP8_MAX, FP8_MAX)
             body[start:stop].copy_(v.to(torch.float8_e4m3fn).view(torch.uint8))
         return out.tobytes()
 
     def _decode_codes(self, view: memoryview, numel: int, scales: np.ndarray) -> torch.Tensor:
-        return _decode_table(self, view, numel, 4 * scales.size, 8, _FP8_TABLE, torch.from_numpy(scales),
+        return decode_table(self, view, numel, 4 * scales.size, 8, _FP8_TABLE, torch.from_numpy(scales),
                              self.block, Reason.NON_FINITE, "e4m3 NaN code")
 
 
@@ -198,36 +198,36 @@ class E3M0Codec(BlockScaledCodec):
     _max_scale = FLT_MAX  # a = absmax itself; |code| <= 1, so any finite scale is safe
 
     def __init__(self, block: int = 0, *, stochastic: bool = False, seed: int | None = None) -> None:
-        self.block = _check_block("e3m0", block, per_tensor_ok=True)
+        self.block = check_block("e3m0", block, per_tensor_ok=True)
         self.stochastic = bool(stochastic)
         self.name = f"e3m0:{self.block}" + (":sr" if self.stochastic else "")
         self.bits_per_value = 4.0 + (32.0 / self.block if self.block else 0.0)
-        self._dither = _Dither(seed) if self.stochastic else None
+        self._dither = Dither(seed) if self.stochastic else None
 
     @classmethod
     def from_args(cls, args: list[str], *, seed: int | None = None) -> E3M0Codec:
-        block, stochastic = _parse_block_args("e3m0", args, default_block=0, per_tensor_ok=True)
+        block, stochastic = parse_block_args("e3m0", args, default_block=0, per_tensor_ok=True)
         return cls(block, stochastic=stochastic, seed=seed)
 
     def encode(self, t: torch.Tensor) -> bytes:
-        x = _check_input(t)
+        x = check_input(t)
         n = x.numel()
         if n == 0:
             return b""
-        scales = _block_absmax(x, self.block or n)
-        block, divisors = self._chunk_scales(_safe(scales).numpy(), n)
+        scales = block_absmax(x, self.block or n)
+        block, divisors = self._chunk_scales(safe(scales).numpy(), n)
         out, body = self._new_payload(scales, n)
-        ratio = _scratch(n, torch.float32)
-        exponent = _scratch(n, torch.int32)
-        flag = _scratch(n, torch.bool)
+        ratio = scratch(n, torch.float32)
+        exponent = scratch(n, torch.int32)
+        flag = scratch(n, torch.bool)
         if self._dither is not None:
-            low = _scratch(n, torch.float32)
-            noise = _scratch(n, torch.float32)
-        for start, stop in _chunks(n):
+            low = scratch(n, torch.float32)
+            noise = scratch(n, torch.float32)
+        for start, stop in chunks(n):
             m = stop - start
             xc = x[start:stop]
             r = torch.abs(xc, out=ratio[:m])
-            _blockwise(torch.div, r, divisors[start // block :], block, r)  # r in [0, 1]
+            blockwise(torch.div, r, divisors[start // block :], block, r)  # r in [0, 1]
             bits = r.view(torch.int32)
             k = exponent[:m]
             if self._dither is None:
@@ -251,9 +251,9 @@ class E3M0Codec(BlockScaledCodec):
         return out.tobytes()
 
     def _decode_codes(self, view: memoryview, numel: int, scales: np.ndarray) -> torch.Tensor:
-        table = _byte_table(_E3M0_UNIT, 4)
+        table = byte_table(_E3M0_UNIT, 4)
         multipliers: torch.Tensor | None = torch.from_numpy(scales)
         if self.block == 0:  # fold the one scale into the table: the same fp32 products
             table, multipliers = table * scales[0], None
-        return _decode_table(self, view, numel, 4 * scales.size, 4, table, multipliers, self.block,
+        return decode_table(self, view, numel, 4 * scales.size, 4, table, multipliers, self.block,
                              Reason.BAD_DTYPE, "reserved code 0b1000 (negative zero)")

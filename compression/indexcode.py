@@ -75,6 +75,7 @@ from typing import Final, Protocol, runtime_checkable
 import numpy as np
 import torch
 
+from .codecs import byte_view
 from .errors import PayloadRejected, Reason
 from .sparse import ChunkSpec
 
@@ -118,13 +119,6 @@ class IndexCodec(Protocol):
 
 
 # --------------------------------------------------------------------------- shared helpers
-
-
-def _byte_view(payload: bytes | bytearray | memoryview) -> memoryview:
-    view = memoryview(payload)
-    if view.format != "B" or view.ndim != 1:
-        view = view.cast("B")
-    return view
 
 
 def _check_spec(spec: ChunkSpec) -> None:
@@ -214,7 +208,7 @@ class Packed12:
         return out.tobytes()[: self.encoded_size(numel, spec)]
 
     def decode(self, payload: bytes | bytearray | memoryview, numel: int, spec: ChunkSpec) -> torch.Tensor:
-        view = _byte_view(payload)
+        view = byte_view(payload)
         _, kept = _wire_shape(self.name, numel, spec)
         if spec.chunk > PACKED12_MAX_CHUNK:
             raise PayloadRejected(Reason.BAD_HEADER,
@@ -300,7 +294,7 @@ class RiceGaps:
         return np.packbits(bits, bitorder="little").tobytes()
 
     def decode(self, payload: bytes | bytearray | memoryview, numel: int, spec: ChunkSpec) -> torch.Tensor:
-        view = _byte_view(payload)
+        view = byte_view(payload)
         n, kept = _wire_shape(self.name, numel, spec)
         nbytes = view.nbytes
         if kept == 0:

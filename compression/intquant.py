@@ -29,26 +29,26 @@ import torch
 
 from .bits import pack_bits_tensor, packed_size
 from .blockscale import (
+    F32,
     FLT_MAX,
     BlockScaledCodec,
-    _byte_table,
-    _blockwise,
-    _check_block,
-    _check_padding,
-    _chunks,
-    _Dither,
-    _decode_table,
-    _empty,
-    _F32,
-    _max_scale,
-    _packed_chunk,
-    _parse_block_args,
-    _read_f32,
-    _safe,
-    _scratch,
-    _take_bytes,
+    Dither,
+    blockwise,
+    byte_table,
+    check_block,
+    check_padding,
+    chunks,
+    decode_table,
+    empty,
+    packed_chunk,
+    parse_block_args,
+    read_f32,
+    safe,
+    scale_limit,
+    scratch,
+    take_bytes,
 )
-from .codecs import Codec, _byte_view, _check_input, _expect_size
+from .codecs import Codec, byte_view, check_input, expect_size
 from .errors import PayloadRejected, Reason
 
 __all__ = ["BlockQuantCodec", "StatCodec"]
@@ -87,42 +87,42 @@ class BlockQuantCodec(BlockScaledCodec):
         if bits not in (2, 4, 8):
             raise ValueError(f"integer quantizers have 2, 4 or 8 bits, got {bits!r}")
         self.bits = bits
-        self.block = _check_block(f"q{bits}", block)
+        self.block = check_block(f"q{bits}", block)
         self.qmax = (1 << (bits - 1)) - 1
         self.stochastic = bool(stochastic)
         self.name = f"q{bits}:{self.block}" + (":sr" if self.stochastic else "")
         self.bits_per_value = bits + 32.0 / self.block
-        self._max_scale = _max_scale(self.qmax)
-        self._dither = _Dither(seed) if self.stochastic else None
+        self._max_scale = scale_limit(self.qmax)
+        self._dither = Dither(seed) if self.stochastic else None
         codes = np.arange(1 << bits)
         values = np.where(codes <= self.qmax, codes, codes - (1 << bits)).astype(np.float32)
         values[self.qmax + 1] = np.nan  # the spare code -(qmax + 1)
-        self._table = _byte_table(values, bits)  # two's complement value(s) of each byte
+        self._table = byte_table(values, bits)  # two's complement value(s) of each byte
 
     @classmethod
     def from_args(cls, bits: int, args: list[str], *, seed: int | None = None) -> BlockQuantCodec:
-        block, stochastic = _parse_block_args(f"q{bits}", args, default_block=256)
+        block, stochastic = parse_block_args(f"q{bits}", args, default_block=256)
         return cls(bits, block, stochastic=stochastic, seed=seed)
 
     def encode(self, t: torch.Tensor) -> bytes:
-        x = _check_input(t)
+        x = check_input(t)
         n = x.numel()
         if n == 0:
             return b""
         scales = self._clamped_scales(x, self.qmax)
-        divisors = _safe(scales)
+        divisors = safe(scales)
         out, body = self._new_payload(scales, n)
-        work = _scratch(n, torch.float32)
-        codes = _scratch(n, torch.int8)
+        work = scratch(n, torch.float32)
+        codes = scratch(n, torch.int8)
         if self._dither is not None:
             floor = torch.empty_like(work)
             noise = torch.empty_like(work)
             up = torch.empty(work.numel(), dtype=torch.bool)
         mask = (1 << self.bits) - 1
-        for start, stop in _chunks(n):
+        for start, stop in chunks(n):
             m = stop - start
             v = work[:m]
-            _blockwise(torch.div, x[start:stop], divisors[start // self.block :], self.block, v)
+            blockwise(torch.div, x[start:stop], divisors[start // self.block :], self.block, v)
             v.clamp_(-self.qmax, self.qmax)  # |x/s| <= qmax up to an ulp; keeps SR inside the range
             if self._dither is None:
                 v.round_()
@@ -143,7 +143,7 @@ class BlockQuantCodec(BlockScaledCodec):
 
     def _decode_codes(self, view: memoryview, numel: int, scales: np.ndarray) -> torch.Tensor:
         # The spare code is NaN in the table; valid codes times a checked scale are finite.
-        return _decode_table(self, view, numel, 4 * scales.size, self.bits, self._table, torch.from_numpy(scales),
+        return decode_table(self, view, numel, 4 * scales.size, self.bits, self._table, torch.from_numpy(scales),
                              self.block, Reason.BAD_DTYPE, f"spare code {-self.qmax - 1}")
 
 
@@ -204,9 +204,9 @@ class StatCodec(Codec):
         """Mean and sample standard deviation in float64, one chunked pass
         (Chan et al.'s pairwise update), overflow-free for any finite fp32 input."""
         n = x.numel()
-        work = _scratch(n, torch.float64)
+        work = scratch(n, torch.float64)
         count, mean, m2 = 0, 0.0, 0.0
-        for start, stop in _chunks(n):
+        for start, stop in chunks(n):
             m = stop - start
             d = work[:m]
             d.copy_(x[start:stop])
@@ -221,7 +221,7 @@ class StatCodec(Codec):
         return mean, math.sqrt(m2 / (n - 1)) if n > 1 else 0.0
 
     def encode(self, t: torch.Tensor) -> bytes:
-        x = _check_input(t)
+        x = check_input(t)
         n = x.numel()
         if n == 0:
             return b""
@@ -240,10 +240,10 @@ class StatCodec(Codec):
         head = 4 * self.levels
         out = np.empty(self.encoded_size(n), dtype=np.uint8)
         body = torch.from_numpy(out[head:])
-        work = _scratch(n, torch.float32)
-        wide = _scratch(n, torch.float64)
-        codes = _scratch(n, torch.uint8)
-        for start, stop in _chunks(n):
+        work = scratch(n, torch.float32)
+        wide = scratch(n, torch.float64)
+        codes = scratch(n, torch.uint8)
+        for start, stop in chunks(n):
             m = stop - start
             xc = x[start:stop]
             v = torch.sub(xc, mean32, out=work[:m])
@@ -257,20 +257,20 @@ class StatCodec(Codec):
             body[first : first + packed.numel()].copy_(packed)
         centres = mean + (np.arange(self.levels) - half) * width
         centroids = np.where(counts.numpy() > 0, sums.numpy() / np.maximum(counts.numpy(), 1), centres)
-        out[:head].view(_F32)[:] = np.clip(centroids, -FLT_MAX, FLT_MAX).astype(np.float32)
+        out[:head].view(F32)[:] = np.clip(centroids, -FLT_MAX, FLT_MAX).astype(np.float32)
         return out.tobytes()
 
     def decode(self, payload: bytes | bytearray | memoryview, numel: int) -> torch.Tensor:
-        view = _byte_view(payload)
-        _expect_size(self, view, numel)
+        view = byte_view(payload)
+        expect_size(self, view, numel)
         if numel == 0:
-            return _empty()
-        table = _read_f32(view, 0, self.levels)
+            return empty()
+        table = read_f32(view, 0, self.levels)
         if not np.isfinite(table).all():
             raise PayloadRejected(Reason.NON_FINITE, f"{self.name}: non-finite centroid")
-        _check_padding(self, view, self.bits, numel)
-        by_byte = _byte_table(table, self.bits)
+        check_padding(self, view, self.bits, numel)
+        by_byte = byte_table(table, self.bits)
         out = np.empty(numel, dtype=np.float32)
-        for start, stop in _chunks(numel):
-            _take_bytes(by_byte, _packed_chunk(view, 4 * self.levels, self.bits, start, stop), out[start:stop])
+        for start, stop in chunks(numel):
+            take_bytes(by_byte, packed_chunk(view, 4 * self.levels, self.bits, start, stop), out[start:stop])
         return torch.from_numpy(out)

@@ -144,13 +144,13 @@ class GlobalState:
         """The header and the SHA-256 of every chunk, hashing the tensors in place."""
         tensors, scalars = self.layout()
         header = manifest_header(self.round, [(n, t.dtype, tuple(t.shape)) for n, t in tensors], scalars)
-        views = [_byte_view(t) for _, t in tensors]
+        views = [byte_view(t) for _, t in tensors]
         total = sum(v.nbytes for v in views)
         count = -(-total // chunk)
 
         def hash_chunk(index: int) -> bytes:
             h = hashlib.sha256()
-            for _, piece in _pieces(views, index * chunk, min(total, (index + 1) * chunk)):
+            for _, piece in pieces_of(views, index * chunk, min(total, (index + 1) * chunk)):
                 h.update(piece)  # hashlib lets go of the GIL while it hashes a large piece
             return h.digest()
 
@@ -321,7 +321,7 @@ class Receiver:
                 any(not n.startswith("o") for n in names[len(like.params):]):
             raise StateError(f"state holds tensors {names[:6]}…, this model needs p0…p{len(like.params) - 1} first")
         self.scalars = [_scalar(entry, len(like.params)) for entry in scalars]
-        self._views = [_byte_view(t) for _, t in self.tensors]
+        self._views = [byte_view(t) for _, t in self.tensors]
         if sum(v.nbytes for v in self._views) != manifest.total:
             raise StateError(f"state header describes {sum(v.nbytes for v in self._views)} bytes, its manifest "
                              f"{manifest.total}")
@@ -343,7 +343,7 @@ class Receiver:
         if len(data) != hi - lo or hashlib.sha256(data).digest() != self.manifest.hashes[index]:
             raise StateError(f"chunk {index} ({len(data)} bytes) does not match its hash in the manifest")
         src = memoryview(data)
-        for offset, piece in _pieces(self._views, lo, hi):
+        for offset, piece in pieces_of(self._views, lo, hi):
             piece[:] = src[offset - lo: offset - lo + piece.nbytes]
         self.done.add(index)
 
@@ -390,7 +390,7 @@ class ChunkHasher:
         self.hashes: list[bytes] = []
 
     def feed(self, t: torch.Tensor) -> None:
-        data = _byte_view(t.reshape(-1))
+        data = byte_view(t.reshape(-1))
         self.total += data.nbytes
         while data.nbytes:
             take = min(data.nbytes, self.chunk - self._filled)
@@ -408,7 +408,7 @@ class ChunkHasher:
         return Manifest(header, self.total, self.chunk, tuple(self.hashes))
 
 
-def _byte_view(t: torch.Tensor) -> memoryview:
+def byte_view(t: torch.Tensor) -> memoryview:
     """The bytes of `t` as a writable memoryview of its own storage (host tensors; a GPU tensor is copied)."""
     t = t.detach()
     if t.device.type != "cpu" or not t.is_contiguous():
@@ -419,7 +419,7 @@ def _byte_view(t: torch.Tensor) -> memoryview:
     return memoryview(array)
 
 
-def _pieces(views: Sequence[memoryview], lo: int, hi: int) -> Iterator[tuple[int, memoryview]]:
+def pieces_of(views: Sequence[memoryview], lo: int, hi: int) -> Iterator[tuple[int, memoryview]]:
     """(stream offset, slice) of every view's part that lies in the stream range [lo, hi)."""
     start = 0
     for v in views:

@@ -31,7 +31,7 @@ from diloco.comms import PeerId, TransportError
 from diloco.comms import messages as msg
 from diloco.compression import PayloadRejected, Reason
 
-from .state import GlobalState, Manifest, Receiver, StateError, _byte_view, _pieces
+from .state import GlobalState, Manifest, Receiver, StateError, byte_view, pieces_of
 
 NOT_HELD = "state not held"
 
@@ -70,7 +70,7 @@ class Snapshot:
     def chunk(self, index: int) -> bytes:
         self.used = time.monotonic()
         lo, hi = self.manifest.span(index)
-        return b"".join(bytes(piece) for _, piece in _pieces([_byte_view(t) for t in self.tensors], lo, hi))
+        return b"".join(bytes(piece) for _, piece in pieces_of([byte_view(t) for t in self.tensors], lo, hi))
 
 
 Call = Callable[[PeerId, str, bytes, float], Awaitable[bytes]]
