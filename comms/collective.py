@@ -77,7 +77,7 @@ from diloco.compression import Header, PayloadRejected, Reason
 from diloco.compression.pipeline import Decoded, Pipeline
 
 from . import messages as msg
-from .faults import FaultPlan
+from .faults import NO_FAULTS, Faults
 from . import robust
 from .reduce import canonical_order, order_key, summation_order
 from .rounds import Accepted, CollectiveConfig, Contribution, Exchange, Handoff, RoundOutcome, RoundState, Value
@@ -94,7 +94,7 @@ Admit = Callable[[tuple[PeerId, ...]], tuple[bool, str]]
 class Collective:
     """The round protocol of one peer over a `Transport`. Create with `await Collective.create(...)`."""
 
-    def __init__(self, transport: Transport, run_id: str, cfg: CollectiveConfig) -> None:
+    def __init__(self, transport: Transport, run_id: str, cfg: CollectiveConfig, faults: Faults = NO_FAULTS) -> None:
         self.transport = transport
         self.run_id = run_id
         self.cfg = cfg
@@ -119,14 +119,17 @@ class Collective:
         """The value we accepted in the latest attempt of the current round, until the round is over."""
         self._ran: dict[str, Exchange] = {}
         """Our side of the current round's attempts, by view id: what of our Δ a value includes."""
-        self.faults = FaultPlan.from_env()
+        self.faults = faults
+        """Fault hooks (`diloco.comms.faults`): nothing, unless a test, the simulator or an entry point
+        reading DILOCO_FAULTS passed a plan."""
         self.crashed = False
         """Set by an in-process kill (`Swarm.crash`): as with a SIGKILLed process, nothing we were doing
         may still take effect, so no round commits from now on."""
 
     @classmethod
-    async def create(cls, transport: Transport, run_id: str, cfg: CollectiveConfig) -> Collective:
-        self = cls(transport, run_id, cfg)
+    async def create(cls, transport: Transport, run_id: str, cfg: CollectiveConfig,
+                     faults: Faults = NO_FAULTS) -> Collective:
+        self = cls(transport, run_id, cfg, faults)
         await transport.register("diloco.ready", self._on_ready)
         await transport.register("diloco.contrib", self._on_contrib)
         await transport.register("diloco.result", self._on_result)
@@ -222,7 +225,7 @@ class Collective:
         rs = r.rs
         self._ran[rs.vid] = r
         # Encoding the whole Δ is the heavy part: off the event loop, so handlers keep answering peers.
-        r.payloads = await asyncio.to_thread(self._encode, handoff, r.bounds)
+        r.payloads = await asyncio.to_thread(self._encode, handoff, r.bounds, r.key.round)
         r.payload_bytes = sum(len(p) for p in r.payloads)
         self.faults.hit("encode", r.key.round)
         for span in r.owned:
@@ -273,9 +276,9 @@ class Collective:
     def _contribution(self, body: bytes | memoryview, decoded: Decoded) -> Contribution:
         return Contribution(order_key(body), decoded, bytes(body) if self.pipeline.sparse else None)
 
-    def _encode(self, handoff: Handoff, bounds: list[tuple[int, int]]) -> list[bytes]:
-        # after this, the round holds Δ only as its encoded spans
-        return [self.pipeline.encode(span) for span in handoff.spans(bounds)]
+    def _encode(self, handoff: Handoff, bounds: list[tuple[int, int]], round_: int) -> list[bytes]:
+        # after this, the round holds Δ only as its encoded spans (a poisoning plan scales each span first)
+        return [self.pipeline.encode(self.faults.outgoing(round_, span)) for span in handoff.spans(bounds)]
 
     async def _decide(self, r: Exchange, value: Value, numel: int, admit: Admit) -> RoundOutcome:
         """Step 4: vote, and commit once the members that accepted `value` form a quorum."""

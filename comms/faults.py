@@ -17,9 +17,14 @@ Phases, in the order a round passes them:
 | `apply`  | every result is in (others commit), our outer step is not applied    | a committed round, then us gone |
 
 Each kill fires at most once. A poisoning peer is an authorized peer gone bad: robust aggregation
-clips its contributions, then the others ban it, and it stops (`diloco.Banned`). The plan is read
-once, from the environment of the peer process; in-process tests pass their own `kill` action (drop
-the peer from the network, stop its thread), and the simulator poisons a worker with `poison()`.
+clips its contributions, then the others ban it, and it stops (`diloco.Banned`).
+
+A round passes its hooks (`Faults`: `hit` at each phase, `outgoing` on each span of our Δ before it
+is encoded); the `Faults` every peer gets by default does nothing. Only a process's entry point reads
+`DILOCO_FAULTS` (`FaultPlan.from_env`: `diloco start/join`, and a script under the launcher when it
+connects) and hands the plan to its `Swarm`; in-process tests pass a plan with their own `kill`
+action (drop the peer from the network, stop its thread), and the simulator poisons a worker by
+calling `poison()` on the plan it gave that worker's swarm.
 """
 
 from __future__ import annotations
@@ -39,7 +44,23 @@ def _sigkill() -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-class FaultPlan:
+class Faults:
+    """The hooks a round passes through. These do nothing: the product path."""
+
+    def hit(self, phase: str, round_: int) -> None:
+        """Reached `phase` (one of PHASES) of round `round_`."""
+
+    def outgoing(self, round_: int, delta: torch.Tensor) -> torch.Tensor:
+        """What we contribute in round `round_` in place of `delta` (a span of our pseudo-gradient)."""
+        return delta
+
+
+NO_FAULTS = Faults()
+
+
+class FaultPlan(Faults):
+    """A plan of kills and poisoning (the module's docstring has the format)."""
+
     def __init__(self, spec: str = "", kill: Callable[[], None] = _sigkill) -> None:
         self.points: set[tuple[str, int]] = set()
         self.poison_from: int | None = None
@@ -59,8 +80,11 @@ class FaultPlan:
         self._kill = kill
 
     @classmethod
-    def from_env(cls) -> FaultPlan:
-        return cls(os.environ.get("DILOCO_FAULTS", ""))
+    def from_env(cls) -> Faults:
+        """The plan in DILOCO_FAULTS, or `NO_FAULTS` when it is unset or empty. For entry points only.
+        Raises ValueError on a malformed plan."""
+        spec = os.environ.get("DILOCO_FAULTS", "")
+        return cls(spec) if spec.strip() else NO_FAULTS
 
     def hit(self, phase: str, round_: int) -> None:
         """Reached `phase` of round `round_`: die here if the plan says so (once)."""

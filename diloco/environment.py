@@ -125,13 +125,19 @@ class Launch:
     def connect(self) -> Swarm:
         """Start or join the swarm as this launch says (reading the secret from its file), write our
         addresses where the launcher looks for them, and keep the members' addresses for a restart."""
+        from diloco.comms.faults import FaultPlan
+
         from .credentials import read_secret
         from .swarm import Swarm
 
         cfg = dataclasses.replace(self.swarm, secret=read_secret(Path(self.secret_file)))
         announce = list(self.announce) or None
-        swarm = Swarm.join(list(self.peers), cfg, host=self.host, port=self.port, announce=announce) if self.peers \
-            else Swarm.start(cfg, host=self.host, port=self.port, announce=announce)
+        try:
+            faults = FaultPlan.from_env()  # the entry point of a script under the launcher: tests and chaos runs
+        except ValueError as e:
+            raise ConfigError(f"DILOCO_FAULTS: {e}") from None
+        swarm = Swarm.join(list(self.peers), cfg, host=self.host, port=self.port, announce=announce, faults=faults) \
+            if self.peers else Swarm.start(cfg, host=self.host, port=self.port, announce=announce, faults=faults)
         if self.address_file:
             write_lines(self.address_file, swarm.addresses)
         if self.peers_file:

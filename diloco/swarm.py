@@ -29,12 +29,13 @@ import concurrent.futures
 import logging
 import time
 from dataclasses import replace
-from typing import Any, Callable, Collection, Sequence
+from typing import Any, Callable, Collection, Iterator, Sequence
 
 import torch
 
 from diloco.comms import Collective, PeerId, RoundKey, RoundOutcome, Transport
-from diloco.comms.rounds import Handoff, PiecewiseHandoff
+from diloco.comms.faults import NO_FAULTS, Faults
+from diloco.comms.rounds import Handoff, PiecewiseHandoff, Value
 from diloco.comms import hello as hs
 from diloco.comms import messages as msg
 from diloco.comms.auth import HELLO, AuthRefused, new_secret
@@ -104,19 +105,20 @@ class Swarm:
 
     @classmethod
     def start(cls, cfg: SwarmConfig, *, host: str = "127.0.0.1", port: int = 0,
-              announce: list[str] | None = None) -> Swarm:
-        """Start a new swarm (or a peer no one has dialed yet) listening on host:port."""
+              announce: list[str] | None = None, faults: Faults = NO_FAULTS) -> Swarm:
+        """Start a new swarm (or a peer no one has dialed yet) listening on host:port. `faults`: fault
+        hooks for tests and chaos runs (`diloco.comms.faults`; by default none)."""
         identity = _identity(cfg)
         try:
-            return cls._create_p2p(cfg, [], host, port, announce, identity)
+            return cls._create_p2p(cfg, [], host, port, announce, identity, faults)
         except BaseException:
             identity.release()
             raise
 
     @classmethod
     def join(cls, initial_peers: list[str], cfg: SwarmConfig, *, host: str = "127.0.0.1", port: int = 0,
-             announce: list[str] | None = None) -> Swarm:
-        """Join the swarm reachable at any of `initial_peers`, tried in order.
+             announce: list[str] | None = None, faults: Faults = NO_FAULTS) -> Swarm:
+        """Join the swarm reachable at any of `initial_peers`, tried in order (`faults` as in `start`).
 
         Raises:
             SwarmError: no address given, no secret in `cfg`, an address that is not a swarm multiaddress, or
@@ -136,7 +138,7 @@ class Swarm:
                     time.sleep(JOIN_PAUSE * attempt)
                 for addr in initial_peers:
                     try:
-                        return cls._create_p2p(cfg, [addr], host, port, announce, identity)
+                        return cls._create_p2p(cfg, [addr], host, port, announce, identity, faults)
                     except HandshakeError:
                         raise  # the swarm answered and said no: another address would say the same
                     except Exception as e:  # noqa: BLE001 - any failure to bootstrap means "try the next address"
@@ -151,7 +153,7 @@ class Swarm:
 
     @classmethod
     def _create_p2p(cls, cfg: SwarmConfig, initial: list[str], host: str, port: int,
-                    announce: list[str] | None, identity: Identity) -> Swarm:
+                    announce: list[str] | None, identity: Identity, faults: Faults) -> Swarm:
         """A peer whose daemon runs under `identity` (its key also signs our directory records)."""
         from diloco.comms.auth import HmacAuthorizer
         from diloco.comms.p2p import P2PTransport
@@ -180,7 +182,7 @@ class Swarm:
                 directory = await asyncio.wait_for(DHTDirectory.create(
                     transport.p2p, cfg.run_id, initial, authorizer=HmacAuthorizer(cfg.secret or "", cfg.run_id),
                     identity=identity, allow=frozenset(cfg.allow_peers) or None), 30)
-                collective = await Collective.create(transport, cfg.run_id, cfg.collective())
+                collective = await Collective.create(transport, cfg.run_id, cfg.collective(), faults)
                 addresses = await transport.visible_addresses()
             except BaseException:
                 await transport.close()
@@ -211,12 +213,12 @@ class Swarm:
     @classmethod
     def in_process(cls, network: InProcNetwork, board: Directory, peer_id: str, cfg: SwarmConfig,
                    loop: LoopThread, *, bootstrapped: bool = False,
-                   drop: Callable[[PeerId, str], bool] | None = None) -> Swarm:
+                   drop: Callable[[PeerId, str], bool] | None = None, faults: Faults = NO_FAULTS) -> Swarm:
         """A peer on an in-process network (tests, simulation); many peers share one `loop`. `drop(target,
-        handler)` True loses that outgoing call (fault injection: a partition)."""
+        handler)` True loses that outgoing call (fault injection: a partition); `faults` as in `start`."""
         transport = network.transport(peer_id, drop)
         transport.guard = cfg.guard(peer_id)
-        collective = loop.run(Collective.create(transport, cfg.run_id, cfg.collective()))
+        collective = loop.run(Collective.create(transport, cfg.run_id, cfg.collective(), faults))
         return cls(loop, transport, board, collective, cfg, owns_loop=False, addresses=[f"inproc:{peer_id}"],
                    bootstrapped=bootstrapped)
 
@@ -232,9 +234,11 @@ class Swarm:
         return f"diloco join {addr} --run-id {self.cfg.run_id}"
 
     def handshake(self, schema: str) -> None:
-        """Compare protocol, run id and `schema` with the peers we dialed to join; raises `HandshakeError`
-        naming the first differing field. Peers that do not answer are skipped (the frame checks still
-        refuse a mismatched schema)."""
+        """Our model's schema digest is `schema` from now on (frames with another are rejected). Compare
+        protocol, run id and `schema` with the peers we dialed to join; raises `HandshakeError` naming the
+        first differing field. Peers that do not answer are skipped (the frame checks still refuse a
+        mismatched schema)."""
+        self.collective.schema = schema
         async def ask_all() -> None:
             results = await asyncio.gather(*(_hello(self.transport, p, self.cfg, schema)
                                               for p in self.bootstrap_peers), return_exceptions=True)
@@ -360,14 +364,12 @@ class Swarm:
         members of the last round we committed); peers in `skip` are not waited for. A list `delta` is a lone
         peer's Δ in pieces (`PiecewiseHandoff`): its outcome holds Δ̄ as the result frames, not decoded.
         `finish_exchange` collects the outcome."""
-        # fault injection (a poisoning peer) applies to a Δ held whole, not to a site's sharded one
-        faults = self.collective.faults
         if isinstance(delta, Handoff):
             handoff = delta
         elif isinstance(delta, list):  # Δ in pieces (`pseudo_gradient_pieces`), freed as the round encodes them
-            handoff = PiecewiseHandoff([faults.outgoing(rnd, p) for p in delta])
+            handoff = PiecewiseHandoff(delta)
         else:
-            handoff = Handoff(faults.outgoing(rnd, delta))
+            handoff = Handoff(delta)
         del delta  # the round lets go of Δ once encoded: nothing here may keep it
 
         async def go() -> RoundOutcome:
@@ -503,6 +505,37 @@ class Swarm:
         self._fetchers = {p: t for p, t in self._fetchers.items() if now - t < self.cfg.call_timeout}
         gone = {r.peer for r in records if r.status == "left"} | self.collective.banned | {self.peer_id}
         return set(self._fetchers) - gone
+
+    def may_apply(self, rnd: int) -> bool:
+        """A committed round `rnd` is about to be applied (the outer step): its `apply` fault hook runs,
+        and False means this peer crashed meanwhile (an in-process kill), so the step must not happen."""
+        self.collective.faults.hit("apply", rnd)
+        return not self.collective.crashed
+
+    def value_spans(self, value: Value) -> Iterator[tuple[int, int, torch.Tensor]]:
+        """A lean round's value (`RoundOutcome.value`) decoded span by span: (lo, hi, values)."""
+        return self.collective.value_spans(value)
+
+    def moved_to(self, rnd: int) -> None:
+        """Our state jumped to round `rnd` (downloaded, or resumed from a checkpoint): frames of earlier
+        rounds are stale from now on."""
+        self.collective.advance_to(RoundKey(rnd))
+
+    def bytes_on_wire(self) -> tuple[int, int]:
+        """(sent, received) bytes of this peer so far, every message included."""
+        return self.transport.counter.snapshot()
+
+    def defences(self) -> dict[str, Any]:
+        """What this peer refused and why: calls refused by the credential check (`auth_refused`, by reason)
+        and how many of those the tarpit held (`auth_held`), frames rejected by reason (`rejections`),
+        directory records dropped by reason (`records_dropped`: unsigned, signed by another key,
+        malformed, off the allowlist), robust-aggregation events (`robust`), peers banned (`banned`)."""
+        c, guard = self.collective, self.transport.guard
+        return dict(auth_refused=dict(sorted(guard.refused.items())) if guard is not None else {},
+                    auth_held=guard.tarpit.held_total if guard is not None else 0,
+                    rejections=dict(sorted(c.rejections.items())),
+                    records_dropped=dict(sorted(self.directory.dropped.items())),
+                    robust=dict(sorted(c.robust_events.items())), banned=sorted(c.banned))
 
     # ------------------------------------------------------------------ leaving
 

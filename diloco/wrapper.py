@@ -359,7 +359,6 @@ class DiLoCo:
                 self._resume()  # the launcher restarted us: start from our last checkpoint, then catch up
             self.swarm, self._owns_swarm = self.launch.connect(), True
         if self.swarm is not None:
-            self.swarm.collective.schema = self.schema
             self.swarm.handshake(self.schema)  # a peer with another model or codec stops here, saying so
             self.swarm.serve_state(self._serve, wait_unserved=self.shards is None)
             self._catch_up_on_join()
@@ -726,10 +725,9 @@ class DiLoCo:
                 pending.source.close()  # the ranks serving its spans go on
         if self.shards is not None:  # each rank gets its pieces of Δ̄ when it applies it (`_finish`), span by span
             self._value, outcome.value = outcome.value, None
-        if outcome.committed:
-            self.swarm.collective.faults.hit("apply", outcome.key.round)
-            if self.swarm.collective.crashed:  # killed in-process before the outer step: it never happens
-                outcome = RoundOutcome(outcome.key, False, "crashed", outcome.view)
+        if outcome.committed and not self.swarm.may_apply(outcome.key.round):
+            # killed in-process before the outer step: it never happens
+            outcome = RoundOutcome(outcome.key, False, "crashed", outcome.view)
         return outcome, blocked
 
     def _maybe_resync(self, started: float, cached: bool = False) -> RoundReport | None:
@@ -815,7 +813,7 @@ class DiLoCo:
             assert outcome.aggregate is not None
             return outcome.aggregate
         value, self._value = self._value, None
-        spans = self.swarm.collective.value_spans(value) if value is not None and self.swarm is not None else None
+        spans = self.swarm.value_spans(value) if value is not None and self.swarm is not None else None
         mine = torch.empty(self.shards.map.local_numel(frag.params), dtype=torch.float32)
         self.shards.scatter_spans(spans, frag.params, mine)
         return mine
@@ -826,7 +824,7 @@ class DiLoCo:
         assert outcome.value is not None and self.swarm is not None
         value, outcome.value = outcome.value, None
         aggregate = torch.empty(value.numel, dtype=torch.float32)
-        for i, (lo, hi, span) in enumerate(self.swarm.collective.value_spans(value)):
+        for i, (lo, hi, span) in enumerate(self.swarm.value_spans(value)):
             aggregate[lo:hi] = span
             value.frames[i] = b""
         return aggregate
@@ -935,7 +933,7 @@ class DiLoCo:
             self._schedule_offset = (self._schedule_offset + position - self._schedule_step) % self._period
         if isinstance(members, str) and members:
             self.members = tuple(PeerId(m) for m in members.split(",")[:4096] if m)
-        self.swarm.collective.advance_to(RoundKey(fresh.round))
+        self.swarm.moved_to(fresh.round)
         if self.shards is None:
             self._publish("training")  # an FSDP2 site publishes once its ranks took their pieces
         return True
@@ -1041,7 +1039,7 @@ class DiLoCo:
         self.members = None
         self.attempt = 0
         if self.swarm is not None:
-            self.swarm.collective.advance_to(RoundKey(state.round))
+            self.swarm.moved_to(state.round)
         log.info("event=resumed path=%s round=%d skipped=%d", loaded.path, state.round, len(loaded.skipped))
         return True
 
@@ -1110,4 +1108,4 @@ class DiLoCo:
 
     def bytes_on_wire(self) -> tuple[int, int]:
         """(sent, received) bytes of this peer so far, every message included."""
-        return self.swarm.transport.counter.snapshot() if self.swarm is not None else (0, 0)
+        return self.swarm.bytes_on_wire() if self.swarm is not None else (0, 0)

@@ -39,14 +39,13 @@ def test_survivors_commit_without_a_peer_killed_at_each_phase(phase):
         def run():
             model = copy.deepcopy(base)
             opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-            swarm = h.swarm(f"peer{i}")
-            if i == 2:
-                def die() -> None:
-                    killed_at.append(time.monotonic())
-                    h.net.kill(swarm.peer_id)  # off the network now, before the next line of the round runs
-                    swarm.crash()
-                    killed.set()
-                swarm.collective.faults = FaultPlan(f"kill@{phase}:{KILL_ROUND}", kill=die)
+            def die() -> None:
+                killed_at.append(time.monotonic())
+                h.net.kill(swarm.peer_id)  # off the network now, before the next line of the round runs
+                swarm.crash()
+                killed.set()
+
+            swarm = h.swarm(f"peer{i}", faults=FaultPlan(f"kill@{phase}:{KILL_ROUND}", kill=die) if i == 2 else None)
 
             def on_round(r):
                 seen[i].append((r.round, r.committed, d.digest, r.peers, time.monotonic()))

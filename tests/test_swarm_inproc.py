@@ -19,6 +19,7 @@ import torch
 import diloco
 from diloco import DiLoCo
 from diloco.comms import InProcNetwork, RoundKey
+from diloco.comms.faults import NO_FAULTS, Faults
 from diloco.comms.loop import LoopThread
 from diloco.outer import nesterov
 from diloco.peers import InProcBoard
@@ -61,8 +62,9 @@ class Harness:
         self.swarms: list[diloco.Swarm] = []
         self._lock = threading.Lock()
 
-    def swarm(self, name: str, *, bootstrapped: bool = False) -> diloco.Swarm:
-        s = diloco.Swarm.in_process(self.net, self.board, name, CFG, self.loop, bootstrapped=bootstrapped)
+    def swarm(self, name: str, *, bootstrapped: bool = False, faults: Faults | None = None) -> diloco.Swarm:
+        s = diloco.Swarm.in_process(self.net, self.board, name, CFG, self.loop, bootstrapped=bootstrapped,
+                                    faults=faults or NO_FAULTS)
         with self._lock:
             self.swarms.append(s)
         return s

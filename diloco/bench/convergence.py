@@ -27,8 +27,8 @@ from .. import progress as progress_output
 from ..config import SwarmConfig
 from ..job.corpus import BatchSampler, evaluate, heldout_batches
 from ..job.model import GPTConfig, build_model
-from ..sim.simulate import NetworkModel, simulate
 from ..job.train import JobConfig, inner_lr, load_corpus
+from ..sim.simulate import NetworkModel, simulate
 
 SPARSE = "topk:64/4096+s2+ef:0.95"  # 1.56% of each chunk, 2-bit values, error feedback (SparseLoCo's recipe)
 

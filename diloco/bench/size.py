@@ -30,8 +30,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from . import procmem
 from ..launcher import terminate
+from . import procmem
 
 PIECE = 1 << 24  # parameters per tensor of the benchmark model (16M: like a large linear layer)
 

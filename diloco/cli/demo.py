@@ -25,13 +25,13 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from ..config import ConfigError, SwarmConfig
-from .dashboard import PeerView, demo_progress, demo_status, render, summary_table
-from ..metrics import read_jsonl, read_status
 from ..bench.procmem import family_rss_mib
-from ..sinks import SinkConfig
-from ..progress import Reporter
+from ..config import ConfigError, SwarmConfig
 from ..job.train import JobConfig
+from ..metrics import read_jsonl, read_status
+from ..progress import Reporter
+from ..sinks import SinkConfig
+from .dashboard import PeerView, demo_progress, demo_status, render, summary_table
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -147,6 +147,7 @@ def _run_peer(initial: list[str], *, host: str, port: int, announce: Optional[Li
               address_file: Optional[Path], metrics: Optional[Path], status_file: Optional[Path],
               swarm_cfg: SwarmConfig, job: JobConfig, secret_from: str, quiet: bool = False,
               sinks: SinkConfig = SinkConfig()) -> None:
+    from ..comms.faults import FaultPlan
     from ..comms.fdlimit import raise_open_files_limit
     from ..comms.hello import HandshakeError
     from ..metrics import MetricsWriter
@@ -157,8 +158,12 @@ def _run_peer(initial: list[str], *, host: str, port: int, announce: Optional[Li
 
     raise_open_files_limit()  # before the daemon starts: it inherits the limit
     try:
-        swarm = Swarm.join(initial, swarm_cfg, host=host, port=port, announce=announce) if initial else \
-            Swarm.start(swarm_cfg, host=host, port=port, announce=announce)
+        faults = FaultPlan.from_env()  # tests and chaos runs: DILOCO_FAULTS, read here and nowhere else
+    except ValueError as e:
+        _fail(f"DILOCO_FAULTS: {e}")
+    try:
+        swarm = Swarm.join(initial, swarm_cfg, host=host, port=port, announce=announce, faults=faults) if initial \
+            else Swarm.start(swarm_cfg, host=host, port=port, announce=announce, faults=faults)
     except (SwarmError, HandshakeError) as e:
         _fail(str(e), code=1)
     stop = threading.Event()

@@ -25,18 +25,20 @@ from diloco.compression.pipeline import parse as parse_compression
 
 from ..checkpoint import CheckpointError, require_safetensors
 from ..config import ConfigError
-from .corpus import BatchSampler, Corpus, CorpusConfig, evaluate, heldout_batches
 from ..fragments import FragmentError, StreamingConfig, check_schedule
 from ..metrics import MetricsWriter, write_failures, write_status
-from .model import GPTConfig, build_model
 from ..outer import default_outer
 from ..swarm import Swarm
 from ..wrapper import DiLoCo, RoundReport
+from .corpus import BatchSampler, Corpus, CorpusConfig, evaluate, heldout_batches
+from .model import GPTConfig, build_model
 
 log = logging.getLogger(__name__)
 
 
 SCHEDULES = ("constant", "cosine")
+_NO_DEFENCES: dict[str, Any] = dict(auth_refused={}, auth_held=0, rejections={}, records_dropped={}, robust={}, banned=[])
+"""`Swarm.defences` of a run without a swarm: nothing refused."""
 
 
 def inner_lr(step: int, *, lr: float, warmup: int, total: int, schedule: str = "constant") -> float:
@@ -256,22 +258,9 @@ def run_job(cfg: JobConfig, swarm: Swarm | None, *, metrics: MetricsWriter | Non
                    committed_rounds=sum(r.committed for r in d.reports), wall_seconds=round(time.monotonic() - started, 2),
                    stopped=stop.is_set(), fragments=len(d.fragments), overlap=cfg.overlap, alpha=cfg.alpha,
                    outer_overlap=cfg.outer_overlap, usage=d.usage().as_dict(), rollbacks=d.rollbacks,
-                   write_failures=dict(sorted(write_failures.items())), **_defences(swarm))
+                   write_failures=dict(sorted(write_failures.items())),
+                   **(swarm.defences() if swarm is not None else _NO_DEFENCES))
     metrics.write("final", **summary)
     if status_path:
         write_status(status_path, done=True, step=d.steps, loss=d.loss, **summary)
     return summary
-
-
-def _defences(swarm: Swarm | None) -> dict[str, Any]:
-    """What the swarm refused and why: calls refused by the credential check (and how many of those the
-    tarpit held), frames rejected by reason, directory records dropped by reason (unsigned, signed by
-    another key, malformed, off the allowlist), robust-aggregation events, bans."""
-    if swarm is None:
-        return dict(auth_refused={}, auth_held=0, rejections={}, records_dropped={}, robust={}, banned=[])
-    c, guard = swarm.collective, swarm.transport.guard
-    return dict(auth_refused=dict(sorted(guard.refused.items())) if guard is not None else {},
-                auth_held=guard.tarpit.held_total if guard is not None else 0,
-                rejections=dict(sorted(c.rejections.items())),
-                records_dropped=dict(sorted(swarm.directory.dropped.items())),
-                robust=dict(sorted(c.robust_events.items())), banned=sorted(c.banned))

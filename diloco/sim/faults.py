@@ -43,6 +43,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
+from diloco.comms.faults import FaultPlan
+
 from ..config import ConfigError
 
 if TYPE_CHECKING:
@@ -279,6 +281,8 @@ class FaultRunner:
         self._cut_reports: dict[int, int] = {}  # cut-off worker -> its report count at the split
         self.peer_worker: dict[str, int] = {}
         """Peer id -> worker index, for every incarnation (set by the simulator)."""
+        self.plans: dict[int, FaultPlan] = {}
+        """Worker -> the fault hooks its running incarnation's swarm was given (set by the simulator)."""
 
     # -------------------------------------------------------------- what the network asks
 
@@ -392,8 +396,7 @@ class FaultRunner:
             self._events.sort(key=lambda e: e.fault.round)
             ev.done = True
         elif f.action == "poison":  # fires on the poisoner's own thread: `d` is its DiLoCo
-            assert d.swarm is not None
-            d.swarm.collective.faults.poison(f.factor)
+            self.plans[f.peer].poison(f.factor)
             ev.done = True
         else:  # slow, degrade: the projection reads them from `fired`
             ev.done = True

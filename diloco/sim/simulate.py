@@ -33,15 +33,16 @@ from functools import partial
 from typing import Any, Callable, Mapping, Sequence
 
 from diloco.comms import InProcNetwork
+from diloco.comms.faults import NO_FAULTS, FaultPlan
 from diloco.comms.loop import LoopThread
 from diloco.peers import InProcBoard, PeerRecord
 
 from ..config import ConfigError, SwarmConfig
-from ..metrics import MetricsWriter
-from .faults import Fault, FaultRunner, Killed, check_plan
-from ..swarm import Banned, Swarm
 from ..job.train import JobConfig, load_corpus, run_job
+from ..metrics import MetricsWriter
+from ..swarm import Banned, Swarm
 from ..wrapper import DiLoCo
+from .faults import Fault, FaultRunner, Killed, check_plan
 
 log = logging.getLogger(__name__)
 
@@ -287,8 +288,11 @@ def simulate(job: JobConfig, workers: int, *, swarm: SwarmConfig | None = None, 
         drop = partial(_cut_off, runner, pid) if runner is not None else None
         if runner is not None:
             runner.peer_worker[pid] = i
+        plan = FaultPlan()  # the runner poisons through it
+        if runner is not None:
+            runner.plans[i] = plan
         s = Swarm.in_process(network, _SideOfBoard(board, pid, runner), pid, scfg, loop, bootstrapped=restarted,
-                             drop=drop)
+                             drop=drop, faults=plan if runner is not None else NO_FAULTS)
         out = _Rows()
         with lock:
             swarms.append(s)
