@@ -154,6 +154,17 @@ class _Pending:
     blocked: bool = False
 
 
+@dataclass
+class _FragmentState:
+    """What a worker keeps per fragment of the model (torchft's `_StreamingDiLoCoFragment` plays this part):
+    the fragment, its error-feedback residual (compression with an ef:BETA stage), and, with a whole outer
+    step overlapped, the Δ of its last round that failed, delivered with its next one."""
+
+    fragment: Fragment
+    ef: ErrorFeedback | None
+    carry: torch.Tensor | None = None
+
+
 class _StopOnSignal:
     """SIGTERM / SIGINT for a worker the launcher started: leave at the next inner step (a site: at the
     next synchronization slot, every rank at the same one), applying the exchange in flight and telling
@@ -254,12 +265,13 @@ class DiLoCo:
         self.state = GlobalState(self.local_params, self._outer_factory, self.global_device)
         self._local_pipeline = Pipeline(spec) if swarm_cfg is None else None
         # Error feedback and compression apply per fragment: one residual per fragment.
-        self.ef = [ErrorFeedback(spec.ef, f.numel) for f in self.fragments] if spec.ef is not None else None
+        self._error_feedback = spec.ef is not None
+        self._per_fragment = [_FragmentState(f, ErrorFeedback(spec.ef, f.numel) if spec.ef is not None else None)
+                              for f in self.fragments]
         self.shards = self._shard(named, spec.ef is not None)
         """An FSDP2 site's transfers (`diloco.shards`): θ, the outer state and Δ are this rank's pieces."""
         self._incoming: GlobalState | None = None  # an FSDP2 leader's downloaded or resumed state, to hand out
         self._value: Value | None = None  # an FSDP2 leader's committed Δ̄ (result frames), to hand out
-        self._carry: dict[int, torch.Tensor] = {}  # whole-step overlap: a failed round's Δ, resent next time
         layout = f"fragments={len(self.fragments)}:{self.streaming.pattern}"
         self.schema = schema_digest(named, f"{spec.text}|{layout}")
         self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir is not None else None
@@ -299,6 +311,12 @@ class DiLoCo:
         """The last (round, digest) states we held, published with our record (`PeerRecord.recent`)."""
         self._stop = _StopOnSignal()
         self._state_changed()
+
+    @property
+    def residuals(self) -> list[torch.Tensor] | None:
+        """The error-feedback residual of each fragment (what compression has not delivered yet), or None
+        without error feedback."""
+        return [k.ef.residual for k in self._per_fragment if k.ef is not None] if self._error_feedback else None
 
     @property
     def local_params(self) -> list[torch.Tensor]:
@@ -616,7 +634,8 @@ class DiLoCo:
             elif report is not None and report.resynced:
                 self._start = None
                 return  # the swarm's θ replaced ours: this phase's Δ is not comparable; start over
-        carry = self._carry.pop(frag.index, None)
+        kept = self._per_fragment[frag.index]
+        carry, kept.carry = kept.carry, None
         if carry is not None:  # the round just finished failed: its Δ is still ours to deliver
             delta = delta + carry
         resync = self._maybe_resync(started, cached=True)
@@ -656,7 +675,7 @@ class DiLoCo:
         """Whether our rounds take Δ in pieces and keep Δ̄ as their frames (`PiecewiseHandoff`): a lone peer in a
         swarm (a site's leader hands the whole outcome to its ranks; error feedback and overlap read Δ and Δ̄
         whole)."""
-        return self.swarm is not None and self.site is None and self.ef is None and \
+        return self.swarm is not None and self.site is None and not self._error_feedback and \
             self.streaming.outer_overlap == "none"
 
     def _start_exchange(self, frag: Fragment, delta: torch.Tensor | list[torch.Tensor], started: float) -> _Pending:
@@ -665,7 +684,8 @@ class DiLoCo:
             self._pending = _Pending(frag, None, self.steps + self.streaming.overlap, started, future=future,
                                      key=RoundKey(self.state.round, self.attempt))
             return self._pending
-        acc = self.ef[frag.index].accumulate(delta) if self.ef is not None else delta
+        ef = self._per_fragment[frag.index].ef
+        acc = ef.accumulate(delta) if ef is not None else delta
         due = self.steps + (self.streaming.overlap if self.streaming.outer_overlap == "none" else self.inner_steps)
         if self._follows:  # the leader sends; we apply the outcome it tells us (`_complete`)
             self._pending = _Pending(frag, acc, due, started, key=RoundKey(self.state.round, self.attempt))
@@ -680,7 +700,7 @@ class DiLoCo:
             return self._pending
         source = ShardedHandoff(self.shards, acc, frag.params) if self.shards is not None else None
         future = self._exchange(frag, source or acc)
-        keep = self.ef is not None or self.streaming.outer_overlap != "none"
+        keep = self._error_feedback or self.streaming.outer_overlap != "none"
         self._pending = _Pending(frag, acc if keep else None, due, started, future=future, source=source,
                                  key=RoundKey(self.state.round, self.attempt))
         return self._pending
@@ -762,12 +782,13 @@ class DiLoCo:
 
     def _finish(self, pending: _Pending, outcome: RoundOutcome) -> RoundReport:
         frag = pending.fragment
+        kept = self._per_fragment[frag.index]
         overlapped = self.streaming.outer_overlap != "none"
         if outcome.committed:
             aggregate = self._my_aggregate(frag, outcome)
-            if self.ef is not None:
+            if kept.ef is not None:
                 assert outcome.sent is not None and pending.acc is not None
-                self.ef[frag.index].commit(pending.acc, outcome.sent)
+                kept.ef.commit(pending.acc, outcome.sent)
             global_frag = self._frag(self.state.params, frag)
             with self._state_lock:
                 outer_step(self.state.outer, global_frag, aggregate)
@@ -792,10 +813,10 @@ class DiLoCo:
             self.attempt = outcome.key.attempt + 1
             if overlapped:  # the local copy no longer carries this Δ: deliver it with the next round
                 assert pending.acc is not None
-                if self.ef is not None:
-                    self.ef[frag.index].commit(pending.acc, torch.zeros_like(pending.acc))
+                if kept.ef is not None:
+                    kept.ef.commit(pending.acc, torch.zeros_like(pending.acc))
                 else:
-                    self._carry[frag.index] = pending.acc
+                    kept.carry = pending.acc
             log.warning("event=round_failed round=%s fragment=%d reason=%s", outcome.key, frag.index, outcome.reason)
         self.accounting.round_moved(outcome.bytes_sent + outcome.bytes_received, outcome.seconds)
         report = RoundReport(self.state.round, outcome.committed, outcome.reason, max(1, len(outcome.view)),
@@ -924,7 +945,8 @@ class DiLoCo:
             return False
         self._adopt(fresh)
         self.attempt = 0
-        self._carry.clear()
+        for kept in self._per_fragment:
+            kept.carry = None
         self._bad_sources.clear()
         self.stragglers = set()
         position, members = info.get("position"), info.get("members")
@@ -996,7 +1018,7 @@ class DiLoCo:
         try:
             with self._state_lock:
                 path = persist.write(target, self._names, state,
-                                     [e.residual for e in self.ef] if self.ef is not None else None, meta, keep)
+                                     self.residuals, meta, keep)
         except CheckpointError as e:
             log.warning("event=checkpoint_failed reason=%s", e)
             return None
@@ -1021,16 +1043,17 @@ class DiLoCo:
         target = Path(root) if root is not None else self.checkpoint_dir
         if target is None:
             raise ValueError("no checkpoint directory: pass root or DiLoCo(checkpoint_dir=...)")
-        sizes = [f.numel for f in self.fragments] if self.ef is not None else None
+        sizes = [f.numel for f in self.fragments] if self._error_feedback else None
         like = self.state.params if self.shards is None else [torch.empty(s) for s in self.shards.map.shapes]
         got = persist.read(target, like, self._outer_factory, sizes, self.schema)
         if got is None:
             return False
         state, residuals, loaded = got
         self._adopt(state)
-        if self.ef is not None and residuals is not None:
-            for e, r in zip(self.ef, residuals):
-                e.residual = r
+        if residuals is not None:
+            for kept, r in zip(self._per_fragment, residuals):
+                if kept.ef is not None:
+                    kept.ef.residual = r
         steps = loaded.meta.get("steps")
         if isinstance(steps, int) and steps >= 0:
             self.steps, self._schedule_offset = steps, 0
