@@ -39,7 +39,7 @@ from .blockscale import (
     scale_limit,
     scratch,
 )
-from .codecs import Codec, FixedWidthCodec, byte_view, check_input, expect_size
+from .codecs import FixedWidthCodec, byte_view, check_input, expect_size
 from .errors import Reason
 
 __all__ = ["BF16_MAX", "FP8_MAX", "Bf16Codec", "Fp8Codec", "E3M0Codec"]

@@ -44,7 +44,7 @@ from diloco.comms.identity import Identity, IdentityError
 from diloco.comms.loop import LoopThread
 from diloco.comms.transport import InProcNetwork
 from diloco.compression import PayloadRejected, Reason
-from diloco.peers import (Directory, InProcBoard, PeerRecord, banned_by_majority, departed, expected_peers, quorum,
+from diloco.peers import (Directory, PeerRecord, banned_by_majority, departed, expected_peers, quorum,
                           round_key_for, voted_out)
 from diloco.peers.records import MAX_BANNED
 

@@ -60,13 +60,12 @@ from diloco.comms.rounds import Handoff, Value
 from diloco.comms.robust import finite
 from diloco.compression.ef import ErrorFeedback
 from diloco.compression.pipeline import Pipeline, parse
-from diloco.peers import holders, resync_source, stragglers, vouched
+from diloco.peers import stragglers
 from diloco.peers.records import PeerRecord
 
 from . import persist
-
-from . import progress
 from .accounting import Accounting, Usage
+from .catchup import CatchUp
 from .checkpoint import CheckpointError
 from .config import ConfigError
 from .environment import WAIT_TIMEOUT, Launch
@@ -76,9 +75,9 @@ from .outer import OuterFactory, copy_into, default_outer, mix_into, outer_step,
     pseudo_gradient_pieces
 from .shards import ShardedHandoff, SiteShards, is_sharded, local_view
 from .site import Site
-from .state import GlobalState, StateError, schema_digest
-from .statesync import Progress, Snapshot
-from .swarm import Banned, StateNotHeld, Swarm, SwarmError
+from .state import GlobalState, schema_digest
+from .statesync import Snapshot
+from .swarm import Banned, Swarm
 
 log = logging.getLogger(__name__)
 
@@ -86,28 +85,6 @@ _T = TypeVar("_T")
 SNAPSHOT_IDLE, SNAPSHOTS = 30.0, 2
 """Seconds a snapshot we serve stays after its last chunk was asked for (a download may resume), and how
 many we hold at most (each is a copy of the state: a download of an older one overlapping a newer)."""
-
-
-class _DownloadLog:
-    """A state download's progress: a line in the log every tenth of it (bytes, rate, sources), and the
-    command's progress display (`diloco.progress`: shown for large states, when not --quiet)."""
-
-    def __init__(self, digest: str) -> None:
-        self.digest, self._next = digest, 0.1
-        self.task: progress.Task | None = None
-
-    def __call__(self, p: Progress) -> None:
-        if self.task is None:
-            self.task = progress.transfer(f"state {self.digest}", p.total)
-        self.task.update(p.received, status=f"from {p.sources} peer(s)")
-        if p.total and p.received / p.total >= self._next:
-            self._next += 0.1
-            log.info("event=state_download digest=%s bytes=%d/%d rate_mb_s=%.1f sources=%d", self.digest, p.received,
-                     p.total, p.rate / 1e6, p.sources)
-
-    def close(self, ok: bool) -> None:
-        if self.task is not None:
-            self.task.close("done" if ok else "failed")
 
 
 @dataclass(frozen=True)
@@ -287,15 +264,12 @@ class DiLoCo:
         self._pending: _Pending | None = None
         self._start: list[torch.Tensor] | None = None  # eager: where this phase started (≠ θ)
         self._last_view = 1
-        self._bad_sources: list[PeerId] = []
+        self.catch_up = CatchUp(self._publish)
+        """Catching up with the swarm (`diloco.catchup`): failed sources, refused chunks, failures."""
         self.stragglers: set[PeerId] = set()
         """Peers the last rounds went on without: asked, taken in when ready in time, not waited for."""
-        self.resync_failures = 0
-        self.refused_chunks: collections.Counter[PeerId] = collections.Counter()
-        """Chunks of state that did not match the manifest, by the peer that sent them (refetched elsewhere)."""
         self.rollbacks = 0
         """Syncs at which our own pseudo-gradient was not finite: rolled back to θ, nothing sent."""
-        """Downloads that failed or did not verify (counted; the source is tried last next time)."""
         self.members: tuple[PeerId, ...] | None = None
         """Who took part in the last round we committed (or in the state we downloaded): the next round
         needs a majority of them (`SwarmConfig.majority`)."""
@@ -773,8 +747,7 @@ class DiLoCo:
         """The leader's side of `_maybe_resync`: None when our state is current, else whether the download
         worked, why it was needed, and (on a site) the state the other ranks take."""
         assert self.swarm is not None
-        records = self.swarm.records(cached=cached)
-        source, why = resync_source(records, self.swarm.peer_id, self.state.round, self.digest, self._bad_sources)
+        source, why, _ = self.catch_up.source(self.swarm, self.state.round, self.digest, cached=cached)
         if source is None:
             return None
         ok = self._resync(source, why)
@@ -888,66 +861,22 @@ class DiLoCo:
     def _catch_up_on_join(self) -> None:
         """On joining a running swarm, start from its θ rather than from our own initialization."""
         assert self.swarm is not None
-        deadline = time.monotonic() + self.join_timeout
-        while True:
-            records = self.swarm.records()
-            source, why = resync_source(records, self.swarm.peer_id, self.state.round, self.digest, self._bad_sources)
-            others = [r for r in records if r.peer != self.swarm.peer_id and r.status == "training"]
-            if source is not None and self._resync(source, why):
-                return
-            if time.monotonic() > deadline:
-                return
-            if source is None and (others or not self.swarm.bootstrapped):
-                return  # first peer, or everyone holds our state already
-            if source is not None and source.peer in self._bad_sources and \
-                    all(r.peer in self._bad_sources for r in others if r.digest == source.digest):
-                return  # every holder of the swarm's state failed verification: retry at the next slot
-            time.sleep(0.25)  # nobody visible yet, or another holder of that state to try
+        self.catch_up.on_join(self.swarm, lambda: (self.state.round, self.digest), self._resync, self.join_timeout)
 
     def _resync(self, source: PeerRecord, why: str) -> bool:
-        """Download the state `source` advertises, from every peer that holds it, and adopt it. Verified:
-        the peers' records vouch for that (round, digest) before anything is downloaded
-        (`_check_vouched`), the manifest hashes to the digest, and every chunk to its hash in the manifest
-        (`diloco.statesync`)."""
+        """Download the state `source` advertises (`diloco.catchup`: vouched for, verified, from every peer
+        that holds it) and adopt it: θ, the outer state, the round, the source's place in the schedule and
+        the members of its last round."""
         assert self.swarm is not None
-        log.info("event=resync peer=%s reason=%s", source.peer, why)
-        self._publish("joining")
-        try:
-            self._check_vouched(source.round, source.digest)
-            records = self.swarm.records(cached=True)
-            others = holders(records, self.swarm.peer_id, source.round, source.digest)
-            order = [source.peer, *(p for p in others if p != source.peer and p not in self._bad_sources),
-                     *(p for p in others if p != source.peer and p in self._bad_sources)]
-            started, shown = time.monotonic(), _DownloadLog(source.digest)
-            try:
-                into = self.shards.receiver if self.shards is not None else self.state.receiver  # the whole state
-                receiver, info, moved = self.swarm.fetch_state(source.digest, order, into,
-                                                               on_progress=shown)
-            finally:
-                shown.close(ok=shown.task is not None and shown.task.done >= (shown.task.total or 0))
-            fresh = receiver.assemble(self._outer_factory)
-            if fresh.round != source.round or fresh.digest() != source.digest:
-                raise StateError(f"downloaded state is round {fresh.round}, digest {fresh.digest()}; expected "
-                                 f"round {source.round}, {source.digest}")
-            log.info("event=state_downloaded round=%d bytes=%d seconds=%.2f sources=%d bad_chunks=%d", fresh.round,
-                     moved.total, time.monotonic() - started, len(order), sum(moved.bad_chunks.values()))
-            self._bad_sources.extend(p for p in moved.bad_chunks if p not in self._bad_sources)
-            self.refused_chunks.update(moved.bad_chunks)
-        except StateNotHeld as e:  # it moved on, or (an FSDP2 site) gathers it at its next slot: ask again
-            log.info("event=resync_deferred peer=%s reason=%s", source.peer, e)
-            self._publish("training")
+        into = self.shards.receiver if self.shards is not None else self.state.receiver  # the whole state
+        got = self.catch_up.download(self.swarm, source, why, into, self._outer_factory)
+        if got is None:
             return False
-        except (SwarmError, StateError) as e:
-            log.warning("event=resync_failed peer=%s reason=%s", source.peer, e)
-            self._bad_sources.append(source.peer)  # next time, another holder of that state first
-            self.resync_failures += 1
-            self._publish("training")
-            return False
+        fresh, info = got
         self._adopt(fresh)
         self.attempt = 0
         for kept in self._per_fragment:
             kept.carry = None
-        self._bad_sources.clear()
         self.stragglers = set()
         position, members = info.get("position"), info.get("members")
         if isinstance(position, int) and not isinstance(position, bool):
@@ -959,19 +888,6 @@ class DiLoCo:
         if self.shards is None:
             self._publish("training")  # an FSDP2 site publishes once its ranks took their pieces
         return True
-
-    def _check_vouched(self, rnd: int, digest: str) -> None:
-        """Raise StateError unless the peers' records vouch for the state (`peers.vouched`); if no record
-        shows that round yet, the others are about to publish it: read again for up to `call_timeout`."""
-        assert self.swarm is not None
-        deadline = time.monotonic() + self.swarm.cfg.call_timeout
-        while True:
-            ok, why = vouched(self.swarm.records(), self.swarm.peer_id, rnd, digest)
-            if ok:
-                return
-            if ok is False or time.monotonic() >= deadline:
-                raise StateError(f"state {digest} (round {rnd}) is not the swarm's: {why}")
-            time.sleep(0.05)
 
     def linger(self, timeout: float) -> int:
         """At the end of a run, before leaving: keep serving our state while a peer that is still in the

@@ -606,8 +606,8 @@ def test_joiner_rejects_a_tampered_source_and_takes_the_state_from_another():
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
         d = DiLoCo(model, opt, swarm=harness.swarm("peer2", bootstrapped=True), inner_steps=H, streaming=cfg)
         d.attach()
-        seen["round"], seen["digest"], seen["failures"] = d.round, d.digest, d.resync_failures
-        seen["refused"] = dict(d.refused_chunks)
+        seen["round"], seen["digest"], seen["failures"] = d.round, d.digest, d.catch_up.failures
+        seen["refused"] = dict(d.catch_up.refused_chunks)
         seen["swarm_digest"] = {r.peer: r for r in d.swarm.records()}["peer1"].digest
         resume.wait()
         for s in range(3 * H - 7):
