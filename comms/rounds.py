@@ -25,7 +25,7 @@ from .transport import PeerId
 
 @dataclass(frozen=True, kw_only=True)
 class CollectiveConfig:
-    gather_timeout: float = 30.0
+    gather_timeout: float = 60.0
     """Seconds a ready peer waits for the other expected peers before closing the round without them."""
     reduce_timeout: float = 20.0
     """Seconds after the gather closes that a span owner waits for contributions."""

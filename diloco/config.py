@@ -20,6 +20,8 @@ class ConfigError(ValueError):
     """A setting is invalid; the message names the field, the constraint and the fix."""
 
 
+_ROUND, _ROBUST = CollectiveConfig(), RobustConfig()  # the round's defaults are declared there, once
+
 _RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 
 
@@ -27,20 +29,20 @@ _RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 class SwarmConfig:
     run_id: str = "diloco"
     """Namespace of the swarm: peers only see and talk to peers with the same run id."""
-    compression: str = "fp32"
+    compression: str = _ROUND.compression
     """Compression pipeline of pseudo-gradients, e.g. fp16, e3m0, topk:64/4096+s2+ef:0.95 (README)."""
-    min_peers: int = 1
+    min_peers: int = _ROUND.min_peers
     """Fewest peers (self included) that may commit a round."""
     majority: bool = True
     """A round also needs a strict majority of the last round's members (those that announced leaving
     excepted), so at most one side of a network partition trains on. Off: any min_peers may commit."""
-    gather_timeout: float = 60.0
+    gather_timeout: float = _ROUND.gather_timeout
     """Seconds a ready peer waits for slower peers before starting the round without them."""
-    reduce_timeout: float = 20.0
+    reduce_timeout: float = _ROUND.reduce_timeout
     """Seconds after the gather closes that a span owner waits for contributions."""
-    result_timeout: float = 30.0
+    result_timeout: float = _ROUND.result_timeout
     """Seconds after the gather closes that a peer waits for all results (> reduce_timeout)."""
-    call_timeout: float = 15.0
+    call_timeout: float = _ROUND.call_timeout
     """Seconds one message may take before its peer is treated as unreachable; also the deadline of each
     4 MiB chunk of state a catching-up peer downloads (the whole download has none)."""
     heartbeat_interval: float = 1.0
@@ -49,15 +51,15 @@ class SwarmConfig:
     """Seconds a record lives without refresh: a crashed peer leaves others' view after this long. It must
     outlast a round's saturation of the link (DHT traffic queues behind the round's bytes on one
     connection); a dead peer is not waited for meanwhile, since calls to it fail."""
-    max_payload: int = 1 << 30
+    max_payload: int = _ROUND.max_payload
     """Largest frame body accepted from the network, in bytes."""
-    clip: float = 4.0
+    clip: float = _ROBUST.clip
     """Robust aggregation: clip each contribution to this multiple of the median norm (0: off)."""
-    trim: float = 0.0
+    trim: float = _ROBUST.trim
     """Robust aggregation: trimmed mean dropping this fraction at each end per coordinate (dense only)."""
-    ban_after: int = 3
+    ban_after: int = _ROBUST.ban_after
     """Ban a peer for the run after this many refused or far-outlying contributions (0: never)."""
-    max_update_rms: float = 1e3
+    max_update_rms: float = _ROBUST.max_rms
     """Refuse contributions whose root-mean-square value exceeds this."""
     secret: str | None = field(default=None, repr=False)
     """The swarm's shared secret (≥ 16 characters); every call is authenticated with keys derived from it

@@ -34,63 +34,39 @@ from ..sinks import SinkConfig
 from .dashboard import PeerView, demo_progress, demo_status, render, summary_table
 
 
+DEMO_JOB = JobConfig(rounds=8, inner_steps=25)
+"""The demo's job: the bundled one, shorter (8 rounds of H=25)."""
+DEMO_COMPRESSION = "e3m0"
+"""4-bit floats: held-out loss on par with fp16 (docs/BENCHMARKS.md)."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class DemoConfig:
+    """A demo: a job, the swarm's aggregation settings, and how many peers run it."""
+
     peers: int = 4
     """Peer processes to run."""
-    rounds: int = 8
-    """Rounds to train."""
-    inner_steps: int = 25
-    """Inner steps per round (H)."""
-    compression: str = "e3m0"
-    """Compression pipeline of pseudo-gradients (4-bit floats: held-out loss on par with fp16, docs/BENCHMARKS.md)."""
-    batch_size: int = 8
-    """Sequences per inner step."""
-    d_model: int = 192
-    """Model width."""
-    layers: int = 4
-    """Transformer blocks."""
-    outer_lr: float | None = None
-    """Outer SGD lr (None: the recipe default for the pipeline)."""
-    outer_momentum: float | None = None
-    """Outer Nesterov momentum (None: the recipe default)."""
-    fragments: int = 1
-    """Streaming DiLoCo fragments (1: plain DiLoCo)."""
-    fragment_pattern: str = "strided"
-    """strided or sequential."""
-    overlap: int = 0
-    """τ: inner steps a fragment's exchange may overlap."""
-    alpha: float = 0.0
-    """α: local weight when a fragment's global value arrives."""
-    outer_overlap: str = "none"
-    """none, eager or delayed (one fragment)."""
+    job: JobConfig = DEMO_JOB
+    """What every peer trains (its model, rounds, H, outer optimizer, streaming)."""
+    swarm: SwarmConfig = SwarmConfig(compression=DEMO_COMPRESSION)
+    """Compression and robust aggregation of the swarm (the rest is each peer's own)."""
     timeout: float = 1800.0
     """Seconds before the demo gives up and stops every peer."""
 
     def __post_init__(self) -> None:
         if not 1 <= self.peers <= 16:
             raise ConfigError(f"peers must be between 1 and 16 on one machine, got {self.peers}")
-        # Every peer validates its own flags; check them here too, so a bad demo fails before spawning.
-        JobConfig(rounds=self.rounds, inner_steps=self.inner_steps, batch_size=self.batch_size, d_model=self.d_model,
-                  n_layer=self.layers, outer_lr=self.outer_lr, outer_momentum=self.outer_momentum,
-                  fragments=self.fragments, fragment_pattern=self.fragment_pattern, overlap=self.overlap,
-                  alpha=self.alpha, outer_overlap=self.outer_overlap)
-        SwarmConfig(compression=self.compression)
 
 
 def peer_command(cfg: DemoConfig, index: int, run_id: str, workdir: Path, bootstrap: str | None,
                  sinks: SinkConfig = SinkConfig()) -> list[str]:
     """Peer `index`'s `diloco start/join` command line (each peer logs to TensorBoard and W&B itself)."""
+    from .options import AggregationOptions, JobOptions, StreamingOptions, flags
+
     cmd = [sys.executable, "-m", "diloco"]
     cmd += ["join", bootstrap] if bootstrap else ["start"]
-    cmd += ["--run-id", run_id, "--rounds", str(cfg.rounds), "--inner-steps", str(cfg.inner_steps),
-            "--compression", cfg.compression, "--batch-size", str(cfg.batch_size), "--d-model", str(cfg.d_model),
-            "--layers", str(cfg.layers), "--shard", str(index), "--gather-timeout", "30",
-            "--wait-for", str(cfg.peers), "--fragments", str(cfg.fragments),
-            "--fragment-pattern", cfg.fragment_pattern, "--overlap", str(cfg.overlap), "--alpha", str(cfg.alpha),
-            "--outer-overlap", cfg.outer_overlap,
-            *(["--outer-lr", str(cfg.outer_lr)] if cfg.outer_lr is not None else []),
-            *(["--outer-momentum", str(cfg.outer_momentum)] if cfg.outer_momentum is not None else []),
+    cmd += ["--run-id", run_id, *flags(cfg.job, JobOptions, StreamingOptions), *flags(cfg.swarm, AggregationOptions),
+            "--shard", str(index), "--gather-timeout", "30", "--wait-for", str(cfg.peers),
             "--metrics", str(workdir / f"peer{index}.jsonl"), "--status-file", str(workdir / f"peer{index}.status.json"),
             "--address-file", str(workdir / f"peer{index}.addr"), "--verbose",
             *(["--tensorboard", str(Path(sinks.tensorboard).resolve())] if sinks.tensorboard else []),
@@ -163,7 +139,7 @@ def summarize(cfg: DemoConfig, workdir: Path, wall: float) -> dict[str, Any]:
         "bytes_sent_total": total_sent,
         "bytes_received_total": sum(f["bytes_received"] for f in finals),
         "compression": finals[0].get("compression"),  # canonical, every default spelled out (e3m0:0)
-        "compression_spec": cfg.compression,  # as the user wrote it (e3m0)
+        "compression_spec": cfg.swarm.compression,  # as the user wrote it (e3m0)
         "bits_per_param_sync": finals[0].get("bits_per_param_sync"),
         "data_parallel_bytes": dp_bytes,
         "reduction_vs_data_parallel": round(dp_bytes / total_sent, 1) if total_sent else None,
@@ -190,15 +166,15 @@ def run_demo(cfg: DemoConfig, *, workdir: Path | None = None, metrics: Path | No
     workdir.mkdir(parents=True, exist_ok=True)
     run_id = f"demo-{secrets.token_hex(3)}"
     secret = secrets.token_urlsafe(32)  # a fresh swarm secret per demo, shared through the environment
-    streaming = (f", {cfg.fragments} fragments ({cfg.fragment_pattern}), tau={cfg.overlap}, alpha={cfg.alpha}"
-                 if cfg.fragments > 1 or cfg.overlap or cfg.alpha else "")
-    streaming += f", outer overlap {cfg.outer_overlap}" if cfg.outer_overlap != "none" else ""
+    streaming = (f", {cfg.job.fragments} fragments ({cfg.job.fragment_pattern}), tau={cfg.job.overlap}, alpha={cfg.job.alpha}"
+                 if cfg.job.fragments > 1 or cfg.job.overlap or cfg.job.alpha else "")
+    streaming += f", outer overlap {cfg.job.outer_overlap}" if cfg.job.outer_overlap != "none" else ""
     started = time.monotonic()
     procs: list[subprocess.Popen[bytes]] = []
     peak_rss = [0.0] * cfg.peers  # MiB, each peer process with its daemon, sampled every 0.5 s
     rep = Reporter.for_command(quiet=quiet, live=live)
-    rep.say(f"diloco demo: {cfg.peers} peers, {cfg.rounds} rounds of H={cfg.inner_steps}, "
-            f"compression {cfg.compression}{streaming}; logs in {workdir}")
+    rep.say(f"diloco demo: {cfg.peers} peers, {cfg.job.rounds} rounds of H={cfg.job.inner_steps}, "
+            f"compression {cfg.swarm.compression}{streaming}; logs in {workdir}")
     try:
         procs.append(_spawn(peer_command(cfg, 0, run_id, workdir, None, sinks), workdir / "peer0.log", secret))
         addr_file = workdir / "peer0.addr"
@@ -213,13 +189,13 @@ def run_demo(cfg: DemoConfig, *, workdir: Path | None = None, metrics: Path | No
                                 secret))
         deadline = started + cfg.timeout
         views = _views(procs, workdir)
-        with rep, rep.task("demo", cfg.rounds, unit="rounds") as task, \
-                rep.show(lambda: render(views, time.monotonic() - started, cfg.rounds)):
+        with rep, rep.task("demo", cfg.job.rounds, unit="rounds") as task, \
+                rep.show(lambda: render(views, time.monotonic() - started, cfg.job.rounds)):
             while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
                 time.sleep(0.5)
                 peak_rss = [max(a, b) for a, b in zip(peak_rss, family_rss_mib([p.pid for p in procs]))]
                 views = _views(procs, workdir)
-                task.update(demo_progress(views, cfg.rounds, cfg.inner_steps), status=demo_status(views, cfg.rounds))
+                task.update(demo_progress(views, cfg.job.rounds, cfg.job.inner_steps), status=demo_status(views, cfg.job.rounds))
     except KeyboardInterrupt:
         console.print("interrupted: asking every peer to leave")
     finally:

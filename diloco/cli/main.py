@@ -19,61 +19,25 @@ import sys
 import threading
 from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, List, NoReturn, Optional
+from typing import Any, List, NoReturn, Optional
 
 import typer
 
 from ..config import ConfigError, SwarmConfig
+from ..job.train import JobConfig
 from ..sinks import SinkConfig
+from .demo import DEMO_COMPRESSION, DEMO_JOB
+from .options import (AggregationOptions, Group, JobOptions, OutputOptions, PeerJobOptions, PeerOptions, RunOptions,
+                      StreamingOptions, SwarmOptions, command, job_config)
 
-if TYPE_CHECKING:  # the job module imports torch: keep `diloco --help` fast
-    from ..job.train import JobConfig
-
-DEFAULT_DEMO_COMPRESSION = "e3m0"
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__.split("\n\n")[0])
 
-# Options shared by start and join (and passed through by demo).
-RunId = typer.Option("diloco", "--run-id", help="Swarm namespace; peers only see peers with the same run id.")
-Host = typer.Option("127.0.0.1", help="Address to listen on; 0.0.0.0 to accept peers from other machines.")
-Port = typer.Option(0, help="TCP port to listen on (0: any free port).")
-Announce = typer.Option(None, help="Multiaddr others should dial, e.g. /ip4/203.0.113.5/tcp/31337 (behind NAT).")
-Rounds = typer.Option(10, help="Train until the swarm has committed this many rounds.")
-InnerSteps = typer.Option(50, "--inner-steps", "-H", help="Inner steps per round (H).")
-Compression = typer.Option("fp32", help="Compression pipeline, e.g. fp16, e3m0, q8+zstd, topk:64/4096+s2+ef:0.95.")
-MinPeers = typer.Option(1, help="Fewest peers that may commit a round.")
-Metrics = typer.Option(None, help="Append one JSON line per round (and a final one) to this file.")
-TensorBoard = typer.Option(None, "--tensorboard", help="Also log every round to TensorBoard event files in "
-                           "DIR/<peer id> (`tensorboard --logdir DIR`). Needs: pip install \"diloco[tensorboard]\".")
-Wandb = typer.Option(None, "--wandb", help="Also log every round to this Weights & Biases project (offline, "
-                     "into ./wandb, without an API key or with WANDB_MODE=offline). Needs: pip install "
-                     "\"diloco[wandb]\".")
-OuterLr = typer.Option(None, help="Outer SGD lr (default 0.7; 1.0 when the compression has error feedback).")
-OuterMomentum = typer.Option(None, help="Outer Nesterov momentum (default 0.9; 0 with error feedback).")
-CheckpointDir = typer.Option(None, help="Write atomic, verified checkpoints here (a final one on leaving).")
-CheckpointEvery = typer.Option(0, help="Also checkpoint every N committed rounds (0: only the final one).")
-Resume = typer.Option(False, "--resume", help="Start from the newest verified checkpoint in --checkpoint-dir.")
-HeartbeatTtl = typer.Option(30.0, help="Seconds a peer's record lives without a heartbeat (raise it on slow links).")
-Fragments = typer.Option(1, help="Streaming DiLoCo: sync the model in this many fragments of blocks, staggered.")
-Pattern = typer.Option("strided", "--fragment-pattern", help="strided (block i -> fragment i mod P) or sequential.")
-Overlap = typer.Option(0, "--overlap", help="tau: inner steps a fragment's exchange may overlap before it is applied.")
-Alpha = typer.Option(0.0, help="alpha: weight kept by the local copy when a fragment's global value arrives.")
-OuterOverlap = typer.Option("none", help="Overlap a whole outer step (one fragment): none, eager or delayed.")
-Clip = typer.Option(4.0, help="Robust aggregation: clip each contribution to this multiple of the median norm (0: off).")
-Trim = typer.Option(0.0, help="Robust aggregation: trimmed mean, dropping this fraction at each end (dense only).")
-BanAfter = typer.Option(3, help="Ban a peer for the run after this many refused or far-outlying contributions (0: never).")
-SecretFile = typer.Option(None, "--secret-file", help="File holding the swarm secret (start: created if missing; "
-                          "default diloco-RUN_ID.secret). Or set DILOCO_SECRET.")
-AllowPeer = typer.Option(None, "--allow-peer", help="Only talk to this peer id (repeatable); default: anyone with the "
-                         "secret.")
 Quiet = typer.Option(False, "--quiet", "-q", help="Show no progress (results and errors still print). Progress goes "
                      "to stderr: a live view on a terminal, plain lines elsewhere (a log, CI).")
-IdentityFile = typer.Option(None, "--identity", help="This peer's key file (created if missing, mode 600): its peer "
-                            "id then survives restarts, as other sites' --allow-peer need. Default: a new id per run.")
-
-
-MaxRestarts = typer.Option(0, help="With `-- CMD`: start the command again this many times if it fails (it "
-                           "rejoins and downloads the swarm's state, or resumes from --checkpoint-dir).")
+"""--quiet of the commands that take no OutputOptions (bench, status, plot)."""
+RunId = typer.Option(SwarmConfig().run_id, "--run-id", help="Swarm namespace; peers only see peers with the same run id.")
+"""--run-id of `diloco status`, which observes a swarm without joining it."""
 
 
 def _fail(message: str, code: int = 2) -> NoReturn:
@@ -88,28 +52,13 @@ def _setup_logging(verbose: bool) -> None:
         logging.getLogger(noisy).setLevel(logging.ERROR)
 
 
-def _configs(o: dict[str, Any]) -> tuple[SwarmConfig, JobConfig]:
-    """The swarm's and the job's settings from a command's options (`locals()` of start / join)."""
-    from ..job.train import JobConfig
-
+def _configs(swarm: SwarmOptions, aggregation: AggregationOptions, peer: PeerOptions,
+             *job: Group) -> tuple[SwarmConfig, JobConfig]:
+    """The swarm's and the job's settings from a peer command's option groups; exits 2 naming what is wrong."""
     try:
-        swarm_cfg = SwarmConfig(run_id=o["run_id"], compression=o["compression"], min_peers=o["min_peers"],
-                                gather_timeout=o["gather_timeout"], result_timeout=o["round_timeout"],
-                                reduce_timeout=o["round_timeout"] * 2 / 3, heartbeat_ttl=o["heartbeat_ttl"],
-                                clip=o["clip"], trim=o["trim"], ban_after=o["ban_after"],
-                                allow_peers=tuple(o.get("allow_peer") or ()),
-                                identity_file=str(o["identity"]) if o.get("identity") else None)
-        job = JobConfig(rounds=o["rounds"], inner_steps=o["inner_steps"], batch_size=o["batch_size"], seed=o["seed"],
-                        shard=o["shard"], d_model=o["d_model"], n_layer=o["layers"], threads=o["threads"],
-                        eval_every=o["eval_every"], wait_for=o["wait_for"], outer_lr=o["outer_lr"],
-                        outer_momentum=o["outer_momentum"], fragments=o["fragments"],
-                        fragment_pattern=o["fragment_pattern"], overlap=o["overlap"], alpha=o["alpha"],
-                        outer_overlap=o["outer_overlap"],
-                        checkpoint_dir=str(o["checkpoint_dir"]) if o["checkpoint_dir"] else None,
-                        checkpoint_every=o["checkpoint_every"], resume=o["resume"])
+        return swarm.config(aggregation, peer), job_config(*job)
     except ConfigError as e:
         _fail(str(e))
-    return swarm_cfg, job
 
 
 def _sinks(tensorboard: Optional[Path], wandb: Optional[str]) -> SinkConfig:
@@ -213,148 +162,80 @@ def _run_config(swarm_cfg: SwarmConfig, job: JobConfig) -> dict[str, Any]:
 
 
 @app.command()
-def start(
-    run_id: str = RunId, host: str = Host, port: int = Port, announce: Optional[List[str]] = Announce,
-    rounds: int = Rounds, inner_steps: int = InnerSteps, compression: str = Compression, min_peers: int = MinPeers,
-    metrics: Optional[Path] = Metrics, tensorboard: Optional[Path] = TensorBoard, wandb: Optional[str] = Wandb,
-    batch_size: int = typer.Option(8, help="Sequences per inner step."),
-    seed: int = typer.Option(0, help="Model initialization seed (the same on every peer)."),
-    shard: Optional[int] = typer.Option(None, help="Data shard of this peer (default: from its peer id)."),
-    d_model: int = typer.Option(192, help="Model width."),
-    layers: int = typer.Option(4, help="Transformer blocks."),
-    threads: int = typer.Option(1, help="torch CPU threads."),
-    gather_timeout: float = typer.Option(60.0, help="Seconds to wait for slow peers before a round starts without them."),
-    eval_every: int = typer.Option(0, help="Evaluate held-out loss every N rounds (0: only at the end)."),
-    wait_for: int = typer.Option(1, help="Wait (up to 120 s) until this many peers are in the swarm before training."),
-    round_timeout: float = typer.Option(30.0, help="Seconds after a round starts by which it commits or is abandoned."),
-    outer_lr: Optional[float] = OuterLr, outer_momentum: Optional[float] = OuterMomentum,
-    fragments: int = Fragments, fragment_pattern: str = Pattern, overlap: int = Overlap, alpha: float = Alpha,
-    outer_overlap: str = OuterOverlap, heartbeat_ttl: float = HeartbeatTtl,
-    clip: float = Clip, trim: float = Trim, ban_after: int = BanAfter,
-    secret_file: Optional[Path] = SecretFile, allow_peer: Optional[List[str]] = AllowPeer,
-    identity: Optional[Path] = IdentityFile,
-    checkpoint_dir: Optional[Path] = CheckpointDir, checkpoint_every: int = CheckpointEvery, resume: bool = Resume,
-    address_file: Optional[Path] = typer.Option(None, help="Write this peer's addresses to this file once up."),
-    status_file: Optional[Path] = typer.Option(None, hidden=True),
-    max_restarts: int = MaxRestarts,
-    verbose: bool = typer.Option(False, "--verbose", "-v", help="Log every round event."),
-    quiet: bool = Quiet,
-    ctx: typer.Context = typer.Option(None, hidden=True),
-) -> None:
+@command(SwarmOptions, AggregationOptions, PeerOptions, JobOptions, RunOptions, PeerJobOptions, StreamingOptions,
+         OutputOptions)
+def start(swarm: SwarmOptions, aggregation: AggregationOptions, peer: PeerOptions, job: JobOptions, run: RunOptions,
+          mine: PeerJobOptions, streaming: StreamingOptions, out: OutputOptions,
+          ctx: typer.Context = typer.Option(None, hidden=True)) -> None:
     """Start a swarm and print the line others run to join. Trains the bundled model, or runs your own
     command as this site's worker: `diloco start [OPTIONS] -- CMD [ARGS...]`."""
-    _setup_logging(verbose)
-    command = _command(ctx, max_restarts)
-    swarm_cfg, job = _configs(locals())
-    sinks = _sinks(tensorboard, wandb)
-    secret, where = _secret(secret_file, run_id, create=True)
-    if command is not None:
-        _launch([], command, swarm_cfg, secret, where, host=host, port=port, announce=announce,
-                address_file=address_file, metrics=metrics, sinks=sinks, checkpoint_dir=checkpoint_dir,
-                checkpoint_every=checkpoint_every, max_restarts=max_restarts, wait_for=wait_for)
-    swarm_cfg = replace(swarm_cfg, secret=secret)
-    _run_peer([], host=host, port=port, announce=announce, address_file=address_file, metrics=metrics,
-              status_file=status_file, swarm_cfg=swarm_cfg, job=job, secret_from=where, quiet=quiet, sinks=sinks)
+    _peer([], swarm, aggregation, peer, (job, run, mine, streaming), out, ctx)
 
 
 @app.command()
-def join(
-    addresses: List[str] = typer.Argument(..., help="Address(es) of running peers, tried in order."),
-    run_id: str = RunId, host: str = Host, port: int = Port, announce: Optional[List[str]] = Announce,
-    rounds: int = Rounds, inner_steps: int = InnerSteps, compression: str = Compression, min_peers: int = MinPeers,
-    metrics: Optional[Path] = Metrics, tensorboard: Optional[Path] = TensorBoard, wandb: Optional[str] = Wandb,
-    batch_size: int = typer.Option(8, help="Sequences per inner step."),
-    seed: int = typer.Option(0, help="Model initialization seed (the same on every peer)."),
-    shard: Optional[int] = typer.Option(None, help="Data shard of this peer (default: from its peer id)."),
-    d_model: int = typer.Option(192, help="Model width."),
-    layers: int = typer.Option(4, help="Transformer blocks."),
-    threads: int = typer.Option(1, help="torch CPU threads."),
-    gather_timeout: float = typer.Option(60.0, help="Seconds to wait for slow peers before a round starts without them."),
-    eval_every: int = typer.Option(0, help="Evaluate held-out loss every N rounds (0: only at the end)."),
-    wait_for: int = typer.Option(1, help="Wait (up to 120 s) until this many peers are in the swarm before training."),
-    round_timeout: float = typer.Option(30.0, help="Seconds after a round starts by which it commits or is abandoned."),
-    outer_lr: Optional[float] = OuterLr, outer_momentum: Optional[float] = OuterMomentum,
-    fragments: int = Fragments, fragment_pattern: str = Pattern, overlap: int = Overlap, alpha: float = Alpha,
-    outer_overlap: str = OuterOverlap, heartbeat_ttl: float = HeartbeatTtl,
-    clip: float = Clip, trim: float = Trim, ban_after: int = BanAfter,
-    secret_file: Optional[Path] = SecretFile, allow_peer: Optional[List[str]] = AllowPeer,
-    identity: Optional[Path] = IdentityFile,
-    checkpoint_dir: Optional[Path] = CheckpointDir, checkpoint_every: int = CheckpointEvery, resume: bool = Resume,
-    address_file: Optional[Path] = typer.Option(None, help="Write this peer's addresses to this file once up."),
-    status_file: Optional[Path] = typer.Option(None, hidden=True),
-    max_restarts: int = MaxRestarts,
-    verbose: bool = typer.Option(False, "--verbose", "-v", help="Log every round event."),
-    quiet: bool = Quiet,
-    ctx: typer.Context = typer.Option(None, hidden=True),
-) -> None:
+@command(SwarmOptions, AggregationOptions, PeerOptions, JobOptions, RunOptions, PeerJobOptions, StreamingOptions,
+         OutputOptions)
+def join(swarm: SwarmOptions, aggregation: AggregationOptions, peer: PeerOptions, job: JobOptions, run: RunOptions,
+         mine: PeerJobOptions, streaming: StreamingOptions, out: OutputOptions,
+         addresses: List[str] = typer.Argument(..., help="Address(es) of running peers, tried in order."),
+         ctx: typer.Context = typer.Option(None, hidden=True)) -> None:
     """Join a running swarm at ADDRESSES and train with it: the bundled model, or your own command as this
     site's worker: `diloco join ADDR [OPTIONS] -- CMD [ARGS...]`."""
-    _setup_logging(verbose)
     from ..swarm import SwarmError, validate_addrs
 
-    command = _command(ctx, max_restarts)
     try:
         validate_addrs(addresses)
     except SwarmError as e:
         _fail(str(e))
-    swarm_cfg, job = _configs(locals())
-    sinks = _sinks(tensorboard, wandb)
-    secret, where = _secret(secret_file, run_id, create=False)
+    _peer(addresses, swarm, aggregation, peer, (job, run, mine, streaming), out, ctx)
+
+
+def _peer(initial: list[str], swarm: SwarmOptions, aggregation: AggregationOptions, peer: PeerOptions,
+          job: tuple[Group, ...], out: OutputOptions, ctx: typer.Context) -> None:
+    """start and join: this peer trains the bundled job, or runs the user's command as its site's worker."""
+    _setup_logging(peer.verbose)
+    command = _command(ctx, peer.max_restarts)
+    swarm_cfg, job_cfg = _configs(swarm, aggregation, peer, *job)
+    sinks = _sinks(out.tensorboard, out.wandb)
+    secret, where = _secret(peer.secret_file, swarm.run_id, create=not initial)
     if command is not None:
-        _launch(addresses, command, swarm_cfg, secret, where, host=host, port=port, announce=announce,
-                address_file=address_file, metrics=metrics, sinks=sinks, checkpoint_dir=checkpoint_dir,
-                checkpoint_every=checkpoint_every, max_restarts=max_restarts, wait_for=wait_for)
+        _launch(initial, command, swarm_cfg, secret, where, host=peer.host, port=peer.port, announce=peer.announce,
+                address_file=peer.address_file, metrics=out.metrics, sinks=sinks, checkpoint_dir=job_cfg.checkpoint_dir,
+                checkpoint_every=job_cfg.checkpoint_every, max_restarts=peer.max_restarts, wait_for=job_cfg.wait_for)
     swarm_cfg = replace(swarm_cfg, secret=secret)
-    _run_peer(addresses, host=host, port=port, announce=announce, address_file=address_file, metrics=metrics,
-              status_file=status_file, swarm_cfg=swarm_cfg, job=job, secret_from=where, quiet=quiet, sinks=sinks)
+    _run_peer(initial, host=peer.host, port=peer.port, announce=peer.announce, address_file=peer.address_file,
+              metrics=out.metrics, status_file=peer.status_file, swarm_cfg=swarm_cfg, job=job_cfg, secret_from=where,
+              quiet=out.quiet, sinks=sinks)
 
 
 @app.command()
-def demo(
-    peers: int = typer.Option(4, help="Peers to run on this machine."),
-    rounds: int = typer.Option(8, help="Rounds to train."),
-    inner_steps: int = typer.Option(25, "--inner-steps", "-H", help="Inner steps per round (H)."),
-    compression: str = typer.Option(DEFAULT_DEMO_COMPRESSION, help="Compression pipeline (see README)."),
-    batch_size: int = typer.Option(8, help="Sequences per inner step."),
-    d_model: int = typer.Option(192, help="Model width."),
-    layers: int = typer.Option(4, help="Transformer blocks."),
-    metrics: Optional[Path] = typer.Option(None, help="Append every peer's round lines (with a 'peer' field) here."),
-    tensorboard: Optional[Path] = TensorBoard, wandb: Optional[str] = Wandb,
-    json_path: Optional[Path] = typer.Option(None, "--json", help="Write the final summary as JSON here."),
-    workdir: Optional[Path] = typer.Option(None, help="Keep peers' logs and metrics here (default: a temp dir)."),
-    live: bool = typer.Option(True, help="Show the live view on a terminal (off: plain progress lines)."),
-    outer_lr: Optional[float] = OuterLr, outer_momentum: Optional[float] = OuterMomentum,
-    fragments: int = Fragments, fragment_pattern: str = Pattern, overlap: int = Overlap, alpha: float = Alpha,
-    outer_overlap: str = OuterOverlap, quiet: bool = Quiet,
-) -> None:
-    """Run a local swarm of PEERS processes on 127.0.0.1 training the bundled model, with a live view."""
+@command(JobOptions.defaults(rounds=DEMO_JOB.rounds, inner_steps=DEMO_JOB.inner_steps), StreamingOptions,
+         AggregationOptions.defaults(compression=DEMO_COMPRESSION),
+         OutputOptions)
+def demo(job: JobOptions, streaming: StreamingOptions, aggregation: AggregationOptions, out: OutputOptions,
+         peers: int = typer.Option(4, help="Peers to run on this machine."),
+         json_path: Optional[Path] = typer.Option(None, "--json", help="Write the final summary as JSON here."),
+         workdir: Optional[Path] = typer.Option(None, help="Keep peers' logs and metrics here (default: a temp dir)."),
+         live: bool = typer.Option(True, help="Show the live view on a terminal (off: plain progress lines)."),
+         ) -> None:
+    """Run a local swarm of PEERS processes on 127.0.0.1 training the bundled model, with a live view.
+    --metrics collects every peer's round lines (each with its 'peer')."""
     from .demo import DemoConfig, run_demo
 
     try:
-        cfg = DemoConfig(peers=peers, rounds=rounds, inner_steps=inner_steps, compression=compression, batch_size=batch_size,
-                         d_model=d_model, layers=layers, outer_lr=outer_lr, outer_momentum=outer_momentum,
-                         fragments=fragments, fragment_pattern=fragment_pattern, overlap=overlap, alpha=alpha,
-                         outer_overlap=outer_overlap)
+        cfg = DemoConfig(peers=peers, job=job_config(job, streaming), swarm=aggregation.config())
     except ConfigError as e:
         _fail(str(e))
-    code = run_demo(cfg, workdir=workdir, metrics=metrics, json_path=json_path, live=live, quiet=quiet,
-                    sinks=_sinks(tensorboard, wandb))
+    code = run_demo(cfg, workdir=workdir, metrics=out.metrics, json_path=json_path, live=live, quiet=out.quiet,
+                    sinks=_sinks(out.tensorboard, out.wandb))
     raise typer.Exit(code)
 
 
 @app.command()
+@command(JobOptions, RunOptions, StreamingOptions, AggregationOptions)
 def simulate(
+    job: JobOptions, run: RunOptions, streaming: StreamingOptions, aggregation: AggregationOptions,
     workers: int = typer.Option(4, help="Workers (M), all in this process on an in-process network."),
-    rounds: int = Rounds, inner_steps: int = InnerSteps, compression: str = Compression,
-    batch_size: int = typer.Option(8, help="Sequences per inner step."),
-    seed: int = typer.Option(0, help="Model initialization seed."),
-    d_model: int = typer.Option(192, help="Model width."),
-    layers: int = typer.Option(4, help="Transformer blocks."),
-    threads: int = typer.Option(1, help="torch CPU threads per worker."),
-    eval_every: int = typer.Option(0, help="Evaluate held-out loss every N rounds (0: only at the end)."),
-    outer_lr: Optional[float] = OuterLr, outer_momentum: Optional[float] = OuterMomentum,
-    fragments: int = Fragments, fragment_pattern: str = Pattern, overlap: int = Overlap, alpha: float = Alpha,
-    outer_overlap: str = OuterOverlap, clip: float = Clip, trim: float = Trim, ban_after: int = BanAfter,
     bandwidth_mbit: float = typer.Option(100.0, help="Projected link of each worker, Mbit/s per direction."),
     latency_ms: float = typer.Option(50.0, help="Projected one-way latency between workers, ms."),
     step_seconds: Optional[float] = typer.Option(None, help="Compute time of an inner step (default: measured here)."),
@@ -378,9 +259,11 @@ def simulate(
         speed_list = tuple(float(v) for v in speeds.split(",")) if speeds else ()
     except ValueError:
         _fail(f"--speeds must be comma-separated numbers, got {speeds!r}")
-    o = dict(locals(), run_id="simulate", min_peers=1, gather_timeout=60.0, round_timeout=30.0, heartbeat_ttl=30.0,
-             shard=None, wait_for=1, checkpoint_dir=None, checkpoint_every=0, resume=False)
-    swarm_cfg, job = _configs(o)
+    try:
+        swarm_cfg, job_cfg = aggregation.config(run_id="simulate"), job_config(job, run, streaming)
+    except ConfigError as e:
+        _fail(str(e))
+    rounds, fragments, seed = job_cfg.rounds, job_cfg.fragments, run.seed
     try:
         net = NetworkModel(bandwidth_mbit=bandwidth_mbit, latency_ms=latency_ms, loss=loss, step_seconds=step_seconds,
                            speeds=speed_list, links=tuple(parse_link(x) for x in link))
@@ -397,7 +280,7 @@ def simulate(
         _fail(str(e))
     try:
         with Reporter.for_command(quiet=quiet) as rep, rep.task("simulate") as task:
-            summary = run_simulation(job, workers, swarm=swarm_cfg, net=net, faults=plan, progress=task.update)
+            summary = run_simulation(job_cfg, workers, swarm=swarm_cfg, net=net, faults=plan, progress=task.update)
     except ConfigError as e:
         _fail(str(e))
     for fault in summary["faults_fired"]:
@@ -838,7 +721,7 @@ def _command(ctx: typer.Context, max_restarts: int) -> list[str] | None:
 
 def _launch(initial: list[str], command: list[str], swarm_cfg: SwarmConfig, secret: str, where: str, *,
             host: str, port: int, announce: Optional[List[str]], address_file: Optional[Path],
-            metrics: Optional[Path], sinks: SinkConfig, checkpoint_dir: Optional[Path], checkpoint_every: int,
+            metrics: Optional[Path], sinks: SinkConfig, checkpoint_dir: Optional[str], checkpoint_every: int,
             max_restarts: int, wait_for: int) -> NoReturn:
     """Run the user's `command` as this site's worker (`diloco.launcher`) and exit with its status."""
     import shlex
@@ -857,7 +740,7 @@ def _launch(initial: list[str], command: list[str], swarm_cfg: SwarmConfig, secr
                         wait_for=wait_for,
                         address_file=str(workdir / "address"), peers_file=str(workdir / "peers"),
                         metrics=str(metrics) if metrics else None, sinks=sinks,
-                        checkpoint_dir=str(checkpoint_dir) if checkpoint_dir else None,
+                        checkpoint_dir=checkpoint_dir,
                         checkpoint_every=checkpoint_every)
 
         def on_address(addrs: list[str]) -> None:

@@ -1,0 +1,258 @@
+"""The command line's options, each declared once, in groups the commands share.
+
+A group is a frozen dataclass whose fields are options: the field's default is the option's default,
+taken from the configuration it feeds (`SwarmConfig`, `JobConfig`), so a default
+lives in one place; its metadata holds the flag names and help. `command(*groups)` gives a typer
+command the groups' options next to its own and hands it one typed object per group:
+
+    @app.command()
+    @command(AggregationOptions, JobOptions)
+    def simulate(aggregation: AggregationOptions, job: JobOptions, workers: int = typer.Option(4)) -> None:
+        swarm_cfg, job_cfg = aggregation.config(run_id="simulate"), job_config(job)
+
+A command that wants other defaults for a group (the demo's shorter run) passes them:
+`command(JobOptions.defaults(rounds=8, inner_steps=25))`.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import typing
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any, Callable, List, Optional, TypeVar
+
+import typer
+
+from ..config import SwarmConfig
+from ..job.train import JobConfig
+
+_G = TypeVar("_G")
+_SWARM, _JOB = SwarmConfig(), JobConfig()
+
+
+def option(default: Any, *flags: str, help: str, hidden: bool = False) -> Any:
+    """A group's field that is a command-line option (`flags`: its names when not derived from the field)."""
+    return field(default=default, metadata={"flags": flags, "help": help, "hidden": hidden})
+
+
+class Group:
+    """Base of the option groups."""
+
+    _overrides: typing.ClassVar[dict[str, Any]] = {}
+
+    @classmethod
+    def defaults(cls: type[_G], **overrides: Any) -> type[_G]:
+        """This group with other defaults for some options (same names, same help)."""
+        unknown = set(overrides) - {f.name for f in fields(cls)}  # type: ignore[arg-type]
+        if unknown:
+            raise TypeError(f"{cls.__name__} has no option {sorted(unknown)}")
+        return type(cls.__name__, (cls,), {"_overrides": {**getattr(cls, "_overrides", {}), **overrides}})
+
+
+def _parameters(group: type[Any]) -> list[inspect.Parameter]:
+    hints = typing.get_type_hints(group)
+    overrides = getattr(group, "_overrides", {})
+    out = []
+    for f in fields(group):
+        default = overrides.get(f.name, f.default)
+        info = typer.Option(default, *f.metadata["flags"], help=f.metadata["help"], hidden=f.metadata["hidden"])
+        out.append(inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=info, annotation=hints[f.name]))
+    return out
+
+
+def command(*groups: type[Any]) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Give a command the options of `groups`: it is called with one instance of each group, in order, as
+    its first positional arguments, then its own parameters (which keep their own typer declarations)."""
+    def wrap(fn: Callable[..., Any]) -> Callable[..., Any]:
+        own = list(inspect.signature(fn).parameters.values())[len(groups):]
+        own_hints = typing.get_type_hints(fn)
+        own = [p.replace(annotation=own_hints.get(p.name, p.annotation)) for p in own]
+        group_params = [_parameters(g) for g in groups]
+        every = [p.name for ps in group_params for p in ps] + [p.name for p in own]
+        clash = sorted({n for n in every if every.count(n) > 1})
+        if clash:
+            raise TypeError(f"{fn.__name__}: options declared twice: {clash}")
+
+        @functools.wraps(fn)
+        def run(*args: Any, **kwargs: Any) -> Any:
+            made = [g(**{p.name: kwargs.pop(p.name) for p in ps}) for g, ps in zip(groups, group_params)]
+            return fn(*made, *args, **kwargs)
+
+        params = [p for ps in group_params for p in ps]
+        positional = [p for p in own if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        keyword = [p for p in own if p not in positional]
+        run.__signature__ = inspect.Signature([*positional, *keyword, *params])  # type: ignore[attr-defined]
+        run.__annotations__ = {p.name: p.annotation for p in run.__signature__.parameters.values()}  # type: ignore[attr-defined]
+        del run.__wrapped__  # typer must read the signature above, not fn's
+        return run
+    return wrap
+
+
+# ---------------------------------------------------------------------- the groups
+
+
+@dataclass(frozen=True)
+class AggregationOptions(Group):
+    """How pseudo-gradients travel and are averaged (`SwarmConfig`: every peer of a swarm must agree on the
+    compression)."""
+
+    compression: str = option(_SWARM.compression, help="Compression pipeline, e.g. fp16, e3m0, q8+zstd, "
+                                                        "topk:64/4096+s2+ef:0.95.")
+    clip: float = option(_SWARM.clip, help="Robust aggregation: clip each contribution to this multiple of the median "
+                                           "norm (0: off).")
+    trim: float = option(_SWARM.trim, help="Robust aggregation: trimmed mean, dropping this fraction at each end "
+                                           "(dense only).")
+    ban_after: int = option(_SWARM.ban_after, help="Ban a peer for the run after this many refused or far-outlying "
+                                                   "contributions (0: never).")
+
+    def config(self, **more: Any) -> SwarmConfig:
+        """Raises ConfigError naming the field that is wrong."""
+        return SwarmConfig(compression=self.compression, clip=self.clip, trim=self.trim, ban_after=self.ban_after,
+                           **more)
+
+
+@dataclass(frozen=True)
+class SwarmOptions(Group):
+    """A peer's swarm: its namespace, quorum and deadlines (`SwarmConfig`)."""
+
+    run_id: str = option(_SWARM.run_id, "--run-id", help="Swarm namespace; peers only see peers with the same run id.")
+    min_peers: int = option(_SWARM.min_peers, help="Fewest peers that may commit a round.")
+    gather_timeout: float = option(_SWARM.gather_timeout, help="Seconds to wait for slow peers before a round starts "
+                                                               "without them.")
+    round_timeout: float = option(_SWARM.result_timeout, help="Seconds after a round starts by which it commits or is "
+                                                              "abandoned (result_timeout; span owners reduce within "
+                                                              "two thirds of it, reduce_timeout).")
+    heartbeat_ttl: float = option(_SWARM.heartbeat_ttl, help="Seconds a peer's record lives without a heartbeat "
+                                                             "(raise it on slow links).")
+
+    def config(self, aggregation: AggregationOptions, peer: PeerOptions) -> SwarmConfig:
+        """Raises ConfigError naming the field that is wrong."""
+        return aggregation.config(run_id=self.run_id, min_peers=self.min_peers, gather_timeout=self.gather_timeout,
+                                  result_timeout=self.round_timeout, reduce_timeout=self.round_timeout * 2 / 3,
+                                  heartbeat_ttl=self.heartbeat_ttl, allow_peers=tuple(peer.allow_peer or ()),
+                                  identity_file=str(peer.identity) if peer.identity else None)
+
+
+@dataclass(frozen=True)
+class PeerOptions(Group):
+    """A peer process on the network: where it listens, its credentials and identity, what it writes."""
+
+    host: str = option("127.0.0.1", help="Address to listen on; 0.0.0.0 to accept peers from other machines.")
+    port: int = option(0, help="TCP port to listen on (0: any free port).")
+    announce: Optional[List[str]] = option(None, help="Multiaddr others should dial, e.g. /ip4/203.0.113.5/tcp/31337 "
+                                                      "(behind NAT).")
+    secret_file: Optional[Path] = option(None, "--secret-file", help="File holding the swarm secret (start: created if "
+                                         "missing; default diloco-RUN_ID.secret). Or set DILOCO_SECRET.")
+    allow_peer: Optional[List[str]] = option(None, "--allow-peer", help="Only talk to this peer id (repeatable); "
+                                                                        "default: anyone with the secret.")
+    identity: Optional[Path] = option(None, "--identity", help="This peer's key file (created if missing, mode 600): "
+                                      "its peer id then survives restarts, as other sites' --allow-peer need. "
+                                      "Default: a new id per run.")
+    address_file: Optional[Path] = option(None, help="Write this peer's addresses to this file once up.")
+    status_file: Optional[Path] = option(None, help="Keep this peer's status here (the demo reads it).", hidden=True)
+    max_restarts: int = option(0, help="With `-- CMD`: start the command again this many times if it fails (it "
+                                       "rejoins and downloads the swarm's state, or resumes from --checkpoint-dir).")
+    verbose: bool = option(False, "--verbose", "-v", help="Log every round event.")
+
+
+@dataclass(frozen=True)
+class JobOptions(Group):
+    """The bundled job's model and training run (`JobConfig`; the fields are its fields)."""
+
+    rounds: int = option(_JOB.rounds, help="Train until the swarm has committed this many rounds.")
+    inner_steps: int = option(_JOB.inner_steps, "--inner-steps", "-H", help="Inner steps per round (H).")
+    batch_size: int = option(_JOB.batch_size, help="Sequences per inner step.")
+    d_model: int = option(_JOB.d_model, help="Model width.")
+    n_layer: int = option(_JOB.n_layer, "--layers", help="Transformer blocks.")
+    outer_lr: Optional[float] = option(_JOB.outer_lr, help="Outer SGD lr (default 0.7; 1.0 when the compression has "
+                                                           "error feedback).")
+    outer_momentum: Optional[float] = option(_JOB.outer_momentum, help="Outer Nesterov momentum (default 0.9; 0 with "
+                                                                       "error feedback).")
+
+
+@dataclass(frozen=True)
+class RunOptions(Group):
+    """How this process runs the bundled job (`JobConfig`): seed, threads, evaluation."""
+
+    seed: int = option(_JOB.seed, help="Model initialization seed (the same on every peer).")
+    threads: int = option(_JOB.threads, help="torch CPU threads (per worker).")
+    eval_every: int = option(_JOB.eval_every, help="Evaluate held-out loss every N rounds (0: only at the end).")
+
+
+@dataclass(frozen=True)
+class PeerJobOptions(Group):
+    """A peer's own part of the job (`JobConfig`): its data shard, whom to wait for, its checkpoints."""
+
+    shard: Optional[int] = option(_JOB.shard, help="Data shard of this peer (default: from its peer id).")
+    wait_for: int = option(_JOB.wait_for, help="Wait (up to 120 s) until this many peers are in the swarm before "
+                                               "training.")
+    checkpoint_dir: Optional[Path] = option(None, help="Write atomic, verified checkpoints here (a final one on "
+                                                       "leaving).")
+    checkpoint_every: int = option(_JOB.checkpoint_every, help="Also checkpoint every N committed rounds (0: only the "
+                                                               "final one).")
+    resume: bool = option(_JOB.resume, "--resume", help="Start from the newest verified checkpoint in "
+                                                        "--checkpoint-dir.")
+
+
+@dataclass(frozen=True)
+class StreamingOptions(Group):
+    """Streaming DiLoCo (`JobConfig` holds these and makes its `StreamingConfig` of them)."""
+
+    fragments: int = option(_JOB.fragments, help="Streaming DiLoCo: sync the model in this many fragments of "
+                                                    "blocks, staggered.")
+    fragment_pattern: str = option(_JOB.fragment_pattern, "--fragment-pattern", help="strided (block i -> fragment i mod P) "
+                                                                               "or sequential.")
+    overlap: int = option(_JOB.overlap, "--overlap", help="tau: inner steps a fragment's exchange may overlap "
+                                                             "before it is applied.")
+    alpha: float = option(_JOB.alpha, help="alpha: weight kept by the local copy when a fragment's global value "
+                                              "arrives.")
+    outer_overlap: str = option(_JOB.outer_overlap, help="Overlap a whole outer step (one fragment): none, eager "
+                                                            "or delayed.")
+
+
+JOB_GROUPS = (JobOptions, RunOptions, PeerJobOptions, StreamingOptions)
+"""The groups whose fields are JobConfig's fields."""
+
+
+@dataclass(frozen=True)
+class OutputOptions(Group):
+    """Where a run's metrics go besides the terminal, and how much the terminal shows."""
+
+    metrics: Optional[Path] = option(None, help="Append one JSON line per round (and a final one) to this file.")
+    tensorboard: Optional[Path] = option(None, "--tensorboard", help="Also log every round to TensorBoard event files "
+                                         "in DIR/<peer id> (`tensorboard --logdir DIR`). Needs: pip install "
+                                         "\"diloco[tensorboard]\".")
+    wandb: Optional[str] = option(None, "--wandb", help="Also log every round to this Weights & Biases project "
+                                  "(offline, into ./wandb, without an API key or with WANDB_MODE=offline). Needs: "
+                                  "pip install \"diloco[wandb]\".")
+    quiet: bool = option(False, "--quiet", "-q", help="Show no progress (results and errors still print). Progress "
+                                                      "goes to stderr: a live view on a terminal, plain lines "
+                                                      "elsewhere (a log, CI).")
+
+
+def job_config(*groups: Group, **more: Any) -> JobConfig:
+    """The JobConfig of a command's job groups (`JOB_GROUPS`; defaults for the fields none of them has).
+    Raises ConfigError naming the field that is wrong."""
+    values: dict[str, Any] = {f.name: getattr(g, f.name) for g in groups for f in fields(g)}  # type: ignore[arg-type]
+    kwargs: dict[str, Any] = {k: str(v) if isinstance(v, Path) else v for k, v in values.items()}
+    return JobConfig(**kwargs, **more)
+
+
+def flags(values: object, *groups: type[Group]) -> list[str]:
+    """The command-line flags that set the options of `groups` to `values`' attributes of the same names
+    (a JobConfig, a SwarmConfig), leaving out those at the option's default: what the options read back.
+    The demo starts its peers with them."""
+    out: list[str] = []
+    for group in groups:
+        for f in fields(group):  # type: ignore[arg-type]
+            value = getattr(values, f.name)
+            if value == f.default:
+                continue
+            flag = next((x for x in f.metadata["flags"] if x.startswith("--")), "--" + f.name.replace("_", "-"))
+            if isinstance(value, bool):
+                out += [flag] if value else []
+            elif value is not None:
+                out += [flag, str(value)]
+    return out

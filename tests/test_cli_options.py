@@ -1,0 +1,90 @@
+"""Each knob declared once (diloco/cli/options.py): the option groups the commands share, their defaults
+taken from the configurations they feed, and the flags the demo hands its peers read back to the same job."""
+
+from __future__ import annotations
+
+from dataclasses import fields
+from typing import Any
+
+import pytest
+import typer
+from typer.testing import CliRunner
+
+from diloco.cli import main
+from diloco.cli.demo import DEMO_JOB, DemoConfig, peer_command
+from diloco.cli.options import (AggregationOptions, JobOptions, PeerJobOptions, RunOptions, StreamingOptions,
+                                SwarmOptions, command, flags, option)
+from diloco.comms import CollectiveConfig
+from diloco.config import SwarmConfig
+from diloco.job.train import JobConfig
+
+pytestmark = pytest.mark.unit
+
+
+class _Stop(Exception):
+    pass
+
+
+def _configs_of(monkeypatch: pytest.MonkeyPatch, args: list[str]) -> tuple[SwarmConfig, JobConfig]:
+    """What `diloco ARGS` would run a peer with (stopped before any network I/O)."""
+    seen: dict[str, Any] = {}
+
+    def stop(initial: list[str], **kw: Any) -> None:
+        seen.update(kw, initial=initial)
+        raise _Stop
+
+    monkeypatch.setattr(main, "_run_peer", stop)
+    monkeypatch.setenv("DILOCO_SECRET", "s" * 43)
+    result = CliRunner().invoke(main.app, args, obj={})
+    assert isinstance(result.exception, _Stop), result.output
+    return seen["swarm_cfg"], seen["job"]
+
+
+def test_a_default_is_declared_once_in_the_configuration_the_option_feeds(monkeypatch):
+    swarm, job = _configs_of(monkeypatch, ["start"])
+    assert (swarm.gather_timeout, swarm.result_timeout, swarm.reduce_timeout) == \
+        (CollectiveConfig().gather_timeout, CollectiveConfig().result_timeout, CollectiveConfig().reduce_timeout)
+    assert swarm == SwarmConfig(secret=swarm.secret)  # every swarm default is the config's own
+    assert job == JobConfig()
+
+
+def test_start_and_join_take_the_same_options():
+    def names(cmd: str) -> set[str]:
+        group = typer.main.get_group(main.app)
+        return {p.name for p in group.commands[cmd].params if p.name}
+
+    assert names("start") == names("join") - {"addresses"}
+    assert {"gather_timeout", "round_timeout", "fragment_pattern", "n_layer", "checkpoint_dir", "tensorboard"} \
+        <= names("start")
+
+
+def test_the_demo_hands_its_peers_flags_that_read_back_to_its_job(monkeypatch, tmp_path):
+    job = JobConfig(rounds=3, inner_steps=12, batch_size=4, d_model=32, n_layer=2, outer_lr=0.5,
+                    outer_momentum=0.8, fragments=2, fragment_pattern="sequential", overlap=1, alpha=0.5)
+    cfg = DemoConfig(peers=3, job=job, swarm=SwarmConfig(compression="q8", clip=2.0, trim=0.1, ban_after=5))
+    argv = peer_command(cfg, 1, "demo-run", tmp_path, "/ip4/127.0.0.1/tcp/1/p2p/" + "12D3KooW" + "a" * 44)
+    assert argv[3:5] == ["join", argv[4]]
+    swarm, got = _configs_of(monkeypatch, ["start", *argv[5:]])
+    for f in fields(JobOptions) + fields(StreamingOptions):
+        assert getattr(got, f.name) == getattr(job, f.name), f.name
+    assert (got.shard, got.wait_for) == (1, 3)
+    assert (swarm.compression, swarm.clip, swarm.trim, swarm.ban_after, swarm.run_id) == ("q8", 2.0, 0.1, 5, "demo-run")
+    assert flags(DEMO_JOB, RunOptions, PeerJobOptions) == []  # at their defaults: nothing to say
+    assert flags(JobConfig(resume=True, checkpoint_dir="c"), PeerJobOptions) == ["--checkpoint-dir", "c", "--resume"]
+
+
+def test_the_demo_is_the_job_with_its_own_defaults():
+    group = typer.main.get_group(main.app)
+    defaults = {p.name: p.default for p in group.commands["demo"].params}
+    assert (defaults["rounds"], defaults["inner_steps"], defaults["compression"]) == (8, 25, "e3m0")
+    assert DEMO_JOB == JobConfig(rounds=8, inner_steps=25)
+
+
+def test_an_option_declared_twice_is_refused_and_groups_take_only_their_options():
+    with pytest.raises(TypeError, match=r"declared twice: \['run_id'\]"):
+        @command(SwarmOptions)
+        def twice(swarm: SwarmOptions, run_id: str = typer.Option("x")) -> None:
+            pass
+    with pytest.raises(TypeError, match="has no option"):
+        AggregationOptions.defaults(rounds=3)
+    assert option(1, help="h").metadata["help"] == "h"
