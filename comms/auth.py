@@ -1,6 +1,6 @@
 """Swarm credentials: every call between peers is authenticated, bound to both peer ids, and fresh.
 
-Peers of a swarm share a secret (`diloco start` creates it; README "Security"). Keys are derived
+Peers of a swarm share a secret (`diloco start` creates it; docs/SECURITY.md). Keys are derived
 from it, never the secret itself: one per run for the round protocol and the state download, one
 for the join handshake (so a peer with the right secret but another run id can be told which
 field differs), one per run for the DHT (`HmacAuthorizer`).

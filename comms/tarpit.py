@@ -15,7 +15,7 @@ core (docs/BENCHMARKS.md, "Flood of unauthorized callers"). So:
 A caller with the credential is never held: the head is checked on every call, so a peer that
 fixes its secret gets through on its next call. What this does not stop: a caller that abandons
 its calls early and opens new ones, or one that takes a fresh peer id per call (each then costs us
-a libp2p handshake instead). Against those, filter at the network (README, "Security").
+a libp2p handshake instead). Against those, filter at the network (docs/SECURITY.md).
 """
 
 from __future__ import annotations

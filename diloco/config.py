@@ -30,7 +30,7 @@ class SwarmConfig:
     run_id: str = "diloco"
     """Namespace of the swarm: peers only see and talk to peers with the same run id."""
     compression: str = _ROUND.compression
-    """Compression pipeline of pseudo-gradients, e.g. fp16, e3m0, topk:64/4096+s2+ef:0.95 (README)."""
+    """Compression pipeline of pseudo-gradients, e.g. fp16, e3m0, topk:64/4096+s2+ef:0.95 (docs/USAGE.md, "Compression")."""
     min_peers: int = _ROUND.min_peers
     """Fewest peers (self included) that may commit a round."""
     majority: bool = True

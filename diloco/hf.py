@@ -9,7 +9,7 @@ When training begins (the Trainer has built its optimizer and scheduler by then)
 the Trainer's model and optimizer in `diloco.DiLoCo`; every keyword argument but `inner_steps` goes
 to it (`swarm=`, `streaming=`, `outer_optimizer=`, ...). Without `swarm=`, the swarm comes from the
 launcher's environment (`diloco start/join -- python train.py` or `-- torchrun ... train.py`), and
-without a launcher it is single-worker DiLoCo. Under torchrun the ranks are one site (README, "Your
+without a launcher it is single-worker DiLoCo. Under torchrun the ranks are one site (docs/USAGE.md, "Your
 own training script"). The wrapper hooks the torch optimizer inside accelerate's wrapper, so a step
 that gradient accumulation or an overflowing fp16 step skips is not counted as an inner step. When
 training ends, the exchange in flight is applied and a launched worker leaves the swarm.

@@ -1,7 +1,7 @@
 """Machine-readable output: JSON lines appended per event, and an atomically replaced status file.
 
 `--metrics PATH` appends one line per synchronization (`event: "round"`) and one at the end
-(`event: "final"`); the fields are listed in README ("Metrics"). The status file is what the demo's
+(`event: "final"`); the fields are listed in docs/CLI.md ("Metrics"). The status file is what the demo's
 live view polls: the peer's latest step, loss and byte counters, rewritten atomically.
 
 The same events can also go to TensorBoard and W&B (`--tensorboard DIR`, `--wandb PROJECT`:

@@ -7,7 +7,7 @@ The same file runs, unchanged:
     diloco start -- python examples/ddp_train.py                          # first site of a swarm
     diloco join ADDR -- torchrun --standalone --nproc-per-node 2 examples/ddp_train.py   # a 2-rank site
 
-Under the launcher, `DiLoCo(...)` finds the swarm in the environment (`DILOCO_SWARM`, README "Your
+Under the launcher, `DiLoCo(...)` finds the swarm in the environment (`DILOCO_SWARM`, docs/USAGE.md "Your
 own training script"); under torchrun, the ranks are one worker: rank 0 talks to the swarm, every rank
 ends each round with the same global parameters. CPU and gloo here; on GPUs use the nccl backend and
 move the model and batches to `cuda:LOCAL_RANK`.

@@ -400,9 +400,8 @@ def test_the_clock_offset_is_bounded_by_the_round_trip_and_a_skewed_peer_is_name
 
 @pytest.mark.unit
 def test_every_rejection_and_refusal_reason_has_a_troubleshooting_row():
-    """README's troubleshooting tables name every reason a frame is rejected, a call refused or a
-    directory record dropped (issue 7: an operator who sees one in a log finds what it means and what
-    to do)."""
+    """docs/TROUBLESHOOTING.md's tables name every reason a frame is rejected, a call refused or a
+    directory record dropped (an operator who sees one in a log finds what it means and what to do)."""
     from pathlib import Path
 
     from diloco.comms.auth import REASONS
@@ -410,7 +409,7 @@ def test_every_rejection_and_refusal_reason_has_a_troubleshooting_row():
     from diloco.compression import Reason
     from diloco.peers.signing import REASONS as RECORD_REASONS
 
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    readme = (Path(__file__).resolve().parents[1] / "docs" / "TROUBLESHOOTING.md").read_text()
     rows = [line for line in readme.splitlines() if line.startswith("| ")]
     missing = [r for r in [*(x.value for x in Reason), *REASONS.values(), "stale_session", *CUTS]
                if not any(f"`{r}`" in row or f"reason={r}" in row for row in rows)]

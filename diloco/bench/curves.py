@@ -2,7 +2,7 @@
 or a launched worker): a metric (the inner loss by default) against tokens, bytes on the wire and
 wall-clock time, one curve per peer of each run.
 
-What each axis is, from the round lines (README, "Metrics"):
+What each axis is, from the round lines (docs/CLI.md, "Metrics"):
 
 - tokens: `tokens` (the bundled job's round lines carry the tokens the peer trained on); lines of
   your own script do not, and the axis is then the peer's inner steps (`step`);
