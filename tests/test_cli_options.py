@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 
 from diloco.cli import main
 from diloco.cli.demo import DEMO_JOB, DemoConfig, peer_command
-from diloco.cli.options import (AggregationOptions, JobOptions, PeerJobOptions, RunOptions, StreamingOptions,
+from diloco.cli.options import (AggregationOptions, JobOptions, ModelOptions, PeerJobOptions, RunOptions, StreamingOptions,
                                 SwarmOptions, command, flags, option)
 from diloco.comms import CollectiveConfig
 from diloco.config import SwarmConfig
@@ -65,7 +65,7 @@ def test_the_demo_hands_its_peers_flags_that_read_back_to_its_job(monkeypatch, t
     argv = peer_command(cfg, 1, "demo-run", tmp_path, "/ip4/127.0.0.1/tcp/1/p2p/" + "12D3KooW" + "a" * 44)
     assert argv[3:5] == ["join", argv[4]]
     swarm, got = _configs_of(monkeypatch, ["start", *argv[5:]])
-    for f in fields(JobOptions) + fields(StreamingOptions):
+    for f in fields(JobOptions) + fields(ModelOptions) + fields(StreamingOptions):
         assert getattr(got, f.name) == getattr(job, f.name), f.name
     assert (got.shard, got.wait_for) == (1, 3)
     assert (swarm.compression, swarm.clip, swarm.trim, swarm.ban_after, swarm.run_id) == ("q8", 2.0, 0.1, 5, "demo-run")

@@ -61,11 +61,11 @@ class DemoConfig:
 def peer_command(cfg: DemoConfig, index: int, run_id: str, workdir: Path, bootstrap: str | None,
                  sinks: SinkConfig = SinkConfig()) -> list[str]:
     """Peer `index`'s `diloco start/join` command line (each peer logs to TensorBoard and W&B itself)."""
-    from .options import AggregationOptions, JobOptions, StreamingOptions, flags
+    from .options import AggregationOptions, JobOptions, ModelOptions, StreamingOptions, flags
 
     cmd = [sys.executable, "-m", "diloco"]
     cmd += ["join", bootstrap] if bootstrap else ["start"]
-    cmd += ["--run-id", run_id, *flags(cfg.job, JobOptions, StreamingOptions), *flags(cfg.swarm, AggregationOptions),
+    cmd += ["--run-id", run_id, *flags(cfg.job, JobOptions, ModelOptions, StreamingOptions), *flags(cfg.swarm, AggregationOptions),
             "--shard", str(index), "--gather-timeout", "30", "--wait-for", str(cfg.peers),
             "--metrics", str(workdir / f"peer{index}.jsonl"), "--status-file", str(workdir / f"peer{index}.status.json"),
             "--address-file", str(workdir / f"peer{index}.addr"), "--verbose",

@@ -27,8 +27,8 @@ from ..config import ConfigError, SwarmConfig
 from ..job.train import JobConfig
 from ..sinks import SinkConfig
 from .demo import DEMO_COMPRESSION, DEMO_JOB
-from .options import (AggregationOptions, Group, JobOptions, OutputOptions, PeerJobOptions, PeerOptions, RunOptions,
-                      StreamingOptions, SwarmOptions, command, job_config)
+from .options import (AggregationOptions, Group, JobOptions, ModelOptions, OutputOptions, PeerJobOptions, PeerOptions,
+                      RunOptions, StreamingOptions, SwarmOptions, command, job_config)
 
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__.split("\n\n")[0])
@@ -162,21 +162,21 @@ def _run_config(swarm_cfg: SwarmConfig, job: JobConfig) -> dict[str, Any]:
 
 
 @app.command()
-@command(SwarmOptions, AggregationOptions, PeerOptions, JobOptions, RunOptions, PeerJobOptions, StreamingOptions,
-         OutputOptions)
-def start(swarm: SwarmOptions, aggregation: AggregationOptions, peer: PeerOptions, job: JobOptions, run: RunOptions,
-          mine: PeerJobOptions, streaming: StreamingOptions, out: OutputOptions,
+@command(SwarmOptions, AggregationOptions, PeerOptions, JobOptions, ModelOptions, RunOptions, PeerJobOptions,
+         StreamingOptions, OutputOptions)
+def start(swarm: SwarmOptions, aggregation: AggregationOptions, peer: PeerOptions, job: JobOptions, model: ModelOptions,
+          run: RunOptions, mine: PeerJobOptions, streaming: StreamingOptions, out: OutputOptions,
           ctx: typer.Context = typer.Option(None, hidden=True)) -> None:
     """Start a swarm and print the line others run to join. Trains the bundled model, or runs your own
     command as this site's worker: `diloco start [OPTIONS] -- CMD [ARGS...]`."""
-    _peer([], swarm, aggregation, peer, (job, run, mine, streaming), out, ctx)
+    _peer([], swarm, aggregation, peer, (job, model, run, mine, streaming), out, ctx)
 
 
 @app.command()
-@command(SwarmOptions, AggregationOptions, PeerOptions, JobOptions, RunOptions, PeerJobOptions, StreamingOptions,
-         OutputOptions)
-def join(swarm: SwarmOptions, aggregation: AggregationOptions, peer: PeerOptions, job: JobOptions, run: RunOptions,
-         mine: PeerJobOptions, streaming: StreamingOptions, out: OutputOptions,
+@command(SwarmOptions, AggregationOptions, PeerOptions, JobOptions, ModelOptions, RunOptions, PeerJobOptions,
+         StreamingOptions, OutputOptions)
+def join(swarm: SwarmOptions, aggregation: AggregationOptions, peer: PeerOptions, job: JobOptions, model: ModelOptions,
+         run: RunOptions, mine: PeerJobOptions, streaming: StreamingOptions, out: OutputOptions,
          addresses: List[str] = typer.Argument(..., help="Address(es) of running peers, tried in order."),
          ctx: typer.Context = typer.Option(None, hidden=True)) -> None:
     """Join a running swarm at ADDRESSES and train with it: the bundled model, or your own command as this
@@ -187,7 +187,7 @@ def join(swarm: SwarmOptions, aggregation: AggregationOptions, peer: PeerOptions
         validate_addrs(addresses)
     except SwarmError as e:
         _fail(str(e))
-    _peer(addresses, swarm, aggregation, peer, (job, run, mine, streaming), out, ctx)
+    _peer(addresses, swarm, aggregation, peer, (job, model, run, mine, streaming), out, ctx)
 
 
 def _peer(initial: list[str], swarm: SwarmOptions, aggregation: AggregationOptions, peer: PeerOptions,
@@ -209,10 +209,10 @@ def _peer(initial: list[str], swarm: SwarmOptions, aggregation: AggregationOptio
 
 
 @app.command()
-@command(JobOptions.defaults(rounds=DEMO_JOB.rounds, inner_steps=DEMO_JOB.inner_steps), StreamingOptions,
-         AggregationOptions.defaults(compression=DEMO_COMPRESSION),
-         OutputOptions)
-def demo(job: JobOptions, streaming: StreamingOptions, aggregation: AggregationOptions, out: OutputOptions,
+@command(JobOptions.defaults(rounds=DEMO_JOB.rounds, inner_steps=DEMO_JOB.inner_steps), ModelOptions,
+         StreamingOptions, AggregationOptions.defaults(compression=DEMO_COMPRESSION), OutputOptions)
+def demo(job: JobOptions, model: ModelOptions, streaming: StreamingOptions, aggregation: AggregationOptions,
+         out: OutputOptions,
          peers: int = typer.Option(4, help="Peers to run on this machine."),
          json_path: Optional[Path] = typer.Option(None, "--json", help="Write the final summary as JSON here."),
          workdir: Optional[Path] = typer.Option(None, help="Keep peers' logs and metrics here (default: a temp dir)."),
@@ -223,7 +223,7 @@ def demo(job: JobOptions, streaming: StreamingOptions, aggregation: AggregationO
     from .demo import DemoConfig, run_demo
 
     try:
-        cfg = DemoConfig(peers=peers, job=job_config(job, streaming), swarm=aggregation.config())
+        cfg = DemoConfig(peers=peers, job=job_config(job, model, streaming), swarm=aggregation.config())
     except ConfigError as e:
         _fail(str(e))
     code = run_demo(cfg, workdir=workdir, metrics=out.metrics, json_path=json_path, live=live, quiet=out.quiet,
@@ -232,9 +232,9 @@ def demo(job: JobOptions, streaming: StreamingOptions, aggregation: AggregationO
 
 
 @app.command()
-@command(JobOptions, RunOptions, StreamingOptions, AggregationOptions)
+@command(JobOptions, ModelOptions, RunOptions, StreamingOptions, AggregationOptions)
 def simulate(
-    job: JobOptions, run: RunOptions, streaming: StreamingOptions, aggregation: AggregationOptions,
+    job: JobOptions, model: ModelOptions, run: RunOptions, streaming: StreamingOptions, aggregation: AggregationOptions,
     workers: int = typer.Option(4, help="Workers (M), all in this process on an in-process network."),
     bandwidth_mbit: float = typer.Option(100.0, help="Projected link of each worker, Mbit/s per direction."),
     latency_ms: float = typer.Option(50.0, help="Projected one-way latency between workers, ms."),
@@ -260,7 +260,7 @@ def simulate(
     except ValueError:
         _fail(f"--speeds must be comma-separated numbers, got {speeds!r}")
     try:
-        swarm_cfg, job_cfg = aggregation.config(run_id="simulate"), job_config(job, run, streaming)
+        swarm_cfg, job_cfg = aggregation.config(run_id="simulate"), job_config(job, model, run, streaming)
     except ConfigError as e:
         _fail(str(e))
     rounds, fragments, seed = job_cfg.rounds, job_cfg.fragments, run.seed
@@ -468,7 +468,9 @@ def bench_codecs_cmd(
 
 
 @bench_app.command("convergence")
+@command(ModelOptions)
 def bench_convergence_cmd(
+    model: ModelOptions,
     workers: List[int] = typer.Option([4], help="Workers (M) of every variant; repeat it to run several M, each "
                                                "against its own data-parallel baseline."),
     steps: int = typer.Option(400, help="Inner steps per worker (the token budget); a multiple of every variant's H."),
@@ -482,10 +484,7 @@ def bench_convergence_cmd(
     warmup: int = typer.Option(20, help="Inner steps of linear lr warmup (data-parallel and workers alike)."),
     schedule: str = typer.Option("constant", help="Inner lr after the warmup, for data-parallel and workers alike: "
                                                   "constant, or cosine (down to lr/10 at the last step)."),
-    batch_size: int = typer.Option(8, help="Sequences per inner step per worker."),
-    d_model: int = typer.Option(192, help="Model width."),
-    layers: int = typer.Option(4, help="Transformer blocks."),
-    context: int = typer.Option(128, help="Bytes of context."),
+    context: int = typer.Option(JobConfig().context, help="Bytes of context."),
     threads: int = typer.Option(1, help="torch CPU threads per worker (data-parallel: M times as many, up to the cores)."),
     json_path: Optional[Path] = typer.Option(None, "--json", help="Write the results as JSON here."),
     plots_dir: Optional[Path] = typer.Option(None, "--plots", help="Evaluate during training and write PNG plots "
@@ -503,13 +502,11 @@ def bench_convergence_cmd(
     from ..bench.convergence import markdown_table, parse_variant, plots, replot_rows, run, write_json
     from ..bench.plot import PlotError, require_matplotlib
     from ..progress import Reporter
-    from ..job.train import JobConfig
 
     if replot is not None and plots_dir is None:
         _fail("--replot draws plots: give the folder to write them to with --plots DIR")
     try:
-        job = JobConfig(batch_size=batch_size, d_model=d_model, n_layer=layers, context=context, threads=threads,
-                        lr=lr, warmup=warmup, schedule=schedule)
+        job = job_config(model, context=context, threads=threads, lr=lr, warmup=warmup, schedule=schedule)
         chosen = tuple(parse_variant(v) for v in variant)
         if plots_dir is not None:
             require_matplotlib()  # before a run of minutes, not after it
@@ -542,11 +539,11 @@ def bench_convergence_cmd(
                 reporter=rep, dp_lrs=dp_lr)
     console.print(markdown_table(rows), markup=False, soft_wrap=True)
     if plots_dir is not None:
-        for path in plots(rows, plots_dir, batch_size * job.context):
+        for path in plots(rows, plots_dir, job.batch_size * job.context):
             console.print(f"wrote {path}", markup=False)
     if json_path:
         write_json(rows, json_path, {"workers": workers if len(workers) > 1 else workers[0], "steps": steps,
-                                     "batch_size": batch_size, "d_model": d_model, "layers": layers,
+                                     "batch_size": job.batch_size, "d_model": job.d_model, "layers": job.n_layer,
                                      "context": context, "lr": lr, "dp_lrs": dp_lr or [lr], "warmup": warmup,
                                      "schedule": schedule, "variants": variant, "threads": threads,
                                      "torch": torch.__version__, "machine": platform.machine(),

@@ -158,14 +158,20 @@ class PeerOptions(Group):
 
 
 @dataclass(frozen=True)
+class ModelOptions(Group):
+    """The bundled model and its batches (`JobConfig`; the fields are its fields)."""
+
+    batch_size: int = option(_JOB.batch_size, help="Sequences per inner step (per worker).")
+    d_model: int = option(_JOB.d_model, help="Model width.")
+    n_layer: int = option(_JOB.n_layer, "--layers", help="Transformer blocks.")
+
+
+@dataclass(frozen=True)
 class JobOptions(Group):
-    """The bundled job's model and training run (`JobConfig`; the fields are its fields)."""
+    """The bundled job's training run (`JobConfig`; the fields are its fields)."""
 
     rounds: int = option(_JOB.rounds, help="Train until the swarm has committed this many rounds.")
     inner_steps: int = option(_JOB.inner_steps, "--inner-steps", "-H", help="Inner steps per round (H).")
-    batch_size: int = option(_JOB.batch_size, help="Sequences per inner step.")
-    d_model: int = option(_JOB.d_model, help="Model width.")
-    n_layer: int = option(_JOB.n_layer, "--layers", help="Transformer blocks.")
     outer_lr: Optional[float] = option(_JOB.outer_lr, help="Outer SGD lr (default 0.7; 1.0 when the compression has "
                                                            "error feedback).")
     outer_momentum: Optional[float] = option(_JOB.outer_momentum, help="Outer Nesterov momentum (default 0.9; 0 with "
@@ -212,7 +218,7 @@ class StreamingOptions(Group):
                                                             "or delayed.")
 
 
-JOB_GROUPS = (JobOptions, RunOptions, PeerJobOptions, StreamingOptions)
+JOB_GROUPS = (JobOptions, ModelOptions, RunOptions, PeerJobOptions, StreamingOptions)
 """The groups whose fields are JobConfig's fields."""
 
 
