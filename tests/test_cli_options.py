@@ -12,10 +12,11 @@ from typer.testing import CliRunner
 
 from diloco.cli import main
 from diloco.cli.demo import DEMO_JOB, DemoConfig, peer_command
-from diloco.cli.options import (AggregationOptions, JobOptions, ModelOptions, PeerJobOptions, RunOptions, StreamingOptions,
+from diloco.cli.options import (AggregationOptions, JobOptions, ModelOptions, PeerJobOptions, RunOptions,
                                 SwarmOptions, command, flags, option)
 from diloco.comms import CollectiveConfig
 from diloco.config import SwarmConfig
+from diloco.fragments import StreamingConfig
 from diloco.job.train import JobConfig
 
 pytestmark = pytest.mark.unit
@@ -54,19 +55,20 @@ def test_start_and_join_take_the_same_options():
         return {p.name for p in group.commands[cmd].params if p.name}
 
     assert names("start") == names("join") - {"addresses"}
-    assert {"gather_timeout", "round_timeout", "fragment_pattern", "n_layer", "checkpoint_dir", "tensorboard"} \
+    assert {"gather_timeout", "round_timeout", "pattern", "n_layer", "checkpoint_dir", "tensorboard"} \
         <= names("start")
 
 
 def test_the_demo_hands_its_peers_flags_that_read_back_to_its_job(monkeypatch, tmp_path):
-    job = JobConfig(rounds=3, inner_steps=12, batch_size=4, d_model=32, n_layer=2, outer_lr=0.5,
-                    outer_momentum=0.8, fragments=2, fragment_pattern="sequential", overlap=1, alpha=0.5)
+    job = JobConfig(rounds=3, inner_steps=12, batch_size=4, d_model=32, n_layer=2, outer_lr=0.5, outer_momentum=0.8,
+                    streaming=StreamingConfig(fragments=2, pattern="sequential", overlap=1, alpha=0.5))
     cfg = DemoConfig(peers=3, job=job, swarm=SwarmConfig(compression="q8", clip=2.0, trim=0.1, ban_after=5))
     argv = peer_command(cfg, 1, "demo-run", tmp_path, "/ip4/127.0.0.1/tcp/1/p2p/" + "12D3KooW" + "a" * 44)
     assert argv[3:5] == ["join", argv[4]]
     swarm, got = _configs_of(monkeypatch, ["start", *argv[5:]])
-    for f in fields(JobOptions) + fields(ModelOptions) + fields(StreamingOptions):
+    for f in fields(JobOptions) + fields(ModelOptions):
         assert getattr(got, f.name) == getattr(job, f.name), f.name
+    assert got.streaming == job.streaming
     assert (got.shard, got.wait_for) == (1, 3)
     assert (swarm.compression, swarm.clip, swarm.trim, swarm.ban_after, swarm.run_id) == ("q8", 2.0, 0.1, 5, "demo-run")
     assert flags(DEMO_JOB, RunOptions, PeerJobOptions) == []  # at their defaults: nothing to say

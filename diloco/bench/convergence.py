@@ -170,8 +170,8 @@ def run(job: JobConfig, workers: int, steps: int, variants: tuple[Variant, ...] 
 def _variant(job: JobConfig, workers: int, steps: int, v: Variant, curves: bool, progress: Progress) -> dict[str, Any]:
     """One DiLoCo variant through the simulator: its result row."""
     net = NetworkModel(bandwidth_mbit=100.0, latency_ms=50.0)
-    cfg = replace(job, inner_steps=v.inner_steps, rounds=steps // v.inner_steps, fragments=v.fragments,
-                  overlap=v.overlap, alpha=v.alpha, outer_lr=v.outer_lr, outer_momentum=v.outer_momentum,
+    streaming = replace(job.streaming, fragments=v.fragments, overlap=v.overlap, alpha=v.alpha)
+    cfg = replace(job, inner_steps=v.inner_steps, rounds=steps // v.inner_steps, streaming=streaming, outer_lr=v.outer_lr, outer_momentum=v.outer_momentum,
                   eval_every=1 if curves else 0)
     started = time.monotonic()
     out = simulate(cfg, workers, swarm=SwarmConfig(run_id="bench-convergence", compression=v.compression), net=net,

@@ -65,7 +65,7 @@ def peer_command(cfg: DemoConfig, index: int, run_id: str, workdir: Path, bootst
 
     cmd = [sys.executable, "-m", "diloco"]
     cmd += ["join", bootstrap] if bootstrap else ["start"]
-    cmd += ["--run-id", run_id, *flags(cfg.job, JobOptions, ModelOptions, StreamingOptions), *flags(cfg.swarm, AggregationOptions),
+    cmd += ["--run-id", run_id, *flags(cfg.job, JobOptions, ModelOptions), *flags(cfg.job.streaming, StreamingOptions), *flags(cfg.swarm, AggregationOptions),
             "--shard", str(index), "--gather-timeout", "30", "--wait-for", str(cfg.peers),
             "--metrics", str(workdir / f"peer{index}.jsonl"), "--status-file", str(workdir / f"peer{index}.status.json"),
             "--address-file", str(workdir / f"peer{index}.addr"), "--verbose",
@@ -166,9 +166,9 @@ def run_demo(cfg: DemoConfig, *, workdir: Path | None = None, metrics: Path | No
     workdir.mkdir(parents=True, exist_ok=True)
     run_id = f"demo-{secrets.token_hex(3)}"
     secret = secrets.token_urlsafe(32)  # a fresh swarm secret per demo, shared through the environment
-    streaming = (f", {cfg.job.fragments} fragments ({cfg.job.fragment_pattern}), tau={cfg.job.overlap}, alpha={cfg.job.alpha}"
-                 if cfg.job.fragments > 1 or cfg.job.overlap or cfg.job.alpha else "")
-    streaming += f", outer overlap {cfg.job.outer_overlap}" if cfg.job.outer_overlap != "none" else ""
+    streaming = (f", {cfg.job.fragments} fragments ({cfg.job.streaming.pattern}), tau={cfg.job.streaming.overlap}, alpha={cfg.job.streaming.alpha}"
+                 if cfg.job.fragments > 1 or cfg.job.streaming.overlap or cfg.job.streaming.alpha else "")
+    streaming += f", outer overlap {cfg.job.streaming.outer_overlap}" if cfg.job.streaming.outer_overlap != "none" else ""
     started = time.monotonic()
     procs: list[subprocess.Popen[bytes]] = []
     peak_rss = [0.0] * cfg.peers  # MiB, each peer process with its daemon, sampled every 0.5 s

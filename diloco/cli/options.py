@@ -1,7 +1,7 @@
 """The command line's options, each declared once, in groups the commands share.
 
 A group is a frozen dataclass whose fields are options: the field's default is the option's default,
-taken from the configuration it feeds (`SwarmConfig`, `JobConfig`), so a default
+taken from the configuration it feeds (`SwarmConfig`, `JobConfig`, its `StreamingConfig`), so a default
 lives in one place; its metadata holds the flag names and help. `command(*groups)` gives a typer
 command the groups' options next to its own and hands it one typed object per group:
 
@@ -25,11 +25,13 @@ from typing import Any, Callable, List, Optional, TypeVar
 
 import typer
 
-from ..config import SwarmConfig
+from ..config import ConfigError, SwarmConfig
+from ..fragments import FragmentError, StreamingConfig
 from ..job.train import JobConfig
 
 _G = TypeVar("_G")
 _SWARM, _JOB = SwarmConfig(), JobConfig()
+_STREAM = _JOB.streaming
 
 
 def option(default: Any, *flags: str, help: str, hidden: bool = False) -> Any:
@@ -204,22 +206,27 @@ class PeerJobOptions(Group):
 
 @dataclass(frozen=True)
 class StreamingOptions(Group):
-    """Streaming DiLoCo (`JobConfig` holds these and makes its `StreamingConfig` of them)."""
+    """Streaming DiLoCo (`StreamingConfig`, which `JobConfig.streaming` holds; the fields are its fields)."""
 
-    fragments: int = option(_JOB.fragments, help="Streaming DiLoCo: sync the model in this many fragments of "
+    fragments: int = option(_STREAM.fragments, help="Streaming DiLoCo: sync the model in this many fragments of "
                                                     "blocks, staggered.")
-    fragment_pattern: str = option(_JOB.fragment_pattern, "--fragment-pattern", help="strided (block i -> fragment i mod P) "
-                                                                               "or sequential.")
-    overlap: int = option(_JOB.overlap, "--overlap", help="tau: inner steps a fragment's exchange may overlap "
+    pattern: str = option(_STREAM.pattern, "--fragment-pattern", help="strided (block i -> fragment i mod P) or "
+                                                                      "sequential.")
+    overlap: int = option(_STREAM.overlap, "--overlap", help="tau: inner steps a fragment's exchange may overlap "
                                                              "before it is applied.")
-    alpha: float = option(_JOB.alpha, help="alpha: weight kept by the local copy when a fragment's global value "
+    alpha: float = option(_STREAM.alpha, help="alpha: weight kept by the local copy when a fragment's global value "
                                               "arrives.")
-    outer_overlap: str = option(_JOB.outer_overlap, help="Overlap a whole outer step (one fragment): none, eager "
+    outer_overlap: str = option(_STREAM.outer_overlap, help="Overlap a whole outer step (one fragment): none, eager "
                                                             "or delayed.")
+
+    def config(self) -> StreamingConfig:
+        """Raises FragmentError naming the knob that is wrong."""
+        return StreamingConfig(fragments=self.fragments, pattern=self.pattern, overlap=self.overlap, alpha=self.alpha,
+                               outer_overlap=self.outer_overlap)
 
 
 JOB_GROUPS = (JobOptions, ModelOptions, RunOptions, PeerJobOptions, StreamingOptions)
-"""The groups whose fields are JobConfig's fields."""
+"""The groups of JobConfig: their fields are its fields, or (streaming) its StreamingConfig's."""
 
 
 @dataclass(frozen=True)
@@ -241,8 +248,15 @@ class OutputOptions(Group):
 def job_config(*groups: Group, **more: Any) -> JobConfig:
     """The JobConfig of a command's job groups (`JOB_GROUPS`; defaults for the fields none of them has).
     Raises ConfigError naming the field that is wrong."""
-    values: dict[str, Any] = {f.name: getattr(g, f.name) for g in groups for f in fields(g)}  # type: ignore[arg-type]
+    values: dict[str, Any] = {f.name: getattr(g, f.name) for g in groups if not isinstance(g, StreamingOptions)
+                              for f in fields(g)}  # type: ignore[arg-type]
     kwargs: dict[str, Any] = {k: str(v) if isinstance(v, Path) else v for k, v in values.items()}
+    for g in groups:
+        if isinstance(g, StreamingOptions):
+            try:
+                kwargs["streaming"] = g.config()
+            except FragmentError as e:
+                raise ConfigError(str(e)) from e
     return JobConfig(**kwargs, **more)
 
 

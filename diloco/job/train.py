@@ -94,17 +94,9 @@ class JobConfig:
     """Peers (self included) to wait for before the first inner step."""
     wait_timeout: float = 120.0
     """Seconds to wait for them; then train with whoever is there."""
-    fragments: int = 1
-    """Streaming DiLoCo: fragments the model is synchronized in (1: plain DiLoCo); `rounds` still
-    counts outer steps, each of which synchronizes every fragment once."""
-    fragment_pattern: str = "strided"
-    """How blocks are assigned to fragments: strided or sequential."""
-    overlap: int = 0
-    """τ: inner steps a fragment's exchange runs in the background before its result is applied."""
-    alpha: float = 0.0
-    """α: weight of the local copy when a fragment's global value arrives (0: adopt the global one)."""
-    outer_overlap: str = "none"
-    """Overlap a whole outer step: none, eager or delayed (one fragment only)."""
+    streaming: StreamingConfig = StreamingConfig(fragments=1)
+    """Streaming DiLoCo: the fragments the model is synchronized in (1: plain DiLoCo; `rounds` still counts
+    outer steps, each of which synchronizes every fragment once), overlap τ, mixing α, whole-step overlap."""
     checkpoint_dir: str | None = None
     """Write checkpoints here (atomic, verified; the newest 3 are kept), and a final one on leaving."""
     checkpoint_every: int = 0
@@ -127,9 +119,11 @@ class JobConfig:
             raise ConfigError(f"outer_momentum must be in [0, 1), got {self.outer_momentum}")
         if self.d_model % 4:
             raise ConfigError(f"d_model ({self.d_model}) must be divisible by the 4 attention heads")
+        if self.streaming.fragments is None:
+            raise ConfigError("the bundled job counts rounds in fragments: give StreamingConfig(fragments=P), "
+                              "not blocks_per_fragment")
         try:
-            streaming = self.streaming()
-            check_schedule(self.inner_steps, self.fragments, streaming)
+            check_schedule(self.inner_steps, self.fragments, self.streaming)
         except FragmentError as e:
             raise ConfigError(str(e)) from e
         if self.resume and not self.checkpoint_dir:
@@ -144,9 +138,10 @@ class JobConfig:
         if self.fragments > self.n_layer:
             raise ConfigError(f"fragments ({self.fragments}) cannot exceed the model's {self.n_layer} blocks (--layers)")
 
-    def streaming(self) -> StreamingConfig:
-        return StreamingConfig(fragments=self.fragments, pattern=self.fragment_pattern, overlap=self.overlap,
-                               alpha=self.alpha, outer_overlap=self.outer_overlap)
+    @property
+    def fragments(self) -> int:
+        """P: the fragments the model is synchronized in."""
+        return self.streaming.fragments or 1
 
 
 def load_corpus(cfg: JobConfig) -> Corpus:
@@ -209,7 +204,7 @@ def run_job(cfg: JobConfig, swarm: Swarm | None, *, metrics: MetricsWriter | Non
     error_feedback = swarm is not None and parse_compression(swarm.cfg.compression).ef is not None
     outer = default_outer(error_feedback, cfg.outer_lr, cfg.outer_momentum)
     d = DiLoCo(model, inner, swarm=swarm, inner_steps=cfg.inner_steps, on_round=on_round, outer_optimizer=outer,
-               streaming=cfg.streaming(), checkpoint_dir=cfg.checkpoint_dir, checkpoint_every=cfg.checkpoint_every)
+               streaming=cfg.streaming, checkpoint_dir=cfg.checkpoint_dir, checkpoint_every=cfg.checkpoint_every)
     if cfg.resume and not d.resume():
         log.info("event=resume_skipped reason=no verified checkpoint in %s", cfg.checkpoint_dir)
     target = cfg.rounds * len(d.fragments)  # a round synchronizes one fragment
@@ -256,8 +251,9 @@ def run_job(cfg: JobConfig, swarm: Swarm | None, *, metrics: MetricsWriter | Non
                    compression=d.compression, bits_per_param_sync=round(bits, 5),
                    params=sum(p.numel() for p in model.parameters()), bytes_sent=sent, bytes_received=recv,
                    committed_rounds=sum(r.committed for r in d.reports), wall_seconds=round(time.monotonic() - started, 2),
-                   stopped=stop.is_set(), fragments=len(d.fragments), overlap=cfg.overlap, alpha=cfg.alpha,
-                   outer_overlap=cfg.outer_overlap, usage=d.usage().as_dict(), rollbacks=d.rollbacks,
+                   stopped=stop.is_set(), fragments=len(d.fragments), overlap=cfg.streaming.overlap,
+                   alpha=cfg.streaming.alpha, outer_overlap=cfg.streaming.outer_overlap, usage=d.usage().as_dict(),
+                   rollbacks=d.rollbacks,
                    write_failures=dict(sorted(write_failures.items())),
                    **(swarm.defences() if swarm is not None else _NO_DEFENCES))
     metrics.write("final", **summary)

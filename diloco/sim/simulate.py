@@ -264,7 +264,7 @@ def simulate(job: JobConfig, workers: int, *, swarm: SwarmConfig | None = None, 
     late = [f for f in faults if f.round >= target]
     if late:
         raise ConfigError(f"{late[0]}: the run ends at round {target} (--rounds × fragments); move it earlier")
-    if faults and job.outer_overlap != "none":
+    if faults and job.streaming.outer_overlap != "none":
         raise ConfigError("fault plans need outer_overlap none: a worker killed with a whole outer step in flight "
                           "would hold the others until their deadlines")
     # Every round waits for all running workers: the simulated machine may be slow, the state must not
@@ -391,7 +391,7 @@ def summarize(job: JobConfig, finals: list[dict[str, Any]], rows: Sequence[tuple
     measured_step = max(1e-9, step_seconds(finals))
     fragments = finals[0]["fragments"]
     projection = project([moved.get(k, {}) for k in range(1, max(moved, default=0) + 1)],
-                         steps_per_round=job.inner_steps // fragments, overlap=job.overlap, workers=workers,
+                         steps_per_round=job.inner_steps // fragments, overlap=job.streaming.overlap, workers=workers,
                          net=net, step_seconds=measured_step, faults=faults)
     return dict(workers=workers, finished=len(finals), digests=sorted({f["digest"] for f in finals}),
                 digest=finals[0]["digest"], round=finals[0]["round"], eval_loss=finals[0]["eval_loss"],
