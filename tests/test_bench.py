@@ -36,3 +36,4 @@ def test_bench_cli_writes_json(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "diloco", "bench", "codecs", "--spec", "q3"],
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "unknown stage 'q3'" in bad.stderr
+

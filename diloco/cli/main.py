@@ -550,6 +550,47 @@ def bench_convergence_cmd(
                                      "cores": os.cpu_count()})
 
 
+@bench_app.command("wrapper")
+@command(ModelOptions)
+def bench_wrapper_cmd(
+    model: ModelOptions,
+    inner_steps: List[int] = typer.Option([50, 100, 500], "--inner-steps", "-H", help="H of the wrapped runs; repeat "
+                                                                                       "it."),
+    steps: int = typer.Option(500, help="Timed inner steps per run (after 20 untimed)."),
+    repeats: int = typer.Option(3, help="Runs of each kind, interleaved; the median run is reported."),
+    threads: int = typer.Option(1, help="torch CPU threads."),
+    compression: str = typer.Option("fp32", help="Compression of the local synchronization."),
+    json_path: Optional[Path] = typer.Option(None, "--json", help="Write the report as JSON here."),
+    quiet: bool = Quiet,
+) -> None:
+    """B5: the wrapper's cost per inner step, against the bare loop (one process, no network)."""
+    import platform
+
+    import torch
+    from rich.console import Console
+
+    from ..bench.wrapper import WrapperSetup, markdown_table, run, write_json
+    from ..progress import Reporter
+
+    if steps < 1 or repeats < 1 or min(inner_steps) < 1:
+        _fail(f"--steps, --repeats and every -H must be >= 1, got {steps}, {repeats}, {inner_steps}")
+    try:
+        setup = WrapperSetup(job=job_config(model, threads=threads), inner_steps=tuple(inner_steps), steps=steps,
+                             repeats=repeats, compression=compression)
+        SwarmConfig(compression=compression)
+    except ConfigError as e:
+        _fail(str(e))
+    with Reporter.for_command(quiet=quiet) as rep, rep.task("wrapper", unit="runs") as task:
+        report = run(setup, tick=lambda done, total, status: task.update(done, total, status))
+    Console().print(markdown_table(report), markup=False, soft_wrap=True)
+    if json_path:
+        write_json(report, json_path, {"inner_steps": inner_steps, "steps": steps, "repeats": repeats,
+                                       "threads": threads, "compression": compression, "batch_size": setup.job.batch_size,
+                                       "d_model": setup.job.d_model, "layers": setup.job.n_layer,
+                                       "params": report["params"], "torch": torch.__version__,
+                                       "machine": platform.machine(), "cores": os.cpu_count()})
+
+
 @bench_app.command("overlap")
 def bench_overlap_cmd(
     peers: int = typer.Option(2, help="Peers, each in its own network namespace."),

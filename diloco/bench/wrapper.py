@@ -1,0 +1,124 @@
+"""B5, `diloco bench wrapper`: what the wrapper costs a training loop, per inner step.
+
+The bundled GPT trains one process, with no network, in runs that alternate between the bare loop
+(forward, backward, AdamW step) and the same loop inside `DiLoCo(model, optimizer, inner_steps=H)`
+for each H asked; each run is timed step by step after a warm-up, and the median run of each kind is
+reported. The wrapper's cost is split in two: what every step pays (the post-step hook, accounting,
+the schedule's check), measured on the steps that do not synchronize, and what a synchronization
+costs (pseudo-gradient, the local encode and decode, the outer step, loading θ), spread over its H
+steps. Without a swarm the synchronization moves nothing: the network's share is what
+`diloco bench overlap` and `diloco simulate` measure.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from ..job.corpus import BatchSampler
+from ..job.model import GPTConfig, build_model
+from ..job.train import JobConfig, load_corpus
+from ..wrapper import DiLoCo
+
+Tick = Callable[[float, float, str], None]
+
+
+@dataclass(frozen=True)
+class WrapperSetup:
+    job: JobConfig
+    """The model (width, blocks, batch, threads) of every run."""
+    inner_steps: tuple[int, ...] = (50, 100, 500)
+    steps: int = 500
+    """Timed inner steps per run (each run takes `warmup` more first)."""
+    warmup: int = 20
+    repeats: int = 3
+    compression: str = "fp32"
+
+
+def _run(setup: WrapperSetup, h: int | None, corpus: Any) -> dict[str, Any]:
+    """One run: per-step times (seconds) and which steps synchronized; `h` None is the bare loop."""
+    job = setup.job
+    torch.set_num_threads(job.threads)
+    model = build_model(GPTConfig(context=job.context, d_model=job.d_model, n_layer=job.n_layer), seed=job.seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=job.lr, betas=(0.9, 0.95), weight_decay=0.1)
+    sampler = BatchSampler(corpus.train, batch_size=job.batch_size, context=job.context, seed=job.seed, shard=0,
+                           num_shards=100_000)
+    batches = [sampler.next() for _ in range(16)]  # the same few batches: the loop, not the sampler, is timed
+    times: list[float] = []
+    synced: list[bool] = []
+
+    def step(k: int, d: DiLoCo | None) -> None:
+        x, y = batches[k % len(batches)]
+        before = d.round if d is not None else 0
+        started = time.perf_counter()
+        _, loss = model(x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        times.append(time.perf_counter() - started)
+        synced.append(d is not None and d.round != before)
+
+    total = setup.warmup + setup.steps
+    if h is None:
+        for k in range(total):
+            step(k, None)
+    else:
+        with DiLoCo(model, opt, swarm=None, inner_steps=h, compression=setup.compression) as d:
+            for k in range(total):
+                step(k, d)
+    return {"times": times[setup.warmup:], "synced": synced[setup.warmup:]}
+
+
+def run(setup: WrapperSetup, tick: Tick = lambda done, total, status: None) -> dict[str, Any]:
+    """Bare and each H, interleaved `repeats` times; per kind the median run's mean step, and for the
+    wrapper the overhead over bare, split into every step's share and the synchronizations' share."""
+    corpus = load_corpus(setup.job)
+    kinds: list[int | None] = [None, *setup.inner_steps]
+    runs: dict[int | None, list[dict[str, Any]]] = {k: [] for k in kinds}
+    total = setup.repeats * len(kinds)
+    for r in range(setup.repeats):
+        for i, kind in enumerate(kinds):
+            tick(r * len(kinds) + i, total, "bare" if kind is None else f"H={kind}")
+            runs[kind].append(_run(setup, kind, corpus))
+    tick(total, total, "done")
+
+    def mean(run_: dict[str, Any], only_plain: bool = False) -> float:
+        ts = [t for t, s in zip(run_["times"], run_["synced"]) if not (only_plain and s)]
+        return sum(ts) / len(ts)
+
+    bare = statistics.median(mean(x) for x in runs[None])
+    rows = [dict(kind="bare", inner_steps=None, mean_step_ms=bare * 1e3, overhead=0.0, per_step_overhead=0.0,
+                 sync_ms=None, sync_overhead=0.0, syncs=[0] * setup.repeats, runs=[mean(x) * 1e3 for x in runs[None]])]
+    for h in setup.inner_steps:
+        median_run = sorted(runs[h], key=mean)[len(runs[h]) // 2]
+        with_d = mean(median_run)
+        plain = statistics.median(mean(x, only_plain=True) for x in runs[h])
+        syncs = [t for x in runs[h] for t, s in zip(x["times"], x["synced"]) if s]
+        sync = statistics.median(syncs) - plain if syncs else 0.0
+        rows.append(dict(kind=f"DiLoCo H={h}", inner_steps=h, mean_step_ms=with_d * 1e3, overhead=with_d / bare - 1,
+                         per_step_overhead=plain / bare - 1, sync_ms=sync * 1e3, sync_overhead=sync / h / bare,
+                         syncs=[sum(x["synced"]) for x in runs[h]], runs=[mean(x) * 1e3 for x in runs[h]]))
+    params = sum(p.numel() for p in build_model(GPTConfig(context=setup.job.context, d_model=setup.job.d_model,
+                                                          n_layer=setup.job.n_layer), seed=0).parameters())
+    return {"params": params, "rows": rows}
+
+
+def markdown_table(report: dict[str, Any]) -> str:
+    lines = ["| loop | inner step (median run) | overhead | every step's share | a sync | its share over H |",
+             "|---|---|---|---|---|---|"]
+    for r in report["rows"]:
+        sync = "-" if r["sync_ms"] is None else f"{r['sync_ms']:.1f} ms"
+        lines.append(f"| {r['kind']} | {r['mean_step_ms']:.2f} ms | {r['overhead']:+.2%} | {r['per_step_overhead']:+.2%} | "
+                     f"{sync} | {r['sync_overhead']:+.2%} |")
+    return "\n".join(lines)
+
+
+def write_json(report: dict[str, Any], path: Path, setup: dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"setup": setup, **report}, indent=2) + "\n")

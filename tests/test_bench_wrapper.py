@@ -1,0 +1,28 @@
+"""B5 `diloco bench wrapper` at a tiny size (the real run: docs/BENCHMARKS.md)."""
+
+from __future__ import annotations
+
+import pytest
+
+from diloco.bench.wrapper import WrapperSetup, markdown_table, run
+from diloco.job.train import JobConfig
+
+pytestmark = pytest.mark.swarm  # in-process training runs, a few seconds
+
+
+def test_the_wrapper_benchmark_times_bare_and_wrapped_runs_and_finds_the_syncs():
+    """The rows, the syncs it counted, the overhead of each against the bare loop."""
+    job = JobConfig(d_model=16, n_layer=1, batch_size=2, context=32, corpus_bytes=1 << 20)
+    ticks = []
+    report = run(WrapperSetup(job=job, inner_steps=(4, 8), steps=16, warmup=4, repeats=2),
+                 tick=lambda done, total, status: ticks.append((done, total, status)))
+    bare, h4, h8 = report["rows"]
+    assert [r["kind"] for r in report["rows"]] == ["bare", "DiLoCo H=4", "DiLoCo H=8"]
+    # 20 steps a run, the first 4 untimed: syncs after steps 4, 8, ... (timed: 8, 12, 16, 20 / 8, 16)
+    assert h4["syncs"] == [4, 4] and h8["syncs"] == [2, 2] and bare["syncs"] == [0, 0]
+    for r in (h4, h8):
+        assert r["mean_step_ms"] > 0 and r["sync_ms"] is not None
+        assert r["overhead"] == pytest.approx(r["mean_step_ms"] / bare["mean_step_ms"] - 1)
+        assert len(r["runs"]) == 2
+    assert ticks[0] == (0, 6, "bare") and ticks[-1] == (6, 6, "done")
+    assert markdown_table(report).count("\n") == 4 and report["params"] > 0
