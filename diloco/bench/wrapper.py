@@ -89,7 +89,7 @@ def run(setup: WrapperSetup, tick: Tick = lambda done, total, status: None) -> d
     tick(total, total, "done")
 
     def mean(run_: dict[str, Any], only_plain: bool = False) -> float:
-        ts = [t for t, s in zip(run_["times"], run_["synced"]) if not (only_plain and s)]
+        ts: list[float] = [t for t, s in zip(run_["times"], run_["synced"]) if not (only_plain and s)]
         return sum(ts) / len(ts)
 
     bare = statistics.median(mean(x) for x in runs[None])
