@@ -65,11 +65,11 @@ def test_cli_wants_a_budget_that_every_h_divides_and_names_it_refuses():
 
 def test_variants_by_name_with_knobs_changed():
     assert parse_variant("h50") == NAMED["h50"]
-    v = parse_variant("h100,H=20,outer_lr=0.5,outer_momentum=0.8")
-    assert (v.name, v.inner_steps, v.outer_lr, v.outer_momentum) == ("DiLoCo H=20 (outer_lr=0.5, outer_momentum=0.8)",
-                                                                      20, 0.5, 0.8)
+    v = parse_variant("h100,H=20,outer_lr=0.5,outer_momentum=0.8,lr=0.004")
+    assert (v.name, v.inner_steps, v.outer_lr, v.outer_momentum, v.lr) == \
+        ("DiLoCo H=20 (outer_lr=0.5, outer_momentum=0.8, lr=0.004)", 20, 0.5, 0.8, 0.004)
     assert parse_variant("sparse,H=20").name == "Sparse top-k 1.6%, 2-bit, EF (H=20)"  # no H in its name to change
-    for bad, said in (("dp", "unknown variant 'dp'"), ("h50,H=x", "'x' is not a int"), ("h50,lr=1", "KNOB=VALUE")):
+    for bad, said in (("dp", "unknown variant 'dp'"), ("h50,H=x", "'x' is not a int"), ("h50,beta=1", "KNOB=VALUE")):
         with pytest.raises(ValueError, match=said):
             parse_variant(bad)
 
@@ -77,11 +77,11 @@ def test_variants_by_name_with_knobs_changed():
 def test_data_parallel_is_tuned_over_its_lrs_and_gaps_are_to_the_best(tmp_path):
     job = JobConfig(d_model=32, n_layer=2, batch_size=4, eval_batches=2, corpus_bytes=1 << 20, context=32,
                     schedule="cosine", warmup=2)
-    rows = run(job, 2, 8, (Variant("plain", 4, outer_lr=0.5, outer_momentum=0.0),), dp_lrs=(1e-4, 3e-3),
+    rows = run(job, 2, 8, (Variant("plain", 4, outer_lr=0.5, outer_momentum=0.0, lr=1e-3),), dp_lrs=(1e-4, 3e-3),
                reporter=Reporter("quiet"))
     slow, fast, plain = rows
     assert [r["variant"] for r in rows] == ["data-parallel lr=0.0001", "data-parallel lr=0.003", "plain"]
-    assert [r["workers"] for r in rows] == [2, 2, 2] and [r["lr"] for r in rows] == [1e-4, 3e-3, job.lr]
+    assert [r["workers"] for r in rows] == [2, 2, 2] and [r["lr"] for r in rows] == [1e-4, 3e-3, 1e-3]
     assert fast["eval_loss"] < slow["eval_loss"]  # 30x the lr over 8 steps: not a close call
     assert (slow["baseline"], fast["baseline"], plain["baseline"]) == (False, True, False)
     assert fast["loss_gap"] == 0 and slow["loss_gap"] > 0

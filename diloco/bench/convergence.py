@@ -44,6 +44,8 @@ class Variant:
     outer_lr: float | None = None
     """None: the default outer optimizer of the compression (`diloco.outer.default_outer`)."""
     outer_momentum: float | None = None
+    lr: float | None = None
+    """Inner AdamW lr of the workers (None: the job's, `--lr`)."""
 
 
 VARIANTS = (
@@ -56,13 +58,13 @@ NAMED = dict(zip(("h50", "h100", "streaming", "sparse"), VARIANTS))
 """The variants by the short names `--variant` takes."""
 _KNOBS = {"H": ("inner_steps", int), "compression": ("compression", str), "fragments": ("fragments", int),
           "overlap": ("overlap", int), "alpha": ("alpha", float), "outer_lr": ("outer_lr", float),
-          "outer_momentum": ("outer_momentum", float)}
+          "outer_momentum": ("outer_momentum", float), "lr": ("lr", float)}
 
 
 def parse_variant(spec: str) -> Variant:
     """A variant from `NAME[,KNOB=VALUE...]`: one of `NAMED` with knobs changed, e.g.
     `h50,outer_lr=0.5,outer_momentum=0.8` or `sparse,H=20`. Knobs: H, compression, fragments, overlap,
-    alpha, outer_lr, outer_momentum. Raises ValueError naming what is wrong."""
+    alpha, outer_lr, outer_momentum, lr (the workers' inner lr). Raises ValueError naming what is wrong."""
     name, *knobs = [part.strip() for part in spec.split(",")]
     if name not in NAMED:
         raise ValueError(f"unknown variant {name!r} in {spec!r}: choose one of {', '.join(NAMED)}")
@@ -171,12 +173,12 @@ def _variant(job: JobConfig, workers: int, steps: int, v: Variant, curves: bool,
     """One DiLoCo variant through the simulator: its result row."""
     net = NetworkModel(bandwidth_mbit=100.0, latency_ms=50.0)
     streaming = replace(job.streaming, fragments=v.fragments, overlap=v.overlap, alpha=v.alpha)
-    cfg = replace(job, inner_steps=v.inner_steps, rounds=steps // v.inner_steps, streaming=streaming, outer_lr=v.outer_lr, outer_momentum=v.outer_momentum,
+    cfg = replace(job, lr=v.lr or job.lr, inner_steps=v.inner_steps, rounds=steps // v.inner_steps, streaming=streaming, outer_lr=v.outer_lr, outer_momentum=v.outer_momentum,
                   eval_every=1 if curves else 0)
     started = time.monotonic()
     out = simulate(cfg, workers, swarm=SwarmConfig(run_id="bench-convergence", compression=v.compression), net=net,
                    progress=progress)
-    return dict(variant=v.name, workers=workers, lr=job.lr, eval_loss=out["eval_loss"], params=out["params"], bytes_sent=out["bytes_sent"],
+    return dict(variant=v.name, workers=workers, lr=cfg.lr, eval_loss=out["eval_loss"], params=out["params"], bytes_sent=out["bytes_sent"],
                 bits_per_param_sync=out["bits_per_param_sync"], syncs=cfg.rounds,
                 wall_seconds=round(time.monotonic() - started, 1),
                 projected_utilization=out["projection"]["min_utilization"], digests=out["digests"],
