@@ -560,6 +560,9 @@ def bench_wrapper_cmd(
     repeats: int = typer.Option(3, help="Runs of each kind, interleaved; the median run is reported."),
     threads: int = typer.Option(1, help="torch CPU threads."),
     compression: str = typer.Option("fp32", help="Compression of the local synchronization."),
+    flush_denormal: bool = typer.Option(True, help="Flush subnormal floats to zero in both loops: on a CPU, "
+                                                   "DiLoCo's weights meet subnormals that plain training's do not "
+                                                   "(docs/BENCHMARKS.md, B5)."),
     json_path: Optional[Path] = typer.Option(None, "--json", help="Write the report as JSON here."),
     quiet: bool = Quiet,
 ) -> None:
@@ -576,7 +579,7 @@ def bench_wrapper_cmd(
         _fail(f"--steps, --repeats and every -H must be >= 1, got {steps}, {repeats}, {inner_steps}")
     try:
         setup = WrapperSetup(job=job_config(model, threads=threads), inner_steps=tuple(inner_steps), steps=steps,
-                             repeats=repeats, compression=compression)
+                             repeats=repeats, compression=compression, flush_denormal=flush_denormal)
         SwarmConfig(compression=compression)
     except ConfigError as e:
         _fail(str(e))
@@ -585,7 +588,8 @@ def bench_wrapper_cmd(
     Console().print(markdown_table(report), markup=False, soft_wrap=True)
     if json_path:
         write_json(report, json_path, {"inner_steps": inner_steps, "steps": steps, "repeats": repeats,
-                                       "threads": threads, "compression": compression, "batch_size": setup.job.batch_size,
+                                       "threads": threads, "compression": compression,
+                                       "flush_denormal": flush_denormal, "batch_size": setup.job.batch_size,
                                        "d_model": setup.job.d_model, "layers": setup.job.n_layer,
                                        "params": report["params"], "torch": torch.__version__,
                                        "machine": platform.machine(), "cores": os.cpu_count()})
