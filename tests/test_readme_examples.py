@@ -18,7 +18,8 @@ What each command does here:
   tests/test_multiproc.py), `start/join ... -- CMD` (the launcher, tests/test_launcher.py), `bench
   overlap` (root and network namespaces, tests/test_bench_overlap.py), `bench flood` (real daemons,
   tests/test_auth.py), `bench site` (torchrun sites), `bench size` (models of up to 300M parameters,
-  tests/test_bench_size.py): parsed and validated by the real command, which
+  tests/test_bench_size.py), `bench wrapper` (minutes of training, tests/test_bench_wrapper.py): parsed and
+  validated by the real command, which
   must get as far as the call that would start the work (then stopped there, before any network I/O).
 - `plot`, `bench convergence --replot` (redraws saved curves): run for real, on a small metrics
   file (`run.jsonl`) and the saved B1 result.
@@ -149,7 +150,7 @@ STOPPED_AT = {  # command -> what would start the work (network, real peers, roo
     ("diloco", "status"): "diloco.cli.status.observe", ("diloco", "demo"): "diloco.cli.demo.run_demo",
     ("diloco", "bench", "overlap"): "diloco.bench.overlap.run", ("diloco", "bench", "flood"): "diloco.bench.flood.run",
     ("diloco", "bench", "convergence"): "diloco.bench.convergence.run", ("diloco", "bench", "site"): "diloco.bench.site.run",
-    ("diloco", "bench", "size"): "diloco.bench.size.run",
+    ("diloco", "bench", "size"): "diloco.bench.size.run", ("diloco", "bench", "wrapper"): "diloco.bench.wrapper.run",
 }
 LAUNCHED = "diloco.cli.main._launch"
 """`diloco start/join ... -- CMD` runs the user's command as the site's worker: stopped there."""
