@@ -525,6 +525,10 @@ class Swarm:
         """(sent, received) bytes of this peer so far, every message included."""
         return self.transport.counter.snapshot()
 
+    NO_DEFENCES: dict[str, Any] = dict(auth_refused={}, auth_held=0, rejections={}, records_dropped={}, robust={},
+                                       banned=[])
+    """`defences()` of a run without a swarm: nothing refused."""
+
     def defences(self) -> dict[str, Any]:
         """What this peer refused and why: calls refused by the credential check (`auth_refused`, by reason)
         and how many of those the tarpit held (`auth_held`), frames rejected by reason (`rejections`),

@@ -78,7 +78,8 @@ def _run(setup: WrapperSetup, h: int | None, corpus: Any) -> dict[str, Any]:
         with DiLoCo(model, opt, swarm=None, inner_steps=h, compression=setup.compression) as d:
             for k in range(total):
                 step(k, d)
-    return {"times": times[setup.warmup:], "synced": synced[setup.warmup:]}
+    return {"times": times[setup.warmup:], "synced": synced[setup.warmup:],
+            "params": sum(p.numel() for p in model.parameters())}
 
 
 def run(setup: WrapperSetup, tick: Tick = lambda done, total, status: None) -> dict[str, Any]:
@@ -113,9 +114,7 @@ def run(setup: WrapperSetup, tick: Tick = lambda done, total, status: None) -> d
         rows.append(dict(kind=f"DiLoCo H={h}", inner_steps=h, mean_step_ms=with_d * 1e3, overhead=with_d / bare - 1,
                          per_step_overhead=plain / bare - 1, sync_ms=sync * 1e3, sync_overhead=sync / h / bare,
                          syncs=[sum(x["synced"]) for x in runs[h]], runs=[mean(x) * 1e3 for x in runs[h]]))
-    params = sum(p.numel() for p in build_model(GPTConfig(context=setup.job.context, d_model=setup.job.d_model,
-                                                          n_layer=setup.job.n_layer), seed=0).parameters())
-    return {"params": params, "rows": rows}
+    return {"params": runs[None][0]["params"], "rows": rows}
 
 
 def markdown_table(report: dict[str, Any]) -> str:

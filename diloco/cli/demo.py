@@ -32,6 +32,7 @@ from ..metrics import read_jsonl, read_status
 from ..progress import Reporter
 from ..sinks import SinkConfig
 from .dashboard import PeerView, demo_progress, demo_status, render, summary_table
+from .options import AggregationOptions, JobOptions, ModelOptions, StreamingOptions, flags
 
 
 DEMO_JOB = JobConfig(rounds=8, inner_steps=25)
@@ -61,8 +62,6 @@ class DemoConfig:
 def peer_command(cfg: DemoConfig, index: int, run_id: str, workdir: Path, bootstrap: str | None,
                  sinks: SinkConfig = SinkConfig()) -> list[str]:
     """Peer `index`'s `diloco start/join` command line (each peer logs to TensorBoard and W&B itself)."""
-    from .options import AggregationOptions, JobOptions, ModelOptions, StreamingOptions, flags
-
     cmd = [sys.executable, "-m", "diloco"]
     cmd += ["join", bootstrap] if bootstrap else ["start"]
     cmd += ["--run-id", run_id, *flags(cfg.job, JobOptions, ModelOptions), *flags(cfg.job.streaming, StreamingOptions), *flags(cfg.swarm, AggregationOptions),

@@ -28,15 +28,14 @@ from ..job.train import JobConfig
 from ..sinks import SinkConfig
 from .demo import DEMO_COMPRESSION, DEMO_JOB
 from .options import (AggregationOptions, Group, JobOptions, ModelOptions, OutputOptions, PeerJobOptions, PeerOptions,
-                      RunOptions, StreamingOptions, SwarmOptions, command, job_config)
+                      RunOptions, StreamingOptions, SwarmOptions, command, job_config, typer_option)
 
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__.split("\n\n")[0])
 
-Quiet = typer.Option(False, "--quiet", "-q", help="Show no progress (results and errors still print). Progress goes "
-                     "to stderr: a live view on a terminal, plain lines elsewhere (a log, CI).")
+Quiet = typer_option(OutputOptions, "quiet")
 """--quiet of the commands that take no OutputOptions (bench, status, plot)."""
-RunId = typer.Option(SwarmConfig().run_id, "--run-id", help="Swarm namespace; peers only see peers with the same run id.")
+RunId = typer_option(SwarmOptions, "run_id")
 """--run-id of `diloco status`, which observes a swarm without joining it."""
 
 

@@ -50,18 +50,26 @@ class Group:
         unknown = set(overrides) - {f.name for f in fields(cls)}  # type: ignore[arg-type]
         if unknown:
             raise TypeError(f"{cls.__name__} has no option {sorted(unknown)}")
-        return type(cls.__name__, (cls,), {"_overrides": {**getattr(cls, "_overrides", {}), **overrides}})
+        return type(cls.__name__, (cls,), {"_overrides": {**cls._overrides, **overrides}})  # type: ignore[attr-defined]
+
+    def job_fields(self) -> dict[str, Any]:
+        """What this group sets in a JobConfig: its fields under their names (paths as strings)."""
+        return {f.name: str(v) if isinstance(v := getattr(self, f.name), Path) else v
+                for f in fields(self)}  # type: ignore[arg-type]
 
 
-def _parameters(group: type[Any]) -> list[inspect.Parameter]:
+def typer_option(group: type[Group], name: str) -> Any:
+    """The typer option of `group`'s field `name`, as a command's parameter default: also for a command
+    that takes that one option rather than the whole group (`--quiet` of the benchmarks)."""
+    f = next(f for f in fields(group) if f.name == name)  # type: ignore[arg-type]
+    return typer.Option(group._overrides.get(name, f.default), *f.metadata["flags"], help=f.metadata["help"],
+                        hidden=f.metadata["hidden"])
+
+
+def _parameters(group: type[Group]) -> list[inspect.Parameter]:
     hints = typing.get_type_hints(group)
-    overrides = getattr(group, "_overrides", {})
-    out = []
-    for f in fields(group):
-        default = overrides.get(f.name, f.default)
-        info = typer.Option(default, *f.metadata["flags"], help=f.metadata["help"], hidden=f.metadata["hidden"])
-        out.append(inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=info, annotation=hints[f.name]))
-    return out
+    return [inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=typer_option(group, f.name),
+                              annotation=hints[f.name]) for f in fields(group)]  # type: ignore[arg-type]
 
 
 def command(*groups: type[Any]) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
@@ -224,6 +232,13 @@ class StreamingOptions(Group):
         return StreamingConfig(fragments=self.fragments, pattern=self.pattern, overlap=self.overlap, alpha=self.alpha,
                                outer_overlap=self.outer_overlap)
 
+    def job_fields(self) -> dict[str, Any]:
+        """JobConfig holds these as one StreamingConfig. Raises ConfigError naming the knob that is wrong."""
+        try:
+            return {"streaming": self.config()}
+        except FragmentError as e:
+            raise ConfigError(str(e)) from e
+
 
 JOB_GROUPS = (JobOptions, ModelOptions, RunOptions, PeerJobOptions, StreamingOptions)
 """The groups of JobConfig: their fields are its fields, or (streaming) its StreamingConfig's."""
@@ -248,15 +263,7 @@ class OutputOptions(Group):
 def job_config(*groups: Group, **more: Any) -> JobConfig:
     """The JobConfig of a command's job groups (`JOB_GROUPS`; defaults for the fields none of them has).
     Raises ConfigError naming the field that is wrong."""
-    values: dict[str, Any] = {f.name: getattr(g, f.name) for g in groups if not isinstance(g, StreamingOptions)
-                              for f in fields(g)}  # type: ignore[arg-type]
-    kwargs: dict[str, Any] = {k: str(v) if isinstance(v, Path) else v for k, v in values.items()}
-    for g in groups:
-        if isinstance(g, StreamingOptions):
-            try:
-                kwargs["streaming"] = g.config()
-            except FragmentError as e:
-                raise ConfigError(str(e)) from e
+    kwargs: dict[str, Any] = {k: v for g in groups for k, v in g.job_fields().items()}
     return JobConfig(**kwargs, **more)
 
 

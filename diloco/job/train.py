@@ -37,8 +37,6 @@ log = logging.getLogger(__name__)
 
 
 SCHEDULES = ("constant", "cosine")
-_NO_DEFENCES: dict[str, Any] = dict(auth_refused={}, auth_held=0, rejections={}, records_dropped={}, robust={}, banned=[])
-"""`Swarm.defences` of a run without a swarm: nothing refused."""
 
 
 def inner_lr(step: int, *, lr: float, warmup: int, total: int, schedule: str = "constant") -> float:
@@ -255,7 +253,7 @@ def run_job(cfg: JobConfig, swarm: Swarm | None, *, metrics: MetricsWriter | Non
                    alpha=cfg.streaming.alpha, outer_overlap=cfg.streaming.outer_overlap, usage=d.usage().as_dict(),
                    rollbacks=d.rollbacks,
                    write_failures=dict(sorted(write_failures.items())),
-                   **(swarm.defences() if swarm is not None else _NO_DEFENCES))
+                   **(swarm.defences() if swarm is not None else Swarm.NO_DEFENCES))
     metrics.write("final", **summary)
     if status_path:
         write_status(status_path, done=True, step=d.steps, loss=d.loss, **summary)

@@ -33,7 +33,7 @@ from functools import partial
 from typing import Any, Callable, Mapping, Sequence
 
 from diloco.comms import InProcNetwork
-from diloco.comms.faults import NO_FAULTS, FaultPlan
+from diloco.comms.faults import NO_FAULTS, FaultPlan, Faults
 from diloco.comms.loop import LoopThread
 from diloco.peers import InProcBoard, PeerRecord
 
@@ -286,13 +286,12 @@ def simulate(job: JobConfig, workers: int, *, swarm: SwarmConfig | None = None, 
         incarnation = sum(w == i for w, _ in rows)
         pid = f"sim{i:03d}" + (f"r{incarnation}" if incarnation else "")
         drop = partial(_cut_off, runner, pid) if runner is not None else None
+        faults: Faults = NO_FAULTS
         if runner is not None:
             runner.peer_worker[pid] = i
-        plan = FaultPlan()  # the runner poisons through it
-        if runner is not None:
-            runner.plans[i] = plan
+            faults = runner.plans[i] = FaultPlan()  # the runner poisons through it
         s = Swarm.in_process(network, _SideOfBoard(board, pid, runner), pid, scfg, loop, bootstrapped=restarted,
-                             drop=drop, faults=plan if runner is not None else NO_FAULTS)
+                             drop=drop, faults=faults)
         out = _Rows()
         with lock:
             swarms.append(s)
