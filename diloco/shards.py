@@ -46,7 +46,7 @@ import torch.distributed as dist
 from diloco.comms.rounds import Handoff
 
 from .outer import OuterFactory
-from .site import Site
+from .site import Site, broadcast_object, settle
 from .state import CHUNK_BYTES, ChunkHasher, GlobalState, Manifest, Receiver, StateError, manifest_header
 
 __all__ = ["Piece", "ShardMap", "SiteShards", "ShardedHandoff", "is_sharded", "local_view"]
@@ -207,14 +207,13 @@ class SiteShards:
         dist.recv(t, src=self._global[rank], group=self.group)
 
     def _broadcast(self, obj: Any) -> Any:
-        box = [obj]
-        dist.broadcast_object_list(box, src=self._global[0], group=self.group)
-        return box[0]
+        return broadcast_object(obj, self._global[0], self.group, torch.device("cpu"))
 
     def all_true(self, flag: bool) -> bool:
         """Whether `flag` holds on every rank (for decisions each rank takes from its own shard)."""
         t = torch.tensor([1 if flag else 0], dtype=torch.int32)
         dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)
+        settle(t)
         return bool(t.item())
 
     # ---------------------------------------------------------------- Δ and the averaged Δ

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import pickle
+import time
 from typing import Any, Callable, TypeVar
 
 import torch
@@ -81,12 +82,42 @@ class Site:
         return value
 
     def _broadcast(self, obj: Any) -> Any:
-        box = [obj]
-        dist.broadcast_object_list(box, src=self._src, group=self.group, device=self._device)
-        return box[0]
+        return broadcast_object(obj, self._src, self.group, self._device)
 
     def __repr__(self) -> str:
         return f"Site(rank={self.rank}, size={self.size})"
+
+
+def broadcast_object(obj: Any, src: int, group: dist.ProcessGroup | None, device: torch.device) -> Any:
+    """`obj` of global rank `src`, pickled, on every rank of `group` (what `dist.broadcast_object_list`
+    does), returned only once the backend has let go of the tensors it moved (see `settle`)."""
+    mine = dist.get_rank() == src
+    payload = pickle.dumps(obj) if mine else b""
+    size = torch.tensor([len(payload)], dtype=torch.int64, device=device)
+    dist.broadcast(size, src=src, group=group)
+    data = torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(device) if mine \
+        else torch.empty(int(size.item()), dtype=torch.uint8, device=device)
+    dist.broadcast(data, src=src, group=group)
+    settle(size, data)
+    return obj if mine else pickle.loads(data.cpu().numpy().tobytes())
+
+
+def settle(*tensors: torch.Tensor, timeout: float = 5.0) -> None:
+    """Wait until the process group's worker threads have dropped their references to `tensors`.
+
+    `work.wait()` returns when a collective has completed, but the backend's worker thread (gloo's, or
+    NCCL's watchdog) drops its reference to the work a moment later, and dropping the last reference to a
+    tensor created in Python takes the GIL. When that moment falls after the interpreter began shutting
+    down (a rank leaving right after its last collective), the thread cannot take the GIL and the process
+    aborts ("terminate called without an active exception", SIGABRT; torchrun then reports the rank as
+    failed). Holding our reference until theirs is gone makes ours the last one. The wait is microseconds
+    on gloo; `timeout` bounds it."""
+    deadline = time.monotonic() + timeout
+    while any(t._use_count() > 1 for t in tensors):  # ours is the one reference left once they let go
+        if time.monotonic() > deadline:
+            log.debug("event=site_settle_timeout counts=%s", [t._use_count() for t in tensors])
+            return
+        time.sleep(0.0002)
 
 
 def _portable(e: BaseException) -> BaseException:
