@@ -151,6 +151,7 @@ STOPPED_AT = {  # command -> what would start the work (network, real peers, roo
     ("diloco", "bench", "overlap"): "diloco.bench.overlap.run", ("diloco", "bench", "flood"): "diloco.bench.flood.run",
     ("diloco", "bench", "convergence"): "diloco.bench.convergence.run", ("diloco", "bench", "site"): "diloco.bench.site.run",
     ("diloco", "bench", "size"): "diloco.bench.size.run", ("diloco", "bench", "wrapper"): "diloco.bench.wrapper.run",
+    ("diloco", "bench", "transport"): "diloco.bench.transport.run",
 }
 LAUNCHED = "diloco.cli.main._launch"
 """`diloco start/join ... -- CMD` runs the user's command as the site's worker: stopped there."""

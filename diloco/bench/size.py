@@ -91,20 +91,25 @@ def worker(argv: list[str]) -> None:
     Path(args.out).write_text(json.dumps({
         "params": args.params, "base_rss_kib": base, "peak_rss_kib": round(procmem.peak_rss_mib() * 1024),
         "round_seconds": [r.seconds for r in rounds], "bytes_sent": [r.bytes_sent for r in rounds],
+        "bytes_received": [r.bytes_received for r in rounds], "peers": [r.peers for r in rounds],
         "rounds": d.round, "wall_s": time.monotonic() - started, "resyncs": sum(r.resynced for r in d.reports),
     }))
 
 
-def _launch(verb: list[str], run_id: str, common: list[str], worker_args: list[str], workdir: Path, name: str,
-            env: dict[str, str], popen: Callable[..., subprocess.Popen[bytes]] = subprocess.Popen
-            ) -> subprocess.Popen[bytes]:
+def launch_peer(verb: list[str], run_id: str, common: list[str], worker_args: list[str], workdir: Path, name: str,
+                env: dict[str, str], popen: Callable[..., subprocess.Popen[bytes]] = subprocess.Popen
+                ) -> subprocess.Popen[bytes]:
+    """`diloco VERB ... -- python -m diloco.bench.size worker WORKER_ARGS` with its log and JSON summary named
+    `name` in `workdir`."""
     cmd = [sys.executable, "-m", "diloco", *verb, "--run-id", run_id, *common, "--address-file",
            str(workdir / f"{name}.addr"), "--", sys.executable, "-m", "diloco.bench.size", "worker", *worker_args,
            "--out", str(workdir / f"{name}.json")]
     return popen(cmd, env=env, stdout=open(workdir / f"{name}.log", "wb"), stderr=subprocess.STDOUT)
 
 
-def _wait_file(path: Path, procs: list[subprocess.Popen[bytes]], timeout: float) -> str:
+def wait_file(path: Path, procs: list[subprocess.Popen[bytes]], timeout: float) -> str:
+    """The first word of `path` once it is written (a launcher's address file); raises RuntimeError after
+    `timeout` seconds or when one of `procs` failed."""
     deadline = time.monotonic() + timeout
     while not (path.exists() and path.read_text().strip()):
         if time.monotonic() > deadline or any(p.poll() not in (None, 0) for p in procs):
@@ -123,9 +128,9 @@ def _rounds_at(params: int, codec: str, setup: SizeSetup, say: Callable[[str], N
         procs: list[subprocess.Popen[bytes]] = []
         daemon_peak: dict[int, int] = {}
         try:
-            procs.append(_launch(["start"], run_id, common, args, workdir, "p0", env))
-            addr = _wait_file(workdir / "p0.addr", procs, 300)
-            procs.append(_launch(["join", addr], run_id, common, args, workdir, "p1", env))
+            procs.append(launch_peer(["start"], run_id, common, args, workdir, "p0", env))
+            addr = wait_file(workdir / "p0.addr", procs, 300)
+            procs.append(launch_peer(["join", addr], run_id, common, args, workdir, "p1", env))
             while any(p.poll() is None for p in procs):
                 for pid in _daemons_of(procs):
                     daemon_peak[pid] = max(daemon_peak.get(pid, 0), _rss_kib(pid))
@@ -172,11 +177,11 @@ def _catchup(servers: int, setup: SizeSetup, say: Callable[[str], None]) -> dict
             for i in range(servers):
                 common = ["--host", lab.address(i), "--wait-for", str(servers), "--gather-timeout", "60",
                           "--round-timeout", "120", "--verbose"]
-                verb = ["start"] if i == 0 else ["join", _wait_file(workdir / "s0.addr", procs, 300)]
-                procs.append(_launch(verb, run_id, common, slow, workdir, f"s{i}", env,
+                verb = ["start"] if i == 0 else ["join", wait_file(workdir / "s0.addr", procs, 300)]
+                procs.append(launch_peer(verb, run_id, common, slow, workdir, f"s{i}", env,
                                      popen=lambda cmd, **kw: lab.popen(i, cmd, **kw)))
             for i in range(servers):
-                _wait_file(workdir / f"s{i}.addr", procs, 300)
+                wait_file(workdir / f"s{i}.addr", procs, 300)
             # a round among all the servers first, so every one of them holds the state the joiner asks for
             deadline = time.monotonic() + 600
             committed = f"peers={servers}"
@@ -188,7 +193,7 @@ def _catchup(servers: int, setup: SizeSetup, say: Callable[[str], None]) -> dict
                 time.sleep(0.5)
             joiner = ["--host", lab.address(servers), "--verbose", "--gather-timeout", "60", "--round-timeout", "120"]
             args = ["--params", str(setup.catchup_params), "--rounds", "1", "--inner-steps", "2"]
-            j = _launch(["join", _wait_file(workdir / "s0.addr", procs, 60)], run_id, joiner, args, workdir, "joiner",
+            j = launch_peer(["join", wait_file(workdir / "s0.addr", procs, 60)], run_id, joiner, args, workdir, "joiner",
                         env, popen=lambda cmd, **kw: lab.popen(servers, cmd, **kw))
             procs.append(j)
             log = workdir / "joiner.log"

@@ -713,6 +713,41 @@ def bench_size_cmd(
         json_path.write_text(json.dumps(result, indent=1))
 
 
+@bench_app.command("transport")
+def bench_transport_cmd(
+    peers: List[int] = typer.Option([2, 4, 8], "--peers", "-N", help="Peers of the loopback swarms (repeatable)."),
+    payload_mb: List[float] = typer.Option([1.0, 10.0, 100.0], "--payload-mb",
+                                           help="The model's fp32 size in MB (repeatable)."),
+    rounds: int = typer.Option(3, help="Rounds timed at each point (after any taken before every peer was in)."),
+    part: str = typer.Option("all", help="loopback (against plain TCP), wan (against an emulated link's rate; "
+                                        "needs root) or all."),
+    wan_peers: List[int] = typer.Option([2], "--wan-peers", help="Peers on the emulated WAN (repeatable)."),
+    wan_payload_mb: float = typer.Option(20.0, help="The model's fp32 size on the emulated WAN, MB."),
+    rate_mbit: float = typer.Option(50.0, help="Emulated WAN: every host's uplink, Mbit/s."),
+    delay_ms: float = typer.Option(25.0, help="Emulated WAN: one-way delay, ms."),
+    json_path: Optional[Path] = typer.Option(None, "--json", help="Write the report as JSON here."),
+) -> None:
+    """A round's goodput over the swarm's transport: N real peers on loopback against a plain TCP copy of the
+    same bytes, and on an emulated WAN against the link's rate."""
+    import json
+
+    from ..bench.transport import TransportSetup, markdown, run
+
+    if part not in ("loopback", "wan", "all"):
+        _fail(f"--part must be loopback, wan or all, got {part!r}")
+    if rounds < 1 or any(n < 2 for n in [*peers, *wan_peers]) or any(mb <= 0 for mb in [*payload_mb, wan_payload_mb]):
+        _fail("--rounds must be >= 1, every --peers/--wan-peers >= 2 and every payload > 0")
+    if rate_mbit <= 0 or delay_ms < 0:
+        _fail("--rate-mbit must be > 0 and --delay-ms >= 0")
+    setup = TransportSetup(peers=tuple(peers), payload_mb=tuple(payload_mb), rounds=rounds, wan=part != "loopback",
+                           loopback=part != "wan", wan_peers=tuple(wan_peers), wan_payload_mb=wan_payload_mb,
+                           rate_mbit=rate_mbit, delay_ms=delay_ms)
+    result = run(setup, say=lambda text: typer.echo(text, err=True))
+    typer.echo(markdown(result))
+    if json_path:
+        json_path.write_text(json.dumps(result, indent=1))
+
+
 @bench_app.command("site")
 def bench_site_cmd(
     ranks: int = typer.Option(2, help="Ranks of the torchrun site (gloo)."),

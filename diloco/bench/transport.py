@@ -1,0 +1,205 @@
+"""Benchmark: a round's goodput over the swarm's transport, against plain TCP and a link's rate
+(`diloco bench transport`).
+
+1. **Loopback.** N real peers (`diloco start/join -- python -m diloco.bench.size worker`, each process
+   with its own libp2p daemon) on 127.0.0.1 hold a model of P fp32 parameters and take rounds with no
+   compression. A round's goodput is the bytes a peer sent in it over the round's time, from its start to
+   its outcome: the Δ, the two phases of the all-reduce through the daemons, and the outer step. The
+   baseline moves the same bytes per peer over plain TCP sockets on the same loopback, in the same
+   pattern (every peer to every other at once, an equal share to each, N·(N−1) connections), by threads
+   of one process (`sendall` and `recv_into` run without the GIL): what the kernel gives that traffic
+   with no protocol, encoding or copies in the way. Reported: both times and their ratio.
+2. **WAN.** N peers in network namespaces whose uplinks are limited to `rate_mbit` with `delay_ms` each
+   way (`diloco.bench.wan.WanLab`, root): the round's goodput against the uplink's rate (a peer's bytes
+   leave through its own uplink, so the rate bounds its goodput).
+
+The machine's cores are shared by every peer and daemon: at N=8 on a small machine what is measured is
+as much CPU as transport (the report says how many cores there were).
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import socket
+import statistics
+import subprocess
+import tempfile
+import threading
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+from ..launcher import terminate
+from .size import launch_peer, wait_file
+
+RECV_CHUNK = 1 << 20
+
+
+@dataclass(frozen=True)
+class TransportSetup:
+    peers: tuple[int, ...] = (2, 4, 8)
+    payload_mb: tuple[float, ...] = (1.0, 10.0, 100.0)
+    """The model's fp32 size, MB (1e6 bytes): P = payload_mb·1e6/4 parameters."""
+    rounds: int = 3
+    """Rounds of all N peers together that are timed (after those a peer took before everyone was in)."""
+    inner_steps: int = 2
+    wan: bool = True
+    wan_peers: tuple[int, ...] = (2,)
+    wan_payload_mb: float = 20.0
+    rate_mbit: float = 50.0
+    delay_ms: float = 25.0
+    loopback: bool = True
+
+
+def tcp_copy(peers: int, nbytes: int, host: str = "127.0.0.1") -> float:
+    """Seconds until each of `peers` endpoints has sent `nbytes`, split evenly among the others, over plain
+    TCP on `host`, and received its share from each of them, all at once. Raises RuntimeError if a byte is
+    missing."""
+    if peers < 2:
+        raise ValueError(f"peers must be >= 2, got {peers}")
+    share = max(1, nbytes // (peers - 1))
+    payload = memoryview(bytes(share))
+    listeners = []
+    for _ in range(peers):
+        s = socket.create_server((host, 0), backlog=peers)
+        listeners.append(s)
+    received = [0] * (peers * (peers - 1))
+    start = threading.Barrier(2 * peers * (peers - 1) + 1)
+    errors: list[BaseException] = []
+
+    def read(conn: socket.socket, slot: int) -> None:
+        buf = bytearray(RECV_CHUNK)
+        try:
+            with conn:
+                start.wait()
+                while n := conn.recv_into(buf):
+                    received[slot] += n
+        except BaseException as e:  # noqa: BLE001 - reported to the caller below
+            errors.append(e)
+
+    def accept(j: int) -> list[threading.Thread]:
+        readers = []
+        for k in range(peers - 1):
+            conn, _ = listeners[j].accept()
+            readers.append(threading.Thread(target=read, args=(conn, j * (peers - 1) + k), daemon=True))
+        return readers
+
+    def send(i: int, j: int) -> None:
+        try:
+            with socket.create_connection(listeners[j].getsockname()[:2]) as c:
+                start.wait()
+                c.sendall(payload)
+                c.shutdown(socket.SHUT_WR)
+        except BaseException as e:  # noqa: BLE001 - reported to the caller below
+            errors.append(e)
+
+    senders = [threading.Thread(target=send, args=(i, j), daemon=True)
+               for i in range(peers) for j in range(peers) if i != j]
+    for t in senders:
+        t.start()
+    readers = [r for j in range(peers) for r in accept(j)]
+    for r in readers:
+        r.start()
+    start.wait()
+    began = time.perf_counter()
+    for t in senders + readers:
+        t.join()
+    seconds = time.perf_counter() - began
+    for s in listeners:
+        s.close()
+    if errors or sum(received) != share * peers * (peers - 1):
+        raise RuntimeError(f"plain TCP copy lost bytes: {sum(received)} of {share * peers * (peers - 1)} "
+                           f"({errors[:1]})")
+    return seconds
+
+
+def _rounds(peers: int, params: int, setup: TransportSetup, lab: Any = None) -> dict[str, Any]:
+    """N real peers (in `lab`'s hosts, or on loopback) taking rounds of `params` fp32 parameters: the median
+    round time and bytes a peer sent, over the rounds all N took together."""
+    import json
+
+    env = {**os.environ, "DILOCO_SECRET": secrets.token_urlsafe(32), "OMP_NUM_THREADS": "1"}
+    run_id = f"transport-{secrets.token_hex(3)}"
+    timing = ["--compression", "fp32", "--wait-for", str(peers), "--gather-timeout", "120", "--round-timeout", "600"]
+    # a peer may take a round or two before everyone is in; it trains until N peers took `rounds` together
+    args = ["--params", str(params), "--rounds", str(setup.rounds + 2), "--inner-steps", str(setup.inner_steps)]
+    with tempfile.TemporaryDirectory(prefix="diloco-bench-transport-") as tmp:
+        workdir = Path(tmp)
+        procs: list[subprocess.Popen[bytes]] = []
+        try:
+            for i in range(peers):
+                where = ["--host", lab.address(i)] if lab is not None else []
+                verb = ["start"] if i == 0 else ["join", wait_file(workdir / "p0.addr", procs, 300)]
+                popen: Callable[..., subprocess.Popen[bytes]] = subprocess.Popen if lab is None else \
+                    (lambda cmd, i=i, **kw: lab.popen(i, cmd, **kw))
+                procs.append(launch_peer(verb, run_id, [*timing, *where], args, workdir, f"p{i}", env, popen=popen))
+            deadline = time.monotonic() + 1800
+            while any(p.poll() is None for p in procs):
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"{peers} peers at {params:,} parameters did not finish in 30 min")
+                time.sleep(0.2)
+            failed = [i for i, p in enumerate(procs) if p.returncode]
+            if failed:
+                raise RuntimeError(f"peer {failed[0]} failed ({peers} peers, {params:,} parameters); its log:\n" +
+                                   (workdir / f"p{failed[0]}.log").read_text(errors="replace")[-3000:])
+            done = [json.loads((workdir / f"p{i}.json").read_text()) for i in range(peers)]
+        finally:
+            terminate(procs)
+    together = [(s, b) for d in done for s, b, n in zip(d["round_seconds"], d["bytes_sent"], d["peers"]) if n == peers]
+    if not together:
+        raise RuntimeError(f"{peers} peers never took a round all together")
+    return {"peers": peers, "params": params, "payload_bytes": 4 * params, "rounds": len(together) // peers,
+            "round_s": statistics.median(s for s, _ in together),
+            "bytes_sent": statistics.median(b for _, b in together)}
+
+
+def loopback(peers: int, payload_mb: float, setup: TransportSetup, say: Callable[[str], None]) -> dict[str, Any]:
+    row = _rounds(peers, max(1, int(payload_mb * 1e6 / 4)), setup)
+    row["tcp_s"] = statistics.median(tcp_copy(peers, int(row["bytes_sent"])) for _ in range(3))
+    row["goodput_mb_s"] = row["bytes_sent"] / row["round_s"] / 1e6
+    row["tcp_mb_s"] = row["bytes_sent"] / row["tcp_s"] / 1e6
+    row["of_tcp"] = row["tcp_s"] / row["round_s"]
+    say(f"loopback, {peers} peers, {payload_mb:g} MB: round {row['round_s']:.3f} s, {row['goodput_mb_s']:.1f} MB/s "
+        f"a peer; plain TCP {row['tcp_s']:.3f} s ({row['of_tcp']:.1%})")
+    return row
+
+
+def wan(peers: int, setup: TransportSetup, say: Callable[[str], None]) -> dict[str, Any]:
+    from .wan import WanLab
+
+    with WanLab(hosts=peers, rate_mbit=setup.rate_mbit, delay_ms=setup.delay_ms) as lab:
+        row = _rounds(peers, max(1, int(setup.wan_payload_mb * 1e6 / 4)), setup, lab=lab)
+        row["backend"] = lab.backend
+    row["goodput_mbit_s"] = 8 * row["bytes_sent"] / row["round_s"] / 1e6
+    row["of_rate"] = row["goodput_mbit_s"] / setup.rate_mbit
+    say(f"WAN {setup.rate_mbit:g} Mbit/s, {setup.delay_ms:g} ms, {peers} peers, {setup.wan_payload_mb:g} MB: round "
+        f"{row['round_s']:.2f} s, {row['goodput_mbit_s']:.1f} Mbit/s a peer ({row['of_rate']:.1%} of the rate)")
+    return row
+
+
+def run(setup: TransportSetup, say: Callable[[str], None] = lambda s: None) -> dict[str, Any]:
+    rows = [loopback(n, mb, setup, say) for n in setup.peers for mb in setup.payload_mb] if setup.loopback else []
+    wans = [wan(n, setup, say) for n in setup.wan_peers] if setup.wan else []
+    return {"setup": asdict(setup), "cores": os.cpu_count(), "loopback": rows, "wan": wans}
+
+
+def markdown(result: dict[str, Any]) -> str:
+    lines: list[str] = []
+    if result["loopback"]:
+        lines += ["| peers | model (fp32) | bytes a peer sends | round | goodput a peer | plain TCP, same bytes | "
+                  "round / plain TCP |", "|---|---|---|---|---|---|---|"]
+        for r in result["loopback"]:
+            lines.append(f"| {r['peers']} | {r['payload_bytes'] / 1e6:g} MB | {r['bytes_sent'] / 1e6:.2f} MB | "
+                         f"{r['round_s']:.3f} s | {r['goodput_mb_s']:.1f} MB/s | {r['tcp_s']:.3f} s "
+                         f"({r['tcp_mb_s']:.0f} MB/s) | {r['of_tcp']:.1%} |")
+    if result["wan"]:
+        s = result["setup"]
+        lines += ["", f"Emulated WAN: every uplink {s['rate_mbit']:g} Mbit/s, {s['delay_ms']:g} ms each way:", "",
+                  "| peers | model (fp32) | bytes a peer sends | round | goodput a peer | of the rate |",
+                  "|---|---|---|---|---|---|"]
+        for r in result["wan"]:
+            lines.append(f"| {r['peers']} | {r['payload_bytes'] / 1e6:g} MB | {r['bytes_sent'] / 1e6:.2f} MB | "
+                         f"{r['round_s']:.2f} s | {r['goodput_mbit_s']:.1f} Mbit/s | {r['of_rate']:.1%} |")
+    return "\n".join(lines)
