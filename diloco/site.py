@@ -113,11 +113,17 @@ def settle(*tensors: torch.Tensor, timeout: float = 5.0) -> None:
     failed). Holding our reference until theirs is gone makes ours the last one. The wait is microseconds
     on gloo; `timeout` bounds it."""
     deadline = time.monotonic() + timeout
-    while any(t._use_count() > 1 for t in tensors):  # ours is the one reference left once they let go
+    while any(_references(t) > 1 for t in tensors):  # ours is the one reference left once they let go
         if time.monotonic() > deadline:
-            log.debug("event=site_settle_timeout counts=%s", [t._use_count() for t in tensors])
+            log.debug("event=site_settle_timeout counts=%s", [_references(t) for t in tensors])
             return
         time.sleep(0.0002)
+
+
+def _references(t: torch.Tensor) -> int:
+    """How many owners the tensor's implementation has (this Python tensor counts as one)."""
+    count: int = t._use_count()  # type: ignore[attr-defined]  # torch's C binding, not in its stubs
+    return count
 
 
 def _portable(e: BaseException) -> BaseException:
