@@ -17,7 +17,9 @@ Every member holds a flat fp32 pseudo-gradient Δ of the same length. A round ru
    fp32 mean re-encoded once; for sparse ones (top-k, random-k) they are a *bundle* of the exact
    payloads it included, which every member decodes and averages per coordinate in view order.
 3. **Gather results.** A member holds the round's *value* when it has a result for every span, all
-   tagged with its view id, by `result_timeout`. Each result names the members it averaged.
+   tagged with its view id, by `result_timeout`. Each result names the members it averaged. A member
+   of our view that shows it closed another view (it refuses our contribution as of the wrong view, or
+   sends us a frame of its own view) never sends a result for ours: we give the attempt up then.
 4. **Decide.** Holding the value, a member *accepts* it and votes: it tells every view member, and
    commits (applies the value) once the members that accepted it form a quorum: `admit` of them
    (the caller's rule, e.g. a strict majority of the last round's members) and a strict majority of
@@ -209,6 +211,9 @@ class Collective:
         rs.spans, rs.bounds = len(r.bounds), r.bounds
         if rs.carried is None:
             value = await self._exchange(r, delta)
+            if value is None and self._elsewhere(r):
+                return RoundOutcome(key, False, f"{_short(self._elsewhere(r))} closed another view of round {key}",
+                                    rs.view, payload_bytes=r.payload_bytes)
             if value is None:
                 return RoundOutcome(key, False, f"no result for {len(r.missing())} span(s) (owners "
                                     f"{_short(r.missing())})", rs.view, payload_bytes=r.payload_bytes)
@@ -245,7 +250,9 @@ class Collective:
 
         tasks = [asyncio.create_task(self._send_contributions(r)), asyncio.create_task(self._reduce_and_broadcast(r))]
         try:
-            complete = await self._wait(rs, r.complete, r.closed_at + self.cfg.result_timeout)
+            # a member that closed another view never sends a result for ours: no use waiting out the deadline
+            complete = await self._wait(rs, lambda: r.complete() or bool(self._elsewhere(r)),
+                                        r.closed_at + self.cfg.result_timeout) and not self._elsewhere(r)
             # Having every result does not mean everyone has ours: let our sends finish (bounded).
             await asyncio.wait(tasks, timeout=self.cfg.call_timeout)
         finally:
@@ -272,6 +279,11 @@ class Collective:
             if value is not None:
                 return value
         return None
+
+    @staticmethod
+    def _elsewhere(r: Exchange) -> list[PeerId]:
+        """Members of our view that closed another view of this round (see `RoundState.elsewhere`)."""
+        return sorted(r.rs.elsewhere & set(r.view))
 
     def _contribution(self, body: bytes | memoryview, decoded: Decoded) -> Contribution:
         return Contribution(order_key(body), decoded, bytes(body) if self.pipeline.sparse else None)
@@ -461,8 +473,11 @@ class Collective:
             # cut into many spans costs one span in flight per owner, and a slow owner holds up only its own
             for span in range(len(r.bounds)):
                 if r.owner(span) == owner:
-                    await self._call(owner, "diloco.contrib", self._frame(
+                    reply = await self._call(owner, "diloco.contrib", self._frame(
                         msg.CONTRIB, r.key, view=r.rs.vid, span=span, numel=r.numel(span), body=r.payloads[span]))
+                    if reply is not None and reply.get("reason") == Reason.WRONG_VIEW.value:
+                        self._closed_elsewhere(r.rs, owner)
+                        return
                     if self.pipeline.spec.ef is None:  # only error feedback reads it again (what of Δ was sent)
                         r.payloads[span] = b""
 
@@ -849,12 +864,19 @@ class Collective:
                 raise PayloadRejected(Reason.WRONG_SPAN, f"span {span} out of range")
             return
         if not rs.view or rs.vid != vid:
+            self._closed_elsewhere(rs, sender)
             raise PayloadRejected(Reason.WRONG_VIEW, f"frame for view {vid}, ours is {rs.vid or 'none'}")
         if sender not in rs.view:
             raise PayloadRejected(Reason.NOT_MEMBER, f"{sender} is not in this round's view")
         limit = rs.spans or MAX_SPANS  # known once our exchange starts
         if not 0 <= span < limit or rs.view[span % len(rs.view)] != owner:
             raise PayloadRejected(Reason.WRONG_SPAN, f"span {span} is not owned by {owner}")
+
+    @staticmethod
+    def _closed_elsewhere(rs: RoundState, peer: PeerId) -> None:
+        if peer not in rs.elsewhere:
+            rs.elsewhere.add(peer)
+            rs.changed.set()
 
     def adopt_bans(self, peers: Collection[PeerId], why: str) -> None:
         """Ban peers that others banned (e.g. a majority of the records we read: we joined after the fact)."""

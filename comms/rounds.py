@@ -138,6 +138,10 @@ class RoundState:
     """Per view id: the members that told us they accepted that view's value."""
     changed: asyncio.Event = field(default_factory=asyncio.Event)
     banned: frozenset[PeerId] = frozenset()  # peers this round leaves out whoever names them
+    elsewhere: set[PeerId] = field(default_factory=set)
+    """Peers that showed us they closed another view of this round key (they refused a frame of ours as of
+    the wrong view, or sent us one of theirs): a member of our view among them never sends a result for
+    our view, so our view cannot complete."""
 
     def named(self, me: PeerId) -> set[PeerId]:
         """Whom this round may include: the peers we expect and, transitively, the peers that a peer so

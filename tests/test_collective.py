@@ -412,6 +412,33 @@ def test_views_agree_when_only_some_records_show_a_newcomer():
     assert all(torch.equal(o.aggregate, outs[0].aggregate) for o in outs)
 
 
+def test_members_that_closed_different_views_give_up_at_once_not_at_the_result_deadline():
+    """p1 and p2 cannot reach each other's ready handlers (their other calls go through): p0 closes
+    (p0, p1, p2), p1 closes (p0, p1) and p2 (p0, p2) at the gather deadline. No view can complete, since
+    a member that closed another view never sends a result for ours; each member learns so from the first
+    frame refused as of the wrong view (or received of another view) and gives up then, not after the
+    8 s result deadline."""
+
+    async def main():
+        net = InProcNetwork()
+        cfg = CollectiveConfig(gather_timeout=1, reduce_timeout=4, result_timeout=8, call_timeout=1)
+        cut = {("p1", "p2"), ("p2", "p1")}
+        cs = {p: await Collective.create(
+            net.transport(p, drop=lambda target, handler, p=p: handler == "diloco.ready" and (p, target) in cut),
+            RUN, cfg) for p in ("p0", "p1", "p2")}
+        deltas = _deltas(list(cs), 60, seed=9)
+        began = time.monotonic()
+        outs = await _round(cs, RoundKey(2), list(cs), deltas)
+        return outs, time.monotonic() - began
+
+    outs, seconds = asyncio.run(main())
+    assert not any(o.committed for o in outs.values()), {p: o.reason for p, o in outs.items()}
+    assert len({o.view for o in outs.values()}) == 3, {p: o.view for p, o in outs.items()}
+    assert outs["p0"].view == ("p0", "p1", "p2")
+    assert all("closed another view" in o.reason for o in outs.values()), {p: o.reason for p, o in outs.items()}
+    assert seconds < 4, seconds  # the gather's 1 s and the calls, not the 8 s result deadline
+
+
 def test_a_peer_nobody_expects_is_left_out_by_everyone():
     """x sends ready to p0 and p1, but neither's records show it: both leave it out (without waiting
     for it) and commit; x, whose view differs, commits nothing."""
@@ -605,7 +632,9 @@ def test_rejected_frames_are_counted_and_never_reach_the_aggregate():
         good = torch.full((hi0 - lo0,), 100.0)
         steps = [
             # (transport, frame, expected reason or None for accepted)
-            (b, contrib("b", torch.full((hi0 - lo0,), 7.0), v="0" * 16), Reason.WRONG_VIEW),
+            # another view (from a member it would also end a's attempt: it shows the member closed another
+            # view, test_members_that_closed_different_views_give_up_at_once_not_at_the_result_deadline)
+            (c, contrib("c", torch.full((hi0 - lo0,), 7.0), v="0" * 16), Reason.WRONG_VIEW),
             (c, contrib("c", torch.full((hi0 - lo0,), 7.0)), Reason.NOT_MEMBER),          # not in the view
             (c, contrib("b", torch.full((hi0 - lo0,), 7.0)), Reason.NOT_MEMBER),          # claims to be b
             (b, contrib("b", torch.full((hi0 - lo0,), float("nan"))), Reason.NON_FINITE),

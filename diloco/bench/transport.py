@@ -8,10 +8,14 @@
    baseline moves the same bytes per peer over plain TCP sockets on the same loopback, in the same
    pattern (every peer to every other at once, an equal share to each, N·(N−1) connections), by threads
    of one process (`sendall` and `recv_into` run without the GIL): what the kernel gives that traffic
-   with no protocol, encoding or copies in the way. Reported: both times and their ratio.
+   with no protocol, encoding or copies in the way. A second baseline sends the same bytes in one call
+   between two of the swarm's daemons (`diloco.comms.p2p`, no authentication, no round): what libp2p and
+   the daemons cost on their own, the rest being the round's. Reported: the times and their ratios.
 2. **WAN.** N peers in network namespaces whose uplinks are limited to `rate_mbit` with `delay_ms` each
    way (`diloco.bench.wan.WanLab`, root): the round's goodput against the uplink's rate (a peer's bytes
-   leave through its own uplink, so the rate bounds its goodput).
+   leave through its own uplink, so the rate bounds its goodput), and against plain TCP moving the same
+   bytes across the same links in the same pattern (`WanLab.measure_concurrent`): what one TCP flow per
+   pair gets from the emulated link (its queue, its delay, slow start) before any protocol.
 
 The machine's cores are shared by every peer and daemon: at N=8 on a small machine what is measured is
 as much CPU as transport (the report says how many cores there were).
@@ -115,6 +119,39 @@ def tcp_copy(peers: int, nbytes: int, host: str = "127.0.0.1") -> float:
     return seconds
 
 
+def daemon_copy(nbytes: int, repeats: int = 3) -> float:
+    """Median seconds of one call carrying `nbytes` from one libp2p daemon to another on loopback, through
+    the swarm's transport (`diloco.comms.p2p`: encrypted libp2p streams, length-prefixed) with no
+    authentication and no round protocol: what the daemons alone cost."""
+    import asyncio
+
+    from diloco.comms.p2p import P2PTransport
+
+    async def measure() -> float:
+        a = await P2PTransport.create()
+        try:
+            b = await P2PTransport.create(initial_peers=[str(m) for m in await a.p2p.get_visible_maddrs()])
+            try:
+                async def take(caller: Any, payload: bytes) -> bytes:
+                    return b"ok"
+
+                await a.register("copy", take)
+                data = bytes(nbytes)
+                await b.call(a.peer_id, "copy", data[:1024], 60)  # dial and warm up
+                times = []
+                for _ in range(repeats):
+                    began = time.perf_counter()
+                    await b.call(a.peer_id, "copy", data, 600)
+                    times.append(time.perf_counter() - began)
+                return statistics.median(times)
+            finally:
+                await b.close()
+        finally:
+            await a.close()
+
+    return asyncio.run(measure())
+
+
 def _rounds(peers: int, params: int, setup: TransportSetup, lab: Any = None) -> dict[str, Any]:
     """N real peers (in `lab`'s hosts, or on loopback) taking rounds of `params` fp32 parameters: the median
     round time and bytes a peer sent, over the rounds all N took together."""
@@ -158,11 +195,14 @@ def _rounds(peers: int, params: int, setup: TransportSetup, lab: Any = None) -> 
 def loopback(peers: int, payload_mb: float, setup: TransportSetup, say: Callable[[str], None]) -> dict[str, Any]:
     row = _rounds(peers, max(1, int(payload_mb * 1e6 / 4)), setup)
     row["tcp_s"] = statistics.median(tcp_copy(peers, int(row["bytes_sent"])) for _ in range(3))
+    row["daemon_s"] = daemon_copy(int(row["bytes_sent"]))
+    row["of_daemon"] = row["daemon_s"] / row["round_s"]
     row["goodput_mb_s"] = row["bytes_sent"] / row["round_s"] / 1e6
     row["tcp_mb_s"] = row["bytes_sent"] / row["tcp_s"] / 1e6
     row["of_tcp"] = row["tcp_s"] / row["round_s"]
     say(f"loopback, {peers} peers, {payload_mb:g} MB: round {row['round_s']:.3f} s, {row['goodput_mb_s']:.1f} MB/s "
-        f"a peer; plain TCP {row['tcp_s']:.3f} s ({row['of_tcp']:.1%})")
+        f"a peer; plain TCP {row['tcp_s']:.3f} s ({row['of_tcp']:.1%}); one daemon-to-daemon call {row['daemon_s']:.3f} s "
+        f"({row['of_daemon']:.1%})")
     return row
 
 
@@ -172,10 +212,18 @@ def wan(peers: int, setup: TransportSetup, say: Callable[[str], None]) -> dict[s
     with WanLab(hosts=peers, rate_mbit=setup.rate_mbit, delay_ms=setup.delay_ms) as lab:
         row = _rounds(peers, max(1, int(setup.wan_payload_mb * 1e6 / 4)), setup, lab=lab)
         row["backend"] = lab.backend
+        # plain TCP across the same links, in the round's pattern: every host sends its share to every other at once
+        pairs = [(i, j) for i in range(peers) for j in range(peers) if i != j]
+        flows = lab.measure_concurrent(pairs, nbytes=int(row["bytes_sent"] / (peers - 1)), pings=3, timeout=600)
     row["goodput_mbit_s"] = 8 * row["bytes_sent"] / row["round_s"] / 1e6
     row["of_rate"] = row["goodput_mbit_s"] / setup.rate_mbit
+    row["tcp_s"] = max(f.seconds for f in flows)
+    row["tcp_mbit_s"] = 8 * row["bytes_sent"] / row["tcp_s"] / 1e6
+    row["tcp_of_rate"] = row["tcp_mbit_s"] / setup.rate_mbit
+    row["rtt_ms"] = statistics.median(f.rtt_ms for f in flows)
     say(f"WAN {setup.rate_mbit:g} Mbit/s, {setup.delay_ms:g} ms, {peers} peers, {setup.wan_payload_mb:g} MB: round "
-        f"{row['round_s']:.2f} s, {row['goodput_mbit_s']:.1f} Mbit/s a peer ({row['of_rate']:.1%} of the rate)")
+        f"{row['round_s']:.2f} s, {row['goodput_mbit_s']:.1f} Mbit/s a peer ({row['of_rate']:.1%} of the rate); "
+        f"plain TCP {row['tcp_mbit_s']:.1f} Mbit/s ({row['tcp_of_rate']:.1%})")
     return row
 
 
@@ -189,17 +237,20 @@ def markdown(result: dict[str, Any]) -> str:
     lines: list[str] = []
     if result["loopback"]:
         lines += ["| peers | model (fp32) | bytes a peer sends | round | goodput a peer | plain TCP, same bytes | "
-                  "round / plain TCP |", "|---|---|---|---|---|---|---|"]
+                  "round / plain TCP | one daemon call, same bytes | round / daemon call |",
+                  "|---|---|---|---|---|---|---|---|---|"]
         for r in result["loopback"]:
             lines.append(f"| {r['peers']} | {r['payload_bytes'] / 1e6:g} MB | {r['bytes_sent'] / 1e6:.2f} MB | "
                          f"{r['round_s']:.3f} s | {r['goodput_mb_s']:.1f} MB/s | {r['tcp_s']:.3f} s "
-                         f"({r['tcp_mb_s']:.0f} MB/s) | {r['of_tcp']:.1%} |")
+                         f"({r['tcp_mb_s']:.0f} MB/s) | {r['of_tcp']:.1%} | {r['daemon_s']:.3f} s | {r['of_daemon']:.1%} |")
     if result["wan"]:
         s = result["setup"]
         lines += ["", f"Emulated WAN: every uplink {s['rate_mbit']:g} Mbit/s, {s['delay_ms']:g} ms each way:", "",
-                  "| peers | model (fp32) | bytes a peer sends | round | goodput a peer | of the rate |",
-                  "|---|---|---|---|---|---|"]
+                  "| peers | model (fp32) | bytes a peer sends | round | goodput a peer | of the rate | "
+                  "plain TCP, same bytes and pattern | round / plain TCP |", "|---|---|---|---|---|---|---|---|"]
         for r in result["wan"]:
             lines.append(f"| {r['peers']} | {r['payload_bytes'] / 1e6:g} MB | {r['bytes_sent'] / 1e6:.2f} MB | "
-                         f"{r['round_s']:.2f} s | {r['goodput_mbit_s']:.1f} Mbit/s | {r['of_rate']:.1%} |")
+                         f"{r['round_s']:.2f} s | {r['goodput_mbit_s']:.1f} Mbit/s | {r['of_rate']:.1%} | "
+                         f"{r['tcp_s']:.2f} s ({r['tcp_mbit_s']:.1f} Mbit/s, {r['tcp_of_rate']:.1%} of the rate) | "
+                         f"{r['tcp_s'] / r['round_s']:.1%} |")
     return "\n".join(lines)
