@@ -171,6 +171,7 @@ class Collective:
         self._floor = key
         self._forget_before(key)
         others = [p for p in expected if p != self.me and p not in self.banned]
+        rs = self._state(key)
         try:
             handoff = delta if isinstance(delta, Handoff) else Handoff(delta)
             del delta
@@ -190,14 +191,16 @@ class Collective:
                 self._strike(p, f"round {key.round}: marked by a majority of the view's {len(outcome.view)} owners")
         sent, recv = self.transport.counter.snapshot()
         outcome.bytes_sent, outcome.bytes_received = sent - sent0, recv - recv0
-        outcome.seconds = time.monotonic() - started
+        outcome.seconds, outcome.phases = time.monotonic() - started, dict(rs.phases)
         return outcome
 
     async def _run(self, key: RoundKey, digest: str, others: list[PeerId], delta: Handoff,
                    fragment: int, admit: Admit | None, wait_for: Collection[PeerId] | None) -> RoundOutcome:
         rs = self._state(key)
         rs.fragment, rs.lean = fragment, not delta.keeps_aggregate
+        began = time.monotonic()
         late = await self._gather(rs, key, digest, others, wait_for)
+        closed = _lap(rs, "gather", began)
         if late is not None:
             return late
         assert rs.view is not None
@@ -207,7 +210,7 @@ class Collective:
         ok, why = admit(rs.view)
         if not ok:
             return RoundOutcome(key, False, why, rs.view)
-        r = Exchange(key, rs, self.me, self._bounds(delta.numel, len(rs.view)), closed_at=time.monotonic())
+        r = Exchange(key, rs, self.me, self._bounds(delta.numel, len(rs.view)), closed_at=closed)
         rs.spans, rs.bounds = len(r.bounds), r.bounds
         if rs.carried is None:
             value = await self._exchange(r, delta)
@@ -219,11 +222,15 @@ class Collective:
                                     f"{_short(r.missing())})", rs.view, payload_bytes=r.payload_bytes)
         else:
             value = await self._carry(r, rs.carried, delta.numel)
+            _lap(rs, "fetch", closed)
             if value is None:
                 return RoundOutcome(key, False, f"could not fetch the value accepted in attempt {rs.carried[0]} "
                                     "from any member holding it", rs.view)
         self._accepted = Accepted(key, rs.vid, value)
-        return await self._decide(r, value, delta.numel, admit)
+        voting = time.monotonic()
+        outcome = await self._decide(r, value, delta.numel, admit)
+        _lap(rs, "decide", voting)
+        return outcome
 
     async def _exchange(self, r: Exchange, handoff: Handoff) -> Value | None:
         """Steps 2 and 3 with our fresh Δ: the value (every span's result), or None if one is missing."""
@@ -231,6 +238,7 @@ class Collective:
         self._ran[rs.vid] = r
         # Encoding the whole Δ is the heavy part: off the event loop, so handlers keep answering peers.
         r.payloads = await asyncio.to_thread(self._encode, handoff, r.bounds, r.key.round)
+        encoded = _lap(rs, "encode", r.closed_at)
         r.payload_bytes = sum(len(p) for p in r.payloads)
         self.faults.hit("encode", r.key.round)
         for span in r.owned:
@@ -258,6 +266,7 @@ class Collective:
         finally:
             for t in tasks:
                 t.cancel()
+        _lap(rs, "exchange", encoded)
         if not complete:
             return None
         spans = range(len(r.bounds))
@@ -941,6 +950,13 @@ class Collective:
             except asyncio.TimeoutError:
                 pass
         return True
+
+
+def _lap(rs: RoundState, phase: str, since: float) -> float:
+    """Record the seconds since `since` as `phase` of the attempt; returns now."""
+    now = time.monotonic()
+    rs.phases[phase] = now - since
+    return now
 
 
 def _placeholder(numel: int) -> torch.Tensor:

@@ -88,6 +88,8 @@ class RoundOutcome:
     bytes_sent: int = 0
     bytes_received: int = 0
     seconds: float = 0.0
+    phases: dict[str, float] = field(default_factory=dict)
+    """Seconds spent in each step this attempt reached, in order (`RoundState.phases`)."""
 
 
 @dataclass(frozen=True)
@@ -128,6 +130,9 @@ class RoundState:
     carried: tuple[int, str] | None = None  # the value our view carries (set with `view`), if any
     spans: int = 0  # how many spans this round's Δ is cut into (set when our exchange starts)
     bounds: list[tuple[int, int]] = field(default_factory=list)  # their ranges (set with `spans`)
+    phases: dict[str, float] = field(default_factory=dict)
+    """Seconds our attempt spent in each step it reached: gather (until the view closed), encode (our Δ),
+    exchange (contributions out, results back), or fetch (the value our view carries), and decide (the vote)."""
     lean: bool = False
     """Keep no decoded values: each result is decoded to be checked, then only its frame is kept (see
     `Handoff.keeps_aggregate`)."""

@@ -48,7 +48,7 @@ import signal
 import threading
 import time
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator, Literal, Sequence, TypeVar
 
@@ -104,6 +104,8 @@ class RoundReport:
     numel: int = 0  # parameters synchronized
     fragment: int = 0  # which fragment this round synchronized (0 when the model is one fragment)
     blocked: bool = False  # the training loop had to wait for this round's result
+    phases: dict[str, float] = field(default_factory=dict)
+    """Where the round's time went, in seconds: gather, encode, exchange (or fetch), decide (`RoundOutcome.phases`)."""
 
     @property
     def bits_per_param(self) -> float:
@@ -795,7 +797,7 @@ class DiLoCo:
         report = RoundReport(self.state.round, outcome.committed, outcome.reason, max(1, len(outcome.view)),
                              outcome.bytes_sent, outcome.bytes_received, time.monotonic() - pending.started,
                              self.steps, payload_bytes=outcome.payload_bytes, numel=frag.numel,
-                             fragment=frag.index, blocked=pending.blocked)
+                             fragment=frag.index, blocked=pending.blocked, phases=outcome.phases)
         return self._report(report)
 
     def _my_aggregate(self, frag: Fragment, outcome: RoundOutcome) -> torch.Tensor:

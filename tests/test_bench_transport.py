@@ -29,8 +29,11 @@ def test_a_loopback_point_times_rounds_of_real_peers_against_plain_tcp():
     assert 0 < row["tcp_s"] and 0 < row["round_s"] < 60
     assert row["of_tcp"] == pytest.approx(row["tcp_s"] / row["round_s"]) and row["daemon_s"] > 0
     assert said and "2 peers" in said[0]
+    phases = row["phases_s"]  # the medians of where the peers' rounds spent their time
+    assert list(phases) == ["gather", "encode", "exchange", "decide"] and phases["exchange"] > 0
+    assert all(t >= 0 for t in phases.values())
     table = markdown({"setup": {}, "loopback": [row], "wan": []})
-    assert "| 2 | 0.4 MB |" in table
+    assert "| 2 | 0.4 MB |" in table and "| loopback | 2 | 0.4 MB |" in table
 
 
 @pytest.mark.parametrize("args, needle", [

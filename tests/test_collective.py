@@ -74,6 +74,9 @@ def test_four_peers_fp32_commit_the_mean_bit_identically():
         assert torch.equal(o.aggregate, first)
         assert o.bytes_sent > 0 and o.bytes_received > 0
         assert not cs[p].rejections
+        # where the round's time went: each step it took, in order, within the round's own time
+        assert list(o.phases) == ["gather", "encode", "exchange", "decide"], o.phases
+        assert all(t >= 0 for t in o.phases.values()) and sum(o.phases.values()) <= o.seconds
     assert torch.allclose(first, mean, rtol=0, atol=1e-6)
     # each peer ships 3/4 of its Δ to the other owners and its span's mean to 3 peers, in fp32
     assert all(o.bytes_sent >= 4 * numel * 3 // 4 for o in outs.values())
@@ -845,6 +848,7 @@ def test_a_value_a_quorum_accepted_is_carried_when_its_committer_dies(monkeypatc
         assert out.reason == "committed the value of attempt 0"
         assert torch.equal(out.aggregate, first["a"].aggregate)  # one state for round 3, a's
         assert out.view == tuple(members) and out.value_id == first["a"].value_id  # the next quorum's base too
+        assert list(out.phases) == ["gather", "fetch", "decide"], out.phases  # carried: its value, not a fresh one
     # b's own attempt-0 contribution counts as delivered (it is in the value), error feedback sees it
     assert torch.count_nonzero(second["b"].sent) > 0
 

@@ -54,6 +54,10 @@ def test_three_peers_train_and_end_bit_identical(peers, compression):
     committed = [r for i in range(3) for r in peers.lines(i, "round") if r["committed"]]
     assert all(r["peers"] == 3 for r in committed), committed
     assert all(r["bytes_sent"] > 0 for r in committed)
+    # where each round's time went, as a metrics reader sees it
+    timed = [(r["phases"], r["seconds"]) for r in committed]
+    assert all(set(phases) == {"gather", "encode", "exchange", "decide"} for phases, _ in timed), timed
+    assert all(sum(phases.values()) <= seconds + 0.005 for phases, seconds in timed), timed  # both rounded to ms
     expected_bits = {"fp32": 32.0}.get(compression)
     for r in committed:  # the codec's cost per parameter, as reported
         assert r["bits_per_param"] == pytest.approx(expected_bits) if expected_bits else 0 < r["bits_per_param"] < 2

@@ -92,6 +92,7 @@ def worker(argv: list[str]) -> None:
         "params": args.params, "base_rss_kib": base, "peak_rss_kib": round(procmem.peak_rss_mib() * 1024),
         "round_seconds": [r.seconds for r in rounds], "bytes_sent": [r.bytes_sent for r in rounds],
         "bytes_received": [r.bytes_received for r in rounds], "peers": [r.peers for r in rounds],
+        "phases": [r.phases for r in rounds],
         "rounds": d.round, "wall_s": time.monotonic() - started, "resyncs": sum(r.resynced for r in d.reports),
     }))
 

@@ -39,6 +39,7 @@ from ..launcher import terminate
 from .size import launch_peer, wait_file
 
 RECV_CHUNK = 1 << 20
+PHASES = ("gather", "encode", "exchange", "decide")
 
 
 @dataclass(frozen=True)
@@ -184,12 +185,20 @@ def _rounds(peers: int, params: int, setup: TransportSetup, lab: Any = None) -> 
             done = [json.loads((workdir / f"p{i}.json").read_text()) for i in range(peers)]
         finally:
             terminate(procs)
-    together = [(s, b) for d in done for s, b, n in zip(d["round_seconds"], d["bytes_sent"], d["peers"]) if n == peers]
+    together = [(s, b, ph) for d in done
+                for s, b, n, ph in zip(d["round_seconds"], d["bytes_sent"], d["peers"], d["phases"]) if n == peers]
     if not together:
         raise RuntimeError(f"{peers} peers never took a round all together")
     return {"peers": peers, "params": params, "payload_bytes": 4 * params, "rounds": len(together) // peers,
-            "round_s": statistics.median(s for s, _ in together),
-            "bytes_sent": statistics.median(b for _, b in together)}
+            "round_s": statistics.median(s for s, _, _ in together),
+            "bytes_sent": statistics.median(b for _, b, _ in together),
+            "phases_s": median_phases([ph for _, _, ph in together])}
+
+
+def median_phases(rounds: list[dict[str, float]]) -> dict[str, float]:
+    """Per phase (`RoundOutcome.phases`), its median seconds over the rounds that reached it."""
+    names = dict.fromkeys(name for ph in rounds for name in ph)
+    return {name: statistics.median(ph[name] for ph in rounds if name in ph) for name in names}
 
 
 def loopback(peers: int, payload_mb: float, setup: TransportSetup, say: Callable[[str], None]) -> dict[str, Any]:
@@ -253,4 +262,14 @@ def markdown(result: dict[str, Any]) -> str:
                          f"{r['round_s']:.2f} s | {r['goodput_mbit_s']:.1f} Mbit/s | {r['of_rate']:.1%} | "
                          f"{r['tcp_s']:.2f} s ({r['tcp_mbit_s']:.1f} Mbit/s, {r['tcp_of_rate']:.1%} of the rate) | "
                          f"{r['tcp_s'] / r['round_s']:.1%} |")
+    rows = [("loopback", r) for r in result["loopback"]] + [("WAN", r) for r in result["wan"]]
+    if any(r.get("phases_s") for _, r in rows):
+        lines += ["", "Where a round's time goes (medians, seconds; the rest: Δ, the outer step, the wrapper):", "",
+                  "| link | peers | model | round | " + " | ".join(PHASES) + " | rest |",
+                  "|---|---|---|---|" + "---|" * (len(PHASES) + 1)]
+        for link, r in rows:
+            ph = r.get("phases_s", {})
+            lines.append(f"| {link} | {r['peers']} | {r['payload_bytes'] / 1e6:g} MB | {r['round_s']:.3f} | " +
+                         " | ".join(f"{ph[p]:.3f}" if p in ph else "–" for p in PHASES) +
+                         f" | {r['round_s'] - sum(ph.values()):.3f} |")
     return "\n".join(lines)
