@@ -71,6 +71,7 @@ import itertools
 import logging
 import time
 from collections import Counter
+from functools import partial
 from typing import Any, Callable, Collection, Iterator
 
 import torch
@@ -90,6 +91,7 @@ log = logging.getLogger(__name__)
 
 _MAX_VIEWS_PER_ROUND = 8  # bounded buffering of frames from views other than ours
 _DECIDED_KEPT = 16  # rounds whose committed value id we still tell a late voter
+IN_FLIGHT = 2  # contribution frames on their way to one owner at a time (docs/BENCHMARKS.md, B3)
 Admit = Callable[[tuple[PeerId, ...]], tuple[bool, str]]
 
 
@@ -477,33 +479,47 @@ class Collective:
         return span_bounds(numel, spans_for(numel, members), align=chunk.chunk if chunk else 1)
 
     async def _send_contributions(self, r: Exchange) -> None:
-        async def send_to(owner: PeerId) -> None:
-            # one frame at a time to each owner (the transport copies a frame while it is on its way): a model
-            # cut into many spans costs one span in flight per owner, and a slow owner holds up only its own
-            for span in range(len(r.bounds)):
-                if r.owner(span) == owner:
-                    reply = await self._call(owner, "diloco.contrib", self._frame(
-                        msg.CONTRIB, r.key, view=r.rs.vid, span=span, numel=r.numel(span), body=r.payloads[span]))
-                    if reply is not None and reply.get("reason") == Reason.WRONG_VIEW.value:
-                        self._closed_elsewhere(r.rs, owner)
-                        return
-                    if self.pipeline.spec.ef is None:  # only error feedback reads it again (what of Δ was sent)
-                        r.payloads[span] = b""
+        async def send(owner: PeerId, span: int, window: asyncio.Semaphore) -> None:
+            async with window:
+                if owner in r.rs.elsewhere:  # it closed another view: the rest of its spans would be refused too
+                    return
+                reply = await self._call(owner, "diloco.contrib", self._frame(
+                    msg.CONTRIB, r.key, view=r.rs.vid, span=span, numel=r.numel(span), body=r.payloads[span]))
+                if reply is not None and reply.get("reason") == Reason.WRONG_VIEW.value:
+                    self._closed_elsewhere(r.rs, owner)
+                elif self.pipeline.spec.ef is None:  # only error feedback reads it again (what of Δ was sent)
+                    r.payloads[span] = b""
 
-        await asyncio.gather(*(send_to(p) for p in r.view if p != self.me))
+        # A few frames at a time to each owner, in span order (the transport copies a frame while it is on its way,
+        # so a model cut into many spans costs IN_FLIGHT spans per owner): over a long path one stream is held
+        # back by its flow-control window, two keep the link busy; a slow owner holds up only its own spans.
+        windows = {p: asyncio.Semaphore(IN_FLIGHT) for p in r.view if p != self.me}
+        await asyncio.gather(*(send(r.owner(span), span, windows[r.owner(span)])
+                               for span in range(len(r.bounds)) if r.owner(span) != self.me))
         self.faults.hit("send", r.key.round)
 
     async def _reduce_and_broadcast(self, r: Exchange) -> None:
-        """Owner's side: wait for contributions to our spans until the deadline, then send one result each."""
+        """Owner's side: each span we own, in order, once every member's contribution to it is in (or at the
+        deadline): reduce it and send its result while the next span's contributions are still arriving."""
         def arrived(span: int) -> bool:
             got = r.rs.contribs.get((r.rs.vid, span), {})
             return len(got) + len(r.rs.refused.get(span, set()) & set(r.view)) >= len(r.view)
 
-        await self._wait(r.rs, lambda: all(arrived(s) for s in r.owned), r.closed_at + self.cfg.reduce_timeout)
-        for span in r.owned:
-            await self._reduce_span(r, span)
+        sends = []
+        try:
+            for span in r.owned:
+                await self._wait(r.rs, partial(arrived, span), r.closed_at + self.cfg.reduce_timeout)
+                sends.append(asyncio.create_task(self._broadcast(r, self._reduce_span(r, span))))
+            await asyncio.gather(*sends)
+        finally:
+            for t in sends:
+                t.cancel()
 
-    async def _reduce_span(self, r: Exchange, span: int) -> None:
+    async def _broadcast(self, r: Exchange, frame: bytes) -> None:
+        await asyncio.gather(*(self._call(p, "diloco.result", frame) for p in r.view if p != self.me))
+
+    def _reduce_span(self, r: Exchange, span: int) -> bytes:
+        """Reduce the contributions to `span` into its result: kept as ours, and returned as the frame to send."""
         got = r.rs.contribs.setdefault((r.rs.vid, span), {})
         refused = r.rs.refused.setdefault(span, set())
         if self.me in got and not robust.admit(got[self.me].decoded, self.cfg.robust)[0]:
@@ -535,7 +551,7 @@ class Collective:
         frame = self._frame(msg.RESULT, r.key, view=r.rs.vid, span=span, numel=numel, body=body,
                             meta={"contributors": list(idx), "result": kind, "marked": list(marked)})
         r.rs.frames[(r.rs.vid, span)] = frame
-        await asyncio.gather(*(self._call(p, "diloco.result", frame) for p in r.view if p != self.me))
+        return frame
 
     def _outcome(self, key: RoundKey, value: Value, numel: int, spent: int, lean: bool = False) -> RoundOutcome:
         """A committed round: the aggregate (or, `lean`, the value to read it from span by span), who was

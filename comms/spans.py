@@ -3,7 +3,8 @@
 The flat pseudo-gradient is cut into spans, and every member of a round's view owns some: span s
 belongs to member s mod N of the sorted view. There is one span per member unless a member's share
 would exceed `SPAN_VALUES`; then each member owns k spans (`spans_for`), so that no frame grows with
-the model (`max_payload` stays a bound against hostile input, not a model-size cap). All peers that
+the model (`max_payload` stays a bound against hostile input, not a model-size cap) and a round is a
+pipeline: an owner returns a span's result while the next span's contributions arrive. All peers that
 hold the same view compute the same partition, and the view id (a hash of round key and members)
 travels in every frame so that a peer with a different view can never mix its data into ours.
 """
@@ -45,8 +46,10 @@ def span_bounds(numel: int, parts: int, align: int = 1) -> list[tuple[int, int]]
     return bounds
 
 
-SPAN_VALUES = 16 << 20
-"""Values in a span at most (64 MiB of fp32): larger shares are cut into more spans per member."""
+SPAN_VALUES = 1 << 20
+"""Values in a span at most (4 MiB of fp32): a larger share is cut into more spans per member, so that an owner
+reduces and returns one span while the next one's contributions are still on their way (over a slow link the
+two directions of a member's link work at once instead of one after the other; docs/BENCHMARKS.md, B3)."""
 MAX_SPANS = 1 << 16
 """Spans a round may have at all (frames naming a higher span are refused)."""
 

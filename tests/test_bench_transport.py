@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from diloco.bench.transport import TransportSetup, loopback, markdown, tcp_copy
+from diloco.bench.transport import TransportSetup, daemons_across, loopback, markdown, tcp_copy
 
 
 @pytest.mark.parametrize("peers", [2, 3, 5])
@@ -17,6 +17,25 @@ def test_the_plain_tcp_copy_moves_every_share_between_every_pair(peers):
     assert tcp_copy(peers, 3_000_001) > 0  # raises if a byte is missing
     with pytest.raises(ValueError, match="peers must be >= 2"):
         tcp_copy(1, 10)
+
+
+class _Loopback:
+    """A stand-in for `WanLab` with every host on this machine's loopback."""
+
+    def __init__(self, hosts: int) -> None:
+        self.hosts = hosts
+
+    def address(self, i: int) -> str:
+        return "127.0.0.1"
+
+    def popen(self, i: int, cmd: list[str], **kwargs) -> subprocess.Popen:
+        return subprocess.Popen(cmd, **kwargs)
+
+
+@pytest.mark.timeout(120)
+def test_the_daemons_baseline_sends_every_share_between_real_daemons():
+    # three host processes, each with its own daemon, each sending a third of a megabyte to the two others at once
+    assert 0 < daemons_across(_Loopback(3), 300_000, repeats=2) < 60
 
 
 @pytest.mark.timeout(120)
@@ -45,3 +64,13 @@ def test_bad_options_exit_2_naming_the_fix(args, needle):
     done = subprocess.run([sys.executable, "-m", "diloco", "bench", "transport", *args], capture_output=True,
                           text=True, timeout=60, env={**os.environ, "COLUMNS": "200"})
     assert done.returncode == 2 and needle in done.stderr, done.stderr
+
+
+def test_the_wan_table_sets_each_round_against_the_rate_plain_tcp_and_the_daemons():
+    row = dict(peers=2, payload_bytes=20_000_000, bytes_sent=20_000_000, round_s=5.0, goodput_mbit_s=32.0,
+               of_rate=0.64, tcp_s=3.6, tcp_mbit_s=44.4, tcp_of_rate=0.889, daemons_s=4.0, daemons_mbit_s=40.0,
+               phases_s={"gather": 0.1, "encode": 0.0, "exchange": 4.5, "decide": 0.1})
+    table = markdown({"setup": {"rate_mbit": 50.0, "delay_ms": 25.0}, "loopback": [], "wan": [row]})
+    assert "| 2 | 20 MB | 20.00 MB | 5.00 s | 32.0 Mbit/s | 64.0% | 3.60 s (44.4 Mbit/s, 88.9% of the rate) | 72.0% " \
+           "| 4.00 s (40.0 Mbit/s, 80.0% of the rate) | 80.0% |" in table, table
+    assert "| WAN | 2 | 20 MB | 5.000 | 0.100 | 0.000 | 4.500 | 0.100 | 0.300 |" in table, table

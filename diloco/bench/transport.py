@@ -15,7 +15,9 @@
    way (`diloco.bench.wan.WanLab`, root): the round's goodput against the uplink's rate (a peer's bytes
    leave through its own uplink, so the rate bounds its goodput), and against plain TCP moving the same
    bytes across the same links in the same pattern (`WanLab.measure_concurrent`): what one TCP flow per
-   pair gets from the emulated link (its queue, its delay, slow start) before any protocol.
+   pair gets from the emulated link (its queue, its delay, slow start) before any protocol; and against the
+   swarm's daemons moving the same bytes in the same pattern with no round (`daemons_across`, one call per
+   pair, all at once): what libp2p's transport gets from the link.
 
 The machine's cores are shared by every peer and daemon: at N=8 on a small machine what is measured is
 as much CPU as transport (the report says how many cores there were).
@@ -153,6 +155,86 @@ def daemon_copy(nbytes: int, repeats: int = 3) -> float:
     return asyncio.run(measure())
 
 
+def daemon_host(argv: list[str]) -> None:
+    """One host of `daemons_across` (`python -m diloco.bench.transport daemon-host DIR I N BYTES REPEATS ADDR`):
+    a daemon on ADDR that takes calls, dials hosts 0..I-1 (their addresses in DIR), then REPEATS times, at the
+    go signal, sends BYTES/(N-1) to every other host at once and writes how long that took."""
+    import asyncio
+    import json
+
+    from diloco.comms.p2p import P2PTransport
+    from diloco.comms.transport import PeerId
+
+    workdir, me, hosts, nbytes, repeats, addr = Path(argv[0]), *map(int, argv[1:5]), argv[5]
+
+    async def wait_for(path: Path) -> str:
+        while not path.exists():
+            await asyncio.sleep(0.05)
+        return path.read_text()
+
+    async def main() -> None:
+        earlier = [json.loads(await wait_for(workdir / f"h{i}.addr")) for i in range(me)]
+        t = await P2PTransport.create(host_maddrs=[f"/ip4/{addr}/tcp/0"],
+                                      initial_peers=[m for h in earlier for m in h["maddrs"]])
+        try:
+            async def take(caller: Any, payload: bytes) -> bytes:
+                return b"ok"
+
+            await t.register("copy", take)
+            (workdir / f"h{me}.tmp").write_text(json.dumps(
+                {"peer": str(t.peer_id), "maddrs": [str(m) for m in await t.p2p.get_visible_maddrs()]}))
+            (workdir / f"h{me}.tmp").rename(workdir / f"h{me}.addr")
+            others = [PeerId(json.loads(await wait_for(workdir / f"h{i}.addr"))["peer"])
+                      for i in range(hosts) if i != me]
+            for p in others:  # dial and warm up
+                await t.call(p, "copy", b"x", 120)
+            share = bytes(max(1, nbytes // len(others)))
+            for k in range(repeats):
+                await wait_for(workdir / f"go{k}")
+                began = time.perf_counter()
+                await asyncio.gather(*(t.call(p, "copy", share, 600) for p in others))
+                (workdir / f"h{me}.{k}.s").write_text(str(time.perf_counter() - began))
+            await wait_for(workdir / "done")  # the others may still be sending to us
+        finally:
+            await t.close()
+
+    asyncio.run(main())
+
+
+def daemons_across(lab: Any, nbytes: int, repeats: int = 3) -> float:
+    """Median seconds until each of `lab`'s hosts has sent `nbytes`, an equal share to every other at once,
+    through the swarm's daemons (`diloco.comms.p2p`, one call per pair, no round): the round's pattern over
+    the same links with only the daemons' transport in the way."""
+    import sys
+
+    hosts = lab.hosts
+    with tempfile.TemporaryDirectory(prefix="diloco-bench-daemons-") as tmp:
+        workdir = Path(tmp)
+        procs = [lab.popen(i, [sys.executable, "-m", "diloco.bench.transport", "daemon-host", tmp, str(i), str(hosts),
+                               str(nbytes), str(repeats), lab.address(i)],
+                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE) for i in range(hosts)]
+        try:
+            times = []
+            for k in range(repeats):
+                time.sleep(1.0)  # idle between rounds, as between a swarm's rounds
+                (workdir / f"go{k}").touch()
+                deadline = time.monotonic() + 600
+                while not all((workdir / f"h{i}.{k}.s").exists() for i in range(hosts)):
+                    failed = [p for p in procs if p.poll() is not None]
+                    if failed or time.monotonic() > deadline:
+                        err = failed[0].stderr.read().decode(errors="replace")[-2000:] if failed and failed[0].stderr \
+                            else "timed out after 600 s"
+                        raise RuntimeError(f"the daemon-to-daemon baseline failed: {err}")
+                    time.sleep(0.05)
+                times.append(max(float((workdir / f"h{i}.{k}.s").read_text()) for i in range(hosts)))
+            (workdir / "done").touch()
+            for p in procs:
+                p.wait(60)
+            return statistics.median(times)
+        finally:
+            terminate(procs)
+
+
 def _rounds(peers: int, params: int, setup: TransportSetup, lab: Any = None) -> dict[str, Any]:
     """N real peers (in `lab`'s hosts, or on loopback) taking rounds of `params` fp32 parameters: the median
     round time and bytes a peer sent, over the rounds all N took together."""
@@ -224,15 +306,18 @@ def wan(peers: int, setup: TransportSetup, say: Callable[[str], None]) -> dict[s
         # plain TCP across the same links, in the round's pattern: every host sends its share to every other at once
         pairs = [(i, j) for i in range(peers) for j in range(peers) if i != j]
         flows = lab.measure_concurrent(pairs, nbytes=int(row["bytes_sent"] / (peers - 1)), pings=3, timeout=600)
+        row["daemons_s"] = daemons_across(lab, int(row["bytes_sent"]))
     row["goodput_mbit_s"] = 8 * row["bytes_sent"] / row["round_s"] / 1e6
     row["of_rate"] = row["goodput_mbit_s"] / setup.rate_mbit
     row["tcp_s"] = max(f.seconds for f in flows)
     row["tcp_mbit_s"] = 8 * row["bytes_sent"] / row["tcp_s"] / 1e6
     row["tcp_of_rate"] = row["tcp_mbit_s"] / setup.rate_mbit
     row["rtt_ms"] = statistics.median(f.rtt_ms for f in flows)
+    row["daemons_mbit_s"] = 8 * row["bytes_sent"] / row["daemons_s"] / 1e6
     say(f"WAN {setup.rate_mbit:g} Mbit/s, {setup.delay_ms:g} ms, {peers} peers, {setup.wan_payload_mb:g} MB: round "
         f"{row['round_s']:.2f} s, {row['goodput_mbit_s']:.1f} Mbit/s a peer ({row['of_rate']:.1%} of the rate); "
-        f"plain TCP {row['tcp_mbit_s']:.1f} Mbit/s ({row['tcp_of_rate']:.1%})")
+        f"plain TCP {row['tcp_mbit_s']:.1f} Mbit/s ({row['tcp_of_rate']:.1%}); the daemons alone "
+        f"{row['daemons_mbit_s']:.1f} Mbit/s ({row['daemons_mbit_s'] / setup.rate_mbit:.1%})")
     return row
 
 
@@ -256,12 +341,14 @@ def markdown(result: dict[str, Any]) -> str:
         s = result["setup"]
         lines += ["", f"Emulated WAN: every uplink {s['rate_mbit']:g} Mbit/s, {s['delay_ms']:g} ms each way:", "",
                   "| peers | model (fp32) | bytes a peer sends | round | goodput a peer | of the rate | "
-                  "plain TCP, same bytes and pattern | round / plain TCP |", "|---|---|---|---|---|---|---|---|"]
+                  "plain TCP, same bytes and pattern | round / plain TCP | the daemons alone, same bytes and pattern | "
+                  "round / daemons |", "|---|---|---|---|---|---|---|---|---|---|"]
         for r in result["wan"]:
             lines.append(f"| {r['peers']} | {r['payload_bytes'] / 1e6:g} MB | {r['bytes_sent'] / 1e6:.2f} MB | "
                          f"{r['round_s']:.2f} s | {r['goodput_mbit_s']:.1f} Mbit/s | {r['of_rate']:.1%} | "
                          f"{r['tcp_s']:.2f} s ({r['tcp_mbit_s']:.1f} Mbit/s, {r['tcp_of_rate']:.1%} of the rate) | "
-                         f"{r['tcp_s'] / r['round_s']:.1%} |")
+                         f"{r['tcp_s'] / r['round_s']:.1%} | {r['daemons_s']:.2f} s ({r['daemons_mbit_s']:.1f} Mbit/s, "
+                         f"{r['daemons_mbit_s'] / s['rate_mbit']:.1%} of the rate) | {r['daemons_s'] / r['round_s']:.1%} |")
     rows = [("loopback", r) for r in result["loopback"]] + [("WAN", r) for r in result["wan"]]
     if any(r.get("phases_s") for _, r in rows):
         lines += ["", "Where a round's time goes (medians, seconds; the rest: Δ, the outer step, the wrapper):", "",
@@ -273,3 +360,12 @@ def markdown(result: dict[str, Any]) -> str:
                          " | ".join(f"{ph[p]:.3f}" if p in ph else "–" for p in PHASES) +
                          f" | {r['round_s'] - sum(ph.values()):.3f} |")
     return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    import sys
+
+    if sys.argv[1:2] == ["daemon-host"]:
+        daemon_host(sys.argv[2:])
+    else:
+        sys.exit("usage: python -m diloco.bench.transport daemon-host DIR I N BYTES REPEATS ADDR (see daemons_across)")
