@@ -30,6 +30,21 @@ def default_outer(error_feedback: bool, lr: float | None = None, momentum: float
     return nesterov(base_lr if lr is None else lr, base_momentum if momentum is None else momentum)
 
 
+def warmup_scale(rnd: int, warmup: int) -> float:
+    """The outer lr's factor for the outer step that commits global round `rnd` (1-based): it rises linearly
+    over the first `warmup` rounds (rnd/warmup), then stays 1; 0 or less: no warmup."""
+    if rnd < 1:
+        raise ValueError(f"rounds are counted from 1, got {rnd}")
+    return 1.0 if warmup <= 0 else min(1.0, rnd / warmup)
+
+
+def set_outer_lr(outer: torch.optim.Optimizer, scale: float) -> None:
+    """Scale every param group's lr to `scale` × the lr its optimizer was made with (kept as `initial_lr`,
+    as torch's schedulers keep it). The lr is no part of the global state: every peer sets it from the round."""
+    for group in outer.param_groups:
+        group["lr"] = group.setdefault("initial_lr", group["lr"]) * scale
+
+
 def flatten(tensors: Iterable[torch.Tensor]) -> torch.Tensor:
     """All tensors as one contiguous fp32 vector (a copy)."""
     return torch.cat([t.detach().reshape(-1).to(torch.float32) for t in tensors])

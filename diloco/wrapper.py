@@ -72,7 +72,7 @@ from .environment import WAIT_TIMEOUT, Launch
 from .metrics import close_launched
 from .fragments import Fragment, StreamingConfig, check_schedule, fragment_of_round, partition, slot_due
 from .outer import OuterFactory, copy_into, default_outer, mix_into, outer_step, pseudo_gradient, \
-    pseudo_gradient_pieces
+    pseudo_gradient_pieces, set_outer_lr, warmup_scale
 from .shards import ShardedHandoff, SiteShards, is_sharded, local_view
 from .site import Site
 from .state import GlobalState, schema_digest
@@ -200,6 +200,7 @@ class DiLoCo:
         swarm: Swarm | None | Literal["auto"] = "auto",
         inner_steps: int = 100,
         outer_optimizer: OuterFactory | None = None,
+        outer_warmup: int = 0,
         on_round: Callable[[RoundReport], None] | None = None,
         join_timeout: float = 10.0,
         compression: str | None = None,
@@ -211,7 +212,11 @@ class DiLoCo:
     ) -> None:
         if inner_steps < 1:
             raise ConfigError(f"inner_steps must be >= 1, got {inner_steps}")
+        if outer_warmup < 0:
+            raise ConfigError(f"outer_warmup must be >= 0 rounds, got {outer_warmup}")
         self.inner_steps = inner_steps
+        self.outer_warmup = outer_warmup
+        """Rounds of linear outer-lr warmup (`outer.warmup_scale`); 0: none."""
         self.streaming = streaming or StreamingConfig()
         # "auto": a command started by `diloco start/join -- CMD` finds its swarm in the environment
         # (connected when we attach); without the launcher's variables, a single worker, no network.
@@ -628,6 +633,7 @@ class DiLoCo:
         # momentum — anchored to the shared θ every phase, so no peer drifts from the others.
         params, outer = before
         grad = delta / self._last_view if aggregate is None else aggregate + delta / self._last_view
+        set_outer_lr(outer, warmup_scale(self.state.round + 1, self.outer_warmup))
         outer_step(outer, params, grad)
         copy_into(self.local_params, params)
         self._start = params
@@ -766,6 +772,7 @@ class DiLoCo:
                 kept.ef.commit(pending.acc, outcome.sent)
             global_frag = self._frag(self.state.params, frag)
             with self._state_lock:
+                set_outer_lr(self.state.outer, warmup_scale(self.state.round + 1, self.outer_warmup))
                 outer_step(self.state.outer, global_frag, aggregate)
                 self.state.round += 1
                 self._state_changed()

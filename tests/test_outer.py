@@ -21,7 +21,8 @@ from diloco import DiLoCo
 from diloco.comms import InProcNetwork
 from diloco.comms.loop import LoopThread
 from diloco.comms.rounds import PiecewiseHandoff
-from diloco.outer import flatten, nesterov, outer_step, pseudo_gradient, pseudo_gradient_pieces, unflatten
+from diloco.outer import flatten, nesterov, outer_step, pseudo_gradient, pseudo_gradient_pieces, set_outer_lr, unflatten, \
+    warmup_scale
 from diloco.peers import InProcBoard
 
 pytestmark = pytest.mark.unit
@@ -163,6 +164,43 @@ def test_single_worker_lr1_no_momentum_equals_plain_local_training():
     # the global θ is what the model holds after each sync
     for g, p in zip(d.state.params, model.parameters()):
         assert torch.equal(g, p.detach())
+
+
+def test_outer_lr_warmup_rises_linearly_over_its_rounds_then_holds():
+    assert [warmup_scale(r, 4) for r in range(1, 7)] == [0.25, 0.5, 0.75, 1.0, 1.0, 1.0]
+    assert warmup_scale(1, 0) == 1.0
+    with pytest.raises(ValueError, match="counted from 1"):
+        warmup_scale(0, 4)
+    outer = nesterov(lr=0.7)([torch.zeros(3, requires_grad=True)])
+    set_outer_lr(outer, 0.5)
+    set_outer_lr(outer, 0.25)  # scales the optimizer's own lr, not the last one set
+    assert outer.param_groups[0]["lr"] == pytest.approx(0.175)
+
+
+def test_a_warmed_up_outer_step_moves_theta_part_of_the_way_to_the_local_model():
+    """One worker, outer SGD lr 1 without momentum, warmup over 4 rounds: round r moves θ r/4 of the way from
+    θ to the local model (θ ← θ − (r/4)·Δ); from round 4 on all of the way, as without warmup."""
+    H = 3
+    model = _mlp(1)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    local: list[list[torch.Tensor]] = []
+    # registered before the wrapper's hook, so it sees the local model of each step before any sync
+    opt.register_step_post_hook(lambda *_: local.append([p.detach().clone() for p in model.parameters()]))
+    with DiLoCo(model, opt, swarm=None, inner_steps=H, outer_optimizer=_sgd_outer(), outer_warmup=4) as d:
+        theta = [[g.clone() for g in d.state.params]]
+        for x, y in _batches(2, 6 * H):
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+            if d.steps % H == 0:
+                theta.append([g.clone() for g in d.state.params])
+    assert d.round == 6
+    for r in range(1, 7):
+        before, after, trained = theta[r - 1], theta[r], local[r * H - 1]
+        share = min(1.0, r / 4)
+        for b, a, t in zip(before, after, trained):
+            assert torch.allclose(a, b - share * (b - t), rtol=0, atol=1e-6), (r, (a - b + share * (b - t)).abs().max())
+        assert max((t - b).abs().max().item() for b, t in zip(before, trained)) > 1e-3  # the model moved
 
 
 # ---------------------------------------------------------------------- (b) H=1 == data-parallel SGD

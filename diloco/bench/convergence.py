@@ -44,6 +44,8 @@ class Variant:
     outer_lr: float | None = None
     """None: the default outer optimizer of the compression (`diloco.outer.default_outer`)."""
     outer_momentum: float | None = None
+    outer_warmup: int = 0
+    """Rounds of linear outer-lr warmup."""
     lr: float | None = None
     """Inner AdamW lr of the workers (None: the job's, `--lr`)."""
 
@@ -58,13 +60,13 @@ NAMED = dict(zip(("h50", "h100", "streaming", "sparse"), VARIANTS))
 """The variants by the short names `--variant` takes."""
 _KNOBS = {"H": ("inner_steps", int), "compression": ("compression", str), "fragments": ("fragments", int),
           "overlap": ("overlap", int), "alpha": ("alpha", float), "outer_lr": ("outer_lr", float),
-          "outer_momentum": ("outer_momentum", float), "lr": ("lr", float)}
+          "outer_momentum": ("outer_momentum", float), "outer_warmup": ("outer_warmup", int), "lr": ("lr", float)}
 
 
 def parse_variant(spec: str) -> Variant:
     """A variant from `NAME[,KNOB=VALUE...]`: one of `NAMED` with knobs changed, e.g.
     `h50,outer_lr=0.5,outer_momentum=0.8` or `sparse,H=20`. Knobs: H, compression, fragments, overlap,
-    alpha, outer_lr, outer_momentum, lr (the workers' inner lr). Raises ValueError naming what is wrong."""
+    alpha, outer_lr, outer_momentum, outer_warmup, lr (the workers' inner lr). Raises ValueError naming what is wrong."""
     name, *knobs = [part.strip() for part in spec.split(",")]
     if name not in NAMED:
         raise ValueError(f"unknown variant {name!r} in {spec!r}: choose one of {', '.join(NAMED)}")
@@ -174,6 +176,7 @@ def _variant(job: JobConfig, workers: int, steps: int, v: Variant, curves: bool,
     net = NetworkModel(bandwidth_mbit=100.0, latency_ms=50.0)
     streaming = replace(job.streaming, fragments=v.fragments, overlap=v.overlap, alpha=v.alpha)
     cfg = replace(job, lr=v.lr or job.lr, inner_steps=v.inner_steps, rounds=steps // v.inner_steps, streaming=streaming, outer_lr=v.outer_lr, outer_momentum=v.outer_momentum,
+                  outer_warmup=v.outer_warmup,
                   eval_every=1 if curves else 0)
     started = time.monotonic()
     out = simulate(cfg, workers, swarm=SwarmConfig(run_id="bench-convergence", compression=v.compression), net=net,

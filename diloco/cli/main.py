@@ -476,7 +476,7 @@ def bench_convergence_cmd(
     variant: List[str] = typer.Option(list(("h50", "h100", "streaming", "sparse")), help=(
         "Variants to run, by name (h50, h100, streaming, sparse), each optionally with knobs changed: "
         "'h50,outer_lr=0.5,outer_momentum=0.8', 'sparse,H=20' (knobs: H, compression, fragments, overlap, alpha, "
-        "outer_lr, outer_momentum, lr). Repeat it.")),
+        "outer_lr, outer_momentum, outer_warmup, lr). Repeat it.")),
     dp_lr: List[float] = typer.Option([], help="Inner lr of data-parallel training; repeat it to tune over several "
                                               "(gaps are to the best). Default: --lr."),
     lr: float = typer.Option(2e-3, help="Inner AdamW lr of the DiLoCo workers."),

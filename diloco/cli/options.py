@@ -186,6 +186,7 @@ class JobOptions(Group):
                                                            "error feedback).")
     outer_momentum: Optional[float] = option(_JOB.outer_momentum, help="Outer Nesterov momentum (default 0.9; 0 with "
                                                                        "error feedback).")
+    outer_warmup: int = option(_JOB.outer_warmup, help="Rounds of linear outer-lr warmup (0: none).")
 
 
 @dataclass(frozen=True)

@@ -70,6 +70,8 @@ class JobConfig:
     """Outer SGD learning rate (default: 0.7, or 1.0 when the compression has error feedback)."""
     outer_momentum: float | None = None
     """Outer SGD Nesterov momentum (default: 0.9, or 0 when the compression has error feedback)."""
+    outer_warmup: int = 0
+    """Rounds of linear outer-lr warmup (0: none; `DiLoCo(outer_warmup=...)`)."""
     seed: int = 0
     """Model initialization seed; the same on every peer."""
     shard: int | None = None
@@ -115,6 +117,8 @@ class JobConfig:
             raise ConfigError(f"outer_lr must be > 0, got {self.outer_lr}")
         if self.outer_momentum is not None and not 0 <= self.outer_momentum < 1:
             raise ConfigError(f"outer_momentum must be in [0, 1), got {self.outer_momentum}")
+        if self.outer_warmup < 0:
+            raise ConfigError(f"outer_warmup must be >= 0 rounds, got {self.outer_warmup}")
         if self.d_model % 4:
             raise ConfigError(f"d_model ({self.d_model}) must be divisible by the 4 attention heads")
         if self.streaming.fragments is None:
@@ -202,6 +206,7 @@ def run_job(cfg: JobConfig, swarm: Swarm | None, *, metrics: MetricsWriter | Non
     error_feedback = swarm is not None and parse_compression(swarm.cfg.compression).ef is not None
     outer = default_outer(error_feedback, cfg.outer_lr, cfg.outer_momentum)
     d = DiLoCo(model, inner, swarm=swarm, inner_steps=cfg.inner_steps, on_round=on_round, outer_optimizer=outer,
+               outer_warmup=cfg.outer_warmup,
                streaming=cfg.streaming, checkpoint_dir=cfg.checkpoint_dir, checkpoint_every=cfg.checkpoint_every)
     if cfg.resume and not d.resume():
         log.info("event=resume_skipped reason=no verified checkpoint in %s", cfg.checkpoint_dir)
