@@ -65,9 +65,9 @@ def test_cli_wants_a_budget_that_every_h_divides_and_names_it_refuses():
 
 def test_variants_by_name_with_knobs_changed():
     assert parse_variant("h50") == NAMED["h50"]
-    v = parse_variant("h100,H=20,outer_lr=0.5,outer_momentum=0.8,lr=0.004")
-    assert (v.name, v.inner_steps, v.outer_lr, v.outer_momentum, v.lr) == \
-        ("DiLoCo H=20 (outer_lr=0.5, outer_momentum=0.8, lr=0.004)", 20, 0.5, 0.8, 0.004)
+    v = parse_variant("h100,H=20,outer_lr=0.5,outer_momentum=0.8,outer_warmup=10,lr=0.004")
+    assert (v.name, v.inner_steps, v.outer_lr, v.outer_momentum, v.outer_warmup, v.lr) == \
+        ("DiLoCo H=20 (outer_lr=0.5, outer_momentum=0.8, outer_warmup=10, lr=0.004)", 20, 0.5, 0.8, 10, 0.004)
     assert parse_variant("sparse,H=20").name == "Sparse top-k 1.6%, 2-bit, EF (H=20)"  # no H in its name to change
     for bad, said in (("dp", "unknown variant 'dp'"), ("h50,H=x", "'x' is not a int"), ("h50,beta=1", "KNOB=VALUE")):
         with pytest.raises(ValueError, match=said):

@@ -61,7 +61,7 @@ def test_start_and_join_take_the_same_options():
 
 def test_the_demo_hands_its_peers_flags_that_read_back_to_its_job(monkeypatch, tmp_path):
     job = JobConfig(rounds=3, inner_steps=12, batch_size=4, d_model=32, n_layer=2, outer_lr=0.5, outer_momentum=0.8,
-                    streaming=StreamingConfig(fragments=2, pattern="sequential", overlap=1, alpha=0.5))
+                    outer_warmup=5, streaming=StreamingConfig(fragments=2, pattern="sequential", overlap=1, alpha=0.5))
     cfg = DemoConfig(peers=3, job=job, swarm=SwarmConfig(compression="q8", clip=2.0, trim=0.1, ban_after=5))
     argv = peer_command(cfg, 1, "demo-run", tmp_path, "/ip4/127.0.0.1/tcp/1/p2p/" + "12D3KooW" + "a" * 44)
     assert argv[3:5] == ["join", argv[4]]
