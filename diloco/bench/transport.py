@@ -25,6 +25,7 @@ as much CPU as transport (the report says how many cores there were).
 
 from __future__ import annotations
 
+import logging
 import os
 import secrets
 import socket
@@ -166,6 +167,8 @@ def daemon_host(argv: list[str]) -> None:
     from diloco.comms.transport import PeerId
 
     workdir, me, hosts, nbytes, repeats, addr = Path(argv[0]), *map(int, argv[1:5]), argv[5]
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
+    logging.getLogger("diloco.comms").setLevel(logging.DEBUG)  # a dropped stream says why, should one fail
 
     async def wait_for(path: Path) -> str:
         while not path.exists():
@@ -186,6 +189,8 @@ def daemon_host(argv: list[str]) -> None:
             (workdir / f"h{me}.tmp").rename(workdir / f"h{me}.addr")
             others = [PeerId(json.loads(await wait_for(workdir / f"h{i}.addr"))["peer"])
                       for i in range(hosts) if i != me]
+            for p in others:  # as the swarm's members are once their credential passed: no deadline on their heads
+                t.gate.passed(p)
             for p in others:  # dial and warm up
                 await t.call(p, "copy", b"x", 120)
             share = bytes(max(1, nbytes // len(others)))
@@ -220,11 +225,14 @@ def daemons_across(lab: Any, nbytes: int, repeats: int = 3) -> float:
                 (workdir / f"go{k}").touch()
                 deadline = time.monotonic() + 600
                 while not all((workdir / f"h{i}.{k}.s").exists() for i in range(hosts)):
-                    failed = [p for p in procs if p.poll() is not None]
+                    failed = [i for i, p in enumerate(procs) if p.poll() is not None]
                     if failed or time.monotonic() > deadline:
-                        err = failed[0].stderr.read().decode(errors="replace")[-2000:] if failed and failed[0].stderr \
-                            else "timed out after 600 s"
-                        raise RuntimeError(f"the daemon-to-daemon baseline failed: {err}")
+                        terminate(procs)
+                        said = [f"host {i}: " + (p.stderr.read().decode(errors="replace")[-1500:] if p.stderr else "")
+                                for i, p in enumerate(procs)]
+                        raise RuntimeError(f"the daemon-to-daemon baseline failed (repeat {k}; "
+                                           f"{'host ' + str(failed[0]) + ' exited' if failed else 'timed out'}):\n"
+                                           + "\n".join(said))
                     time.sleep(0.05)
                 times.append(max(float((workdir / f"h{i}.{k}.s").read_text()) for i in range(hosts)))
             (workdir / "done").touch()
