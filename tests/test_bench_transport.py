@@ -74,3 +74,7 @@ def test_the_wan_table_sets_each_round_against_the_rate_plain_tcp_and_the_daemon
     assert "| 2 | 20 MB | 20.00 MB | 5.00 s | 32.0 Mbit/s | 64.0% | 3.60 s (44.4 Mbit/s, 88.9% of the rate) | 72.0% " \
            "| 4.00 s (40.0 Mbit/s, 80.0% of the rate) | 80.0% |" in table, table
     assert "| WAN | 2 | 20 MB | 5.000 | 0.100 | 0.000 | 4.500 | 0.100 | 0.300 |" in table, table
+    # a baseline that failed leaves the round's figures and says so
+    del row["daemons_s"], row["daemons_mbit_s"]
+    table = markdown({"setup": {"rate_mbit": 50.0, "delay_ms": 25.0}, "loopback": [], "wan": [dict(row, daemons_error="x")]})
+    assert "| 72.0% | failed (`daemons_error` in the JSON) | – |" in table, table

@@ -314,18 +314,24 @@ def wan(peers: int, setup: TransportSetup, say: Callable[[str], None]) -> dict[s
         # plain TCP across the same links, in the round's pattern: every host sends its share to every other at once
         pairs = [(i, j) for i in range(peers) for j in range(peers) if i != j]
         flows = lab.measure_concurrent(pairs, nbytes=int(row["bytes_sent"] / (peers - 1)), pings=3, timeout=600)
-        row["daemons_s"] = daemons_across(lab, int(row["bytes_sent"]))
+        try:  # a baseline that failed leaves the round's figures standing; the row says why it has none
+            row["daemons_s"] = daemons_across(lab, int(row["bytes_sent"]))
+        except RuntimeError as e:
+            row["daemons_error"] = str(e)
     row["goodput_mbit_s"] = 8 * row["bytes_sent"] / row["round_s"] / 1e6
     row["of_rate"] = row["goodput_mbit_s"] / setup.rate_mbit
     row["tcp_s"] = max(f.seconds for f in flows)
     row["tcp_mbit_s"] = 8 * row["bytes_sent"] / row["tcp_s"] / 1e6
     row["tcp_of_rate"] = row["tcp_mbit_s"] / setup.rate_mbit
     row["rtt_ms"] = statistics.median(f.rtt_ms for f in flows)
-    row["daemons_mbit_s"] = 8 * row["bytes_sent"] / row["daemons_s"] / 1e6
+    if "daemons_s" in row:
+        row["daemons_mbit_s"] = 8 * row["bytes_sent"] / row["daemons_s"] / 1e6
+        daemons = f"{row['daemons_mbit_s']:.1f} Mbit/s ({row['daemons_mbit_s'] / setup.rate_mbit:.1%})"
+    else:
+        daemons = f"failed: {row['daemons_error']}"
     say(f"WAN {setup.rate_mbit:g} Mbit/s, {setup.delay_ms:g} ms, {peers} peers, {setup.wan_payload_mb:g} MB: round "
         f"{row['round_s']:.2f} s, {row['goodput_mbit_s']:.1f} Mbit/s a peer ({row['of_rate']:.1%} of the rate); "
-        f"plain TCP {row['tcp_mbit_s']:.1f} Mbit/s ({row['tcp_of_rate']:.1%}); the daemons alone "
-        f"{row['daemons_mbit_s']:.1f} Mbit/s ({row['daemons_mbit_s'] / setup.rate_mbit:.1%})")
+        f"plain TCP {row['tcp_mbit_s']:.1f} Mbit/s ({row['tcp_of_rate']:.1%}); the daemons alone {daemons}")
     return row
 
 
@@ -355,8 +361,10 @@ def markdown(result: dict[str, Any]) -> str:
             lines.append(f"| {r['peers']} | {r['payload_bytes'] / 1e6:g} MB | {r['bytes_sent'] / 1e6:.2f} MB | "
                          f"{r['round_s']:.2f} s | {r['goodput_mbit_s']:.1f} Mbit/s | {r['of_rate']:.1%} | "
                          f"{r['tcp_s']:.2f} s ({r['tcp_mbit_s']:.1f} Mbit/s, {r['tcp_of_rate']:.1%} of the rate) | "
-                         f"{r['tcp_s'] / r['round_s']:.1%} | {r['daemons_s']:.2f} s ({r['daemons_mbit_s']:.1f} Mbit/s, "
-                         f"{r['daemons_mbit_s'] / s['rate_mbit']:.1%} of the rate) | {r['daemons_s'] / r['round_s']:.1%} |")
+                         f"{r['tcp_s'] / r['round_s']:.1%} | " + (
+                             f"{r['daemons_s']:.2f} s ({r['daemons_mbit_s']:.1f} Mbit/s, {r['daemons_mbit_s'] / s['rate_mbit']:.1%}"
+                             f" of the rate) | {r['daemons_s'] / r['round_s']:.1%} |" if "daemons_s" in r else
+                             "failed (`daemons_error` in the JSON) | – |"))
     rows = [("loopback", r) for r in result["loopback"]] + [("WAN", r) for r in result["wan"]]
     if any(r.get("phases_s") for _, r in rows):
         lines += ["", "Where a round's time goes (medians, seconds; the rest: Δ, the outer step, the wrapper):", "",
