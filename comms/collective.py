@@ -177,7 +177,7 @@ class Collective:
         try:
             handoff = delta if isinstance(delta, Handoff) else Handoff(delta)
             del delta
-            outcome = await self._run(key, digest, others, handoff, fragment, admit, wait_for)
+            outcome = await self._run(rs, key, digest, others, handoff, fragment, admit, wait_for)
         finally:
             self._floor = RoundKey(key.round, key.attempt + 1)
             self._forget_before(self._floor)
@@ -196,9 +196,8 @@ class Collective:
         outcome.seconds, outcome.phases = time.monotonic() - started, dict(rs.phases)
         return outcome
 
-    async def _run(self, key: RoundKey, digest: str, others: list[PeerId], delta: Handoff,
+    async def _run(self, rs: RoundState, key: RoundKey, digest: str, others: list[PeerId], delta: Handoff,
                    fragment: int, admit: Admit | None, wait_for: Collection[PeerId] | None) -> RoundOutcome:
-        rs = self._state(key)
         rs.fragment, rs.lean = fragment, not delta.keeps_aggregate
         began = time.monotonic()
         late = await self._gather(rs, key, digest, others, wait_for)

@@ -88,8 +88,12 @@ def pseudo_gradient_pieces(global_params: Sequence[torch.Tensor], local_params: 
 
 
 @torch.no_grad()
-def outer_step(outer: torch.optim.Optimizer, global_params: Sequence[torch.Tensor], aggregate: torch.Tensor) -> None:
-    """Use the averaged pseudo-gradient as the gradient of θ and step the outer optimizer."""
+def outer_step(outer: torch.optim.Optimizer, global_params: Sequence[torch.Tensor], aggregate: torch.Tensor,
+               lr_scale: float | None = None) -> None:
+    """Use the averaged pseudo-gradient as the gradient of θ and step the outer optimizer (at `lr_scale` × its
+    own lr when given: `set_outer_lr`)."""
+    if lr_scale is not None:
+        set_outer_lr(outer, lr_scale)
     for p, g in zip(global_params, unflatten(aggregate, global_params)):
         p.grad = g.to(device=p.device)  # a view of the aggregate on the same device: torch optimizers do not write it
     outer.step()

@@ -72,7 +72,7 @@ from .environment import WAIT_TIMEOUT, Launch
 from .metrics import close_launched
 from .fragments import Fragment, StreamingConfig, check_schedule, fragment_of_round, partition, slot_due
 from .outer import OuterFactory, copy_into, default_outer, mix_into, outer_step, pseudo_gradient, \
-    pseudo_gradient_pieces, set_outer_lr, warmup_scale
+    pseudo_gradient_pieces, warmup_scale
 from .shards import ShardedHandoff, SiteShards, is_sharded, local_view
 from .site import Site
 from .state import GlobalState, schema_digest
@@ -633,10 +633,13 @@ class DiLoCo:
         # momentum — anchored to the shared θ every phase, so no peer drifts from the others.
         params, outer = before
         grad = delta / self._last_view if aggregate is None else aggregate + delta / self._last_view
-        set_outer_lr(outer, warmup_scale(self.state.round + 1, self.outer_warmup))
-        outer_step(outer, params, grad)
+        outer_step(outer, params, grad, self._outer_lr_scale())
         copy_into(self.local_params, params)
         self._start = params
+
+    def _outer_lr_scale(self) -> float:
+        """The outer lr's warmup factor for the step that commits the next global round (`outer.warmup_scale`)."""
+        return warmup_scale(self.state.round + 1, self.outer_warmup)
 
     def _roll_back(self, started: float) -> RoundReport:
         """Our pseudo-gradient holds NaN or Inf (a diverged inner step): contribute nothing this round,
@@ -772,8 +775,7 @@ class DiLoCo:
                 kept.ef.commit(pending.acc, outcome.sent)
             global_frag = self._frag(self.state.params, frag)
             with self._state_lock:
-                set_outer_lr(self.state.outer, warmup_scale(self.state.round + 1, self.outer_warmup))
-                outer_step(self.state.outer, global_frag, aggregate)
+                outer_step(self.state.outer, global_frag, aggregate, self._outer_lr_scale())
                 self.state.round += 1
                 self._state_changed()
             del aggregate
