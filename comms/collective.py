@@ -505,17 +505,23 @@ class Collective:
             return len(got) + len(r.rs.refused.get(span, set()) & set(r.view)) >= len(r.view)
 
         sends = []
+        window = asyncio.Semaphore(IN_FLIGHT)  # results on their way, as for contributions: each one a copy in flight
         try:
             for span in r.owned:
                 await self._wait(r.rs, partial(arrived, span), r.closed_at + self.cfg.reduce_timeout)
-                sends.append(asyncio.create_task(self._broadcast(r, self._reduce_span(r, span))))
+                frame = self._reduce_span(r, span)
+                await window.acquire()
+                sends.append(asyncio.create_task(self._broadcast(r, frame, window)))
             await asyncio.gather(*sends)
         finally:
             for t in sends:
                 t.cancel()
 
-    async def _broadcast(self, r: Exchange, frame: bytes) -> None:
-        await asyncio.gather(*(self._call(p, "diloco.result", frame) for p in r.view if p != self.me))
+    async def _broadcast(self, r: Exchange, frame: bytes, window: asyncio.Semaphore) -> None:
+        try:
+            await asyncio.gather(*(self._call(p, "diloco.result", frame) for p in r.view if p != self.me))
+        finally:
+            window.release()
 
     def _reduce_span(self, r: Exchange, span: int) -> bytes:
         """Reduce the contributions to `span` into its result: kept as ours, and returned as the frame to send."""

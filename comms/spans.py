@@ -46,10 +46,11 @@ def span_bounds(numel: int, parts: int, align: int = 1) -> list[tuple[int, int]]
     return bounds
 
 
-SPAN_VALUES = 1 << 20
-"""Values in a span at most (4 MiB of fp32): a larger share is cut into more spans per member, so that an owner
-reduces and returns one span while the next one's contributions are still on their way (over a slow link the
-two directions of a member's link work at once instead of one after the other; docs/BENCHMARKS.md, B3)."""
+SPAN_VALUES = 16 << 20
+"""Values in a span at most (64 MiB of fp32): a larger share is cut into more spans per member, and an owner
+reduces and returns one span while the next one's contributions are still on their way. Spans of 1M values
+made 2-peer rounds of a 100 MB model 1.5× faster but raised a 300M-parameter peer's peak memory by half
+(docs/BENCHMARKS.md, B3), so spans stay large."""
 MAX_SPANS = 1 << 16
 """Spans a round may have at all (frames naming a higher span are refused)."""
 
