@@ -145,9 +145,53 @@ def check_schedule(inner_steps: int, fragments: int, cfg: StreamingConfig) -> No
                             "lower tau or use fewer fragments")
 
 
-def slot_due(step: int, inner_steps: int, fragments: int) -> bool:
-    """True when inner step `step` (1-based) starts a fragment's synchronization."""
-    return step > 0 and step % (inner_steps // fragments) == 0
+HSchedule = tuple[tuple[int, int], ...]
+"""An H schedule: (after this many committed rounds, H from then on) pairs, rounds ascending."""
+
+
+def inner_steps_at(committed: int, inner_steps: int, schedule: HSchedule = ()) -> int:
+    """H of the round that follows `committed` committed global rounds: `inner_steps`, or the H of the
+    schedule's last change at or before `committed`. A function of the round alone, so every peer (and one
+    that downloaded the state) agrees on where the slots fall."""
+    h = inner_steps
+    for after, value in schedule:
+        if committed >= after:
+            h = value
+    return h
+
+
+def parse_h_schedule(text: str) -> HSchedule:
+    """'80:10' or '80:10,95:5' (or with '+' between the pairs): after 80 committed rounds H is 10, after 95
+    it is 5. Raises ValueError saying what is wrong."""
+    pairs = []
+    for part in filter(None, (p.strip() for p in re.split(r"[,+]", text))):
+        after, sep, h = part.partition(":")
+        try:
+            if not sep:
+                raise ValueError
+            pairs.append((int(after), int(h)))
+        except ValueError:
+            raise ValueError(f"H schedule {text!r}: write ROUNDS:H pairs, e.g. '80:10' (after 80 rounds, H=10) or "
+                             f"'80:10,95:5'; {part!r} is not one") from None
+    check_h_schedule(tuple(pairs))
+    return tuple(pairs)
+
+
+def format_h_schedule(schedule: HSchedule) -> str:
+    """The text `parse_h_schedule` reads back: '80:10,95:5' ('' for none)."""
+    return ",".join(f"{after}:{h}" for after, h in schedule)
+
+
+def check_h_schedule(schedule: HSchedule, fragments: int = 1, cfg: StreamingConfig | None = None) -> None:
+    """Rounds > 0 and ascending, every H >= 1 and fit for the fragments and overlap (`check_schedule`);
+    raises FragmentError."""
+    rounds = [r for r, _ in schedule]
+    if any(r < 1 for r in rounds) or rounds != sorted(set(rounds)):
+        raise FragmentError(f"H schedule {schedule}: the rounds must be >= 1 and ascending")
+    for _, h in schedule:
+        if h < 1:
+            raise FragmentError(f"H schedule {schedule}: every H must be >= 1, got {h}")
+        check_schedule(h, fragments, cfg or StreamingConfig(fragments=fragments))
 
 
 def fragment_of_round(rnd: int, fragments: int) -> int:

@@ -70,7 +70,8 @@ from .checkpoint import CheckpointError
 from .config import ConfigError
 from .environment import WAIT_TIMEOUT, Launch
 from .metrics import close_launched
-from .fragments import Fragment, StreamingConfig, check_schedule, fragment_of_round, partition, slot_due
+from .fragments import (Fragment, HSchedule, StreamingConfig, check_h_schedule, check_schedule, fragment_of_round,
+                        inner_steps_at, partition)
 from .outer import OuterFactory, copy_into, default_outer, mix_into, outer_step, pseudo_gradient, \
     pseudo_gradient_pieces, warmup_scale
 from .shards import ShardedHandoff, SiteShards, is_sharded, local_view
@@ -199,8 +200,10 @@ class DiLoCo:
         *,
         swarm: Swarm | None | Literal["auto"] = "auto",
         inner_steps: int = 100,
+        h_schedule: HSchedule = (),
         outer_optimizer: OuterFactory | None = None,
         outer_warmup: int = 0,
+        outer_lr_schedule: Callable[[int], float] | None = None,
         on_round: Callable[[RoundReport], None] | None = None,
         join_timeout: float = 10.0,
         compression: str | None = None,
@@ -214,9 +217,16 @@ class DiLoCo:
             raise ConfigError(f"inner_steps must be >= 1, got {inner_steps}")
         if outer_warmup < 0:
             raise ConfigError(f"outer_warmup must be >= 0 rounds, got {outer_warmup}")
+        if outer_warmup and outer_lr_schedule is not None:
+            raise ConfigError("give outer_warmup or outer_lr_schedule, not both (a schedule can warm up itself)")
         self.inner_steps = inner_steps
+        """H at the start; `h_schedule` changes it after a number of committed rounds (`inner_steps_now`)."""
+        self.h_schedule = tuple((int(r), int(h)) for r, h in h_schedule)
         self.outer_warmup = outer_warmup
         """Rounds of linear outer-lr warmup (`outer.warmup_scale`); 0: none."""
+        self.outer_lr_schedule = outer_lr_schedule
+        """The outer lr's factor for the step that commits global round r (1-based), instead of the warmup; a
+        function of r alone, so every peer (and one that caught up) steps with the same lr."""
         self.streaming = streaming or StreamingConfig()
         # "auto": a command started by `diloco start/join -- CMD` finds its swarm in the environment
         # (connected when we attach); without the launcher's variables, a single worker, no network.
@@ -237,6 +247,7 @@ class DiLoCo:
         self._params = [p for _, p in named]
         self.fragments = partition([n for n, _ in named], [p.numel() for _, p in named], self.streaming)
         check_schedule(inner_steps, len(self.fragments), self.streaming)
+        check_h_schedule(self.h_schedule, len(self.fragments), self.streaming)
         # Compression is a property of the swarm (every peer must agree); locally, take it from the
         # argument. Error feedback (the spec's ef:BETA stage) keeps this peer's unsent residual.
         swarm_cfg = self.swarm.cfg if self.swarm is not None else self.launch.swarm if self.launch else None
@@ -280,8 +291,7 @@ class DiLoCo:
         self.members: tuple[PeerId, ...] | None = None
         """Who took part in the last round we committed (or in the state we downloaded): the next round
         needs a majority of them (`SwarmConfig.majority`)."""
-        self._period = inner_steps // len(self.fragments)  # inner steps between synchronization slots
-        self._schedule_offset = 0  # shifts our slots onto the swarm's (set when we download its state)
+        self._last_slot = 0  # `steps` at our last synchronization slot (moved onto the swarm's when we catch up)
         self._hook: RemovableHandle | None = None
         self._snapshots: list[Snapshot] = []  # what we serve to peers catching up (`_serve`)
         # Held by the training thread while it changes the global state, and by the event-loop thread
@@ -374,7 +384,7 @@ class DiLoCo:
         next, piece by piece: `_adopt_incoming`) and the place in the schedule."""
         state: dict[str, object] = {"incoming": self._incoming is not None} if self.shards is not None else \
             {"state": self.state.to_bytes()}
-        return {**state, "steps": self.steps, "offset": self._schedule_offset, "attempt": self.attempt,
+        return {**state, "steps": self.steps, "last_slot": self._last_slot, "attempt": self.attempt,
                 "members": self.members}
 
     def _take(self, taken: dict[str, object]) -> None:
@@ -386,7 +396,7 @@ class DiLoCo:
                 self.state = fresh
                 self._state_changed()
             copy_into(self.local_params, self.state.params)
-        self.steps, self._schedule_offset = int(taken["steps"]), int(taken["offset"])  # type: ignore[call-overload]
+        self.steps, self._last_slot = int(taken["steps"]), int(taken["last_slot"])  # type: ignore[call-overload]
         self.attempt, self.members = int(taken["attempt"]), taken["members"]  # type: ignore[assignment,call-overload]
 
     def _adopt(self, fresh: GlobalState) -> None:
@@ -473,7 +483,8 @@ class DiLoCo:
             raise SystemExit(128 + self._stop.signum)  # leave now: `with` applies what is in flight
         if self._pending is not None and self._pending.due <= self.steps and self.streaming.outer_overlap == "none":
             self._complete(self._pending)
-        if slot_due(self._schedule_step, self.inner_steps, len(self.fragments)):
+        if self.schedule_position >= self._period:
+            self._last_slot = self.steps
             self._check_standing()
             if self.streaming.outer_overlap == "none":
                 self._launch()
@@ -490,15 +501,21 @@ class DiLoCo:
         self.loss = float(loss)
 
     @property
-    def _schedule_step(self) -> int:
-        """Our position in the swarm's schedule, in inner steps (slots come every H/P of them)."""
-        return self.steps + self._schedule_offset
+    def inner_steps_now(self) -> int:
+        """H of the next round: `inner_steps`, or what `h_schedule` says after the rounds committed (those on
+        the wire count: a schedule's change applies from the slot after the round it names)."""
+        return inner_steps_at(self.state.round + self.pending_rounds, self.inner_steps, self.h_schedule)
+
+    @property
+    def _period(self) -> int:
+        """Inner steps between synchronization slots now (H/P)."""
+        return self.inner_steps_now // len(self.fragments)
 
     @property
     def schedule_position(self) -> int:
         """Inner steps since our last synchronization slot (0 ≤ position < H/P); a peer that downloads
         our state takes the same position, so its slots fall on ours."""
-        return self._schedule_step % self._period
+        return self.steps - self._last_slot
 
     @property
     def pending_rounds(self) -> int:
@@ -638,8 +655,10 @@ class DiLoCo:
         self._start = params
 
     def _outer_lr_scale(self) -> float:
-        """The outer lr's warmup factor for the step that commits the next global round (`outer.warmup_scale`)."""
-        return warmup_scale(self.state.round + 1, self.outer_warmup)
+        """The outer lr's factor for the step that commits the next global round: `outer_lr_schedule`'s, else
+        the warmup's (`outer.warmup_scale`)."""
+        rnd = self.state.round + 1
+        return self.outer_lr_schedule(rnd) if self.outer_lr_schedule is not None else warmup_scale(rnd, self.outer_warmup)
 
     def _roll_back(self, started: float) -> RoundReport:
         """Our pseudo-gradient holds NaN or Inf (a diverged inner step): contribute nothing this round,
@@ -671,7 +690,7 @@ class DiLoCo:
             return self._pending
         ef = self._per_fragment[frag.index].ef
         acc = ef.accumulate(delta) if ef is not None else delta
-        due = self.steps + (self.streaming.overlap if self.streaming.outer_overlap == "none" else self.inner_steps)
+        due = self.steps + (self.streaming.overlap if self.streaming.outer_overlap == "none" else self.inner_steps_now)
         if self._follows:  # the leader sends; we apply the outcome it tells us (`_complete`)
             self._pending = _Pending(frag, acc, due, started, key=RoundKey(self.state.round, self.attempt))
             return self._pending
@@ -892,7 +911,7 @@ class DiLoCo:
         position, members = info.get("position"), info.get("members")
         if isinstance(position, int) and not isinstance(position, bool):
             # take the source's place in the schedule: our next slot is its next slot
-            self._schedule_offset = (self._schedule_offset + position - self._schedule_step) % self._period
+            self._last_slot = self.steps - position % self._period
         if isinstance(members, str) and members:
             self.members = tuple(PeerId(m) for m in members.split(",")[:4096] if m)
         self.swarm.moved_to(fresh.round)
@@ -983,7 +1002,10 @@ class DiLoCo:
                     kept.ef.residual = r
         steps = loaded.meta.get("steps")
         if isinstance(steps, int) and steps >= 0:
-            self.steps, self._schedule_offset = steps, 0
+            position = loaded.meta.get("position")
+            self.steps = steps
+            self._last_slot = steps - (position if isinstance(position, int) and not isinstance(position, bool)
+                                       else steps) % self._period
         # The saved membership is not restored: a restarted peer has a new peer id, so it could never be a
         # majority of its old round. A running swarm's state (and members) arrive with the catch-up.
         self.members = None

@@ -88,3 +88,25 @@ def test_data_parallel_is_tuned_over_its_lrs_and_gaps_are_to_the_best(tmp_path):
     assert plain["loss_gap"] == pytest.approx(plain["eval_loss"] / fast["eval_loss"] - 1)
     table = markdown_table(rows)
     assert "| 2 | data-parallel lr=0.003 (tuned) |" in table and "| 2 | data-parallel lr=0.0001 |" in table
+
+
+def test_an_h_schedule_and_a_warm_start_are_knobs_that_fit_the_budget():
+    v = parse_variant("h50,h_schedule=80:10+90:5,warm_start=500")
+    assert (v.h_schedule, v.warm_start) == (((80, 10), (90, 5)), 500)
+    assert v.rounds(80 * 50 + 10 * 10 + 5 * 5) == 95  # 80 outer steps of 50, 10 of 10, then 5 of 5
+    with pytest.raises(ValueError, match="counting each H of its schedule"):
+        v.rounds(80 * 50 + 7)
+    with pytest.raises(ValueError, match="ROUNDS:H"):
+        parse_variant("h50,h_schedule=80")
+
+
+def test_a_warm_start_trains_data_parallel_first_then_diloco_from_its_weights(tmp_path):
+    job = JobConfig(d_model=32, n_layer=2, batch_size=4, eval_batches=2, corpus_bytes=1 << 20, context=32, warmup=2)
+    dp, warm, cold = run(job, 2, 8, (Variant("warm", 2, warm_start=4), Variant("cold", 2)), curves=True,
+                         reporter=Reporter("quiet"))
+    # 4 data-parallel steps (their bytes: a ring all-reduce each), then 2 rounds of H=2 from their weights
+    assert warm["syncs"] == 4 + 2 and warm["bytes_sent"] > dp["bytes_sent"] / 2
+    assert [c["step"] for c in warm["curve"]] == [4, 6, 8] and len(warm["digests"]) == 1
+    assert warm["curve"][0]["bytes_sent"] == dp["bytes_sent"] / 2  # half of data-parallel's 8 steps
+    assert warm["curve"][-1]["eval_loss"] == pytest.approx(warm["eval_loss"])
+    assert warm["eval_loss"] != cold["eval_loss"]

@@ -199,3 +199,35 @@ def test_heldout_batches_tile_and_evaluate_restores_mode() -> None:
     model.eval()
     evaluate(model, batches)
     assert not model.training
+
+
+def test_a_job_starts_from_given_weights_and_continues_the_lr_schedule(tmp_path):
+    from diloco.config import ConfigError
+    from diloco.job.model import GPTConfig, build_model
+    from diloco.job.train import JobConfig, load_weights, run_job, save_weights
+
+    job = JobConfig(rounds=1, inner_steps=1, d_model=32, n_layer=1, context=32, batch_size=2, eval_batches=1,
+                    corpus_bytes=1 << 20, warmup=10, lr=1e-3)
+    other = build_model(GPTConfig(context=32, d_model=32, n_layer=1), seed=7)
+    save_weights(other, tmp_path / "w.safetensors")
+    seen = {}
+
+    def first_step(d):
+        seen.setdefault("lr", d.optimizer.param_groups[0]["lr"])
+        seen.setdefault("params", [p.detach().clone() for p in d.model.parameters()])
+
+    run_job(JobConfig(**{**job.__dict__, "init_from": str(tmp_path / "w.safetensors"), "first_step": 5}), None,
+            on_step=first_step)
+    assert seen["lr"] == pytest.approx(1e-3 * 6 / 10)  # step 5 of a 10-step warmup
+    # one AdamW step at lr 6e-4 moved each value by about that much from seed 7's model, not from the job's seed 0
+    seed0 = build_model(GPTConfig(context=32, d_model=32, n_layer=1), seed=0)
+    assert max((a - b).abs().max().item() for a, b in zip(seen["params"], other.parameters())) < 2e-3
+    assert max((a - b).abs().max().item() for a, b in zip(seen["params"], seed0.parameters())) > 1e-2
+    loaded = build_model(GPTConfig(context=32, d_model=32, n_layer=1), seed=0)
+    load_weights(loaded, tmp_path / "w.safetensors")
+    assert all(torch.equal(a, b) for a, b in zip(loaded.parameters(), other.parameters()))
+    wrong = build_model(GPTConfig(context=32, d_model=64, n_layer=1), seed=0)
+    with pytest.raises(ConfigError, match="does not hold this model's weights"):
+        load_weights(wrong, tmp_path / "w.safetensors")
+    with pytest.raises(ConfigError, match="is not a file"):
+        JobConfig(init_from=str(tmp_path / "missing.safetensors"))

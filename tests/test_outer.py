@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 
 import diloco
 from diloco import DiLoCo
+from diloco.config import ConfigError
 from diloco.comms import InProcNetwork
 from diloco.comms.loop import LoopThread
 from diloco.comms.rounds import PiecewiseHandoff
@@ -177,16 +178,24 @@ def test_outer_lr_warmup_rises_linearly_over_its_rounds_then_holds():
     assert outer.param_groups[0]["lr"] == pytest.approx(0.175)
 
 
-def test_a_warmed_up_outer_step_moves_theta_part_of_the_way_to_the_local_model():
+SHARES = (0.5, 1.0, 0.25, 0.75, 0.1, 1.0)
+
+
+@pytest.mark.parametrize("knob, share", [
+    (dict(outer_warmup=4), lambda r: min(1.0, r / 4)),
+    (dict(outer_lr_schedule=lambda r: SHARES[r - 1]), lambda r: SHARES[r - 1]),
+], ids=["warmup", "schedule"])
+def test_a_scaled_outer_step_moves_theta_part_of_the_way_to_the_local_model(knob, share):
     """One worker, outer SGD lr 1 without momentum, warmup over 4 rounds: round r moves θ r/4 of the way from
-    θ to the local model (θ ← θ − (r/4)·Δ); from round 4 on all of the way, as without warmup."""
+    θ to the local model (θ ← θ − (r/4)·Δ); from round 4 on all of the way, as without warmup. With an
+    `outer_lr_schedule`, round r moves θ schedule(r) of the way."""
     H = 3
     model = _mlp(1)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     local: list[list[torch.Tensor]] = []
     # registered before the wrapper's hook, so it sees the local model of each step before any sync
     opt.register_step_post_hook(lambda *_: local.append([p.detach().clone() for p in model.parameters()]))
-    with DiLoCo(model, opt, swarm=None, inner_steps=H, outer_optimizer=_sgd_outer(), outer_warmup=4) as d:
+    with DiLoCo(model, opt, swarm=None, inner_steps=H, outer_optimizer=_sgd_outer(), **knob) as d:
         theta = [[g.clone() for g in d.state.params]]
         for x, y in _batches(2, 6 * H):
             torch.nn.functional.mse_loss(model(x), y).backward()
@@ -196,11 +205,17 @@ def test_a_warmed_up_outer_step_moves_theta_part_of_the_way_to_the_local_model()
                 theta.append([g.clone() for g in d.state.params])
     assert d.round == 6
     for r in range(1, 7):
-        before, after, trained = theta[r - 1], theta[r], local[r * H - 1]
-        share = min(1.0, r / 4)
+        before, after, trained, part = theta[r - 1], theta[r], local[r * H - 1], share(r)
         for b, a, t in zip(before, after, trained):
-            assert torch.allclose(a, b - share * (b - t), rtol=0, atol=1e-6), (r, (a - b + share * (b - t)).abs().max())
+            assert torch.allclose(a, b - part * (b - t), rtol=0, atol=1e-6), (r, (a - b + part * (b - t)).abs().max())
         assert max((t - b).abs().max().item() for b, t in zip(before, trained)) > 1e-3  # the model moved
+
+
+def test_a_warmup_and_a_schedule_together_are_refused():
+    model = _mlp(1)
+    with pytest.raises(ConfigError, match="not both"):
+        DiLoCo(model, torch.optim.SGD(model.parameters(), lr=0.1), swarm=None, outer_warmup=3,
+               outer_lr_schedule=lambda r: 1.0)
 
 
 # ---------------------------------------------------------------------- (b) H=1 == data-parallel SGD

@@ -13,6 +13,7 @@ import pytest
 
 from diloco.config import ConfigError, SwarmConfig
 from diloco.sim.simulate import NetworkModel, project, simulate, step_seconds
+from diloco.bench.convergence import data_parallel
 from diloco.job.train import JobConfig, run_job
 
 TINY = JobConfig(rounds=2, inner_steps=4, d_model=32, n_layer=1, batch_size=4, eval_batches=1, corpus_bytes=1 << 20)
@@ -118,3 +119,29 @@ def test_step_time_is_compute_outside_sync_scaled_by_the_core_share():
     # each worker had one of two cores: no scaling; with one core, each ran half the time
     assert step_seconds(finals, cores=2) == pytest.approx((1.0 + 1.5) / 2)
     assert step_seconds(finals, cores=1) == pytest.approx((1.0 + 1.5) / 2 / 2)
+
+
+@pytest.mark.swarm
+def test_data_parallel_through_the_swarm_is_data_parallel_training():
+    """`JobConfig(data_parallel=True)`: a round per step averages the workers' gradients and AdamW steps the
+    global model on the same warmup + cosine schedule, so two simulated workers end where one model trained on
+    both workers' batches does (`diloco bench convergence`'s baseline)."""
+    job = JobConfig(rounds=12, inner_steps=1, d_model=32, n_layer=1, batch_size=4, eval_batches=2,
+                    corpus_bytes=1 << 20, data_parallel=True, lr=4e-3, warmup=3, schedule="cosine")
+    sim = simulate(job, 2, swarm=SwarmConfig(run_id="dp", compression="fp32"))
+    one_model = data_parallel(JobConfig(**{**job.__dict__, "data_parallel": False}), 2, 12)
+    assert len(sim["digests"]) == 1 and sim["round"] == 12
+    assert sim["eval_loss"] == pytest.approx(one_model["eval_loss"], rel=1e-5)
+    # the schedule matters: the same run at a constant lr ends elsewhere
+    constant = data_parallel(JobConfig(**{**job.__dict__, "data_parallel": False, "schedule": "constant"}), 2, 12)
+    assert abs(constant["eval_loss"] - one_model["eval_loss"]) > 1e-3
+
+
+@pytest.mark.parametrize("bad, says", [
+    (dict(inner_steps=4), "--inner-steps 1"),
+    (dict(inner_steps=1, outer_lr=0.5), "leave --outer-lr"),
+    (dict(inner_steps=1, outer_warmup=3), "leave --outer-lr"),
+])
+def test_data_parallel_rejects_diloco_knobs_saying_which(bad, says):
+    with pytest.raises(ConfigError, match=says):
+        JobConfig(data_parallel=True, **bad)

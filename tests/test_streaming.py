@@ -19,7 +19,8 @@ from test_swarm_inproc import Harness, _batches, _run_threads
 
 from diloco import DiLoCo
 from diloco.accounting import Accounting
-from diloco.fragments import (FragmentError, StreamingConfig, block_units, check_schedule, partition, slot_due)
+from diloco.fragments import (FragmentError, StreamingConfig, block_units, check_schedule, format_h_schedule,
+                               inner_steps_at, parse_h_schedule, partition)
 from diloco.job.model import GPTConfig, build_model
 from diloco.outer import flatten, mix_into, nesterov, outer_step, unflatten
 
@@ -116,9 +117,44 @@ def test_too_many_fragments_for_the_model():
                streaming=StreamingConfig(fragments=4))
 
 
+def _slot_steps(steps: int, inner_steps: int, fragments: int, h_schedule=()) -> list[int]:
+    """The inner steps at which a lone worker synchronized (each slot's round reports its step)."""
+    model = _net()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    seen: list[int] = []
+    with DiLoCo(model, opt, swarm=None, inner_steps=inner_steps, h_schedule=h_schedule,
+                streaming=StreamingConfig(fragments=fragments), on_round=lambda r: seen.append(r.step)):
+        for b in _batches(0, steps):
+            _step(model, opt, b)
+    return seen
+
+
 def test_slots_every_h_over_p_steps():
-    assert [s for s in range(1, 17) if slot_due(s, 8, 4)] == [2, 4, 6, 8, 10, 12, 14, 16]
-    assert [s for s in range(1, 17) if slot_due(s, 8, 1)] == [8, 16]
+    assert _slot_steps(16, 8, 4) == [2, 4, 6, 8, 10, 12, 14, 16]
+    assert _slot_steps(16, 8, 1) == [8, 16]
+
+
+def test_an_h_schedule_changes_the_slots_after_the_rounds_it_names():
+    # H=8 for the first 2 rounds, then 4, then after 5 rounds 2; with 2 fragments the slots come every H/2
+    assert _slot_steps(20, 8, 1, ((2, 4), (5, 2))) == [8, 16, 20]
+    assert _slot_steps(20, 8, 2, ((2, 4), (5, 2))) == [4, 8, 10, 12, 14, 15, 16, 17, 18, 19, 20]
+    assert [inner_steps_at(r, 8, ((2, 4), (5, 2))) for r in range(7)] == [8, 8, 4, 4, 4, 2, 2]
+
+
+@pytest.mark.parametrize("text, says", [
+    ("80", "ROUNDS:H"), ("80:x", "ROUNDS:H"), ("80:10,40:5", "ascending"), ("0:10", ">= 1"), ("80:0", "H must be"),
+])
+def test_a_bad_h_schedule_is_refused_saying_how_to_write_one(text, says):
+    with pytest.raises(ValueError, match=says):
+        parse_h_schedule(text)
+
+
+def test_an_h_schedule_reads_back_as_written_and_must_fit_the_fragments():
+    assert parse_h_schedule("80:10+95:5") == parse_h_schedule("80:10, 95:5") == ((80, 10), (95, 5))
+    assert format_h_schedule(((80, 10), (95, 5))) == "80:10,95:5" and parse_h_schedule("") == ()
+    with pytest.raises(FragmentError, match="divisible"):
+        DiLoCo(_net(), torch.optim.SGD(_net().parameters(), lr=0.1), swarm=None, inner_steps=8, h_schedule=((2, 3),),
+               streaming=StreamingConfig(fragments=2))
 
 
 def test_mixing():
@@ -481,6 +517,62 @@ def test_late_joiner_takes_the_swarms_place_in_the_fragment_schedule():
     late = out[2].reports
     assert late and all(r.committed and r.peers == 3 for r in late), late
     assert [r.fragment for r in late] == [k % 2 for k in range(1, 6)]  # it joined after round 0
+
+
+@pytest.mark.swarm
+def test_a_joiner_after_an_h_schedule_change_takes_the_new_slots():
+    """H=8 (slots every 4 steps with 2 fragments) for 2 rounds, then H=4 (every 2). Two peers stop at step 11,
+    one step past a slot of the new period; a third joins there, downloads the state and its place, and
+    from then on its slots fall on theirs at the new period: every later round has 3 members."""
+    harness = Harness()
+    cfg = StreamingConfig(fragments=2)
+    schedule = ((2, 4),)
+    base = _net(3)
+    data = [_batches(40 + i, 20) for i in range(3)]
+    paused, resume = threading.Barrier(3, timeout=15), threading.Barrier(3, timeout=15)
+    start = threading.Barrier(2, timeout=10)
+    out: dict[int, DiLoCo] = {}
+    positions: dict[str, int] = {}
+
+    def early(i):
+        def run():
+            model = copy.deepcopy(base)
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+            with DiLoCo(model, opt, swarm=harness.swarm(f"peer{i}"), inner_steps=H, h_schedule=schedule,
+                        streaming=cfg) as d:
+                start.wait()
+                for s in range(20):
+                    if s == 11:
+                        paused.wait()
+                        resume.wait()
+                    _step(model, opt, data[i][s])
+            out[i] = d
+        return run
+
+    def joiner():
+        paused.wait()
+        model = _net(99)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        d = DiLoCo(model, opt, swarm=harness.swarm("peer2", bootstrapped=True), inner_steps=H, h_schedule=schedule,
+                   streaming=cfg)
+        d.attach()
+        positions["joiner"], positions["period"] = d.schedule_position, d.inner_steps_now // 2
+        resume.wait()
+        for s in range(20 - 11):
+            _step(model, opt, data[2][s])
+        d.detach()
+        out[2] = d
+
+    try:
+        _run_threads([early(0), early(1), joiner], [paused, resume, start])
+    finally:
+        harness.close()
+    assert positions == {"joiner": 1, "period": 2}
+    assert [r.step for r in out[0].reports] == [4, 8, 10, 12, 14, 16, 18, 20]
+    assert len({d.digest for d in out.values()}) == 1 and {d.round for d in out.values()} == {8}
+    late = out[2].reports
+    assert [r.step for r in late] == [1, 3, 5, 7, 9]  # its own steps: 12, 14, ... of the others
+    assert all(r.committed and r.peers == 3 for r in late), late
 
 
 @pytest.mark.swarm

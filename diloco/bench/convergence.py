@@ -15,6 +15,7 @@ Data-parallel bytes are counted as a ring all-reduce of fp32 gradients every ste
 from __future__ import annotations
 
 import json
+import tempfile
 import os
 import time
 from dataclasses import dataclass, replace
@@ -27,7 +28,8 @@ from .. import progress as progress_output
 from ..config import SwarmConfig
 from ..job.corpus import BatchSampler, evaluate, heldout_batches
 from ..job.model import GPTConfig, build_model
-from ..job.train import JobConfig, inner_lr, load_corpus
+from ..fragments import HSchedule, inner_steps_at, parse_h_schedule
+from ..job.train import JobConfig, inner_lr, load_corpus, save_weights
 from ..sim.simulate import NetworkModel, simulate
 
 SPARSE = "topk:64/4096+s2+ef:0.95"  # 1.56% of each chunk, 2-bit values, error feedback (SparseLoCo's recipe)
@@ -48,6 +50,24 @@ class Variant:
     """Rounds of linear outer-lr warmup."""
     lr: float | None = None
     """Inner AdamW lr of the workers (None: the job's, `--lr`)."""
+    h_schedule: HSchedule = ()
+    """Change H after a number of outer steps (`JobConfig.h_schedule`)."""
+    warm_start: int = 0
+    """Train data-parallel for this many of the budget's steps first (at the workers' lr, on the run's
+    schedule), then DiLoCo from its weights for the rest."""
+
+    def rounds(self, steps: int) -> int:
+        """Outer steps that take exactly `steps` inner steps under this variant's H (and H schedule); raises
+        ValueError when no number of them does."""
+        done = rounds = 0
+        while done < steps:
+            done += inner_steps_at(rounds, self.inner_steps, self.h_schedule)
+            rounds += 1
+        if done != steps:
+            raise ValueError(f"--steps ({steps}) must be a multiple of H={self.inner_steps} ({self.name})"
+                             + (", counting each H of its schedule from where it changes" if self.h_schedule else "")
+                             + (f", after its {self.warm_start} data-parallel steps" if self.warm_start else ""))
+        return rounds
 
 
 VARIANTS = (
@@ -58,15 +78,17 @@ VARIANTS = (
 )
 NAMED = dict(zip(("h50", "h100", "streaming", "sparse"), VARIANTS))
 """The variants by the short names `--variant` takes."""
-_KNOBS = {"H": ("inner_steps", int), "compression": ("compression", str), "fragments": ("fragments", int),
+_KNOBS: dict[str, tuple[str, Callable[[str], Any]]] = {"H": ("inner_steps", int), "compression": ("compression", str), "fragments": ("fragments", int),
           "overlap": ("overlap", int), "alpha": ("alpha", float), "outer_lr": ("outer_lr", float),
-          "outer_momentum": ("outer_momentum", float), "outer_warmup": ("outer_warmup", int), "lr": ("lr", float)}
+          "outer_momentum": ("outer_momentum", float), "outer_warmup": ("outer_warmup", int), "lr": ("lr", float),
+          "h_schedule": ("h_schedule", parse_h_schedule), "warm_start": ("warm_start", int)}
 
 
 def parse_variant(spec: str) -> Variant:
     """A variant from `NAME[,KNOB=VALUE...]`: one of `NAMED` with knobs changed, e.g.
     `h50,outer_lr=0.5,outer_momentum=0.8` or `sparse,H=20`. Knobs: H, compression, fragments, overlap,
-    alpha, outer_lr, outer_momentum, outer_warmup, lr (the workers' inner lr). Raises ValueError naming what is wrong."""
+    alpha, outer_lr, outer_momentum, outer_warmup, lr (the workers' inner lr), h_schedule (`80:10`, or
+    `80:10+95:5` for several changes). Raises ValueError naming what is wrong."""
     name, *knobs = [part.strip() for part in spec.split(",")]
     if name not in NAMED:
         raise ValueError(f"unknown variant {name!r} in {spec!r}: choose one of {', '.join(NAMED)}")
@@ -78,8 +100,9 @@ def parse_variant(spec: str) -> Variant:
         field, kind = _KNOBS[key]
         try:
             changes[field] = kind(value)
-        except ValueError:
-            raise ValueError(f"{knob!r} in {spec!r}: {value!r} is not a {kind.__name__}") from None
+        except ValueError as e:
+            what = e if kind is parse_h_schedule else f"{value!r} is not a {getattr(kind, '__name__', kind)}"
+            raise ValueError(f"{knob!r} in {spec!r}: {what}") from None
     base = NAMED[name]
     label = base.name
     if "inner_steps" in changes and f"H={base.inner_steps}" in label:  # 'DiLoCo H=20', not 'DiLoCo H=50 (H=20)'
@@ -93,10 +116,13 @@ Progress = Callable[[float, float | None, str | None], None]
 
 
 def data_parallel(job: JobConfig, workers: int, steps: int, eval_every: int = 0,
-                  progress: Progress | None = None) -> dict[str, Any]:
+                  progress: Progress | None = None, schedule_steps: int | None = None,
+                  save_to: Path | None = None) -> dict[str, Any]:
     """The baseline: `steps` AdamW steps on one model, each on one batch from every worker's shard, at
     `job.lr` on `job.schedule` (`diloco.job.train.inner_lr`, as the workers); with `eval_every`, the held-out
-    loss every that many steps goes into the result's `curve`."""
+    loss every that many steps goes into the result's `curve`. A warm start's first phase: `schedule_steps`,
+    the whole run's steps its lr schedule spans (default `steps`); `save_to`, write the weights there
+    (`diloco.job.train.save_weights`)."""
     torch.set_num_threads(min(job.threads * workers, os.cpu_count() or 1))  # it does the work of M workers
     corpus = load_corpus(job)
     model = build_model(GPTConfig(context=job.context, d_model=job.d_model, n_layer=job.n_layer), seed=job.seed)
@@ -110,7 +136,8 @@ def data_parallel(job: JobConfig, workers: int, steps: int, eval_every: int = 0,
     curve = []
     for step in range(steps):
         for group in opt.param_groups:
-            group["lr"] = inner_lr(step, lr=job.lr, warmup=job.warmup, total=steps, schedule=job.schedule)
+            group["lr"] = inner_lr(step, lr=job.lr, warmup=job.warmup, total=schedule_steps or steps,
+                                   schedule=job.schedule)
         batches = [s.next() for s in samplers]
         x, y = torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches])
         _, loss = model(x, y)
@@ -124,6 +151,8 @@ def data_parallel(job: JobConfig, workers: int, steps: int, eval_every: int = 0,
             progress((step + 1) * workers, steps * workers, None)
     eval_loss = evaluate(model, heldout)
     curve.append(dict(step=steps, eval_loss=eval_loss, bytes_sent=int(per_step * steps)))
+    if save_to is not None:
+        save_weights(model, save_to)
     return dict(variant="data-parallel", workers=workers, lr=job.lr, eval_loss=eval_loss, params=params,
                 bytes_sent=int(per_step * steps), bits_per_param_sync=32.0, syncs=steps,
                 wall_seconds=round(time.monotonic() - started, 1), projected_utilization=None, curve=curve)
@@ -139,8 +168,9 @@ def run(job: JobConfig, workers: int, steps: int, variants: tuple[Variant, ...] 
     every round), with inner steps and bytes sent so far. `reporter` (default: the running command's)
     shows the whole benchmark and the variant running, in inner steps of all workers."""
     for v in variants:
-        if steps % v.inner_steps:
-            raise ValueError(f"--steps ({steps}) must be a multiple of H={v.inner_steps} ({v.name})")
+        if not 0 <= v.warm_start < steps:
+            raise ValueError(f"warm_start ({v.warm_start}) must be below --steps ({steps}) ({v.name})")
+        v.rounds(steps - v.warm_start)  # raises before a run of minutes
     lrs = tuple(dp_lrs) or (job.lr,)
     dp_names = ["data-parallel"] if len(lrs) == 1 else [f"data-parallel lr={lr:g}" for lr in lrs]
     rep = reporter or progress_output.current()
@@ -172,21 +202,29 @@ def run(job: JobConfig, workers: int, steps: int, variants: tuple[Variant, ...] 
 
 
 def _variant(job: JobConfig, workers: int, steps: int, v: Variant, curves: bool, progress: Progress) -> dict[str, Any]:
-    """One DiLoCo variant through the simulator: its result row."""
+    """One DiLoCo variant through the simulator (after its data-parallel warm start, if it has one): its row."""
     net = NetworkModel(bandwidth_mbit=100.0, latency_ms=50.0)
     streaming = replace(job.streaming, fragments=v.fragments, overlap=v.overlap, alpha=v.alpha)
-    cfg = replace(job, lr=v.lr or job.lr, inner_steps=v.inner_steps, rounds=steps // v.inner_steps, streaming=streaming, outer_lr=v.outer_lr, outer_momentum=v.outer_momentum,
-                  outer_warmup=v.outer_warmup,
-                  eval_every=1 if curves else 0)
+    cfg = replace(job, lr=v.lr or job.lr, inner_steps=v.inner_steps, h_schedule=v.h_schedule,
+                  rounds=v.rounds(steps - v.warm_start), streaming=streaming, outer_lr=v.outer_lr,
+                  outer_momentum=v.outer_momentum, outer_warmup=v.outer_warmup, eval_every=1 if curves else 0)
     started = time.monotonic()
-    out = simulate(cfg, workers, swarm=SwarmConfig(run_id="bench-convergence", compression=v.compression), net=net,
-                   progress=progress)
-    return dict(variant=v.name, workers=workers, lr=cfg.lr, eval_loss=out["eval_loss"], params=out["params"], bytes_sent=out["bytes_sent"],
-                bits_per_param_sync=out["bits_per_param_sync"], syncs=cfg.rounds,
-                wall_seconds=round(time.monotonic() - started, 1),
+    with tempfile.TemporaryDirectory(prefix="diloco-warm-") as tmp:
+        warm: dict[str, Any] = dict(bytes_sent=0, curve=[])
+        if v.warm_start:
+            weights = Path(tmp) / "warm.safetensors"
+            warm = data_parallel(cfg, workers, v.warm_start, eval_every=50 if curves else 0, schedule_steps=steps,
+                                 save_to=weights)
+            cfg = replace(cfg, init_from=str(weights), first_step=v.warm_start)
+        out = simulate(cfg, workers, swarm=SwarmConfig(run_id="bench-convergence", compression=v.compression),
+                       net=net, progress=progress)
+    diloco_curve = [dict(step=v.warm_start + c["step"], eval_loss=c["eval_loss"],
+                         bytes_sent=warm["bytes_sent"] + c["bytes_sent"]) for c in out["curve"]]
+    return dict(variant=v.name, workers=workers, lr=cfg.lr, eval_loss=out["eval_loss"], params=out["params"],
+                bytes_sent=warm["bytes_sent"] + out["bytes_sent"], bits_per_param_sync=out["bits_per_param_sync"],
+                syncs=v.warm_start + cfg.rounds, wall_seconds=round(time.monotonic() - started, 1),
                 projected_utilization=out["projection"]["min_utilization"], digests=out["digests"],
-                curve=[dict(step=c["step"], eval_loss=c["eval_loss"], bytes_sent=c["bytes_sent"])
-                       for c in out["curve"]])
+                curve=[*warm["curve"], *diloco_curve])
 
 
 def markdown_table(rows: list[dict[str, Any]]) -> str:

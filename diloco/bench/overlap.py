@@ -15,19 +15,14 @@ Needs root (network namespaces). `diloco bench overlap --help` lists the knobs.
 from __future__ import annotations
 
 import json
-import os
-import secrets
 import statistics
-import subprocess
-import sys
 import tempfile
-import time
 from dataclasses import asdict, dataclass, field
 from functools import partial
 from pathlib import Path
 from typing import Any, Callable
 
-from ..metrics import read_jsonl
+from .lab import final, run_swarm
 
 
 @dataclass(frozen=True)
@@ -140,56 +135,17 @@ def rounds_share(lines: list[dict[str, Any]], outer_steps: int, fragments: int) 
 
 def _run_variant(lab: Any, setup: OverlapSetup, v: Variant, workdir: Path,
                  share: Callable[[float], None] | None = None) -> VariantResult:
-    workdir.mkdir(parents=True, exist_ok=True)
-    run_id = f"b4-{int(time.time() * 1000) % 10**8}"
-    common = ["--run-id", run_id, "--rounds", str(setup.outer_steps), "--inner-steps", str(setup.inner_steps),
-              "--compression", setup.compression, "--d-model", str(setup.d_model), "--layers", str(setup.layers),
-              "--batch-size", str(setup.batch_size), "--wait-for", str(setup.peers), "--gather-timeout", "60",
-              "--round-timeout", "120", "--verbose", *v.flags()]
-    procs: list[subprocess.Popen[bytes]] = []
-    logs = []
-    env = {**os.environ, "DILOCO_SECRET": secrets.token_urlsafe(32)}  # the swarm secret, not on command lines
+    args = ["--rounds", str(setup.outer_steps), "--inner-steps", str(setup.inner_steps),
+            "--compression", setup.compression, "--d-model", str(setup.d_model), "--layers", str(setup.layers),
+            "--batch-size", str(setup.batch_size), "--wait-for", str(setup.peers), "--gather-timeout", "60",
+            "--round-timeout", "120", "--verbose", *v.flags()]
+    watch = (lambda lines: share(rounds_share(lines, setup.outer_steps, v.fragments))) if share is not None else None
     try:
-        for i in range(setup.peers):
-            log = open(workdir / f"peer{i}.log", "wb")
-            logs.append(log)
-            cmd = [sys.executable, "-m", "diloco"]
-            if i == 0:
-                cmd += ["start"]
-            else:
-                cmd += ["join", (workdir / "peer0.addr").read_text().split()[0]]
-            cmd += ["--host", lab.address(i), "--port", "0", *common, "--shard", str(i),
-                    "--metrics", str(workdir / f"peer{i}.jsonl"), "--address-file", str(workdir / f"peer{i}.addr")]
-            procs.append(lab.popen(i, cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                   env=env))
-            if i == 0:
-                _wait_for_file(workdir / "peer0.addr", procs[0], 120)
-        deadline = time.monotonic() + setup.timeout_s
-        for p in procs:
-            while True:
-                try:
-                    p.wait(timeout=min(2.0, max(0.1, deadline - time.monotonic())))
-                    break
-                except subprocess.TimeoutExpired:
-                    if time.monotonic() >= deadline:
-                        raise
-                    if share is not None:
-                        share(rounds_share(read_jsonl(workdir / "peer0.jsonl"), setup.outer_steps, v.fragments))
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-        for log in logs:
-            log.close()
-    finals, rounds = [], []
-    for i in range(setup.peers):
-        lines = read_jsonl(workdir / f"peer{i}.jsonl")
-        final = next((ln for ln in reversed(lines) if ln.get("event") == "final"), None)
-        if final is None:
-            raise RuntimeError(f"{v.name}: peer {i} did not finish; see {workdir / f'peer{i}.log'}")
-        finals.append(final)
-        rounds.append(sum(1 for ln in lines if ln.get("event") == "round" and ln.get("committed")))
+        peers = run_swarm(lab, setup.peers, args, workdir, setup.timeout_s, watch)
+    except RuntimeError as e:
+        raise RuntimeError(f"{v.name}: {e}") from e
+    finals = [final(lines) for lines in peers]
+    rounds = [sum(1 for ln in lines if ln.get("event") == "round" and ln.get("committed")) for lines in peers]
     usage = [f["usage"] for f in finals]
     steps = min(u["steps"] for u in usage)
     return VariantResult(
@@ -208,14 +164,6 @@ def _run_variant(lab: Any, setup: OverlapSetup, v: Variant, workdir: Path,
         digests_agree=len({f["digest"] for f in finals}) == 1,
         per_peer=[{"usage": u, "rounds_committed": r} for u, r in zip(usage, rounds)],
     )
-
-
-def _wait_for_file(path: Path, proc: subprocess.Popen[bytes], timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while not path.exists():
-        if proc.poll() is not None or time.monotonic() > deadline:
-            raise RuntimeError(f"the first peer did not start (exit {proc.poll()}); see its log next to {path}")
-        time.sleep(0.2)
 
 
 def markdown_table(report: dict[str, Any]) -> str:

@@ -476,14 +476,13 @@ def bench_convergence_cmd(
     variant: List[str] = typer.Option(list(("h50", "h100", "streaming", "sparse")), help=(
         "Variants to run, by name (h50, h100, streaming, sparse), each optionally with knobs changed: "
         "'h50,outer_lr=0.5,outer_momentum=0.8', 'sparse,H=20' (knobs: H, compression, fragments, overlap, alpha, "
-        "outer_lr, outer_momentum, outer_warmup, lr). Repeat it.")),
+        "outer_lr, outer_momentum, outer_warmup, lr, h_schedule: 80:10 or 80:10+95:5). Repeat it.")),
     dp_lr: List[float] = typer.Option([], help="Inner lr of data-parallel training; repeat it to tune over several "
                                               "(gaps are to the best). Default: --lr."),
     lr: float = typer.Option(2e-3, help="Inner AdamW lr of the DiLoCo workers."),
     warmup: int = typer.Option(20, help="Inner steps of linear lr warmup (data-parallel and workers alike)."),
     schedule: str = typer.Option("constant", help="Inner lr after the warmup, for data-parallel and workers alike: "
                                                   "constant, or cosine (down to lr/10 at the last step)."),
-    context: int = typer.Option(JobConfig().context, help="Bytes of context."),
     threads: int = typer.Option(1, help="torch CPU threads per worker (data-parallel: M times as many, up to the cores)."),
     json_path: Optional[Path] = typer.Option(None, "--json", help="Write the results as JSON here."),
     plots_dir: Optional[Path] = typer.Option(None, "--plots", help="Evaluate during training and write PNG plots "
@@ -505,7 +504,7 @@ def bench_convergence_cmd(
     if replot is not None and plots_dir is None:
         _fail("--replot draws plots: give the folder to write them to with --plots DIR")
     try:
-        job = job_config(model, context=context, threads=threads, lr=lr, warmup=warmup, schedule=schedule)
+        job = job_config(model, threads=threads, lr=lr, warmup=warmup, schedule=schedule)
         chosen = tuple(parse_variant(v) for v in variant)
         if plots_dir is not None:
             require_matplotlib()  # before a run of minutes, not after it
@@ -543,7 +542,7 @@ def bench_convergence_cmd(
     if json_path:
         write_json(rows, json_path, {"workers": workers if len(workers) > 1 else workers[0], "steps": steps,
                                      "batch_size": job.batch_size, "d_model": job.d_model, "layers": job.n_layer,
-                                     "context": context, "lr": lr, "dp_lrs": dp_lr or [lr], "warmup": warmup,
+                                     "context": job.context, "lr": lr, "dp_lrs": dp_lr or [lr], "warmup": warmup,
                                      "schedule": schedule, "variants": variant, "threads": threads,
                                      "torch": torch.__version__, "machine": platform.machine(),
                                      "cores": os.cpu_count()})
@@ -637,6 +636,57 @@ def bench_overlap_cmd(
     console.print(markdown_table(report), markup=False, soft_wrap=True)
     if json_path:
         write_json(report, json_path)
+
+
+@bench_app.command("race")
+def bench_race_cmd(
+    peers: int = typer.Option(2, help="Peers of every racer, each in its own network namespace."),
+    rate: float = typer.Option(10.0, help="Link rate per host, Mbit/s."),
+    delay: float = typer.Option(50.0, help="One-way delay per link, ms."),
+    dp_steps: int = typer.Option(400, help="Data-parallel steps; its final held-out loss is the finish line."),
+    dp_lr: float = typer.Option(4e-3, help="Data-parallel's AdamW lr (4e-3: the best of 1e-3, 2e-3, 4e-3, 8e-3 at 400 steps, docs/BENCHMARKS.md)."),
+    steps: int = typer.Option(2000, help="Inner steps each DiLoCo racer may take to reach the finish line."),
+    lr: float = typer.Option(4e-3, help="The DiLoCo racers' inner AdamW lr."),
+    inner_steps: int = typer.Option(50, "--inner-steps", "-H", help="H of the DiLoCo racers."),
+    fragments: int = typer.Option(2, help="Fragments of the streaming racer."),
+    tau: int = typer.Option(5, help="Inner steps a streaming exchange overlaps."),
+    d_model: int = typer.Option(64, help="Model width (every racer)."),
+    layers: int = typer.Option(2, help="Transformer blocks."),
+    context: int = typer.Option(64, help="Bytes of context."),
+    json_path: Optional[Path] = typer.Option(None, "--json", help="Write the report as JSON here."),
+    plot_path: Optional[Path] = typer.Option(None, "--plot", help="Draw held-out loss vs training time as PNG here."),
+    workdir: Optional[Path] = typer.Option(None, help="Keep peers' logs and metrics here (default: a temp dir)."),
+    quiet: bool = Quiet,
+) -> None:
+    """The race on a slow link: data-parallel, DiLoCo and streaming DiLoCo on one emulated WAN (needs root),
+    timed until each reaches data-parallel's final held-out loss."""
+    from rich.console import Console
+
+    from ..bench.plot import PlotError, require_matplotlib
+    from ..bench.race import RaceSetup, markdown_table, plot, run, write_json
+    from ..bench.wan import WanError, check_privileges
+    from ..progress import Reporter
+
+    try:
+        check_privileges()
+        setup = RaceSetup(peers=peers, rate_mbit=rate, delay_ms=delay, dp_steps=dp_steps, dp_lr=dp_lr, steps=steps,
+                          lr=lr, inner_steps=inner_steps, fragments=fragments, tau=tau, d_model=d_model,
+                          layers=layers, context=context)
+        if plot_path is not None:
+            require_matplotlib()  # before a race of minutes, not after it
+    except (WanError, ValueError, PlotError) as e:
+        _fail(str(e))
+    try:
+        with Reporter.for_command(quiet=quiet) as rep, rep.task("race", unit="racers") as task:
+            report = run(setup, workdir=workdir, progress=rep.say, tick=task.update)
+    except (WanError, RuntimeError) as e:
+        _fail(str(e), code=1)
+    console = Console()
+    console.print(markdown_table(report), markup=False, soft_wrap=True)
+    if json_path:
+        write_json(report, json_path)
+    if plot_path:
+        console.print(f"wrote {plot(report, plot_path)}")
 
 
 @bench_app.command("flood")

@@ -26,7 +26,7 @@ from typing import Any, Callable, List, Optional, TypeVar
 import typer
 
 from ..config import ConfigError, SwarmConfig
-from ..fragments import FragmentError, StreamingConfig
+from ..fragments import FragmentError, StreamingConfig, format_h_schedule, parse_h_schedule
 from ..job.train import JobConfig
 
 _G = TypeVar("_G")
@@ -174,6 +174,7 @@ class ModelOptions(Group):
     batch_size: int = option(_JOB.batch_size, help="Sequences per inner step (per worker).")
     d_model: int = option(_JOB.d_model, help="Model width.")
     n_layer: int = option(_JOB.n_layer, "--layers", help="Transformer blocks.")
+    context: int = option(_JOB.context, help="Bytes of context.")
 
 
 @dataclass(frozen=True)
@@ -182,11 +183,27 @@ class JobOptions(Group):
 
     rounds: int = option(_JOB.rounds, help="Train until the swarm has committed this many rounds.")
     inner_steps: int = option(_JOB.inner_steps, "--inner-steps", "-H", help="Inner steps per round (H).")
+    h_schedule: str = option("", "--h-schedule", help="Change H during the run: 'R:H' pairs, e.g. '80:10' (after 80 "
+                                                      "outer steps, H=10) or '80:10,95:5'.")
     outer_lr: Optional[float] = option(_JOB.outer_lr, help="Outer SGD lr (default 0.7; 1.0 when the compression has "
                                                            "error feedback).")
     outer_momentum: Optional[float] = option(_JOB.outer_momentum, help="Outer Nesterov momentum (default 0.9; 0 with "
                                                                        "error feedback).")
     outer_warmup: int = option(_JOB.outer_warmup, help="Rounds of linear outer-lr warmup (0: none).")
+    lr: float = option(_JOB.lr, help="Inner AdamW lr (data-parallel: the AdamW lr).")
+    warmup: int = option(_JOB.warmup, help="Inner steps of linear lr warmup.")
+    schedule: str = option(_JOB.schedule, help="Inner lr after the warmup: constant, or cosine (down to lr/10 at the "
+                                               "run's last step).")
+    data_parallel: bool = option(_JOB.data_parallel, "--data-parallel", help="Train data-parallel through the swarm "
+                                 "instead (the baseline of `diloco bench race`): a round averages every step's "
+                                 "gradients; needs --inner-steps 1.")
+
+    def job_fields(self) -> dict[str, Any]:
+        """JobConfig holds the H schedule as pairs. Raises ConfigError naming what is wrong."""
+        try:
+            return {**super().job_fields(), "h_schedule": parse_h_schedule(self.h_schedule)}
+        except ValueError as e:
+            raise ConfigError(f"--h-schedule: {e}") from e
 
 
 @dataclass(frozen=True)
@@ -276,6 +293,8 @@ def flags(values: object, *groups: type[Group]) -> list[str]:
     for group in groups:
         for f in fields(group):  # type: ignore[arg-type]
             value = getattr(values, f.name)
+            if f.name == "h_schedule":
+                value = format_h_schedule(value)
             if value == f.default:
                 continue
             flag = next((x for x in f.metadata["flags"] if x.startswith("--")), "--" + f.name.replace("_", "-"))

@@ -17,6 +17,7 @@ import threading
 import time
 import zlib
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Callable
 
 import torch
@@ -25,9 +26,9 @@ from diloco.compression.pipeline import parse as parse_compression
 
 from ..checkpoint import CheckpointError, require_safetensors
 from ..config import ConfigError
-from ..fragments import FragmentError, StreamingConfig, check_schedule
+from ..fragments import FragmentError, HSchedule, StreamingConfig, check_h_schedule, check_schedule, inner_steps_at
 from ..metrics import MetricsWriter, write_failures, write_status
-from ..outer import default_outer
+from ..outer import OuterFactory, default_outer
 from ..swarm import Swarm
 from ..wrapper import DiLoCo, RoundReport
 from .corpus import BatchSampler, Corpus, CorpusConfig, evaluate, heldout_batches
@@ -37,6 +38,10 @@ log = logging.getLogger(__name__)
 
 
 SCHEDULES = ("constant", "cosine")
+ADAMW_BETAS = (0.9, 0.95)
+WEIGHT_DECAY = 0.1
+CLIP_NORM = 1.0
+"""The inner AdamW's settings and the gradient clipping, for DiLoCo workers and data-parallel alike."""
 
 
 def inner_lr(step: int, *, lr: float, warmup: int, total: int, schedule: str = "constant") -> float:
@@ -51,12 +56,45 @@ def inner_lr(step: int, *, lr: float, warmup: int, total: int, schedule: str = "
     return lr * (0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * progress)))
 
 
+def _outer_dp_scale(rnd: int, *, first: int, warmup: int, total: int, schedule: str) -> float:
+    """Data-parallel's lr factor for the round that commits step first+rnd-1 (`inner_lr` at lr 1)."""
+    return inner_lr(first + rnd - 1, lr=1.0, warmup=warmup, total=total, schedule=schedule)
+
+
+class _ClippedAdamW(torch.optim.AdamW):
+    """AdamW that first clips its parameters' gradients to a total norm of `max_norm`: data-parallel's
+    optimizer step on the mean gradient, as the inner step clips each worker's own."""
+
+    def __init__(self, params: list[torch.Tensor], max_norm: float, **kwargs: Any) -> None:
+        super().__init__(params, **kwargs)
+        self.max_norm = max_norm
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:
+        params = [p for g in self.param_groups for p in g["params"] if p.grad is not None]
+        norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad) for p in params]))
+        scale = self.max_norm / (float(norm) + 1e-6)  # clip_grad_norm_'s rule, into new tensors: the
+        if scale < 1.0:                                 # gradients are views of the round's aggregate
+            for p in params:
+                p.grad = p.grad * scale
+        return super().step(closure)
+
+
+def data_parallel_outer(lr: float, max_norm: float) -> OuterFactory:
+    """The outer optimizer of data-parallel training through the swarm: the inner AdamW's settings, stepping
+    the global model with the swarm's mean gradient, clipped first."""
+    return lambda params: _ClippedAdamW(params, max_norm, lr=lr, betas=ADAMW_BETAS, weight_decay=WEIGHT_DECAY)
+
+
 @dataclass(frozen=True, kw_only=True)
 class JobConfig:
     rounds: int = 10
     """Stop when the global round reaches this many committed rounds."""
     inner_steps: int = 50
     """H: inner AdamW steps per round."""
+    h_schedule: HSchedule = ()
+    """Change H during the run: (after this many outer steps, H from then on) pairs, e.g. ((80, 10),): H=10
+    for the outer steps after the 80th (`diloco.fragments.parse_h_schedule` reads '80:10')."""
     batch_size: int = 8
     """Sequences per inner step."""
     lr: float = 2e-3
@@ -65,15 +103,25 @@ class JobConfig:
     """Inner steps of linear learning-rate warmup."""
     schedule: str = "constant"
     """Inner learning rate after the warmup: constant, or cosine (down to a tenth of lr at the run's last
-    inner step, rounds × inner_steps; `inner_lr`)."""
+    inner step, `total_steps`; `inner_lr`)."""
     outer_lr: float | None = None
     """Outer SGD learning rate (default: 0.7, or 1.0 when the compression has error feedback)."""
     outer_momentum: float | None = None
     """Outer SGD Nesterov momentum (default: 0.9, or 0 when the compression has error feedback)."""
     outer_warmup: int = 0
     """Rounds of linear outer-lr warmup (0: none; `DiLoCo(outer_warmup=...)`)."""
+    data_parallel: bool = False
+    """Train data-parallel through the swarm instead of DiLoCo: every step's gradients are averaged by a round
+    (H=1), and AdamW steps the global model with them (`data_parallel_outer`). The baseline of `diloco bench
+    race`; the same transport, codec and fault handling as DiLoCo's rounds."""
     seed: int = 0
     """Model initialization seed; the same on every peer."""
+    init_from: str | None = None
+    """Start from these model weights instead of the seed's initialization: a safetensors file of the model
+    (`save_weights`); every peer must be given the same one. A warm start, e.g. from data-parallel training."""
+    first_step: int = 0
+    """Inner steps this run continues from (with init_from): the lr schedule goes on from there, and every peer
+    skips the batches of its shard that those steps took."""
     shard: int | None = None
     """Data shard of this peer (default: derived from its peer id)."""
     d_model: int = 192
@@ -119,6 +167,16 @@ class JobConfig:
             raise ConfigError(f"outer_momentum must be in [0, 1), got {self.outer_momentum}")
         if self.outer_warmup < 0:
             raise ConfigError(f"outer_warmup must be >= 0 rounds, got {self.outer_warmup}")
+        if self.data_parallel:
+            if self.inner_steps != 1:
+                raise ConfigError(f"data-parallel averages gradients every step: set --inner-steps 1 (rounds then "
+                                  f"count steps), got {self.inner_steps}")
+            if self.outer_lr is not None or self.outer_momentum is not None or self.outer_warmup:
+                raise ConfigError("data-parallel steps AdamW with --lr, --warmup and --schedule: leave --outer-lr, "
+                                  "--outer-momentum and --outer-warmup unset")
+            if (self.streaming.fragments or 1) != 1 or self.streaming.overlap:
+                raise ConfigError("data-parallel synchronizes the whole gradient every step: leave --fragments and "
+                                  "--overlap unset")
         if self.d_model % 4:
             raise ConfigError(f"d_model ({self.d_model}) must be divisible by the 4 attention heads")
         if self.streaming.fragments is None:
@@ -126,8 +184,11 @@ class JobConfig:
                               "not blocks_per_fragment")
         try:
             check_schedule(self.inner_steps, self.fragments, self.streaming)
+            check_h_schedule(self.h_schedule, self.fragments, self.streaming)
         except FragmentError as e:
             raise ConfigError(str(e)) from e
+        if self.data_parallel and self.h_schedule:
+            raise ConfigError("data-parallel averages gradients every step: leave --h-schedule unset")
         if self.resume and not self.checkpoint_dir:
             raise ConfigError("resume needs checkpoint_dir (--checkpoint-dir DIR)")
         if self.checkpoint_dir:
@@ -135,6 +196,16 @@ class JobConfig:
                 require_safetensors()
             except CheckpointError as e:
                 raise ConfigError(f"--checkpoint-dir: {e}") from None
+        if self.first_step < 0:
+            raise ConfigError(f"first_step must be >= 0, got {self.first_step}")
+        if self.init_from is not None:
+            if not os.path.isfile(self.init_from):
+                raise ConfigError(f"init_from: {self.init_from} is not a file; give the safetensors file of the "
+                                  "model's weights to start from")
+            try:
+                require_safetensors()
+            except CheckpointError as e:
+                raise ConfigError(f"--init-from: {e}") from None
         if self.checkpoint_every < 0:
             raise ConfigError(f"checkpoint_every must be >= 0, got {self.checkpoint_every}")
         if self.fragments > self.n_layer:
@@ -144,6 +215,34 @@ class JobConfig:
     def fragments(self) -> int:
         """P: the fragments the model is synchronized in."""
         return self.streaming.fragments or 1
+
+    @property
+    def round_schedule(self) -> HSchedule:
+        """`h_schedule` in global rounds, as the wrapper counts them (P rounds per outer step)."""
+        return tuple((after * self.fragments, h) for after, h in self.h_schedule)
+
+    @property
+    def total_steps(self) -> int:
+        """Inner steps per worker in the whole run (`rounds` outer steps at the H each one has)."""
+        return sum(inner_steps_at(k, self.inner_steps, self.h_schedule) for k in range(self.rounds))
+
+
+def save_weights(model: torch.nn.Module, path: str | os.PathLike[str]) -> None:
+    """The model's weights as a safetensors file (`JobConfig.init_from` reads it; tied weights once)."""
+    from safetensors.torch import save_model
+
+    save_model(model, str(path))
+
+
+def load_weights(model: torch.nn.Module, path: str | os.PathLike[str]) -> None:
+    """Load `save_weights`'s file into `model`; raises ConfigError if it is not this model's."""
+    from safetensors.torch import load_model
+
+    try:
+        load_model(model, str(path), strict=True)
+    except Exception as e:  # noqa: BLE001 - a file of another model, or not a safetensors file at all
+        raise ConfigError(f"init_from: {path} does not hold this model's weights ({type(e).__name__}: {e}); "
+                          "give the file save_weights wrote for the same --d-model, --layers and --context") from None
 
 
 def load_corpus(cfg: JobConfig) -> Corpus:
@@ -175,13 +274,22 @@ def run_job(cfg: JobConfig, swarm: Swarm | None, *, metrics: MetricsWriter | Non
     torch.set_num_threads(cfg.threads)
     corpus = corpus or load_corpus(cfg)
     model = build_model(GPTConfig(context=cfg.context, d_model=cfg.d_model, n_layer=cfg.n_layer), seed=cfg.seed)
-    inner = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.1)
+    if cfg.init_from is not None:
+        load_weights(model, cfg.init_from)
+    # Data-parallel: the "inner step" is SGD at lr 1 without clipping, so a round's pseudo-gradient is this step's
+    # gradient and the outer AdamW steps with their mean; DiLoCo: AdamW inner steps, clipped.
+    inner: torch.optim.Optimizer = (torch.optim.SGD(model.parameters(), lr=1.0) if cfg.data_parallel else
+                                    torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=ADAMW_BETAS,
+                                                      weight_decay=WEIGHT_DECAY))
     peer = swarm.peer_id if swarm is not None else "local"
     shard = cfg.shard if cfg.shard is not None else zlib.crc32(peer.encode()) % 100_000
     sampler = BatchSampler(corpus.train, batch_size=cfg.batch_size, context=cfg.context, seed=cfg.seed,
                            shard=shard, num_shards=100_000)
+    for _ in range(cfg.first_step):  # the batches the run we continue took
+        sampler.next()
     heldout = heldout_batches(corpus.heldout, batch_size=16, context=cfg.context, max_batches=cfg.eval_batches)
     started = time.monotonic()
+    clock = {"start": started, "eval": 0.0}  # training time: from the first inner step, evaluations left out
     steps_at_round = [0]
 
     def on_round(r: RoundReport) -> None:
@@ -192,8 +300,11 @@ def run_job(cfg: JobConfig, swarm: Swarm | None, *, metrics: MetricsWriter | Non
                       digest=d.digest, fragment=r.fragment, blocked=r.blocked,
                       phases={k: round(v, 3) for k, v in r.phases.items()}, **d.usage().as_dict())
         if cfg.eval_every and r.committed and r.round % cfg.eval_every == 0:
+            t = time.monotonic()
             with d.global_weights():
                 fields["eval_loss"] = evaluate(model, heldout)
+            clock["eval"] += time.monotonic() - t
+        fields["train_seconds"] = round(time.monotonic() - clock["start"] - clock["eval"], 3)
         metrics.write("round", **fields)
         if progress is not None:
             sent, recv = d.bytes_on_wire()
@@ -204,34 +315,43 @@ def run_job(cfg: JobConfig, swarm: Swarm | None, *, metrics: MetricsWriter | Non
                                   sent, recv, d.usage().mean_bytes_per_second))
 
     error_feedback = swarm is not None and parse_compression(swarm.cfg.compression).ef is not None
-    outer = default_outer(error_feedback, cfg.outer_lr, cfg.outer_momentum)
-    d = DiLoCo(model, inner, swarm=swarm, inner_steps=cfg.inner_steps, on_round=on_round, outer_optimizer=outer,
-               outer_warmup=cfg.outer_warmup,
+    outer = (data_parallel_outer(cfg.lr, CLIP_NORM) if cfg.data_parallel else
+             default_outer(error_feedback, cfg.outer_lr, cfg.outer_momentum))
+    # data-parallel: the lr schedule moves to the outer AdamW; round r commits step r-1
+    schedule = (partial(_outer_dp_scale, first=cfg.first_step, warmup=cfg.warmup, total=cfg.first_step + cfg.rounds,
+                        schedule=cfg.schedule) if cfg.data_parallel else None)
+    d = DiLoCo(model, inner, swarm=swarm, inner_steps=cfg.inner_steps, h_schedule=cfg.round_schedule,
+               on_round=on_round, outer_optimizer=outer,
+               outer_warmup=cfg.outer_warmup, outer_lr_schedule=schedule,
                streaming=cfg.streaming, checkpoint_dir=cfg.checkpoint_dir, checkpoint_every=cfg.checkpoint_every)
     if cfg.resume and not d.resume():
         log.info("event=resume_skipped reason=no verified checkpoint in %s", cfg.checkpoint_dir)
     target = cfg.rounds * len(d.fragments)  # a round synchronizes one fragment
-    total_steps = cfg.rounds * cfg.inner_steps
+    total_steps = cfg.total_steps
     with d:
         if swarm is not None and cfg.wait_for > 1:
             seen = swarm.wait_for_peers(cfg.wait_for, cfg.wait_timeout)
             log.info("event=peers_present count=%d wanted=%d", seen, cfg.wait_for)
-        max_steps = cfg.rounds * cfg.inner_steps * 4  # a safety net if the swarm never commits
+        clock["start"] = time.monotonic()
+        max_steps = total_steps * 4  # a safety net if the swarm never commits
         # A round on the wire counts: with overlap its result is applied on leaving the `with` (flush).
         while d.round + d.pending_rounds < target and not stop.is_set() and d.steps < max_steps:
-            for group in inner.param_groups:
-                group["lr"] = inner_lr(d.steps, lr=cfg.lr, warmup=cfg.warmup, total=total_steps, schedule=cfg.schedule)
+            if not cfg.data_parallel:
+                for group in inner.param_groups:
+                    group["lr"] = inner_lr(cfg.first_step + d.steps, lr=cfg.lr, warmup=cfg.warmup,
+                                           total=cfg.first_step + total_steps, schedule=cfg.schedule)
             x, y = sampler.next()
             _, loss = model(x, y)
             loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            if not cfg.data_parallel:  # data-parallel clips the mean gradient, in the outer step
+                torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP_NORM)
             d.report_loss(loss.item())
             inner.step()  # the wrapper's hook synchronizes every inner_steps-th call
             inner.zero_grad(set_to_none=True)
             if on_step is not None:
                 on_step(d)
             if progress is not None:  # between rounds: the share of this round's inner steps taken
-                slot = cfg.inner_steps / len(d.fragments)
+                slot = d.inner_steps_now / len(d.fragments)
                 progress((d.round + min(1.0, (d.steps - steps_at_round[0]) / slot)) / len(d.fragments), cfg.rounds,
                          None)
             if status_path and (d.steps % 5 == 0 or d.steps == 1):
@@ -241,6 +361,7 @@ def run_job(cfg: JobConfig, swarm: Swarm | None, *, metrics: MetricsWriter | Non
                              bytes_sent=sent, bytes_received=recv, utilization=usage.utilization,
                              blocked_seconds=usage.blocked_seconds, mean_bps=usage.mean_bytes_per_second,
                              peak_bps=usage.peak_bytes_per_second)
+    train_seconds = round(time.monotonic() - clock["start"] - clock["eval"], 3)
     if swarm is not None and not stop.is_set() and d.round >= target:
         d.linger(swarm.cfg.gather_timeout)  # a peer still behind downloads the final state from us
     if cfg.checkpoint_dir:
@@ -254,6 +375,7 @@ def run_job(cfg: JobConfig, swarm: Swarm | None, *, metrics: MetricsWriter | Non
                    compression=d.compression, bits_per_param_sync=round(bits, 5),
                    params=sum(p.numel() for p in model.parameters()), bytes_sent=sent, bytes_received=recv,
                    committed_rounds=sum(r.committed for r in d.reports), wall_seconds=round(time.monotonic() - started, 2),
+                   train_seconds=train_seconds, data_parallel=cfg.data_parallel,
                    stopped=stop.is_set(), fragments=len(d.fragments), overlap=cfg.streaming.overlap,
                    alpha=cfg.streaming.alpha, outer_overlap=cfg.streaming.outer_overlap, usage=d.usage().as_dict(),
                    rollbacks=d.rollbacks,

@@ -1,0 +1,79 @@
+"""Real peers on an emulated WAN: one swarm of `diloco start` / `diloco join` processes training the
+bundled job, one per host of a `diloco.bench.wan.WanLab`. The benchmarks that race or compare variants
+on a link (B4 `overlap`, `race`) run each variant through `run_swarm` on the same lab."""
+
+from __future__ import annotations
+
+import os
+import secrets
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+from ..metrics import read_jsonl
+
+Lines = list[dict[str, Any]]
+
+
+def run_swarm(lab: Any, peers: int, args: Sequence[str], workdir: Path, timeout_s: float,
+              watch: Callable[[Lines], None] | None = None) -> list[Lines]:
+    """Run `peers` peers of the bundled job with the job/swarm flags `args` (peer 0 starts the swarm, the
+    others join it; each gets `--shard i`), wait for all of them, and return each one's metrics lines.
+    `watch(lines)` gets peer 0's lines about every 2 s while they run. A peer still running at `timeout_s`
+    is killed (TimeoutExpired); a peer that ends without a final line raises RuntimeError naming its log."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    run_id = f"lab-{int(time.time() * 1000) % 10**8}"
+    procs: list[subprocess.Popen[bytes]] = []
+    logs = []
+    env = {**os.environ, "DILOCO_SECRET": secrets.token_urlsafe(32)}  # the swarm secret, not on command lines
+    try:
+        for i in range(peers):
+            log = open(workdir / f"peer{i}.log", "wb")
+            logs.append(log)
+            cmd = [sys.executable, "-m", "diloco"]
+            cmd += ["start"] if i == 0 else ["join", (workdir / "peer0.addr").read_text().split()[0]]
+            cmd += ["--host", lab.address(i), "--port", "0", "--run-id", run_id, *args, "--shard", str(i),
+                    "--metrics", str(workdir / f"peer{i}.jsonl"), "--address-file", str(workdir / f"peer{i}.addr")]
+            procs.append(lab.popen(i, cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env))
+            if i == 0:
+                _wait_for_file(workdir / "peer0.addr", procs[0], 120)
+        deadline = time.monotonic() + timeout_s
+        for p in procs:
+            while True:
+                try:
+                    p.wait(timeout=min(2.0, max(0.1, deadline - time.monotonic())))
+                    break
+                except subprocess.TimeoutExpired:
+                    if time.monotonic() >= deadline:
+                        raise
+                    if watch is not None:
+                        watch(read_jsonl(workdir / "peer0.jsonl"))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        for log in logs:
+            log.close()
+    out = []
+    for i in range(peers):
+        lines = read_jsonl(workdir / f"peer{i}.jsonl")
+        if not any(ln.get("event") == "final" for ln in lines):
+            raise RuntimeError(f"peer {i} did not finish; see {workdir / f'peer{i}.log'}")
+        out.append(lines)
+    return out
+
+
+def final(lines: Lines) -> dict[str, Any]:
+    """A finished peer's final line."""
+    return next(ln for ln in reversed(lines) if ln.get("event") == "final")
+
+
+def _wait_for_file(path: Path, proc: subprocess.Popen[bytes], timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError(f"the first peer did not start (exit {proc.poll()}); see its log next to {path}")
+        time.sleep(0.2)
