@@ -111,6 +111,14 @@ def parse_variant(spec: str) -> Variant:
     return replace(base, name=f"{label} ({', '.join(knobs)})" if knobs else label, **changes)
 
 
+def check_budget(v: Variant, steps: int) -> None:
+    """`steps` inner steps are a warm start shorter than them plus whole outer steps of `v`; raises ValueError
+    saying what does not fit."""
+    if not 0 <= v.warm_start < steps:
+        raise ValueError(f"warm_start ({v.warm_start}) must be below --steps ({steps}) ({v.name})")
+    v.rounds(steps - v.warm_start)
+
+
 Progress = Callable[[float, float | None, str | None], None]
 """(done, total, status) of one variant, in inner steps of all workers (data-parallel: steps × M)."""
 
@@ -168,9 +176,7 @@ def run(job: JobConfig, workers: int, steps: int, variants: tuple[Variant, ...] 
     every round), with inner steps and bytes sent so far. `reporter` (default: the running command's)
     shows the whole benchmark and the variant running, in inner steps of all workers."""
     for v in variants:
-        if not 0 <= v.warm_start < steps:
-            raise ValueError(f"warm_start ({v.warm_start}) must be below --steps ({steps}) ({v.name})")
-        v.rounds(steps - v.warm_start)  # raises before a run of minutes
+        check_budget(v, steps)  # raises before a run of minutes
     lrs = tuple(dp_lrs) or (job.lr,)
     dp_names = ["data-parallel"] if len(lrs) == 1 else [f"data-parallel lr={lr:g}" for lr in lrs]
     rep = reporter or progress_output.current()

@@ -477,6 +477,8 @@ def bench_convergence_cmd(
         "Variants to run, by name (h50, h100, streaming, sparse), each optionally with knobs changed: "
         "'h50,outer_lr=0.5,outer_momentum=0.8', 'sparse,H=20' (knobs: H, compression, fragments, overlap, alpha, "
         "outer_lr, outer_momentum, outer_warmup, lr, h_schedule: 80:10 or 80:10+95:5). Repeat it.")),
+    data_parallel_only: bool = typer.Option(False, "--data-parallel-only", help="Run only the data-parallel "
+                                            "baselines (e.g. to extend an lr sweep), no variant."),
     dp_lr: List[float] = typer.Option([], help="Inner lr of data-parallel training; repeat it to tune over several "
                                               "(gaps are to the best). Default: --lr."),
     lr: float = typer.Option(2e-3, help="Inner AdamW lr of the DiLoCo workers."),
@@ -497,7 +499,7 @@ def bench_convergence_cmd(
     import torch
     from rich.console import Console
 
-    from ..bench.convergence import markdown_table, parse_variant, plots, replot_rows, run, write_json
+    from ..bench.convergence import check_budget, markdown_table, parse_variant, plots, replot_rows, run, write_json
     from ..bench.plot import PlotError, require_matplotlib
     from ..progress import Reporter
 
@@ -505,16 +507,18 @@ def bench_convergence_cmd(
         _fail("--replot draws plots: give the folder to write them to with --plots DIR")
     try:
         job = job_config(model, threads=threads, lr=lr, warmup=warmup, schedule=schedule)
-        chosen = tuple(parse_variant(v) for v in variant)
+        chosen = () if data_parallel_only else tuple(parse_variant(v) for v in variant)
         if plots_dir is not None:
             require_matplotlib()  # before a run of minutes, not after it
     except (ConfigError, PlotError, ValueError) as e:
         _fail(str(e))
     if min(workers) < 1 or steps < 1:
         _fail(f"--workers must be >= 1 and --steps >= 1, got {workers} and {steps}")
-    for v in chosen:
-        if steps % v.inner_steps:
-            _fail(f"--steps ({steps}) must be a multiple of H={v.inner_steps} ({v.name})")
+    try:
+        for v in chosen:
+            check_budget(v, steps)
+    except ValueError as e:
+        _fail(str(e))
     bad_lr = [x for x in dp_lr if not 0 < x < 1]
     if bad_lr:
         _fail(f"--dp-lr must be in (0, 1), got {bad_lr[0]}")

@@ -211,6 +211,10 @@ class RunOptions(Group):
     """How this process runs the bundled job (`JobConfig`): seed, threads, evaluation."""
 
     seed: int = option(_JOB.seed, help="Model initialization seed (the same on every peer).")
+    init_from: Optional[Path] = option(None, "--init-from", help="Start from the model weights in this safetensors "
+                                       "file (`diloco.job.train.save_weights`; the same on every peer).")
+    first_step: int = option(_JOB.first_step, help="Continue the lr schedule and each peer's data from this inner "
+                                                   "step (a warm start with --init-from).")
     threads: int = option(_JOB.threads, help="torch CPU threads (per worker).")
     eval_every: int = option(_JOB.eval_every, help="Evaluate held-out loss every N rounds (0: only at the end).")
 
