@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from diloco.bench.race import RaceSetup, Racer, curve, markdown_table, racers, run, standings, time_to
+from diloco.bench.race import RaceSetup, curve, markdown_table, racers, run, standings, time_to
 
 
 def _round(step, seconds, sent, loss=None):

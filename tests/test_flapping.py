@@ -14,7 +14,7 @@ import time
 
 import pytest
 import torch
-from test_swarm_inproc import CFG, H, Harness, _batches, _mlp, _run_threads
+from test_swarm_inproc import H, Harness, _batches, _mlp, _run_threads
 
 from diloco import DiLoCo
 

@@ -7,7 +7,6 @@ global-state digest; what each case adds is asserted where it is built.
 
 from __future__ import annotations
 
-import copy
 import threading
 from dataclasses import dataclass, field
 from typing import Callable

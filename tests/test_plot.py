@@ -15,7 +15,7 @@ import pytest
 from typer.testing import CliRunner
 
 from diloco.cli.main import app
-from diloco.bench.curves import Run, check, plot_runs, series, token_axis
+from diloco.bench.curves import Run, check, series, token_axis
 from diloco.bench.plot import PlotError, Series, drawable, line_plot
 
 pytestmark = pytest.mark.unit

@@ -13,11 +13,10 @@ import pytest
 import torch
 
 from diloco.comms import Collective, CollectiveConfig, InProcNetwork, RoundKey, span_bounds
-from diloco.comms import messages as msg
 from diloco.comms import robust
 from diloco.comms.reduce import average
 from diloco.comms.robust import RobustConfig
-from diloco.compression import Reason, get_codec
+from diloco.compression import Reason
 from diloco.compression.pipeline import Decoded
 from diloco.config import ConfigError, SwarmConfig
 
