@@ -110,6 +110,7 @@ def test_a_warm_start_trains_data_parallel_first_then_diloco_from_its_weights(tm
     assert warm["curve"][0]["bytes_sent"] == dp["bytes_sent"] / 2  # half of data-parallel's 8 steps
     assert warm["curve"][-1]["eval_loss"] == pytest.approx(warm["eval_loss"])
     assert warm["eval_loss"] != cold["eval_loss"]
+    assert warm["projected_utilization"] is None and 0 < cold["projected_utilization"] <= 1  # no rounds to project
 
 
 def test_data_parallel_only_extends_an_lr_sweep_without_running_a_variant():

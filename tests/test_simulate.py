@@ -145,3 +145,10 @@ def test_data_parallel_through_the_swarm_is_data_parallel_training():
 def test_data_parallel_rejects_diloco_knobs_saying_which(bad, says):
     with pytest.raises(ConfigError, match=says):
         JobConfig(data_parallel=True, **bad)
+
+
+def test_the_projection_takes_each_rounds_own_steps_under_an_h_schedule():
+    net = NetworkModel(bandwidth_mbit=8, latency_ms=10, step_seconds=0.1)
+    rounds = [(1_000_000, 500_000)] * 3
+    varied = project(rounds, steps_per_round=[10, 10, 2], overlap=0, workers=2, net=net, step_seconds=1)
+    assert varied.compute_seconds == pytest.approx((2.2, 2.2)) and varied.wall_seconds == pytest.approx(2.2 + 3 * 1.04)

@@ -229,8 +229,9 @@ def _variant(job: JobConfig, workers: int, steps: int, v: Variant, curves: bool,
     return dict(variant=v.name, workers=workers, lr=cfg.lr, eval_loss=out["eval_loss"], params=out["params"],
                 bytes_sent=warm["bytes_sent"] + out["bytes_sent"], bits_per_param_sync=out["bits_per_param_sync"],
                 syncs=v.warm_start + cfg.rounds, wall_seconds=round(time.monotonic() - started, 1),
-                projected_utilization=out["projection"]["min_utilization"], digests=out["digests"],
-                curve=[*warm["curve"], *diloco_curve])
+                # the projection covers the DiLoCo rounds only: a warm start's data-parallel phase has none
+                projected_utilization=None if v.warm_start else out["projection"]["min_utilization"],
+                digests=out["digests"], curve=[*warm["curve"], *diloco_curve])
 
 
 def markdown_table(rows: list[dict[str, Any]]) -> str:

@@ -38,6 +38,7 @@ from diloco.comms.loop import LoopThread
 from diloco.peers import InProcBoard, PeerRecord
 
 from ..config import ConfigError, SwarmConfig
+from ..fragments import inner_steps_at
 from ..job.train import JobConfig, load_corpus, run_job
 from ..metrics import MetricsWriter
 from ..swarm import Banned, Swarm
@@ -146,11 +147,12 @@ class Projection:
 RoundBytes = Mapping[int, tuple[int, int]]  # worker -> (bytes sent, bytes received) in one round
 
 
-def project(rounds: Sequence[RoundBytes | tuple[int, int]], *, steps_per_round: int, overlap: int, workers: int,
+def project(rounds: Sequence[RoundBytes | tuple[int, int]], *, steps_per_round: int | Sequence[int], overlap: int,
+            workers: int,
             net: NetworkModel, step_seconds: float, faults: Sequence[Fault] = ()) -> Projection:
     """Project a run onto `net`. `rounds[k]` is round k+1: who took part and what each sent and received
     (a bare (sent, received) pair: every worker moved that much). Each round follows `steps_per_round`
-    inner steps (H/P) and its result is needed `overlap` (τ) steps after it began; `slow` and
+    inner steps (H/P; a sequence: round k+1's, under an H schedule) and its result is needed `overlap` (τ) steps after it began; `slow` and
     `degrade` faults change a worker's speed and link from their round on. Pure: the model is in the
     module docstring; a round moves at its slowest member's pace and its slowest exchange."""
     step = net.step_seconds if net.step_seconds is not None else step_seconds
@@ -165,13 +167,14 @@ def project(rounds: Sequence[RoundBytes | tuple[int, int]], *, steps_per_round: 
             continue
         pace = {i: step / _speed(i, k, speeds, faults) for i in members}
         slowest = max(pace.values())
+        steps = steps_per_round if isinstance(steps_per_round, int) else steps_per_round[k - 1]
         comm = max(_link(i, k, net, faults).seconds(*members[i]) for i in members)
         wait = max(0.0, comm - overlap * slowest)
-        wall += steps_per_round * slowest + wait
+        wall += steps * slowest + wait
         blocked += wait
         comm_total += comm
         for i, t in pace.items():
-            compute[i] += steps_per_round * t
+            compute[i] += steps * t
     return Projection(wall_seconds=wall, compute_seconds=tuple(compute), blocked_seconds=blocked,
                       comm_seconds=comm_total)
 
@@ -323,7 +326,7 @@ def simulate(job: JobConfig, workers: int, *, swarm: SwarmConfig | None = None, 
 
     runner = FaultRunner(faults, spawn=lambda i: start(i, restarted=True)) if faults else None
     started = time.monotonic()
-    total_steps = workers * job.rounds * job.inner_steps
+    total_steps = workers * job.total_steps
 
     def report(over: bool = False) -> None:
         if progress is not None:
@@ -389,8 +392,10 @@ def summarize(job: JobConfig, finals: list[dict[str, Any]], rows: Sequence[tuple
              for r in (first.rows if first is not None else []) if r["event"] == "round" and "eval_loss" in r]
     measured_step = max(1e-9, step_seconds(finals))
     fragments = finals[0]["fragments"]
-    projection = project([moved.get(k, {}) for k in range(1, max(moved, default=0) + 1)],
-                         steps_per_round=job.inner_steps // fragments, overlap=job.streaming.overlap, workers=workers,
+    count = max(moved, default=0)
+    projection = project([moved.get(k, {}) for k in range(1, count + 1)],
+                         steps_per_round=[inner_steps_at(k, job.inner_steps, job.round_schedule) // fragments
+                                          for k in range(count)], overlap=job.streaming.overlap, workers=workers,
                          net=net, step_seconds=measured_step, faults=faults)
     return dict(workers=workers, finished=len(finals), digests=sorted({f["digest"] for f in finals}),
                 digest=finals[0]["digest"], round=finals[0]["round"], eval_loss=finals[0]["eval_loss"],
