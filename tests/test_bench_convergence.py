@@ -114,10 +114,14 @@ def test_a_warm_start_trains_data_parallel_first_then_diloco_from_its_weights(tm
 
 
 def test_data_parallel_only_extends_an_lr_sweep_without_running_a_variant():
-    out = subprocess.run([sys.executable, "-m", "diloco", "bench", "convergence", "--data-parallel-only", "--workers",
-                          "1", "--steps", "4", "--d-model", "32", "--layers", "1", "--context", "32", "--dp-lr", "1e-3",
-                          "--dp-lr", "2e-3", "-q"], capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr
+    from typer.testing import CliRunner
+
+    from diloco.cli.main import app
+
+    out = CliRunner().invoke(app, ["bench", "convergence", "--data-parallel-only", "--workers", "1", "--steps", "4",
+                                   "--d-model", "32", "--layers", "1", "--context", "32", "--dp-lr", "1e-3", "--dp-lr",
+                                   "2e-3", "-q"])
+    assert out.exit_code == 0, out.output
     rows = [ln for ln in out.stdout.splitlines() if ln.startswith("| 1 |")]
     assert [r.split("|")[2].strip().removesuffix(" (tuned)") for r in rows] == ["data-parallel lr=0.001",
                                                                               "data-parallel lr=0.002"]
