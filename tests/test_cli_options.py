@@ -90,3 +90,14 @@ def test_an_option_declared_twice_is_refused_and_groups_take_only_their_options(
     with pytest.raises(TypeError, match="has no option"):
         AggregationOptions.defaults(rounds=3)
     assert option(1, help="h").metadata["help"] == "h"
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["start", "--h-schedule", "80"], "--h-schedule: H schedule '80': write ROUNDS:H pairs"),
+    (["start", "--init-from", "no-such.safetensors"], "is not a file"),
+    (["start", "--data-parallel"], "set --inner-steps 1"),
+    (["start", "--data-parallel", "-H", "1", "--outer-lr", "0.5"], "leave --outer-lr"),
+])
+def test_a_bad_training_flag_exits_2_naming_the_fix_before_any_network(args, needle):
+    out = CliRunner().invoke(main.app, args)
+    assert out.exit_code == 2 and needle in out.output, out.output

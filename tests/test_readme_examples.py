@@ -16,7 +16,8 @@ What each command does here:
 - `bench convergence` (its smallest budget is 500 inner steps, about 20 s here; the real run at test
   size is tests/test_bench_convergence.py), `start`, `join`, `status` (and `status --watch`), `demo` (real peers,
   tests/test_multiproc.py), `start/join ... -- CMD` (the launcher, tests/test_launcher.py), `bench
-  overlap` (root and network namespaces, tests/test_bench_overlap.py), `bench flood` (real daemons,
+  overlap` and `bench race` (root and network namespaces, tests/test_bench_overlap.py and
+  tests/test_bench_race.py), `bench flood` (real daemons,
   tests/test_auth.py), `bench site` (torchrun sites), `bench size` (models of up to 300M parameters,
   tests/test_bench_size.py), `bench wrapper` (minutes of training, tests/test_bench_wrapper.py): parsed and
   validated by the real command, which
@@ -151,7 +152,7 @@ STOPPED_AT = {  # command -> what would start the work (network, real peers, roo
     ("diloco", "bench", "overlap"): "diloco.bench.overlap.run", ("diloco", "bench", "flood"): "diloco.bench.flood.run",
     ("diloco", "bench", "convergence"): "diloco.bench.convergence.run", ("diloco", "bench", "site"): "diloco.bench.site.run",
     ("diloco", "bench", "size"): "diloco.bench.size.run", ("diloco", "bench", "wrapper"): "diloco.bench.wrapper.run",
-    ("diloco", "bench", "transport"): "diloco.bench.transport.run",
+    ("diloco", "bench", "transport"): "diloco.bench.transport.run", ("diloco", "bench", "race"): "diloco.bench.race.run",
 }
 LAUNCHED = "diloco.cli.main._launch"
 """`diloco start/join ... -- CMD` runs the user's command as the site's worker: stopped there."""

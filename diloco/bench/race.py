@@ -141,10 +141,10 @@ Tick = Callable[[float, float | None, str | None], None]
 
 
 def run(setup: RaceSetup, *, workdir: Path | None = None, progress: Callable[[str], None] = print,
-        tick: Tick | None = None, which: Sequence[Racer] | None = None) -> dict[str, Any]:
+        tick: Tick | None = None, which: Sequence[Racer] | None = None, measure: bool = True) -> dict[str, Any]:
     """Build one WAN lab, run every racer on it, and return the report (also the JSON). `progress` gets a line
     per event; `tick(done, total, status)` how far the race is, in racers (fractional from the first peer's
-    steps while one runs)."""
+    steps while one runs); `measure`: time a TCP transfer across the link first (about 4 s)."""
     from .wan import WanLab
 
     workdir = Path(workdir or tempfile.mkdtemp(prefix="diloco-bench-race-"))
@@ -156,8 +156,9 @@ def run(setup: RaceSetup, *, workdir: Path | None = None, progress: Callable[[st
     with WanLab(hosts=setup.peers, rate_mbit=setup.rate_mbit, delay_ms=setup.delay_ms) as lab:
         link = lab.describe()
         progress(link)
-        measured = lab.measure(0, 1, nbytes=max(200_000, int(setup.rate_mbit * 1e6 / 8 * 4)))  # ~4 s of transfer
-        progress(f"measured between hosts 0 and 1: {measured}")
+        measured = lab.measure(0, 1, nbytes=max(200_000, int(setup.rate_mbit * 1e6 / 8 * 4))) if measure else None
+        if measured is not None:
+            progress(f"measured between hosts 0 and 1: {measured}")
         for k, racer in enumerate(entrants):
             status = f"[{k + 1}/{len(entrants)}] {racer.name}"
             progress(f"{status} ...")
@@ -185,7 +186,7 @@ def run(setup: RaceSetup, *, workdir: Path | None = None, progress: Callable[[st
                      f"{res['bytes_sent'] / 1e6:.1f} MB sent, utilization {100 * res['utilization']:.1f}%, "
                      f"digests agree: {res['digests_agree']}")
     return {"setup": asdict(setup), "link": link,
-            "measured_link": {"rtt_ms": measured.rtt_ms, "goodput_mbit": measured.goodput_mbit},
+            "measured_link": {"rtt_ms": measured.rtt_ms, "goodput_mbit": measured.goodput_mbit} if measured else None,
             "results": results, "standings": standings(results)}
 
 
