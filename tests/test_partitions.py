@@ -98,6 +98,14 @@ def _run_split(sides: list[set[int]], *, majority: bool, target: int, split_at: 
         s = diloco.Swarm.in_process(net, SideOfBoard(me), me, cfg, loop)
         s.transport.drop = lambda target, name, me=me: split.is_set() and side_of[str(target)] != side_of[me]
         swarms.append(s)
+    def heal_when_tried() -> None:
+        # Heal after `heal_after` seconds, and only once the other side has tried on its own: on a busy machine
+        # the first attempts after the split can still hold views from before it and fail for lack of results
+        # (dropped calls) until past the heal, so a plain timer could heal before any attempt met the rule.
+        time.sleep(heal_after or 0)
+        minority_tried.wait(15)
+        split.clear()
+
     base = _mlp(5)
     start = threading.Barrier(4, timeout=10)
     out: dict[int, DiLoCo] = {}
@@ -119,7 +127,7 @@ def _run_split(sides: list[set[int]], *, majority: bool, target: int, split_at: 
                 if i == 0 and r.committed and r.round == split_at:
                     split.set()
                     if heal_after is not None:
-                        threading.Timer(heal_after, split.clear).start()
+                        threading.Thread(target=heal_when_tried, daemon=True).start()
                 if i == 0 and r.committed and heal_at is not None and r.round >= heal_at and split.is_set():
                     minority_tried.wait(10)  # heal only once the other side has tried on its own
                     split.clear()
