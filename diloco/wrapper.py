@@ -49,6 +49,7 @@ import threading
 import time
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Callable, Iterator, Literal, Sequence, TypeVar
 
@@ -222,11 +223,9 @@ class DiLoCo:
         self.inner_steps = inner_steps
         """H at the start; `h_schedule` changes it after a number of committed rounds (`inner_steps_now`)."""
         self.h_schedule = tuple((int(r), int(h)) for r, h in h_schedule)
-        self.outer_warmup = outer_warmup
-        """Rounds of linear outer-lr warmup (`outer.warmup_scale`); 0: none."""
-        self.outer_lr_schedule = outer_lr_schedule
-        """The outer lr's factor for the step that commits global round r (1-based), instead of the warmup; a
-        function of r alone, so every peer (and one that caught up) steps with the same lr."""
+        self.outer_lr_schedule = outer_lr_schedule or partial(warmup_scale, warmup=outer_warmup)
+        """The outer lr's factor for the step that commits global round r (1-based), `outer_warmup`'s linear
+        warmup unless given; a function of r alone, so every peer (and one that caught up) steps with the same lr."""
         self.streaming = streaming or StreamingConfig()
         # "auto": a command started by `diloco start/join -- CMD` finds its swarm in the environment
         # (connected when we attach); without the launcher's variables, a single worker, no network.
@@ -655,10 +654,8 @@ class DiLoCo:
         self._start = params
 
     def _outer_lr_scale(self) -> float:
-        """The outer lr's factor for the step that commits the next global round: `outer_lr_schedule`'s, else
-        the warmup's (`outer.warmup_scale`)."""
-        rnd = self.state.round + 1
-        return self.outer_lr_schedule(rnd) if self.outer_lr_schedule is not None else warmup_scale(rnd, self.outer_warmup)
+        """The outer lr's factor for the step that commits the next global round."""
+        return self.outer_lr_schedule(self.state.round + 1)
 
     def _roll_back(self, started: float) -> RoundReport:
         """Our pseudo-gradient holds NaN or Inf (a diverged inner step): contribute nothing this round,

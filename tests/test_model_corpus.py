@@ -231,3 +231,13 @@ def test_a_job_starts_from_given_weights_and_continues_the_lr_schedule(tmp_path)
         load_weights(wrong, tmp_path / "w.safetensors")
     with pytest.raises(ConfigError, match="is not a file"):
         JobConfig(init_from=str(tmp_path / "missing.safetensors"))
+
+
+def test_skipping_batches_is_drawing_them_without_building_them():
+    data = torch.arange(10_000, dtype=torch.uint8)
+    drawn = BatchSampler(data, batch_size=4, context=16, seed=3, shard=1, num_shards=8)
+    skipped = BatchSampler(data, batch_size=4, context=16, seed=3, shard=1, num_shards=8)
+    for _ in range(5):
+        drawn.next()
+    skipped.skip(5)
+    assert all(torch.equal(a, b) for a, b in zip(drawn.next(), skipped.next()))

@@ -12,6 +12,7 @@ import copy
 import re
 import threading
 import time
+from typing import Any, Callable
 
 import pytest
 import torch
@@ -467,27 +468,27 @@ def test_peers_with_different_fragments_cannot_mix():
     assert sum(d.swarm.collective.rejections["wrong_schema"] for d in out.values()) > 0
 
 
-@pytest.mark.swarm
-def test_late_joiner_takes_the_swarms_place_in_the_fragment_schedule():
-    """Two peers stop between slots (step 7 of period 4); a third joins, downloads their state and its
-    schedule position, and from then on its slots fall on theirs: every later round has 3 members."""
-    harness = Harness()
-    cfg = StreamingConfig(fragments=2, overlap=1, alpha=0.5)
-    base = _net(3)
-    data = [_batches(20 + i, 4 * H) for i in range(3)]
+def _pause_and_join(harness: Harness, *, base: torch.nn.Module, joiner_seed: int, data: list, steps: int,
+                    pause_at: int, on_attached: Callable[[DiLoCo], None], prepare: Callable[[int, DiLoCo], None] =
+                    lambda i, d: None, **wrapper: Any) -> dict[int, DiLoCo]:
+    """Two peers train `steps` inner steps from `base` and stand still before step `pause_at`; meanwhile a third
+    (initialized from `joiner_seed`) joins, downloads their state, is shown to `on_attached`, and then all three
+    train to the end. `prepare(i, d)` sees each early peer's wrapper before it attaches; `wrapper`: the
+    DiLoCo arguments of all three. Returns the three wrappers by index (the joiner is 2)."""
     paused, resume = threading.Barrier(3, timeout=15), threading.Barrier(3, timeout=15)
     start = threading.Barrier(2, timeout=10)
     out: dict[int, DiLoCo] = {}
-    positions: dict[str, int] = {}
 
     def early(i):
         def run():
             model = copy.deepcopy(base)
             opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-            with DiLoCo(model, opt, swarm=harness.swarm(f"peer{i}"), inner_steps=H, streaming=cfg) as d:
+            d = DiLoCo(model, opt, swarm=harness.swarm(f"peer{i}"), inner_steps=H, **wrapper)
+            prepare(i, d)
+            with d:
                 start.wait()
-                for s in range(3 * H):
-                    if s == 7:
+                for s in range(steps):
+                    if s == pause_at:
                         paused.wait()  # the joiner downloads our state while we stand still
                         resume.wait()
                     _step(model, opt, data[i][s])
@@ -496,13 +497,13 @@ def test_late_joiner_takes_the_swarms_place_in_the_fragment_schedule():
 
     def joiner():
         paused.wait()
-        model = _net(99)  # a different initialization: it must adopt the swarm's
+        model = _net(joiner_seed)  # a different initialization: it must adopt the swarm's
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-        d = DiLoCo(model, opt, swarm=harness.swarm("peer2", bootstrapped=True), inner_steps=H, streaming=cfg)
+        d = DiLoCo(model, opt, swarm=harness.swarm("peer2", bootstrapped=True), inner_steps=H, **wrapper)
         d.attach()
-        positions["joiner"], positions["swarm"] = d.schedule_position, 7 % (H // 2)
+        on_attached(d)
         resume.wait()
-        for s in range(3 * H - 7):
+        for s in range(steps - pause_at):
             _step(model, opt, data[2][s])
         d.detach()
         out[2] = d
@@ -511,6 +512,21 @@ def test_late_joiner_takes_the_swarms_place_in_the_fragment_schedule():
         _run_threads([early(0), early(1), joiner], [paused, resume, start])
     finally:
         harness.close()
+    return out
+
+
+@pytest.mark.swarm
+def test_late_joiner_takes_the_swarms_place_in_the_fragment_schedule():
+    """Two peers stop between slots (step 7 of period 4); a third joins, downloads their state and its
+    schedule position, and from then on its slots fall on theirs: every later round has 3 members."""
+    positions: dict[str, int] = {}
+
+    def attached(d: DiLoCo) -> None:
+        positions["joiner"], positions["swarm"] = d.schedule_position, 7 % (H // 2)
+
+    out = _pause_and_join(Harness(), base=_net(3), joiner_seed=99, data=[_batches(20 + i, 4 * H) for i in range(3)],
+                          steps=3 * H, pause_at=7, on_attached=attached,
+                          streaming=StreamingConfig(fragments=2, overlap=1, alpha=0.5))
     assert positions["joiner"] == positions["swarm"] == 3
     assert len({d.digest for d in out.values()}) == 1
     assert {d.round for d in out.values()} == {6}
@@ -524,49 +540,14 @@ def test_a_joiner_after_an_h_schedule_change_takes_the_new_slots():
     """H=8 (slots every 4 steps with 2 fragments) for 2 rounds, then H=4 (every 2). Two peers stop at step 11,
     one step past a slot of the new period; a third joins there, downloads the state and its place, and
     from then on its slots fall on theirs at the new period: every later round has 3 members."""
-    harness = Harness()
-    cfg = StreamingConfig(fragments=2)
-    schedule = ((2, 4),)
-    base = _net(3)
-    data = [_batches(40 + i, 20) for i in range(3)]
-    paused, resume = threading.Barrier(3, timeout=15), threading.Barrier(3, timeout=15)
-    start = threading.Barrier(2, timeout=10)
-    out: dict[int, DiLoCo] = {}
     positions: dict[str, int] = {}
 
-    def early(i):
-        def run():
-            model = copy.deepcopy(base)
-            opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-            with DiLoCo(model, opt, swarm=harness.swarm(f"peer{i}"), inner_steps=H, h_schedule=schedule,
-                        streaming=cfg) as d:
-                start.wait()
-                for s in range(20):
-                    if s == 11:
-                        paused.wait()
-                        resume.wait()
-                    _step(model, opt, data[i][s])
-            out[i] = d
-        return run
-
-    def joiner():
-        paused.wait()
-        model = _net(99)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-        d = DiLoCo(model, opt, swarm=harness.swarm("peer2", bootstrapped=True), inner_steps=H, h_schedule=schedule,
-                   streaming=cfg)
-        d.attach()
+    def attached(d: DiLoCo) -> None:
         positions["joiner"], positions["period"] = d.schedule_position, d.inner_steps_now // 2
-        resume.wait()
-        for s in range(20 - 11):
-            _step(model, opt, data[2][s])
-        d.detach()
-        out[2] = d
 
-    try:
-        _run_threads([early(0), early(1), joiner], [paused, resume, start])
-    finally:
-        harness.close()
+    out = _pause_and_join(Harness(), base=_net(3), joiner_seed=99, data=[_batches(40 + i, 20) for i in range(3)],
+                          steps=20, pause_at=11, on_attached=attached, h_schedule=((2, 4),),
+                          streaming=StreamingConfig(fragments=2))
     assert positions == {"joiner": 1, "period": 2}
     assert [r.step for r in out[0].reports] == [4, 8, 10, 12, 14, 16, 18, 20]
     assert len({d.digest for d in out.values()}) == 1 and {d.round for d in out.values()} == {8}
@@ -654,63 +635,33 @@ def test_joiner_rejects_a_tampered_source_and_takes_the_state_from_another():
     from diloco.state import GlobalState
     from diloco.statesync import Snapshot
 
-    harness = Harness()
-    cfg = StreamingConfig(fragments=2, overlap=1, alpha=0.5)
-    base = _net(3)
-    data = [_batches(30 + i, 3 * H) for i in range(3)]
-    paused, resume = threading.Barrier(3, timeout=15), threading.Barrier(3, timeout=15)
-    start = threading.Barrier(2, timeout=10)
-    out: dict[int, DiLoCo] = {}
     seen: dict[str, object] = {}
 
-    def early(i):
-        def run():
-            model = copy.deepcopy(base)
-            opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-            d = DiLoCo(model, opt, swarm=harness.swarm(f"peer{i}"), inner_steps=H, streaming=cfg)
-            if i == 0:  # serve bytes that do not match the manifest of the state in peer0's record
-                honest = d._serve
+    def forge(i: int, d: DiLoCo) -> None:
+        if i != 0:
+            return
+        honest = d._serve  # serve bytes that do not match the manifest of the state in peer0's record
 
-                def forged(digest):
-                    real = honest(digest)
-                    if real is None:
-                        return None
-                    fake = GlobalState(d.state.params, nesterov(0.7, 0.9))
-                    fake.load_bytes(d.state.to_bytes())
-                    with torch.no_grad():
-                        fake.params[0].add_(1.0)
-                    return Snapshot(real.round, real.manifest, [t for _, t in fake.layout()[0]], real.info)
+        def forged(digest):
+            real = honest(digest)
+            if real is None:
+                return None
+            fake = GlobalState(d.state.params, nesterov(0.7, 0.9))
+            fake.load_bytes(d.state.to_bytes())
+            with torch.no_grad():
+                fake.params[0].add_(1.0)
+            return Snapshot(real.round, real.manifest, [t for _, t in fake.layout()[0]], real.info)
 
-                d._serve = forged
-            with d:
-                start.wait()
-                for s in range(3 * H):
-                    if s == 7:
-                        paused.wait()
-                        resume.wait()
-                    _step(model, opt, data[i][s])
-            out[i] = d
-        return run
+        d._serve = forged
 
-    def joiner():
-        paused.wait()
-        model = _net(77)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-        d = DiLoCo(model, opt, swarm=harness.swarm("peer2", bootstrapped=True), inner_steps=H, streaming=cfg)
-        d.attach()
+    def attached(d: DiLoCo) -> None:
         seen["round"], seen["digest"], seen["failures"] = d.round, d.digest, d.catch_up.failures
         seen["refused"] = dict(d.catch_up.refused_chunks)
         seen["swarm_digest"] = {r.peer: r for r in d.swarm.records()}["peer1"].digest
-        resume.wait()
-        for s in range(3 * H - 7):
-            _step(model, opt, data[2][s])
-        d.detach()
-        out[2] = d
 
-    try:
-        _run_threads([early(0), early(1), joiner], [paused, resume, start])
-    finally:
-        harness.close()
+    out = _pause_and_join(Harness(), base=_net(3), joiner_seed=77, data=[_batches(30 + i, 3 * H) for i in range(3)],
+                          steps=3 * H, pause_at=7, on_attached=attached, prepare=forge,
+                          streaming=StreamingConfig(fragments=2, overlap=1, alpha=0.5))
     assert seen["failures"] == 0 and seen["refused"] == {"peer0": 1}  # peer0's chunk was refused once ...
     assert seen["round"] == 1 and seen["digest"] == seen["swarm_digest"]  # ... and peer1's copy adopted
     assert len({d.digest for d in out.values()}) == 1 and {d.round for d in out.values()} == {6}

@@ -15,8 +15,8 @@ Data-parallel bytes are counted as a ring all-reduce of fp32 gradients every ste
 from __future__ import annotations
 
 import json
-import tempfile
 import os
+import tempfile
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -26,10 +26,10 @@ import torch
 
 from .. import progress as progress_output
 from ..config import SwarmConfig
+from ..fragments import HSchedule, inner_steps_at, parse_h_schedule
 from ..job.corpus import BatchSampler, evaluate, heldout_batches
 from ..job.model import GPTConfig, build_model
-from ..fragments import HSchedule, inner_steps_at, parse_h_schedule
-from ..job.train import JobConfig, inner_lr, load_corpus, save_weights
+from ..job.train import ADAMW_BETAS, CLIP_NORM, WEIGHT_DECAY, JobConfig, inner_lr, load_corpus, save_weights
 from ..sim.simulate import NetworkModel, simulate
 
 SPARSE = "topk:64/4096+s2+ef:0.95"  # 1.56% of each chunk, 2-bit values, error feedback (SparseLoCo's recipe)
@@ -78,10 +78,11 @@ VARIANTS = (
 )
 NAMED = dict(zip(("h50", "h100", "streaming", "sparse"), VARIANTS))
 """The variants by the short names `--variant` takes."""
-_KNOBS: dict[str, tuple[str, Callable[[str], Any]]] = {"H": ("inner_steps", int), "compression": ("compression", str), "fragments": ("fragments", int),
-          "overlap": ("overlap", int), "alpha": ("alpha", float), "outer_lr": ("outer_lr", float),
-          "outer_momentum": ("outer_momentum", float), "outer_warmup": ("outer_warmup", int), "lr": ("lr", float),
-          "h_schedule": ("h_schedule", parse_h_schedule), "warm_start": ("warm_start", int)}
+_KNOBS: dict[str, tuple[str, Callable[[str], Any]]] = {
+    "H": ("inner_steps", int), "compression": ("compression", str), "fragments": ("fragments", int),
+    "overlap": ("overlap", int), "alpha": ("alpha", float), "outer_lr": ("outer_lr", float),
+    "outer_momentum": ("outer_momentum", float), "outer_warmup": ("outer_warmup", int), "lr": ("lr", float),
+    "h_schedule": ("h_schedule", parse_h_schedule), "warm_start": ("warm_start", int)}
 
 
 def parse_variant(spec: str) -> Variant:
@@ -134,7 +135,7 @@ def data_parallel(job: JobConfig, workers: int, steps: int, eval_every: int = 0,
     torch.set_num_threads(min(job.threads * workers, os.cpu_count() or 1))  # it does the work of M workers
     corpus = load_corpus(job)
     model = build_model(GPTConfig(context=job.context, d_model=job.d_model, n_layer=job.n_layer), seed=job.seed)
-    opt = torch.optim.AdamW(model.parameters(), lr=job.lr, betas=(0.9, 0.95), weight_decay=0.1)
+    opt = torch.optim.AdamW(model.parameters(), lr=job.lr, betas=ADAMW_BETAS, weight_decay=WEIGHT_DECAY)
     samplers = [BatchSampler(corpus.train, batch_size=job.batch_size, context=job.context, seed=job.seed, shard=i,
                              num_shards=100_000) for i in range(workers)]
     heldout = heldout_batches(corpus.heldout, batch_size=16, context=job.context, max_batches=job.eval_batches)
@@ -150,7 +151,7 @@ def data_parallel(job: JobConfig, workers: int, steps: int, eval_every: int = 0,
         x, y = torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches])
         _, loss = model(x, y)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP_NORM)
         opt.step()
         opt.zero_grad(set_to_none=True)
         if eval_every and (step + 1) % eval_every == 0 and step + 1 < steps:

@@ -15,6 +15,15 @@ from typing import Any, Callable, Sequence
 from ..metrics import read_jsonl
 
 Lines = list[dict[str, Any]]
+Tick = Callable[[float, float | None, str | None], None]
+"""(done, total, status) of a benchmark that runs variants one after the other on a lab."""
+
+
+def measure_link(lab: Any, rate_mbit: float, progress: Callable[[str], None]) -> Any:
+    """Time about 4 s of TCP transfer from host 0 to host 1 (RTT and goodput) and say what it found."""
+    measured = lab.measure(0, 1, nbytes=max(200_000, int(rate_mbit * 1e6 / 8 * 4)))
+    progress(f"measured between hosts 0 and 1: {measured}")
+    return measured
 
 
 def run_swarm(lab: Any, peers: int, args: Sequence[str], workdir: Path, timeout_s: float,

@@ -22,7 +22,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any, Callable
 
-from .lab import final, run_swarm
+from .lab import Tick, final, measure_link, run_swarm
 
 
 @dataclass(frozen=True)
@@ -82,8 +82,6 @@ class VariantResult:
     per_peer: list[dict[str, Any]]
 
 
-Tick = Callable[[float, float | None, str | None], None]
-"""(done, total, status): variants done (fractional while one runs, from its first peer's rounds)."""
 
 
 def run(setup: OverlapSetup, *, workdir: Path | None = None,
@@ -99,8 +97,7 @@ def run(setup: OverlapSetup, *, workdir: Path | None = None,
     with WanLab(hosts=setup.peers, rate_mbit=setup.rate_mbit, delay_ms=setup.delay_ms) as lab:
         link = lab.describe()
         progress(link)
-        measured = lab.measure(0, 1, nbytes=max(200_000, int(setup.rate_mbit * 1e6 / 8 * 4)))  # ~4 s of transfer
-        progress(f"measured between hosts 0 and 1: {measured}")
+        measured = measure_link(lab, setup.rate_mbit, progress)
         for k, v in enumerate(variants):
             progress(f"[{k + 1}/{len(variants)}] {v.name} ...")
             status = f"[{k + 1}/{len(variants)}] {v.name}"

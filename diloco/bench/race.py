@@ -28,7 +28,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from .lab import Lines, final, run_swarm
+from .lab import Lines, Tick, final, measure_link, run_swarm
 
 
 @dataclass(frozen=True)
@@ -137,9 +137,6 @@ def standings(results: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
-Tick = Callable[[float, float | None, str | None], None]
-
-
 def run(setup: RaceSetup, *, workdir: Path | None = None, progress: Callable[[str], None] = print,
         tick: Tick | None = None, which: Sequence[Racer] | None = None, measure: bool = True) -> dict[str, Any]:
     """Build one WAN lab, run every racer on it, and return the report (also the JSON). `progress` gets a line
@@ -156,9 +153,7 @@ def run(setup: RaceSetup, *, workdir: Path | None = None, progress: Callable[[st
     with WanLab(hosts=setup.peers, rate_mbit=setup.rate_mbit, delay_ms=setup.delay_ms) as lab:
         link = lab.describe()
         progress(link)
-        measured = lab.measure(0, 1, nbytes=max(200_000, int(setup.rate_mbit * 1e6 / 8 * 4))) if measure else None
-        if measured is not None:
-            progress(f"measured between hosts 0 and 1: {measured}")
+        measured = measure_link(lab, setup.rate_mbit, progress) if measure else None
         for k, racer in enumerate(entrants):
             status = f"[{k + 1}/{len(entrants)}] {racer.name}"
             progress(f"{status} ...")

@@ -23,7 +23,7 @@ import torch
 
 from ..job.corpus import BatchSampler
 from ..job.model import GPTConfig, build_model
-from ..job.train import JobConfig, load_corpus
+from ..job.train import ADAMW_BETAS, WEIGHT_DECAY, JobConfig, load_corpus
 from ..wrapper import DiLoCo
 
 Tick = Callable[[float, float, str], None]
@@ -52,7 +52,7 @@ def _run(setup: WrapperSetup, h: int | None, corpus: Any) -> dict[str, Any]:
     torch.set_num_threads(job.threads)
     torch.set_flush_denormal(setup.flush_denormal)
     model = build_model(GPTConfig(context=job.context, d_model=job.d_model, n_layer=job.n_layer), seed=job.seed)
-    opt = torch.optim.AdamW(model.parameters(), lr=job.lr, betas=(0.9, 0.95), weight_decay=0.1)
+    opt = torch.optim.AdamW(model.parameters(), lr=job.lr, betas=ADAMW_BETAS, weight_decay=WEIGHT_DECAY)
     sampler = BatchSampler(corpus.train, batch_size=job.batch_size, context=job.context, seed=job.seed, shard=0,
                            num_shards=100_000)
     batches = [sampler.next() for _ in range(16)]  # the same few batches: the loop, not the sampler, is timed

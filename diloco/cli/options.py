@@ -57,6 +57,11 @@ class Group:
         return {f.name: str(v) if isinstance(v := getattr(self, f.name), Path) else v
                 for f in fields(self)}  # type: ignore[arg-type]
 
+    @classmethod
+    def option_value(cls, name: str, value: Any) -> Any:
+        """A configuration's value of field `name` as this group's option holds it (`job_fields` reversed)."""
+        return value
+
 
 def typer_option(group: type[Group], name: str) -> Any:
     """The typer option of `group`'s field `name`, as a command's parameter default: also for a command
@@ -205,6 +210,10 @@ class JobOptions(Group):
         except ValueError as e:
             raise ConfigError(f"--h-schedule: {e}") from e
 
+    @classmethod
+    def option_value(cls, name: str, value: Any) -> Any:
+        return format_h_schedule(value) if name == "h_schedule" else value
+
 
 @dataclass(frozen=True)
 class RunOptions(Group):
@@ -296,9 +305,7 @@ def flags(values: object, *groups: type[Group]) -> list[str]:
     out: list[str] = []
     for group in groups:
         for f in fields(group):  # type: ignore[arg-type]
-            value = getattr(values, f.name)
-            if f.name == "h_schedule":
-                value = format_h_schedule(value)
+            value = group.option_value(f.name, getattr(values, f.name))
             if value == f.default:
                 continue
             flag = next((x for x in f.metadata["flags"] if x.startswith("--")), "--" + f.name.replace("_", "-"))

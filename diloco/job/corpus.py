@@ -238,6 +238,13 @@ class BatchSampler:
         window = self.data[offsets[:, None] + self._span].long()
         return window[:, :-1].contiguous(), window[:, 1:].contiguous()
 
+    def skip(self, batches: int) -> None:
+        """Move past `batches` batches without building them: `next` then returns what it would after as many
+        calls of its own (the same draws from the generator)."""
+        high = self.data.numel() - self.context
+        for _ in range(batches):
+            torch.randint(0, high, (self.batch_size,), generator=self.generator)
+
     def __iter__(self) -> BatchSampler:
         return self
 

@@ -72,7 +72,7 @@ class _ClippedAdamW(torch.optim.AdamW):
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:
         params = [p for g in self.param_groups for p in g["params"] if p.grad is not None]
-        norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad) for p in params]))
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params])
         scale = self.max_norm / (float(norm) + 1e-6)  # clip_grad_norm_'s rule, into new tensors: the
         if scale < 1.0:                                 # gradients are views of the round's aggregate
             for p in params:
@@ -174,9 +174,9 @@ class JobConfig:
             if self.outer_lr is not None or self.outer_momentum is not None or self.outer_warmup:
                 raise ConfigError("data-parallel steps AdamW with --lr, --warmup and --schedule: leave --outer-lr, "
                                   "--outer-momentum and --outer-warmup unset")
-            if (self.streaming.fragments or 1) != 1 or self.streaming.overlap:
-                raise ConfigError("data-parallel synchronizes the whole gradient every step: leave --fragments and "
-                                  "--overlap unset")
+            if (self.streaming.fragments or 1) != 1 or self.streaming.overlap or self.h_schedule:
+                raise ConfigError("data-parallel synchronizes the whole gradient every step: leave --fragments, "
+                                  "--overlap and --h-schedule unset")
         if self.d_model % 4:
             raise ConfigError(f"d_model ({self.d_model}) must be divisible by the 4 attention heads")
         if self.streaming.fragments is None:
@@ -187,8 +187,6 @@ class JobConfig:
             check_h_schedule(self.h_schedule, self.fragments, self.streaming)
         except FragmentError as e:
             raise ConfigError(str(e)) from e
-        if self.data_parallel and self.h_schedule:
-            raise ConfigError("data-parallel averages gradients every step: leave --h-schedule unset")
         if self.resume and not self.checkpoint_dir:
             raise ConfigError("resume needs checkpoint_dir (--checkpoint-dir DIR)")
         if self.checkpoint_dir:
@@ -285,11 +283,14 @@ def run_job(cfg: JobConfig, swarm: Swarm | None, *, metrics: MetricsWriter | Non
     shard = cfg.shard if cfg.shard is not None else zlib.crc32(peer.encode()) % 100_000
     sampler = BatchSampler(corpus.train, batch_size=cfg.batch_size, context=cfg.context, seed=cfg.seed,
                            shard=shard, num_shards=100_000)
-    for _ in range(cfg.first_step):  # the batches the run we continue took
-        sampler.next()
+    sampler.skip(cfg.first_step)  # the batches the run we continue took
     heldout = heldout_batches(corpus.heldout, batch_size=16, context=cfg.context, max_batches=cfg.eval_batches)
     started = time.monotonic()
-    clock = {"start": started, "eval": 0.0}  # training time: from the first inner step, evaluations left out
+    clock = {"start": started, "eval": 0.0}
+
+    def train_seconds() -> float:
+        """Training time: from the first inner step, held-out evaluations left out."""
+        return round(time.monotonic() - clock["start"] - clock["eval"], 3)
     steps_at_round = [0]
 
     def on_round(r: RoundReport) -> None:
@@ -304,7 +305,7 @@ def run_job(cfg: JobConfig, swarm: Swarm | None, *, metrics: MetricsWriter | Non
             with d.global_weights():
                 fields["eval_loss"] = evaluate(model, heldout)
             clock["eval"] += time.monotonic() - t
-        fields["train_seconds"] = round(time.monotonic() - clock["start"] - clock["eval"], 3)
+        fields["train_seconds"] = train_seconds()
         metrics.write("round", **fields)
         if progress is not None:
             sent, recv = d.bytes_on_wire()
@@ -361,7 +362,7 @@ def run_job(cfg: JobConfig, swarm: Swarm | None, *, metrics: MetricsWriter | Non
                              bytes_sent=sent, bytes_received=recv, utilization=usage.utilization,
                              blocked_seconds=usage.blocked_seconds, mean_bps=usage.mean_bytes_per_second,
                              peak_bps=usage.peak_bytes_per_second)
-    train_seconds = round(time.monotonic() - clock["start"] - clock["eval"], 3)
+    trained = train_seconds()
     if swarm is not None and not stop.is_set() and d.round >= target:
         d.linger(swarm.cfg.gather_timeout)  # a peer still behind downloads the final state from us
     if cfg.checkpoint_dir:
@@ -375,7 +376,7 @@ def run_job(cfg: JobConfig, swarm: Swarm | None, *, metrics: MetricsWriter | Non
                    compression=d.compression, bits_per_param_sync=round(bits, 5),
                    params=sum(p.numel() for p in model.parameters()), bytes_sent=sent, bytes_received=recv,
                    committed_rounds=sum(r.committed for r in d.reports), wall_seconds=round(time.monotonic() - started, 2),
-                   train_seconds=train_seconds, data_parallel=cfg.data_parallel,
+                   train_seconds=trained, data_parallel=cfg.data_parallel,
                    stopped=stop.is_set(), fragments=len(d.fragments), overlap=cfg.streaming.overlap,
                    alpha=cfg.streaming.alpha, outer_overlap=cfg.streaming.outer_overlap, usage=d.usage().as_dict(),
                    rollbacks=d.rollbacks,
