@@ -137,3 +137,34 @@ class InProcTransport:
     async def close(self) -> None:
         if self.network.lookup(self.peer_id) is self:
             self.network.kill(self.peer_id)
+
+
+class ScopedTransport:
+    """Another protocol namespace on a peer's transport: every handler name gets the prefix `scope/`, so a
+    second round protocol (a region's rounds next to the swarm's, `diloco.regions`) runs over the same
+    connections, credentials and byte counters without seeing the first one's calls. Closing it closes
+    nothing: the transport underneath belongs to the peer."""
+
+    def __init__(self, base: Transport, scope: str) -> None:
+        if not scope or "/" in scope:
+            raise ValueError(f"a transport scope is a non-empty name without '/', got {scope!r}")
+        self.base, self.scope = base, scope
+        self.peer_id = base.peer_id
+        self.counter = base.counter
+
+    @property
+    def guard(self) -> Guard | None:
+        return self.base.guard
+
+    @guard.setter
+    def guard(self, value: Guard | None) -> None:
+        self.base.guard = value
+
+    async def register(self, name: str, handler: Handler) -> None:
+        await self.base.register(f"{self.scope}/{name}", handler)
+
+    async def call(self, peer: PeerId, name: str, payload: bytes, timeout: float) -> bytes:
+        return await self.base.call(peer, f"{self.scope}/{name}", payload, timeout)
+
+    async def close(self) -> None:
+        pass

@@ -14,6 +14,7 @@ from diloco.comms.auth import Guard, check_secret
 from diloco.comms.identity import public_key_of
 from diloco.comms.robust import RobustConfig
 from diloco.compression.pipeline import parse as parse_compression
+from diloco.peers.records import REGION
 
 
 class ConfigError(ValueError):
@@ -22,7 +23,8 @@ class ConfigError(ValueError):
 
 _ROUND, _ROBUST = CollectiveConfig(), RobustConfig()  # the round's defaults are declared there, once
 
-_RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+_RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}(/[A-Za-z0-9_.-]{1,40})?$")
+"""A run id; `run/scope` names a namespace inside a run (a region's rounds: `Swarm.scope`)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -70,6 +72,16 @@ class SwarmConfig:
     identity_file: str | None = None
     """File holding this peer's libp2p key (created, mode 600, if missing), so that its peer id survives
     restarts: what other sites' `allow_peers` list. None: a new peer id per process."""
+    region: str = ""
+    """The region this peer trains in ("" : a flat swarm). Peers of a region run their rounds among themselves;
+    every `merge_every` of them, one representative per region merges the regions (`diloco.regions`)."""
+    merge_every: int = 4
+    """With regions: region rounds between two merges of the regions (H_global = merge_every × H)."""
+    global_lr: float = 1.0
+    """With regions: the outer lr of the merge (SGD on the mean of θ_global − θ_region; 1.0 without momentum
+    makes the new global state the mean of the regions' states)."""
+    global_momentum: float = 0.0
+    """With regions: the merge's Nesterov momentum (0: none), kept across merges in the global state."""
 
     def __post_init__(self) -> None:
         if not _RUN_ID.match(self.run_id):
@@ -96,6 +108,13 @@ class SwarmConfig:
             self.collective()
         except ValueError as e:
             raise ConfigError(str(e)) from e
+        if self.region and not REGION.fullmatch(self.region):
+            raise ConfigError(f"region {self.region!r} must be 1-32 letters, digits, '_', '.', '-' (e.g. eu-west)")
+        if self.merge_every < 1:
+            raise ConfigError(f"merge_every must be >= 1 region round, got {self.merge_every}")
+        if not (self.global_lr > 0 and 0 <= self.global_momentum < 1):
+            raise ConfigError(f"global_lr must be > 0 and global_momentum in [0, 1), got {self.global_lr} and "
+                              f"{self.global_momentum}")
 
     def guard(self, me: str) -> Guard | None:
         """The credential of peer `me` in this swarm (None for an open, in-process swarm)."""

@@ -42,10 +42,11 @@ from diloco.comms.auth import HELLO, AuthRefused, new_secret
 from diloco.comms.hello import HandshakeError
 from diloco.comms.identity import Identity, IdentityError
 from diloco.comms.loop import LoopThread
-from diloco.comms.transport import InProcNetwork
+from diloco.comms.transport import InProcNetwork, ScopedTransport
 from diloco.compression import PayloadRejected, Reason
 from diloco.peers import (Directory, PeerRecord, banned_by_majority, departed, expected_peers, quorum,
                           round_key_for, voted_out)
+from diloco.peers.membership import regions_of
 from diloco.peers.records import MAX_BANNED
 
 from .config import SwarmConfig
@@ -96,6 +97,10 @@ class Swarm:
         self._exchanges: set[concurrent.futures.Future[RoundOutcome]] = set()  # rounds in flight (`crash`)
         self._addresses_file: str | None = None
         self._kept: list[str] = []
+        self.quorum_by_region = False
+        """Count a round's quorum in regions, not peers (the swarm's rounds between regions' representatives:
+        `diloco.regions`); the region of each peer is the last one its record named."""
+        self._regions: dict[PeerId, str] = {}
         loop.run(transport.register("diloco.manifest", self._on_manifest))
         loop.run(transport.register("diloco.chunk", self._on_chunk))
         loop.run(transport.register(HELLO, self._on_hello))
@@ -221,6 +226,20 @@ class Swarm:
         collective = loop.run(Collective.create(transport, cfg.run_id, cfg.collective(), faults))
         return cls(loop, transport, board, collective, cfg, owns_loop=False, addresses=[f"inproc:{peer_id}"],
                    bootstrapped=bootstrapped)
+
+    def scope(self, name: str) -> Swarm:
+        """Another swarm on this peer's connections: its own records (`diloco/<run_id>/<name>/peers`), rounds,
+        state serving and heartbeat, under the run id `<run_id>/<name>` (frames of one are refused by the other)
+        and the same credentials. A region's rounds run in one (`diloco.regions`). Closing it announces that we
+        left it and closes nothing underneath."""
+        scoped_dir = getattr(self.directory, "scoped", None)
+        if scoped_dir is None:
+            raise SwarmError(f"this swarm's directory ({type(self.directory).__name__}) has no scopes")
+        cfg = replace(self.cfg, run_id=f"{self.cfg.run_id}/{name}")
+        transport = ScopedTransport(self.transport, name)
+        collective = self.loop.run(Collective.create(transport, cfg.run_id, cfg.collective(), self.collective.faults))
+        return Swarm(self.loop, transport, scoped_dir(name), collective, cfg, owns_loop=False,
+                     addresses=self.addresses, on_close=lambda: None)
 
     # ------------------------------------------------------------------ identity and records
 
@@ -388,6 +407,10 @@ class Swarm:
             prev = previous if self.cfg.majority else None
 
             def admit(view: tuple[PeerId, ...]) -> tuple[bool, str]:
+                if self.quorum_by_region:
+                    self._regions.update({r.peer: r.region for r in records if r.region})
+                    return quorum(regions_of(view, self._regions), prev and regions_of(prev, self._regions),
+                                  regions_of(left, self._regions), self.cfg.min_peers)
                 return quorum(view, prev, left, self.cfg.min_peers)
 
             # Stragglers (members the last round went on without) are still asked, and taken in if they

@@ -51,7 +51,7 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from functools import partial
 from pathlib import Path
-from typing import Callable, Iterator, Literal, Sequence, TypeVar
+from typing import TYPE_CHECKING, Callable, Iterator, Literal, Sequence, TypeVar
 
 import torch
 from torch.utils.hooks import RemovableHandle
@@ -80,6 +80,9 @@ from .site import Site
 from .state import GlobalState, schema_digest
 from .statesync import Snapshot
 from .swarm import Banned, Swarm
+
+if TYPE_CHECKING:
+    from .regions import Regions
 
 log = logging.getLogger(__name__)
 
@@ -231,6 +234,12 @@ class DiLoCo:
         # (connected when we attach); without the launcher's variables, a single worker, no network.
         self.launch = Launch.from_env() if swarm == "auto" else None
         self.swarm: Swarm | None = swarm if isinstance(swarm, Swarm) else None
+        self.regions: Regions | None = None
+        """With a swarm that names a region (`SwarmConfig.region`): the region's namespace, where our rounds run,
+        and the global level (`diloco.regions`); None in a flat swarm."""
+        self.standby = False
+        """Publish `standby` instead of `training` (a region member's global level: it holds the state but
+        leaves the swarm's rounds to its region's representative)."""
         self.site = Site.detect() if site == "auto" else site
         """The torch.distributed group this worker spans (`diloco.site`); None for a lone process."""
         self._follows = False  # a site rank other than the leader, in a swarm: it applies the leader's decisions
@@ -301,6 +310,15 @@ class DiLoCo:
         """The last (round, digest) states we held, published with our record (`PeerRecord.recent`)."""
         self._stop = _StopOnSignal()
         self._state_changed()
+        if self.swarm is not None and self.swarm.cfg.region:
+            self._enter_region(self.swarm)
+
+    def _enter_region(self, swarm: Swarm) -> None:
+        """Our swarm names a region: our rounds run in the region's namespace, merges on `swarm` (`diloco.regions`)."""
+        from .regions import Regions
+
+        self.regions = Regions(self, swarm)
+        self.swarm = self.regions.scope
 
     @property
     def residuals(self) -> list[torch.Tensor] | None:
@@ -366,10 +384,16 @@ class DiLoCo:
             if self.checkpoint_dir is not None:
                 self._resume()  # the launcher restarted us: start from our last checkpoint, then catch up
             self.swarm, self._owns_swarm = self.launch.connect(), True
+            if self.swarm.cfg.region:
+                self._enter_region(self.swarm)
+        if self.regions is not None:
+            self.regions.attach(self)  # the global level first: a region of our own starts from θ_G
         if self.swarm is not None:
             self.swarm.handshake(self.schema)  # a peer with another model or codec stops here, saying so
             self.swarm.serve_state(self._serve, wait_unserved=self.shards is None)
             self._catch_up_on_join()
+            if self.regions is not None:
+                self.regions.after_catch_up(self)
             self._publish("training")
             if self.launch is not None and self.launch.wait_for > 1:  # `--wait-for N`: hold the first step
                 seen = self.swarm.wait_for_peers(self.launch.wait_for, WAIT_TIMEOUT)
@@ -453,6 +477,9 @@ class DiLoCo:
                 steps=self.steps, committed_rounds=sum(r.committed for r in self.reports), restart=self.launch.restart)
             close_launched()
         if self._owns_swarm and self.swarm is not None:
+            if self.regions is not None:
+                self.regions.close()
+                self.swarm = self.regions.swarm
             self.swarm.close()
             self.swarm, self._owns_swarm = None, False
 
@@ -727,6 +754,8 @@ class DiLoCo:
                 self.accounting.blocked(time.monotonic() - waited)
             pending.outcome = outcome
         report = self._finish(pending, outcome)
+        if outcome.committed and self.regions is not None and self.members:
+            self.regions.after_commit(self, self.members)
         if not outcome.committed and self._in_swarm:
             # Maybe the others committed without us: catch up now, not H steps later.
             resync = self._maybe_resync(pending.started)
@@ -911,6 +940,8 @@ class DiLoCo:
             self._last_slot = self.steps - position % self._period
         if isinstance(members, str) and members:
             self.members = tuple(PeerId(m) for m in members.split(",")[:4096] if m)
+        if self.regions is not None:
+            self.regions.take_info(info)
         self.swarm.moved_to(fresh.round)
         if self.shards is None:
             self._publish("training")  # an FSDP2 site publishes once its ranks took their pieces
@@ -1058,7 +1089,8 @@ class DiLoCo:
 
     def _snapshot_info(self) -> dict[str, object]:
         """What a peer downloading our state learns with it: our place in the schedule, and the last members."""
-        return {"position": self.schedule_position, "members": ",".join(self.members or ())}
+        info: dict[str, object] = {"position": self.schedule_position, "members": ",".join(self.members or ())}
+        return info if self.regions is None else {**info, **self.regions.snapshot_info()}
 
     def _keep_snapshot(self, snap: Snapshot) -> Snapshot:
         """Serve `snap` from now on (call with `_state_lock` held): at most `SNAPSHOTS` are kept, the least
@@ -1067,6 +1099,8 @@ class DiLoCo:
         return snap
 
     def _publish(self, status: str, now: bool = True) -> None:
+        if status == "training" and self.standby:
+            status = "standby"
         if self.swarm is not None:
             sent, received = self.bytes_on_wire()
             usage = self.accounting.usage()
@@ -1074,6 +1108,48 @@ class DiLoCo:
                               digest=self.digest, step=self.steps, loss=self.loss, recent=tuple(self._recent),
                               bytes_sent=sent, bytes_received=received,
                               utilization=round(usage.utilization, 4) if usage.steps else None)
+
+    # ------------------------------------------------------------------ what the global level of a region uses
+
+    def publish_status(self) -> None:
+        """Publish our record now (after `standby` changed)."""
+        self._publish("training")
+
+    def mark_slot(self) -> None:
+        """A synchronization slot is now (the global level's merge, driven by `diloco.regions`)."""
+        self._last_slot = self.steps
+
+    def place_in_schedule(self, position: int) -> None:
+        """Be `position` inner steps past our last slot (as a peer we downloaded state from is)."""
+        self._last_slot = self.steps - position % self._period
+
+    def resync_now(self) -> RoundReport | None:
+        """Download the swarm's state now if it moved past ours (a fresh read of the records)."""
+        return self._maybe_resync(time.monotonic())
+
+    def resync_from(self, source: PeerRecord, why: str) -> RoundReport | None:
+        """Download and adopt the state `source` advertises (a region member after its representative merged);
+        the report says whether it worked (`resynced`)."""
+        assert self.swarm is not None
+        started, (sent0, recv0) = time.monotonic(), self.bytes_on_wire()
+        ok = self._resync(source, why)
+        sent, recv = self.bytes_on_wire()
+        return self._report(RoundReport(self.state.round, False, f"resynced: {why}" if ok else f"resync failed: {why}",
+                                        1, sent - sent0, recv - recv0, time.monotonic() - started, self.steps,
+                                        resynced=ok))
+
+    def take_params(self, params: Sequence[torch.Tensor], *, bump: bool) -> None:
+        """Make `params` our global θ and our local model (the outer optimizer's state stays); `bump`: as a new
+        round (a region's merge: members that missed it see they are behind)."""
+        with self._state_lock:
+            copy_into(self.state.params, params)
+            if bump:
+                self.state.round += 1
+            self._state_changed()
+        copy_into(self.local_params, self.state.params)
+        if bump and self.swarm is not None:
+            self.swarm.moved_to(self.state.round)  # our rounds' frames for the round we skipped are stale
+        self._publish("training")
 
     def bytes_on_wire(self) -> tuple[int, int]:
         """(sent, received) bytes of this peer so far, every message included."""

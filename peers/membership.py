@@ -20,7 +20,7 @@ is unit-tested deterministically.
 from __future__ import annotations
 
 from collections import Counter
-from typing import Collection, Sequence
+from typing import Collection, Mapping, Sequence
 
 from diloco.comms import PeerId, RoundKey
 
@@ -29,6 +29,20 @@ from .records import PeerRecord
 
 def training(records: Sequence[PeerRecord]) -> list[PeerRecord]:
     return [r for r in records if r.status == "training"]
+
+
+def serving(records: Sequence[PeerRecord]) -> list[PeerRecord]:
+    """Peers that hold a state others may download: those training, and those on standby (a region's members
+    in the swarm's records, `diloco.regions`: they hold the global state but leave its rounds to their
+    representative)."""
+    return [r for r in records if r.status in ("training", "standby")]
+
+
+def regions_of(peers: Sequence[PeerId], region: Mapping[PeerId, str]) -> list[PeerId]:
+    """`peers` as the regions they train in (a peer whose region is unknown counts as its own): a global
+    round's quorum counts regions, not their representatives, so a region whose representative changed
+    (crashed, left, another member took over) is still the same voter."""
+    return sorted({PeerId(region[p]) if region.get(p) else p for p in peers})
 
 
 def expected_peers(records: Sequence[PeerRecord], key: RoundKey, me: PeerId) -> list[PeerId]:
@@ -73,7 +87,7 @@ def resync_source(
     peers than ours. Peers in `exclude` (their state failed verification) are chosen only when no
     other peer holds that state.
     """
-    others = [r for r in training(records) if r.peer != me and r.digest]
+    others = [r for r in serving(records) if r.peer != me and r.digest]
     if not others:
         return None, "no other training peers"
     newest = max(r.round for r in others)
@@ -122,7 +136,7 @@ def vouched(records: Sequence[PeerRecord], me: PeerId, rnd: int, digest: str) ->
 def holders(records: Sequence[PeerRecord], me: PeerId, rnd: int, digest: str) -> list[PeerId]:
     """Training peers whose records show state (rnd, digest), now or among their recent states: any of
     them can serve a chunk of it (every peer that committed a round holds the same bytes)."""
-    return sorted(r.peer for r in training(records) if r.peer != me and (rnd, digest) in ((r.round, r.digest), *r.recent))
+    return sorted(r.peer for r in serving(records) if r.peer != me and (rnd, digest) in ((r.round, r.digest), *r.recent))
 
 
 def departed(records: Sequence[PeerRecord], my_round: int) -> list[PeerId]:

@@ -19,6 +19,7 @@ counted, never trusted. In the DHT, each record is signed by its writer, and rec
 from __future__ import annotations
 
 import math
+import re
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass
@@ -32,14 +33,18 @@ if TYPE_CHECKING:
 
     from .signing import SignedRecords
 
-STATUSES = ("joining", "training", "left")
+STATUSES = ("joining", "training", "standby", "left")
+REGION = re.compile(r"[A-Za-z0-9_.-]{1,32}")
+"""A region's name (`--region`): letters, digits, `_.-`, at most 32 characters."""
 
 
 @dataclass(frozen=True, kw_only=True)
 class PeerRecord:
     peer: PeerId
     status: str
-    """joining (fetching state), training (takes part in rounds) or left (gone on purpose)."""
+    """joining (fetching state), training (takes part in rounds), standby (holds and serves the state but takes
+    no part in rounds: a region's members other than its representative, in the swarm's records;
+    `diloco.regions`) or left (gone on purpose)."""
     round: int
     """Committed rounds of the global state this peer holds."""
     attempt: int = 0
@@ -66,6 +71,8 @@ class PeerRecord:
     """Bytes it has received so far."""
     utilization: float | None = None
     """Its compute utilization so far, in [0, 1] (None before its first inner steps)."""
+    region: str = ""
+    """The region this peer trains in (`--region`; "" in a flat swarm): a global round's quorum counts regions."""
 
     def to_wire(self) -> dict[str, Any]:
         out = asdict(self)
@@ -129,6 +136,7 @@ def parse_record(peer: str, value: Any) -> PeerRecord | None:
         addrs, beat = value.get("addrs", []), value.get("beat", 0.0)
         recent = _parse_recent(value.get("recent", []))
         banned = _parse_banned(value.get("banned", []))
+        region = value.get("region", "")
     except (KeyError, TypeError):
         return None
     ints_ok = all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in (rnd, attempt, step))
@@ -136,13 +144,14 @@ def parse_record(peer: str, value: Any) -> PeerRecord | None:
     addrs_ok = isinstance(addrs, list) and len(addrs) <= 16 and all(isinstance(a, str) and len(a) < 512 for a in addrs)
     beat_ok = isinstance(beat, (int, float)) and not isinstance(beat, bool) and math.isfinite(beat) and beat >= 0
     if not (status in STATUSES and ints_ok and loss_ok and addrs_ok and beat_ok and isinstance(digest, str)
-            and len(digest) <= 64 and recent is not None and banned is not None):
+            and len(digest) <= 64 and recent is not None and banned is not None
+            and (region == "" or isinstance(region, str) and REGION.fullmatch(region))):
         return None
     if value.get("peer", peer) != peer:
         return None
     return PeerRecord(peer=PeerId(peer), status=status, round=rnd, attempt=attempt, digest=digest,
                       step=step, loss=None if loss is None else float(loss), addrs=tuple(addrs), beat=float(beat),
-                      recent=recent, banned=banned, **_display_fields(value))
+                      recent=recent, banned=banned, region=region, **_display_fields(value))
 
 
 class Directory(Protocol):
@@ -161,6 +170,12 @@ class InProcBoard:
     def __init__(self) -> None:
         self._records: dict[PeerId, tuple[float, dict[str, Any]]] = {}
         self.dropped: Counter[str] = Counter()
+        self._scopes: dict[str, InProcBoard] = {}
+
+    def scoped(self, scope: str) -> InProcBoard:
+        """The board of another namespace of the same swarm (a region's records): one per scope, shared by
+        every peer that holds this board."""
+        return self._scopes.setdefault(scope, InProcBoard())
 
     async def publish(self, record: PeerRecord, ttl: float) -> None:
         self._records[record.peer] = (time.monotonic() + ttl, record.to_wire())
@@ -192,6 +207,7 @@ class DHTDirectory:
         from .signing import SignedRecords
 
         self.node = node
+        self.run_id = run_id
         self.introducer = introducer
         """Connects our daemon to the peers we read about (`comms/introduce.py`); None for an observer."""
         self.key = f"diloco/{run_id}/peers"
@@ -246,7 +262,20 @@ class DHTDirectory:
             self.introducer.meet(out)
         return out
 
+    def scoped(self, scope: str) -> DHTDirectory:
+        """Records of another namespace of the same run (a region's: key `diloco/<run_id>/<scope>/peers`) on
+        this directory's DHT node, signed and filtered alike; closing it leaves the node to this directory."""
+        inner = DHTDirectory(self.node, f"{self.run_id}/{scope}", self.records, None, self.introducer)
+        inner.allow = self.allow
+        inner.owner = False
+        return inner
+
+    owner = True
+    """Whether `close` shuts the DHT node down (False for a `scoped` view of another directory's node)."""
+
     async def close(self) -> None:
+        if not self.owner:
+            return
         if self.introducer is not None:
             await self.introducer.close()
         await self.node.shutdown()

@@ -1,0 +1,156 @@
+"""Regions (diloco/regions.py, docs/REGIONS.md): rounds inside each region, merges between them.
+
+Pure decisions first (who merges, what a waiting member does, region quorum), then in-process swarms of
+real `Swarm`s and `DiLoCo` workers (two regions of two peers: one region digest per region round, one global
+digest per merge, a representative that crashes, a region whose last peer leaves, a peer that restarts in
+another region, a partition between regions). Real processes: tests/test_multiproc.py."""
+
+from __future__ import annotations
+
+import copy
+import threading
+import time
+from dataclasses import replace
+
+import pytest
+import torch
+from test_swarm_inproc import CFG, _batches, _mlp, _run_threads
+
+import diloco
+from diloco import DiLoCo
+from diloco.comms import InProcNetwork, PeerId
+from diloco.comms.loop import LoopThread
+from diloco.config import ConfigError
+from diloco.peers import InProcBoard, PeerRecord, quorum
+from diloco.peers.membership import regions_of, resync_source
+from diloco.regions import follow_decision, representative
+
+H = 3
+
+
+# ---------------------------------------------------------------------------------------------- pure decisions
+
+def test_the_representative_is_the_lowest_peer_of_the_view():
+    assert representative([PeerId("b"), PeerId("a"), PeerId("c")]) == "a"
+
+
+def _rec(peer: str, status: str = "training", rnd: int = 0, step: int = 0, region: str = "") -> PeerRecord:
+    return PeerRecord(peer=PeerId(peer), status=status, round=rnd, step=step, region=region, digest="d")
+
+
+def test_a_member_downloads_once_its_representative_committed_the_next_global_round():
+    assert follow_decision(_rec("a", rnd=3), _rec("a", rnd=8, step=40), 2, 8, 40) == "download"
+    assert follow_decision(_rec("a", rnd=2), _rec("a", rnd=8, step=40), 2, 8, 40) == "wait"
+
+
+def test_a_member_skips_the_merge_when_its_representative_left_or_trains_on_without_it():
+    assert follow_decision(None, None, 2, 8, 40) == "skip"  # its record expired: crashed
+    assert follow_decision(_rec("a", "left", rnd=2), None, 2, 8, 40) == "skip"
+    assert follow_decision(_rec("a", rnd=2), _rec("a", "left", rnd=8), 2, 8, 40) == "skip"
+    assert follow_decision(_rec("a", rnd=2), _rec("a", rnd=8, step=41), 2, 8, 40) == "skip"  # its round failed
+    assert follow_decision(_rec("a", rnd=2), _rec("a", rnd=9, step=41), 2, 8, 40) == "wait"  # merged: record next
+
+
+def test_the_global_quorum_counts_regions_so_a_new_representative_is_the_same_voter():
+    region = {PeerId("a1"): "eu", PeerId("a2"): "eu", PeerId("b1"): "us"}
+    previous = regions_of([PeerId("a1"), PeerId("b1")], region)
+    assert quorum(regions_of([PeerId("a2"), PeerId("b1")], region), previous, [], 1)[0]  # a1 crashed, a2 took over
+    assert not quorum(regions_of([PeerId("b1")], region), previous, [], 1)[0]  # one of two regions: no quorum
+    three = regions_of([PeerId("a1"), PeerId("b1"), PeerId("c1")], {**region, PeerId("c1"): "ap"})
+    assert quorum(["eu", "us"], three, [], 1)[0] and not quorum(["ap"], three, [], 1)[0]  # partition: 2 of 3 go on
+
+
+def test_standby_peers_serve_state_but_are_not_expected_in_rounds():
+    from diloco.peers import expected_peers
+    from diloco.comms import RoundKey
+    recs = [_rec("a", rnd=4), _rec("b", "standby", rnd=5)]
+    assert expected_peers(recs, RoundKey(4), PeerId("a")) == []
+    source, _ = resync_source(recs, PeerId("a"), 4, "x")
+    assert source is not None and source.peer == "b"
+
+
+def test_a_bad_region_name_says_what_a_region_name_is():
+    with pytest.raises(ConfigError, match="region"):
+        diloco.SwarmConfig(region="eu west")
+    with pytest.raises(ConfigError, match="merge_every"):
+        diloco.SwarmConfig(region="eu", merge_every=0)
+
+
+def test_regions_refuse_streaming_with_a_reason():
+    net, board, loop = InProcNetwork(), InProcBoard(), LoopThread()
+    s = diloco.Swarm.in_process(net, board, "p", replace(CFG, region="eu"), loop)
+    try:
+        model = _mlp(0)
+        with pytest.raises(ConfigError, match="streaming inside a region"):
+            DiLoCo(model, torch.optim.SGD(model.parameters(), lr=0.1), swarm=s, inner_steps=4,
+                   streaming=diloco.StreamingConfig(fragments=2))
+    finally:
+        s.close()
+        loop.stop()
+
+
+# ---------------------------------------------------------------------------------------------- in-process swarms
+
+class _Lab:
+    """Peers on one in-process network, each a `DiLoCo` worker in a thread, in the region it names."""
+
+    def __init__(self, regions: dict[str, str], merge_every: int = 2, **cfg: object) -> None:
+        self.cfg = replace(CFG, merge_every=merge_every, **cfg)  # type: ignore[arg-type]
+        self.net, self.board, self.loop = InProcNetwork(), InProcBoard(), LoopThread()
+        self.regions = regions
+        self.swarms = {p: diloco.Swarm.in_process(self.net, self.board, p, replace(self.cfg, region=r), self.loop)
+                       for p, r in regions.items()}
+        self.workers: dict[str, DiLoCo] = {}
+        self.base = _mlp(5)
+
+    def worker(self, peer: str, rounds: int, barrier: threading.Barrier | None = None, *,
+               pace: float = 0.01, stop: threading.Event | None = None):
+        def run() -> None:
+            model = copy.deepcopy(self.base)
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+            data = _batches(hash(peer) % 1000, 16)
+            with DiLoCo(model, opt, swarm=self.swarms[peer], inner_steps=H) as d:
+                self.workers[peer] = d
+                if barrier is not None:
+                    barrier.wait()
+                k, deadline = 0, time.monotonic() + 90
+                while d.round < rounds and time.monotonic() < deadline and not (stop and stop.is_set()):
+                    x, y = data[k % len(data)]
+                    torch.nn.functional.mse_loss(model(x), y).backward()
+                    opt.step()
+                    opt.zero_grad()
+                    k += 1
+                    time.sleep(pace)
+        return run
+
+    def close(self) -> None:
+        for s in self.swarms.values():
+            s.close()
+        self.loop.stop()
+
+
+def _digests_by_round(d: DiLoCo) -> dict[int, str]:
+    return dict(d._recent)
+
+
+def test_two_regions_hold_one_state_per_region_round_and_one_global_state_per_merge():
+    lab = _Lab({"a1": "eu", "a2": "eu", "b1": "us", "b2": "us"}, merge_every=2)
+    barrier = threading.Barrier(4, timeout=20)
+    try:
+        _run_threads([lab.worker(p, 8, barrier) for p in lab.regions], [barrier])
+    finally:
+        lab.close()
+    w = lab.workers
+    # every member of a region ends on the same region state; every peer on the same global state
+    assert w["a1"].digest == w["a2"].digest and w["b1"].digest == w["b2"].digest
+    uppers = {p: d.regions.upper for p, d in w.items()}
+    assert len({u.digest for u in uppers.values()}) == 1, {p: (u.round, u.digest) for p, u in uppers.items()}
+    assert min(u.round for u in uppers.values()) >= 2  # merges happened (rounds 0..8: two merge cycles of 3)
+    # the representatives ran the swarm's rounds (one per region), the others downloaded θ_G′
+    assert all(d.regions.merges >= 2 for d in w.values()), {p: d.regions.merges for p, d in w.items()}
+    reps = [p for p, u in uppers.items() if any(r.committed for r in u.reports)]
+    assert sorted(reps) == ["a1", "b1"], reps
+    assert all(r.peers == 2 for p in reps for r in uppers[p].reports if r.committed)
+    # after a merge the region state is the global state
+    for d in w.values():
+        assert d.regions.upper.state.round >= 2
