@@ -101,6 +101,7 @@ class Swarm:
         """Count a round's quorum in regions, not peers (the swarm's rounds between regions' representatives:
         `diloco.regions`); the region of each peer is the last one its record named."""
         self._regions: dict[PeerId, str] = {}
+        self._scopes: list[Swarm] = []  # namespaces on our connections (`scope`): they die with us
         loop.run(transport.register("diloco.manifest", self._on_manifest))
         loop.run(transport.register("diloco.chunk", self._on_chunk))
         loop.run(transport.register(HELLO, self._on_hello))
@@ -238,8 +239,10 @@ class Swarm:
         cfg = replace(self.cfg, run_id=f"{self.cfg.run_id}/{name}")
         transport = ScopedTransport(self.transport, name)
         collective = self.loop.run(Collective.create(transport, cfg.run_id, cfg.collective(), self.collective.faults))
-        return Swarm(self.loop, transport, scoped_dir(name), collective, cfg, owns_loop=False,
-                     addresses=self.addresses, on_close=lambda: None)
+        inner = Swarm(self.loop, transport, scoped_dir(name), collective, cfg, owns_loop=False,
+                      addresses=self.addresses, on_close=lambda: None)
+        self._scopes.append(inner)
+        return inner
 
     # ------------------------------------------------------------------ identity and records
 
@@ -571,6 +574,8 @@ class Swarm:
         heartbeats (our record lives until `heartbeat_ttl`), our rounds in flight end ("crashed"), and
         calls to or from us fail from now on. Safe from any thread.
         `close()` still releases what is left."""
+        for inner in self._scopes:
+            inner.crash()
         self.collective.crashed = True
         self._heartbeat.cancel()
         for future in list(self._exchanges):  # a dead process has no rounds in flight
@@ -581,6 +586,8 @@ class Swarm:
         """Leave: tell the swarm at once (status=left), stop the heartbeat, shut the daemon down."""
         if self._closed:
             return
+        for inner in self._scopes:  # our namespaces first: the region hears we left
+            inner.close(announce=announce)
         if announce:
             self._record = PeerRecord(**{**self._record.__dict__, "status": "left"})
             try:

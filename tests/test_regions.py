@@ -104,7 +104,7 @@ class _Lab:
         self.base = _mlp(5)
 
     def worker(self, peer: str, rounds: int, barrier: threading.Barrier | None = None, *,
-               pace: float = 0.01, stop: threading.Event | None = None):
+               pace: float = 0.01, stop: threading.Event | None = None, leave: bool = False):
         def run() -> None:
             model = copy.deepcopy(self.base)
             opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -121,6 +121,8 @@ class _Lab:
                     opt.zero_grad()
                     k += 1
                     time.sleep(pace)
+            if leave:
+                self.swarms[peer].close()  # says it left, in the swarm's records and in its region's
         return run
 
     def close(self) -> None:
@@ -154,3 +156,118 @@ def test_two_regions_hold_one_state_per_region_round_and_one_global_state_per_me
     # after a merge the region state is the global state
     for d in w.values():
         assert d.regions.upper.state.round >= 2
+
+
+def test_a_crashed_representative_is_replaced_by_the_next_lowest_peer_of_its_region():
+    # eu has three peers, so its rounds keep a majority when one crashes; us has one
+    lab = _Lab({"a1": "eu", "a2": "eu", "a3": "eu", "b1": "us"}, merge_every=2)
+    barrier = threading.Barrier(4, timeout=20)
+    stop_a1 = threading.Event()
+    crashed_at: list[int] = []
+
+    def killer() -> None:
+        barrier.wait()
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not ("a1" in lab.workers and lab.workers["a1"].regions.merges >= 1):
+            time.sleep(0.01)
+        crashed_at.append(lab.workers["a2"].regions.upper.round)
+        lab.swarms["a1"].crash()  # as a SIGKILL would: no goodbye, its records live until their TTL
+        stop_a1.set()
+
+    barrier = threading.Barrier(5, timeout=20)  # the killer waits too
+    targets = [lab.worker("a1", 100, barrier, stop=stop_a1), *(lab.worker(p, 10, barrier) for p in ("a2", "a3", "b1")),
+               killer]
+    try:
+        _run_threads(targets, [barrier])
+    finally:
+        lab.close()
+    w = lab.workers
+    a2_upper = w["a2"].regions.upper
+    took_over = [r for r in a2_upper.reports if r.committed]
+    assert took_over and all(r.peers == 2 for r in took_over), [(r.round, r.committed, r.reason) for r in a2_upper.reports]
+    assert a2_upper.round > crashed_at[0] + 1  # a2 merged for eu after a1 died, with b1 (quorum in regions)
+    survivors = ("a2", "a3", "b1")
+    assert len({w[p].regions.upper.digest for p in survivors}) == 1
+    assert w["a2"].digest == w["a3"].digest
+
+
+def test_a_region_whose_last_peer_left_stops_counting_and_a_new_peer_there_starts_from_the_global_state():
+    lab = _Lab({"a1": "eu", "a2": "eu", "b1": "us"}, merge_every=2)
+    barrier = threading.Barrier(3, timeout=20)
+    try:
+        # b1 trains 4 region rounds (one merge) and leaves; eu goes on merging alone
+        _run_threads([lab.worker("a1", 12, barrier), lab.worker("a2", 12, barrier), lab.worker("b1", 4, barrier, leave=True)],
+                     [barrier])
+        eu = lab.workers["a1"].regions.upper
+        assert [r.peers for r in eu.reports if r.committed][-1] == 1  # the swarm's rounds went on with eu alone
+        assert eu.round >= 3
+        # a new peer of us: its region is empty, so it starts from θ_G, not from its own initialization
+        lab.swarms["b2"] = diloco.Swarm.in_process(lab.net, lab.board, "b2", replace(lab.cfg, region="us"), lab.loop,
+                                                   bootstrapped=True)
+        model = _mlp(99)
+        d = DiLoCo(model, torch.optim.AdamW(model.parameters(), lr=1e-2), swarm=lab.swarms["b2"], inner_steps=H)
+        with d:
+            assert d.regions is not None and d.regions.upper.digest == eu.digest
+            assert all(torch.equal(a, b) for a, b in zip(d.state.params, eu.state.params))
+            assert all(torch.equal(p.detach(), b) for p, b in zip(model.parameters(), eu.state.params))
+    finally:
+        lab.close()
+
+
+def test_a_peer_that_restarts_in_another_region_takes_that_regions_state():
+    lab = _Lab({"a1": "eu", "a2": "eu", "b1": "us", "b2": "us"}, merge_every=3)
+    barrier = threading.Barrier(4, timeout=20)
+    try:
+        _run_threads([lab.worker(p, 4, barrier) for p in lab.regions], [barrier])
+        lab.swarms.pop("a2").close()
+        # a2 comes back (the same peer id, as with --identity) in us
+        lab.swarms["a2"] = diloco.Swarm.in_process(lab.net, lab.board, "a2", replace(lab.cfg, region="us"), lab.loop,
+                                                   bootstrapped=True)
+        model = _mlp(7)
+        with DiLoCo(model, torch.optim.AdamW(model.parameters(), lr=1e-2), swarm=lab.swarms["a2"], inner_steps=H) as d:
+            assert (d.round, d.digest) == (lab.workers["b1"].round, lab.workers["b1"].digest)
+        records = {r.peer: r for r in lab.swarms["b1"].records()}
+        assert records[PeerId("a2")].region == "us"
+    finally:
+        lab.close()
+
+
+def test_a_partition_between_regions_stops_merges_on_the_minority_side_only_and_heals():
+    cut = threading.Event()
+    side = {"a1": 0, "b1": 0, "c1": 1}
+
+    def dropper(me: str):
+        return lambda target, _handler: cut.is_set() and side[me] != side[target]
+
+    lab = _Lab({}, merge_every=2)
+    lab.regions = {"a1": "eu", "b1": "us", "c1": "ap"}
+    lab.swarms = {p: diloco.Swarm.in_process(lab.net, lab.board, p, replace(lab.cfg, region=r), lab.loop,
+                                             drop=dropper(p)) for p, r in lab.regions.items()}
+    barrier = threading.Barrier(4, timeout=20)  # the conductor waits too
+    stop = threading.Event()
+
+    def conductor() -> None:
+        deadline = time.monotonic() + 80
+        while time.monotonic() < deadline and min((w.regions.upper.round for w in lab.workers.values()), default=0) < 1:
+            time.sleep(0.01)
+        cut.set()  # ap is cut off from eu and us
+        target = lab.workers["a1"].regions.upper.round + 2
+        while time.monotonic() < deadline and lab.workers["a1"].regions.upper.round < target:
+            time.sleep(0.01)
+        cut.clear()  # healed: ap's next merge first takes the newer global state
+        target = lab.workers["a1"].regions.upper.round + 2
+        while time.monotonic() < deadline and lab.workers["c1"].regions.upper.round < target:
+            time.sleep(0.01)
+        stop.set()
+
+    try:
+        _run_threads([*(lab.worker(p, 1000, barrier, stop=stop) for p in lab.regions),
+                      lambda: (barrier.wait(), conductor())], [barrier])
+    finally:
+        lab.close()
+    ap = lab.workers["c1"].regions.upper
+    assert not any(r.committed and r.peers == 1 for r in ap.reports)  # alone, ap never merged
+    majority = lab.workers["a1"].regions.upper
+    assert any(r.committed and r.peers == 2 for r in majority.reports)  # eu and us merged without it
+    assert any(r.resynced for r in ap.reports)  # after the heal, ap took the newer global state
+    assert any(r.committed and r.peers == 3 for r in ap.reports if r.round > 3)  # and merged with them again
