@@ -65,17 +65,17 @@ def representative(view: Sequence[PeerId]) -> PeerId:
     return min(view)
 
 
-def follow_decision(rep: PeerRecord | None, rep_region: PeerRecord | None, global_round: int, region_round: int,
-                    steps: int) -> str:
-    """What a member waiting for its representative's merge does now, from the representative's records in the
-    swarm (`rep`) and in the region (`rep_region`): "download" (it committed global round `global_round` + 1 or
-    later), "skip" (it left, or went back to training without merging: its round failed), or "wait"."""
-    if rep is None or rep.status == "left" or (rep_region is not None and rep_region.status == "left"):
+def follow_decision(rep: PeerRecord | None, region_round: int) -> str:
+    """What a member waiting for its representative's merge does now, from the representative's record in the
+    region (`rep`; we are at `region_round`): "download" (it merged: its region state is one round ahead),
+    "skip" (it left, or its merge failed: it counts the failure as a failed attempt of the region round, so
+    its record says so), or "wait"."""
+    if rep is None or rep.status == "left":
         return "skip"
-    if rep.round > global_round:
+    if rep.round > region_round:
         return "download"
-    if rep_region is not None and rep_region.round == region_round and rep_region.step > steps:
-        return "skip"  # it trains on in the same region round: no merge this time
+    if rep.round == region_round and rep.attempt > 0:
+        return "skip"
     return "wait"
 
 
@@ -106,7 +106,7 @@ class Regions:
         self.swarm = swarm
         """The peer's swarm: the global rounds (one representative per region) and the global state."""
         swarm.quorum_by_region = True
-        swarm.update(region=cfg.region, now=False)
+        swarm.update(region=cfg.region)  # at once: the quorum of merges counts regions from these records
         self.scope = swarm.scope(scope_of(cfg.region))
         """The region's namespace: the worker's own rounds."""
         holder = _Holder(worker.state.params)
@@ -126,14 +126,22 @@ class Regions:
     # ------------------------------------------------------------------ joining and leaving
 
     def attach(self, worker: DiLoCo) -> None:
-        """Join the global level (catch up with θ_G), before the worker catches up in its region."""
+        """Join the global level (catch up with θ_G), before the worker catches up in its region. Until a merge
+        commits, its quorum is a majority of the regions we see now: two regions whose representatives do not
+        see each other yet (a record not yet propagated) cannot both commit a first merge on their own."""
         self.upper.attach()
+        if self.upper.members is None:
+            self.upper.members = tuple(sorted(r.peer for r in self.swarm.records() if r.status in ("training", "standby")))
 
     def after_catch_up(self, worker: DiLoCo) -> None:
         """The worker caught up in its region (or found nobody there): a region without other members starts
         from θ_G, so a peer that (re)opens a region joins the swarm's model, not its own initialization."""
-        alone = not any(r.peer != self.scope.peer_id and r.status in ("training", "standby")
-                        for r in self.scope.records())
+        records = [r for r in self.scope.records() if r.status in ("training", "joining")]
+        alone = not any(r.peer != self.scope.peer_id for r in records)
+        # our role until a region round says otherwise: the lowest peer id we see in the region represents it
+        # (published now, so the other regions' representatives expect us in the first merge)
+        self.upper.standby = representative([r.peer for r in records] + [self.scope.peer_id]) != self.scope.peer_id
+        self.upper.publish_status()
         if alone and worker.state.round == 0 and worker.digest != self.upper.digest:
             self._take_global(worker, bump=False)
             log.info("event=region_opened region=%s global_round=%d", self.name, self.upper.state.round)
@@ -158,7 +166,8 @@ class Regions:
         upper.steps += 1
         if upper.schedule_position < upper.inner_steps_now:
             return None
-        upper.mark_slot()
+        # due: a merge that does not happen is tried again after the next region round (not `merge_every`
+        # later), so regions whose schedules drifted apart (one slowed by a crash, a late start) meet again
         # the merge makes the next region round R + 1: frames for it may come before we are done merging
         self.scope.moved_to(worker.state.round)
         return self._lead(worker) if me == rep else self._follow(worker, rep)
@@ -170,35 +179,38 @@ class Regions:
         report = upper.sync()
         if not report.committed:
             self.skipped += 1
+            worker.fail_attempt()  # our members read it in our record: no merge this time
             log.warning("event=merge_skipped region=%s role=representative reason=%s", self.name, report.reason)
             return report
+        upper.mark_slot()
         self._take_global(worker, bump=True)
         log.info("event=region_merged region=%s role=representative global_round=%d peers=%d", self.name,
                  upper.state.round, report.peers)
         return report
 
     def _follow(self, worker: DiLoCo, rep: PeerId) -> RoundReport | None:
-        upper, cfg = self.upper, self.swarm.cfg
-        global_round, region_round = upper.state.round, worker.state.round
-        # the representative's round under its own deadlines, then our download of θ_G′ (a few chunk deadlines)
-        limit = 1.2 * cfg.gather_timeout + cfg.result_timeout + 4 * cfg.call_timeout + 4 * cfg.call_timeout
+        """Wait for the representative's merge, then download the region state it merged into (θ_G′ and the
+        region's momentum, at the next region round: exactly its state, verified) and refresh our θ_G from the
+        swarm, so that we can take over as representative."""
+        cfg = self.swarm.cfg
+        region_round = worker.state.round
+        # the representative's round under its own deadlines, and a few chunk deadlines for its download
+        limit = 1.2 * cfg.gather_timeout + cfg.result_timeout + 8 * cfg.call_timeout
         deadline = time.monotonic() + limit
         while True:
-            rep_record = next((r for r in self.swarm.records() if r.peer == rep), None)
-            rep_region = next((r for r in self.scope.records() if r.peer == rep), None)
-            decision = follow_decision(rep_record, rep_region, global_round, region_round, worker.steps)
+            decision = follow_decision(next((r for r in self.scope.records() if r.peer == rep), None), region_round)
             if decision == "download":
-                assert rep_record is not None
-                report = upper.resync_from(rep_record, f"our region's representative {rep} merged the regions")
+                report = worker.resync_now()
                 if report is not None and report.resynced:
-                    self._take_global(worker, bump=True)
+                    self.upper.resync_now()
+                    self.merges += 1
                     log.info("event=region_merged region=%s role=member global_round=%d", self.name,
-                             upper.state.round)
+                             self.upper.state.round)
                     return report
             if decision == "skip" or time.monotonic() >= deadline:
                 self.skipped += 1
                 log.warning("event=merge_skipped region=%s role=member representative=%s reason=%s", self.name, rep,
-                            "it went on without merging" if decision == "skip" else f"no merge within {limit:.0f}s")
+                            "its merge failed or it left" if decision == "skip" else f"no merge within {limit:.0f}s")
                 return None
             time.sleep(0.1)
 
@@ -208,6 +220,11 @@ class Regions:
         worker.take_params(self.upper.state.params, bump=bump)
         if bump:
             self.merges += 1
+
+    def summary(self) -> dict[str, object]:
+        """The global level, for a run's final line: our region, θ_G's round and digest, the merges."""
+        return {"region": self.name, "global_round": self.upper.state.round, "global_digest": self.upper.digest,
+                "merges": self.merges, "merges_skipped": self.skipped}
 
     # ------------------------------------------------------------------ the region's schedule
 

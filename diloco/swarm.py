@@ -319,6 +319,7 @@ class Swarm:
             log.warning("event=directory_read_failed reason=%s", e)
             found = None
         others = [r for r in found or [] if r.peer != self.peer_id]
+        self._regions.update({r.peer: r.region for r in [*others, self._record] if r.region})  # kept when one expires
         if others or (found is not None and not self._seen_others(now)):
             self._seen, self._seen_at = found, now
         elif self._seen_others(now):
@@ -336,7 +337,7 @@ class Swarm:
         first round), or `timeout` passes; returns how many training peers were seen."""
         deadline = time.monotonic() + timeout
         while True:
-            training = [r for r in self.records() if r.status == "training"]
+            training = [r for r in self.records() if r.status in ("training", "standby")]
             started = any(r.peer != self.peer_id and (r.step > 0 or r.round > 0) for r in training)
             if len(training) >= count or started or time.monotonic() >= deadline:
                 return len(training)
@@ -411,7 +412,6 @@ class Swarm:
 
             def admit(view: tuple[PeerId, ...]) -> tuple[bool, str]:
                 if self.quorum_by_region:
-                    self._regions.update({r.peer: r.region for r in records if r.region})
                     return quorum(regions_of(view, self._regions), prev and regions_of(prev, self._regions),
                                   regions_of(left, self._regions), self.cfg.min_peers)
                 return quorum(view, prev, left, self.cfg.min_peers)

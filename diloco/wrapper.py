@@ -1138,6 +1138,12 @@ class DiLoCo:
                                         1, sent - sent0, recv - recv0, time.monotonic() - started, self.steps,
                                         resynced=ok))
 
+    def fail_attempt(self) -> None:
+        """Count a failed attempt at our current round and say so in our record (a region's representative whose
+        merge failed: its members stop waiting for it)."""
+        self.attempt += 1
+        self._publish("training")
+
     def take_params(self, params: Sequence[torch.Tensor], *, bump: bool) -> None:
         """Make `params` our global θ and our local model (the outer optimizer's state stays); `bump`: as a new
         round (a region's merge: members that missed it see they are behind)."""

@@ -380,3 +380,28 @@ def test_demo_reports_agreement_memory_and_round_time(tmp_path):
     assert len(summary["peak_rss_mib_per_peer"]) == 2
     assert all(m > 100 for m in summary["peak_rss_mib_per_peer"])  # python + torch + p2pd, at the least
     assert 0 < summary["round_seconds_median"] < 30
+
+
+def test_two_regions_of_real_peers_merge_into_one_global_state(peers):
+    """Two regions of two `diloco start/join --region` processes each: region rounds inside each region, a
+    merge every 2 of them by one representative per region (docs/REGIONS.md). Every peer ends on the same
+    global state, every member of a region on its region's state, and the run ends on a merge, so all four
+    evaluate the same model."""
+    common = ["--rounds", "6", "-H", "5", "--merge-every", "2", "--wait-for", "4", *TINY]
+    first = peers.spawn(0, ["start", "--region", "eu", *common])
+    addr = peers.address(0)
+    others = [peers.spawn(i, ["join", addr, "--region", region, *common]) for i, region in ((1, "eu"), (2, "us"), (3, "us"))]
+    for i, p in enumerate([first, *others]):
+        assert peers.wait(p, 120) == 0, peers.log(i)
+    finals = [peers.lines(i, "final")[-1] for i in range(4)]
+    assert [f["region"] for f in finals] == ["eu", "eu", "us", "us"]
+    # one global state per global round, one region state per region round (no fork at either level)
+    glob = {(f["global_round"], f["global_digest"]) for f in finals}
+    assert len(glob) == len({r for r, _ in glob}), finals
+    for a, b in ((0, 1), (2, 3)):
+        assert finals[a]["round"] == finals[b]["round"] == 6 and finals[a]["digest"] == finals[b]["digest"], finals
+    assert all(f["global_round"] >= 1 and f["merges"] >= 1 for f in finals), finals  # the regions merged
+    assert all(f["rejections"] == {} and f["records_dropped"] == {} for f in finals), finals
+    # the region rounds ran inside each region: two peers each
+    committed = [r for i in range(4) for r in peers.lines(i, "round") if r["committed"]]
+    assert committed and all(r["peers"] == 2 for r in committed)

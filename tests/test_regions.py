@@ -38,17 +38,17 @@ def _rec(peer: str, status: str = "training", rnd: int = 0, step: int = 0, regio
     return PeerRecord(peer=PeerId(peer), status=status, round=rnd, step=step, region=region, digest="d")
 
 
-def test_a_member_downloads_once_its_representative_committed_the_next_global_round():
-    assert follow_decision(_rec("a", rnd=3), _rec("a", rnd=8, step=40), 2, 8, 40) == "download"
-    assert follow_decision(_rec("a", rnd=2), _rec("a", rnd=8, step=40), 2, 8, 40) == "wait"
+def test_a_member_downloads_once_its_representative_moved_to_the_next_region_round():
+    assert follow_decision(_rec("a", rnd=9), 8) == "download"
+    assert follow_decision(_rec("a", rnd=8), 8) == "wait"
+    assert follow_decision(_rec("a", rnd=7), 8) == "wait"  # a record not refreshed yet
 
 
-def test_a_member_skips_the_merge_when_its_representative_left_or_trains_on_without_it():
-    assert follow_decision(None, None, 2, 8, 40) == "skip"  # its record expired: crashed
-    assert follow_decision(_rec("a", "left", rnd=2), None, 2, 8, 40) == "skip"
-    assert follow_decision(_rec("a", rnd=2), _rec("a", "left", rnd=8), 2, 8, 40) == "skip"
-    assert follow_decision(_rec("a", rnd=2), _rec("a", rnd=8, step=41), 2, 8, 40) == "skip"  # its round failed
-    assert follow_decision(_rec("a", rnd=2), _rec("a", rnd=9, step=41), 2, 8, 40) == "wait"  # merged: record next
+def test_a_member_skips_the_merge_when_its_representative_left_or_its_merge_failed():
+    assert follow_decision(None, 8) == "skip"  # its record expired: crashed
+    assert follow_decision(_rec("a", "left", rnd=8), 8) == "skip"
+    failed = PeerRecord(peer=PeerId("a"), status="training", round=8, attempt=1)
+    assert follow_decision(failed, 8) == "skip"
 
 
 def test_the_global_quorum_counts_regions_so_a_new_representative_is_the_same_voter():
@@ -161,22 +161,24 @@ def test_two_regions_hold_one_state_per_region_round_and_one_global_state_per_me
 def test_a_crashed_representative_is_replaced_by_the_next_lowest_peer_of_its_region():
     # eu has three peers, so its rounds keep a majority when one crashes; us has one
     lab = _Lab({"a1": "eu", "a2": "eu", "a3": "eu", "b1": "us"}, merge_every=2)
-    barrier = threading.Barrier(4, timeout=20)
-    stop_a1 = threading.Event()
+    barrier = threading.Barrier(5, timeout=20)  # the conductor waits too
+    stop_a1, stop = threading.Event(), threading.Event()
     crashed_at: list[int] = []
 
-    def killer() -> None:
+    def conductor() -> None:
         barrier.wait()
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline and not ("a1" in lab.workers and lab.workers["a1"].regions.merges >= 1):
             time.sleep(0.01)
-        crashed_at.append(lab.workers["a2"].regions.upper.round)
+        crashed_at.append(lab.workers["b1"].regions.upper.round)
         lab.swarms["a1"].crash()  # as a SIGKILL would: no goodbye, its records live until their TTL
         stop_a1.set()
+        while time.monotonic() < deadline and not any(r.committed for r in lab.workers["a2"].regions.upper.reports):
+            time.sleep(0.01)
+        stop.set()
 
-    barrier = threading.Barrier(5, timeout=20)  # the killer waits too
-    targets = [lab.worker("a1", 100, barrier, stop=stop_a1), *(lab.worker(p, 10, barrier) for p in ("a2", "a3", "b1")),
-               killer]
+    targets = [lab.worker("a1", 1000, barrier, stop=stop_a1),
+               *(lab.worker(p, 1000, barrier, stop=stop) for p in ("a2", "a3", "b1")), conductor]
     try:
         _run_threads(targets, [barrier])
     finally:
@@ -185,10 +187,10 @@ def test_a_crashed_representative_is_replaced_by_the_next_lowest_peer_of_its_reg
     a2_upper = w["a2"].regions.upper
     took_over = [r for r in a2_upper.reports if r.committed]
     assert took_over and all(r.peers == 2 for r in took_over), [(r.round, r.committed, r.reason) for r in a2_upper.reports]
-    assert a2_upper.round > crashed_at[0] + 1  # a2 merged for eu after a1 died, with b1 (quorum in regions)
+    assert a2_upper.round > crashed_at[0]  # a2 merged for eu after a1 died, with b1 (the quorum counts regions)
     survivors = ("a2", "a3", "b1")
-    assert len({w[p].regions.upper.digest for p in survivors}) == 1
-    assert w["a2"].digest == w["a3"].digest
+    assert len({(w[p].regions.upper.round, w[p].regions.upper.digest) for p in survivors}) <= 2  # a3 may be one behind
+    assert w["a2"].round != w["a3"].round or w["a2"].digest == w["a3"].digest
 
 
 def test_a_region_whose_last_peer_left_stops_counting_and_a_new_peer_there_starts_from_the_global_state():

@@ -141,13 +141,23 @@ class SwarmOptions(Group):
                                                               "two thirds of it, reduce_timeout).")
     heartbeat_ttl: float = option(_SWARM.heartbeat_ttl, help="Seconds a peer's record lives without a heartbeat "
                                                              "(raise it on slow links).")
+    region: str = option(_SWARM.region, help="This peer's region (e.g. eu-west): rounds run among the peers of a "
+                                             "region, and every --merge-every of them the regions merge "
+                                             "(docs/REGIONS.md). Default: a flat swarm.")
+    merge_every: int = option(_SWARM.merge_every, help="With --region: region rounds between two merges of the "
+                                                       "regions.")
+    global_lr: float = option(_SWARM.global_lr, help="With --region: the merge's outer lr (1.0 without momentum: "
+                                                     "the mean of the regions' states).")
+    global_momentum: float = option(_SWARM.global_momentum, help="With --region: the merge's Nesterov momentum.")
 
     def config(self, aggregation: AggregationOptions, peer: PeerOptions) -> SwarmConfig:
         """Raises ConfigError naming the field that is wrong."""
         return aggregation.config(run_id=self.run_id, min_peers=self.min_peers, gather_timeout=self.gather_timeout,
                                   result_timeout=self.round_timeout, reduce_timeout=self.round_timeout * 2 / 3,
                                   heartbeat_ttl=self.heartbeat_ttl, allow_peers=tuple(peer.allow_peer or ()),
-                                  identity_file=str(peer.identity) if peer.identity else None)
+                                  identity_file=str(peer.identity) if peer.identity else None, region=self.region,
+                                  merge_every=self.merge_every, global_lr=self.global_lr,
+                                  global_momentum=self.global_momentum)
 
 
 @dataclass(frozen=True)
