@@ -58,6 +58,7 @@ and a measurement between hosts 0 and 1, and tears down.
 from __future__ import annotations
 
 import argparse
+from heapq import heappop, heappush
 import atexit
 import fcntl
 import json
@@ -72,7 +73,6 @@ import subprocess
 import sys
 import threading
 import time
-from collections import deque
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -325,10 +325,14 @@ def _probe_client(host: str, port: int, nbytes: int, pings: int, timeout: float)
 # --------------------------------------------------------------------------------- the forwarder
 
 
-def _switch(delay_ms: float, addresses: list[str]) -> int:
+def _switch(delay_ms: float, addresses: list[str], groups: Sequence[int] = (), cross_delay_ms: float = 0.0,
+            cross_rate_mbit: float = 0.0, cross_queue_ms: float = 0.0) -> int:
     """The TUN backend's forwarder: create one TUN device per host (the owner moves each into its host's
-    namespace), forward IPv4 packets by destination address through a FIFO delay line, exit when stdin
-    closes (the owner closed it, or died) and print counters as one JSON line."""
+    namespace), forward IPv4 packets by destination address through a delay line, exit when stdin
+    closes (the owner closed it, or died) and print counters as one JSON line. With `groups` (a group per
+    host: regions), a packet between two groups leaves its sender through that sender's own link between
+    regions, `cross_rate_mbit` (a token bucket in here, dropping what would queue longer than
+    `cross_queue_ms`), and takes `cross_delay_ms` instead of `delay_ms`."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the owner, which stops us in order
     try:
         os.nice(-10)  # like the kernel's own packet processing, forwarding preempts the benchmark's compute
@@ -344,13 +348,18 @@ def _switch(delay_ms: float, addresses: list[str]) -> int:
         fds.append(fd)
         names.append(name)
     route = {socket.inet_aton(a): fd for a, fd in zip(addresses, fds)}
+    group = {socket.inet_aton(a): g for a, g in zip(addresses, groups)} if groups else {}
+    cross_delay, cross_queue = cross_delay_ms / 1000.0, cross_queue_ms / 1000.0
+    byte_s = 8.0 / (cross_rate_mbit * 1e6) if cross_rate_mbit > 0 else 0.0
+    free_at: dict[bytes, float] = {}  # per sender: when its link between regions is free again
     print("ready " + ",".join(names), flush=True)
 
     poller = select.poll()
     for fd in fds:
         poller.register(fd, select.POLLIN)
     poller.register(0, select.POLLIN)
-    line: deque[tuple[float, int, bytes]] = deque()
+    line: list[tuple[float, int, int, bytes]] = []  # a heap by due time (two delays: not FIFO)
+    seq = 0
     forwarded = fwd_bytes = dropped = max_queue = wakeups = 0
     read, write, monotonic = os.read, os.write, time.monotonic
     get = route.get
@@ -358,7 +367,8 @@ def _switch(delay_ms: float, addresses: list[str]) -> int:
         timeout = None if not line else max(0.0, (line[0][0] - monotonic()) * 1000.0)
         events = poller.poll(timeout)
         wakeups += 1
-        due = monotonic() + delay
+        now = monotonic()
+        due = now + delay
         for fd, ev in events:
             if fd == 0:
                 if not read(0, 4096):
@@ -386,12 +396,22 @@ def _switch(delay_ms: float, addresses: list[str]) -> int:
                 if out is None:
                     dropped += 1
                     continue
-                line.append((due, out, pkt))
+                when = due
+                src = pkt[12:16]
+                if group and group.get(src) != group.get(pkt[16:20]):  # between regions
+                    start = max(now, free_at.get(src, 0.0))
+                    if byte_s and start - now > cross_queue:
+                        dropped += 1  # the sender's link between regions has a full queue: tail drop
+                        continue
+                    free_at[src] = start + len(pkt) * byte_s
+                    when = free_at[src] + cross_delay
+                seq += 1
+                heappush(line, (when, seq, out, pkt))
         if len(line) > max_queue:
             max_queue = len(line)
         now = monotonic()
         while line and line[0][0] <= now:
-            _, out, pkt = line.popleft()
+            _, _, out, pkt = heappop(line)
             try:
                 write(out, pkt)
                 forwarded += 1
@@ -414,7 +434,8 @@ class WanLab:
 
     def __init__(self, hosts: int, rate_mbit: float | None = 100.0, delay_ms: float = 50.0, *,
                  backend: str = "auto", mtu: int = 1500, queue_ms: float | None = None,
-                 grace_s: float = 5.0) -> None:
+                 grace_s: float = 5.0, regions: Sequence[int] = (), cross_rate_mbit: float | None = None,
+                 cross_delay_ms: float | None = None) -> None:
         if not 1 <= hosts <= MAX_HOSTS:
             raise ValueError(f"hosts must be between 1 and {MAX_HOSTS}, got {hosts}")
         if rate_mbit is not None and rate_mbit < 0:
@@ -425,6 +446,14 @@ class WanLab:
             raise ValueError(f"backend must be 'auto', 'netem' or 'tun', got {backend!r}")
         if not 576 <= mtu <= 65535:
             raise ValueError(f"mtu must be between 576 and 65535, got {mtu}")
+        if regions and (len(regions) != hosts or backend == "netem"):
+            raise ValueError(f"regions needs one region per host ({hosts}) and the tun backend, got {list(regions)}"
+                             f" with backend {backend!r}")
+        self.regions = tuple(regions)
+        """A region per host (empty: one region). Between two regions a host sends through its own link
+        of `cross_rate_mbit` with `cross_delay_ms` one way; inside one, `rate_mbit` and `delay_ms`."""
+        self.cross_rate_mbit = cross_rate_mbit
+        self.cross_delay_ms = cross_delay_ms if cross_delay_ms is not None else delay_ms
         self.hosts = hosts
         self.rate_mbit = rate_mbit or None
         self.delay_ms = float(delay_ms)
@@ -482,6 +511,8 @@ class WanLab:
                 self.backend = "netem" if self._netem_in_kernel else "tun"
             else:
                 self.backend = self.requested_backend
+            if self.regions:
+                self.backend = "tun"  # links between regions are the forwarder's
             if self.backend == "netem" and self.delay_ms > 0 and not self._netem_in_kernel:
                 raise WanError("backend='netem' with a delay needs the netem qdisc (sch_netem), which this kernel "
                                "does not have (`tc qdisc add ... netem` fails with 'Specified qdisc kind is "
@@ -646,7 +677,7 @@ class WanLab:
         addresses = [self.address(i) for i in range(self.hosts)]
         self._switch = subprocess.Popen(
             [sys.executable, "-I", _THIS_FILE, "_switch", "--delay-ms", repr(self.delay_ms),
-             "--addresses", ",".join(addresses)],
+             "--addresses", ",".join(addresses), *self._region_args()],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, close_fds=True)
         ready = self._switch.stdout.readline() if self._switch.stdout else ""
         if not ready.startswith("ready "):
@@ -667,6 +698,14 @@ class WanLab:
                   f"echo 1 > /proc/sys/net/ipv6/conf/{IFNAME}/disable_ipv6"], check=False)
             self._host_if_up(name, i)
             self._shaping(name)
+
+    def _region_args(self) -> list[str]:
+        if not self.regions:
+            return []
+        rate = self.cross_rate_mbit or 0.0
+        queue = max(20.0, self.cross_delay_ms)  # as the host links' shaper: the larger of 20 ms and the delay
+        return ["--groups", ",".join(str(g) for g in self.regions), "--cross-delay-ms", repr(self.cross_delay_ms),
+                "--cross-rate-mbit", repr(rate), "--cross-queue-ms", repr(queue)]
 
     def _tune_tcp(self, name: str) -> None:
         rate = (self.rate_mbit or 1000.0) * 1e6 / 8
@@ -805,8 +844,13 @@ class WanLab:
             why = "kernel has no netem" if not self._netem_in_kernel else "tun backend requested"
             delay = f"{self.delay_ms:g} ms one way (tun backend: userspace delay line over TUN; {why})"
         mib = self.tcp_buffer_max / (1 << 20)
+        regions = ""
+        if self.regions:
+            cross = "unlimited" if not self.cross_rate_mbit else f"{self.cross_rate_mbit:g} Mbit/s"
+            regions = (f"; {len(set(self.regions))} regions (hosts {list(self.regions)}): between regions each host "
+                       f"sends at {cross}, {self.cross_delay_ms:g} ms one way")
         return (f"{self.hosts} hosts in network namespaces, {rate}, {delay}, MTU {self.mtu}, "
-                f"TCP buffers up to {mib:g} MiB")
+                f"TCP buffers up to {mib:g} MiB{regions}")
 
 
 # -------------------------------------------------------------------------------------------- CLI
@@ -818,8 +862,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         p = argparse.ArgumentParser(prog="wan _switch")
         p.add_argument("--delay-ms", type=float, required=True)
         p.add_argument("--addresses", required=True)
+        p.add_argument("--groups", default="")
+        p.add_argument("--cross-delay-ms", type=float, default=0.0)
+        p.add_argument("--cross-rate-mbit", type=float, default=0.0)
+        p.add_argument("--cross-queue-ms", type=float, default=0.0)
         a = p.parse_args(argv[1:])
-        return _switch(a.delay_ms, a.addresses.split(","))
+        groups = [int(g) for g in a.groups.split(",")] if a.groups else []
+        return _switch(a.delay_ms, a.addresses.split(","), groups, a.cross_delay_ms, a.cross_rate_mbit,
+                       a.cross_queue_ms)
     if argv and argv[0] == "_probe_server":
         p = argparse.ArgumentParser(prog="wan _probe_server")
         p.add_argument("--timeout", type=float, default=60.0)
