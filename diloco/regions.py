@@ -190,8 +190,10 @@ class Regions:
 
     def _follow(self, worker: DiLoCo, rep: PeerId) -> RoundReport | None:
         """Wait for the representative's merge, then download the region state it merged into (θ_G′ and the
-        region's momentum, at the next region round: exactly its state, verified) and refresh our θ_G from the
-        swarm, so that we can take over as representative."""
+        region's momentum, at the next region round: exactly its state, verified) over the region's link. Our
+        θ_G stays as it was: the representatives hold θ_G′, and if we represent the region one day, our first
+        merge downloads the newest θ_G first (`_lead`), so a merge never waits for a download across regions
+        that it does not need."""
         cfg = self.swarm.cfg
         region_round = worker.state.round
         # the representative's round under its own deadlines, and a few chunk deadlines for its download
@@ -202,7 +204,6 @@ class Regions:
             if decision == "download":
                 report = worker.resync_now()
                 if report is not None and report.resynced:
-                    self.upper.resync_now()
                     self.merges += 1
                     log.info("event=region_merged region=%s role=member global_round=%d", self.name,
                              self.upper.state.round)

@@ -153,6 +153,7 @@ STOPPED_AT = {  # command -> what would start the work (network, real peers, roo
     ("diloco", "bench", "convergence"): "diloco.bench.convergence.run", ("diloco", "bench", "site"): "diloco.bench.site.run",
     ("diloco", "bench", "size"): "diloco.bench.size.run", ("diloco", "bench", "wrapper"): "diloco.bench.wrapper.run",
     ("diloco", "bench", "transport"): "diloco.bench.transport.run", ("diloco", "bench", "race"): "diloco.bench.race.run",
+    ("diloco", "bench", "regions"): "diloco.bench.regions.run",
 }
 LAUNCHED = "diloco.cli.main._launch"
 """`diloco start/join ... -- CMD` runs the user's command as the site's worker: stopped there."""

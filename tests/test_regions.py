@@ -146,16 +146,14 @@ def test_two_regions_hold_one_state_per_region_round_and_one_global_state_per_me
     # every member of a region ends on the same region state; every peer on the same global state
     assert w["a1"].digest == w["a2"].digest and w["b1"].digest == w["b2"].digest
     uppers = {p: d.regions.upper for p, d in w.items()}
-    assert len({u.digest for u in uppers.values()}) == 1, {p: (u.round, u.digest) for p, u in uppers.items()}
-    assert min(u.round for u in uppers.values()) >= 2  # merges happened (rounds 0..8: two merge cycles of 3)
-    # the representatives ran the swarm's rounds (one per region), the others downloaded θ_G′
-    assert all(d.regions.merges >= 2 for d in w.values()), {p: d.regions.merges for p, d in w.items()}
+    # the representatives ran the swarm's rounds (one per region) and hold one global state ...
     reps = [p for p, u in uppers.items() if any(r.committed for r in u.reports)]
     assert sorted(reps) == ["a1", "b1"], reps
     assert all(r.peers == 2 for p in reps for r in uppers[p].reports if r.committed)
-    # after a merge the region state is the global state
-    for d in w.values():
-        assert d.regions.upper.state.round >= 2
+    assert uppers["a1"].digest == uppers["b1"].digest and uppers["a1"].round >= 2  # two merge cycles of 3 rounds
+    # ... and every member took each merge: its representative's region state, whose parameters are θ_G′
+    assert all(d.regions.merges >= 2 for d in w.values()), {p: d.regions.merges for p, d in w.items()}
+    assert all(torch.equal(a, b) for a, b in zip(w["b2"].state.params, uppers["b1"].state.params))
 
 
 def test_a_crashed_representative_is_replaced_by_the_next_lowest_peer_of_its_region():
@@ -188,8 +186,7 @@ def test_a_crashed_representative_is_replaced_by_the_next_lowest_peer_of_its_reg
     took_over = [r for r in a2_upper.reports if r.committed]
     assert took_over and all(r.peers == 2 for r in took_over), [(r.round, r.committed, r.reason) for r in a2_upper.reports]
     assert a2_upper.round > crashed_at[0]  # a2 merged for eu after a1 died, with b1 (the quorum counts regions)
-    survivors = ("a2", "a3", "b1")
-    assert len({(w[p].regions.upper.round, w[p].regions.upper.digest) for p in survivors}) <= 2  # a3 may be one behind
+    assert (a2_upper.round, a2_upper.digest) == (w["b1"].regions.upper.round, w["b1"].regions.upper.digest)
     assert w["a2"].round != w["a3"].round or w["a2"].digest == w["a3"].digest
 
 
@@ -241,10 +238,26 @@ def test_a_partition_between_regions_stops_merges_on_the_minority_side_only_and_
     def dropper(me: str):
         return lambda target, _handler: cut.is_set() and side[me] != side[target]
 
+    class SideOfBoard:  # the DHT is partitioned too: while cut, a peer reads only its own side's records
+        def __init__(self, board: InProcBoard, me: str) -> None:
+            self.board, self.me, self.dropped = board, me, board.dropped
+
+        def scoped(self, scope: str) -> SideOfBoard:
+            return SideOfBoard(self.board.scoped(scope), self.me)
+
+        async def publish(self, record: PeerRecord, ttl: float) -> None:
+            await self.board.publish(record, ttl)
+
+        async def read(self) -> list[PeerRecord]:
+            return [r for r in await self.board.read() if not cut.is_set() or side[r.peer] == side[self.me]]
+
+        async def close(self) -> None:
+            pass
+
     lab = _Lab({}, merge_every=2)
     lab.regions = {"a1": "eu", "b1": "us", "c1": "ap"}
-    lab.swarms = {p: diloco.Swarm.in_process(lab.net, lab.board, p, replace(lab.cfg, region=r), lab.loop,
-                                             drop=dropper(p)) for p, r in lab.regions.items()}
+    lab.swarms = {p: diloco.Swarm.in_process(lab.net, SideOfBoard(lab.board, p), p, replace(lab.cfg, region=r),
+                                             lab.loop, drop=dropper(p)) for p, r in lab.regions.items()}
     barrier = threading.Barrier(4, timeout=20)  # the conductor waits too
     stop = threading.Event()
 

@@ -27,9 +27,10 @@ def measure_link(lab: Any, rate_mbit: float, progress: Callable[[str], None]) ->
 
 
 def run_swarm(lab: Any, peers: int, args: Sequence[str], workdir: Path, timeout_s: float,
-              watch: Callable[[Lines], None] | None = None) -> list[Lines]:
+              watch: Callable[[Lines], None] | None = None, per_peer: Sequence[Sequence[str]] = ()) -> list[Lines]:
     """Run `peers` peers of the bundled job with the job/swarm flags `args` (peer 0 starts the swarm, the
-    others join it; each gets `--shard i`), wait for all of them, and return each one's metrics lines.
+    others join it; each gets `--shard i`, and `per_peer[i]` if given), wait for all of them, and return each
+    one's metrics lines.
     `watch(lines)` gets peer 0's lines about every 2 s while they run. A peer still running at `timeout_s`
     is killed (TimeoutExpired); a peer that ends without a final line raises RuntimeError naming its log."""
     workdir.mkdir(parents=True, exist_ok=True)
@@ -43,7 +44,8 @@ def run_swarm(lab: Any, peers: int, args: Sequence[str], workdir: Path, timeout_
             logs.append(log)
             cmd = [sys.executable, "-m", "diloco"]
             cmd += ["start"] if i == 0 else ["join", (workdir / "peer0.addr").read_text().split()[0]]
-            cmd += ["--host", lab.address(i), "--port", "0", "--run-id", run_id, *args, "--shard", str(i),
+            cmd += ["--host", lab.address(i), "--port", "0", "--run-id", run_id, *args,
+                    *(per_peer[i] if per_peer else ()), "--shard", str(i),
                     "--metrics", str(workdir / f"peer{i}.jsonl"), "--address-file", str(workdir / f"peer{i}.addr")]
             procs.append(lab.popen(i, cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env))
             if i == 0:

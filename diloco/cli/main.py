@@ -693,6 +693,63 @@ def bench_race_cmd(
         console.print(f"wrote {plot(report, plot_path)}")
 
 
+@bench_app.command("regions")
+def bench_regions_cmd(
+    regions: str = typer.Option("0,0,1,1", help="The region of each peer (one peer per host), e.g. 0,0,1,1."),
+    rate: float = typer.Option(10.0, help="Each host's link inside its region, Mbit/s."),
+    delay: float = typer.Option(5.0, help="One-way delay inside a region, ms."),
+    cross_rate: float = typer.Option(1.0, help="Each host's link to the other regions, Mbit/s."),
+    cross_delay: float = typer.Option(50.0, help="One-way delay between regions, ms."),
+    steps: int = typer.Option(1000, help="Flat DiLoCo's inner steps per peer: its final loss is the finish line."),
+    budget: int = typer.Option(1600, help="Inner steps per peer each regions variant may take to get there."),
+    inner_steps: int = typer.Option(50, "--inner-steps", "-H", help="H of every variant."),
+    merge_every: str = typer.Option("4,8", help="Region rounds between merges: a regions variant for each."),
+    lr: float = typer.Option(4e-3, help="Inner AdamW lr."),
+    d_model: int = typer.Option(64, help="Model width."),
+    layers: int = typer.Option(2, help="Transformer blocks."),
+    json_path: Optional[Path] = typer.Option(None, "--json", help="Write the report as JSON here."),
+    plot_path: Optional[Path] = typer.Option(None, "--plot", help="Draw held-out loss vs training time as PNG here."),
+    workdir: Optional[Path] = typer.Option(None, help="Keep peers' logs and metrics here (default: a temp dir)."),
+    quiet: bool = Quiet,
+) -> None:
+    """Flat DiLoCo against regions (--region) on an emulated two-region network (needs root), timed until each
+    reaches flat DiLoCo's final held-out loss (docs/REGIONS.md)."""
+    from rich.console import Console
+
+    from ..bench.plot import PlotError, require_matplotlib
+    from ..bench.race import write_json
+    from ..bench.regions import RegionsSetup, markdown_table, plot, run
+    from ..bench.wan import WanError, check_privileges
+    from ..progress import Reporter
+
+    try:
+        check_privileges()
+        try:
+            hosts = tuple(int(r) for r in regions.split(","))
+            merges = tuple(int(k) for k in merge_every.split(","))
+        except ValueError:
+            raise ValueError(f"--regions {regions!r} / --merge-every {merge_every!r}: expected numbers separated by "
+                             "commas, e.g. 0,0,1,1 and 4,8") from None
+        setup = RegionsSetup(regions=hosts, rate_mbit=rate, delay_ms=delay, cross_rate_mbit=cross_rate,
+                             cross_delay_ms=cross_delay, steps=steps, budget=budget, inner_steps=inner_steps,
+                             merge_every=merges, lr=lr, d_model=d_model, layers=layers)
+        if plot_path is not None:
+            require_matplotlib()
+    except (WanError, ValueError, PlotError) as e:
+        _fail(str(e))
+    try:
+        with Reporter.for_command(quiet=quiet) as rep, rep.task("regions", unit="variants") as task:
+            report = run(setup, workdir=workdir, progress=rep.say, tick=task.update)
+    except (WanError, RuntimeError) as e:
+        _fail(str(e), code=1)
+    console = Console()
+    console.print(markdown_table(report), markup=False, soft_wrap=True)
+    if json_path:
+        write_json(report, json_path)
+    if plot_path:
+        console.print(f"wrote {plot(report, plot_path)}")
+
+
 @bench_app.command("flood")
 def bench_flood_cmd(
     peers: int = typer.Option(3, help="Peers of the swarm (real daemons on 127.0.0.1, one secret)."),
