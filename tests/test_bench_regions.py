@@ -46,7 +46,7 @@ def test_flat_and_regions_train_on_a_two_region_network(tmp_path):
     report = run(setup, workdir=tmp_path, progress=lines.append, measure=False)
     flat, regions = report["results"]
     assert flat["steps"] == regions["steps"] == 24
-    assert flat["global_digests_agree"] and regions["global_digests_agree"]  # ended on a merge: one state
+    assert flat["one_model"] and regions["one_model"] and regions["regions_agree"]  # ended on a merge: one model
     assert all(m is not None and m >= 1 for m in regions["merges"]), regions["merges"]
     assert report["standings"][0]["speedup"] == 1.0
     assert "2 regions" in lines[0]

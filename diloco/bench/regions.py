@@ -123,14 +123,16 @@ def run(setup: RegionsSetup, *, workdir: Path | None = None, progress: Callable[
             res = dict(name=variant.name, flags=list(variant.flags), eval_loss=finals[0]["eval_loss"],
                        steps=finals[0]["steps"], train_seconds=finals[0]["train_seconds"],
                        bytes_sent=sum(f["bytes_sent"] for f in finals),
-                       global_digests_agree=len({f.get("global_digest", f["digest"]) for f in finals}) == 1,
+                       one_model=len({f["eval_loss"] for f in finals}) == 1,
+                       regions_agree=all(len({f["digest"] for f in finals if f.get("region") == r}) == 1
+                                         for r in {f.get("region") for f in finals}),
                        merges=[f.get("merges") for f in finals],
                        utilization=sum(f["usage"]["utilization"] for f in finals) / len(finals),
                        curve=curve(out[0]))
             results.append(res)
             progress(f"    held-out loss {res['eval_loss']:.4f} after {res['steps']} steps, {res['train_seconds']:.0f} s, "
                      f"{res['bytes_sent'] / 1e6:.1f} MB sent, utilization {100 * res['utilization']:.1f}%, "
-                     f"one global state: {res['global_digests_agree']}")
+                     f"every peer ends on one model: {res['one_model']}, one state per region: {res['regions_agree']}")
     return {"setup": asdict(setup), "link": link,
             "measured": {name: {"rtt_ms": m.rtt_ms, "goodput_mbit": m.goodput_mbit}
                          for name, m in (("inside", inside), ("between", across)) if m is not None},
