@@ -186,7 +186,7 @@ class Regions:
         self._take_global(worker, bump=True)
         log.info("event=region_merged region=%s role=representative global_round=%d peers=%d", self.name,
                  upper.state.round, report.peers)
-        return report
+        return worker.report_merge(report)
 
     def _follow(self, worker: DiLoCo, rep: PeerId) -> RoundReport | None:
         """Wait for the representative's merge, then download the region state it merged into (θ_G′ and the
@@ -202,7 +202,7 @@ class Regions:
         while True:
             decision = follow_decision(next((r for r in self.scope.records() if r.peer == rep), None), region_round)
             if decision == "download":
-                report = worker.resync_now()
+                report = worker.resync_now(merge=True)
                 if report is not None and report.resynced:
                     self.merges += 1
                     log.info("event=region_merged region=%s role=member global_round=%d", self.name,

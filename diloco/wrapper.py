@@ -48,7 +48,7 @@ import signal
 import threading
 import time
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Iterator, Literal, Sequence, TypeVar
@@ -111,6 +111,9 @@ class RoundReport:
     blocked: bool = False  # the training loop had to wait for this round's result
     phases: dict[str, float] = field(default_factory=dict)
     """Where the round's time went, in seconds: gather, encode, exchange (or fetch), decide (`RoundOutcome.phases`)."""
+    merge: bool = False
+    """A merge of the regions (`diloco.regions`): our representative's round of the swarm, or our download of
+    the region state it merged into; `round` is the region round it made."""
 
     @property
     def bits_per_param(self) -> float:
@@ -780,7 +783,7 @@ class DiLoCo:
             outcome = RoundOutcome(outcome.key, False, "crashed", outcome.view)
         return outcome, blocked
 
-    def _maybe_resync(self, started: float, cached: bool = False) -> RoundReport | None:
+    def _maybe_resync(self, started: float, cached: bool = False, merge: bool = False) -> RoundReport | None:
         """Download the swarm's state if it moved past us (or ours is in the minority); with `cached`, judge
         from the records the last heartbeat read (no network I/O on the training thread)."""
         if not self._in_swarm:
@@ -796,7 +799,8 @@ class DiLoCo:
             self._adopt_incoming()
         sent, recv = self.bytes_on_wire()
         report = RoundReport(self.state.round, False, f"resynced: {why}" if ok else f"resync failed: {why}", 1,
-                             sent - sent0, recv - recv0, time.monotonic() - started, self.steps, resynced=ok)
+                             sent - sent0, recv - recv0, time.monotonic() - started, self.steps, resynced=ok,
+                             merge=merge and ok)
         return self._report(report)
 
     def _resync_if_behind(self, cached: bool) -> tuple[bool, str, dict[str, object]] | None:
@@ -1123,20 +1127,14 @@ class DiLoCo:
         """Be `position` inner steps past our last slot (as a peer we downloaded state from is)."""
         self._last_slot = self.steps - position % self._period
 
-    def resync_now(self) -> RoundReport | None:
-        """Download the swarm's state now if it moved past ours (a fresh read of the records)."""
-        return self._maybe_resync(time.monotonic())
+    def resync_now(self, merge: bool = False) -> RoundReport | None:
+        """Download the swarm's state now if it moved past ours (a fresh read of the records); `merge`: the
+        download takes a merge of the regions (the report says so)."""
+        return self._maybe_resync(time.monotonic(), merge=merge)
 
-    def resync_from(self, source: PeerRecord, why: str) -> RoundReport | None:
-        """Download and adopt the state `source` advertises (a region member after its representative merged);
-        the report says whether it worked (`resynced`)."""
-        assert self.swarm is not None
-        started, (sent0, recv0) = time.monotonic(), self.bytes_on_wire()
-        ok = self._resync(source, why)
-        sent, recv = self.bytes_on_wire()
-        return self._report(RoundReport(self.state.round, False, f"resynced: {why}" if ok else f"resync failed: {why}",
-                                        1, sent - sent0, recv - recv0, time.monotonic() - started, self.steps,
-                                        resynced=ok))
+    def report_merge(self, merged: RoundReport) -> RoundReport:
+        """Report a merge of the regions as one of our rounds (metrics, `on_round`), at the region round it made."""
+        return self._report(replace(merged, round=self.state.round, step=self.steps, merge=True))
 
     def fail_attempt(self) -> None:
         """Count a failed attempt at our current round and say so in our record (a region's representative whose

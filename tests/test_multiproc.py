@@ -406,5 +406,9 @@ def test_two_regions_of_real_peers_merge_into_one_global_state(peers):
         assert len({f["eval_loss"] for f in finals}) == 1, finals
     assert all(f["rejections"] == {} and f["records_dropped"] == {} for f in finals), finals
     # the region rounds ran inside each region: two peers each
-    committed = [r for i in range(4) for r in peers.lines(i, "round") if r["committed"]]
+    rows = [r for i in range(4) for r in peers.lines(i, "round")]
+    committed = [r for r in rows if r["committed"] and not r["merge"]]
     assert committed and all(r["peers"] == 2 for r in committed)
+    # each merge is a row: the representative's round of the swarm (2 regions), a member's download
+    merges = [r for r in rows if r["merge"]]
+    assert merges and all(r["committed"] and r["peers"] == 2 if r["committed"] else r["resynced"] for r in merges)
