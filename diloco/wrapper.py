@@ -399,7 +399,8 @@ class DiLoCo:
                 self.regions.after_catch_up(self)
             self._publish("training")
             if self.launch is not None and self.launch.wait_for > 1:  # `--wait-for N`: hold the first step
-                seen = self.swarm.wait_for_peers(self.launch.wait_for, WAIT_TIMEOUT)
+                whole = self.regions.swarm if self.regions is not None else self.swarm  # every region's peers count
+                seen = whole.wait_for_peers(self.launch.wait_for, WAIT_TIMEOUT)
                 log.info("event=peers_present count=%d wanted=%d", seen, self.launch.wait_for)
         if self.site is None:
             return {}
@@ -477,7 +478,8 @@ class DiLoCo:
             self.launch.metrics_writer(self.swarm.peer_id if self.swarm else "", sinks=self._talks).write(
                 "final", rank=self.site.rank if self.site else 0, site_size=self.site.size if self.site else 1,
                 peer=self.swarm.peer_id if self.swarm else "", round=self.state.round, digest=self.digest,
-                steps=self.steps, committed_rounds=sum(r.committed for r in self.reports), restart=self.launch.restart)
+                steps=self.steps, committed_rounds=sum(r.committed for r in self.reports), restart=self.launch.restart,
+                **(self.regions.summary() if self.regions is not None else {}))
             close_launched()
         if self._owns_swarm and self.swarm is not None:
             if self.regions is not None:

@@ -346,3 +346,22 @@ def test_a_launched_site_logs_to_tensorboard_and_wandb_from_its_leader_only(site
     info = run_info(run)
     assert (info.display_name, info.run_group, info.project) == (peer, sites.run_id, "diloco-site")
     assert "secret" not in {item.key for item in info.config.update}
+
+
+@pytest.mark.timeout(300)
+def test_your_script_under_the_launcher_trains_in_regions(sites):
+    """`diloco start/join --region R -- python train.py`: the script's one line (`DiLoCo(model, opt)`) finds its
+    region in the launcher's environment; two regions of one site each merge into one global state, and each
+    merge is a row of the site's metrics (docs/REGIONS.md)."""
+    rounds = ["--rounds", "6", "--inner-steps", "5"]
+    sites.launch(0, ["start", "--wait-for", "2", "--region", "eu", "--merge-every", "2"], [sys.executable, SCRIPT, *rounds])
+    addr = sites.address(0)
+    sites.launch(1, ["join", addr, "--wait-for", "2", "--region", "us", "--merge-every", "2"],
+                 [sys.executable, SCRIPT, *rounds])
+    for i, proc in sites.procs.items():
+        assert proc.wait(timeout=240) == 0, sites.log(i)
+    finals = [sites.lines(i, "final")[-1] for i in range(2)]
+    assert [f["region"] for f in finals] == ["eu", "us"]
+    assert finals[0]["global_digest"] == finals[1]["global_digest"] and finals[0]["global_round"] >= 1, finals
+    merges = [r for i in range(2) for r in sites.lines(i, "round") if r["merge"]]
+    assert merges and all(r["committed"] and r["peers"] == 2 for r in merges), merges
