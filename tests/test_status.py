@@ -204,3 +204,15 @@ def test_watch_shows_each_peers_round_loss_bandwidth_and_utilization_live(tmp_pa
         assert len([row for row in history(run) if "round/loss" in row]) == len(rounds)
     finally:
         group.kill_all()
+
+
+def test_a_region_members_row_says_its_region_and_the_title_counts_those_on_standby():
+    from diloco.cli.status import PeerStatus
+    from diloco.peers import PeerRecord
+
+    rows = [PeerStatus(record=PeerRecord(peer="a", status="training", round=3, region="eu"), steps_per_second=None,
+                       bytes_per_second=None, heartbeat_age=None),
+            PeerStatus(record=PeerRecord(peer="b", status="standby", round=3, region="eu"), steps_per_second=None,
+                       bytes_per_second=None, heartbeat_age=None)]
+    assert statusview.cells(rows[1])[1] == "standby (eu)"
+    assert statusview.title(rows, "geo") == "swarm 'geo': 1 training, 1 on standby"

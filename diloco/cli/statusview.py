@@ -22,7 +22,8 @@ def _mb(n: int) -> str:
 def cells(row: PeerStatus) -> tuple[str, ...]:
     """One row's cells, in `COLUMNS` order ("-" where unknown: an older peer publishes no bandwidth)."""
     rec = row.record
-    return (rec.peer, rec.status, str(rec.round), str(rec.attempt), str(rec.step),
+    status = f"{rec.status} ({rec.region})" if rec.region else rec.status  # with --region: which one
+    return (rec.peer, status, str(rec.round), str(rec.attempt), str(rec.step),
             "-" if row.steps_per_second is None else f"{row.steps_per_second:.2f}",
             "-" if rec.loss is None else f"{rec.loss:.3f}",
             "-" if row.bytes_per_second is None else f"{row.bytes_per_second * 8 / 1e6:.2f}",
@@ -33,7 +34,9 @@ def cells(row: PeerStatus) -> tuple[str, ...]:
 
 
 def title(rows: Sequence[PeerStatus], run_id: str) -> str:
-    return f"swarm {run_id!r}: {sum(r.record.status == 'training' for r in rows)} training"
+    standby = sum(r.record.status == "standby" for r in rows)  # region members between merges
+    return f"swarm {run_id!r}: {sum(r.record.status == 'training' for r in rows)} training" + \
+        (f", {standby} on standby" if standby else "")
 
 
 def table(rows: Sequence[PeerStatus], run_id: str, caption: str = "") -> Table:
