@@ -10,15 +10,15 @@ A peer whose `SwarmConfig.region` names a region trains at two levels:
   region round that just committed (every member knows that view: no election), runs one round of the
   swarm itself with Δ = θ_G − θ_R; the swarm's rounds take one peer per region, and their quorum counts
   regions, not peers. The global outer optimizer (`global_lr`, `global_momentum`: momentum across regions)
-  steps θ_G. The region's other members wait, then download θ_G′ from the representative over the
-  region's link (verified, vouched for by the records like any catch-up) and everyone continues from it:
-  θ_R ← θ_G′ (region round + 1; the region's momentum is kept).
+  steps θ_G. The representative continues from θ_R ← θ_G′ (region round + 1; the region's momentum is
+  kept); the region's other members wait, then download that region state from it over the region's link
+  (verified, vouched for by the records like any catch-up).
 
-The global level is an ordinary `DiLoCo` worker (`_Upper`) whose "local model" is a copy of θ_R and whose
-inner step is one committed region round: the swarm's catch-up, state serving, quorum and digests apply to
-it unchanged. Members other than the representative publish `standby` in the swarm's records: they hold
-θ_G and serve it (a new representative, a joining region, a member that missed a merge download it from
-them) but are not waited for in its rounds.
+The global level (`Regions.upper`) is an ordinary `DiLoCo` worker whose "local model" is a copy of θ_R and
+whose inner step is one committed region round: the swarm's catch-up, state serving, quorum and digests
+apply to it unchanged. Members other than the representative publish `standby` in the swarm's records:
+they serve the θ_G they hold but are not waited for in its rounds; a member that becomes the representative
+downloads the newest θ_G before its first merge.
 
 What happens when (tests/test_regions.py):
 - a representative crashes before or during a merge: its members' wait ends at the round's deadline
@@ -166,9 +166,9 @@ class Regions:
         upper.steps += 1
         if upper.schedule_position < upper.inner_steps_now:
             return None
-        # due: a merge that does not happen is tried again after the next region round (not `merge_every`
-        # later), so regions whose schedules drifted apart (one slowed by a crash, a late start) meet again
-        # the merge makes the next region round R + 1: frames for it may come before we are done merging
+        # Due. A merge that does not happen is tried again after the next region round (not `merge_every`
+        # later), so regions whose schedules drifted apart (one slowed by a crash, a late start) meet again.
+        # The merge makes the next region round R + 1: frames for it may come before we are done merging.
         self.scope.moved_to(worker.state.round)
         return self._lead(worker) if me == rep else self._follow(worker, rep)
 
@@ -205,8 +205,8 @@ class Regions:
                 report = worker.resync_now(merge=True)
                 if report is not None and report.resynced:
                     self.merges += 1
-                    log.info("event=region_merged region=%s role=member global_round=%d", self.name,
-                             self.upper.state.round)
+                    log.info("event=region_merged region=%s role=member region_round=%d", self.name,
+                             worker.state.round)
                     return report
             if decision == "skip" or time.monotonic() >= deadline:
                 self.skipped += 1
