@@ -102,7 +102,7 @@ class Regions:
         if worker.site is not None or worker.shards is not None:
             raise ConfigError("a torch.distributed site cannot be a region's member yet: run one process per "
                               "peer with --region, or drop --region to make the site one worker of a flat swarm")
-        self.name, self.merge_every = cfg.region, cfg.merge_every
+        self.name = cfg.region
         self.swarm = swarm
         """The peer's swarm: the global rounds (one representative per region) and the global state."""
         swarm.quorum_by_region = True
@@ -117,7 +117,7 @@ class Regions:
                             join_timeout=worker.join_timeout, global_device=worker.global_device)
         self.upper.swarm = swarm
         """The global level: its inner step is one committed region round; its state is θ_G."""
-        self.upper.standby = True
+        self.upper.standby = True  # published when it attaches; a region round may say otherwise (`after_commit`)
         self.merges = 0
         """Merges this peer took part in (as the representative, or by downloading θ_G′)."""
         self.skipped = 0
@@ -125,7 +125,7 @@ class Regions:
 
     # ------------------------------------------------------------------ joining and leaving
 
-    def attach(self, worker: DiLoCo) -> None:
+    def attach(self) -> None:
         """Join the global level (catch up with θ_G), before the worker catches up in its region. Until a merge
         commits, its quorum is a majority of the regions we see now: two regions whose representatives do not
         see each other yet (a record not yet propagated) cannot both commit a first merge on their own."""
@@ -140,10 +140,9 @@ class Regions:
         alone = not any(r.peer != self.scope.peer_id for r in records)
         # our role until a region round says otherwise: the lowest peer id we see in the region represents it
         # (published now, so the other regions' representatives expect us in the first merge)
-        self.upper.standby = representative([r.peer for r in records] + [self.scope.peer_id]) != self.scope.peer_id
-        self.upper.publish_status()
+        self.upper.set_standby(representative([r.peer for r in records] + [self.scope.peer_id]) != self.scope.peer_id)
         if alone and worker.state.round == 0 and worker.digest != self.upper.digest:
-            self._take_global(worker, bump=False)
+            worker.take_params(self.upper.state.params, bump=False)
             log.info("event=region_opened region=%s global_round=%d", self.name, self.upper.state.round)
 
     def close(self) -> None:
@@ -160,9 +159,7 @@ class Regions:
         rep = representative(members)
         me = self.scope.peer_id
         upper = self.upper
-        if upper.standby != (me != rep):
-            upper.standby = me != rep
-            upper.publish_status()
+        upper.set_standby(me != rep)
         upper.steps += 1
         if upper.schedule_position < upper.inner_steps_now:
             return None
@@ -183,7 +180,8 @@ class Regions:
             log.warning("event=merge_skipped region=%s role=representative reason=%s", self.name, report.reason)
             return report
         upper.mark_slot()
-        self._take_global(worker, bump=True)
+        worker.take_params(upper.state.params, bump=True)  # the region round R + 1: θ_R ← θ_G′
+        self.merges += 1
         log.info("event=region_merged region=%s role=representative global_round=%d peers=%d", self.name,
                  upper.state.round, report.peers)
         return worker.report_merge(report)
@@ -214,13 +212,6 @@ class Regions:
                             "its merge failed or it left" if decision == "skip" else f"no merge within {limit:.0f}s")
                 return None
             time.sleep(0.1)
-
-    def _take_global(self, worker: DiLoCo, *, bump: bool) -> None:
-        """Continue from θ_G: the region state and the local model take it (the region's momentum stays);
-        after a merge the region round advances, so a member that missed the merge sees it is behind."""
-        worker.take_params(self.upper.state.params, bump=bump)
-        if bump:
-            self.merges += 1
 
     def summary(self) -> dict[str, object]:
         """The global level, for a run's final line: our region, θ_G's round and digest, the merges."""

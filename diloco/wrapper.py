@@ -390,7 +390,7 @@ class DiLoCo:
             if self.swarm.cfg.region:
                 self._enter_region(self.swarm)
         if self.regions is not None:
-            self.regions.attach(self)  # the global level first: a region of our own starts from θ_G
+            self.regions.attach()  # the global level first: a region of our own starts from θ_G
         if self.swarm is not None:
             self.swarm.handshake(self.schema)  # a peer with another model or codec stops here, saying so
             self.swarm.serve_state(self._serve, wait_unserved=self.shards is None)
@@ -942,8 +942,7 @@ class DiLoCo:
         self.stragglers = set()
         position, members = info.get("position"), info.get("members")
         if isinstance(position, int) and not isinstance(position, bool):
-            # take the source's place in the schedule: our next slot is its next slot
-            self._last_slot = self.steps - position % self._period
+            self.place_in_schedule(position)  # take the source's place: our next slot is its next slot
         if isinstance(members, str) and members:
             self.members = tuple(PeerId(m) for m in members.split(",")[:4096] if m)
         if self.regions is not None:
@@ -1117,9 +1116,12 @@ class DiLoCo:
 
     # ------------------------------------------------------------------ what the global level of a region uses
 
-    def publish_status(self) -> None:
-        """Publish our record now (after `standby` changed)."""
-        self._publish("training")
+    def set_standby(self, standby: bool) -> None:
+        """Publish `standby` instead of `training` from now on, or stop (our record is published at once if
+        that changes it)."""
+        if standby != self.standby:
+            self.standby = standby
+            self._publish("training")
 
     def mark_slot(self) -> None:
         """A synchronization slot is now (the global level's merge, driven by `diloco.regions`)."""

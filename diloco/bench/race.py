@@ -185,31 +185,45 @@ def run(setup: RaceSetup, *, workdir: Path | None = None, progress: Callable[[st
             "results": results, "standings": standings(results)}
 
 
-def markdown_table(report: dict[str, Any]) -> str:
+def finish_table(report: dict[str, Any], *, who: str, baseline: str, steps_run: bool = True) -> str:
+    """The standings as a markdown table: each `who`'s time, steps and bytes to the finish line (`baseline`'s final
+    loss), its speedup over `baseline`, and how its whole run went (`steps_run`: with the steps it ran)."""
     target = report["standings"][0]["target"]
-    rows = [f"| racer | time to {target:.4f} | steps to it | speedup over data-parallel | MB a peer sent to it "
-            "| final loss | steps run | seconds run | compute utilization |", "|---|---|---|---|---|---|---|---|---|"]
+    ran = " steps run |" if steps_run else ""
+    rows = [f"| {who} | time to {target:.4f} | steps to it | speedup over {baseline} | MB a peer sent to it "
+            f"| final loss |{ran} seconds run | compute utilization |", "|---" * (8 + steps_run) + "|"]
     for s, r in zip(report["standings"], report["results"]):
         if s["seconds"] is None:
             reached = "not reached | - | - | -"
         else:
             reached = f"{s['seconds']:.1f} s | {s['step']} | {s['speedup']:.1f}× | {s['bytes_sent'] / 1e6:.1f}"
-        rows.append(f"| {r['name']} | {reached} | {r['eval_loss']:.4f} | {r['steps']} | {r['train_seconds']:.0f} | "
+        steps = f" {r['steps']} |" if steps_run else ""
+        rows.append(f"| {r['name']} | {reached} | {r['eval_loss']:.4f} |{steps} {r['train_seconds']:.0f} | "
                     f"{100 * r['utilization']:.1f}% |")
     return "\n".join(rows)
 
 
-def plot(report: dict[str, Any], path: Path) -> Path:
-    """Held-out loss vs training time of every racer, with data-parallel's final loss as the finish line."""
+def finish_plot(report: dict[str, Any], path: Path, *, baseline: str, title: str, log_x: bool) -> Path:
+    """Held-out loss vs training time of every entrant, with `baseline`'s final loss as the finish line."""
     from .plot import Series, line_plot
 
     series = [Series(r["name"], [p["seconds"] for p in r["curve"]], [p["eval_loss"] for p in r["curve"]])
               for r in report["results"]]
     times = [p["seconds"] for r in report["results"] for p in r["curve"] if p["seconds"] > 0]
     target = report["standings"][0]["target"]
-    series.append(Series("finish line: data-parallel's final loss", [min(times), max(times)], [target, target]))
-    return line_plot(path, series, log_x=True, x_label="training time (first peer)", y_label="held-out loss",
-                     x_unit="s", title=f"The race: {_link_words(report['setup'])}")
+    series.append(Series(f"finish line: {baseline}'s final loss", [min(times), max(times)], [target, target]))
+    return line_plot(path, series, log_x=log_x, x_label="training time (first peer)", y_label="held-out loss",
+                     x_unit="s", title=title)
+
+
+def markdown_table(report: dict[str, Any]) -> str:
+    return finish_table(report, who="racer", baseline="data-parallel")
+
+
+def plot(report: dict[str, Any], path: Path) -> Path:
+    """Held-out loss vs training time of every racer, with data-parallel's final loss as the finish line."""
+    return finish_plot(report, path, baseline="data-parallel", title=f"The race: {_link_words(report['setup'])}",
+                       log_x=True)
 
 
 def _link_words(setup: dict[str, Any]) -> str:

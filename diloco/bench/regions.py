@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from .lab import Lines, Tick, final, measure_link, run_swarm
-from .race import curve, standings
+from .race import curve, finish_plot, finish_table, standings
 
 
 @dataclass(frozen=True)
@@ -140,27 +140,12 @@ def run(setup: RegionsSetup, *, workdir: Path | None = None, progress: Callable[
 
 
 def markdown_table(report: dict[str, Any]) -> str:
-    target = report["standings"][0]["target"]
-    rows = [f"| variant | time to {target:.4f} | steps to it | speedup over flat | MB a peer sent to it | final loss "
-            "| seconds run | compute utilization |", "|---|---|---|---|---|---|---|---|"]
-    for s, r in zip(report["standings"], report["results"]):
-        reached = "not reached | - | - | -" if s["seconds"] is None else \
-            f"{s['seconds']:.1f} s | {s['step']} | {s['speedup']:.1f}× | {s['bytes_sent'] / 1e6:.1f}"
-        rows.append(f"| {r['name']} | {reached} | {r['eval_loss']:.4f} | {r['train_seconds']:.0f} | "
-                    f"{100 * r['utilization']:.1f}% |")
-    return "\n".join(rows)
+    return finish_table(report, who="variant", baseline="flat", steps_run=False)
 
 
 def plot(report: dict[str, Any], path: Path) -> Path:
     """Held-out loss vs training time of each variant, with flat DiLoCo's final loss as the finish line."""
-    from .plot import Series, line_plot
-
-    series = [Series(r["name"], [p["seconds"] for p in r["curve"]], [p["eval_loss"] for p in r["curve"]])
-              for r in report["results"]]
-    times = [p["seconds"] for r in report["results"] for p in r["curve"] if p["seconds"] > 0]
-    target = report["standings"][0]["target"]
-    series.append(Series("finish line: flat DiLoCo's final loss", [min(times), max(times)], [target, target]))
     s = report["setup"]
-    return line_plot(path, series, log_x=False, x_label="training time (first peer)", y_label="held-out loss",
-                     x_unit="s", title=f"Two regions: {s['rate_mbit']:g} Mbit/s inside, {s['cross_rate_mbit']:g} "
-                                       f"Mbit/s and {s['cross_delay_ms']:g} ms between")
+    return finish_plot(report, path, baseline="flat DiLoCo", log_x=False,
+                       title=f"Two regions: {s['rate_mbit']:g} Mbit/s inside, {s['cross_rate_mbit']:g} Mbit/s and "
+                             f"{s['cross_delay_ms']:g} ms between")

@@ -19,7 +19,7 @@ import sys
 import threading
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, List, NoReturn, Optional
+from typing import Any, Callable, List, NoReturn, Optional
 
 import typer
 
@@ -664,33 +664,46 @@ def bench_race_cmd(
 ) -> None:
     """The race on a slow link: data-parallel, DiLoCo and streaming DiLoCo on one emulated WAN (needs root),
     timed until each reaches data-parallel's final held-out loss."""
+    from ..bench import race
+
+    def setup() -> race.RaceSetup:
+        return race.RaceSetup(peers=peers, rate_mbit=rate, delay_ms=delay, dp_steps=dp_steps, dp_lr=dp_lr,
+                              steps=steps, lr=lr, inner_steps=inner_steps, fragments=fragments, tau=tau,
+                              d_model=d_model, layers=layers, context=context)
+
+    _lab_bench(race, setup, "race", "racers", json_path, plot_path, workdir, quiet)
+
+
+def _lab_bench(module: Any, setup: Callable[[], Any], task: str, unit: str, json_path: Optional[Path],
+               plot_path: Optional[Path], workdir: Optional[Path], quiet: bool) -> None:
+    """A benchmark of variants on one emulated WAN (`bench race`, `bench regions`): check root and the setup
+    (exit 2 naming the fix) and matplotlib before minutes of runs, run `module.run`, print `module.markdown_table`,
+    write the JSON and `module.plot`."""
     from rich.console import Console
 
     from ..bench.plot import PlotError, require_matplotlib
-    from ..bench.race import RaceSetup, markdown_table, plot, run, write_json
+    from ..bench.race import write_json
     from ..bench.wan import WanError, check_privileges
     from ..progress import Reporter
 
     try:
         check_privileges()
-        setup = RaceSetup(peers=peers, rate_mbit=rate, delay_ms=delay, dp_steps=dp_steps, dp_lr=dp_lr, steps=steps,
-                          lr=lr, inner_steps=inner_steps, fragments=fragments, tau=tau, d_model=d_model,
-                          layers=layers, context=context)
+        made = setup()
         if plot_path is not None:
-            require_matplotlib()  # before a race of minutes, not after it
+            require_matplotlib()  # before minutes of runs, not after them
     except (WanError, ValueError, PlotError) as e:
         _fail(str(e))
     try:
-        with Reporter.for_command(quiet=quiet) as rep, rep.task("race", unit="racers") as task:
-            report = run(setup, workdir=workdir, progress=rep.say, tick=task.update)
+        with Reporter.for_command(quiet=quiet) as rep, rep.task(task, unit=unit) as bar:
+            report = module.run(made, workdir=workdir, progress=rep.say, tick=bar.update)
     except (WanError, RuntimeError) as e:
         _fail(str(e), code=1)
     console = Console()
-    console.print(markdown_table(report), markup=False, soft_wrap=True)
+    console.print(module.markdown_table(report), markup=False, soft_wrap=True)
     if json_path:
         write_json(report, json_path)
     if plot_path:
-        console.print(f"wrote {plot(report, plot_path)}")
+        console.print(f"wrote {module.plot(report, plot_path)}")
 
 
 @bench_app.command("regions")
@@ -714,40 +727,20 @@ def bench_regions_cmd(
 ) -> None:
     """Flat DiLoCo against regions (--region) on an emulated two-region network (needs root), timed until each
     reaches flat DiLoCo's final held-out loss (docs/REGIONS.md)."""
-    from rich.console import Console
+    from ..bench import regions as bench
 
-    from ..bench.plot import PlotError, require_matplotlib
-    from ..bench.race import write_json
-    from ..bench.regions import RegionsSetup, markdown_table, plot, run
-    from ..bench.wan import WanError, check_privileges
-    from ..progress import Reporter
-
-    try:
-        check_privileges()
+    def setup() -> bench.RegionsSetup:
         try:
             hosts = tuple(int(r) for r in regions.split(","))
             merges = tuple(int(k) for k in merge_every.split(","))
         except ValueError:
             raise ValueError(f"--regions {regions!r} / --merge-every {merge_every!r}: expected numbers separated by "
                              "commas, e.g. 0,0,1,1 and 4,8") from None
-        setup = RegionsSetup(regions=hosts, rate_mbit=rate, delay_ms=delay, cross_rate_mbit=cross_rate,
-                             cross_delay_ms=cross_delay, steps=steps, budget=budget, inner_steps=inner_steps,
-                             merge_every=merges, lr=lr, d_model=d_model, layers=layers)
-        if plot_path is not None:
-            require_matplotlib()
-    except (WanError, ValueError, PlotError) as e:
-        _fail(str(e))
-    try:
-        with Reporter.for_command(quiet=quiet) as rep, rep.task("regions", unit="variants") as task:
-            report = run(setup, workdir=workdir, progress=rep.say, tick=task.update)
-    except (WanError, RuntimeError) as e:
-        _fail(str(e), code=1)
-    console = Console()
-    console.print(markdown_table(report), markup=False, soft_wrap=True)
-    if json_path:
-        write_json(report, json_path)
-    if plot_path:
-        console.print(f"wrote {plot(report, plot_path)}")
+        return bench.RegionsSetup(regions=hosts, rate_mbit=rate, delay_ms=delay, cross_rate_mbit=cross_rate,
+                                  cross_delay_ms=cross_delay, steps=steps, budget=budget, inner_steps=inner_steps,
+                                  merge_every=merges, lr=lr, d_model=d_model, layers=layers)
+
+    _lab_bench(bench, setup, "regions", "variants", json_path, plot_path, workdir, quiet)
 
 
 @bench_app.command("flood")
