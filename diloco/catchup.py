@@ -19,6 +19,7 @@ from typing import Callable
 
 from diloco.comms import PeerId
 from diloco.peers import holders, resync_source, vouched
+from diloco.peers.membership import gossip_source
 from diloco.peers.records import PeerRecord
 
 from . import progress
@@ -63,6 +64,9 @@ class CatchUp:
         """Downloads that failed or did not verify."""
         self.refused_chunks: collections.Counter[PeerId] = collections.Counter()
         """Chunks of state that did not match the manifest, by the peer that sent them (refetched elsewhere)."""
+        self.gossip = False
+        """A gossip swarm (`diloco.gossip`): every peer holds its own state, so a joiner takes the newest peer's
+        (`peers.membership.gossip_source`), checked against that peer's advertised digest; no majority vouches for any."""
 
     def source(self, swarm: Swarm, rnd: int, digest: str, *, cached: bool = False
                ) -> tuple[PeerRecord | None, str, list[PeerRecord]]:
@@ -70,7 +74,10 @@ class CatchUp:
         or (None, "") when ours is current; and the records that decided it. `cached`: the records the
         last heartbeat read (no network I/O)."""
         records = swarm.records(cached=cached)
-        source, why = resync_source(records, swarm.peer_id, rnd, digest, self.bad_sources)
+        if self.gossip:
+            source, why = gossip_source(records, swarm.peer_id, rnd, self.bad_sources)
+        else:
+            source, why = resync_source(records, swarm.peer_id, rnd, digest, self.bad_sources)
         return source, why, records
 
     def download(self, swarm: Swarm, source: PeerRecord, why: str, into: Callable[[Manifest], Receiver],
@@ -82,7 +89,8 @@ class CatchUp:
         log.info("event=resync peer=%s reason=%s", source.peer, why)
         self._publish("joining")
         try:
-            self._check_vouched(swarm, source.round, source.digest)
+            if not self.gossip:
+                self._check_vouched(swarm, source.round, source.digest)
             others = holders(swarm.records(cached=True), swarm.peer_id, source.round, source.digest)
             order = [source.peer, *(p for p in others if p != source.peer and p not in self.bad_sources),
                      *(p for p in others if p != source.peer and p in self.bad_sources)]

@@ -82,6 +82,12 @@ class SwarmConfig:
     makes the new global state the mean of the regions' states)."""
     global_momentum: float = 0.0
     """With regions: the merge's Nesterov momentum (0: none), kept across merges in the global state."""
+    topology: str = "flat"
+    """"flat": every round averages over the whole swarm (one global state). "gossip": every round averages
+    within small groups of peers drawn from the round number, no all-reduce; each peer keeps its own state
+    (`diloco.gossip`, NoLoCo)."""
+    gossip_group: int = 2
+    """With gossip: peers per group (a remainder joins the last group)."""
 
     def __post_init__(self) -> None:
         if not _RUN_ID.match(self.run_id):
@@ -115,6 +121,17 @@ class SwarmConfig:
         if not (self.global_lr > 0 and 0 <= self.global_momentum < 1):
             raise ConfigError(f"global_lr must be > 0 and global_momentum in [0, 1), got {self.global_lr} and "
                               f"{self.global_momentum}")
+        if self.topology not in ("flat", "gossip"):
+            raise ConfigError(f"topology must be 'flat' or 'gossip', got {self.topology!r}")
+        if self.topology == "gossip":
+            if self.gossip_group < 2:
+                raise ConfigError(f"gossip_group must be >= 2 peers, got {self.gossip_group}")
+            if self.region:
+                raise ConfigError("gossip and regions are two topologies: pick --region or --topology gossip")
+            if parse_compression(self.compression).text != "fp32":
+                raise ConfigError(f"gossip averages the peers' parameters, not pseudo-gradients, so a lossy codec "
+                                  f"would perturb the weights themselves: use --compression fp32 (got "
+                                  f"{self.compression!r})")
 
     def guard(self, me: str) -> Guard | None:
         """The credential of peer `me` in this swarm (None for an open, in-process swarm)."""

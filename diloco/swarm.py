@@ -46,10 +46,11 @@ from diloco.comms.transport import InProcNetwork, ScopedTransport
 from diloco.compression import PayloadRejected, Reason
 from diloco.peers import (Directory, PeerRecord, banned_by_majority, departed, expected_peers, quorum,
                           round_key_for, voted_out)
-from diloco.peers.membership import regions_of
+from diloco.peers.membership import regions_of, serving
 from diloco.peers.records import MAX_BANNED
 
 from .config import SwarmConfig
+from .gossip import group_of, group_tag, round_to_run
 from .state import Manifest, Receiver, StateError
 from .statesync import NOT_HELD, NotHeld, Progress, Snapshot, download, serve_chunk, serve_manifest
 
@@ -430,6 +431,34 @@ class Swarm:
             if not outcome.committed:
                 self.check_standing(previous)  # refused as banned by most of them: stop now, not next slot
             return outcome
+
+        future = self.loop.submit(go())
+        self._exchanges.add(future)
+        future.add_done_callback(self._exchanges.discard)
+        return future
+
+    def gossip_async(self, my_round: int, local: torch.Tensor) -> concurrent.futures.Future[RoundOutcome]:
+        """Start our next gossip round (`diloco.gossip`) in the background: from fresh records, the round to run
+        (ours, or the newest a live peer shows: `round_to_run`) and our group (`group_of`); then one round of the
+        protocol whose view can only be members that drew the same group, averaging our local parameters
+        `local` (fp32, 1-D). It commits with two members or more (its `aggregate` is the group's mean, its key
+        the round it ran); nothing is retried. `finish_exchange` collects the outcome."""
+        handoff = Handoff(local)
+        del local
+
+        async def go() -> RoundOutcome:
+            records = await self._read_records()
+            rnd = round_to_run(records, self.peer_id, my_round)
+            peers = [r.peer for r in serving(records) if r.peer != self.peer_id and r.peer not in self.collective.banned]
+            group = group_of(self.peer_id, peers, rnd, self.cfg.run_id, self.cfg.gossip_group)
+            if len(group) < 2:
+                return RoundOutcome(RoundKey(rnd), False, "no other peer to gossip with")
+
+            def admit(view: tuple[PeerId, ...]) -> tuple[bool, str]:
+                return len(view) >= 2, f"nobody of our group ({','.join(group)}) met us in time"
+
+            return await self.collective.run_round(RoundKey(rnd), group_tag(rnd, group),
+                                                   [p for p in group if p != self.peer_id], handoff, admit=admit)
 
         future = self.loop.submit(go())
         self._exchanges.add(future)

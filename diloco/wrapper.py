@@ -70,6 +70,7 @@ from .catchup import CatchUp
 from .checkpoint import CheckpointError
 from .config import ConfigError
 from .environment import WAIT_TIMEOUT, Launch
+from .gossip import Gossip
 from .metrics import close_launched
 from .fragments import (Fragment, HSchedule, StreamingConfig, check_h_schedule, check_schedule, fragment_of_round,
                         inner_steps_at, partition)
@@ -240,6 +241,9 @@ class DiLoCo:
         self.regions: Regions | None = None
         """With a swarm that names a region (`SwarmConfig.region`): the region's namespace, where our rounds run,
         and the global level (`diloco.regions`); None in a flat swarm."""
+        self.gossip: Gossip | None = None
+        """With a gossip swarm (`SwarmConfig.topology`): our rounds average within small groups and we keep our own
+        state (`diloco.gossip`); None in a flat swarm."""
         self.standby = False
         """Publish `standby` instead of `training` (a region member's global level: it holds the state but
         leaves the swarm's rounds to its region's representative)."""
@@ -313,15 +317,20 @@ class DiLoCo:
         """The last (round, digest) states we held, published with our record (`PeerRecord.recent`)."""
         self._stop = _StopOnSignal()
         self._state_changed()
-        if self.swarm is not None and self.swarm.cfg.region:
-            self._enter_region(self.swarm)
+        if self.swarm is not None:
+            self._enter_topology(self.swarm)
 
-    def _enter_region(self, swarm: Swarm) -> None:
-        """Our swarm names a region: our rounds run in the region's namespace, merges on `swarm` (`diloco.regions`)."""
-        from .regions import Regions
+    def _enter_topology(self, swarm: Swarm) -> None:
+        """Our swarm names a region (our rounds run in the region's namespace, merges on `swarm`: `diloco.regions`)
+        or gossips (`diloco.gossip`); a flat swarm needs nothing."""
+        if swarm.cfg.region:
+            from .regions import Regions
 
-        self.regions = Regions(self, swarm)
-        self.swarm = self.regions.scope
+            self.regions = Regions(self, swarm)
+            self.swarm = self.regions.scope
+        elif swarm.cfg.topology == "gossip":
+            self.gossip = Gossip(self)
+            self.catch_up.gossip = True
 
     @property
     def residuals(self) -> list[torch.Tensor] | None:
@@ -387,8 +396,7 @@ class DiLoCo:
             if self.checkpoint_dir is not None:
                 self._resume()  # the launcher restarted us: start from our last checkpoint, then catch up
             self.swarm, self._owns_swarm = self.launch.connect(), True
-            if self.swarm.cfg.region:
-                self._enter_region(self.swarm)
+            self._enter_topology(self.swarm)
         if self.regions is not None:
             self.regions.attach()  # the global level first: a region of our own starts from θ_G
         if self.swarm is not None:
@@ -479,7 +487,8 @@ class DiLoCo:
                 "final", rank=self.site.rank if self.site else 0, site_size=self.site.size if self.site else 1,
                 peer=self.swarm.peer_id if self.swarm else "", round=self.state.round, digest=self.digest,
                 steps=self.steps, committed_rounds=sum(r.committed for r in self.reports), restart=self.launch.restart,
-                **(self.regions.summary() if self.regions is not None else {}))
+                **(self.regions.summary() if self.regions is not None else {}),
+                **(self.gossip.summary() if self.gossip is not None else {}))
             close_launched()
         if self._owns_swarm and self.swarm is not None:
             if self.regions is not None:
@@ -620,6 +629,8 @@ class DiLoCo:
         """A synchronization slot: resync if the swarm moved on, else start the next fragment's round
         in the background (it is applied τ steps later, or at once when τ = 0)."""
         started = time.monotonic()
+        if self.gossip is not None:
+            return self.gossip.round(started)
         resync = self._maybe_resync(started, cached=True)
         if resync is not None:
             return resync
@@ -788,7 +799,7 @@ class DiLoCo:
     def _maybe_resync(self, started: float, cached: bool = False, merge: bool = False) -> RoundReport | None:
         """Download the swarm's state if it moved past us (or ours is in the minority); with `cached`, judge
         from the records the last heartbeat read (no network I/O on the training thread)."""
-        if not self._in_swarm:
+        if not self._in_swarm or self.gossip is not None:  # a gossip peer's state is its own: nothing to take
             return None
         sent0, recv0 = self.bytes_on_wire()
         decided = self._agree(lambda: self._resync_if_behind(cached))
@@ -957,7 +968,7 @@ class DiLoCo:
         swarm holds an older round (it was in doubt, frozen, or slow when we finished), so that it can
         download the final state instead of ending on an older one. Returns after `timeout` seconds at
         most, with the number of peers still behind (0 when everyone caught up)."""
-        if self.swarm is None:
+        if self.swarm is None or self.gossip is not None:  # nobody downloads a gossip peer's final state
             return 0
         started = time.monotonic()
         deadline, quiet = started + timeout, 3 * self.swarm.cfg.heartbeat_interval + 2

@@ -108,6 +108,22 @@ def resync_source(
     return source, f"our digest {my_digest} is in the minority at round {my_round} ({votes[best]} peers hold {best})"
 
 
+def gossip_source(records: Sequence[PeerRecord], me: PeerId, my_round: int,
+                    exclude: Sequence[PeerId] = ()) -> tuple[PeerRecord | None, str]:
+    """Whom a peer joining a gossip swarm (`diloco.gossip`) downloads a state from: the peer at the newest round (ties: the
+    lowest peer id; one whose state failed verification only if no other is there), or (None, why) when no
+    other peer is ahead of us."""
+    others = [r for r in serving(records) if r.peer != me and r.digest]
+    if not others:
+        return None, "no other training peers"
+    newest = max(r.round for r in others)
+    if newest <= my_round:
+        return None, f"no peer is ahead of us (round {my_round})"
+    at_newest = [r for r in others if r.round == newest]
+    fresh = [r for r in at_newest if r.peer not in exclude]
+    return min(fresh or at_newest, key=lambda r: r.peer), f"the swarm is at round {newest}, we are at {my_round}"
+
+
 def vouched(records: Sequence[PeerRecord], me: PeerId, rnd: int, digest: str) -> tuple[bool | None, str]:
     """Is the state (round `rnd`, `digest`) that a peer served us the swarm's? (verdict, reason).
 

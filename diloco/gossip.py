@@ -1,0 +1,150 @@
+"""Gossip: DiLoCo without an all-reduce, each round averaging within small groups of peers (NoLoCo;
+`SwarmConfig(topology="gossip")`, docs/GOSSIP.md).
+
+Every peer keeps its *own* global state θ_i and outer optimizer. At each synchronization slot (every H inner
+steps) the live peers are cut into groups of `gossip_group` (default 2) by a permutation drawn from the run id
+and the round number, so every peer that sees the same peers draws the same groups without a message
+(`groups`). A group runs one ordinary round of the swarm's protocol (`Swarm.gossip_async`: the same
+deadlines, authentication, admission checks and Paxos-style commit, with the group as the whole view) on the
+members' *local* parameters, so each member learns the group's mean of local parameters m. Each member then
+steps its own θ_i with its own outer optimizer, using
+
+    g_i = θ_i − m = mean_group(Δ_j) + (θ_i − mean_group(θ_j))
+
+as the gradient: the group's mean pseudo-gradient (Δ_j = θ_j − local_j) plus NoLoCo's consensus term pulling
+θ_i toward the group's mean outer parameters, both at the outer lr (`gossip_gradient`). With one group of
+everyone holding one θ this is exactly DiLoCo's step (g = Δ̄). A peer whose group did not meet in time (its
+partner was slow, dead, or drew another group from other records) steps with its own Δ alone ("solo") and
+goes on: nothing waits for the whole swarm, and nothing is retried.
+
+What is guaranteed, and what is not (docs/GOSSIP.md): the members of a group that commits apply the same
+mean (the round protocol's guarantee, per group); there is no single global state and no global digest (each
+peer publishes its own), and peers agree only in expectation as groups mix. Rounds are numbered per peer and
+kept in step: a peer whose records show others at a later round jumps to it (its state stays its own), so
+that it draws the same groups as they do. A joining peer downloads one peer's state (the newest round,
+verified against that peer's advertised digest; no majority can vouch for it, since every peer's differs).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import time
+from typing import TYPE_CHECKING, Sequence
+
+import torch
+
+from diloco.comms import PeerId, RoundKey
+from diloco.peers.membership import serving
+from diloco.peers.records import PeerRecord
+
+from .config import ConfigError
+from .outer import copy_into, flatten, outer_step
+
+if TYPE_CHECKING:
+    from .wrapper import DiLoCo, RoundReport
+
+log = logging.getLogger(__name__)
+
+
+def groups(peers: Sequence[PeerId], rnd: int, run_id: str, size: int) -> list[tuple[PeerId, ...]]:
+    """`peers` cut into groups of `size` for round `rnd`: a permutation drawn from (run id, round) — each peer
+    ordered by a hash of the three — cut in order. Peers left over (fewer than `size`) join the last group, so
+    nobody is alone while two peers are up. Every peer that sees the same peers draws the same groups."""
+    if size < 2:
+        raise ValueError(f"a gossip group has at least 2 peers, got {size}")
+
+    def draw(p: PeerId) -> bytes:
+        return hashlib.sha256(f"{run_id}\0{rnd}\0{p}".encode()).digest()
+
+    order = sorted(set(peers), key=draw)
+    cut = [tuple(order[i:i + size]) for i in range(0, len(order), size)]
+    if len(cut) > 1 and len(cut[-1]) < size:
+        cut[-2:] = [cut[-2] + cut[-1]]
+    return [tuple(sorted(g)) for g in cut]
+
+
+def group_of(me: PeerId, peers: Sequence[PeerId], rnd: int, run_id: str, size: int) -> tuple[PeerId, ...]:
+    """The group `me` is in at round `rnd` (`groups` of `peers` and `me`)."""
+    return next(g for g in groups([*peers, me], rnd, run_id, size) if me in g)
+
+
+def group_tag(rnd: int, group: Sequence[PeerId]) -> str:
+    """What a group's members say they hold when they gather (the round protocol closes a view among peers that
+    say the same): members that drew different groups never mix."""
+    return "gossip-" + hashlib.sha256(f"{rnd}\0{','.join(sorted(group))}".encode()).hexdigest()[:16]
+
+
+def gossip_gradient(theta: torch.Tensor, group_mean_local: torch.Tensor) -> torch.Tensor:
+    """The outer gradient of one member: θ_i − mean_group(local_j) = mean_group(Δ_j) + (θ_i − mean_group(θ_j)),
+    the group's mean pseudo-gradient plus NoLoCo's consensus term (alone: θ_i − local_i = Δ_i)."""
+    return theta - group_mean_local
+
+
+def round_to_run(records: Sequence[PeerRecord], me: PeerId, my_round: int) -> int:
+    """The round a peer runs next: its own, or the newest any live peer shows (a peer that fell behind
+    jumps, keeping its state, so that it draws the same groups as the others)."""
+    return max([my_round, *(r.round for r in serving(records) if r.peer != me)])
+
+
+class Gossip:
+    """One worker's gossip rounds (`DiLoCo.gossip`): groups, the exchange of local parameters, the step."""
+
+    def __init__(self, worker: DiLoCo) -> None:
+        if len(worker.fragments) > 1 or worker.streaming.overlap or worker.streaming.outer_overlap != "none":
+            raise ConfigError("streaming and overlap need one round per fragment for the whole swarm; gossip has "
+                              "none (docs/GOSSIP.md): drop --fragments/--overlap or use a flat swarm")
+        if worker.site is not None:
+            raise ConfigError("a multi-process site cannot gossip yet (its ranks follow a leader's swarm rounds); "
+                              "run one process per worker or use a flat swarm")
+        self.worker = worker
+        self.met = 0
+        """Rounds whose group met: we stepped with the group's mean."""
+        self.solo = 0
+        """Rounds whose group did not meet in time: we stepped with our own Δ alone."""
+        self.jumped = 0
+        """Times we skipped round numbers to the others' newest (we were behind)."""
+        self.partners: set[PeerId] = set()
+        """Every peer we averaged with."""
+
+    def round(self, started: float) -> RoundReport:
+        """One synchronization slot: draw our group, average local parameters with it, step our own θ."""
+        from .wrapper import RoundReport
+
+        w = self.worker
+        assert w.swarm is not None
+        local = flatten(w.local_params)
+        numel = local.numel()
+        outcome = w.swarm.finish_exchange(w.swarm.gossip_async(w.state.round, local), RoundKey(w.state.round))
+        rnd = max(outcome.key.round, w.state.round)
+        if rnd > w.state.round:
+            self.jumped += 1
+            log.info("event=gossip_jump from=%d to=%d", w.state.round, rnd)
+        met = outcome.committed and outcome.aggregate is not None
+        mean_local = outcome.aggregate if met else local
+        assert mean_local is not None
+        theta = flatten(w.state.params)
+        with w._state_lock:
+            outer_step(w.state.outer, w.state.params, gossip_gradient(theta, mean_local), w.outer_lr_schedule(rnd + 1))
+            w.state.round = rnd + 1
+            w._state_changed()
+        del theta, mean_local, local
+        copy_into(w.local_params, w.state.params)
+        if met:
+            self.met += 1
+            self.partners.update(p for p in outcome.view if p != w.swarm.peer_id)
+            log.info("event=gossip_round round=%d group=%s", rnd + 1, ",".join(outcome.view))
+        else:
+            self.solo += 1
+            log.info("event=gossip_solo round=%d reason=%s", rnd + 1, outcome.reason)
+        w.accounting.round_moved(outcome.bytes_sent + outcome.bytes_received, outcome.seconds)
+        reason = "gossip" if met else f"solo: {outcome.reason}"
+        report = RoundReport(w.state.round, met, reason, max(1, len(outcome.view)), outcome.bytes_sent,
+                             outcome.bytes_received, time.monotonic() - started, w.steps,
+                             payload_bytes=outcome.payload_bytes, numel=numel, phases=outcome.phases)
+        return w._report(report)
+
+    def summary(self) -> dict[str, object]:
+        """What the final metrics line says of our gossip."""
+        return {"topology": "gossip", "gossip_met": self.met, "gossip_solo": self.solo, "gossip_jumped": self.jumped,
+                "gossip_partners": len(self.partners)}

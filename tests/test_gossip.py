@@ -1,0 +1,222 @@
+"""Gossip (diloco/gossip.py, docs/GOSSIP.md): rounds within small groups drawn from the round number, no
+all-reduce, a state per peer.
+
+Pure decisions first (groups, the outer gradient, whom a joiner downloads, which round to run, settings), then
+in-process swarms of real `Swarm`s and `DiLoCo` workers (four peers that meet in changing pairs and stay close
+together; a crashed partner; a joiner). Real processes: tests/test_multiproc.py."""
+
+from __future__ import annotations
+
+import copy
+import threading
+import time
+from dataclasses import replace
+from itertools import combinations
+
+import pytest
+import torch
+from test_swarm_inproc import CFG, _batches, _mlp, _run_threads
+
+import diloco
+from diloco import DiLoCo
+from diloco.comms import InProcNetwork, PeerId
+from diloco.comms.loop import LoopThread
+from diloco.config import ConfigError
+from diloco.gossip import gossip_gradient, group_of, group_tag, groups, round_to_run
+from diloco.peers import InProcBoard, PeerRecord
+from diloco.peers.membership import gossip_source
+
+H = 3
+GOSSIP = replace(CFG, topology="gossip")
+PEERS = [PeerId(f"p{i}") for i in range(7)]
+
+
+# ---------------------------------------------------------------------------------------------- pure decisions
+
+def test_groups_cover_every_peer_once_and_fold_a_remainder_into_the_last_group():
+    for n in range(2, 8):
+        cut = groups(PEERS[:n], 5, "run", 2)
+        assert sorted(p for g in cut for p in g) == sorted(PEERS[:n])
+        assert sorted(len(g) for g in cut) == [2] * (n // 2 - 1) + [2 + n % 2], (n, cut)
+    assert groups(PEERS[:1], 5, "run", 2) == [(PEERS[0],)]
+    assert sorted(len(g) for g in groups(PEERS, 5, "run", 3)) == [3, 4]
+    with pytest.raises(ValueError, match="at least 2"):
+        groups(PEERS, 5, "run", 1)
+
+
+def test_every_peer_draws_the_same_groups_and_they_change_from_round_to_round():
+    shuffled = list(reversed(PEERS[:6]))
+    assert groups(PEERS[:6], 9, "run", 2) == groups(shuffled, 9, "run", 2)
+    assert all(group_of(p, [q for q in PEERS[:6] if q != p], 9, "run", 2) ==
+               next(g for g in groups(PEERS[:6], 9, "run", 2) if p in g) for p in PEERS[:6])
+    # over a few rounds a peer meets several partners (information spreads), and run ids draw differently
+    partners = {q for r in range(12) for q in group_of(PEERS[0], PEERS[1:6], r, "run", 2) if q != PEERS[0]}
+    assert len(partners) >= 4, partners
+    assert any(groups(PEERS[:6], r, "run", 2) != groups(PEERS[:6], r, "other", 2) for r in range(4))
+
+
+def test_a_group_tag_names_the_round_and_the_members_only():
+    a, b, c = PEERS[:3]
+    assert group_tag(3, (a, b)) == group_tag(3, (b, a))
+    assert len({group_tag(3, (a, b)), group_tag(4, (a, b)), group_tag(3, (a, c))}) == 3
+
+
+def test_the_gossip_gradient_of_one_group_of_equal_states_is_diloco_s_mean_pseudo_gradient():
+    torch.manual_seed(0)
+    theta = torch.randn(10)
+    locals_ = [theta - torch.randn(10) * 0.1 for _ in range(3)]
+    mean_delta = torch.stack([theta - x for x in locals_]).mean(0)
+    assert torch.allclose(gossip_gradient(theta, torch.stack(locals_).mean(0)), mean_delta, atol=1e-6)
+    # different states: the mean pseudo-gradient plus the pull toward the group's mean θ
+    thetas = [torch.randn(10) for _ in range(2)]
+    locs = [t - torch.randn(10) * 0.1 for t in thetas]
+    g0 = gossip_gradient(thetas[0], (locs[0] + locs[1]) / 2)
+    expected = ((thetas[0] - locs[0]) + (thetas[1] - locs[1])) / 2 + (thetas[0] - (thetas[0] + thetas[1]) / 2)
+    assert torch.allclose(g0, expected, atol=1e-6)
+
+
+def _rec(peer: str, rnd: int, status: str = "training") -> PeerRecord:
+    return PeerRecord(peer=PeerId(peer), status=status, round=rnd, digest=f"d-{peer}")
+
+
+def test_a_joiner_downloads_the_newest_peer_and_a_peer_behind_jumps_to_the_newest_round():
+    records = [_rec("b", 7), _rec("a", 7), _rec("c", 5), _rec("z", 9, "left")]
+    source, why = gossip_source(records, PeerId("me"), 0)
+    assert source is not None and source.peer == "a" and "round 7" in why
+    assert gossip_source(records, PeerId("me"), 0, exclude=[PeerId("a")])[0].peer == "b"  # type: ignore[union-attr]
+    assert gossip_source(records, PeerId("me"), 7)[0] is None
+    assert gossip_source([], PeerId("me"), 0)[0] is None
+    assert round_to_run(records, PeerId("c"), 5) == 7  # left peers do not count
+    assert round_to_run(records, PeerId("me"), 8) == 8
+
+
+def test_gossip_settings_are_checked_with_reasons():
+    with pytest.raises(ConfigError, match="fp32"):
+        diloco.SwarmConfig(topology="gossip", compression="int8")
+    with pytest.raises(ConfigError, match="two topologies"):
+        diloco.SwarmConfig(topology="gossip", region="eu")
+    with pytest.raises(ConfigError, match="gossip_group"):
+        diloco.SwarmConfig(topology="gossip", gossip_group=1)
+    with pytest.raises(ConfigError, match="topology"):
+        diloco.SwarmConfig(topology="ring")
+    net, board, loop = InProcNetwork(), InProcBoard(), LoopThread()
+    s = diloco.Swarm.in_process(net, board, "p", GOSSIP, loop)
+    try:
+        model = _mlp(0)
+        with pytest.raises(ConfigError, match="streaming and overlap"):
+            DiLoCo(model, torch.optim.SGD(model.parameters(), lr=0.1), swarm=s, inner_steps=4,
+                   streaming=diloco.StreamingConfig(fragments=2))
+    finally:
+        s.close()
+        loop.stop()
+
+
+# ---------------------------------------------------------------------------------------------- in-process swarms
+
+class _Lab:
+    """Gossiping peers on one in-process network, each a `DiLoCo` worker in a thread (or alone: no swarm)."""
+
+    def __init__(self, peers: list[str], alone: bool = False) -> None:
+        self.net, self.board, self.loop = InProcNetwork(), InProcBoard(), LoopThread()
+        self.swarms = {} if alone else {p: diloco.Swarm.in_process(self.net, self.board, p, GOSSIP, self.loop)
+                                        for p in peers}
+        self.peers = peers
+        self.workers: dict[str, DiLoCo] = {}
+        self.joined_at: dict[str, int] = {}
+        self.base = _mlp(5)
+
+    def add(self, peer: str) -> None:
+        self.swarms[peer] = diloco.Swarm.in_process(self.net, self.board, peer, GOSSIP, self.loop,
+                                                    bootstrapped=True)
+
+    def worker(self, peer: str, rounds: int, barrier: threading.Barrier | None = None, *,
+               stop: threading.Event | None = None):
+        def run() -> None:
+            model = copy.deepcopy(self.base)
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+            data = _batches(int(peer[1:]) + 100, 16)
+            with DiLoCo(model, opt, swarm=self.swarms.get(peer), inner_steps=H) as d:
+                self.workers[peer] = d
+                self.joined_at[peer] = d.round
+                if barrier is not None:
+                    barrier.wait()
+                k, deadline = 0, time.monotonic() + 90
+                while d.round < rounds and time.monotonic() < deadline and not (stop and stop.is_set()):
+                    x, y = data[k % len(data)]
+                    torch.nn.functional.mse_loss(model(x), y).backward()
+                    opt.step()
+                    opt.zero_grad()
+                    k += 1
+                    time.sleep(0.01)
+        return run
+
+    def close(self) -> None:
+        for s in self.swarms.values():
+            s.close()
+        self.loop.stop()
+
+    def spread(self) -> float:
+        """The largest distance between two peers' global states."""
+        flat = {p: torch.cat([t.reshape(-1) for t in d.state.params]) for p, d in self.workers.items()}
+        return max(float((flat[a] - flat[b]).norm()) for a, b in combinations(sorted(flat), 2))
+
+
+def _run(lab: _Lab, rounds: int) -> None:
+    barrier = threading.Barrier(len(lab.peers), timeout=20)
+    try:
+        _run_threads([lab.worker(p, rounds, barrier) for p in lab.peers], [barrier])
+    finally:
+        lab.close()
+
+
+def test_four_peers_meet_in_changing_pairs_and_stay_closer_together_than_peers_alone():
+    peers = ["p1", "p2", "p3", "p4"]
+    lab, alone = _Lab(peers), _Lab(peers, alone=True)
+    _run(lab, 8)
+    _run(alone, 8)
+    w = lab.workers
+    assert all(d.round >= 8 for d in w.values())
+    # most rounds met their pair (two members each), and over the run each peer met more than one partner
+    met = {p: [r for r in d.reports if r.committed] for p, d in w.items()}
+    assert all(len(m) >= 5 and all(r.peers == 2 for r in m) for m in met.values()), \
+        {p: [(r.round, r.reason) for r in d.reports] for p, d in w.items()}
+    assert all(len(d.gossip.partners) >= 2 for d in w.values()), {p: d.gossip.partners for p, d in w.items()}
+    # no global state: each peer holds its own (and publishes its own digest) ...
+    assert len({d.digest for d in w.values()}) == 4
+    # ... but averaging pulls them together: far closer than the same peers training alone
+    assert lab.spread() < 0.5 * alone.spread(), (lab.spread(), alone.spread())
+
+
+def test_a_crashed_partner_costs_a_solo_round_and_the_others_go_on_and_a_joiner_takes_a_peers_state():
+    peers = ["p1", "p2", "p3", "p4"]
+    lab = _Lab(peers)
+    barrier = threading.Barrier(4, timeout=20)
+    stop_p4 = threading.Event()
+    errors: list[BaseException] = []
+
+    def conductor() -> None:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not ("p4" in lab.workers and lab.workers["p4"].round >= 3):
+            time.sleep(0.02)
+        lab.swarms["p4"].crash()  # SIGKILL-like: calls to it fail from now on
+        stop_p4.set()
+        lab.add("p5")  # a new peer joins the gossip while the others train
+        try:
+            lab.worker("p5", 14)()
+        except BaseException as e:  # noqa: BLE001 - re-raised in the test thread
+            errors.append(e)
+
+    try:
+        _run_threads([*(lab.worker(p, 14, barrier) for p in peers[:3]), lab.worker("p4", 99, barrier, stop=stop_p4),
+                      conductor], [barrier])
+    finally:
+        lab.close()
+    assert not errors, errors
+    w = lab.workers
+    assert all(w[p].round >= 14 for p in [*peers[:3], "p5"])
+    # a peer drawn with the crashed one ran alone until its record expired, and while the peers' records disagreed
+    # on who is there (the joiner) some groups did not meet; the others kept meeting throughout
+    assert all(w[p].gossip.met >= 3 for p in peers[:3]), {p: (w[p].gossip.met, w[p].gossip.solo) for p in peers[:3]}
+    # the joiner started from one peer's state (a later round than 0), not its own initialization, and gossiped
+    assert lab.joined_at["p5"] >= 3 and w["p5"].catch_up.failures == 0
+    assert w["p5"].gossip.met >= 2, [(r.round, r.reason) for r in w["p5"].reports]
