@@ -20,8 +20,8 @@ goes on: nothing waits for the whole swarm, and nothing is retried.
 What is guaranteed, and what is not (docs/GOSSIP.md): the members of a group that commits apply the same
 mean (the round protocol's guarantee, per group); there is no single global state and no global digest (each
 peer publishes its own), and peers agree only in expectation as groups mix. Rounds are numbered per peer and
-kept in step: a peer whose records show others at a later round jumps to it (its state stays its own), so
-that it draws the same groups as they do. A joining peer downloads one peer's state (the newest round,
+kept in step: a peer whose records show others two rounds ahead or more jumps to the round before theirs
+(its state stays its own), so that it draws the same groups as they do (`round_to_run`). A joining peer downloads one peer's state (the newest round,
 verified against that peer's advertised digest; no majority can vouch for it, since every peer's differs).
 """
 
@@ -82,9 +82,12 @@ def gossip_gradient(theta: torch.Tensor, group_mean_local: torch.Tensor) -> torc
 
 
 def round_to_run(records: Sequence[PeerRecord], me: PeerId, my_round: int) -> int:
-    """The round a peer runs next: its own, or the newest any live peer shows (a peer that fell behind
-    jumps, keeping its state, so that it draws the same groups as the others)."""
-    return max([my_round, *(r.round for r in serving(records) if r.peer != me)])
+    """The round a peer runs next: its own, unless a live peer shows a round two or more ahead; then the round
+    before that newest one (a peer that fell behind jumps, keeping its state, to where the slowest of the
+    others are, and draws the same groups as they do). A peer one round behind runs its own round: its
+    partner may well be there still, waiting for it."""
+    newest = max([my_round, *(r.round for r in serving(records) if r.peer != me)])
+    return max(my_round, newest - 1)
 
 
 class Gossip:

@@ -412,3 +412,26 @@ def test_two_regions_of_real_peers_merge_into_one_global_state(peers):
     # each merge is a row: the representative's round of the swarm (2 regions), a member's download
     merges = [r for r in rows if r["merge"]]
     assert merges and all(r["committed"] and r["peers"] == 2 if r["committed"] else r["resynced"] for r in merges)
+
+
+def test_four_real_peers_gossip_in_pairs_without_an_all_reduce(peers):
+    """Four `diloco start/join --topology gossip` processes (docs/GOSSIP.md): each round every peer averages its
+    local parameters with the partner the round number draws for it, and steps its own state. Rounds that met
+    ran between two peers only; each peer holds its own state (its own digest). A round whose partner drew
+    another group (records that disagree while peers start) runs alone: most rounds still meet."""
+    common = ["--rounds", "6", "-H", "5", "--topology", "gossip", "--compression", "fp32", "--wait-for", "4", *TINY]
+    first = peers.spawn(0, ["start", *common])
+    addr = peers.address(0)
+    others = [peers.spawn(i, ["join", addr, *common]) for i in (1, 2, 3)]
+    for i, p in enumerate([first, *others]):
+        assert peers.wait(p, 120) == 0, peers.log(i)
+    finals = [peers.lines(i, "final")[-1] for i in range(4)]
+    assert all(f["topology"] == "gossip" and f["round"] >= 6 for f in finals), finals
+    assert len({f["digest"] for f in finals}) == 4  # no global state: one per peer
+    assert all(f["gossip_met"] >= 1 for f in finals) and sum(f["gossip_met"] for f in finals) >= 12, finals
+    assert max(f["gossip_partners"] for f in finals) >= 2, finals  # the pairs change from round to round
+    # frames from a peer two rounds ahead are refused as such (it will wait for us, or we jump): nothing else
+    assert all(set(f["rejections"]) <= {"wrong_round"} and f["records_dropped"] == {} for f in finals), finals
+    rows = [r for i in range(4) for r in peers.lines(i, "round")]
+    assert all(r["peers"] == 2 for r in rows if r["committed"]), rows
+    assert all(f["eval_loss"] < 4.5 for f in finals), finals  # it learned (bytes: ln 256 = 5.5 at the start)

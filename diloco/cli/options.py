@@ -149,6 +149,10 @@ class SwarmOptions(Group):
     global_lr: float = option(_SWARM.global_lr, help="With --region: the merge's outer lr (1.0 without momentum: "
                                                      "the mean of the regions' states).")
     global_momentum: float = option(_SWARM.global_momentum, help="With --region: the merge's Nesterov momentum.")
+    topology: str = option(_SWARM.topology, help="flat: every round averages the whole swarm (one global state). "
+                                                 "gossip: every round averages within small groups, no all-reduce, "
+                                                 "a state per peer (docs/GOSSIP.md).")
+    gossip_group: int = option(_SWARM.gossip_group, help="With --topology gossip: peers per group.")
 
     def config(self, aggregation: AggregationOptions, peer: PeerOptions) -> SwarmConfig:
         """Raises ConfigError naming the field that is wrong."""
@@ -157,7 +161,8 @@ class SwarmOptions(Group):
                                   heartbeat_ttl=self.heartbeat_ttl, allow_peers=tuple(peer.allow_peer or ()),
                                   identity_file=str(peer.identity) if peer.identity else None, region=self.region,
                                   merge_every=self.merge_every, global_lr=self.global_lr,
-                                  global_momentum=self.global_momentum)
+                                  global_momentum=self.global_momentum, topology=self.topology,
+                                  gossip_group=self.gossip_group)
 
 
 @dataclass(frozen=True)
