@@ -116,7 +116,7 @@ class Gossip:
 
         w = self.worker
         assert w.swarm is not None
-        local = flatten(w.local_params)
+        local = flatten(w.local_params).to(w.global_device)  # where θ and its outer step live
         numel = local.numel()
         outcome = w.swarm.finish_exchange(w.swarm.gossip_async(w.state.round, local), RoundKey(w.state.round))
         rnd = max(outcome.key.round, w.state.round)
@@ -128,7 +128,8 @@ class Gossip:
         assert mean_local is not None
         theta = flatten(w.state.params)
         with w._state_lock:
-            outer_step(w.state.outer, w.state.params, gossip_gradient(theta, mean_local), w.outer_lr_schedule(rnd + 1))
+            outer_step(w.state.outer, w.state.params, gossip_gradient(theta, mean_local.to(theta.device)),
+                       w.outer_lr_schedule(rnd + 1))
             w.state.round = rnd + 1
             w._state_changed()
         del theta, mean_local, local
@@ -140,6 +141,8 @@ class Gossip:
         else:
             self.solo += 1
             log.info("event=gossip_solo round=%d reason=%s", rnd + 1, outcome.reason)
+        if w.checkpoint_dir is not None and w.checkpoint_every and w.state.round % w.checkpoint_every == 0:
+            w.save_checkpoint()
         w.accounting.round_moved(outcome.bytes_sent + outcome.bytes_received, outcome.seconds)
         reason = "gossip" if met else f"solo: {outcome.reason}"
         report = RoundReport(w.state.round, met, reason, max(1, len(outcome.view)), outcome.bytes_sent,

@@ -1,5 +1,5 @@
 """`diloco bench regions` (diloco/bench/regions.py): the setup's checks, the variants' flags, and one small
-run of both variants on a two-region emulated network (real peers in network namespaces; needs root)."""
+run of each variant on a two-region emulated network (real peers in network namespaces; needs root)."""
 
 from __future__ import annotations
 
@@ -20,13 +20,15 @@ def test_a_setup_that_cannot_run_is_refused_saying_why(bad, says):
         RegionsSetup(**bad)
 
 
-def test_the_regions_variants_end_on_a_merge_within_their_budget():
-    flat, regions, rarer = variants(RegionsSetup(steps=1000, budget=1600, inner_steps=50, merge_every=(4, 8)))
+def test_the_regions_variants_end_on_a_merge_within_their_budget_and_gossip_takes_the_same_budget():
+    flat, regions, rarer, gossip = variants(RegionsSetup(steps=1000, budget=1600, inner_steps=50, merge_every=(4, 8)))
     assert flat.flags == ("--rounds", "20") and not flat.per_peer
     # 32 region rounds and a merge after every 4 (each counts as a round of the region state): 40
     assert regions.flags == ("--rounds", "40", "--merge-every", "4")
     assert rarer.flags == ("--rounds", "36", "--merge-every", "8")
     assert regions.per_peer == (("--region", "r0"), ("--region", "r0"), ("--region", "r1"), ("--region", "r1"))
+    assert gossip.flags == ("--rounds", "32", "--topology", "gossip") and not gossip.per_peer
+    assert len(variants(RegionsSetup(gossip=False))) == 3
 
 
 @pytest.mark.timeout(120)
@@ -39,15 +41,16 @@ def test_links_between_regions_are_the_slow_ones():
 
 @pytest.mark.slow  # 33 s on a busy 2-core machine; the real-process regions test runs in make test
 @pytest.mark.timeout(300)
-def test_flat_and_regions_train_on_a_two_region_network(tmp_path):
+def test_flat_regions_and_gossip_train_on_a_two_region_network(tmp_path):
     setup = RegionsSetup(rate_mbit=50.0, delay_ms=2.0, cross_rate_mbit=5.0, cross_delay_ms=10.0, steps=24,
                          budget=24, inner_steps=6, merge_every=(2,), d_model=32, layers=1, context=32, batch_size=2, warmup=2,
                          timeout_s=200)
     lines: list[str] = []
     report = run(setup, workdir=tmp_path, progress=lines.append, measure=False)
-    flat, regions = report["results"]
-    assert flat["steps"] == regions["steps"] == 24
+    flat, regions, gossip = report["results"]
+    assert flat["steps"] == regions["steps"] == gossip["steps"] == 24
     assert flat["one_model"] and regions["one_model"] and regions["regions_agree"]  # ended on a merge: one model
     assert all(m is not None and m >= 1 for m in regions["merges"]), regions["merges"]
+    assert all(m is not None and m >= 1 for m in gossip["gossip_met"]) and gossip["regions_agree"] is None, gossip
     assert report["standings"][0]["speedup"] == 1.0
     assert "2 regions" in lines[0]

@@ -179,7 +179,7 @@ def reduced(argv: list[str]) -> list[str]:
     """The command at test size: options appended (for single-valued options click keeps the last)."""
     if argv[1] == "simulate":
         fragments, overlap = int(_value(argv, "--fragments", "1")), int(_value(argv, "--overlap", "0"))
-        pinned = any(w in argv for w in ("--speeds", "--faults", "--link"))
+        pinned = any(w in argv for w in ("--speeds", "--faults", "--link", "--regions"))  # these name each worker
         slot = overlap + 1 if "--faults" not in argv else 2  # a restarted worker must step once before it syncs
         extra = ["-H", str(fragments * slot), "--d-model", "16", "--layers", str(fragments), "--batch-size", "2"]
         extra += [] if "--faults" in argv else ["--rounds", "1"]

@@ -152,3 +152,53 @@ def test_the_projection_takes_each_rounds_own_steps_under_an_h_schedule():
     rounds = [(1_000_000, 500_000)] * 3
     varied = project(rounds, steps_per_round=[10, 10, 2], overlap=0, workers=2, net=net, step_seconds=1)
     assert varied.compute_seconds == pytest.approx((2.2, 2.2)) and varied.wall_seconds == pytest.approx(2.2 + 3 * 1.04)
+
+
+# ---------------------------------------------------------------------- regions (docs/REGIONS.md)
+
+MB = 1_000_000
+
+
+def test_the_regions_projection_runs_regions_in_parallel_and_charges_merges_to_the_links_between():
+    """Two regions; eu's inside link is 10× faster than the 8 Mbit/s links between regions (us has none of its
+    own). Compute is 1 s a round; 1 MB takes 0.1 s inside eu and 1 s elsewhere."""
+    from diloco.sim.simulate import Link, RegionRun, project_regions
+
+    net = NetworkModel(bandwidth_mbit=8.0, latency_ms=0.0, region_links=(("eu", Link(80.0, 0.0)),))
+    both = {0: (MB, MB), 1: (MB, MB)}
+    runs = {"eu": RegionRun((0, 1), {1: both, 2: both, 4: both}, {3: {0: (MB, MB)}}, {3: {1: (0, MB)}}),
+            "us": RegionRun((2, 3), {1: {2: (MB, MB), 3: (MB, MB)}, 2: {2: (MB, MB), 3: (MB, MB)},
+                                     4: {2: (MB, MB), 3: (MB, MB)}}, {3: {2: (2 * MB, 2 * MB)}}, {3: {3: (0, MB)}})}
+    p = project_regions(runs, steps_per_round=10, workers=4, net=net, step_seconds=0.1)
+    # before the merge: eu 2 × 1.1 s, us 2 × 2 s (the slower region sets the pace); after: eu 1.1, us 2.0;
+    # the merge: us's representative's 2 MB between regions (2 s); downloads: us's 1 MB inside us (1 s)
+    assert p["wall_seconds"] == pytest.approx(4.0 + 2.0 + 2.0 + 1.0)
+    assert (p["merges"], p["merge_seconds"], p["download_seconds"]) == (1, 2.0, 1.0)
+    assert p["utilization"] == [pytest.approx(3 / 9, abs=1e-4)] * 4
+
+
+@pytest.mark.swarm
+def test_simulate_runs_regions_and_projects_them_onto_links_inside_and_between():
+    from diloco.sim.simulate import Link
+
+    job = JobConfig(**{**TINY.__dict__, "rounds": 6})  # region rounds: a merge after every 2, each counted as one
+    net = NetworkModel(bandwidth_mbit=10.0, latency_ms=50.0, step_seconds=0.01,
+                       region_links=(("eu", Link(1000.0, 1.0)), ("us", Link(1000.0, 1.0))))
+    s = simulate(job, 4, swarm=SwarmConfig(run_id="simr", merge_every=2), net=net, regions=("eu", "eu", "us", "us"))
+    p = s["projection"]
+    assert s["regions"] == ["eu", "eu", "us", "us"] and len(s["digests"]) <= 2  # one state per region
+    assert p["merges"] >= 1 and p["merge_seconds"] > 4 * 0.05 * p["merges"]  # merges pay the slow link's latency
+    flat = simulate(job, 4, swarm=SwarmConfig(run_id="simf"), net=NetworkModel(bandwidth_mbit=10.0, latency_ms=50.0,
+                                                                                step_seconds=0.01))
+    assert p["wall_seconds"] < flat["projection"]["wall_seconds"], (p, flat["projection"])
+
+
+def test_simulate_with_regions_refuses_what_it_cannot_do_saying_why():
+    for regions, kw, says in ((("eu", "us"), {}, "one per worker"), (("eu", "eu", "eu"), {}, "at least two"),
+                              (("eu", "eu", "us"), {"net": NetworkModel(region_links=(("ap", NetworkModel().link(0)),))},
+                               "which no worker is in")):
+        with pytest.raises(ConfigError, match=says):
+            simulate(TINY, 3, regions=regions, **kw)
+    out = subprocess.run([sys.executable, "-m", "diloco", "simulate", "--region-link", "eu:10"], capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 2 and "NAME=MBIT:MS" in out.stderr, out.stderr

@@ -8,10 +8,12 @@ other on one lab.
 
 - flat: every peer in one swarm; every round crosses the slow link;
 - regions: `--region` per peer; rounds inside each region every H steps over its fast links, and every
-  `merge_every` of them one representative per region merges the regions over the slow link.
+  `merge_every` of them one representative per region merges the regions over the slow link;
+- gossip: `--topology gossip`; every H steps each peer averages with the one partner the round draws (over
+  the fast link or the slow one, as drawn), no all-reduce, a state per peer (docs/GOSSIP.md).
 
 Flat DiLoCo runs `steps` inner steps per peer; its final held-out loss is the finish line. Each regions
-variant may take up to `budget` inner steps to get there, ending on a merge; its curve is the first peer's
+(and the gossip) variant may take up to `budget` inner steps to get there, ending on a merge; its curve is the first peer's
 region state after each region round (the global state after a merge). A variant's clock is its first peer's
 `train_seconds`. Needs root (network namespaces). `diloco bench regions --help` lists the knobs.
 """
@@ -52,6 +54,8 @@ class RegionsSetup:
     """Inner steps per peer each regions variant may take to reach the finish line (it ends on a merge)."""
     merge_every: tuple[int, ...] = (4, 8)
     """Region rounds between merges: one regions variant each."""
+    gossip: bool = True
+    """Also run gossip (`--topology gossip`: pairs drawn each round, no all-reduce) for `budget` steps."""
     timeout_s: float = 3600.0
 
     def __post_init__(self) -> None:
@@ -80,7 +84,9 @@ def variants(setup: RegionsSetup) -> list[Variant]:
     return [Variant(f"flat DiLoCo H={setup.inner_steps}", ("--rounds", str(setup.steps // setup.inner_steps))),
             *(Variant(f"regions H={setup.inner_steps}, merge every {k}",
                       ("--rounds", str(rounds + rounds // k), "--merge-every", str(k)),
-                      tuple(("--region", n) for n in names)) for k in setup.merge_every)]
+                      tuple(("--region", n) for n in names)) for k in setup.merge_every),
+            *([Variant(f"gossip H={setup.inner_steps}, pairs", ("--rounds", str(rounds), "--topology", "gossip"))]
+              if setup.gossip else [])]
 
 
 def run(setup: RegionsSetup, *, workdir: Path | None = None, progress: Callable[[str], None] = print,
@@ -125,14 +131,18 @@ def run(setup: RegionsSetup, *, workdir: Path | None = None, progress: Callable[
                        bytes_sent=sum(f["bytes_sent"] for f in finals),
                        one_model=len({f["eval_loss"] for f in finals}) == 1,
                        regions_agree=all(len({f["digest"] for f in finals if f.get("region") == r}) == 1
-                                         for r in {f.get("region") for f in finals}),
+                                         for r in {f.get("region") for f in finals})
+                       if any(f.get("region") for f in finals) else None,
                        merges=[f.get("merges") for f in finals],
+                       loss_spread=max(f["eval_loss"] for f in finals) - min(f["eval_loss"] for f in finals),
+                       gossip_met=[f.get("gossip_met") for f in finals],
                        utilization=sum(f["usage"]["utilization"] for f in finals) / len(finals),
                        curve=curve(out[0]))
             results.append(res)
             progress(f"    held-out loss {res['eval_loss']:.4f} after {res['steps']} steps, {res['train_seconds']:.0f} s, "
                      f"{res['bytes_sent'] / 1e6:.1f} MB sent, utilization {100 * res['utilization']:.1f}%, "
-                     f"every peer ends on one model: {res['one_model']}, one state per region: {res['regions_agree']}")
+                     f"every peer ends on one model: {res['one_model']}, one state per region: {res['regions_agree']}, "
+                     f"held-out losses within {res['loss_spread']:.4f}")
     return {"setup": asdict(setup), "link": link,
             "measured": {name: {"rtt_ms": m.rtt_ms, "goodput_mbit": m.goodput_mbit}
                          for name, m in (("inside", inside), ("between", across)) if m is not None},

@@ -241,6 +241,13 @@ def simulate(
     speeds: Optional[str] = typer.Option(None, help="Relative worker speeds, comma-separated (e.g. 1,1,1,0.5)."),
     loss: float = typer.Option(0.0, help="Projected packet loss rate of every link (caps TCP throughput)."),
     link: List[str] = typer.Option([], help="One worker's own link, W=MBIT:MS[:LOSS] (e.g. 3=20:150:0.01); repeatable."),
+    regions: Optional[str] = typer.Option(None, help="The region of each worker, comma-separated (e.g. eu,eu,us,us): "
+                                                     "rounds inside each region, merges between them "
+                                                     "(docs/REGIONS.md); the links above are then those between "
+                                                     "regions."),
+    region_link: List[str] = typer.Option([], help="The link inside one region, NAME=MBIT:MS[:LOSS] (e.g. "
+                                                   "eu=1000:5); repeatable; default: the workers' own links."),
+    merge_every: int = typer.Option(4, help="With --regions: region rounds between two merges."),
     faults: Optional[str] = typer.Option(None, help="Fault plan: a JSON file (docs/SIMULATE.md), or random:N for N "
                                                      "faults drawn from --seed."),
     json_path: Optional[Path] = typer.Option(None, "--json", help="Write the summary as JSON here."),
@@ -252,20 +259,23 @@ def simulate(
 
     from ..progress import Reporter
     from ..sim.faults import load_plan, random_plan
-    from ..sim.simulate import NetworkModel, parse_link, simulate as run_simulation
+    from ..sim.simulate import NetworkModel, parse_link, parse_region_link, simulate as run_simulation
 
     try:
         speed_list = tuple(float(v) for v in speeds.split(",")) if speeds else ()
     except ValueError:
         _fail(f"--speeds must be comma-separated numbers, got {speeds!r}")
     try:
-        swarm_cfg, job_cfg = aggregation.config(run_id="simulate"), job_config(job, model, run, streaming)
+        swarm_cfg = aggregation.config(run_id="simulate", merge_every=merge_every)
+        job_cfg = job_config(job, model, run, streaming)
     except ConfigError as e:
         _fail(str(e))
     rounds, fragments, seed = job_cfg.rounds, job_cfg.fragments, run.seed
     try:
         net = NetworkModel(bandwidth_mbit=bandwidth_mbit, latency_ms=latency_ms, loss=loss, step_seconds=step_seconds,
-                           speeds=speed_list, links=tuple(parse_link(x) for x in link))
+                           speeds=speed_list, links=tuple(parse_link(x) for x in link),
+                           region_links=tuple(parse_region_link(x) for x in region_link))
+        region_list = tuple(r.strip() for r in regions.split(",")) if regions else ()
         if workers < 1 or (speed_list and len(speed_list) != workers):
             raise ConfigError(f"--workers must be >= 1 and --speeds must list one speed per worker ({workers})")
         if faults and faults.startswith("random:"):
@@ -279,7 +289,8 @@ def simulate(
         _fail(str(e))
     try:
         with Reporter.for_command(quiet=quiet) as rep, rep.task("simulate") as task:
-            summary = run_simulation(job_cfg, workers, swarm=swarm_cfg, net=net, faults=plan, progress=task.update)
+            summary = run_simulation(job_cfg, workers, swarm=swarm_cfg, net=net, faults=plan, progress=task.update,
+                                     regions=region_list)
     except ConfigError as e:
         _fail(str(e))
     for fault in summary["faults_fired"]:
@@ -288,9 +299,17 @@ def simulate(
     typer.echo(f"{workers} workers, round {summary['round']}: held-out loss {summary['eval_loss']:.4f}, "
                f"digest {summary['digest']}, {summary['bytes_sent'] / 1e6:.2f} MB sent, "
                f"{summary['bits_per_param_sync']:.3f} bits/param/sync ({summary['wall_seconds']:.1f} s here)")
-    typer.echo(f"projected on {bandwidth_mbit:g} Mbit/s, {latency_ms:g} ms links at {summary['step_seconds']:.4f} s a "
-               f"step: wall {p['wall_seconds']:.1f} s, blocked {p['blocked_seconds']:.1f} s, "
-               f"compute utilization {p['min_utilization']:.1%} (least busy worker)")
+    if region_list:
+        inside = ", ".join(f"{name} {ln.bandwidth_mbit:g} Mbit/s {ln.latency_ms:g} ms" for name, ln in net.region_links)
+        inside = inside or "inside: the workers' own links"
+        typer.echo(f"projected with regions ({inside}; between: {bandwidth_mbit:g} "
+                   f"Mbit/s, {latency_ms:g} ms) at {summary['step_seconds']:.4f} s a step: wall {p['wall_seconds']:.1f} s, "
+                   f"{p['merges']} merges taking {p['merge_seconds']:.1f} s, downloads {p['download_seconds']:.1f} s, "
+                   f"compute utilization {p['min_utilization']:.1%} (least busy worker)")
+    else:
+        typer.echo(f"projected on {bandwidth_mbit:g} Mbit/s, {latency_ms:g} ms links at {summary['step_seconds']:.4f} s "
+                   f"a step: wall {p['wall_seconds']:.1f} s, blocked {p['blocked_seconds']:.1f} s, "
+                   f"compute utilization {p['min_utilization']:.1%} (least busy worker)")
     if json_path:
         json_path.write_text(json.dumps(summary, indent=2) + "\n")
 
@@ -717,6 +736,7 @@ def bench_regions_cmd(
     budget: int = typer.Option(1600, help="Inner steps per peer each regions variant may take to get there."),
     inner_steps: int = typer.Option(50, "--inner-steps", "-H", help="H of every variant."),
     merge_every: str = typer.Option("4,8", help="Region rounds between merges: a regions variant for each."),
+    gossip: bool = typer.Option(True, help="Also run gossip (--topology gossip) for the same budget."),
     lr: float = typer.Option(4e-3, help="Inner AdamW lr."),
     d_model: int = typer.Option(64, help="Model width."),
     layers: int = typer.Option(2, help="Transformer blocks."),
@@ -725,8 +745,8 @@ def bench_regions_cmd(
     workdir: Optional[Path] = typer.Option(None, help="Keep peers' logs and metrics here (default: a temp dir)."),
     quiet: bool = Quiet,
 ) -> None:
-    """Flat DiLoCo against regions (--region) on an emulated two-region network (needs root), timed until each
-    reaches flat DiLoCo's final held-out loss (docs/REGIONS.md)."""
+    """Flat DiLoCo against regions (--region) and gossip (--topology gossip) on an emulated two-region network
+    (needs root), timed until each reaches flat DiLoCo's final held-out loss (docs/REGIONS.md, docs/GOSSIP.md)."""
     from ..bench import regions as bench
 
     def setup() -> bench.RegionsSetup:
@@ -738,7 +758,7 @@ def bench_regions_cmd(
                              "commas, e.g. 0,0,1,1 and 4,8") from None
         return bench.RegionsSetup(regions=hosts, rate_mbit=rate, delay_ms=delay, cross_rate_mbit=cross_rate,
                                   cross_delay_ms=cross_delay, steps=steps, budget=budget, inner_steps=inner_steps,
-                                  merge_every=merges, lr=lr, d_model=d_model, layers=layers)
+                                  merge_every=merges, gossip=gossip, lr=lr, d_model=d_model, layers=layers)
 
     _lab_bench(bench, setup, "regions", "variants", json_path, plot_path, workdir, quiet)
 

@@ -36,6 +36,7 @@ from diloco.comms import InProcNetwork
 from diloco.comms.faults import NO_FAULTS, FaultPlan, Faults
 from diloco.comms.loop import LoopThread
 from diloco.peers import InProcBoard, PeerRecord
+from diloco.peers.records import REGION
 
 from ..config import ConfigError, SwarmConfig
 from ..fragments import inner_steps_at
@@ -93,6 +94,18 @@ def parse_link(text: str) -> tuple[int, Link]:
         raise ConfigError(f"--link {text!r}: expected W=MBIT:MS[:LOSS], e.g. 3=20:150 or 3=20:150:0.01") from None
 
 
+def parse_region_link(text: str) -> tuple[str, Link]:
+    """`NAME=MBIT:MS[:LOSS]` (the CLI's --region-link): the link between the peers of region NAME."""
+    name, _, rest = text.partition("=")
+    parts = rest.split(":")
+    try:
+        if not REGION.fullmatch(name.strip()) or len(parts) not in (2, 3):
+            raise ValueError
+        return name.strip(), Link(*(float(p) for p in parts))
+    except ValueError:
+        raise ConfigError(f"--region-link {text!r}: expected NAME=MBIT:MS[:LOSS], e.g. eu=1000:5") from None
+
+
 @dataclass(frozen=True)
 class NetworkModel:
     """The links and workers a simulated run is projected onto."""
@@ -109,6 +122,9 @@ class NetworkModel:
     """Relative speed of each worker (1.0: `step_seconds` a step; 0.5: half as fast); default all 1."""
     links: tuple[tuple[int, Link], ...] = ()
     """(worker, link) for workers whose link differs from the default one."""
+    region_links: tuple[tuple[str, Link], ...] = ()
+    """(region, link): the link between the peers of that region (with regions; default: each worker's link,
+    which then stands for the link to the other regions)."""
 
     def __post_init__(self) -> None:
         self.link(-1)  # validates the default link
@@ -119,6 +135,10 @@ class NetworkModel:
 
     def link(self, worker: int) -> Link:
         return dict(self.links).get(worker) or Link(self.bandwidth_mbit, self.latency_ms, self.loss)
+
+    def inside(self, region: str, worker: int) -> Link:
+        """The link `worker` uses for its region's rounds and downloads."""
+        return dict(self.region_links).get(region) or self.link(worker)
 
     def comm_seconds(self, sent: int, received: int) -> float:
         return self.link(-1).seconds(sent, received)
@@ -179,6 +199,61 @@ def project(rounds: Sequence[RoundBytes | tuple[int, int]], *, steps_per_round: 
                       comm_seconds=comm_total)
 
 
+@dataclass(frozen=True)
+class RegionRun:
+    """What one region's peers did, by region round (from their metrics rows): `rounds[r]` the bytes each member
+    moved in region round r, `merges[r]` the representative's merge (bytes of its round of the swarm) and
+    `downloads[r]` each member's download of the merged region state, both at the region round r they made."""
+
+    members: tuple[int, ...]
+    rounds: Mapping[int, RoundBytes]
+    merges: Mapping[int, RoundBytes]
+    downloads: Mapping[int, RoundBytes]
+
+
+def project_regions(regions: Mapping[str, RegionRun], *, steps_per_round: int, workers: int, net: NetworkModel,
+                    step_seconds: float) -> dict[str, Any]:
+    """Project a run with regions onto `net`. Between two merges the regions train in parallel: each region
+    round takes H steps at its slowest member's pace plus its exchange on the region's link
+    (`NetworkModel.inside`); a merge period lasts as long as its slowest region, then the merge (the
+    representatives' round of the swarm on their own links, the slowest of them) and the members' downloads
+    of the merged region state (on the region's link, the slowest) follow. The j-th merge of every region
+    is the same merge. Pure."""
+    step = net.step_seconds if net.step_seconds is not None else step_seconds
+    speeds = net.speeds or (1.0,) * workers
+    if len(speeds) != workers:
+        raise ConfigError(f"speeds lists {len(speeds)} workers, the run has {workers}")
+    compute = [0.0] * workers
+    periods: dict[int, dict[str, float]] = {}  # merge index -> region -> seconds of region rounds before it
+    merge_comm: dict[int, float] = {}
+    download_comm: dict[int, float] = {}
+    inside_total = 0.0
+    for name, run in regions.items():
+        pace = max(step / speeds[i] for i in run.members)
+        cuts = sorted(run.merges)
+        for r, moved in sorted(run.rounds.items()):
+            j = sum(c <= r for c in cuts)  # merges before this round
+            comm = max(net.inside(name, i).seconds(*moved[i]) for i in moved) if moved else 0.0
+            periods.setdefault(j, {}).setdefault(name, 0.0)
+            periods[j][name] += steps_per_round * pace + comm
+            inside_total += comm
+            for i in run.members:
+                compute[i] += steps_per_round * step / speeds[i]
+        for j, r in enumerate(cuts):
+            reps = run.merges[r]
+            merge_comm[j] = max([merge_comm.get(j, 0.0), *(net.link(i).seconds(*reps[i]) for i in reps)])
+            got = run.downloads.get(r, {})
+            download_comm[j] = max([download_comm.get(j, 0.0), *(net.inside(name, i).seconds(*got[i]) for i in got)])
+    trained = sum(max(by_region.values(), default=0.0) for by_region in periods.values())
+    between = sum(merge_comm.values())
+    downloads = sum(download_comm.values())
+    wall = trained + between + downloads
+    return dict(wall_seconds=round(wall, 3), merges=len(merge_comm), merge_seconds=round(between, 3),
+                download_seconds=round(downloads, 3), comm_inside_seconds=round(inside_total, 3),
+                utilization=[round(c / wall, 4) if wall > 0 else 1.0 for c in compute],
+                min_utilization=round(min(c / wall for c in compute), 4) if wall > 0 else 1.0)
+
+
 def _speed(worker: int, rnd: int, speeds: Sequence[float], faults: Sequence[Fault]) -> float:
     """The worker's speed in round `rnd`: its base speed over every `slow` factor fired by then (a fault
     at round r is in force from round r + 1, the first round the worker starts after reaching r)."""
@@ -231,6 +306,10 @@ class _SideOfBoard:
     async def close(self) -> None:
         pass
 
+    def scoped(self, scope: str) -> _SideOfBoard:
+        """The same peer's view of a namespace's board (a region's records: `Swarm.scope`)."""
+        return _SideOfBoard(self.board.scoped(scope), self.me, self.runner)
+
 
 Progress = Callable[[float, float | None, str | None], None]
 """(done, total, status): how many inner steps all workers took, of how many, and a status line."""
@@ -250,13 +329,25 @@ def _round_reached(rows: Sequence[tuple[int, _Rows]]) -> int:
 
 
 def simulate(job: JobConfig, workers: int, *, swarm: SwarmConfig | None = None, net: NetworkModel | None = None,
-             faults: Sequence[Fault] = (), timeout: float = 3600.0, progress: Progress | None = None) -> dict[str, Any]:
+             faults: Sequence[Fault] = (), timeout: float = 3600.0, progress: Progress | None = None,
+             regions: Sequence[str] = ()) -> dict[str, Any]:
     """Run `workers` workers of `job` in this process and project the run onto `net`, playing out the
     fault plan `faults` (`diloco.sim.faults`); returns a summary (the global digest, bytes, the faults
-    fired, the projection). Raises RuntimeError if a worker failed. `progress(done, total, status)`
-    is called about once a second from the calling thread (inner steps of all workers so far)."""
+    fired, the projection). `regions`: the region of each worker (docs/REGIONS.md; the projection then
+    charges region rounds to `net.region_links` and merges to the workers' own links). Raises RuntimeError
+    if a worker failed. `progress(done, total, status)` is called about once a second from the calling
+    thread (inner steps of all workers so far)."""
     if workers < 1:
         raise ConfigError(f"workers must be >= 1, got {workers}")
+    if regions and len(regions) != workers:
+        raise ConfigError(f"--regions names {len(regions)} regions, one per worker is needed ({workers})")
+    if regions and len(set(regions)) < 2:
+        raise ConfigError(f"--regions names one region ({regions[0]}): regions need at least two (or leave it out)")
+    if regions and faults:
+        raise ConfigError("fault plans are not supported with regions yet: simulate regions without --faults")
+    unknown = sorted({name for name, _ in net.region_links} - set(regions)) if net is not None else []
+    if unknown:
+        raise ConfigError(f"--region-link names {unknown[0]!r}, which no worker is in (--regions {','.join(regions)})")
     net = net or NetworkModel()
     if net.speeds and len(net.speeds) != workers:
         raise ConfigError(f"speeds lists {len(net.speeds)} workers, --workers is {workers}")
@@ -273,8 +364,10 @@ def simulate(job: JobConfig, workers: int, *, swarm: SwarmConfig | None = None, 
     # Every round waits for all running workers: the simulated machine may be slow, the state must not
     # depend on it. A killed peer answers nothing, so nobody waits for it.
     base = swarm or SwarmConfig(run_id="simulate")
+    # With regions, a region's rounds and the merges have fewer members than the swarm: they wait for everyone
+    # their records show (the workers wait for each other before the first step), with min_peers 1.
     scfg = replace(base, gather_timeout=max(base.gather_timeout, 600.0), reduce_timeout=max(base.reduce_timeout, 600.0),
-                   result_timeout=max(base.result_timeout, 900.0), min_peers=1 if faults else workers)
+                   result_timeout=max(base.result_timeout, 900.0), min_peers=1 if faults or regions else workers)
     network, board, loop = InProcNetwork(), InProcBoard(), LoopThread()
     corpus = load_corpus(job)  # one copy for all workers: they only read it
     finals: dict[int, dict[str, Any]] = {}
@@ -293,7 +386,8 @@ def simulate(job: JobConfig, workers: int, *, swarm: SwarmConfig | None = None, 
         if runner is not None:
             runner.peer_worker[pid] = i
             faults = runner.plans[i] = FaultPlan()  # the runner poisons through it
-        s = Swarm.in_process(network, _SideOfBoard(board, pid, runner), pid, scfg, loop, bootstrapped=restarted,
+        cfg_i = replace(scfg, region=regions[i]) if regions else scfg
+        s = Swarm.in_process(network, _SideOfBoard(board, pid, runner), pid, cfg_i, loop, bootstrapped=restarted,
                              drop=drop, faults=faults)
         out = _Rows()
         with lock:
@@ -355,7 +449,7 @@ def simulate(job: JobConfig, workers: int, *, swarm: SwarmConfig | None = None, 
     wall = time.monotonic() - started
     fired = runner.fired if runner is not None else []
     summary = summarize(job, [finals[i] for i in sorted(finals)], rows, net, wall, workers,
-                        [f for _, f in fired])
+                        [f for _, f in fired], regions)
     summary["faults_fired"] = [dict(f.as_dict(), plan_index=k) for k, f in fired]
     return summary
 
@@ -370,8 +464,26 @@ def step_seconds(finals: Sequence[dict[str, Any]], cores: int | None = None) -> 
     return share * sum(per_worker) / len(per_worker) if per_worker else 0.0
 
 
+def region_runs(rows: Sequence[tuple[int, Sequence[dict[str, Any]]]], regions: Sequence[str]) -> dict[str, RegionRun]:
+    """Each region's rounds, merges and downloads (`RegionRun`) from its workers' metrics rows."""
+    runs: dict[str, RegionRun] = {}
+    for name in dict.fromkeys(regions):
+        members = tuple(i for i, r in enumerate(regions) if r == name)
+        kinds: tuple[dict[int, dict[int, tuple[int, int]]], ...] = ({}, {}, {})
+        for worker, out in rows:
+            if worker not in members:
+                continue
+            for r in out:
+                if r["event"] != "round" or not (r["committed"] or r.get("resynced")):
+                    continue
+                kind = 0 if not r.get("merge") else 1 if r["committed"] else 2
+                kinds[kind].setdefault(r["round"], {})[worker] = (r["bytes_sent"], r["bytes_received"])
+        runs[name] = RegionRun(members, *kinds)
+    return runs
+
+
 def summarize(job: JobConfig, finals: list[dict[str, Any]], rows: Sequence[tuple[int, _Rows]], net: NetworkModel,
-              wall: float, workers: int, faults: Sequence[Fault] = ()) -> dict[str, Any]:
+              wall: float, workers: int, faults: Sequence[Fault] = (), regions: Sequence[str] = ()) -> dict[str, Any]:
     """The simulation's summary from the finals of the workers that finished and every worker's round
     metrics (`rows`: (worker, its rows), one entry per incarnation)."""
     moved: dict[int, dict[int, tuple[int, int]]] = {}
@@ -393,10 +505,15 @@ def summarize(job: JobConfig, finals: list[dict[str, Any]], rows: Sequence[tuple
     measured_step = max(1e-9, step_seconds(finals))
     fragments = finals[0]["fragments"]
     count = max(moved, default=0)
-    projection = project([moved.get(k, {}) for k in range(1, count + 1)],
-                         steps_per_round=[inner_steps_at(k, job.inner_steps, job.round_schedule) // fragments
-                                          for k in range(count)], overlap=job.streaming.overlap, workers=workers,
-                         net=net, step_seconds=measured_step, faults=faults)
+    if regions:
+        projected = project_regions(region_runs([(w, out.rows) for w, out in rows], regions),
+                                    steps_per_round=job.inner_steps, workers=workers, net=net,
+                                    step_seconds=measured_step)
+    else:
+        projected = project([moved.get(k, {}) for k in range(1, count + 1)],
+                            steps_per_round=[inner_steps_at(k, job.inner_steps, job.round_schedule) // fragments
+                                             for k in range(count)], overlap=job.streaming.overlap, workers=workers,
+                            net=net, step_seconds=measured_step, faults=faults).as_dict()
     return dict(workers=workers, finished=len(finals), digests=sorted({f["digest"] for f in finals}),
                 digest=finals[0]["digest"], round=finals[0]["round"], eval_loss=finals[0]["eval_loss"],
                 params=finals[0]["params"], bytes_sent=sum(f["bytes_sent"] for f in finals),
@@ -405,5 +522,7 @@ def summarize(job: JobConfig, finals: list[dict[str, Any]], rows: Sequence[tuple
                 wall_seconds=round(wall, 2), step_seconds=round(net.step_seconds or measured_step, 6),
                 network=dict(bandwidth_mbit=net.bandwidth_mbit, latency_ms=net.latency_ms, loss=net.loss,
                              speeds=list(net.speeds) or [1.0] * workers,
-                             links={str(w): vars(link) for w, link in net.links}),
-                projection=projection.as_dict(), workers_seen=list(seen.values()), curve=curve)
+                             links={str(w): vars(link) for w, link in net.links},
+                             region_links={name: vars(link) for name, link in net.region_links}),
+                regions=list(regions), global_digests=sorted({str(f.get("global_digest")) for f in finals}) if regions else [],
+                projection=projected, workers_seen=list(seen.values()), curve=curve)
