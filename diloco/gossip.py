@@ -39,7 +39,7 @@ from diloco.peers.membership import serving
 from diloco.peers.records import PeerRecord
 
 from .config import ConfigError
-from .outer import copy_into, flatten, outer_step
+from .outer import flatten
 
 if TYPE_CHECKING:
     from .wrapper import DiLoCo, RoundReport
@@ -126,14 +126,8 @@ class Gossip:
         met = outcome.committed and outcome.aggregate is not None
         mean_local = outcome.aggregate if met else local
         assert mean_local is not None
-        theta = flatten(w.state.params)
-        with w._state_lock:
-            outer_step(w.state.outer, w.state.params, gossip_gradient(theta, mean_local.to(theta.device)),
-                       w.outer_lr_schedule(rnd + 1))
-            w.state.round = rnd + 1
-            w._state_changed()
-        del theta, mean_local, local
-        copy_into(w.local_params, w.state.params)
+        w.step_to(gossip_gradient(flatten(w.state.params), mean_local.to(w.global_device)), rnd + 1)
+        del mean_local, local
         if met:
             self.met += 1
             self.partners.update(p for p in outcome.view if p != w.swarm.peer_id)
@@ -141,14 +135,11 @@ class Gossip:
         else:
             self.solo += 1
             log.info("event=gossip_solo round=%d reason=%s", rnd + 1, outcome.reason)
-        if w.checkpoint_dir is not None and w.checkpoint_every and w.state.round % w.checkpoint_every == 0:
-            w.save_checkpoint()
-        w.accounting.round_moved(outcome.bytes_sent + outcome.bytes_received, outcome.seconds)
-        reason = "gossip" if met else f"solo: {outcome.reason}"
-        report = RoundReport(w.state.round, met, reason, max(1, len(outcome.view)), outcome.bytes_sent,
-                             outcome.bytes_received, time.monotonic() - started, w.steps,
-                             payload_bytes=outcome.payload_bytes, numel=numel, phases=outcome.phases)
-        return w._report(report)
+        report = RoundReport(w.state.round, met, "gossip" if met else f"solo: {outcome.reason}",
+                             max(1, len(outcome.view)), outcome.bytes_sent, outcome.bytes_received,
+                             time.monotonic() - started, w.steps, payload_bytes=outcome.payload_bytes, numel=numel,
+                             phases=outcome.phases)
+        return w.close_round(report, outcome.seconds)
 
     def summary(self) -> dict[str, object]:
         """What the final metrics line says of our gossip."""

@@ -1170,6 +1170,25 @@ class DiLoCo:
             self.swarm.moved_to(self.state.round)  # our rounds' frames for the round we skipped are stale
         self._publish("training")
 
+    # ------------------------------------------------------------------ what a gossip round uses
+
+    def step_to(self, gradient: torch.Tensor, rnd: int) -> None:
+        """Step θ with `gradient` (flat fp32) as the outer step that makes round `rnd`, and continue the local model
+        from the new θ (a gossip round: our own state's step, `diloco.gossip`)."""
+        with self._state_lock:
+            outer_step(self.state.outer, self.state.params, gradient.to(self.global_device), self.outer_lr_schedule(rnd))
+            self.state.round = rnd
+            self._state_changed()
+        copy_into(self.local_params, self.state.params)
+
+    def close_round(self, report: RoundReport, moved_seconds: float) -> RoundReport:
+        """Account and report a round that `step_to` applied (`moved_seconds`: its time on the network), after the
+        checkpoint it makes due, if any."""
+        if self.checkpoint_dir is not None and self.checkpoint_every and self.state.round % self.checkpoint_every == 0:
+            self.save_checkpoint()
+        self.accounting.round_moved(report.bytes_sent + report.bytes_received, moved_seconds)
+        return self._report(report)
+
     def bytes_on_wire(self) -> tuple[int, int]:
         """(sent, received) bytes of this peer so far, every message included."""
         return self.swarm.bytes_on_wire() if self.swarm is not None else (0, 0)
