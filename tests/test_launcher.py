@@ -365,3 +365,20 @@ def test_your_script_under_the_launcher_trains_in_regions(sites):
     assert finals[0]["global_digest"] == finals[1]["global_digest"] and finals[0]["global_round"] >= 1, finals
     merges = [r for i in range(2) for r in sites.lines(i, "round") if r["merge"]]
     assert merges and all(r["committed"] and r["peers"] == 2 for r in merges), merges
+
+
+@pytest.mark.timeout(300)
+def test_your_script_under_the_launcher_gossips(sites):
+    """`diloco start/join --topology gossip -- python train.py`: the script's one line finds the topology in the
+    launcher's environment and its rounds average with its partner (docs/GOSSIP.md). Two peers are one group
+    every round, so each round that met gives both the same mean."""
+    rounds = ["--rounds", "6", "--inner-steps", "5"]
+    flags = ["--wait-for", "2", "--topology", "gossip", "--compression", "fp32"]
+    sites.launch(0, ["start", *flags], [sys.executable, SCRIPT, *rounds])
+    sites.launch(1, ["join", sites.address(0), *flags], [sys.executable, SCRIPT, *rounds])
+    for i, proc in sites.procs.items():
+        assert proc.wait(timeout=240) == 0, sites.log(i)
+    finals = [sites.lines(i, "final")[-1] for i in range(2)]
+    assert all(f["topology"] == "gossip" and f["round"] >= 6 and f["gossip_met"] >= 4 for f in finals), finals
+    rows = [r for i in range(2) for r in sites.lines(i, "round")]
+    assert all(r["peers"] == 2 for r in rows if r["committed"]), rows
