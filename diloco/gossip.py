@@ -15,7 +15,8 @@ as the gradient: the group's mean pseudo-gradient (Δ_j = θ_j − local_j) plus
 θ_i toward the group's mean outer parameters, both at the outer lr (`gossip_gradient`). With one group of
 everyone holding one θ this is exactly DiLoCo's step (g = Δ̄). A peer whose group did not meet in time (its
 partner was slow, dead, or drew another group from other records) steps with its own Δ alone ("solo") and
-goes on: nothing waits for the whole swarm, and nothing is retried.
+goes on: nothing waits for the whole swarm, and nothing is retried. A pair cannot outvote a bad partner, so
+each peer judges its own outer gradient against its recent ones instead (`history_scale`).
 
 What is guaranteed, and what is not (docs/GOSSIP.md): the members of a group that commits apply the same
 mean (the round protocol's guarantee, per group); there is no single global state and no global digest (each
@@ -30,6 +31,8 @@ from __future__ import annotations
 import hashlib
 import logging
 import time
+from collections import deque
+from statistics import median
 from typing import TYPE_CHECKING, Sequence
 
 import torch
@@ -81,6 +84,20 @@ def gossip_gradient(theta: torch.Tensor, group_mean_local: torch.Tensor) -> torc
     return theta - group_mean_local
 
 
+HISTORY = 8
+"""Outer gradients whose norms a gossip peer remembers to judge the next one (`history_scale`)."""
+
+
+def history_scale(norm: float, recent: Sequence[float], clip: float, least: int = 3) -> float:
+    """The factor to scale this round's outer gradient by: 1, or what brings its norm down to `clip` × the median
+    of our `recent` rounds' (as clipped) norms. A pair's median cannot tell which partner is wrong, but our own
+    history can: a partner that sends absurd parameters moves us at most `clip` times a usual round. Off with
+    `clip` 0, and until `least` rounds are remembered."""
+    if clip <= 0 or len(recent) < least or not norm > 0:
+        return 1.0
+    return min(1.0, clip * median(recent) / norm)
+
+
 def round_to_run(records: Sequence[PeerRecord], me: PeerId, my_round: int) -> int:
     """The round a peer runs next: its own, unless a live peer shows a round two or more ahead; then the round
     before that newest one (a peer that fell behind jumps, keeping its state, to where the slowest of the
@@ -109,6 +126,9 @@ class Gossip:
         """Times we skipped round numbers to the others' newest (we were behind)."""
         self.partners: set[PeerId] = set()
         """Every peer we averaged with."""
+        self.clipped = 0
+        """Rounds whose outer gradient we scaled down, far above our recent ones (`history_scale`)."""
+        self._norms: deque[float] = deque(maxlen=HISTORY)
 
     def round(self, started: float) -> RoundReport:
         """One synchronization slot: draw our group, average local parameters with it, step our own θ."""
@@ -126,8 +146,19 @@ class Gossip:
         met = outcome.committed and outcome.aggregate is not None
         mean_local = outcome.aggregate if met else local
         assert mean_local is not None
-        w.step_to(gossip_gradient(flatten(w.state.params), mean_local.to(w.global_device)), rnd + 1)
+        gradient = gossip_gradient(flatten(w.state.params), mean_local.to(w.global_device))
         del mean_local, local
+        norm = float(gradient.norm())
+        scale = history_scale(norm, self._norms, w.swarm.cfg.clip)
+        if scale < 1.0:
+            self.clipped += 1
+            gradient.mul_(scale)
+            log.warning("event=gossip_clipped round=%d norm=%.4g scale=%.3g group=%s reason=outer gradient far above "
+                        "our recent rounds' (a partner sent parameters far from ours)", rnd + 1, norm, scale,
+                        ",".join(outcome.view))
+        self._norms.append(norm * scale)
+        w.step_to(gradient, rnd + 1)
+        del gradient
         if met:
             self.met += 1
             self.partners.update(p for p in outcome.view if p != w.swarm.peer_id)
@@ -144,4 +175,4 @@ class Gossip:
     def summary(self) -> dict[str, object]:
         """What the final metrics line says of our gossip."""
         return {"topology": "gossip", "gossip_met": self.met, "gossip_solo": self.solo, "gossip_jumped": self.jumped,
-                "gossip_partners": len(self.partners)}
+                "gossip_partners": len(self.partners), "gossip_clipped": self.clipped}

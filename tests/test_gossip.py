@@ -22,7 +22,8 @@ from diloco import DiLoCo
 from diloco.comms import InProcNetwork, PeerId
 from diloco.comms.loop import LoopThread
 from diloco.config import ConfigError
-from diloco.gossip import gossip_gradient, group_of, group_tag, groups, round_to_run
+from diloco.comms.faults import FaultPlan
+from diloco.gossip import gossip_gradient, group_of, group_tag, groups, history_scale, round_to_run
 from diloco.peers import InProcBoard, PeerRecord
 from diloco.peers.membership import gossip_source
 
@@ -75,6 +76,13 @@ def test_the_gossip_gradient_of_one_group_of_equal_states_is_diloco_s_mean_pseud
     assert torch.allclose(g0, expected, atol=1e-6)
 
 
+def test_an_outer_gradient_far_above_our_recent_ones_is_scaled_down_to_clip_times_their_median():
+    assert history_scale(100.0, [1.0, 2.0, 3.0], clip=4.0) == pytest.approx(8.0 / 100.0)
+    assert history_scale(7.0, [1.0, 2.0, 3.0], clip=4.0) == 1.0
+    assert history_scale(100.0, [1.0, 2.0], clip=4.0) == 1.0  # too few rounds remembered to judge
+    assert history_scale(100.0, [1.0, 2.0, 3.0], clip=0.0) == 1.0  # off
+
+
 def _rec(peer: str, rnd: int, status: str = "training") -> PeerRecord:
     return PeerRecord(peer=PeerId(peer), status=status, round=rnd, digest=f"d-{peer}")
 
@@ -117,9 +125,12 @@ def test_gossip_settings_are_checked_with_reasons():
 class _Lab:
     """Gossiping peers on one in-process network, each a `DiLoCo` worker in a thread (or alone: no swarm)."""
 
-    def __init__(self, peers: list[str], alone: bool = False) -> None:
+    def __init__(self, peers: list[str], alone: bool = False, faults: dict[str, FaultPlan] | None = None,
+                 cfg: diloco.SwarmConfig = GOSSIP) -> None:
         self.net, self.board, self.loop = InProcNetwork(), InProcBoard(), LoopThread()
-        self.swarms = {} if alone else {p: diloco.Swarm.in_process(self.net, self.board, p, GOSSIP, self.loop)
+        plans = faults or {}
+        self.swarms = {} if alone else {p: diloco.Swarm.in_process(self.net, self.board, p, cfg, self.loop,
+                                                                   **({"faults": plans[p]} if p in plans else {}))
                                         for p in peers}
         self.peers = peers
         self.workers: dict[str, DiLoCo] = {}
@@ -182,6 +193,7 @@ def test_four_peers_meet_in_changing_pairs_and_stay_closer_together_than_peers_a
     assert all(len(m) >= 5 and all(r.peers == 2 for r in m) for m in met.values()), \
         {p: [(r.round, r.reason) for r in d.reports] for p, d in w.items()}
     assert all(len(d.gossip.partners) >= 2 for d in w.values()), {p: d.gossip.partners for p, d in w.items()}
+    assert all(d.gossip.clipped == 0 for d in w.values())  # honest rounds are never far above the recent ones
     # no global state: each peer holds its own (and publishes its own digest) ...
     assert len({d.digest for d in w.values()}) == 4
     # ... but averaging pulls them together: far closer than the same peers training alone
@@ -221,3 +233,31 @@ def test_a_crashed_partner_costs_a_solo_round_and_the_others_go_on_and_a_joiner_
     # the joiner started from one peer's state (a later round than 0), not its own initialization, and gossiped
     assert lab.joined_at["p5"] >= 3 and w["p5"].catch_up.failures == 0
     assert w["p5"].gossip.met >= 2, [(r.round, r.reason) for r in w["p5"].reports]
+
+
+def test_a_partner_that_sends_absurd_parameters_moves_its_partners_only_as_far_as_a_few_usual_rounds():
+    """p4 holds the secret and goes bad from round 3: it sends its local parameters × 50 (admitted: finite, RMS
+    under max_update_rms). A pair's median cannot tell which of two is wrong; each honest partner's own history
+    can: its step that round is scaled down to clip (4) × its recent rounds'. The honest peers stay within a
+    few times their clean size; with clipping off, the same run throws them far out."""
+    peers, honest = ["p1", "p2", "p3", "p4"], ["p1", "p2", "p3"]
+
+    def run(clip: float) -> dict[str, DiLoCo]:
+        plan = FaultPlan("poison@3")
+        plan.poison_factor = 50.0
+        lab = _Lab(peers, faults={"p4": plan}, cfg=replace(GOSSIP, clip=clip))
+        _run(lab, 10)
+        return lab.workers
+
+    def size(w: DiLoCo) -> float:
+        return float(torch.cat([t.reshape(-1) for t in w.state.params]).norm())
+
+    clean = _Lab(peers)
+    _run(clean, 10)
+    usual = max(size(clean.workers[p]) for p in honest)
+    guarded, open_ = run(4.0), run(0.0)
+    victims = [p for p in honest if "p4" in guarded[p].gossip.partners]
+    assert victims and all(guarded[p].gossip.clipped >= 1 for p in victims), \
+        {p: (guarded[p].gossip.partners, guarded[p].gossip.clipped) for p in honest}
+    assert all(size(guarded[p]) < 5 * usual for p in honest), ([size(guarded[p]) for p in honest], usual)
+    assert max(size(open_[p]) for p in honest) > 20 * usual, ([size(open_[p]) for p in honest], usual)

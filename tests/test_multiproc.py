@@ -429,6 +429,7 @@ def test_four_real_peers_gossip_in_pairs_without_an_all_reduce(peers):
     assert all(f["topology"] == "gossip" and f["round"] >= 6 for f in finals), finals
     assert len({f["digest"] for f in finals}) == 4  # no global state: one per peer
     assert all(f["gossip_met"] >= 1 for f in finals) and sum(f["gossip_met"] for f in finals) >= 12, finals
+    assert all(f["gossip_clipped"] == 0 for f in finals), finals  # honest rounds are never scaled down
     assert max(f["gossip_partners"] for f in finals) >= 2, finals  # the pairs change from round to round
     # frames from a peer two rounds ahead are refused as such (it will wait for us, or we jump): nothing else
     assert all(set(f["rejections"]) <= {"wrong_round"} and f["records_dropped"] == {} for f in finals), finals
