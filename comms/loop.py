@@ -32,6 +32,9 @@ class LoopThread:
         except concurrent.futures.TimeoutError:
             future.cancel()
             raise TimeoutError(f"operation did not finish within {timeout}s") from None
+        except BaseException:  # e.g. Ctrl-C while we waited: nobody will read the result, so stop the work too
+            future.cancel()
+            raise
 
     def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
         return asyncio.run_coroutine_threadsafe(coro, self.loop)

@@ -10,6 +10,7 @@ import select
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 
 import pytest
@@ -117,8 +118,31 @@ def _refreshes(proc: subprocess.Popen, until, timeout: float) -> list[str]:
 
 
 def _ctrl_c(proc: subprocess.Popen) -> int:
+    """Ctrl-C `proc` and return its exit status; one that is still running 30 s later fails the test with every
+    thread's stack (`diloco` dumps them on SIGUSR1) and what it wrote to stderr."""
     proc.send_signal(signal.SIGINT)
-    return proc.wait(timeout=30)
+    try:
+        return proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGUSR1)
+        time.sleep(2)
+        proc.kill()
+        proc.wait(timeout=10)
+        raise AssertionError(f"still running 30 s after Ctrl-C; its stderr:\n{_stderr(proc)}") from None
+
+
+def _stderr(proc: subprocess.Popen) -> str:
+    """What `proc` wrote to stderr: a file (`_popen`), never a pipe, so a chatty process can never block on it."""
+    err = proc.stderr_file  # type: ignore[attr-defined]
+    err.seek(0)
+    return err.read().decode(errors="replace")
+
+
+def _popen(args: list[str], **kw) -> subprocess.Popen:
+    err = tempfile.TemporaryFile()
+    proc = subprocess.Popen(args, stderr=err, **kw)
+    proc.stderr_file = err  # type: ignore[attr-defined]
+    return proc
 
 
 @pytest.mark.multiproc
@@ -146,7 +170,7 @@ def test_watch_shows_each_peers_round_loss_bandwidth_and_utilization_live(tmp_pa
         env = {**os.environ, "DILOCO_SECRET": group.secret, "COLUMNS": "220"}
         status = [sys.executable, "-m", "diloco", "status", addr, "--run-id", group.run_id, "--watch", "--interval", "1"]
 
-        proc = subprocess.Popen([*status, "--json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        proc = _popen([*status, "--json"], stdout=subprocess.PIPE, text=True, env=env)
 
         def measured(lines: list[str]) -> bool:
             if len(lines) < 3:
@@ -158,9 +182,12 @@ def test_watch_shows_each_peers_round_loss_bandwidth_and_utilization_live(tmp_pa
             first_round = {p["peer"]: p["round"] for p in json.loads(lines[0])["peers"]}
             lines += _refreshes(proc, lambda more: any(
                 all(p["round"] > first_round[p["peer"]] for p in json.loads(x)["peers"]) for x in more), timeout=90)
+            proc.send_signal(signal.SIGUSR1)  # what to do when a peer seems hung: it dumps its threads' stacks, goes on
+            time.sleep(0.5)
         finally:
             code = _ctrl_c(proc)
-        assert code == 0, proc.stderr.read()
+        assert code == 0, _stderr(proc)
+        assert "most recent call first" in _stderr(proc) and "diloco/cli/status.py" in _stderr(proc)
         refreshes = [json.loads(x) for x in lines]
         assert all(len(r["peers"]) == 2 for r in refreshes) and refreshes[-1]["time"] > refreshes[0]["time"]
         last = {p["peer"]: p for p in refreshes[-1]["peers"]}
@@ -169,16 +196,16 @@ def test_watch_shows_each_peers_round_loss_bandwidth_and_utilization_live(tmp_pa
             assert p["status"] == "training" and p["round"] >= 1 and p["loss"] > 0 and p["bytes_sent"] > 0
             assert 0 < p["utilization"] <= 1 and p["bytes_per_second"] > 0 and p["steps_per_second"] > 0
 
-        plain = subprocess.Popen(status, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        plain = _popen(status, stdout=subprocess.PIPE, text=True, env=env)
         try:
             text = _refreshes(plain, lambda ls: sum("swarm" in x for x in ls) >= 2 and len(ls) >= 6, timeout=60)
         finally:
-            assert _ctrl_c(plain) == 0, plain.stderr.read()
+            assert _ctrl_c(plain) == 0, _stderr(plain)
         assert f"swarm '{group.run_id}': 2 training" in text[0]
         assert sum(" Mbit/s " in x and " util " in x for x in text) >= 4  # both peers, each refresh
 
         master, slave = pty.openpty()  # a terminal: the live table
-        live = subprocess.Popen(status, stdout=slave, stderr=subprocess.PIPE, env=env)
+        live = _popen(status, stdout=slave, env=env)
         os.close(slave)
         shown = b""
         deadline = time.monotonic() + 60
@@ -190,7 +217,7 @@ def test_watch_shows_each_peers_round_loss_bandwidth_and_utilization_live(tmp_pa
         finally:
             code = _ctrl_c(live)
             os.close(master)
-        assert code == 0, live.stderr.read()
+        assert code == 0, _stderr(live)
         assert f"swarm '{group.run_id}': 2 training".encode() in shown and "Mbit/s".encode() in shown
 
         group.procs[0].send_signal(signal.SIGTERM)  # the first peer leaves: its sinks are closed

@@ -12,6 +12,7 @@ Bad input exits with status 2 and a message that names the fix, before any netwo
 
 from __future__ import annotations
 
+import faulthandler
 import logging
 import os
 import signal
@@ -966,6 +967,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     from ..launcher import split_command
 
     args, command = split_command(sys.argv[1:] if argv is None else argv)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 PID`: every thread's stack on stderr
     if command is not None and not (args and args[0] in ("start", "join")):
         typer.echo("error: only `diloco start` and `diloco join` run a command of yours (`-- CMD`); "
                    "e.g. diloco start -- python train.py", err=True)

@@ -148,15 +148,15 @@ class Observer:
     def close(self) -> None:
         loop, self._loop = self._loop, None
         if loop is not None:
-            async def shut() -> None:
+            async def shut() -> None:  # an observer published nothing: no graceful DHT leave is owed
                 try:
                     if self._directory is not None:
-                        await asyncio.wait_for(self._directory.close(), 10)
+                        await asyncio.wait_for(self._directory.close(), 3)
                 finally:
                     if self._transport is not None:
                         await self._transport.close()
             try:
-                loop.run(shut(), timeout=20)
+                loop.run(shut(), timeout=10)
             except Exception:  # noqa: BLE001 - closing must never fail
                 pass
             loop.stop()
