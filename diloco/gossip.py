@@ -22,8 +22,9 @@ What is guaranteed, and what is not (docs/GOSSIP.md): the members of a group tha
 mean (the round protocol's guarantee, per group); there is no single global state and no global digest (each
 peer publishes its own), and peers agree only in expectation as groups mix. Rounds are numbered per peer and
 kept in step: a peer whose records show others two rounds ahead or more jumps to the round before theirs
-(its state stays its own), so that it draws the same groups as they do (`round_to_run`). A joining peer downloads one peer's state (the newest round,
-verified against that peer's advertised digest; no majority can vouch for it, since every peer's differs).
+(its state stays its own), so that it draws the same groups as they do (`round_to_run`). A joining peer
+downloads one peer's state (the newest round, verified against that peer's advertised digest; no majority
+can vouch for it, since every peer's differs).
 """
 
 from __future__ import annotations
@@ -111,7 +112,7 @@ class Gossip:
     """One worker's gossip rounds (`DiLoCo.gossip`): groups, the exchange of local parameters, the step."""
 
     def __init__(self, worker: DiLoCo) -> None:
-        if len(worker.fragments) > 1 or worker.streaming.overlap or worker.streaming.outer_overlap != "none":
+        if worker.streams:
             raise ConfigError("streaming and overlap need one round per fragment for the whole swarm; gossip has "
                               "none (docs/GOSSIP.md): drop --fragments/--overlap or use a flat swarm")
         if worker.site is not None:
@@ -139,13 +140,13 @@ class Gossip:
         local = flatten(w.local_params).to(w.global_device)  # where θ and its outer step live
         numel = local.numel()
         outcome = w.swarm.finish_exchange(w.swarm.gossip_async(w.state.round, local), RoundKey(w.state.round))
-        rnd = max(outcome.key.round, w.state.round)
+        rnd = outcome.key.round  # ours, or later if we were behind (`round_to_run`)
         if rnd > w.state.round:
             self.jumped += 1
             log.info("event=gossip_jump from=%d to=%d", w.state.round, rnd)
-        met = outcome.committed and outcome.aggregate is not None
+        met = outcome.committed
         mean_local = outcome.aggregate if met else local
-        assert mean_local is not None
+        assert mean_local is not None  # a committed round of a whole `Handoff` holds its mean
         gradient = gossip_gradient(flatten(w.state.params), mean_local.to(w.global_device))
         del mean_local, local
         norm = float(gradient.norm())

@@ -95,8 +95,7 @@ class Regions:
         from .wrapper import DiLoCo
 
         cfg = swarm.cfg
-        streaming = worker.streaming
-        if len(worker.fragments) > 1 or streaming.overlap or streaming.outer_overlap != "none":
+        if worker.streams:
             raise ConfigError("regions run plain DiLoCo rounds: give no --fragments/--overlap/--outer-overlap "
                               "with --region (streaming inside a region is not supported yet)")
         if worker.site is not None or worker.shards is not None:

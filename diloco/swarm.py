@@ -29,7 +29,7 @@ import concurrent.futures
 import logging
 import time
 from dataclasses import replace
-from typing import Any, Callable, Collection, Iterator, Sequence
+from typing import Any, Callable, Collection, Coroutine, Iterator, Sequence
 
 import torch
 
@@ -432,10 +432,7 @@ class Swarm:
                 self.check_standing(previous)  # refused as banned by most of them: stop now, not next slot
             return outcome
 
-        future = self.loop.submit(go())
-        self._exchanges.add(future)
-        future.add_done_callback(self._exchanges.discard)
-        return future
+        return self._track(go())
 
     def gossip_async(self, my_round: int, local: torch.Tensor) -> concurrent.futures.Future[RoundOutcome]:
         """Start our next gossip round (`diloco.gossip`) in the background: from fresh records, the round to run
@@ -449,7 +446,8 @@ class Swarm:
         async def go() -> RoundOutcome:
             records = await self._read_records()
             rnd = round_to_run(records, self.peer_id, my_round)
-            peers = [r.peer for r in serving(records) if r.peer != self.peer_id and r.peer not in self.collective.banned]
+            banned = self.collective.banned
+            peers = [r.peer for r in serving(records) if r.peer != self.peer_id and r.peer not in banned]
             group = group_of(self.peer_id, peers, rnd, self.cfg.run_id, self.cfg.gossip_group)
             if len(group) < 2:
                 return RoundOutcome(RoundKey(rnd), False, "no other peer to gossip with")
@@ -460,7 +458,11 @@ class Swarm:
             return await self.collective.run_round(RoundKey(rnd), group_tag(rnd, group),
                                                    [p for p in group if p != self.peer_id], handoff, admit=admit)
 
-        future = self.loop.submit(go())
+        return self._track(go())
+
+    def _track(self, round_: Coroutine[Any, Any, RoundOutcome]) -> concurrent.futures.Future[RoundOutcome]:
+        """Run a round on our loop, kept in `_exchanges` while it runs (`crash` cancels it)."""
+        future = self.loop.submit(round_)
         self._exchanges.add(future)
         future.add_done_callback(self._exchanges.discard)
         return future

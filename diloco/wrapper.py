@@ -333,6 +333,17 @@ class DiLoCo:
             self.catch_up.gossip = True
 
     @property
+    def streams(self) -> bool:
+        """Whether our rounds are streamed or overlapped (Streaming DiLoCo: fragments, τ, whole-step overlap)."""
+        return len(self.fragments) > 1 or bool(self.streaming.overlap) or self.streaming.outer_overlap != "none"
+
+    def topology_summary(self) -> dict[str, object]:
+        """What a run's final line says of its region (`Regions.summary`) or its gossip (`Gossip.summary`)."""
+        if self.regions is not None:
+            return self.regions.summary()
+        return self.gossip.summary() if self.gossip is not None else {}
+
+    @property
     def residuals(self) -> list[torch.Tensor] | None:
         """The error-feedback residual of each fragment (what compression has not delivered yet), or None
         without error feedback."""
@@ -487,8 +498,7 @@ class DiLoCo:
                 "final", rank=self.site.rank if self.site else 0, site_size=self.site.size if self.site else 1,
                 peer=self.swarm.peer_id if self.swarm else "", round=self.state.round, digest=self.digest,
                 steps=self.steps, committed_rounds=sum(r.committed for r in self.reports), restart=self.launch.restart,
-                **(self.regions.summary() if self.regions is not None else {}),
-                **(self.gossip.summary() if self.gossip is not None else {}))
+                **self.topology_summary())
             close_launched()
         if self._owns_swarm and self.swarm is not None:
             if self.regions is not None:
@@ -852,9 +862,7 @@ class DiLoCo:
                 mix_into(self._frag(self.local_params, frag), global_frag, self.streaming.alpha)
             log.info("event=round_committed round=%d fragment=%d peers=%d", self.state.round, frag.index,
                      len(outcome.view))
-            if self.checkpoint_dir is not None and self.checkpoint_every and self._writes_checkpoints and \
-                    self.state.round % self.checkpoint_every == 0:
-                self.save_checkpoint()
+            self._checkpoint_if_due()
         else:
             self.attempt = outcome.key.attempt + 1
             if overlapped:  # the local copy no longer carries this Δ: deliver it with the next round
@@ -991,6 +999,12 @@ class DiLoCo:
             time.sleep(0.25)
 
     # ------------------------------------------------------------------ checkpoints
+
+    def _checkpoint_if_due(self) -> None:
+        """After a round moved our state: write a checkpoint every `checkpoint_every` rounds (when we write them)."""
+        if self.checkpoint_dir is not None and self.checkpoint_every and self._writes_checkpoints and \
+                self.state.round % self.checkpoint_every == 0:
+            self.save_checkpoint()
 
     def save_checkpoint(self, root: str | os.PathLike[str] | None = None, keep: int = 3) -> Path | None:
         """Write the global state, error-feedback residuals and schedule position atomically (format:
@@ -1176,7 +1190,7 @@ class DiLoCo:
         """Step θ with `gradient` (flat fp32) as the outer step that makes round `rnd`, and continue the local model
         from the new θ (a gossip round: our own state's step, `diloco.gossip`)."""
         with self._state_lock:
-            outer_step(self.state.outer, self.state.params, gradient.to(self.global_device), self.outer_lr_schedule(rnd))
+            outer_step(self.state.outer, self.state.params, gradient, self.outer_lr_schedule(rnd))
             self.state.round = rnd
             self._state_changed()
         copy_into(self.local_params, self.state.params)
@@ -1184,8 +1198,7 @@ class DiLoCo:
     def close_round(self, report: RoundReport, moved_seconds: float) -> RoundReport:
         """Account and report a round that `step_to` applied (`moved_seconds`: its time on the network), after the
         checkpoint it makes due, if any."""
-        if self.checkpoint_dir is not None and self.checkpoint_every and self.state.round % self.checkpoint_every == 0:
-            self.save_checkpoint()
+        self._checkpoint_if_due()
         self.accounting.round_moved(report.bytes_sent + report.bytes_received, moved_seconds)
         return self._report(report)
 

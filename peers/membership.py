@@ -100,28 +100,31 @@ def resync_source(
     best = min(votes, key=lambda d: (-votes[d], d))
     if newest == my_round and best == my_digest:
         return None, "our state matches the majority"
-    holders = [r for r in at_newest if r.digest == best]
-    fresh = [r for r in holders if r.peer not in exclude]  # a source that served us bad state is tried last
-    source = min(fresh or holders, key=lambda r: r.peer)
+    source = _lowest([r for r in at_newest if r.digest == best], exclude)
     if newest > my_round:
         return source, f"swarm is at round {newest}, we are at {my_round}"
     return source, f"our digest {my_digest} is in the minority at round {my_round} ({votes[best]} peers hold {best})"
 
 
 def gossip_source(records: Sequence[PeerRecord], me: PeerId, my_round: int,
-                    exclude: Sequence[PeerId] = ()) -> tuple[PeerRecord | None, str]:
-    """Whom a peer joining a gossip swarm (`diloco.gossip`) downloads a state from: the peer at the newest round (ties: the
-    lowest peer id; one whose state failed verification only if no other is there), or (None, why) when no
-    other peer is ahead of us."""
+                  exclude: Sequence[PeerId] = ()) -> tuple[PeerRecord | None, str]:
+    """Whom a peer joining a gossip swarm (`diloco.gossip`) downloads a state from: the peer at the newest round
+    (ties: the lowest peer id; one whose state failed verification only if no other is there), or (None, why)
+    when no other peer is ahead of us."""
     others = [r for r in serving(records) if r.peer != me and r.digest]
     if not others:
         return None, "no other training peers"
     newest = max(r.round for r in others)
     if newest <= my_round:
         return None, f"no peer is ahead of us (round {my_round})"
-    at_newest = [r for r in others if r.round == newest]
-    fresh = [r for r in at_newest if r.peer not in exclude]
-    return min(fresh or at_newest, key=lambda r: r.peer), f"the swarm is at round {newest}, we are at {my_round}"
+    source = _lowest([r for r in others if r.round == newest], exclude)
+    return source, f"the swarm is at round {newest}, we are at {my_round}"
+
+
+def _lowest(holders: Sequence[PeerRecord], exclude: Sequence[PeerId]) -> PeerRecord:
+    """The holder with the lowest peer id; one in `exclude` (its state failed verification) only if all are."""
+    fresh = [r for r in holders if r.peer not in exclude]
+    return min(fresh or holders, key=lambda r: r.peer)
 
 
 def vouched(records: Sequence[PeerRecord], me: PeerId, rnd: int, digest: str) -> tuple[bool | None, str]:

@@ -15,7 +15,7 @@ from itertools import combinations
 
 import pytest
 import torch
-from test_swarm_inproc import CFG, _batches, _mlp, _run_threads
+from test_swarm_inproc import CFG, _batches, _mlp, _run_threads, _worker_on
 
 import diloco
 from diloco import DiLoCo
@@ -108,16 +108,8 @@ def test_gossip_settings_are_checked_with_reasons():
         diloco.SwarmConfig(topology="gossip", gossip_group=1)
     with pytest.raises(ConfigError, match="topology"):
         diloco.SwarmConfig(topology="ring")
-    net, board, loop = InProcNetwork(), InProcBoard(), LoopThread()
-    s = diloco.Swarm.in_process(net, board, "p", GOSSIP, loop)
-    try:
-        model = _mlp(0)
-        with pytest.raises(ConfigError, match="streaming and overlap"):
-            DiLoCo(model, torch.optim.SGD(model.parameters(), lr=0.1), swarm=s, inner_steps=4,
-                   streaming=diloco.StreamingConfig(fragments=2))
-    finally:
-        s.close()
-        loop.stop()
+    with pytest.raises(ConfigError, match="streaming and overlap"):
+        _worker_on(GOSSIP, streaming=diloco.StreamingConfig(fragments=2))
 
 
 # ---------------------------------------------------------------------------------------------- in-process swarms

@@ -14,7 +14,7 @@ from dataclasses import replace
 
 import pytest
 import torch
-from test_swarm_inproc import CFG, _batches, _mlp, _run_threads
+from test_swarm_inproc import CFG, _batches, _mlp, _run_threads, _worker_on
 
 import diloco
 from diloco import DiLoCo
@@ -77,16 +77,8 @@ def test_a_bad_region_name_says_what_a_region_name_is():
 
 
 def test_regions_refuse_streaming_with_a_reason():
-    net, board, loop = InProcNetwork(), InProcBoard(), LoopThread()
-    s = diloco.Swarm.in_process(net, board, "p", replace(CFG, region="eu"), loop)
-    try:
-        model = _mlp(0)
-        with pytest.raises(ConfigError, match="streaming inside a region"):
-            DiLoCo(model, torch.optim.SGD(model.parameters(), lr=0.1), swarm=s, inner_steps=4,
-                   streaming=diloco.StreamingConfig(fragments=2))
-    finally:
-        s.close()
-        loop.stop()
+    with pytest.raises(ConfigError, match="streaming inside a region"):
+        _worker_on(replace(CFG, region="eu"), streaming=diloco.StreamingConfig(fragments=2))
 
 
 # ---------------------------------------------------------------------------------------------- in-process swarms

@@ -87,6 +87,20 @@ def harness():
     h.close()
 
 
+def _worker_on(cfg: diloco.SwarmConfig, **kw: object) -> None:
+    """Build a `DiLoCo` worker (`kw`: its settings) on a lone in-process peer of a swarm with `cfg`, then tear
+    both down: for settings a topology refuses when the worker is built."""
+    net, board, loop = InProcNetwork(), InProcBoard(), LoopThread()
+    s = diloco.Swarm.in_process(net, board, "p", cfg, loop)
+    try:
+        model = _mlp(0)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        DiLoCo(model, opt, swarm=s, inner_steps=4, **kw)  # type: ignore[arg-type]
+    finally:
+        s.close()
+        loop.stop()
+
+
 def _run_threads(targets: list[Callable[[], None]], barriers: list[threading.Barrier]) -> None:
     errors: list[BaseException] = []
 

@@ -379,8 +379,7 @@ def run_job(cfg: JobConfig, swarm: Swarm | None, *, metrics: MetricsWriter | Non
                    train_seconds=trained, data_parallel=cfg.data_parallel,
                    stopped=stop.is_set(), fragments=len(d.fragments), overlap=cfg.streaming.overlap,
                    alpha=cfg.streaming.alpha, outer_overlap=cfg.streaming.outer_overlap, usage=d.usage().as_dict(),
-                   rollbacks=d.rollbacks, **(d.regions.summary() if d.regions is not None else {}),
-                   **(d.gossip.summary() if d.gossip is not None else {}),
+                   rollbacks=d.rollbacks, **d.topology_summary(),
                    write_failures=dict(sorted(write_failures.items())),
                    **(swarm.defences() if swarm is not None else Swarm.NO_DEFENCES))
     metrics.write("final", **summary)

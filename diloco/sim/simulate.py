@@ -82,28 +82,28 @@ class Link:
         return 4 * self.latency_ms / 1e3 + max(sent, received) * 8 / (self.throughput_mbit * 1e6)
 
 
-def parse_link(text: str) -> tuple[int, Link]:
-    """`W=MBIT:MS[:LOSS]` (the CLI's --link): worker W's own bandwidth, latency and loss."""
-    worker, _, rest = text.partition("=")
+def _keyed_link(text: str, key_ok: Callable[[str], bool], flag: str, form: str) -> tuple[str, Link]:
+    """`KEY=MBIT:MS[:LOSS]` as (KEY, its link); a ConfigError naming `flag` and the `form` it expects otherwise."""
+    key, _, rest = text.partition("=")
     parts = rest.split(":")
     try:
-        if not worker.strip().isdigit() or len(parts) not in (2, 3):
+        if not key_ok(key.strip()) or len(parts) not in (2, 3):
             raise ValueError
-        return int(worker), Link(*(float(p) for p in parts))
+        return key.strip(), Link(*(float(p) for p in parts))
     except ValueError:
-        raise ConfigError(f"--link {text!r}: expected W=MBIT:MS[:LOSS], e.g. 3=20:150 or 3=20:150:0.01") from None
+        raise ConfigError(f"{flag} {text!r}: expected {form}") from None
+
+
+def parse_link(text: str) -> tuple[int, Link]:
+    """`W=MBIT:MS[:LOSS]` (the CLI's --link): worker W's own bandwidth, latency and loss."""
+    worker, link = _keyed_link(text, str.isdigit, "--link", "W=MBIT:MS[:LOSS], e.g. 3=20:150 or 3=20:150:0.01")
+    return int(worker), link
 
 
 def parse_region_link(text: str) -> tuple[str, Link]:
     """`NAME=MBIT:MS[:LOSS]` (the CLI's --region-link): the link between the peers of region NAME."""
-    name, _, rest = text.partition("=")
-    parts = rest.split(":")
-    try:
-        if not REGION.fullmatch(name.strip()) or len(parts) not in (2, 3):
-            raise ValueError
-        return name.strip(), Link(*(float(p) for p in parts))
-    except ValueError:
-        raise ConfigError(f"--region-link {text!r}: expected NAME=MBIT:MS[:LOSS], e.g. eu=1000:5") from None
+    return _keyed_link(text, lambda name: bool(REGION.fullmatch(name)), "--region-link",
+                       "NAME=MBIT:MS[:LOSS], e.g. eu=1000:5")
 
 
 @dataclass(frozen=True)
@@ -175,10 +175,7 @@ def project(rounds: Sequence[RoundBytes | tuple[int, int]], *, steps_per_round: 
     inner steps (H/P; a sequence: round k+1's, under an H schedule) and its result is needed `overlap` (τ) steps after it began; `slow` and
     `degrade` faults change a worker's speed and link from their round on. Pure: the model is in the
     module docstring; a round moves at its slowest member's pace and its slowest exchange."""
-    step = net.step_seconds if net.step_seconds is not None else step_seconds
-    speeds = net.speeds or (1.0,) * workers
-    if len(speeds) != workers:
-        raise ConfigError(f"speeds lists {len(speeds)} workers, the run has {workers}")
+    step, speeds = _pace(net, workers, step_seconds)
     wall = blocked = comm_total = 0.0
     compute = [0.0] * workers
     for k, moved in enumerate(rounds, start=1):
@@ -219,10 +216,7 @@ def project_regions(regions: Mapping[str, RegionRun], *, steps_per_round: int, w
     representatives' round of the swarm on their own links, the slowest of them) and the members' downloads
     of the merged region state (on the region's link, the slowest) follow. The j-th merge of every region
     is the same merge. Pure."""
-    step = net.step_seconds if net.step_seconds is not None else step_seconds
-    speeds = net.speeds or (1.0,) * workers
-    if len(speeds) != workers:
-        raise ConfigError(f"speeds lists {len(speeds)} workers, the run has {workers}")
+    step, speeds = _pace(net, workers, step_seconds)
     compute = [0.0] * workers
     periods: dict[int, dict[str, float]] = {}  # merge index -> region -> seconds of region rounds before it
     merge_comm: dict[int, float] = {}
@@ -252,6 +246,14 @@ def project_regions(regions: Mapping[str, RegionRun], *, steps_per_round: int, w
                 download_seconds=round(downloads, 3), comm_inside_seconds=round(inside_total, 3),
                 utilization=[round(c / wall, 4) if wall > 0 else 1.0 for c in compute],
                 min_utilization=round(min(c / wall for c in compute), 4) if wall > 0 else 1.0)
+
+
+def _pace(net: NetworkModel, workers: int, step_seconds: float) -> tuple[float, tuple[float, ...]]:
+    """An inner step's time at speed 1 (the model's, else the measured one) and each worker's speed."""
+    speeds = net.speeds or (1.0,) * workers
+    if len(speeds) != workers:
+        raise ConfigError(f"speeds lists {len(speeds)} workers, the run has {workers}")
+    return (net.step_seconds if net.step_seconds is not None else step_seconds), speeds
 
 
 def _speed(worker: int, rnd: int, speeds: Sequence[float], faults: Sequence[Fault]) -> float:
