@@ -126,6 +126,9 @@ class Collective:
         self.faults = faults
         """Fault hooks (`diloco.comms.faults`): nothing, unless a test, the simulator or an entry point
         reading DILOCO_FAULTS passed a plan."""
+        self.abstaining = False
+        """We take no part in this namespace's rounds for now (a region's member on standby in the swarm's records,
+        `diloco.regions`): a peer asking us to be ready is told so and does not wait for us."""
         self.crashed = False
         """Set by an in-process kill (`Swarm.crash`): as with a SIGKILLed process, nothing we were doing
         may still take effect, so no round commits from now on."""
@@ -374,8 +377,8 @@ class Collective:
                                fragment=rs.fragment, meta={"digest": digest, **self._accepted_meta(key)},
                                body=msg.pack_names(rs.named(self.me), rs.waited(self.me)))
             r = await self._call(p, "diloco.ready", frame)
-            if r is not None and r.get("reason") == Reason.BANNED.value:
-                r = None  # it banned us: it will not take us in, so we do not wait for it
+            if r is not None and (r.get("reason") == Reason.BANNED.value or r.get("abstains") is True):
+                r = None  # it banned us, or takes no part in rounds now: we do not wait for it
             replies[p] = r
             ready = r.get("ready") if r else None
             if r and r.get("closed") and r.get("in_view"):
@@ -401,13 +404,22 @@ class Collective:
         later = {p: asyncio.create_task(ask(p)) for p in asked - first}
         grace = self.cfg.gather_timeout / 10
 
+        def ask_again(peers: Collection[PeerId]) -> None:
+            """Those of `peers` we wait for that answered "not yet" may have died, left, gone on standby or
+            closed their view since (their ready would then never come): ask them again to hear which."""
+            for p in set(peers) & rs.waited(self.me) - set(rs.ready):
+                if replies.get(p, {}) is not None and (p not in later or later[p].done()):
+                    later[p] = asyncio.create_task(ask(p))
+
         def closed(everyone: bool) -> bool:
-            """Ask newly named peers; then: did a reply show we are late, or is every named peer we wait
-            for ready (or unreachable)?"""
+            """Ask newly named peers, and again those whose records changed (`recheck`); then: did a reply show we
+            are late, or is every named peer we wait for ready (or unreachable, or taking no part)?"""
             named = rs.named(self.me)
             for p in named - asked:
                 asked.add(p)
                 later[p] = asyncio.create_task(ask(p))
+            ask_again(rs.recheck)
+            rs.recheck.clear()
             if self._late(key, replies, named) is not None:
                 return True
             # stragglers (ours, or those of the peers that named a peer to us) get only the grace
@@ -420,11 +432,7 @@ class Collective:
             deadline = time.monotonic() + self.cfg.gather_timeout
             while not await self._wait(rs, lambda: closed(False), min(deadline, time.monotonic() + grace)) \
                     and time.monotonic() < deadline:
-                # one we wait for that answered "not yet" may have died, left or closed its view since (its
-                # ready would then never come): ask it again, a grace apart, to hear which
-                for p in rs.waited(self.me) - set(rs.ready):
-                    if replies.get(p, {}) is not None and (p not in later or later[p].done()):
-                        later[p] = asyncio.create_task(ask(p))
+                ask_again(rs.waited(self.me))  # a grace apart
             if not closed(True):  # stragglers get a short grace (a tenth of the gather timeout) to get back in
                 await self._wait(rs, lambda: closed(True), time.monotonic() + grace)
             # a straggler that told us it is ready may have moved on since (committed, or closed
@@ -690,6 +698,8 @@ class Collective:
                 return msg.ack(run=self.run_id, sender=self.me, closed=True, in_view=False, committed=True)
             if key < self._floor:  # a round we already finished: tell the late peer at once
                 return msg.ack(run=self.run_id, sender=self.me, closed=True, in_view=False)
+            if self.abstaining:  # not bad input: the sender's records were a moment behind ours
+                return msg.ack(run=self.run_id, sender=self.me, closed=False, in_view=False, abstains=True)
             expects, waits = msg.unpack_names(body)
             accepted = _accepted_of(dict(header.meta), key)
             rs = self._accepting(key)
@@ -945,6 +955,15 @@ class Collective:
             if meta.get("reason") == Reason.BANNED.value:
                 self.banned_by.add(peer)  # its own sealed reply: nobody else can say this for it
         return meta
+
+    def recheck(self, peers: Collection[PeerId]) -> None:
+        """`peers` say in their records that they take no part in rounds now (standby, left): the gather we are
+        running asks those it waits for again at once (they answer so, and are not waited for), rather than a
+        grace later. Called on our loop."""
+        rs = self._rounds.get(self._floor)
+        if rs is not None and rs.expected is not None and rs.view is None and peers:
+            rs.recheck.update(peers)
+            rs.changed.set()
 
     def _state(self, key: RoundKey) -> RoundState:
         if key not in self._rounds:

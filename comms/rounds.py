@@ -142,6 +142,9 @@ class RoundState:
     votes: dict[str, set[PeerId]] = field(default_factory=dict)
     """Per view id: the members that told us they accepted that view's value."""
     changed: asyncio.Event = field(default_factory=asyncio.Event)
+    recheck: set[PeerId] = field(default_factory=set)
+    """Peers whose records say, since our gather began, that they take no part in rounds (standby, left): asked
+    again at once rather than a grace later (`Collective.recheck`)."""
     banned: frozenset[PeerId] = frozenset()  # peers this round leaves out whoever names them
     elsewhere: set[PeerId] = field(default_factory=set)
     """Peers that showed us they closed another view of this round key (they refused a frame of ours as of

@@ -45,7 +45,7 @@ from diloco.comms.loop import LoopThread
 from diloco.comms.transport import InProcNetwork, ScopedTransport
 from diloco.compression import PayloadRejected, Reason
 from diloco.peers import (Directory, PeerRecord, banned_by_majority, departed, expected_peers, quorum,
-                          round_key_for, voted_out)
+                          round_key_for, started_without, voted_out)
 from diloco.peers.membership import regions_of, serving
 from diloco.peers.records import MAX_BANNED
 
@@ -288,6 +288,7 @@ class Swarm:
         """Change our record (status, round, attempt, digest, step, loss); publish it at once when
         `now`, else with the next heartbeat (progress between rounds needs no extra DHT traffic)."""
         self._record = PeerRecord(**{**self._record.__dict__, **fields})
+        self.collective.abstaining = self._record.status == "standby"
         if now:
             self.loop.submit(self._publish())
 
@@ -334,13 +335,13 @@ class Swarm:
 
     def wait_for_peers(self, count: int, timeout: float) -> int:
         """Block until `count` peers (self included) are training in the swarm, the swarm has visibly
-        started without us (another peer took steps: waiting longer would only make us late for its
-        first round), or `timeout` passes; returns how many training peers were seen."""
+        started without us (`started_without`: waiting longer would only make us late for its first round),
+        or `timeout` passes; returns how many training peers were seen."""
         deadline = time.monotonic() + timeout
         while True:
-            training = [r for r in self.records() if r.status in ("training", "standby")]
-            started = any(r.peer != self.peer_id and (r.step > 0 or r.round > 0) for r in training)
-            if len(training) >= count or started or time.monotonic() >= deadline:
+            records = self.records()
+            training = serving(records)
+            if len(training) >= count or started_without(records, self.peer_id) or time.monotonic() >= deadline:
                 return len(training)
             time.sleep(0.25)
 
@@ -373,7 +374,10 @@ class Swarm:
     async def _heartbeat_loop(self) -> None:
         while not self._closed:
             await self._publish()
-            self._write_addresses(await self._read_records())  # also keeps records(cached=True) fresh
+            records = await self._read_records()  # also keeps records(cached=True) fresh
+            self._write_addresses(records)
+            # a peer our round waits for may have gone on standby or left since it began: it is asked again
+            self.collective.recheck([r.peer for r in records if r.status in ("standby", "left") and r.peer != self.peer_id])
             await asyncio.sleep(self.cfg.heartbeat_interval)
 
     # ------------------------------------------------------------------ rounds and state

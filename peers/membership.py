@@ -158,6 +158,13 @@ def holders(records: Sequence[PeerRecord], me: PeerId, rnd: int, digest: str) ->
     return sorted(r.peer for r in serving(records) if r.peer != me and (rnd, digest) in ((r.round, r.digest), *r.recent))
 
 
+def started_without(records: Sequence[PeerRecord], me: PeerId) -> bool:
+    """Whether the swarm visibly started without us (`--wait-for`): another peer took steps or committed
+    rounds, and trains, stands by or already left (a short run may be over before a late peer looks): waiting
+    for more peers would only make us late."""
+    return any(r.peer != me and r.status != "joining" and (r.step > 0 or r.round > 0) for r in records)
+
+
 def departed(records: Sequence[PeerRecord], my_round: int) -> list[PeerId]:
     """Peers that announced leaving while at our round or behind it: they no longer count toward a
     quorum. A peer that left *ahead* of us committed rounds we do not hold, so it keeps counting

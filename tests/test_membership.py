@@ -20,6 +20,7 @@ from diloco.peers import (
     parse_record,
     resync_source,
     round_key_for,
+    started_without,
     voted_out,
     vouched,
 )
@@ -31,6 +32,22 @@ pytestmark = pytest.mark.unit
 def rec(peer: str, rnd: int = 0, *, status: str = "training", attempt: int = 0, digest: str = "d0",
         recent: tuple[tuple[int, str], ...] = ()) -> PeerRecord:
     return PeerRecord(peer=peer, status=status, round=rnd, attempt=attempt, digest=digest, recent=recent)
+
+
+# ---------------------------------------------------------------------- started_without (--wait-for)
+
+
+def test_the_swarm_started_without_us_once_another_peer_stepped_even_if_it_already_left():
+    def r(peer: str, status: str = "training", step: int = 0, rnd: int = 0) -> PeerRecord:
+        return PeerRecord(peer=peer, status=status, step=step, round=rnd)
+
+    assert not started_without([r("me", step=5), r("a"), r("b", "standby")], "me")  # our own steps do not count
+    assert started_without([r("me"), r("a", step=1)], "me")
+    assert started_without([r("me"), r("a", "standby", rnd=2)], "me")
+    # a short run may be over before a late peer looks: those that trained and left show it started
+    assert started_without([r("me"), r("a", "left", step=3)], "me")
+    assert not started_without([r("me"), r("a", "left")], "me")  # left before its first step: nothing started
+    assert not started_without([r("me"), r("a", "joining", rnd=4)], "me")  # still catching up
 
 
 # ---------------------------------------------------------------------- expected_peers

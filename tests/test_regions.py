@@ -14,11 +14,11 @@ from dataclasses import replace
 
 import pytest
 import torch
-from test_swarm_inproc import CFG, _batches, _mlp, _run_threads, _worker_on
+from test_swarm_inproc import CFG, _batches, _mlp, _run_threads, _until, _worker_on
 
 import diloco
 from diloco import DiLoCo
-from diloco.comms import InProcNetwork, PeerId
+from diloco.comms import InProcNetwork, PeerId, RoundKey
 from diloco.comms.loop import LoopThread
 from diloco.config import ConfigError
 from diloco.peers import InProcBoard, PeerRecord, quorum
@@ -146,6 +146,32 @@ def test_two_regions_hold_one_state_per_region_round_and_one_global_state_per_me
     # ... and every member took each merge: its representative's region state, whose parameters are θ_G′
     assert all(d.regions.merges >= 2 for d in w.values()), {p: d.regions.merges for p, d in w.items()}
     assert all(torch.equal(a, b) for a, b in zip(w["b2"].state.params, uppers["b1"].state.params))
+
+
+def test_a_merge_does_not_wait_for_a_peer_that_went_on_standby_after_it_began():
+    """A role changes as a region round commits (the new lowest peer id represents the region; the old one goes on
+    standby), so the other regions' representatives may start a merge while the old one's record still says
+    training: they expect it. Asked again once its record says standby, it answers that it takes no part, and the
+    merge goes on without it at once: not a gather timeout (60 s here) later, nor a grace (6 s) later."""
+    cfg = replace(CFG, gather_timeout=60)
+    net, board, loop = InProcNetwork(), InProcBoard(), LoopThread()
+    s = {p: diloco.Swarm.in_process(net, board, p, cfg, loop, bootstrapped=p != "a") for p in ("a", "b", "c")}
+    try:
+        for x in s.values():
+            x.update(status="training")
+        _until(lambda: all(len([r for r in x.records() if r.status == "training"]) == 3 for x in s.values()))
+        rounds = {p: s[p].exchange_async(0, 0, "d0", torch.ones(4)) for p in ("a", "b")}  # c's record: training
+        time.sleep(1.0)  # a and b asked c, which said "not yet"
+        assert not any(f.done() for f in rounds.values())
+        s["c"].update(status="standby")
+        outcomes = {p: s[p].finish_exchange(f, RoundKey(0)) for p, f in rounds.items()}
+        assert all(o.committed and o.view == ("a", "b") for o in outcomes.values()), outcomes
+        assert all(o.seconds < cfg.gather_timeout / 10 for o in outcomes.values()), [o.seconds for o in outcomes.values()]
+        assert s["c"].collective.rejections.total() == 0  # told, not refused: nothing counted as bad input
+    finally:
+        for x in s.values():
+            x.close()
+        loop.stop()
 
 
 def test_a_crashed_representative_is_replaced_by_the_next_lowest_peer_of_its_region():

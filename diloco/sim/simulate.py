@@ -408,6 +408,8 @@ def simulate(job: JobConfig, workers: int, *, swarm: SwarmConfig | None = None, 
 
         try:
             finals[i] = run_job(job_i, s, metrics=out, corpus=corpus, on_step=hook)
+            s.close()  # done: it leaves, as `diloco join` does after its job, so peers still training (a region
+            # whose merges drifted behind) do not wait for it in their rounds
         except Killed:
             finals.pop(i, None)
         except Banned as e:  # it stops and leaves, as a real peer does (Swarm.check_standing)
