@@ -158,8 +158,8 @@ class Regions:
         rep = representative(members)
         me = self.scope.peer_id
         upper = self.upper
+        upper.steps += 1  # the global level's inner step, shown in our swarm record: the swarm has started
         upper.set_standby(me != rep)
-        upper.steps += 1
         if upper.schedule_position < upper.inner_steps_now:
             return None
         # Due. A merge that does not happen is tried again after the next region round (not `merge_every`

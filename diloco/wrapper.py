@@ -1142,11 +1142,10 @@ class DiLoCo:
     # ------------------------------------------------------------------ what the global level of a region uses
 
     def set_standby(self, standby: bool) -> None:
-        """Publish `standby` instead of `training` from now on, or stop (our record is published at once if
-        that changes it)."""
-        if standby != self.standby:
-            self.standby = standby
-            self._publish("training")
+        """Publish `standby` instead of `training` from now on, or stop: our record at once if that changes it,
+        else with the next heartbeat (or our goodbye: a peer that finished and left shows it took steps)."""
+        changed, self.standby = standby != self.standby, standby
+        self._publish("training", now=changed)
 
     def mark_slot(self) -> None:
         """A synchronization slot is now (the global level's merge, driven by `diloco.regions`)."""

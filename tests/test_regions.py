@@ -231,6 +231,26 @@ def test_a_region_whose_last_peer_left_stops_counting_and_a_new_peer_there_start
         lab.close()
 
 
+def test_a_peer_that_trained_and_left_before_any_merge_shows_a_late_peer_that_the_swarm_started():
+    """--wait-for N: a late peer stops waiting once another peer visibly started, also one that already left (a
+    short run). A region's peers show their region rounds in the swarm's records as steps, even with no merge yet."""
+    lab = _Lab({"a1": "eu", "b1": "us"}, merge_every=50)
+    barrier = threading.Barrier(2, timeout=20)
+    try:
+        _run_threads([lab.worker("a1", 2, barrier, leave=True), lab.worker("b1", 2, barrier, leave=True)], [barrier])
+        late = diloco.Swarm.in_process(lab.net, lab.board, "c1", replace(lab.cfg, region="us"), lab.loop,
+                                       bootstrapped=True)
+        lab.swarms["c1"] = late
+        gone = [r for r in late.records() if r.peer in ("a1", "b1")]
+        assert len(gone) == 2 and all(r.status == "left" and r.step > 0 for r in gone), gone
+        late.update(status="training")
+        started = time.monotonic()
+        assert late.wait_for_peers(3, timeout=30) == 1  # only itself trains now, but the swarm has started
+        assert time.monotonic() - started < 5  # not the 30 s timeout
+    finally:
+        lab.close()
+
+
 def test_a_peer_that_restarts_in_another_region_takes_that_regions_state():
     lab = _Lab({"a1": "eu", "a2": "eu", "b1": "us", "b2": "us"}, merge_every=3)
     barrier = threading.Barrier(4, timeout=20)
