@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+import threading
 import time
 from dataclasses import replace
 from typing import Any, Callable, Collection, Coroutine, Iterator, Sequence
@@ -88,6 +89,7 @@ class Swarm:
         self._owns_loop = owns_loop
         self._on_close = on_close
         self._record = PeerRecord(peer=self.peer_id, status="joining", round=0, addrs=tuple(addresses))
+        self._record_lock = threading.Lock()  # the training thread and the heartbeat both change our record
         self._snapshot: SnapshotProvider | None = None
         self._fetchers: dict[PeerId, float] = {}  # peers that asked us for state, and when they last did
         self._wait_unserved = True  # see serve_state
@@ -287,10 +289,17 @@ class Swarm:
     def update(self, *, now: bool = True, **fields: Any) -> None:
         """Change our record (status, round, attempt, digest, step, loss); publish it at once when
         `now`, else with the next heartbeat (progress between rounds needs no extra DHT traffic)."""
-        self._record = PeerRecord(**{**self._record.__dict__, **fields})
-        self.collective.abstaining = self._record.status == "standby"
+        record = self._change_record(**fields)
+        self.collective.abstaining = record.status == "standby"
         if now:
             self.loop.submit(self._publish())
+
+    def _change_record(self, **fields: Any) -> PeerRecord:
+        """Our record with `fields` changed, atomically (a change made at the same moment by another thread is
+        kept, not overwritten with the record as it was before it)."""
+        with self._record_lock:
+            self._record = PeerRecord(**{**self._record.__dict__, **fields})
+            return self._record
 
     def records(self, *, cached: bool = False) -> list[PeerRecord]:
         """Everyone's current record (ours included), as the directory shows them now; with `cached`,
@@ -349,9 +358,9 @@ class Swarm:
         if self.collective.crashed:  # a crashed peer says nothing more
             return
         banned = tuple(sorted(self.collective.banned)[:MAX_BANNED])
-        self._record = PeerRecord(**{**self._record.__dict__, "beat": time.time(), "banned": banned})
+        record = self._change_record(beat=time.time(), banned=banned)
         try:
-            await self.directory.publish(self._record, self.cfg.heartbeat_ttl)
+            await self.directory.publish(record, self.cfg.heartbeat_ttl)
         except Exception as e:  # noqa: BLE001
             log.warning("event=heartbeat_failed reason=%s", e)
 
@@ -624,7 +633,7 @@ class Swarm:
         for inner in self._scopes:  # our namespaces first: the region hears we left
             inner.close(announce=announce)
         if announce:
-            self._record = PeerRecord(**{**self._record.__dict__, "status": "left"})
+            self._change_record(status="left")
             try:
                 self.loop.run(self._publish(), timeout=5)
             except Exception:  # noqa: BLE001 - leaving must never fail
