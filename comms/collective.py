@@ -961,8 +961,11 @@ class Collective:
         running asks those it waits for again at once (they answer so, and are not waited for), rather than a
         grace later. Called on our loop."""
         rs = self._rounds.get(self._floor)
-        if rs is not None and rs.expected is not None and rs.view is None and peers:
-            rs.recheck.update(peers)
+        if rs is None or rs.expected is None or rs.view is not None:
+            return
+        waiting = set(peers) & rs.waited(self.me) - rs.ready.keys()
+        if waiting:  # the gather wakes only for peers it still waits for
+            rs.recheck.update(waiting)
             rs.changed.set()
 
     def _state(self, key: RoundKey) -> RoundState:

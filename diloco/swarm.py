@@ -386,7 +386,7 @@ class Swarm:
             records = await self._read_records()  # also keeps records(cached=True) fresh
             self._write_addresses(records)
             # a peer our round waits for may have gone on standby or left since it began: it is asked again
-            self.collective.recheck([r.peer for r in records if r.status in ("standby", "left") and r.peer != self.peer_id])
+            self.collective.recheck([r.peer for r in records if r.status in ("standby", "left")])
             await asyncio.sleep(self.cfg.heartbeat_interval)
 
     # ------------------------------------------------------------------ rounds and state

@@ -14,7 +14,7 @@ from dataclasses import replace
 
 import pytest
 import torch
-from test_swarm_inproc import CFG, _batches, _mlp, _run_threads, _until, _worker_on
+from test_swarm_inproc import CFG, Harness, _batches, _mlp, _run_threads, _until, _worker_on
 
 import diloco
 from diloco import DiLoCo
@@ -154,8 +154,8 @@ def test_a_merge_does_not_wait_for_a_peer_that_went_on_standby_after_it_began():
     training: they expect it. Asked again once its record says standby, it answers that it takes no part, and the
     merge goes on without it at once: not a gather timeout (60 s here) later, nor a grace (6 s) later."""
     cfg = replace(CFG, gather_timeout=60)
-    net, board, loop = InProcNetwork(), InProcBoard(), LoopThread()
-    s = {p: diloco.Swarm.in_process(net, board, p, cfg, loop, bootstrapped=p != "a") for p in ("a", "b", "c")}
+    h = Harness(cfg)
+    s = {p: h.swarm(p, bootstrapped=p != "a") for p in ("a", "b", "c")}
     try:
         for x in s.values():
             x.update(status="training")
@@ -169,9 +169,7 @@ def test_a_merge_does_not_wait_for_a_peer_that_went_on_standby_after_it_began():
         assert all(o.seconds < cfg.gather_timeout / 10 for o in outcomes.values()), [o.seconds for o in outcomes.values()]
         assert s["c"].collective.rejections.total() == 0  # told, not refused: nothing counted as bad input
     finally:
-        for x in s.values():
-            x.close()
-        loop.stop()
+        h.close()
 
 
 def test_a_crashed_representative_is_replaced_by_the_next_lowest_peer_of_its_region():

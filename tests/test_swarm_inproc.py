@@ -57,13 +57,14 @@ def _train(model: torch.nn.Module, opt: torch.optim.Optimizer, batches) -> None:
 class Harness:
     """One in-process swarm: network, board, event loop; closes every peer it made."""
 
-    def __init__(self) -> None:
+    def __init__(self, cfg: diloco.SwarmConfig = CFG) -> None:
+        self.cfg = cfg
         self.net, self.board, self.loop = InProcNetwork(), InProcBoard(), LoopThread()
         self.swarms: list[diloco.Swarm] = []
         self._lock = threading.Lock()
 
     def swarm(self, name: str, *, bootstrapped: bool = False, faults: Faults | None = None) -> diloco.Swarm:
-        s = diloco.Swarm.in_process(self.net, self.board, name, CFG, self.loop, bootstrapped=bootstrapped,
+        s = diloco.Swarm.in_process(self.net, self.board, name, self.cfg, self.loop, bootstrapped=bootstrapped,
                                     faults=faults or NO_FAULTS)
         with self._lock:
             self.swarms.append(s)
@@ -90,15 +91,13 @@ def harness():
 def _worker_on(cfg: diloco.SwarmConfig, **kw: object) -> None:
     """Build a `DiLoCo` worker (`kw`: its settings) on a lone in-process peer of a swarm with `cfg`, then tear
     both down: for settings a topology refuses when the worker is built."""
-    net, board, loop = InProcNetwork(), InProcBoard(), LoopThread()
-    s = diloco.Swarm.in_process(net, board, "p", cfg, loop)
+    h = Harness(cfg)
     try:
         model = _mlp(0)
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        DiLoCo(model, opt, swarm=s, inner_steps=4, **kw)  # type: ignore[arg-type]
+        DiLoCo(model, opt, swarm=h.swarm("p"), inner_steps=4, **kw)  # type: ignore[arg-type]
     finally:
-        s.close()
-        loop.stop()
+        h.close()
 
 
 def _run_threads(targets: list[Callable[[], None]], barriers: list[threading.Barrier]) -> None:
