@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test test-slow typecheck install clean
+.PHONY: demo test test-slow test-gpu typecheck install clean
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -22,6 +22,10 @@ test: $(STAMP)
 
 test-slow: $(STAMP)
 	$(BIN)/python -m pytest -q -m slow
+
+# On a machine with a CUDA GPU (and a CUDA build of torch: install it in .venv first, see docs/USAGE.md).
+test-gpu: $(STAMP)
+	$(BIN)/python -m pytest -q -m gpu
 
 typecheck: $(STAMP)
 	$(BIN)/pip install --quiet -c constraints.txt -e '.[dev]'

@@ -183,21 +183,25 @@ class Pipeline:
     # ---------------------------------------------------------------------- encode
 
     def encode(self, t: torch.Tensor) -> bytes:
-        """The wire bytes of `t` (any device and float dtype; a CUDA tensor is copied to the host first:
-        the value codecs work on host memory)."""
-        t = t.detach().reshape(-1).to(device="cpu", dtype=torch.float32).contiguous()
-        if self.spec.sparsifier is None:
-            raw = self.value.encode(t)
-        elif self.spec.sparsifier == "topk":
+        """The wire bytes of `t` (any device and float dtype). The value codecs work on host memory: a dense
+        pipeline copies a GPU tensor to the host whole; a sparse one selects on the tensor's device, so that only
+        the kept values (and top-k's indices) cross to the host. The bytes are the same on every device: top-k's
+        selection is exact, rand-k's indices come from its seed."""
+        t = t.detach().reshape(-1).to(torch.float32)
+        if self.spec.sparsifier == "topk":
             assert self.spec.chunk is not None and self.index is not None
             idx = topk_select(t, self.spec.chunk)
+            kept = t[idx].cpu().contiguous()
+            idx = idx.cpu()
             index_bytes = self.index.encode(idx, t.numel(), self.spec.chunk)
-            raw = _U32.pack(len(index_bytes)) + index_bytes + self.value.encode(t[idx].contiguous())
+            raw = _U32.pack(len(index_bytes)) + index_bytes + self.value.encode(kept)
+        elif self.spec.sparsifier is None:
+            raw = self.value.encode(t.cpu().contiguous())
         else:
             assert self.spec.chunk is not None
             seed = int.from_bytes(os.urandom(8), "little") >> 1  # torch seeds must fit in int64
             idx = randk_select(t.numel(), self.spec.chunk, seed)
-            raw = _U64.pack(seed) + self.value.encode(t[idx].contiguous())
+            raw = _U64.pack(seed) + self.value.encode(t[idx.to(t.device)].cpu().contiguous())
         return self._zc.compress(raw) if self._zc is not None else raw
 
     # ---------------------------------------------------------------------- decode

@@ -9,8 +9,8 @@ The same file runs, unchanged:
 
 Under the launcher, `DiLoCo(...)` finds the swarm in the environment (`DILOCO_SWARM`, docs/USAGE.md "Your
 own training script"); under torchrun, the ranks are one worker: rank 0 talks to the swarm, every rank
-ends each round with the same global parameters. CPU and gloo here; on GPUs use the nccl backend and
-move the model and batches to `cuda:LOCAL_RANK`.
+ends each round with the same global parameters. With CUDA each rank trains on its GPU, `cuda:LOCAL_RANK`,
+and the site's collectives use NCCL (`--device cpu` keeps it on the CPU with gloo).
 """
 
 from __future__ import annotations
@@ -34,6 +34,13 @@ def batches(seed: int, size: int = 32):
         yield x, torch.sin(x @ w).unsqueeze(1)
 
 
+def pick_device(choice: str) -> torch.device:
+    """auto: this rank's GPU (`cuda:LOCAL_RANK`) when torch sees one, else the CPU."""
+    if choice == "auto":
+        choice = "cuda" if torch.cuda.is_available() else "cpu"
+    return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if choice == "cuda" else torch.device("cpu")
+
+
 def build() -> torch.nn.Module:
     torch.manual_seed(0)  # every site starts from the same weights (joiners download the swarm's anyway)
     return torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.GELU(), torch.nn.Linear(64, 1))
@@ -45,22 +52,26 @@ def main() -> None:
     ap.add_argument("--inner-steps", type=int, default=20, help="H: inner steps per round")
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--seed", type=int, default=None, help="data seed (default: from the process id)")
+    ap.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help="auto: CUDA if there is one")
     args = ap.parse_args()
 
+    device = pick_device(args.device)
     distributed = "RANK" in os.environ  # started by torchrun
     if distributed:
-        dist.init_process_group("gloo")
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     rank = dist.get_rank() if distributed else 0
-    model = build()
+    model = build().to(device)
     if distributed:
-        model = DistributedDataParallel(model)
+        model = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
     data = batches(args.seed if args.seed is not None else os.getpid() + rank)
     loss = torch.tensor(float("nan"))  # no step at all if the swarm is already past --rounds when we join
 
     with diloco.DiLoCo(model, opt, inner_steps=args.inner_steps) as d:   # the one DiLoCo line
         while d.round < args.rounds:
-            x, y = next(data)
+            x, y = (t.to(device, non_blocking=True) for t in next(data))
             loss = torch.nn.functional.mse_loss(model(x), y)
             loss.backward()
             opt.step()

@@ -13,8 +13,8 @@ only, and its shard of the pseudo-gradient reaches the swarm through rank 0 one 
 rank ever holds the whole model's state (docs/SITES.md). The model and data are examples/ddp_train.py's,
 so FSDP2 sites, DDP sites and lone processes of either script train in one swarm. (The model's 64 hidden
 rows do not divide evenly among 3 ranks, and its last layer's one row leaves some ranks an empty shard:
-both are fine.) CPU and gloo here; on GPUs use the nccl backend and move the model and batches to
-`cuda:LOCAL_RANK`.
+both are fine.) With CUDA each rank trains on its GPU, `cuda:LOCAL_RANK`, and the site's collectives use
+NCCL (`--device cpu` keeps it on the CPU with gloo).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 import diloco
-from ddp_train import batches, build  # the same model and data as the DDP example (same folder)
+from ddp_train import batches, build, pick_device  # the same model and data as the DDP example (same folder)
 
 
 def main() -> None:
@@ -35,14 +35,18 @@ def main() -> None:
     ap.add_argument("--inner-steps", type=int, default=20, help="H: inner steps per round")
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--seed", type=int, default=None, help="data seed (default: from the process id)")
+    ap.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help="auto: CUDA if there is one")
     args = ap.parse_args()
 
+    device = pick_device(args.device)
     distributed = "RANK" in os.environ  # started by torchrun
-    model = build()
+    model = build().to(device)
     if distributed:
         from torch.distributed.fsdp import fully_shard
 
-        dist.init_process_group("gloo")
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
         for layer in model:
             if isinstance(layer, torch.nn.Linear):
                 fully_shard(layer)
@@ -54,7 +58,7 @@ def main() -> None:
 
     with diloco.DiLoCo(model, opt, inner_steps=args.inner_steps) as d:   # the one DiLoCo line
         while d.round < args.rounds:
-            x, y = next(data)
+            x, y = (t.to(device, non_blocking=True) for t in next(data))
             loss = torch.nn.functional.mse_loss(model(x), y)
             loss.backward()
             opt.step()

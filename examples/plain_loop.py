@@ -42,11 +42,12 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0, help="data seed of this worker")
     args = ap.parse_args()
 
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # the global state stays in host memory either way
     torch.manual_seed(0)  # every worker starts from the same model
-    model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.GELU(), torch.nn.Linear(64, 1))
+    model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.GELU(), torch.nn.Linear(64, 1)).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    x, y = make_data(args.seed)
-    x_eval, y_eval = make_data(10_000, n=1024)
+    x, y = (t.to(device) for t in make_data(args.seed))
+    x_eval, y_eval = (t.to(device) for t in make_data(10_000, n=1024))
 
     swarm = None
     if args.start or args.join:  # the swarm secret: created by --start, read from the file by --join
@@ -61,7 +62,7 @@ def main() -> None:
     try:
         with diloco.DiLoCo(model, optimizer, swarm=swarm, inner_steps=args.inner_steps) as d:  # the one line
             for step in range(args.steps):
-                i = torch.randint(0, len(x), (64,))
+                i = torch.randint(0, len(x), (64,), device=device)
                 loss = torch.nn.functional.mse_loss(model(x[i]), y[i])
                 loss.backward()
                 optimizer.step()

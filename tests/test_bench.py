@@ -21,6 +21,8 @@ def test_bench_measures_size_and_error_of_each_pipeline():
     sparse = results["topk:64/4096+s2+rice"]
     assert 0.1 < sparse.bits_per_param < 0.25 and 0.5 < sparse.rel_l2_error < 1
     assert all(isinstance(r, CodecResult) and r.clone_s > 0 and r.encode_s > 0 for r in results.values())
+    assert all(r.device == "cpu" and r.encode_gbps == pytest.approx(4 * 8192 / r.encode_s / 1e9) and "encode_gbps" in r.row()
+               for r in results.values())
 
 
 @pytest.mark.multiproc

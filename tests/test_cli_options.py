@@ -97,6 +97,10 @@ def test_an_option_declared_twice_is_refused_and_groups_take_only_their_options(
     (["start", "--init-from", "no-such.safetensors"], "is not a file"),
     (["start", "--data-parallel"], "set --inner-steps 1"),
     (["start", "--data-parallel", "-H", "1", "--outer-lr", "0.5"], "leave --outer-lr"),
+    (["start", "--device", "cuda:99"], "--device 'cuda:99': this "),  # no CUDA, or fewer than 100 GPUs
+    (["simulate", "--device", "gpu"], "--device 'gpu' is not a device: give auto, cpu, cuda or cuda:N"),
+    (["bench", "transfer", "--device", "mps"], "--device 'mps': the bundled job trains on cpu or cuda"),
+    (["bench", "wrapper", "--global-device", "cuda:99"], "--global-device 'cuda:99': this "),
 ])
 def test_a_bad_training_flag_exits_2_naming_the_fix_before_any_network(args, needle):
     out = CliRunner().invoke(main.app, args)

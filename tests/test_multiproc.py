@@ -20,6 +20,7 @@ import pytest
 from multiproc_util import TINY, Peers
 
 from diloco.comms.faults import PHASES
+from diloco.job.train import training_device
 
 pytestmark = pytest.mark.multiproc
 
@@ -44,6 +45,7 @@ def test_three_peers_train_and_end_bit_identical(peers, compression):
         assert peers.wait(p, 90) == 0, peers.log(i)
     finals = [peers.lines(i, "final")[-1] for i in range(3)]
     assert {f["round"] for f in finals} == {3}
+    assert {f["device"] for f in finals} == {str(training_device("auto"))}  # the default, --device auto
     for i in range(3):  # a clean run logs no error, not even at shutdown (no task left pending on the loop)
         assert " ERROR " not in peers.log(i, whole=True) and "Traceback" not in peers.log(i, whole=True), peers.log(i)
     # every peer signs its directory records, and every record checks: nothing dropped (frames may be

@@ -78,6 +78,20 @@ def test_topk_keeps_the_largest_and_randk_sends_no_indices():
     assert torch.allclose(r.values, x[r.indices], rtol=1e-3)
 
 
+@pytest.mark.parametrize("spec", ["fp16", "e3m0", "q8+zstd", "topk:64/4096+s2", "randk:64/4096+fp16+zstd"])
+def test_any_float_dtype_and_layout_encodes_to_the_bytes_of_its_fp32_values(monkeypatch, spec):
+    """bf16 parameters, a strided view: the bytes are those of the same values as a contiguous fp32 vector
+    (a GPU tensor too, where sparse pipelines select before copying to the host: tests/test_gpu.py)."""
+    import diloco.compression.pipeline as module
+
+    monkeypatch.setattr(module.os, "urandom", lambda n: bytes(range(7, 7 + n)))  # rand-k's seed, fixed
+    x = torch.randn(2, 3 * 4096 + 100, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
+    pipe = Pipeline(spec)
+    as_fp32 = x[1].float().contiguous()
+    assert pipe.encode(x[1]) == pipe.encode(as_fp32)  # bf16
+    assert pipe.encode(x.float().t().contiguous().t()[1]) == pipe.encode(as_fp32)  # a strided fp32 view
+
+
 def test_zstd_bomb_is_rejected_quickly_without_inflating():
     p = Pipeline("q8+zstd")
     numel = 1000

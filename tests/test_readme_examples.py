@@ -22,8 +22,8 @@ What each command does here:
   tests/test_bench_size.py), `bench wrapper` (minutes of training, tests/test_bench_wrapper.py): parsed and
   validated by the real command, which
   must get as far as the call that would start the work (then stopped there, before any network I/O).
-- `plot`, `bench convergence --replot` (redraws saved curves): run for real, on a small metrics
-  file (`run.jsonl`) and the saved B1 result.
+- `plot`, `bench convergence --replot` (redraws saved curves), `bench transfer` (a second at the bundled
+  model's size): run for real, on a small metrics file (`run.jsonl`) and the saved B1 result.
 - `make X`: the Makefile has target X.
 - a command's bare name (`diloco bench overlap`, `diloco join`): its `--help` works.
 """

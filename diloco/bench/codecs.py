@@ -12,6 +12,11 @@ Inputs: a synthetic Gaussian vector, and the bundled demo model's real pseudo-gr
 after H AdamW steps on the bundled corpus) tiled to the requested size, so codecs see a real
 pseudo-gradient's distribution at sizes where throughput is meaningful. Every figure is the
 median of `repeats` runs.
+
+`device="cuda"` puts the inputs on the GPU: encoding then includes what crosses to the host (the whole
+tensor for dense pipelines, the kept values for sparse ones: `Pipeline.encode`), the clone baseline is a
+copy on the GPU, and every timing waits for the GPU (`torch.cuda.synchronize`). Decoding is on the host,
+where the wrapper applies the result.
 """
 
 from __future__ import annotations
@@ -46,6 +51,7 @@ class CodecResult:
     encode_s: float
     decode_s: float
     clone_s: float
+    device: str = "cpu"
 
     @property
     def encode_x(self) -> float:
@@ -55,9 +61,14 @@ class CodecResult:
     def decode_x(self) -> float:
         return self.decode_s / self.clone_s
 
+    @property
+    def encode_gbps(self) -> float:
+        """fp32 input encoded per second, GB/s."""
+        return 4 * self.numel / self.encode_s / 1e9
+
     def row(self) -> dict[str, Any]:
         return {**asdict(self), "encode_x_clone": round(self.encode_x, 2), "decode_x_clone": round(self.decode_x, 2),
-                "roundtrip_x_clone": round(self.encode_x + self.decode_x, 2)}
+                "roundtrip_x_clone": round(self.encode_x + self.decode_x, 2), "encode_gbps": round(self.encode_gbps, 3)}
 
 
 def _median_time(fn: Callable[[], object], repeats: int) -> tuple[float, object]:
@@ -106,18 +117,30 @@ def _size_name(n: int) -> str:
 
 
 def bench_codecs(specs: list[str], inputs: dict[str, torch.Tensor], repeats: int = 3,
-                 progress: Callable[[CodecResult], None] | None = None) -> list[CodecResult]:
+                 progress: Callable[[CodecResult], None] | None = None, device: str = "cpu") -> list[CodecResult]:
+    dev = torch.device(device)
+    finish: Callable[[], None] = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+
+    def waited(fn: Callable[[], object]) -> Callable[[], object]:
+        def run() -> object:
+            out = fn()
+            finish()
+            return out
+        return run
+
     results = []
-    for name, x in inputs.items():
-        clone_s, _ = _median_time(lambda: x.clone(), repeats)
+    for name, host in inputs.items():
+        x = host.to(dev)
+        clone_s, _ = _median_time(waited(lambda: x.clone()), repeats)
         for spec in specs:
             pipe = Pipeline(spec)
-            encode_s, payload = _median_time(lambda: pipe.encode(x), repeats)
+            encode_s, payload = _median_time(waited(lambda: pipe.encode(x)), repeats)
             assert isinstance(payload, bytes)
             decode_s, decoded = _median_time(lambda: pipe.decode(payload, x.numel()).dense(x.numel()), repeats)
             assert isinstance(decoded, torch.Tensor)
-            err = float((x - decoded).norm() / x.norm().clamp(min=1e-30))
-            r = CodecResult(pipe.name, name, x.numel(), 8 * len(payload) / x.numel(), err, encode_s, decode_s, clone_s)
+            err = float((host - decoded).norm() / host.norm().clamp(min=1e-30))
+            r = CodecResult(pipe.name, name, x.numel(), 8 * len(payload) / x.numel(), err, encode_s, decode_s, clone_s,
+                            str(dev))
             results.append(r)
             if progress is not None:
                 progress(r)
@@ -129,9 +152,9 @@ def write_json(results: list[CodecResult], path: str | Path, meta: dict[str, Any
 
 
 def markdown_table(results: list[CodecResult]) -> str:
-    lines = ["| pipeline | input | bits/param | rel. L2 error | encode ×clone | decode ×clone |",
-             "|---|---|---|---|---|---|"]
+    lines = ["| pipeline | input | bits/param | rel. L2 error | encode ×clone | decode ×clone | encode GB/s |",
+             "|---|---|---|---|---|---|---|"]
     for r in results:
         lines.append(f"| `{r.spec}` | {r.input} | {r.bits_per_param:.4f} | {r.rel_l2_error:.4f} | "
-                     f"{r.encode_x:.1f} | {r.decode_x:.1f} |")
+                     f"{r.encode_x:.1f} | {r.decode_x:.1f} | {r.encode_gbps:.2f} |")
     return "\n".join(lines)

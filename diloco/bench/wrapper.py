@@ -8,6 +8,10 @@ the schedule's check), measured on the steps that do not synchronize, and what a
 costs (pseudo-gradient, the local encode and decode, the outer step, loading θ), spread over its H
 steps. Without a swarm the synchronization moves nothing: the network's share is what
 `diloco bench overlap` and `diloco simulate` measure.
+
+`device` puts the model and its batches on a GPU (`cuda`); θ and the outer state then stay in host memory
+(the wrapper's default) unless `global_device` says otherwise, so a synchronization's share includes moving
+Δ to the host and θ back. On a GPU each step is timed to its end (`torch.cuda.synchronize`), in both loops.
 """
 
 from __future__ import annotations
@@ -39,6 +43,10 @@ class WrapperSetup:
     warmup: int = 20
     repeats: int = 3
     compression: str = "fp32"
+    device: str = "cpu"
+    """Where the model trains (cpu, cuda, cuda:N)."""
+    global_device: str = "cpu"
+    """Where the wrapper keeps θ and the outer state (`DiLoCo(global_device=...)`)."""
     flush_denormal: bool = True
     """Flush subnormal floats to zero in both loops (`torch.set_flush_denormal`). On a CPU, DiLoCo's
     weights make the model's arithmetic meet subnormals that plain training's do not (measured: the
@@ -51,11 +59,15 @@ def _run(setup: WrapperSetup, h: int | None, corpus: Any) -> dict[str, Any]:
     job = setup.job
     torch.set_num_threads(job.threads)
     torch.set_flush_denormal(setup.flush_denormal)
+    device = torch.device(setup.device)
     model = build_model(GPTConfig(context=job.context, d_model=job.d_model, n_layer=job.n_layer), seed=job.seed)
+    model.to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=job.lr, betas=ADAMW_BETAS, weight_decay=WEIGHT_DECAY)
     sampler = BatchSampler(corpus.train, batch_size=job.batch_size, context=job.context, seed=job.seed, shard=0,
                            num_shards=100_000)
-    batches = [sampler.next() for _ in range(16)]  # the same few batches: the loop, not the sampler, is timed
+    # the same few batches, already on the device: the loop, not the sampler or the copy, is timed
+    batches = [(x.to(device), y.to(device)) for x, y in (sampler.next() for _ in range(16))]
+    finish: Callable[[], None] = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     times: list[float] = []
     synced: list[bool] = []
 
@@ -67,6 +79,7 @@ def _run(setup: WrapperSetup, h: int | None, corpus: Any) -> dict[str, Any]:
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
+        finish()  # a GPU step ends when its kernels have run, not when Python has queued them
         times.append(time.perf_counter() - started)
         synced.append(d is not None and d.round != before)
 
@@ -75,7 +88,8 @@ def _run(setup: WrapperSetup, h: int | None, corpus: Any) -> dict[str, Any]:
         for k in range(total):
             step(k, None)
     else:
-        with DiLoCo(model, opt, swarm=None, inner_steps=h, compression=setup.compression) as d:
+        with DiLoCo(model, opt, swarm=None, inner_steps=h, compression=setup.compression,
+                    global_device=setup.global_device) as d:
             for k in range(total):
                 step(k, d)
     return {"times": times[setup.warmup:], "synced": synced[setup.warmup:],

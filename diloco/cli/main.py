@@ -20,7 +20,7 @@ import sys
 import threading
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Callable, List, NoReturn, Optional
+from typing import TYPE_CHECKING, Any, Callable, List, NoReturn, Optional
 
 import typer
 
@@ -28,6 +28,9 @@ from ..config import ConfigError, SwarmConfig
 from ..job.train import JobConfig
 from ..sinks import SinkConfig
 from .demo import DEMO_COMPRESSION, DEMO_JOB
+
+if TYPE_CHECKING:
+    import torch
 from .options import (AggregationOptions, Group, JobOptions, ModelOptions, OutputOptions, PeerJobOptions, PeerOptions,
                       RunOptions, StreamingOptions, SwarmOptions, command, job_config, typer_option)
 
@@ -57,6 +60,16 @@ def _configs(swarm: SwarmOptions, aggregation: AggregationOptions, peer: PeerOpt
     """The swarm's and the job's settings from a peer command's option groups; exits 2 naming what is wrong."""
     try:
         return swarm.config(aggregation, peer), job_config(*job)
+    except ConfigError as e:
+        _fail(str(e))
+
+
+def _device(spec: str, flag: str = "--device") -> torch.device:
+    """The device a --device option names on this machine; exits 2 saying what to give instead."""
+    from ..job.train import training_device
+
+    try:
+        return training_device(spec, flag)
     except ConfigError as e:
         _fail(str(e))
 
@@ -442,6 +455,8 @@ def bench_codecs_cmd(
     inputs: List[str] = typer.Option(["gaussian", "demo"], "--input", help="gaussian and/or demo (repeatable)."),
     repeats: int = typer.Option(3, help="Runs per measurement; the median is reported."),
     threads: int = typer.Option(2, help="torch CPU threads."),
+    device: str = typer.Option("cpu", help="Where the inputs are: cpu, or cuda (encoding then includes what "
+                                           "crosses to the host; auto: cuda if there is one)."),
     json_path: Optional[Path] = typer.Option(None, "--json", help="Write the results as JSON here."),
     quiet: bool = Quiet,
 ) -> None:
@@ -452,6 +467,7 @@ def bench_codecs_cmd(
     from rich.console import Console
 
     from ..bench.codecs import DEFAULT_SPECS, CodecResult, bench_codecs, make_inputs, markdown_table, write_json
+    from ..bench.transfer import device_name
     from ..progress import Reporter
     from diloco.compression.pipeline import parse
 
@@ -466,6 +482,7 @@ def bench_codecs_cmd(
         _fail(f"--input must be gaussian or demo, got {bad or inputs}")
     if repeats < 1 or any(n < 1 for n in sizes):
         _fail("--repeats and --size must be >= 1")
+    where = _device(device)
     torch.set_num_threads(threads)
     console = Console()
     with Reporter.for_command(quiet=quiet) as rep, \
@@ -479,11 +496,12 @@ def bench_codecs_cmd(
                     f"encode {r.encode_x:6.1f}× clone  decode {r.decode_x:6.1f}× clone")
             task.advance()
 
-        results = bench_codecs(specs, data, repeats, progress=measured)
+        results = bench_codecs(specs, data, repeats, progress=measured, device=str(where))
     console.print(markdown_table(results), markup=False, soft_wrap=True)
     if json_path:
         write_json(results, json_path, {"machine": platform.machine(), "threads": threads, "repeats": repeats,
-                                        "torch": torch.__version__, "cores": os.cpu_count()})
+                                        "torch": torch.__version__, "cores": os.cpu_count(),
+                                        "device": device_name(where)})
 
 
 @bench_app.command("convergence")
@@ -582,6 +600,9 @@ def bench_wrapper_cmd(
     repeats: int = typer.Option(3, help="Runs of each kind, interleaved; the median run is reported."),
     threads: int = typer.Option(1, help="torch CPU threads."),
     compression: str = typer.Option("fp32", help="Compression of the local synchronization."),
+    device: str = typer.Option("cpu", help="Where the model trains: cpu, cuda, cuda:N (auto: cuda if there is one)."),
+    global_device: str = typer.Option("cpu", help="Where the wrapper keeps θ and the outer state (its default: "
+                                                  "host memory; cuda keeps them next to the model)."),
     flush_denormal: bool = typer.Option(True, help="Flush subnormal floats to zero in both loops: on a CPU, "
                                                    "DiLoCo's weights meet subnormals that plain training's do not "
                                                    "(docs/BENCHMARKS.md, B5)."),
@@ -594,14 +615,17 @@ def bench_wrapper_cmd(
     import torch
     from rich.console import Console
 
+    from ..bench.transfer import device_name
     from ..bench.wrapper import WrapperSetup, markdown_table, run, write_json
     from ..progress import Reporter
 
     if steps < 1 or repeats < 1 or min(inner_steps) < 1:
         _fail(f"--steps, --repeats and every -H must be >= 1, got {steps}, {repeats}, {inner_steps}")
+    where, global_where = _device(device), _device(global_device, "--global-device")
     try:
         setup = WrapperSetup(job=job_config(model, threads=threads), inner_steps=tuple(inner_steps), steps=steps,
-                             repeats=repeats, compression=compression, flush_denormal=flush_denormal)
+                             repeats=repeats, compression=compression, device=str(where),
+                             global_device=str(global_where), flush_denormal=flush_denormal)
         SwarmConfig(compression=compression)
     except ConfigError as e:
         _fail(str(e))
@@ -614,7 +638,44 @@ def bench_wrapper_cmd(
                                        "flush_denormal": flush_denormal, "batch_size": setup.job.batch_size,
                                        "d_model": setup.job.d_model, "layers": setup.job.n_layer,
                                        "params": report["params"], "torch": torch.__version__,
-                                       "machine": platform.machine(), "cores": os.cpu_count()})
+                                       "machine": platform.machine(), "cores": os.cpu_count(),
+                                       "device": device_name(where), "global_device": str(global_where)})
+
+
+@bench_app.command("transfer")
+@command(ModelOptions)
+def bench_transfer_cmd(
+    model: ModelOptions,
+    device: str = typer.Option("auto", help="Where the model lives: auto (cuda if there is one), cpu, cuda, cuda:N."),
+    repeats: int = typer.Option(5, help="Runs of each move; the median is reported."),
+    json_path: Optional[Path] = typer.Option(None, "--json", help="Write the report as JSON here."),
+) -> None:
+    """What a synchronization moves between the model's device and the global state in host memory: Δ to the
+    host, θ back (pageable and pinned), against forming Δ on the device."""
+    import json
+    import platform
+
+    import torch
+    from rich.console import Console
+
+    from ..bench.transfer import TransferSetup, markdown_table, run
+    from ..job.model import GPTConfig
+
+    if repeats < 1:
+        _fail(f"--repeats must be >= 1, got {repeats}")
+    where = _device(device)
+    try:
+        cfg = job_config(model)
+    except ConfigError as e:
+        _fail(str(e))
+    report = run(TransferSetup(GPTConfig(context=cfg.context, d_model=cfg.d_model, n_layer=cfg.n_layer),
+                               device=str(where), repeats=repeats))
+    Console().print(markdown_table(report), markup=False, soft_wrap=True)
+    if json_path:
+        json_path.parent.mkdir(parents=True, exist_ok=True)
+        json_path.write_text(json.dumps({"setup": {"d_model": cfg.d_model, "layers": cfg.n_layer, "repeats": repeats,
+                                                   "torch": torch.__version__, "machine": platform.machine()},
+                                         **report}, indent=2) + "\n")
 
 
 @bench_app.command("overlap")

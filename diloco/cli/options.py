@@ -240,6 +240,8 @@ class RunOptions(Group):
     first_step: int = option(_JOB.first_step, help="Continue the lr schedule and each peer's data from this inner "
                                                    "step (a warm start with --init-from).")
     threads: int = option(_JOB.threads, help="torch CPU threads (per worker).")
+    device: str = option(_JOB.device, help="Where the model trains: auto (the first CUDA GPU if torch sees one, else "
+                                           "the CPU), cpu, cuda or cuda:N.")
     eval_every: int = option(_JOB.eval_every, help="Evaluate held-out loss every N rounds (0: only at the end).")
 
 

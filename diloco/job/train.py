@@ -138,6 +138,9 @@ class JobConfig:
     """Also evaluate every this many rounds (0: only at the end)."""
     threads: int = 1
     """torch CPU threads for this peer."""
+    device: str = "auto"
+    """Where the model trains: auto (the first CUDA GPU when torch has one, else the CPU), cpu, cuda or cuda:N.
+    The global state stays in host memory either way (`DiLoCo(global_device=...)`)."""
     wait_for: int = 1
     """Peers (self included) to wait for before the first inner step."""
     wait_timeout: float = 120.0
@@ -206,6 +209,7 @@ class JobConfig:
                 raise ConfigError(f"--init-from: {e}") from None
         if self.checkpoint_every < 0:
             raise ConfigError(f"checkpoint_every must be >= 0, got {self.checkpoint_every}")
+        training_device(self.device)  # raises ConfigError for a device this machine does not have
         if self.fragments > self.n_layer:
             raise ConfigError(f"fragments ({self.fragments}) cannot exceed the model's {self.n_layer} blocks (--layers)")
 
@@ -223,6 +227,29 @@ class JobConfig:
     def total_steps(self) -> int:
         """Inner steps per worker in the whole run (`rounds` outer steps at the H each one has)."""
         return sum(inner_steps_at(k, self.inner_steps, self.h_schedule) for k in range(self.rounds))
+
+
+def training_device(spec: str, flag: str = "--device") -> torch.device:
+    """The device `JobConfig.device` names on this machine. Raises ConfigError (naming `flag`) for a malformed
+    name or a device this machine's torch cannot use, saying what to give instead."""
+    if spec == "auto":
+        return torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+    try:
+        device = torch.device(spec)
+    except RuntimeError:
+        raise ConfigError(f"{flag} {spec!r} is not a device: give auto, cpu, cuda or cuda:N") from None
+    if device.type == "cpu":
+        return device
+    if device.type != "cuda":
+        raise ConfigError(f"{flag} {spec!r}: the bundled job trains on cpu or cuda; give auto, cpu, cuda or cuda:N")
+    if not torch.cuda.is_available():
+        raise ConfigError(f"{flag} {spec!r}: this torch sees no CUDA GPU (torch.cuda.is_available() is False: "
+                          f"a CPU-only build or no driver); use --device cpu")
+    index = 0 if device.index is None else device.index
+    if index >= torch.cuda.device_count():
+        raise ConfigError(f"{flag} {spec!r}: this machine has {torch.cuda.device_count()} CUDA GPU(s), "
+                          f"numbered from 0")
+    return torch.device("cuda", index)
 
 
 def save_weights(model: torch.nn.Module, path: str | os.PathLike[str]) -> None:
@@ -271,9 +298,11 @@ def run_job(cfg: JobConfig, swarm: Swarm | None, *, metrics: MetricsWriter | Non
     metrics = metrics or MetricsWriter(None)
     torch.set_num_threads(cfg.threads)
     corpus = corpus or load_corpus(cfg)
+    device = training_device(cfg.device)
     model = build_model(GPTConfig(context=cfg.context, d_model=cfg.d_model, n_layer=cfg.n_layer), seed=cfg.seed)
     if cfg.init_from is not None:
         load_weights(model, cfg.init_from)
+    model.to(device)  # the same initial weights on every device: built on the CPU, then moved
     # Data-parallel: the "inner step" is SGD at lr 1 without clipping, so a round's pseudo-gradient is this step's
     # gradient and the outer AdamW steps with their mean; DiLoCo: AdamW inner steps, clipped.
     inner: torch.optim.Optimizer = (torch.optim.SGD(model.parameters(), lr=1.0) if cfg.data_parallel else
@@ -342,7 +371,7 @@ def run_job(cfg: JobConfig, swarm: Swarm | None, *, metrics: MetricsWriter | Non
                     group["lr"] = inner_lr(cfg.first_step + d.steps, lr=cfg.lr, warmup=cfg.warmup,
                                            total=cfg.first_step + total_steps, schedule=cfg.schedule)
             x, y = sampler.next()
-            _, loss = model(x, y)
+            _, loss = model(x.to(device, non_blocking=True), y.to(device, non_blocking=True))
             loss.backward()
             if not cfg.data_parallel:  # data-parallel clips the mean gradient, in the outer step
                 torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP_NORM)
@@ -373,7 +402,7 @@ def run_job(cfg: JobConfig, swarm: Swarm | None, *, metrics: MetricsWriter | Non
     synced = [r for r in d.reports if r.committed]
     bits = sum(r.bits_per_param for r in synced) / len(synced) if synced else 0.0
     summary = dict(peer=peer, round=d.round // len(d.fragments), fragment_rounds=d.round, eval_loss=eval_loss, digest=d.digest, steps=d.steps,
-                   compression=d.compression, bits_per_param_sync=round(bits, 5),
+                   device=str(device), compression=d.compression, bits_per_param_sync=round(bits, 5),
                    params=sum(p.numel() for p in model.parameters()), bytes_sent=sent, bytes_received=recv,
                    committed_rounds=sum(r.committed for r in d.reports), wall_seconds=round(time.monotonic() - started, 2),
                    train_seconds=trained, data_parallel=cfg.data_parallel,

@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# The GPU tests and the GPU benchmarks, on a machine with a CUDA GPU whose Python already has a CUDA build
+# of torch and no internet (docs/BENCHMARKS.md, "On a GPU"). Two steps:
+#
+#   bash benchmarks/gpu.sh wheels DIR    here, with a package index: the wheels such a machine lacks
+#   bash benchmarks/gpu.sh run DIR OUT   there, in the repository: a venv over its torch, those wheels and
+#                                        diloco; `pytest -m gpu` and the benchmarks, their output into OUT
+#
+# TARGET_PY (default 3.12) is the GPU machine's Python version. The wheels are those hivemind and diloco need
+# beyond what a CUDA machine with torch, numpy, scipy, rich, typer, msgpack and pytest already holds.
+set -euo pipefail
+
+WHEELS=(hivemind==1.1.12 zstandard configargparse base58 blake3 cffi pycparser cryptography grpcio grpcio-tools
+        protobuf mmh3 morphys netaddr prefetch_generator py-cid py-multibase py-multicodec py-multihash pydantic
+        pydantic_core annotated-types typing-inspection typing_extensions idna python-baseconv varint pytest-timeout
+        setuptools wheel)
+here="$(cd "$(dirname "$0")/.." && pwd)"
+
+wheels() {
+    local dir="$1" py="${TARGET_PY:-3.12}" pip="${PIP:-$here/.venv/bin/pip}"
+    mkdir -p "$dir"
+    for req in "${WHEELS[@]}"; do
+        # a binary wheel for the target's Python; a project published as source only is built here (pure Python)
+        "$pip" download -q --no-deps --dest "$dir" --only-binary=:all: --python-version "$py" --implementation cp \
+            --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+            -c "$here/constraints.txt" "$req" 2>/dev/null \
+        || "$pip" wheel -q --no-deps --wheel-dir "$dir" -c "$here/constraints.txt" "$req"
+    done
+    du -sh "$dir"
+}
+
+run() {
+    local dir="$1" out="$2" venv=/tmp/diloco-gpu
+    mkdir -p "$out"
+    python3 -c 'import torch; assert torch.cuda.is_available(), "no CUDA GPU"; print("torch", torch.__version__)'
+    python3 -m venv --system-site-packages "$venv"  # the machine's CUDA torch, numpy, scipy, ... stay visible
+    "$venv/bin/pip" install -q --no-index --find-links "$dir" "${WHEELS[0]}" zstandard pytest-timeout setuptools wheel
+    "$venv/bin/pip" install -q --no-index --no-deps --no-build-isolation -e "$here"
+    nvidia-smi > "$out/nvidia-smi.txt" 2>&1 || true
+    cd "$here"
+    local rc=0
+    "$venv/bin/python" -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py > "$out/test-gpu.txt" 2>&1 || rc=$?
+    tail -5 "$out/test-gpu.txt"
+    "$venv/bin/diloco" bench transfer --device cuda --json "$out/transfer-gpt.json"
+    "$venv/bin/diloco" bench transfer --device cuda --d-model 1024 --layers 24 --json "$out/transfer-gpt-300m.json"
+    "$venv/bin/diloco" bench wrapper --device cuda --quiet --json "$out/wrapper.json"
+    "$venv/bin/diloco" bench codecs --device cuda --quiet --size 16777216 --size 67108864 --input demo \
+        --json "$out/codecs.json" > "$out/codecs.md"
+    return "$rc"
+}
+
+case "${1:-}" in
+    wheels) wheels "${2:?wheels DIR}" ;;
+    run) run "${2:?run DIR OUT}" "${3:?run DIR OUT}" ;;
+    *) sed -n '2,10p' "$0"; exit 2 ;;
+esac
