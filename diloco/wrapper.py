@@ -701,7 +701,7 @@ class DiLoCo:
         # plus our own fresh contribution — exactly their per-worker update for outer SGD without
         # momentum — anchored to the shared θ every phase, so no peer drifts from the others.
         params, outer = before
-        grad = delta / self._last_view if aggregate is None else aggregate + delta / self._last_view
+        grad = delta / self._last_view if aggregate is None else aggregate.to(delta.device) + delta / self._last_view
         outer_step(outer, params, grad, self._outer_lr_scale())
         copy_into(self.local_params, params)
         self._start = params

@@ -3,13 +3,15 @@
 `make test` needs no GPU and leaves these out (marker `gpu`); on a machine without CUDA they fail, they
 do not skip. They check what a model on a GPU relies on: θ and the outer state in pinned host memory
 (or on the GPU with `global_device`), the model holding θ exactly after a synchronization, codecs given
-GPU tensors writing the same bytes as for host tensors, bf16 models, and real swarms of GPU peers (the
-bundled job with `--device cuda`, and the user's script under the launcher).
+GPU tensors writing the same bytes as for host tensors, bf16 models, a Trainer and an accelerate loop in
+bf16, and real swarms of GPU peers (the bundled job with `--device cuda`, and the user's script under the
+launcher).
 """
 
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -20,9 +22,14 @@ from diloco.bench.codecs import DEFAULT_SPECS, DEFAULT_PIPELINE
 from diloco.bench.transfer import TransferSetup
 from diloco.bench.transfer import run as transfer_run
 from diloco.compression.pipeline import Pipeline
+from diloco.fragments import StreamingConfig
 from diloco.job.model import GPTConfig
 from multiproc_util import TINY, Peers
 from test_launcher import SCRIPT, Sites
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
+from hf_trainer import Counting  # noqa: E402
+from hf_trainer import build as build_hf  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 CUDA = torch.device("cuda", 0)
@@ -96,6 +103,26 @@ def test_global_device_cuda_keeps_theta_on_the_gpu_and_steps_it_to_the_same_bits
     assert states["cpu"][1] == states["cuda"][1]
 
 
+@pytest.mark.parametrize("options", [
+    dict(compression="topk:64/4096+s2+ef:0.95"),
+    dict(streaming=StreamingConfig(overlap=1, alpha=0.5)),
+    dict(streaming=StreamingConfig(outer_overlap="eager")),
+    dict(streaming=StreamingConfig(outer_overlap="delayed")),
+], ids=["sparse-ef", "overlap-alpha", "eager", "delayed"])
+def test_global_device_cuda_steps_like_host_memory_with_error_feedback_and_overlap(options):
+    data = _batches(30)
+    thetas = {}
+    for where in ("cpu", "cuda"):
+        model = _model()
+        opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+        with DiLoCo(model, opt, swarm=None, inner_steps=10, global_device=where, **options) as d:
+            _train(model, opt, data)
+        assert d.round >= 2, options
+        thetas[where] = [p.detach().cpu() for p in d.state.params]
+    for host, gpu in zip(thetas["cpu"], thetas["cuda"]):
+        assert torch.equal(host, gpu), (options, (host - gpu).abs().max())
+
+
 def test_a_bf16_model_and_bf16_autocast_train_on_the_gpu_against_an_fp32_theta():
     for dtype, autocast in ((torch.bfloat16, False), (torch.float32, True)):
         model = _model(dtype)
@@ -108,6 +135,46 @@ def test_a_bf16_model_and_bf16_autocast_train_on_the_gpu_against_an_fp32_theta()
             for p, theta in zip(model.parameters(), d.state.params):
                 assert torch.equal(p.detach().cpu(), theta.to(dtype))
         assert last < first, (dtype, autocast)
+
+
+def test_a_trainer_in_bf16_on_the_gpu_with_the_callback_is_a_diloco_worker(tmp_path):
+    from transformers import Trainer, TrainingArguments
+
+    from diloco.hf import DiLoCoCallback
+
+    callback = DiLoCoCallback(inner_steps=5)
+    model = build_hf("gpt2")
+    trainer = Trainer(model=model, train_dataset=Counting(512, 0), callbacks=[callback],
+                      args=TrainingArguments(output_dir=str(tmp_path), max_steps=20, per_device_train_batch_size=8,
+                                             learning_rate=3e-3, report_to=[], save_strategy="no", bf16=True,
+                                             logging_steps=5, disable_tqdm=True))
+    trainer.train()
+    d = callback.diloco
+    assert d is not None and d.round == 4 and all(r.committed for r in d.reports)
+    assert next(model.parameters()).device.type == "cuda"
+    assert all(p.device.type == "cpu" and p.is_pinned() for p in d.state.params)
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    assert losses[-1] < losses[0], losses
+
+
+def test_an_accelerate_loop_in_bf16_on_the_gpu_with_the_wrapper():
+    from accelerate import Accelerator
+
+    accelerator = Accelerator(mixed_precision="bf16")
+    model = build_hf("llama")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    loader = torch.utils.data.DataLoader(Counting(256, 1), batch_size=8)
+    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    first = None
+    with DiLoCo(model, optimizer, inner_steps=4) as d:
+        for batch in loader:  # 32 steps
+            loss = model(**batch).loss
+            first = first if first is not None else loss.item()
+            accelerator.backward(loss)
+            optimizer.step()
+            optimizer.zero_grad()
+    assert d.steps == 32 and d.round == 8 and next(model.parameters()).device.type == "cuda"
+    assert loss.item() < first
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
