@@ -62,13 +62,29 @@ def unflatten(flat: torch.Tensor, like: Sequence[torch.Tensor]) -> list[torch.Te
     return out
 
 
+def _crosses(local_params: Sequence[torch.Tensor], device: torch.device) -> bool:
+    """Whether forming Δ on `device` (host memory) reads parameters from a GPU."""
+    return device.type == "cpu" and any(p.is_cuda for p in local_params)
+
+
 @torch.no_grad()
 def pseudo_gradient(global_params: Sequence[torch.Tensor], local_params: Sequence[torch.Tensor]) -> torch.Tensor:
-    """Δ = θ_global − θ_local, flat fp32, where θ_global lives (the model may be on a GPU, θ in host memory:
-    the local parameters are copied over one at a time). One allocation: Δ itself."""
+    """Δ = θ_global − θ_local, flat fp32, where θ_global lives. One allocation: Δ itself. With the model on a GPU
+    and θ in host memory, Δ is allocated pinned and every parameter is copied into it without waiting, then the
+    GPU is waited for once (not once per parameter), and the subtraction runs in place on the host."""
     device = global_params[0].device if global_params else torch.device("cpu")
-    delta = torch.empty(sum(p.numel() for p in global_params), dtype=torch.float32, device=device)
-    for out, g, p in zip(unflatten(delta, global_params), global_params, local_params):
+    crossing = _crosses(local_params, device)
+    delta = torch.empty(sum(p.numel() for p in global_params), dtype=torch.float32, device=device,
+                        pin_memory=crossing)
+    views = unflatten(delta, global_params)
+    if crossing:
+        for out, p in zip(views, local_params):
+            out.copy_(p.detach(), non_blocking=True)
+        torch.cuda.synchronize()  # every copy has landed before the host reads them
+        for out, g in zip(views, global_params):
+            torch.sub(g, out, out=out)
+        return delta
+    for out, g, p in zip(views, global_params, local_params):
         torch.sub(g, p.detach().to(device=device, dtype=torch.float32), out=out)
     return delta
 
@@ -77,14 +93,20 @@ def pseudo_gradient_pieces(global_params: Sequence[torch.Tensor], local_params: 
                            piece: int = 1 << 24) -> list[torch.Tensor]:
     """`pseudo_gradient` as consecutive pieces of at most `piece` values, each its own allocation, in flat
     order: a round frees each once it has encoded it (`diloco.comms.rounds.PiecewiseHandoff`), so Δ and its
-    whole encoding never coexist."""
-    out = []
-    for g, p in zip(global_params, local_params):
-        flat_g, flat_p = g.reshape(-1), p.detach().reshape(-1)
-        for lo in range(0, flat_g.numel(), piece):
-            hi = min(lo + piece, flat_g.numel())
-            out.append(torch.sub(flat_g[lo:hi], flat_p[lo:hi].to(device=g.device, dtype=torch.float32)))
-    return out
+    whole encoding never coexist. From a GPU, as `pseudo_gradient`: pinned pieces, one wait."""
+    crossing = bool(global_params) and _crosses(local_params, global_params[0].device)
+    pairs = []
+    with torch.no_grad():
+        for g, p in zip(global_params, local_params):
+            flat_g, flat_p = g.reshape(-1), p.detach().reshape(-1)
+            for lo in range(0, flat_g.numel(), piece):
+                hi = min(lo + piece, flat_g.numel())
+                out = torch.empty(hi - lo, dtype=torch.float32, device=g.device, pin_memory=crossing)
+                out.copy_(flat_p[lo:hi], non_blocking=crossing)
+                pairs.append((out, flat_g[lo:hi]))
+        if crossing:
+            torch.cuda.synchronize()
+        return [torch.sub(g, out, out=out) for out, g in pairs]
 
 
 @torch.no_grad()
@@ -103,8 +125,15 @@ def outer_step(outer: torch.optim.Optimizer, global_params: Sequence[torch.Tenso
 
 @torch.no_grad()
 def copy_into(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor]) -> None:
+    """dst[i] ← src[i], for every i. Copies between host memory and a GPU are queued without waiting, and the GPU
+    is waited for once at the end (not once per tensor): on return every copy has landed, so either side may
+    change its tensors."""
+    gpu = False
     for d, s in zip(dst, src):
-        d.copy_(s)
+        d.copy_(s, non_blocking=True)
+        gpu = gpu or d.is_cuda or s.is_cuda
+    if gpu:
+        torch.cuda.synchronize()
 
 
 @torch.no_grad()

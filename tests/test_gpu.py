@@ -24,6 +24,7 @@ from diloco.bench.transfer import run as transfer_run
 from diloco.compression.pipeline import Pipeline
 from diloco.fragments import StreamingConfig
 from diloco.job.model import GPTConfig
+from diloco.outer import copy_into, pseudo_gradient, pseudo_gradient_pieces
 from multiproc_util import TINY, Peers
 from test_launcher import SCRIPT, Sites
 
@@ -84,6 +85,32 @@ def test_a_gpu_model_keeps_theta_and_the_outer_state_in_pinned_host_memory_and_h
         outer = [v for s in d.state.outer.state.values() for v in s.values() if torch.is_tensor(v)]
         assert outer and all(v.device.type == "cpu" for v in outer)  # host-only arithmetic: no need to pin
     assert last < first
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_delta_from_the_gpu_and_theta_back_are_exact_and_land_before_the_host_reads_them(dtype):
+    """`pseudo_gradient` and its pieces queue every copy from the GPU and wait once; `copy_into` likewise: the
+    results are exactly the host arithmetic's, also right after a long kernel still writing the parameters."""
+    g = torch.Generator().manual_seed(3)
+    shapes = [(1000, 700), (700,), (5, 3), (4097,)]
+    theta = [torch.randn(s, generator=g).pin_memory() for s in shapes]
+    host_local = [torch.randn(s, generator=g).to(dtype) for s in shapes]
+    local = [p.to(CUDA) for p in host_local]
+    big = torch.randn(4096, 4096, device=CUDA)
+    for _ in range(20):  # keep the GPU busy, then change the parameters at the end of its queue
+        big = (big @ big).tanh_()  # bounded: the parameters stay finite
+    for p in local:
+        p.add_(big[0, 0] * 0)
+    expected = torch.cat([(t - p.float()).reshape(-1) for t, p in zip(theta, host_local)])
+    delta = pseudo_gradient(theta, local)
+    assert delta.device.type == "cpu" and delta.is_pinned() and torch.equal(delta, expected)
+    pieces = pseudo_gradient_pieces(theta, local, piece=1000)
+    assert torch.equal(torch.cat(pieces), expected) and all(x.is_pinned() for x in pieces)
+    copy_into(local, theta)
+    assert all(torch.equal(p.cpu(), t.to(dtype)) for p, t in zip(local, theta))
+    back = [torch.empty_like(t) for t in theta]
+    copy_into(back, [p.float() for p in local])
+    assert all(torch.equal(b, t.to(dtype).float()) for b, t in zip(back, theta))
 
 
 def test_global_device_cuda_keeps_theta_on_the_gpu_and_steps_it_to_the_same_bits_as_host_memory():
