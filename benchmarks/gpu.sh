@@ -3,8 +3,8 @@
 # of torch and no internet (docs/BENCHMARKS.md, "On a GPU"). Two steps:
 #
 #   bash benchmarks/gpu.sh wheels DIR    here, with a package index: the wheels such a machine lacks
-#   bash benchmarks/gpu.sh run DIR OUT   there, in the repository: a venv over its torch, those wheels and
-#                                        diloco; `pytest -m gpu` and the benchmarks, their output into OUT
+#   bash benchmarks/gpu.sh run DIR OUT   there, in the repository: those wheels and diloco into its Python,
+#                                        then `pytest -m gpu` and the benchmarks, their output into OUT
 #
 # TARGET_PY (default 3.12) is the GPU machine's Python version. The wheels are those hivemind and diloco need
 # beyond what a CUDA machine with torch, numpy, scipy, rich, typer, msgpack and pytest already holds.
@@ -30,21 +30,22 @@ wheels() {
 }
 
 run() {
-    local dir="$1" out="$2" venv=/tmp/diloco-gpu
+    local dir="$1" out="$2"
     mkdir -p "$out"
     python3 -c 'import torch; assert torch.cuda.is_available(), "no CUDA GPU"; print("torch", torch.__version__)'
-    python3 -m venv --system-site-packages "$venv"  # the machine's CUDA torch, numpy, scipy, ... stay visible
-    "$venv/bin/pip" install -q --no-index --find-links "$dir" "${WHEELS[0]}" zstandard pytest-timeout setuptools wheel
-    "$venv/bin/pip" install -q --no-index --no-deps --no-build-isolation -e "$here"
+    # Into the machine's own Python (its torch may live in a venv, which a venv of ours would not see): the
+    # machine is a throwaway one, lent for the run.
+    python3 -m pip install -q --no-index --find-links "$dir" "${WHEELS[0]}" zstandard pytest-timeout "setuptools>=77" wheel
+    python3 -m pip install -q --no-index --no-deps --no-build-isolation -e "$here"
     nvidia-smi > "$out/nvidia-smi.txt" 2>&1 || true
     cd "$here"
     local rc=0
-    "$venv/bin/python" -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py > "$out/test-gpu.txt" 2>&1 || rc=$?
+    python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py > "$out/test-gpu.txt" 2>&1 || rc=$?
     tail -5 "$out/test-gpu.txt"
-    "$venv/bin/diloco" bench transfer --device cuda --json "$out/transfer-gpt.json"
-    "$venv/bin/diloco" bench transfer --device cuda --d-model 1024 --layers 24 --json "$out/transfer-gpt-300m.json"
-    "$venv/bin/diloco" bench wrapper --device cuda --quiet --json "$out/wrapper.json"
-    "$venv/bin/diloco" bench codecs --device cuda --quiet --size 16777216 --size 67108864 --input demo \
+    python3 -m diloco bench transfer --device cuda --json "$out/transfer-gpt.json"
+    python3 -m diloco bench transfer --device cuda --d-model 1024 --layers 24 --json "$out/transfer-gpt-300m.json"
+    python3 -m diloco bench wrapper --device cuda --quiet --json "$out/wrapper.json"
+    python3 -m diloco bench codecs --device cuda --quiet --size 16777216 --size 67108864 --input demo \
         --json "$out/codecs.json" > "$out/codecs.md"
     return "$rc"
 }
