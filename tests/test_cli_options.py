@@ -3,6 +3,7 @@ taken from the configurations they feed, and the flags the demo hands its peers 
 
 from __future__ import annotations
 
+import logging
 from dataclasses import fields
 from typing import Any
 
@@ -103,5 +104,8 @@ def test_an_option_declared_twice_is_refused_and_groups_take_only_their_options(
     (["bench", "wrapper", "--global-device", "cuda:99"], "--global-device 'cuda:99': this "),
 ])
 def test_a_bad_training_flag_exits_2_naming_the_fix_before_any_network(args, needle):
+    logging_before = [(name, logging.getLogger(name).level) for name in ("", "hivemind", "asyncio")]
     out = CliRunner().invoke(main.app, args)
     assert out.exit_code == 2 and needle in out.output, out.output
+    # a refused command changed nothing: not even the logging it sets up to run
+    assert [(name, logging.getLogger(name).level) for name in ("", "hivemind", "asyncio")] == logging_before

@@ -1,6 +1,6 @@
 """The launcher (`diloco start/join -- CMD`) with real processes: the user's own script
 (examples/ddp_train.py) as a site's worker, alone or as a torchrun group of ranks (CPU, gloo), on
-127.0.0.1.
+127.0.0.1; and, in this process, its refusal of bad input before anything starts.
 
 Each test has a hard timeout; every process a launch starts carries DILOCO_LAUNCH_ID, and the tests
 check that none of them outlives its launcher (SIGKILL of the launcher included).
@@ -16,13 +16,16 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import psutil
 import pytest
+from click.testing import Result
+from typer.testing import CliRunner
 
+from diloco.cli import main
 from diloco.environment import LAUNCH_ID
-
-pytestmark = pytest.mark.multiproc
+from diloco.launcher import split_command
 
 SCRIPT = str(Path(__file__).resolve().parent.parent / "examples" / "ddp_train.py")
 FSDP_SCRIPT = str(Path(SCRIPT).with_name("fsdp_train.py"))  # the same model, sharded by FSDP2 under torchrun
@@ -107,6 +110,7 @@ def sites(tmp_path):
     group.kill_all()
 
 
+@pytest.mark.multiproc
 @pytest.mark.timeout(300)
 def test_sites_of_one_two_and_three_ranks_train_together_on_one_digest(sites):
     """Three sites, one a lone process and two torchrun groups (2 ranks with DDP, 3 ranks with FSDP2, over
@@ -135,6 +139,7 @@ def test_sites_of_one_two_and_three_ranks_train_together_on_one_digest(sites):
     assert all(r["bytes_sent"] < 1.25 * lone for i in (1, 2) for r in together[i]), together
 
 
+@pytest.mark.multiproc
 @pytest.mark.timeout(420)
 def test_a_killed_rank_takes_its_site_down_the_launcher_restarts_it_and_it_catches_up(sites):
     """SIGKILL rank 1 of a 2-rank site: torchrun ends the site, the launcher starts it again (--max-restarts),
@@ -193,6 +198,7 @@ def test_a_killed_rank_takes_its_site_down_the_launcher_restarts_it_and_it_catch
     assert len({f["digest"] for f in finals if f["site_size"] == 2}) == 1, finals
 
 
+@pytest.mark.multiproc
 @pytest.mark.timeout(420)
 def test_an_fsdp2_site_serves_a_late_joiner_and_catches_up_after_a_rank_dies(sites):
     """A 2-rank FSDP2 site starts the swarm alone, so it is the only holder of the state: a lone process
@@ -245,6 +251,7 @@ def test_an_fsdp2_site_serves_a_late_joiner_and_catches_up_after_a_rank_dies(sit
     assert len({f["digest"] for f in finals if f["site_size"] == 2}) == 1, finals
 
 
+@pytest.mark.multiproc
 @pytest.mark.timeout(120)
 def test_sigkill_of_a_launcher_leaves_no_process_behind(sites):
     """The launcher's command (torchrun, its ranks, their p2pd daemons) dies with the launcher, even
@@ -266,6 +273,7 @@ def test_sigkill_of_a_launcher_leaves_no_process_behind(sites):
         time.sleep(0.2)
 
 
+@pytest.mark.multiproc
 def test_the_same_script_trains_alone_without_the_launcher():
     """`python train.py`: single-worker DiLoCo, no network, the same one line."""
     proc = subprocess.run([sys.executable, SCRIPT, "--rounds", "3", "--inner-steps", "5"], capture_output=True,
@@ -275,24 +283,50 @@ def test_the_same_script_trains_alone_without_the_launcher():
     assert "done: round 3" in proc.stdout
 
 
+def _started(*_args: object, **_kwargs: object) -> None:
+    raise AssertionError("the input was accepted: the command went on to start")
+
+
+def _invoke(argv: list[str], **kwargs: Any) -> Result:
+    """`diloco ARGS [-- CMD]` in this process, as `main()` runs it past its own check of `--` (that
+    `start` or `join` comes before it)."""
+    args, command = split_command(argv)
+    assert command is None or args[:1] in (["start"], ["join"])  # main() refuses the rest itself: see below
+    return CliRunner().invoke(main.app, args, obj={"command": command}, prog_name="diloco", **kwargs)
+
+
+@pytest.mark.unit
 @pytest.mark.parametrize("args, needle", [
     (["start", "--"], "`--` must be followed by the command to run"),
     (["start", "--", "no-such-program-xyz"], "command not found: 'no-such-program-xyz'"),
     (["start", "--max-restarts", "-1", "--", sys.executable, "-c", "pass"], "--max-restarts must be >= 0"),
     (["start", "--max-restarts", "2"], "--max-restarts applies to a command of yours"),
-    (["demo", "--", sys.executable], "only `diloco start` and `diloco join` run a command"),
     (["join", "/ip4/127.0.0.1/tcp/9/p2p/12D3KooWRQPiyGWQQdn3DaPhb84P9MBDWaM43QfaVX9YR9qxStbP", "--run-id", "nosecret",
       "--", sys.executable, "-c", "pass"], "DILOCO_SECRET"),
 ])
-def test_bad_launcher_input_exits_2_naming_the_fix_before_anything_starts(tmp_path, args, needle):
-    env = {k: v for k, v in os.environ.items() if k != "DILOCO_SECRET"}
-    proc = subprocess.run([sys.executable, "-m", "diloco", *args], capture_output=True, text=True, timeout=60,
-                          cwd=tmp_path, env={**env, "COLUMNS": "200"})
-    assert proc.returncode == 2, (proc.stdout, proc.stderr)
-    assert needle in proc.stderr, proc.stderr
+def test_bad_launcher_input_exits_2_naming_the_fix_before_anything_starts(tmp_path, monkeypatch, args, needle):
+    """In this process (past its checks the command would launch: here that fails the test at once)."""
+    for name in ("_run_peer", "_launch"):
+        monkeypatch.setattr(main, name, _started)
+    monkeypatch.chdir(tmp_path)
+    out = _invoke(args, env={"DILOCO_SECRET": None, "COLUMNS": "200"})
+    assert out.exit_code == 2, (out.stdout, out.stderr, out.exception)
+    assert needle in out.stderr, out.stderr
     assert not list(tmp_path.iterdir())  # nothing started, nothing written (no secret file either)
 
 
+@pytest.mark.multiproc
+def test_a_command_after_another_verb_is_refused_by_the_entry_point(tmp_path):
+    """`main()`'s own check, before the app parses anything: a real `python -m diloco`."""
+    env = {k: v for k, v in os.environ.items() if k != "DILOCO_SECRET"}
+    proc = subprocess.run([sys.executable, "-m", "diloco", "demo", "--", sys.executable], capture_output=True,
+                          text=True, timeout=60, cwd=tmp_path, env={**env, "COLUMNS": "200"})
+    assert proc.returncode == 2, (proc.stdout, proc.stderr)
+    assert "only `diloco start` and `diloco join` run a command" in proc.stderr, proc.stderr
+    assert not list(tmp_path.iterdir())  # nothing started, nothing written (no secret file either)
+
+
+@pytest.mark.multiproc
 @pytest.mark.timeout(180)
 def test_a_restarted_lone_site_resumes_from_its_checkpoint(sites, tmp_path):
     """A site alone in its swarm, with --checkpoint-dir: its command is SIGKILLed, the launcher starts it
@@ -319,6 +353,7 @@ def test_a_restarted_lone_site_resumes_from_its_checkpoint(sites, tmp_path):
     assert sites.procs[0].wait(timeout=60) == 128 + signal.SIGTERM, sites.log(0)  # the command's status
 
 
+@pytest.mark.multiproc
 @pytest.mark.timeout(240)
 def test_a_launched_site_logs_to_tensorboard_and_wandb_from_its_leader_only(sites, tmp_path):
     """`--tensorboard DIR --wandb PROJECT` reach the user's command through its environment: the site's
@@ -348,6 +383,7 @@ def test_a_launched_site_logs_to_tensorboard_and_wandb_from_its_leader_only(site
     assert "secret" not in {item.key for item in info.config.update}
 
 
+@pytest.mark.multiproc
 @pytest.mark.timeout(300)
 def test_your_script_under_the_launcher_trains_in_regions(sites):
     """`diloco start/join --region R -- python train.py`: the script's one line (`DiLoCo(model, opt)`) finds its
@@ -367,6 +403,7 @@ def test_your_script_under_the_launcher_trains_in_regions(sites):
     assert merges and all(r["committed"] and r["peers"] == 2 for r in merges), merges
 
 
+@pytest.mark.multiproc
 @pytest.mark.timeout(300)
 def test_your_script_under_the_launcher_gossips(sites):
     """`diloco start/join --topology gossip -- python train.py`: the script's one line finds the topology in the

@@ -1,4 +1,5 @@
-"""Real peers: `diloco start` / `diloco join` processes with hivemind daemons on 127.0.0.1.
+"""Real peers: `diloco start` / `diloco join` processes with hivemind daemons on 127.0.0.1; and, in this
+process, their refusal of bad input before any peer starts.
 
 Each test has a hard timeout (pytest-timeout) and the autouse `no_orphans` fixture fails it if any
 peer process or p2pd daemon survives it.
@@ -13,16 +14,18 @@ import signal
 import subprocess
 import sys
 import time
+from typing import Any
 
 import psutil
 import pytest
+from click.testing import Result
+from typer.testing import CliRunner
 
 from multiproc_util import TINY, Peers
 
+from diloco.cli import demo, main
 from diloco.comms.faults import PHASES
 from diloco.job.train import training_device
-
-pytestmark = pytest.mark.multiproc
 
 
 @pytest.fixture
@@ -32,6 +35,7 @@ def peers(tmp_path):
     group.kill_all()
 
 
+@pytest.mark.multiproc
 @pytest.mark.parametrize("compression", ["fp32", "topk:16/256+s2+ef:0.95"])
 def test_three_peers_train_and_end_bit_identical(peers, compression):
     """3 real peers train 3 rounds together and end with the same global-state digest (SHA-256 over
@@ -65,6 +69,7 @@ def test_three_peers_train_and_end_bit_identical(peers, compression):
         assert r["bits_per_param"] == pytest.approx(expected_bits) if expected_bits else 0 < r["bits_per_param"] < 2
 
 
+@pytest.mark.multiproc
 @pytest.mark.slow  # 30 s; in-process runs are deterministic under their seed too (tests/test_simulate.py)
 def test_two_runs_of_the_same_swarm_reach_the_same_state(tmp_path):
     """The global state depends on data and seeds only, not on the random peer ids that order a
@@ -104,6 +109,7 @@ def _gone(p: psutil.Process) -> bool:
 
 # every phase dies in-process in tests/test_kills.py; with real processes the default run kills at the
 # first and the last phase of a round's protocol, `make test-slow` at every phase
+@pytest.mark.multiproc
 @pytest.mark.parametrize("phase", [p if p in ("gather", "decide") else pytest.param(p, marks=pytest.mark.slow)
                                    for p in PHASES])
 def test_sigkill_mid_round_survivors_commit_next_round(peers, phase):
@@ -144,6 +150,7 @@ def test_sigkill_mid_round_survivors_commit_next_round(peers, phase):
     assert all(_gone(child) for child in alive), alive
 
 
+@pytest.mark.multiproc
 def test_join_with_dead_bootstrap_exits_nonzero_listing_addresses(tmp_path):
     dead = "/ip4/127.0.0.1/tcp/9/p2p/12D3KooWRQPiyGWQQdn3DaPhb84P9MBDWaM43QfaVX9YR9qxStbP"
     proc = subprocess.run([sys.executable, "-m", "diloco", "join", dead, "--rounds", "1", *TINY],
@@ -152,6 +159,16 @@ def test_join_with_dead_bootstrap_exits_nonzero_listing_addresses(tmp_path):
     assert "no bootstrap address answered" in proc.stderr and dead in proc.stderr.replace("\n", "")
 
 
+def _started(*_args: object, **_kwargs: object) -> None:
+    raise AssertionError("the input was accepted: the command went on to start peers")
+
+
+def _invoke(args: list[str], **kwargs: Any) -> Result:
+    """`diloco ARGS` (no `--` in them) in this process, as `main()` runs it."""
+    return CliRunner().invoke(main.app, args, obj={"command": None}, prog_name="diloco", **kwargs)
+
+
+@pytest.mark.unit
 @pytest.mark.parametrize("args, needle", [
     (["start", "--inner-steps", "0"], "inner_steps must be >= 1"),
     (["start", "--compression", "int3"], "unknown stage 'int3'"),
@@ -160,15 +177,21 @@ def test_join_with_dead_bootstrap_exits_nonzero_listing_addresses(tmp_path):
     (["join", "not-an-address"], "is not a swarm address"),
     (["demo", "--peers", "0"], "peers must be between 1 and 16"),
 ])
-def test_bad_cli_input_exits_2_naming_the_fix(args, needle):
+def test_bad_cli_input_exits_2_naming_the_fix(args, needle, monkeypatch, tmp_path):
+    """In this process, as `main()` runs these (no `--` in them): the app's checks refuse the input before
+    any peer starts (past them, a peer would start: here that fails the test at once)."""
+    for name in ("_run_peer", "_launch"):
+        monkeypatch.setattr(main, name, _started)
+    monkeypatch.setattr(demo, "run_demo", _started)
+    monkeypatch.chdir(tmp_path)  # `start` writes its secret file in the working directory once past its checks
     started = time.monotonic()
-    proc = subprocess.run([sys.executable, "-m", "diloco", *args], capture_output=True, text=True, timeout=60,
-                          env={**os.environ, "COLUMNS": "200"})
-    assert proc.returncode == 2, proc.stderr
-    assert needle in proc.stderr
+    out = _invoke(args, env={"COLUMNS": "200"})
+    assert out.exit_code == 2, (out.output, out.exception)
+    assert needle in out.stderr
     assert time.monotonic() - started < 30
 
 
+@pytest.mark.multiproc
 def test_sigterm_leaves_cleanly_and_the_swarm_goes_on(peers):
     """SIGTERM: the peer finishes its round, announces that it leaves, writes its final line, exits 0;
     the remaining peer keeps committing rounds without waiting for it."""
@@ -191,6 +214,7 @@ def test_sigterm_leaves_cleanly_and_the_swarm_goes_on(peers):
     assert alone[0]["seconds"] < 10, alone[0]
 
 
+@pytest.mark.multiproc
 def test_ctrl_c_leaves_cleanly_with_a_final_checkpoint(peers, tmp_path):
     """Ctrl-C in a terminal sends SIGINT to the peer's whole process group. The peer finishes its round,
     writes its final checkpoint, announces that it leaves (its p2pd, in a session of its own, is still
@@ -221,6 +245,7 @@ def test_ctrl_c_leaves_cleanly_with_a_final_checkpoint(peers, tmp_path):
     assert len(peers.lines(1, "round")) == 1
 
 
+@pytest.mark.multiproc
 @pytest.mark.timeout(240)
 def test_a_hung_peer_is_left_out_then_catches_up(peers):
     """One of three peers is frozen (SIGSTOP) for a while. The other two go on
@@ -263,6 +288,7 @@ def test_a_hung_peer_is_left_out_then_catches_up(peers):
     assert frozen and all(r["peers"] == 2 for r in frozen), frozen
 
 
+@pytest.mark.multiproc
 @pytest.mark.timeout(180)
 def test_a_killed_peer_restarts_and_catches_up(peers):
     """SIGKILL one of three peers of a streaming swarm (2 fragments), start
@@ -307,6 +333,7 @@ def test_a_killed_peer_restarts_and_catches_up(peers):
     assert "event=bootstrap_failed" in peers.log(3, whole=True)  # it did try the dead address first
 
 
+@pytest.mark.multiproc
 def test_a_poisoning_peer_is_banned_then_stops_naming_why_and_the_others_go_on(peers):
     """A poisoning peer with real processes: peer 2 contributes its pseudo-gradient x 1e4 from round 1
     (DILOCO_FAULTS=poison@1). The honest two clip it, strike it three times (--ban-after 3) and ban it;
@@ -340,6 +367,7 @@ def _logged_at(line: str) -> float:
     return datetime.strptime(line[:23], "%Y-%m-%d %H:%M:%S,%f").timestamp()
 
 
+@pytest.mark.multiproc
 def test_demo_reports_agreement_memory_and_round_time(tmp_path):
     """`diloco demo` (B6's real-swarm half uses it at 8 peers): the summary says the peers agree, and
     carries each peer's peak resident memory (process and daemon) and the median round time. Every peer
@@ -384,6 +412,7 @@ def test_demo_reports_agreement_memory_and_round_time(tmp_path):
     assert 0 < summary["round_seconds_median"] < 30
 
 
+@pytest.mark.multiproc
 def test_two_regions_of_real_peers_merge_into_one_global_state(peers):
     """Two regions of two `diloco start/join --region` processes each: region rounds inside each region, a
     merge every 2 of them by one representative per region (docs/REGIONS.md). Every peer ends on the same
@@ -416,6 +445,7 @@ def test_two_regions_of_real_peers_merge_into_one_global_state(peers):
     assert merges and all(r["committed"] and r["peers"] == 2 if r["committed"] else r["resynced"] for r in merges)
 
 
+@pytest.mark.multiproc
 def test_four_real_peers_gossip_in_pairs_without_an_all_reduce(peers):
     """Four `diloco start/join --topology gossip` processes (docs/GOSSIP.md): each round every peer averages its
     local parameters with the partner the round number draws for it, and steps its own state. Rounds that met

@@ -6,12 +6,12 @@ test_multiproc.py::test_two_runs_of_the_same_swarm_reach_the_same_state.
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
+from typer.testing import CliRunner
 
+from diloco.cli import main
 from diloco.config import ConfigError, SwarmConfig
+from diloco.sim import simulate as sim
 from diloco.sim.simulate import NetworkModel, project, simulate, step_seconds
 from diloco.bench.convergence import data_parallel
 from diloco.job.train import JobConfig, run_job
@@ -103,14 +103,18 @@ def test_simulate_cli_shows_progress_lines_on_stderr_off_a_terminal_and_none_wit
     assert quiet.exit_code == 0 and quiet.stderr == "" and "held-out loss" in quiet.stdout
 
 
-def test_simulate_cli_rejects_bad_flags_before_running():
+def _ran(*_args: object, **_kwargs: object) -> None:
+    raise AssertionError("the flags were accepted: the simulation went on to run")
+
+
+def test_simulate_cli_rejects_bad_flags_before_running(monkeypatch):
+    monkeypatch.setattr(sim, "simulate", _ran)
     for args, needle in ((["--workers", "2", "--speeds", "1,x"], "--speeds"),
                          (["--workers", "2", "--speeds", "1,1,1"], "one speed per worker"),
                          (["--bandwidth-mbit", "0"], "bandwidth_mbit"),
                          (["-H", "10", "--fragments", "3"], "divisible")):
-        out = subprocess.run([sys.executable, "-m", "diloco", "simulate", *args], capture_output=True, text=True,
-                             timeout=60)
-        assert out.returncode == 2 and needle in out.stderr, (args, out.stderr)
+        out = CliRunner().invoke(main.app, ["simulate", *args])
+        assert out.exit_code == 2 and needle in out.stderr, (args, out.output, out.exception)
 
 
 def test_step_time_is_compute_outside_sync_scaled_by_the_core_share():
@@ -193,12 +197,12 @@ def test_simulate_runs_regions_and_projects_them_onto_links_inside_and_between()
     assert p["wall_seconds"] < flat["projection"]["wall_seconds"], (p, flat["projection"])
 
 
-def test_simulate_with_regions_refuses_what_it_cannot_do_saying_why():
+def test_simulate_with_regions_refuses_what_it_cannot_do_saying_why(monkeypatch):
     for regions, kw, says in ((("eu", "us"), {}, "one per worker"), (("eu", "eu", "eu"), {}, "at least two"),
                               (("eu", "eu", "us"), {"net": NetworkModel(region_links=(("ap", NetworkModel().link(0)),))},
                                "which no worker is in")):
         with pytest.raises(ConfigError, match=says):
             simulate(TINY, 3, regions=regions, **kw)
-    out = subprocess.run([sys.executable, "-m", "diloco", "simulate", "--region-link", "eu:10"], capture_output=True,
-                         text=True, timeout=60)
-    assert out.returncode == 2 and "NAME=MBIT:MS" in out.stderr, out.stderr
+    monkeypatch.setattr(sim, "simulate", _ran)
+    out = CliRunner().invoke(main.app, ["simulate", "--region-link", "eu:10"])
+    assert out.exit_code == 2 and "NAME=MBIT:MS" in out.stderr, (out.output, out.exception)

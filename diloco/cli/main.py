@@ -206,11 +206,11 @@ def join(swarm: SwarmOptions, aggregation: AggregationOptions, peer: PeerOptions
 def _peer(initial: list[str], swarm: SwarmOptions, aggregation: AggregationOptions, peer: PeerOptions,
           job: tuple[Group, ...], out: OutputOptions, ctx: typer.Context) -> None:
     """start and join: this peer trains the bundled job, or runs the user's command as its site's worker."""
-    _setup_logging(peer.verbose)
     command = _command(ctx, peer.max_restarts)
     swarm_cfg, job_cfg = _configs(swarm, aggregation, peer, *job)
     sinks = _sinks(out.tensorboard, out.wandb)
     secret, where = _secret(peer.secret_file, swarm.run_id, create=not initial)
+    _setup_logging(peer.verbose)  # once the input checked: a refused command changes nothing
     if command is not None:
         _launch(initial, command, swarm_cfg, secret, where, host=peer.host, port=peer.port, announce=peer.announce,
                 address_file=peer.address_file, metrics=out.metrics, sinks=sinks, checkpoint_dir=job_cfg.checkpoint_dir,
