@@ -13,7 +13,7 @@ set -euo pipefail
 WHEELS=(hivemind==1.1.12 zstandard configargparse base58 blake3 cffi pycparser cryptography grpcio grpcio-tools
         protobuf mmh3 morphys netaddr prefetch_generator py-cid py-multibase py-multicodec py-multihash pydantic
         pydantic_core annotated-types typing-inspection typing_extensions idna python-baseconv varint pytest-timeout
-        setuptools wheel)
+        six setuptools wheel pip)
 here="$(cd "$(dirname "$0")/.." && pwd)"
 
 wheels() {
@@ -26,6 +26,12 @@ wheels() {
             -c "$here/constraints.txt" "$req" 2>/dev/null \
         || "$pip" wheel -q --no-deps --wheel-dir "$dir" -c "$here/constraints.txt" "$req"
     done
+    # a wheel built here is for any Python only if it is pure: anything else would not install there
+    local tag="cp${py/./}"
+    if ls "$dir" | grep -v -E -- "-(py3|py2\.py3)-none-any\.whl$|-${tag}-|-abi3-|-py3-none-manylinux"; then
+        echo "error: the wheels above are not for Python $py" >&2
+        return 1
+    fi
     du -sh "$dir"
 }
 
@@ -34,19 +40,22 @@ run() {
     mkdir -p "$out"
     python3 -c 'import torch; assert torch.cuda.is_available(), "no CUDA GPU"; print("torch", torch.__version__)'
     # Into the machine's own Python (its torch may live in a venv, which a venv of ours would not see): the
-    # machine is a throwaway one, lent for the run.
+    # machine is a throwaway one, lent for the run. A venv made without pip gets the carried one.
+    python3 -m pip --version > /dev/null 2>&1 || python3 -m ensurepip > /dev/null 2>&1 \
+        || python3 "$(ls "$dir"/pip-*.whl)/pip" install -q --no-index "$dir"/pip-*.whl
     python3 -m pip install -q --no-index --find-links "$dir" "${WHEELS[0]}" zstandard pytest-timeout "setuptools>=77" wheel
     python3 -m pip install -q --no-index --no-deps --no-build-isolation -e "$here"
-    nvidia-smi > "$out/nvidia-smi.txt" 2>&1 || true
+    { nvidia-smi; uname -m; python3 -m pip list; python3 -m pip check; } > "$out/machine.txt" 2>&1 || true
     cd "$here"
-    local rc=0
+    local rc=0  # every step runs whatever the one before did: a lent GPU is rare
     python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py > "$out/test-gpu.txt" 2>&1 || rc=$?
     tail -5 "$out/test-gpu.txt"
-    python3 -m diloco bench transfer --device cuda --json "$out/transfer-gpt.json"
-    python3 -m diloco bench transfer --device cuda --d-model 1024 --layers 24 --json "$out/transfer-gpt-300m.json"
-    python3 -m diloco bench wrapper --device cuda --quiet --json "$out/wrapper.json"
+    python3 -m diloco bench transfer --device cuda --json "$out/transfer-gpt.json" || rc=$?
+    python3 -m diloco bench transfer --device cuda --d-model 1024 --layers 24 --json "$out/transfer-gpt-300m.json" \
+        || rc=$?
+    python3 -m diloco bench wrapper --device cuda --quiet --json "$out/wrapper.json" || rc=$?
     python3 -m diloco bench codecs --device cuda --quiet --size 16777216 --size 67108864 --input demo \
-        --json "$out/codecs.json" > "$out/codecs.md"
+        --json "$out/codecs.json" > "$out/codecs.md" || rc=$?
     return "$rc"
 }
 

@@ -67,6 +67,14 @@ def _crosses(local_params: Sequence[torch.Tensor], device: torch.device) -> bool
     return device.type == "cpu" and any(p.is_cuda for p in local_params)
 
 
+def wait_for_gpus(tensors: Iterable[torch.Tensor]) -> None:
+    """Wait until the work queued on the current stream of every GPU holding one of `tensors` has run: a copy
+    between such a GPU and host memory queued without waiting has landed. (Each GPU's own: waiting for the
+    current device alone misses a model on another GPU.)"""
+    for device in {t.device for t in tensors if t.is_cuda}:
+        torch.cuda.current_stream(device).synchronize()
+
+
 @torch.no_grad()
 def pseudo_gradient(global_params: Sequence[torch.Tensor], local_params: Sequence[torch.Tensor]) -> torch.Tensor:
     """Δ = θ_global − θ_local, flat fp32, where θ_global lives. One allocation: Δ itself. With the model on a GPU
@@ -80,7 +88,7 @@ def pseudo_gradient(global_params: Sequence[torch.Tensor], local_params: Sequenc
     if crossing:
         for out, p in zip(views, local_params):
             out.copy_(p.detach(), non_blocking=True)
-        torch.cuda.synchronize()  # every copy has landed before the host reads them
+        wait_for_gpus(local_params)  # every copy has landed before the host reads them
         for out, g in zip(views, global_params):
             torch.sub(g, out, out=out)
         return delta
@@ -105,7 +113,7 @@ def pseudo_gradient_pieces(global_params: Sequence[torch.Tensor], local_params: 
                 out.copy_(flat_p[lo:hi], non_blocking=crossing)
                 pairs.append((out, flat_g[lo:hi]))
         if crossing:
-            torch.cuda.synchronize()
+            wait_for_gpus(local_params)
         return [torch.sub(g, out, out=out) for out, g in pairs]
 
 
@@ -113,11 +121,13 @@ def pseudo_gradient_pieces(global_params: Sequence[torch.Tensor], local_params: 
 def outer_step(outer: torch.optim.Optimizer, global_params: Sequence[torch.Tensor], aggregate: torch.Tensor,
                lr_scale: float | None = None) -> None:
     """Use the averaged pseudo-gradient as the gradient of θ and step the outer optimizer (at `lr_scale` × its
-    own lr when given: `set_outer_lr`)."""
+    own lr when given: `set_outer_lr`). The optimizer may write the gradients it is given (foreach Nesterov SGD
+    adds its momentum to them in place), and where θ lives with the aggregate they are views of it: a caller
+    that reads the aggregate afterwards passes a copy."""
     if lr_scale is not None:
         set_outer_lr(outer, lr_scale)
     for p, g in zip(global_params, unflatten(aggregate, global_params)):
-        p.grad = g.to(device=p.device)  # a view of the aggregate on the same device: torch optimizers do not write it
+        p.grad = g.to(device=p.device)
     outer.step()
     for p in global_params:
         p.grad = None
@@ -125,15 +135,16 @@ def outer_step(outer: torch.optim.Optimizer, global_params: Sequence[torch.Tenso
 
 @torch.no_grad()
 def copy_into(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor]) -> None:
-    """dst[i] ← src[i], for every i. Copies between host memory and a GPU are queued without waiting, and the GPU
-    is waited for once at the end (not once per tensor): on return every copy has landed, so either side may
+    """dst[i] ← src[i], for every i. Copies between host memory and a GPU are queued without waiting, and the GPUs
+    are waited for once at the end (not once per tensor): on return every copy has landed, so either side may
     change its tensors."""
-    gpu = False
+    gpu: list[torch.Tensor] = []
     for d, s in zip(dst, src):
-        d.copy_(s, non_blocking=True)
-        gpu = gpu or d.is_cuda or s.is_cuda
-    if gpu:
-        torch.cuda.synchronize()
+        crossing = d.is_cuda or s.is_cuda
+        d.copy_(s, non_blocking=crossing)
+        if crossing:
+            gpu.append(d if d.is_cuda else s)
+    wait_for_gpus(gpu)
 
 
 @torch.no_grad()

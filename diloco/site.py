@@ -49,8 +49,7 @@ class Site:
         self.rank = dist.get_rank(group)
         self.size = dist.get_world_size(group)
         self._src = dist.get_global_rank(group, 0) if group is not None else 0
-        self._device = torch.device("cuda", torch.cuda.current_device()) \
-            if dist.get_backend(group) == "nccl" else torch.device("cpu")
+        self._device = _nccl_device(group) if dist.get_backend(group) == "nccl" else torch.device("cpu")
 
     @classmethod
     def detect(cls, group: dist.ProcessGroup | None = None) -> Site | None:
@@ -86,6 +85,14 @@ class Site:
 
     def __repr__(self) -> str:
         return f"Site(rank={self.rank}, size={self.size})"
+
+
+def _nccl_device(group: dist.ProcessGroup | None) -> torch.device:
+    """The GPU this rank's NCCL collectives run on: the one the group is bound to
+    (`init_process_group(device_id=...)`), else the current device (`torch.cuda.set_device`, which NCCL
+    scripts call; without either, every rank would use GPU 0)."""
+    bound = getattr(group if group is not None else dist.group.WORLD, "bound_device_id", None)
+    return bound if isinstance(bound, torch.device) else torch.device("cuda", torch.cuda.current_device())
 
 
 def broadcast_object(obj: Any, src: int, group: dist.ProcessGroup | None, device: torch.device) -> Any:

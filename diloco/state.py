@@ -35,11 +35,23 @@ _DTYPES = {"float32": torch.float32, "float64": torch.float64, "float16": torch.
 
 
 def _host_copy(p: torch.Tensor, device: torch.device | str | None) -> torch.Tensor:
-    """An fp32 copy of `p` on `device` (pinned host memory when that is the CPU and CUDA is available)."""
+    """An fp32 copy of `p` on `device`: in pinned host memory when that is the CPU and `p` is on a GPU (or pinned
+    itself), so copies between them need not stage. A model on the CPU leaves CUDA alone, even where there is one."""
     copy = p.detach().to(device=device if device is not None else p.device, dtype=torch.float32, copy=True)
-    if copy.device.type == "cpu" and torch.cuda.is_available():
+    if copy.device.type == "cpu" and (p.is_cuda or p.is_pinned()):
         copy = copy.pin_memory()
     return copy
+
+
+def pinned(state: GlobalState, outer_factory: OuterFactory) -> GlobalState:
+    """`state` with θ in pinned host memory (the same values and digest), as a model on a GPU wants it; `state`
+    itself when θ is pinned already or not in host memory. A downloaded, resumed or handed-out state arrives in
+    ordinary host memory."""
+    if all(p.is_pinned() or p.device.type != "cpu" for p in state.params):
+        return state
+    tensors, scalars = state.layout()
+    return GlobalState.from_layout([(n, t.pin_memory() if n.startswith("p") else t) for n, t in tensors], scalars,
+                                   state.round, outer_factory)
 
 
 def schema_digest(named_params: Sequence[tuple[str, torch.Tensor]], compression: str) -> str:
@@ -118,7 +130,7 @@ class GlobalState:
     def __init__(self, params: Sequence[torch.Tensor], outer_factory: OuterFactory,
                  device: torch.device | str | None = None) -> None:
         """`device`: where θ and the outer state live (default: where `params` are). The wrapper keeps them
-        in host memory, pinned when CUDA is there, so a model on the GPU pays no GPU memory for them."""
+        in host memory, θ pinned when the model is on a GPU, so the model pays no GPU memory for them."""
         self.params = [_host_copy(p, device) for p in params]
         self.outer = outer_factory(self.params)
         self.round = 0

@@ -78,7 +78,7 @@ from .outer import OuterFactory, copy_into, default_outer, mix_into, outer_step,
     pseudo_gradient_pieces, warmup_scale
 from .shards import ShardedHandoff, SiteShards, is_sharded, local_view
 from .site import Site
-from .state import GlobalState, schema_digest
+from .state import GlobalState, pinned, schema_digest
 from .statesync import Snapshot
 from .swarm import Banned, Swarm
 
@@ -451,6 +451,8 @@ class DiLoCo:
         if self.shards is not None:
             self._incoming = fresh
             return
+        if any(p.is_cuda for p in self.local_params):
+            fresh = pinned(fresh, self._outer_factory)  # θ in host memory for a model on a GPU: pinned
         with self._state_lock:
             self.state = fresh
             self._state_changed()
@@ -846,6 +848,8 @@ class DiLoCo:
                 assert outcome.sent is not None and pending.acc is not None
                 kept.ef.commit(pending.acc, outcome.sent)
             global_frag = self._frag(self.state.params, frag)
+            if self.streaming.outer_overlap == "eager":  # the eager step reads the aggregate again (`outer_step`)
+                aggregate = aggregate.clone()
             with self._state_lock:
                 outer_step(self.state.outer, global_frag, aggregate, self._outer_lr_scale())
                 self.state.round += 1
@@ -932,7 +936,7 @@ class DiLoCo:
 
     def _clone_state(self) -> tuple[list[torch.Tensor], torch.optim.Optimizer]:
         """A private copy of θ and the outer optimizer (for the eager step, which must not touch θ)."""
-        params = [p.detach().clone() for p in self.state.params]
+        params = [torch.empty_like(p, pin_memory=p.is_pinned()).copy_(p) for p in self.state.params]
         outer = self._outer_factory(params)
         outer.load_state_dict(copy.deepcopy(self.state.outer.state_dict()))
         return params, outer

@@ -9,7 +9,7 @@ The same file runs, unchanged:
 
 Under the launcher, `DiLoCo(...)` finds the swarm in the environment (`DILOCO_SWARM`, docs/USAGE.md "Your
 own training script"); under torchrun, the ranks are one worker: rank 0 talks to the swarm, every rank
-ends each round with the same global parameters. With CUDA each rank trains on its GPU, `cuda:LOCAL_RANK`,
+ends each round with the same global parameters. With a GPU per rank, each rank trains on `cuda:LOCAL_RANK`,
 and the site's collectives use NCCL (`--device cpu` keeps it on the CPU with gloo).
 """
 
@@ -35,9 +35,11 @@ def batches(seed: int, size: int = 32):
 
 
 def pick_device(choice: str) -> torch.device:
-    """auto: this rank's GPU (`cuda:LOCAL_RANK`) when torch sees one, else the CPU."""
+    """auto: this rank's GPU (`cuda:LOCAL_RANK`) when there is one for every rank on this machine, else the CPU
+    (every rank decides alike: NCCL for all of them, or gloo)."""
     if choice == "auto":
-        choice = "cuda" if torch.cuda.is_available() else "cpu"
+        ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        choice = "cuda" if torch.cuda.is_available() and ranks_here <= torch.cuda.device_count() else "cpu"
     return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if choice == "cuda" else torch.device("cpu")
 
 
@@ -52,7 +54,8 @@ def main() -> None:
     ap.add_argument("--inner-steps", type=int, default=20, help="H: inner steps per round")
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--seed", type=int, default=None, help="data seed (default: from the process id)")
-    ap.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help="auto: CUDA if there is one")
+    ap.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                    help="auto: a GPU per rank if this machine has enough, else the CPU")
     args = ap.parse_args()
 
     device = pick_device(args.device)

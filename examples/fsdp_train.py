@@ -13,7 +13,7 @@ only, and its shard of the pseudo-gradient reaches the swarm through rank 0 one 
 rank ever holds the whole model's state (docs/SITES.md). The model and data are examples/ddp_train.py's,
 so FSDP2 sites, DDP sites and lone processes of either script train in one swarm. (The model's 64 hidden
 rows do not divide evenly among 3 ranks, and its last layer's one row leaves some ranks an empty shard:
-both are fine.) With CUDA each rank trains on its GPU, `cuda:LOCAL_RANK`, and the site's collectives use
+both are fine.) With a GPU per rank, each rank trains on `cuda:LOCAL_RANK`, and the site's collectives use
 NCCL (`--device cpu` keeps it on the CPU with gloo).
 """
 
@@ -35,7 +35,8 @@ def main() -> None:
     ap.add_argument("--inner-steps", type=int, default=20, help="H: inner steps per round")
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--seed", type=int, default=None, help="data seed (default: from the process id)")
-    ap.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help="auto: CUDA if there is one")
+    ap.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                    help="auto: a GPU per rank if this machine has enough, else the CPU")
     args = ap.parse_args()
 
     device = pick_device(args.device)

@@ -113,6 +113,25 @@ def test_delta_from_the_gpu_and_theta_back_are_exact_and_land_before_the_host_re
     assert all(torch.equal(b, t.to(dtype).float()) for b, t in zip(back, theta))
 
 
+def test_theta_is_pinned_again_after_a_resume_and_a_cpu_model_leaves_it_unpinned(tmp_path):
+    """A resumed (or downloaded) state arrives in ordinary host memory: a GPU model's wrapper pins it again,
+    same digest; a CPU model's θ is never pinned, CUDA or not."""
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    with DiLoCo(model, opt, swarm=None, inner_steps=5, checkpoint_dir=tmp_path) as d:
+        _train(model, opt, _batches(10))
+        assert d.save_checkpoint() is not None
+    again = _model()
+    with DiLoCo(again, torch.optim.AdamW(again.parameters(), lr=3e-3), swarm=None, inner_steps=5,
+                checkpoint_dir=tmp_path) as resumed:
+        assert resumed.resume() and resumed.digest == d.digest
+        assert all(p.is_pinned() for p in resumed.state.params)
+        assert all(torch.equal(p.detach().cpu(), t) for p, t in zip(again.parameters(), resumed.state.params))
+    on_cpu = _model().cpu()
+    with DiLoCo(on_cpu, torch.optim.AdamW(on_cpu.parameters()), swarm=None, inner_steps=5) as lone:
+        assert not any(p.is_pinned() for p in lone.state.params)
+
+
 def test_global_device_cuda_keeps_theta_on_the_gpu_and_steps_it_to_the_same_bits_as_host_memory():
     """Peers of one swarm may choose differently: their global states must not fork over it."""
     data = _batches(30)
@@ -218,9 +237,8 @@ def test_bench_transfer_measures_the_moves_of_a_sync_on_the_gpu_and_labels_it():
     report = transfer_run(TransferSetup(GPTConfig(d_model=64, n_layer=2), device="cuda", repeats=2))
     assert "(cuda:0)" in report["device"] and torch.cuda.get_device_name(0) in report["device"]
     where = {(r["what"].split(" (")[0], r["theta"]) for r in report["rows"]}
-    assert where == {("Δ to host", "pageable host memory"), ("θ to device", "pageable host memory"),
-                     ("Δ to host", "pinned host memory"), ("θ to device", "pinned host memory"),
-                     ("Δ on device", "cuda:0")}
+    assert where == {("Δ to host", "host memory"), ("θ to device", "pageable host memory"),
+                     ("θ to device", "pinned host memory"), ("Δ on device", "cuda:0")}
     assert all(r["ms"] > 0 and r["bytes"] == 4 * report["params"] for r in report["rows"])
 
 

@@ -397,6 +397,25 @@ def test_eager_with_one_worker_and_outer_sgd_is_plain_diloco():
         assert torch.allclose(a, b, rtol=0, atol=1e-6)
 
 
+def test_an_outer_optimizer_that_writes_its_gradients_leaves_the_eager_step_alone():
+    """Foreach Nesterov SGD adds its momentum into the gradients it is given (the aggregate's views): the eager
+    step, which reads that aggregate again, must still see Δ̄, so foreach and the plain loop end on one θ."""
+    data = _batches(7, 4 * H)
+    thetas = []
+    for foreach in (False, True):
+        model = _net()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        outer = (lambda f: lambda ps: torch.optim.SGD(ps, lr=0.7, momentum=0.9, nesterov=True, foreach=f))(foreach)
+        with DiLoCo(model, opt, inner_steps=H, outer_optimizer=outer,
+                    streaming=StreamingConfig(outer_overlap="eager")) as d:
+            for b in data:
+                _step(model, opt, b)
+        assert d.round == 4
+        thetas.append(d.state.params)
+    for a, b in zip(*thetas):
+        assert torch.equal(a, b)
+
+
 def test_delayed_applies_each_aggregate_one_phase_late():
     data = _batches(6, 3 * H)
     model = _net()

@@ -32,6 +32,8 @@ import torch
 
 from diloco.compression.pipeline import Pipeline
 
+from .devices import waiter
+
 DEFAULT_SPECS = (
     "fp32", "fp16", "bf16", "fp16+zstd", "q8", "q8+zstd", "q4", "q2", "s4", "s2", "fp8", "e3m0",
     "topk:64/4096+fp16", "topk:64/4096+s2", "topk:64/4096+s2+idx12", "topk:64/4096+q2", "topk:32/4096+s2",
@@ -119,7 +121,7 @@ def _size_name(n: int) -> str:
 def bench_codecs(specs: list[str], inputs: dict[str, torch.Tensor], repeats: int = 3,
                  progress: Callable[[CodecResult], None] | None = None, device: str = "cpu") -> list[CodecResult]:
     dev = torch.device(device)
-    finish: Callable[[], None] = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+    finish = waiter(dev)
 
     def waited(fn: Callable[[], object]) -> Callable[[], object]:
         def run() -> object:

@@ -6,12 +6,13 @@ model twice: the local parameters to the host to form Δ = θ − θ_local (`out
 after the outer step (`outer.copy_into`, what α = 0 mixing does). The training loop waits for both. This
 measures them with the wrapper's own functions, on tensors shaped like the bundled GPT's parameters:
 
-- `to host`: forming Δ from the device's parameters, θ in pageable or pinned host memory;
-- `to device`: copying θ into the device's parameters;
-- `on device`: forming Δ with θ on the device (`global_device="cuda"`), the figure the copies add to.
+- `Δ to host`: forming Δ in host memory from the device's parameters (into pinned memory, from a GPU);
+- `θ to device`: copying θ into the device's parameters, θ in pageable or (from a GPU's point of view) pinned
+  host memory, as the wrapper keeps it;
+- `Δ on device`: forming Δ with θ on the device (`global_device="cuda"`), the figure the copies add to.
 
 Each figure is the median of `repeats` runs, timed to the device's end (`torch.cuda.synchronize`). On a CPU
-the copies are memcpys of host memory (no pinned rows: pinning needs CUDA).
+the copies are memcpys of host memory (no pinned or on-device rows).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import torch
 
 from ..job.model import GPT, GPTConfig
 from ..outer import copy_into, pseudo_gradient
+from .devices import device_name, gpu, waiter
 
 
 @dataclass(frozen=True)
@@ -56,7 +58,9 @@ def _median_seconds(fn: Callable[[], object], finish: Callable[[], None], repeat
 def run(setup: TransferSetup) -> dict[str, Any]:
     """Rows of (what, where θ is, bytes, median ms, GB/s)."""
     device = torch.device(setup.device)
-    finish: Callable[[], None] = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    if device.type == "cuda":
+        device = torch.device("cuda", gpu(device))  # `cuda` alone: the current GPU, named by its index
+    finish = waiter(device)
     shapes = parameter_shapes(setup.model)
     generator = torch.Generator().manual_seed(0)
     host = [torch.randn(s, generator=generator) for s in shapes]
@@ -64,30 +68,23 @@ def run(setup: TransferSetup) -> dict[str, Any]:
     numel = sum(p.numel() for p in host)
     nbytes = 4 * numel
     homes: list[tuple[str, list[torch.Tensor]]] = [("pageable host memory", [p.clone() for p in host])]
-    if torch.cuda.is_available():
+    if device.type == "cuda":
         homes.append(("pinned host memory", [p.clone().pin_memory() for p in host]))
     rows = []
 
     def row(what: str, theta_in: str, seconds: float) -> None:
         rows.append(dict(what=what, theta=theta_in, bytes=nbytes, ms=seconds * 1e3, gbps=nbytes / seconds / 1e9))
 
+    theta = homes[-1][1]  # where θ lives does not change forming Δ: it is read on the host
+    row("Δ to host (pseudo_gradient)", "host memory", _median_seconds(lambda: pseudo_gradient(theta, local), finish,
+                                                                      setup.repeats))
     for where, theta in homes:
-        row("Δ to host (pseudo_gradient)", where, _median_seconds(lambda: pseudo_gradient(theta, local), finish,
-                                                                  setup.repeats))
         row("θ to device (copy_into)", where, _median_seconds(lambda: copy_into(local, theta), finish, setup.repeats))
     if device.type != "cpu":
         on_device = [p.clone() for p in local]
         row("Δ on device (global_device)", str(device), _median_seconds(lambda: pseudo_gradient(on_device, local),
                                                                         finish, setup.repeats))
     return {"device": device_name(device), "params": numel, "tensors": len(shapes), "rows": rows}
-
-
-def device_name(device: torch.device) -> str:
-    """`cpu`, or the GPU's name and index (`NVIDIA H100 80GB HBM3 (cuda:0)`): how figures are labelled."""
-    if device.type != "cuda":
-        return str(device)
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return f"{torch.cuda.get_device_name(index)} (cuda:{index})"
 
 
 def markdown_table(report: dict[str, Any]) -> str:

@@ -29,6 +29,7 @@ from ..job.corpus import BatchSampler
 from ..job.model import GPTConfig, build_model
 from ..job.train import ADAMW_BETAS, WEIGHT_DECAY, JobConfig, load_corpus
 from ..wrapper import DiLoCo
+from .devices import waiter
 
 Tick = Callable[[float, float, str], None]
 
@@ -67,7 +68,7 @@ def _run(setup: WrapperSetup, h: int | None, corpus: Any) -> dict[str, Any]:
                            num_shards=100_000)
     # the same few batches, already on the device: the loop, not the sampler or the copy, is timed
     batches = [(x.to(device), y.to(device)) for x, y in (sampler.next() for _ in range(16))]
-    finish: Callable[[], None] = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    finish = waiter(device)
     times: list[float] = []
     synced: list[bool] = []
 

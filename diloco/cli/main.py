@@ -467,7 +467,7 @@ def bench_codecs_cmd(
     from rich.console import Console
 
     from ..bench.codecs import DEFAULT_SPECS, CodecResult, bench_codecs, make_inputs, markdown_table, write_json
-    from ..bench.transfer import device_name
+    from ..bench.devices import device_name
     from ..progress import Reporter
     from diloco.compression.pipeline import parse
 
@@ -615,7 +615,7 @@ def bench_wrapper_cmd(
     import torch
     from rich.console import Console
 
-    from ..bench.transfer import device_name
+    from ..bench.devices import device_name
     from ..bench.wrapper import WrapperSetup, markdown_table, run, write_json
     from ..progress import Reporter
 

@@ -299,6 +299,8 @@ def run_job(cfg: JobConfig, swarm: Swarm | None, *, metrics: MetricsWriter | Non
     torch.set_num_threads(cfg.threads)
     corpus = corpus or load_corpus(cfg)
     device = training_device(cfg.device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # what CUDA calls without a device index (and NCCL) use
     model = build_model(GPTConfig(context=cfg.context, d_model=cfg.d_model, n_layer=cfg.n_layer), seed=cfg.seed)
     if cfg.init_from is not None:
         load_weights(model, cfg.init_from)
