@@ -95,9 +95,9 @@ def test_diloco_plot_writes_three_pngs_and_names_bad_input(tmp_path: Path) -> No
     assert sorted(p.name for p in (tmp_path / "plots").iterdir()) == sorted(names)
     assert all(has_colour(pixels(tmp_path / "plots" / n), C0) for n in names)
     missing = CliRunner().invoke(app, ["plot", str(tmp_path / "nope.jsonl")])
-    assert missing.exit_code == 2 and "no such metrics file" in missing.output
+    assert missing.exit_code == 2 and "no such metrics file" in missing.stderr
     wrong = CliRunner().invoke(app, ["plot", str(run), "--metric", "eval_loss", "--out", str(tmp_path / "x")])
-    assert wrong.exit_code == 2 and "--eval-every" in wrong.output
+    assert wrong.exit_code == 2 and "--eval-every" in wrong.stderr
 
 
 def test_without_matplotlib_the_install_line_is_named(tmp_path: Path) -> None:
