@@ -34,11 +34,16 @@ _DTYPES = {"float32": torch.float32, "float64": torch.float64, "float16": torch.
            "bfloat16": torch.bfloat16, "int64": torch.int64, "int32": torch.int32}
 
 
+def is_pinned(t: torch.Tensor) -> bool:
+    """Whether `t` is in pinned host memory, asked without starting CUDA (nothing is pinned before it starts)."""
+    return bool(torch.cuda.is_initialized()) and t.is_pinned()  # type: ignore[no-untyped-call]
+
+
 def _host_copy(p: torch.Tensor, device: torch.device | str | None) -> torch.Tensor:
     """An fp32 copy of `p` on `device`: in pinned host memory when that is the CPU and `p` is on a GPU (or pinned
     itself), so copies between them need not stage. A model on the CPU leaves CUDA alone, even where there is one."""
     copy = p.detach().to(device=device if device is not None else p.device, dtype=torch.float32, copy=True)
-    if copy.device.type == "cpu" and (p.is_cuda or p.is_pinned()):
+    if copy.device.type == "cpu" and (p.is_cuda or is_pinned(p)):
         copy = copy.pin_memory()
     return copy
 
@@ -47,7 +52,7 @@ def pinned(state: GlobalState, outer_factory: OuterFactory) -> GlobalState:
     """`state` with θ in pinned host memory (the same values and digest), as a model on a GPU wants it; `state`
     itself when θ is pinned already or not in host memory. A downloaded, resumed or handed-out state arrives in
     ordinary host memory."""
-    if all(p.is_pinned() or p.device.type != "cpu" for p in state.params):
+    if all(is_pinned(p) or p.device.type != "cpu" for p in state.params):
         return state
     tensors, scalars = state.layout()
     return GlobalState.from_layout([(n, t.pin_memory() if n.startswith("p") else t) for n, t in tensors], scalars,

@@ -78,7 +78,7 @@ from .outer import OuterFactory, copy_into, default_outer, mix_into, outer_step,
     pseudo_gradient_pieces, warmup_scale
 from .shards import ShardedHandoff, SiteShards, is_sharded, local_view
 from .site import Site
-from .state import GlobalState, pinned, schema_digest
+from .state import GlobalState, is_pinned, pinned, schema_digest
 from .statesync import Snapshot
 from .swarm import Banned, Swarm
 
@@ -936,7 +936,7 @@ class DiLoCo:
 
     def _clone_state(self) -> tuple[list[torch.Tensor], torch.optim.Optimizer]:
         """A private copy of θ and the outer optimizer (for the eager step, which must not touch θ)."""
-        params = [torch.empty_like(p, pin_memory=p.is_pinned()).copy_(p) for p in self.state.params]
+        params = [torch.empty_like(p, pin_memory=is_pinned(p)).copy_(p) for p in self.state.params]
         outer = self._outer_factory(params)
         outer.load_state_dict(copy.deepcopy(self.state.outer.state_dict()))
         return params, outer
