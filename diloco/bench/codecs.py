@@ -22,8 +22,6 @@ where the wrapper applies the result.
 from __future__ import annotations
 
 import json
-import statistics
-import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -32,7 +30,7 @@ import torch
 
 from diloco.compression.pipeline import Pipeline
 
-from .devices import waiter
+from .devices import median_time, waiter
 
 DEFAULT_SPECS = (
     "fp32", "fp16", "bf16", "fp16+zstd", "q8", "q8+zstd", "q4", "q2", "s4", "s2", "fp8", "e3m0",
@@ -71,15 +69,6 @@ class CodecResult:
     def row(self) -> dict[str, Any]:
         return {**asdict(self), "encode_x_clone": round(self.encode_x, 2), "decode_x_clone": round(self.decode_x, 2),
                 "roundtrip_x_clone": round(self.encode_x + self.decode_x, 2), "encode_gbps": round(self.encode_gbps, 3)}
-
-
-def _median_time(fn: Callable[[], object], repeats: int) -> tuple[float, object]:
-    times, out = [], None
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        out = fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times), out
 
 
 def demo_pseudo_gradient(steps: int = 25, seed: int = 0) -> torch.Tensor:
@@ -122,23 +111,15 @@ def bench_codecs(specs: list[str], inputs: dict[str, torch.Tensor], repeats: int
                  progress: Callable[[CodecResult], None] | None = None, device: str = "cpu") -> list[CodecResult]:
     dev = torch.device(device)
     finish = waiter(dev)
-
-    def waited(fn: Callable[[], object]) -> Callable[[], object]:
-        def run() -> object:
-            out = fn()
-            finish()
-            return out
-        return run
-
     results = []
     for name, host in inputs.items():
         x = host.to(dev)
-        clone_s, _ = _median_time(waited(lambda: x.clone()), repeats)
+        clone_s, _ = median_time(lambda: x.clone(), repeats, finish)
         for spec in specs:
             pipe = Pipeline(spec)
-            encode_s, payload = _median_time(waited(lambda: pipe.encode(x)), repeats)
+            encode_s, payload = median_time(lambda: pipe.encode(x), repeats, finish)
             assert isinstance(payload, bytes)
-            decode_s, decoded = _median_time(lambda: pipe.decode(payload, x.numel()).dense(x.numel()), repeats)
+            decode_s, decoded = median_time(lambda: pipe.decode(payload, x.numel()).dense(x.numel()), repeats)
             assert isinstance(decoded, torch.Tensor)
             err = float((host - decoded).norm() / host.norm().clamp(min=1e-30))
             r = CodecResult(pipe.name, name, x.numel(), 8 * len(payload) / x.numel(), err, encode_s, decode_s, clone_s,

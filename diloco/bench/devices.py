@@ -1,7 +1,9 @@
-"""The device a benchmark runs on: how its figures are labelled, and how a timing waits for it."""
+"""The device a benchmark runs on: how its figures are labelled, and how a timing on it waits for it."""
 
 from __future__ import annotations
 
+import statistics
+import time
 from typing import Callable
 
 import torch
@@ -26,3 +28,17 @@ def waiter(device: torch.device) -> Callable[[], None]:
         return lambda: None
     index = gpu(device)
     return lambda: torch.cuda.synchronize(index)
+
+
+def median_time(fn: Callable[[], object], repeats: int, finish: Callable[[], None] = lambda: None,
+                warmup: int = 0) -> tuple[float, object]:
+    """The median of `repeats` timings of `fn()` (each ended by `finish()`: `waiter`), after `warmup` untimed
+    runs (allocator, lazy CUDA state); and what the last run returned."""
+    times, out = [], None
+    for k in range(warmup + repeats):
+        started = time.perf_counter()
+        out = fn()
+        finish()
+        if k >= warmup:
+            times.append(time.perf_counter() - started)
+    return statistics.median(times), out

@@ -17,16 +17,16 @@ the copies are memcpys of host memory (no pinned or on-device rows).
 
 from __future__ import annotations
 
-import statistics
-import time
+import json
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable
 
 import torch
 
 from ..job.model import GPT, GPTConfig
 from ..outer import copy_into, pseudo_gradient
-from .devices import device_name, gpu, waiter
+from .devices import device_name, gpu, median_time, waiter
 
 
 @dataclass(frozen=True)
@@ -43,16 +43,6 @@ def parameter_shapes(cfg: GPTConfig) -> list[tuple[int, ...]]:
     with torch.device("meta"):
         meta = GPT(cfg)
     return [tuple(p.shape) for p in meta.parameters() if p.requires_grad]
-
-
-def _median_seconds(fn: Callable[[], object], finish: Callable[[], None], repeats: int) -> float:
-    times = []
-    for _ in range(repeats + 1):  # the first run warms up (allocator, lazy CUDA state) and is not counted
-        started = time.perf_counter()
-        fn()
-        finish()
-        times.append(time.perf_counter() - started)
-    return statistics.median(times[1:])
 
 
 def run(setup: TransferSetup) -> dict[str, Any]:
@@ -72,19 +62,24 @@ def run(setup: TransferSetup) -> dict[str, Any]:
         homes.append(("pinned host memory", [p.clone().pin_memory() for p in host]))
     rows = []
 
-    def row(what: str, theta_in: str, seconds: float) -> None:
+    def row(what: str, theta_in: str, move: Callable[[], object]) -> None:
+        # one untimed run first: the allocator's and CUDA's lazy set-up are no part of a round's cost
+        seconds, _ = median_time(move, setup.repeats, finish, warmup=1)
         rows.append(dict(what=what, theta=theta_in, bytes=nbytes, ms=seconds * 1e3, gbps=nbytes / seconds / 1e9))
 
     theta = homes[-1][1]  # where θ lives does not change forming Δ: it is read on the host
-    row("Δ to host (pseudo_gradient)", "host memory", _median_seconds(lambda: pseudo_gradient(theta, local), finish,
-                                                                      setup.repeats))
-    for where, theta in homes:
-        row("θ to device (copy_into)", where, _median_seconds(lambda: copy_into(local, theta), finish, setup.repeats))
+    row("Δ to host (pseudo_gradient)", "host memory", lambda: pseudo_gradient(theta, local))
+    for where, home in homes:
+        row("θ to device (copy_into)", where, lambda: copy_into(local, home))
     if device.type != "cpu":
         on_device = [p.clone() for p in local]
-        row("Δ on device (global_device)", str(device), _median_seconds(lambda: pseudo_gradient(on_device, local),
-                                                                        finish, setup.repeats))
+        row("Δ on device (global_device)", str(device), lambda: pseudo_gradient(on_device, local))
     return {"device": device_name(device), "params": numel, "tensors": len(shapes), "rows": rows}
+
+
+def write_json(report: dict[str, Any], path: Path, setup: dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"setup": setup, **report}, indent=2) + "\n")
 
 
 def markdown_table(report: dict[str, Any]) -> str:

@@ -25,14 +25,14 @@ from typing import TYPE_CHECKING, Any, Callable, List, NoReturn, Optional
 import typer
 
 from ..config import ConfigError, SwarmConfig
-from ..job.train import JobConfig
+from ..job.train import JobConfig, training_device
 from ..sinks import SinkConfig
 from .demo import DEMO_COMPRESSION, DEMO_JOB
+from .options import (AggregationOptions, Group, JobOptions, ModelOptions, OutputOptions, PeerJobOptions, PeerOptions,
+                      RunOptions, StreamingOptions, SwarmOptions, command, job_config, typer_option)
 
 if TYPE_CHECKING:
     import torch
-from .options import (AggregationOptions, Group, JobOptions, ModelOptions, OutputOptions, PeerJobOptions, PeerOptions,
-                      RunOptions, StreamingOptions, SwarmOptions, command, job_config, typer_option)
 
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__.split("\n\n")[0])
@@ -66,8 +66,6 @@ def _configs(swarm: SwarmOptions, aggregation: AggregationOptions, peer: PeerOpt
 
 def _device(spec: str, flag: str = "--device") -> torch.device:
     """The device a --device option names on this machine; exits 2 saying what to give instead."""
-    from ..job.train import training_device
-
     try:
         return training_device(spec, flag)
     except ConfigError as e:
@@ -652,13 +650,12 @@ def bench_transfer_cmd(
 ) -> None:
     """What a synchronization moves between the model's device and the global state in host memory: Δ to the
     host, θ back (pageable and pinned), against forming Δ on the device."""
-    import json
     import platform
 
     import torch
     from rich.console import Console
 
-    from ..bench.transfer import TransferSetup, markdown_table, run
+    from ..bench.transfer import TransferSetup, markdown_table, run, write_json
     from ..job.model import GPTConfig
 
     if repeats < 1:
@@ -672,10 +669,8 @@ def bench_transfer_cmd(
                                device=str(where), repeats=repeats))
     Console().print(markdown_table(report), markup=False, soft_wrap=True)
     if json_path:
-        json_path.parent.mkdir(parents=True, exist_ok=True)
-        json_path.write_text(json.dumps({"setup": {"d_model": cfg.d_model, "layers": cfg.n_layer, "repeats": repeats,
-                                                   "torch": torch.__version__, "machine": platform.machine()},
-                                         **report}, indent=2) + "\n")
+        write_json(report, json_path, {"d_model": cfg.d_model, "layers": cfg.n_layer, "repeats": repeats,
+                                       "torch": torch.__version__, "machine": platform.machine()})
 
 
 @bench_app.command("overlap")
