@@ -97,6 +97,7 @@ def pseudo_gradient(global_params: Sequence[torch.Tensor], local_params: Sequenc
     return delta
 
 
+@torch.no_grad()
 def pseudo_gradient_pieces(global_params: Sequence[torch.Tensor], local_params: Sequence[torch.Tensor],
                            piece: int = 1 << 24) -> list[torch.Tensor]:
     """`pseudo_gradient` as consecutive pieces of at most `piece` values, each its own allocation, in flat
@@ -104,17 +105,16 @@ def pseudo_gradient_pieces(global_params: Sequence[torch.Tensor], local_params: 
     whole encoding never coexist. From a GPU, as `pseudo_gradient`: pinned pieces, one wait."""
     crossing = bool(global_params) and _crosses(local_params, global_params[0].device)
     pairs = []
-    with torch.no_grad():
-        for g, p in zip(global_params, local_params):
-            flat_g, flat_p = g.reshape(-1), p.detach().reshape(-1)
-            for lo in range(0, flat_g.numel(), piece):
-                hi = min(lo + piece, flat_g.numel())
-                out = torch.empty(hi - lo, dtype=torch.float32, device=g.device, pin_memory=crossing)
-                out.copy_(flat_p[lo:hi], non_blocking=crossing)
-                pairs.append((out, flat_g[lo:hi]))
-        if crossing:
-            wait_for_gpus(local_params)
-        return [torch.sub(g, out, out=out) for out, g in pairs]
+    for g, p in zip(global_params, local_params):
+        flat_g, flat_p = g.reshape(-1), p.detach().reshape(-1)
+        for lo in range(0, flat_g.numel(), piece):
+            hi = min(lo + piece, flat_g.numel())
+            out = torch.empty(hi - lo, dtype=torch.float32, device=g.device, pin_memory=crossing)
+            out.copy_(flat_p[lo:hi], non_blocking=crossing)
+            pairs.append((out, flat_g[lo:hi]))
+    if crossing:
+        wait_for_gpus(local_params)
+    return [torch.sub(g, out, out=out) for out, g in pairs]
 
 
 @torch.no_grad()

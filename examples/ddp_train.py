@@ -43,6 +43,13 @@ def pick_device(choice: str) -> torch.device:
     return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if choice == "cuda" else torch.device("cpu")
 
 
+def start_group(device: torch.device) -> None:
+    """This rank's process group: NCCL on its GPU, or gloo on the CPU."""
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+
+
 def build() -> torch.nn.Module:
     torch.manual_seed(0)  # every site starts from the same weights (joiners download the swarm's anyway)
     return torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.GELU(), torch.nn.Linear(64, 1))
@@ -61,9 +68,7 @@ def main() -> None:
     device = pick_device(args.device)
     distributed = "RANK" in os.environ  # started by torchrun
     if distributed:
-        if device.type == "cuda":
-            torch.cuda.set_device(device)
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+        start_group(device)
     rank = dist.get_rank() if distributed else 0
     model = build().to(device)
     if distributed:

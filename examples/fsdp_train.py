@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 import diloco
-from ddp_train import batches, build, pick_device  # the same model and data as the DDP example (same folder)
+from ddp_train import batches, build, pick_device, start_group  # the same model and data as the DDP example (same folder)
 
 
 def main() -> None:
@@ -45,9 +45,7 @@ def main() -> None:
     if distributed:
         from torch.distributed.fsdp import fully_shard
 
-        if device.type == "cuda":
-            torch.cuda.set_device(device)
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+        start_group(device)
         for layer in model:
             if isinstance(layer, torch.nn.Linear):
                 fully_shard(layer)
