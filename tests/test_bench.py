@@ -7,10 +7,10 @@ import subprocess
 import sys
 
 import pytest
-from typer.testing import CliRunner
+
+from cli_util import invoke, refuse_to_start
 
 from diloco.bench.codecs import CodecResult, bench_codecs, make_inputs
-from diloco.cli import main
 
 pytestmark = pytest.mark.unit
 
@@ -40,11 +40,7 @@ def test_bench_cli_writes_json(tmp_path):
 
 
 def test_bench_cli_names_an_unknown_stage(monkeypatch):
-    monkeypatch.setattr(main, "_device", _ran)  # past its checks: the device, torch's threads, the inputs
-    bad = CliRunner().invoke(main.app, ["bench", "codecs", "--spec", "q3"])
+    refuse_to_start(monkeypatch, "diloco.cli.main._device")  # past its checks: the device, torch's threads, the inputs
+    bad = invoke(["bench", "codecs", "--spec", "q3"])
     assert bad.exit_code == 2 and "unknown stage 'q3'" in bad.stderr, (bad.output, bad.exception)
-
-
-def _ran(*_args: object, **_kwargs: object) -> None:
-    raise AssertionError("the spec was accepted: the benchmark went on to run")
 

@@ -5,11 +5,10 @@ from __future__ import annotations
 import io
 
 import pytest
-from typer.testing import CliRunner
 
-from diloco.bench import convergence
+from cli_util import invoke, refuse_to_start
+
 from diloco.bench.convergence import NAMED, SPARSE, Variant, markdown_table, parse_variant, plots, run
-from diloco.cli import main
 from diloco.progress import Reporter
 from diloco.job.train import JobConfig
 
@@ -56,15 +55,11 @@ def test_variants_against_data_parallel_on_equal_tokens(tmp_path):
 
 
 def test_cli_wants_a_budget_that_every_h_divides_and_names_it_refuses(monkeypatch):
-    monkeypatch.setattr(convergence, "run", _ran)  # past its checks the benchmark would train for minutes
-    out = CliRunner().invoke(main.app, ["bench", "convergence", "--steps", "150"])
+    refuse_to_start(monkeypatch, "diloco.bench.convergence.run")  # past its checks it would train for minutes
+    out = invoke(["bench", "convergence", "--steps", "150"])
     assert out.exit_code == 2 and "multiple of H=100 (DiLoCo H=100)" in out.stderr, (out.output, out.exception)
-    out = CliRunner().invoke(main.app, ["bench", "convergence", "--variant", "h50,outer=1"])
+    out = invoke(["bench", "convergence", "--variant", "h50,outer=1"])
     assert out.exit_code == 2 and "write KNOB=VALUE with KNOB one of H," in out.stderr, (out.output, out.exception)
-
-
-def _ran(*_args: object, **_kwargs: object) -> None:
-    raise AssertionError("the budget was accepted: the benchmark went on to run")
 
 
 def test_variants_by_name_with_knobs_changed():

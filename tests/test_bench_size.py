@@ -11,10 +11,8 @@ import subprocess
 import sys
 
 import pytest
-from typer.testing import CliRunner
 
-from diloco.bench import size
-from diloco.cli import main
+from cli_util import invoke, refuse_to_start
 
 
 @pytest.mark.multiproc
@@ -36,10 +34,6 @@ def test_a_small_size_reports_round_time_bytes_and_memory(tmp_path):
 
 @pytest.mark.unit
 def test_bad_sizes_are_refused_naming_the_format(monkeypatch):
-    monkeypatch.setattr(size, "run", _ran)  # past its checks the benchmark would start peers
-    out = CliRunner().invoke(main.app, ["bench", "size", "--sizes", "lots"])
+    refuse_to_start(monkeypatch, "diloco.bench.size.run")  # past its checks the benchmark would start peers
+    out = invoke(["bench", "size", "--sizes", "lots"])
     assert out.exit_code == 2 and "10M" in out.stderr, (out.output, out.exception)
-
-
-def _ran(*_args: object, **_kwargs: object) -> None:
-    raise AssertionError("the sizes were accepted: the benchmark went on to run")

@@ -6,11 +6,10 @@ from __future__ import annotations
 import subprocess
 
 import pytest
-from typer.testing import CliRunner
 
-from diloco.bench import transport
+from cli_util import invoke, refuse_to_start
+
 from diloco.bench.transport import TransportSetup, daemons_across, loopback, markdown, tcp_copy
-from diloco.cli import main
 
 
 @pytest.mark.parametrize("peers", [2, 3, 5])
@@ -62,13 +61,9 @@ def test_a_loopback_point_times_rounds_of_real_peers_against_plain_tcp():
     (["--rate-mbit", "0"], "--rate-mbit must be > 0"),
 ])
 def test_bad_options_exit_2_naming_the_fix(args, needle, monkeypatch):
-    monkeypatch.setattr(transport, "run", _ran)  # past its checks the benchmark would start peers
-    done = CliRunner().invoke(main.app, ["bench", "transport", *args], env={"COLUMNS": "200"})
+    refuse_to_start(monkeypatch, "diloco.bench.transport.run")  # past its checks the benchmark would start peers
+    done = invoke(["bench", "transport", *args], env={"COLUMNS": "200"})
     assert done.exit_code == 2 and needle in done.stderr, (done.output, done.exception)
-
-
-def _ran(*_args: object, **_kwargs: object) -> None:
-    raise AssertionError("the options were accepted: the benchmark went on to run")
 
 
 def test_the_wan_table_sets_each_round_against_the_rate_plain_tcp_and_the_daemons():

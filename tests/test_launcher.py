@@ -16,16 +16,13 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
 import psutil
 import pytest
-from click.testing import Result
-from typer.testing import CliRunner
 
-from diloco.cli import main
+from cli_util import invoke, refuse_to_start
+
 from diloco.environment import LAUNCH_ID
-from diloco.launcher import split_command
 
 SCRIPT = str(Path(__file__).resolve().parent.parent / "examples" / "ddp_train.py")
 FSDP_SCRIPT = str(Path(SCRIPT).with_name("fsdp_train.py"))  # the same model, sharded by FSDP2 under torchrun
@@ -283,18 +280,6 @@ def test_the_same_script_trains_alone_without_the_launcher():
     assert "done: round 3" in proc.stdout
 
 
-def _started(*_args: object, **_kwargs: object) -> None:
-    raise AssertionError("the input was accepted: the command went on to start")
-
-
-def _invoke(argv: list[str], **kwargs: Any) -> Result:
-    """`diloco ARGS [-- CMD]` in this process, as `main()` runs it past its own check of `--` (that
-    `start` or `join` comes before it)."""
-    args, command = split_command(argv)
-    assert command is None or args[:1] in (["start"], ["join"])  # main() refuses the rest itself: see below
-    return CliRunner().invoke(main.app, args, obj={"command": command}, prog_name="diloco", **kwargs)
-
-
 @pytest.mark.unit
 @pytest.mark.parametrize("args, needle", [
     (["start", "--"], "`--` must be followed by the command to run"),
@@ -306,10 +291,9 @@ def _invoke(argv: list[str], **kwargs: Any) -> Result:
 ])
 def test_bad_launcher_input_exits_2_naming_the_fix_before_anything_starts(tmp_path, monkeypatch, args, needle):
     """In this process (past its checks the command would launch: here that fails the test at once)."""
-    for name in ("_run_peer", "_launch"):
-        monkeypatch.setattr(main, name, _started)
+    refuse_to_start(monkeypatch, "diloco.cli.main._run_peer", "diloco.cli.main._launch")
     monkeypatch.chdir(tmp_path)
-    out = _invoke(args, env={"DILOCO_SECRET": None, "COLUMNS": "200"})
+    out = invoke(args, env={"DILOCO_SECRET": None, "COLUMNS": "200"})
     assert out.exit_code == 2, (out.stdout, out.stderr, out.exception)
     assert needle in out.stderr, out.stderr
     assert not list(tmp_path.iterdir())  # nothing started, nothing written (no secret file either)

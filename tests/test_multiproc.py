@@ -14,16 +14,13 @@ import signal
 import subprocess
 import sys
 import time
-from typing import Any
 
 import psutil
 import pytest
-from click.testing import Result
-from typer.testing import CliRunner
 
+from cli_util import invoke, refuse_to_start
 from multiproc_util import TINY, Peers
 
-from diloco.cli import demo, main
 from diloco.comms.faults import PHASES
 from diloco.job.train import training_device
 
@@ -159,15 +156,6 @@ def test_join_with_dead_bootstrap_exits_nonzero_listing_addresses(tmp_path):
     assert "no bootstrap address answered" in proc.stderr and dead in proc.stderr.replace("\n", "")
 
 
-def _started(*_args: object, **_kwargs: object) -> None:
-    raise AssertionError("the input was accepted: the command went on to start peers")
-
-
-def _invoke(args: list[str], **kwargs: Any) -> Result:
-    """`diloco ARGS` (no `--` in them) in this process, as `main()` runs it."""
-    return CliRunner().invoke(main.app, args, obj={"command": None}, prog_name="diloco", **kwargs)
-
-
 @pytest.mark.unit
 @pytest.mark.parametrize("args, needle", [
     (["start", "--inner-steps", "0"], "inner_steps must be >= 1"),
@@ -180,12 +168,10 @@ def _invoke(args: list[str], **kwargs: Any) -> Result:
 def test_bad_cli_input_exits_2_naming_the_fix(args, needle, monkeypatch, tmp_path):
     """In this process, as `main()` runs these (no `--` in them): the app's checks refuse the input before
     any peer starts (past them, a peer would start: here that fails the test at once)."""
-    for name in ("_run_peer", "_launch"):
-        monkeypatch.setattr(main, name, _started)
-    monkeypatch.setattr(demo, "run_demo", _started)
+    refuse_to_start(monkeypatch, "diloco.cli.main._run_peer", "diloco.cli.main._launch", "diloco.cli.demo.run_demo")
     monkeypatch.chdir(tmp_path)  # `start` writes its secret file in the working directory once past its checks
     started = time.monotonic()
-    out = _invoke(args, env={"COLUMNS": "200"})
+    out = invoke(args, env={"COLUMNS": "200"})
     assert out.exit_code == 2, (out.output, out.exception)
     assert needle in out.stderr
     assert time.monotonic() - started < 30

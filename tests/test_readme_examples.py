@@ -38,10 +38,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from typer.testing import CliRunner
 
-from diloco.cli.main import app
-from diloco.launcher import split_command
+import cli_util
 
 pytestmark = pytest.mark.swarm
 
@@ -162,8 +160,7 @@ RUN_REDUCED = {("diloco", "simulate"): "diloco.sim.simulate.simulate", ("diloco"
 
 def invoke(argv: list[str]) -> Any:
     """`diloco ARGS [-- CMD]` as `diloco.cli.main.main` runs it, in this process."""
-    args, command = split_command(argv[1:])
-    return CliRunner().invoke(app, args, obj={"command": command})
+    return cli_util.invoke(argv[1:])
 
 
 def _command(argv: list[str]) -> tuple[str, ...]:

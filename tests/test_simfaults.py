@@ -11,11 +11,10 @@ import sys
 from dataclasses import replace
 
 import pytest
-from typer.testing import CliRunner
 
-from diloco.cli import main
+from cli_util import invoke, refuse_to_start
+
 from diloco.config import ConfigError, SwarmConfig
-from diloco.sim import simulate as sim
 from diloco.sim.faults import Fault, check_plan, load_plan, parse_fault, random_plan
 from diloco.sim.simulate import Link, NetworkModel, parse_link, project, simulate
 from diloco.job.train import JobConfig
@@ -180,13 +179,9 @@ def test_the_cli_reads_a_plan_and_says_what_fired(tmp_path, monkeypatch):
                           "--link", "0=20:80", "--loss", "0.001"], capture_output=True, text=True, timeout=180)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "fault fired: {'round': 1, 'action': 'kill', 'peer': 2, 'plan_index': 0}" in out.stdout
-    monkeypatch.setattr(sim, "simulate", _ran)  # a bad plan is refused before the simulation (in this process)
-    bad = CliRunner().invoke(main.app, ["simulate", *tiny, "--faults", "random:x"])
+    refuse_to_start(monkeypatch, "diloco.sim.simulate.simulate")  # a bad plan is refused before it (in this process)
+    bad = invoke(["simulate", *tiny, "--faults", "random:x"])
     assert bad.exit_code == 2 and "random:N needs a count" in bad.stderr, (bad.output, bad.exception)
-
-
-def _ran(*_args: object, **_kwargs: object) -> None:
-    raise AssertionError("the plan was accepted: the simulation went on to run")
 
 
 # ---------------------------------------------------------------------- a poisoning worker

@@ -7,11 +7,10 @@ test_multiproc.py::test_two_runs_of_the_same_swarm_reach_the_same_state.
 from __future__ import annotations
 
 import pytest
-from typer.testing import CliRunner
 
-from diloco.cli import main
+from cli_util import invoke, refuse_to_start
+
 from diloco.config import ConfigError, SwarmConfig
-from diloco.sim import simulate as sim
 from diloco.sim.simulate import NetworkModel, project, simulate, step_seconds
 from diloco.bench.convergence import data_parallel
 from diloco.job.train import JobConfig, run_job
@@ -103,17 +102,13 @@ def test_simulate_cli_shows_progress_lines_on_stderr_off_a_terminal_and_none_wit
     assert quiet.exit_code == 0 and quiet.stderr == "" and "held-out loss" in quiet.stdout
 
 
-def _ran(*_args: object, **_kwargs: object) -> None:
-    raise AssertionError("the flags were accepted: the simulation went on to run")
-
-
 def test_simulate_cli_rejects_bad_flags_before_running(monkeypatch):
-    monkeypatch.setattr(sim, "simulate", _ran)
+    refuse_to_start(monkeypatch, "diloco.sim.simulate.simulate")
     for args, needle in ((["--workers", "2", "--speeds", "1,x"], "--speeds"),
                          (["--workers", "2", "--speeds", "1,1,1"], "one speed per worker"),
                          (["--bandwidth-mbit", "0"], "bandwidth_mbit"),
                          (["-H", "10", "--fragments", "3"], "divisible")):
-        out = CliRunner().invoke(main.app, ["simulate", *args])
+        out = invoke(["simulate", *args])
         assert out.exit_code == 2 and needle in out.stderr, (args, out.output, out.exception)
 
 
@@ -203,6 +198,6 @@ def test_simulate_with_regions_refuses_what_it_cannot_do_saying_why(monkeypatch)
                                "which no worker is in")):
         with pytest.raises(ConfigError, match=says):
             simulate(TINY, 3, regions=regions, **kw)
-    monkeypatch.setattr(sim, "simulate", _ran)
-    out = CliRunner().invoke(main.app, ["simulate", "--region-link", "eu:10"])
+    refuse_to_start(monkeypatch, "diloco.sim.simulate.simulate")
+    out = invoke(["simulate", "--region-link", "eu:10"])
     assert out.exit_code == 2 and "NAME=MBIT:MS" in out.stderr, (out.output, out.exception)
