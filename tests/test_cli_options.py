@@ -12,7 +12,7 @@ import typer
 from typer.testing import CliRunner
 
 from diloco.cli import main
-from diloco.cli.demo import DEMO_JOB, DemoConfig, peer_command
+from diloco.cli.demo import DEMO_JOB, DemoConfig, peer_command, peer_device
 from diloco.cli.options import (AggregationOptions, JobOptions, ModelOptions, PeerJobOptions, RunOptions,
                                 SwarmOptions, command, flags, option)
 from diloco.comms import CollectiveConfig
@@ -62,18 +62,31 @@ def test_start_and_join_take_the_same_options():
 
 def test_the_demo_hands_its_peers_flags_that_read_back_to_its_job(monkeypatch, tmp_path):
     job = JobConfig(rounds=3, inner_steps=12, batch_size=4, d_model=32, n_layer=2, outer_lr=0.5, outer_momentum=0.8,
-                    outer_warmup=5, streaming=StreamingConfig(fragments=2, pattern="sequential", overlap=1, alpha=0.5))
+                    outer_warmup=5, seed=7, threads=2, eval_every=2,
+                    streaming=StreamingConfig(fragments=2, pattern="sequential", overlap=1, alpha=0.5))
     cfg = DemoConfig(peers=3, job=job, swarm=SwarmConfig(compression="q8", clip=2.0, trim=0.1, ban_after=5))
     argv = peer_command(cfg, 1, "demo-run", tmp_path, "/ip4/127.0.0.1/tcp/1/p2p/" + "12D3KooW" + "a" * 44)
     assert argv[3:5] == ["join", argv[4]]
     swarm, got = _configs_of(monkeypatch, ["start", *argv[5:]])
-    for f in fields(JobOptions) + fields(ModelOptions):
+    for f in fields(JobOptions) + fields(ModelOptions) + fields(RunOptions):
         assert getattr(got, f.name) == getattr(job, f.name), f.name
     assert got.streaming == job.streaming
     assert (got.shard, got.wait_for) == (1, 3)
     assert (swarm.compression, swarm.clip, swarm.trim, swarm.ban_after, swarm.run_id) == ("q8", 2.0, 0.1, 5, "demo-run")
     assert flags(DEMO_JOB, RunOptions, PeerJobOptions) == []  # at their defaults: nothing to say
     assert flags(JobConfig(resume=True, checkpoint_dir="c"), PeerJobOptions) == ["--checkpoint-dir", "c", "--resume"]
+
+
+def test_the_demo_spreads_its_peers_over_the_gpus_only_for_device_auto(tmp_path):
+    assert [peer_device("auto", i, 2) for i in range(4)] == ["cuda:0", "cuda:1", "cuda:0", "cuda:1"]
+    assert peer_device("auto", 3, 1) == peer_device("auto", 3, 0) == "auto"  # one GPU or none: auto decides
+    assert peer_device("cuda:1", 0, 4) == "cuda:1" and peer_device("cpu", 2, 4) == "cpu"  # a choice is kept
+    argv = peer_command(DemoConfig(peers=3), 2, "demo-run", tmp_path, None, gpus=2)
+    assert argv[argv.index("--device") + 1] == "cuda:0" and argv.count("--device") == 1
+    assert "--device" not in peer_command(DemoConfig(peers=3), 2, "demo-run", tmp_path, None, gpus=1)
+    cpu = DemoConfig(job=JobConfig(device="cpu"))
+    argv = peer_command(cpu, 1, "demo-run", tmp_path, None, gpus=2)
+    assert argv[argv.index("--device") + 1] == "cpu" and argv.count("--device") == 1
 
 
 def test_the_demo_is_the_job_with_its_own_defaults():

@@ -32,7 +32,7 @@ from ..metrics import read_jsonl, read_status
 from ..progress import Reporter
 from ..sinks import SinkConfig
 from .dashboard import PeerView, demo_progress, demo_status, render, summary_table
-from .options import AggregationOptions, JobOptions, ModelOptions, StreamingOptions, flags
+from .options import AggregationOptions, JobOptions, ModelOptions, RunOptions, StreamingOptions, flags
 
 
 DEMO_JOB = JobConfig(rounds=8, inner_steps=25)
@@ -59,18 +59,33 @@ class DemoConfig:
             raise ConfigError(f"peers must be between 1 and 16 on one machine, got {self.peers}")
 
 
+def peer_device(spec: str, index: int, gpus: int) -> str:
+    """The device peer `index` trains on: `--device auto` on a machine with several GPUs spreads the peers over
+    them (peer i on GPU i mod gpus) instead of putting every peer on the first; any other choice is every peer's."""
+    return f"cuda:{index % gpus}" if spec == "auto" and gpus > 1 else spec
+
+
 def peer_command(cfg: DemoConfig, index: int, run_id: str, workdir: Path, bootstrap: str | None,
-                 sinks: SinkConfig = SinkConfig()) -> list[str]:
-    """Peer `index`'s `diloco start/join` command line (each peer logs to TensorBoard and W&B itself)."""
+                 sinks: SinkConfig = SinkConfig(), gpus: int = 0) -> list[str]:
+    """Peer `index`'s `diloco start/join` command line (each peer logs to TensorBoard and W&B itself); `gpus`:
+    how many CUDA GPUs the machine has (`peer_device`)."""
+    device = peer_device(cfg.job.device, index, gpus)
     cmd = [sys.executable, "-m", "diloco"]
     cmd += ["join", bootstrap] if bootstrap else ["start"]
-    cmd += ["--run-id", run_id, *flags(cfg.job, JobOptions, ModelOptions), *flags(cfg.job.streaming, StreamingOptions), *flags(cfg.swarm, AggregationOptions),
+    cmd += ["--run-id", run_id, *flags(cfg.job, JobOptions, ModelOptions, RunOptions), *flags(cfg.job.streaming, StreamingOptions), *flags(cfg.swarm, AggregationOptions),
+            *(["--device", device] if device != cfg.job.device else []),
             "--shard", str(index), "--gather-timeout", "30", "--wait-for", str(cfg.peers),
             "--metrics", str(workdir / f"peer{index}.jsonl"), "--status-file", str(workdir / f"peer{index}.status.json"),
             "--address-file", str(workdir / f"peer{index}.addr"), "--verbose",
             *(["--tensorboard", str(Path(sinks.tensorboard).resolve())] if sinks.tensorboard else []),
             *(["--wandb", sinks.wandb] if sinks.wandb else [])]
     return cmd
+
+
+def _gpus() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
 def _spawn(cmd: list[str], log_path: Path, secret: str) -> subprocess.Popen[bytes]:
@@ -172,10 +187,11 @@ def run_demo(cfg: DemoConfig, *, workdir: Path | None = None, metrics: Path | No
     procs: list[subprocess.Popen[bytes]] = []
     peak_rss = [0.0] * cfg.peers  # MiB, each peer process with its daemon, sampled every 0.5 s
     rep = Reporter.for_command(quiet=quiet, live=live)
+    gpus = _gpus() if cfg.job.device == "auto" else 0
     rep.say(f"diloco demo: {cfg.peers} peers, {cfg.job.rounds} rounds of H={cfg.job.inner_steps}, "
             f"compression {cfg.swarm.compression}{streaming}; logs in {workdir}")
     try:
-        procs.append(_spawn(peer_command(cfg, 0, run_id, workdir, None, sinks), workdir / "peer0.log", secret))
+        procs.append(_spawn(peer_command(cfg, 0, run_id, workdir, None, sinks, gpus), workdir / "peer0.log", secret))
         addr_file = workdir / "peer0.addr"
         while not addr_file.exists():
             if procs[0].poll() is not None or time.monotonic() - started > 120:
@@ -184,7 +200,7 @@ def run_demo(cfg: DemoConfig, *, workdir: Path | None = None, metrics: Path | No
             time.sleep(0.2)
         bootstrap = addr_file.read_text().split()[0]
         for i in range(1, cfg.peers):
-            procs.append(_spawn(peer_command(cfg, i, run_id, workdir, bootstrap, sinks), workdir / f"peer{i}.log",
+            procs.append(_spawn(peer_command(cfg, i, run_id, workdir, bootstrap, sinks, gpus), workdir / f"peer{i}.log",
                                 secret))
         deadline = started + cfg.timeout
         views = _views(procs, workdir)
