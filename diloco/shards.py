@@ -33,9 +33,12 @@ run on the leader's round thread while the other ranks wait in `serve`.
 
 from __future__ import annotations
 
+import atexit
+import functools
 import math
 import sys
 import threading
+import weakref
 from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any, Callable, Iterable, Iterator, NamedTuple, Sequence, cast
@@ -165,6 +168,22 @@ def _tensor_plan(state: GlobalState, m: ShardMap) -> list[tuple[str, torch.Tenso
     return plan
 
 
+_LIVE: weakref.WeakSet[SiteShards] = weakref.WeakSet()
+"""Every SiteShards not yet garbage: their groups are released at exit (`SiteShards.release`)."""
+
+
+def _release_all() -> None:
+    for shards in list(_LIVE):
+        shards.release()
+
+
+@functools.cache
+def _release_at_exit() -> None:
+    """Register `_release_all` with `atexit`, once, when the first SiteShards is made (so that it runs before
+    the exit handlers registered earlier, the script's own among them)."""
+    atexit.register(_release_all)
+
+
 class SiteShards:
     """An FSDP2 site's transfers (see the module docstring); collective: every rank calls each method."""
 
@@ -173,8 +192,10 @@ class SiteShards:
         # Host tensors move over gloo whatever the training backend (NCCL moves GPU tensors only). Every
         # process of the job creates the group (torch.distributed's rule), with the site's ranks in it.
         ranks = None if site.group is None else [dist.get_global_rank(site.group, r) for r in range(site.size)]
-        self.group = dist.new_group(ranks=ranks, backend="gloo")
-        self._global = [dist.get_global_rank(self.group, r) for r in range(site.size)]
+        self._group: dist.ProcessGroup | None = dist.new_group(ranks=ranks, backend="gloo")
+        self._global = [dist.get_global_rank(self._group, r) for r in range(site.size)]
+        _release_at_exit()
+        _LIVE.add(self)
 
     @classmethod
     def build(cls, site: Site, named: Sequence[tuple[str, torch.Tensor]]) -> SiteShards:
@@ -199,6 +220,28 @@ class SiteShards:
         return self.site.leader
 
     # ---------------------------------------------------------------- plumbing
+
+    @property
+    def group(self) -> dist.ProcessGroup:
+        """The site's gloo group (ours: created in `__init__`, let go of in `release`)."""
+        if self._group is None:
+            raise StateError("this site's transfers were released (the process is exiting)")
+        return self._group
+
+    def release(self) -> None:
+        """Destroy the site's gloo group and let go of it, so that its threads are joined now. Runs for every
+        SiteShards still alive when the interpreter exits (`atexit`): a group kept alive by a reference cycle
+        (a wrapper's) outlives `dist.destroy_process_group()` and would otherwise be torn down during interpreter
+        shutdown, when its threads can no longer take the GIL (the rank aborts with SIGABRT, "terminate called
+        without an active exception", and torchrun reports it failed; tests/shard_ranks.py checks none is left)."""
+        group, self._group = self._group, None
+        if group is None:
+            return
+        try:
+            dist.destroy_process_group(group)
+        except ValueError:
+            pass  # torch no longer knows it: `dist.destroy_process_group()` unregistered every group
+        del group  # ours was the last reference: the group's threads are joined here
 
     def _send(self, t: torch.Tensor, rank: int) -> None:
         dist.send(t.contiguous(), dst=self._global[rank], group=self.group)

@@ -1,8 +1,10 @@
 """One rank of a 3-rank FSDP2 site, run by tests/test_shards.py under torchrun (gloo, CPU): every check
-runs on every rank, and rank 0 writes one line per check to the file named by argv[1]."""
+runs on every rank, and rank 0 writes one line per check to the file named by argv[1] (the last one at exit)."""
 
 from __future__ import annotations
 
+import atexit
+import os
 import sys
 import traceback
 from pathlib import Path
@@ -103,11 +105,28 @@ def checks(rank: int, out: Path) -> list[str]:
     return found
 
 
+def _gloo_groups() -> int:
+    """gloo groups alive in this process: each has its own TCP event loop thread."""
+    tasks = Path("/proc/self/task")
+    return sum((tasks / t / "comm").read_text().strip() == "gloo_tcp_loop" for t in os.listdir(tasks))
+
+
+def _check_at_exit(out: Path, world: int) -> None:
+    """After the site's exit handler (registered later, so run earlier): no gloo group of the site is left
+    for interpreter shutdown to tear down (the world group may be: FSDP2 keeps it after it is destroyed)."""
+    left = _gloo_groups()
+    print(f"gloo groups: {world} with the world group, {left} at exit", file=sys.stderr)
+    with out.open("a") as f:
+        f.write(f"\nno site group at exit {left <= world}")
+
+
 def main() -> None:
     out = Path(sys.argv[1])
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank = dist.get_rank()
+    if rank == 0:
+        atexit.register(_check_at_exit, out, _gloo_groups())
     try:
         found = checks(rank, out)
     except BaseException:
