@@ -916,7 +916,8 @@ def bench_transport_cmd(
 
     if part not in ("loopback", "wan", "all"):
         _fail(f"--part must be loopback, wan or all, got {part!r}")
-    if rounds < 1 or any(n < 2 for n in [*peers, *wan_peers]) or any(mb <= 0 for mb in [*payload_mb, wan_payload_mb]):
+    sizes = [*(peers if part != "wan" else []), *(wan_peers if part != "loopback" else [])]  # the parts that run
+    if rounds < 1 or any(n < 2 for n in sizes) or any(mb <= 0 for mb in [*payload_mb, wan_payload_mb]):
         _fail("--rounds must be >= 1, every --peers/--wan-peers >= 2 and every payload > 0")
     if rate_mbit <= 0 or delay_ms < 0:
         _fail("--rate-mbit must be > 0 and --delay-ms >= 0")
