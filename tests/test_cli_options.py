@@ -89,6 +89,18 @@ def test_the_demo_spreads_its_peers_over_the_gpus_only_for_device_auto(tmp_path)
     assert argv[argv.index("--device") + 1] == "cpu" and argv.count("--device") == 1
 
 
+def test_the_demo_takes_the_run_options_and_hands_them_to_its_peers(monkeypatch, tmp_path):
+    demos = []
+    monkeypatch.setattr("diloco.cli.demo.run_demo", lambda cfg, **_: demos.append(cfg) or 0)
+    out = CliRunner().invoke(main.app, ["demo", "--device", "cpu", "--threads", "2", "--seed", "3", "--eval-every", "2"])
+    assert out.exit_code == 0, out.output
+    (cfg,) = demos
+    assert (cfg.job.device, cfg.job.threads, cfg.job.seed, cfg.job.eval_every) == ("cpu", 2, 3, 2)
+    argv = peer_command(cfg, 1, "demo-run", tmp_path, None, gpus=2)  # a choice of device is every peer's
+    assert [argv[argv.index(flag) + 1] for flag in ("--device", "--threads", "--seed", "--eval-every")] == \
+        ["cpu", "2", "3", "2"]
+
+
 def test_the_demo_is_the_job_with_its_own_defaults():
     group = typer.main.get_group(main.app)
     defaults = {p.name: p.default for p in group.commands["demo"].params}
@@ -113,6 +125,7 @@ def test_an_option_declared_twice_is_refused_and_groups_take_only_their_options(
     (["start", "--data-parallel", "-H", "1", "--outer-lr", "0.5"], "leave --outer-lr"),
     (["start", "--device", "cuda:99"], "--device 'cuda:99': this "),  # no CUDA, or fewer than 100 GPUs
     (["simulate", "--device", "gpu"], "--device 'gpu' is not a device: give auto, cpu, cuda or cuda:N"),
+    (["demo", "--device", "cuda:99"], "--device 'cuda:99': this "),
     (["bench", "transfer", "--device", "mps"], "--device 'mps': the bundled job trains on cpu or cuda"),
     (["bench", "wrapper", "--global-device", "cuda:99"], "--global-device 'cuda:99': this "),
 ])

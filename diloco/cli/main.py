@@ -220,10 +220,10 @@ def _peer(initial: list[str], swarm: SwarmOptions, aggregation: AggregationOptio
 
 
 @app.command()
-@command(JobOptions.defaults(rounds=DEMO_JOB.rounds, inner_steps=DEMO_JOB.inner_steps), ModelOptions,
+@command(JobOptions.defaults(rounds=DEMO_JOB.rounds, inner_steps=DEMO_JOB.inner_steps), ModelOptions, RunOptions,
          StreamingOptions, AggregationOptions.defaults(compression=DEMO_COMPRESSION), OutputOptions)
-def demo(job: JobOptions, model: ModelOptions, streaming: StreamingOptions, aggregation: AggregationOptions,
-         out: OutputOptions,
+def demo(job: JobOptions, model: ModelOptions, run: RunOptions, streaming: StreamingOptions,
+         aggregation: AggregationOptions, out: OutputOptions,
          peers: int = typer.Option(4, help="Peers to run on this machine."),
          json_path: Optional[Path] = typer.Option(None, "--json", help="Write the final summary as JSON here."),
          workdir: Optional[Path] = typer.Option(None, help="Keep peers' logs and metrics here (default: a temp dir)."),
@@ -234,7 +234,7 @@ def demo(job: JobOptions, model: ModelOptions, streaming: StreamingOptions, aggr
     from .demo import DemoConfig, run_demo
 
     try:
-        cfg = DemoConfig(peers=peers, job=job_config(job, model, streaming), swarm=aggregation.config())
+        cfg = DemoConfig(peers=peers, job=job_config(job, model, run, streaming), swarm=aggregation.config())
     except ConfigError as e:
         _fail(str(e))
     code = run_demo(cfg, workdir=workdir, metrics=out.metrics, json_path=json_path, live=live, quiet=out.quiet,
