@@ -180,8 +180,17 @@ def _release_all() -> None:
 @functools.cache
 def _release_at_exit() -> None:
     """Register `_release_all` with `atexit`, once, when the first SiteShards is made (so that it runs before
-    the exit handlers registered earlier, the script's own among them)."""
+    the exit handlers registered earlier, the script's own and `weakref.finalize`'s among them)."""
     atexit.register(_release_all)
+
+
+def _destroy(group: dist.ProcessGroup) -> None:
+    """Destroy a gloo group of ours, unless torch already did (`dist.destroy_process_group()` destroys them all);
+    gloo's destruction is local to the rank, no collective."""
+    try:
+        dist.destroy_process_group(group)
+    except ValueError:
+        pass  # torch no longer knows it
 
 
 class SiteShards:
@@ -192,8 +201,12 @@ class SiteShards:
         # Host tensors move over gloo whatever the training backend (NCCL moves GPU tensors only). Every
         # process of the job creates the group (torch.distributed's rule), with the site's ranks in it.
         ranks = None if site.group is None else [dist.get_global_rank(site.group, r) for r in range(site.size)]
-        self._group: dist.ProcessGroup | None = dist.new_group(ranks=ranks, backend="gloo")
-        self._global = [dist.get_global_rank(self._group, r) for r in range(site.size)]
+        group = dist.new_group(ranks=ranks, backend="gloo")
+        self._group: dist.ProcessGroup | None = group
+        self._global = [dist.get_global_rank(group, r) for r in range(site.size)]
+        # Destroyed when this object is garbage, or at exit by `_release_all` (see `release`)
+        self._destroy = weakref.finalize(self, _destroy, group)
+        self._destroy.atexit = False
         _release_at_exit()
         _LIVE.add(self)
 
@@ -223,25 +236,21 @@ class SiteShards:
 
     @property
     def group(self) -> dist.ProcessGroup:
-        """The site's gloo group (ours: created in `__init__`, let go of in `release`)."""
-        if self._group is None:
-            raise StateError("this site's transfers were released (the process is exiting)")
-        return self._group
+        """The site's gloo group (ours: created in `__init__`, destroyed in `release`)."""
+        group = self._group
+        if group is None:
+            raise StateError("this site's gloo group was released (SiteShards.release, which runs at exit)")
+        return group
 
     def release(self) -> None:
-        """Destroy the site's gloo group and let go of it, so that its threads are joined now. Runs for every
-        SiteShards still alive when the interpreter exits (`atexit`): a group kept alive by a reference cycle
-        (a wrapper's) outlives `dist.destroy_process_group()` and would otherwise be torn down during interpreter
-        shutdown, when its threads can no longer take the GIL (the rank aborts with SIGABRT, "terminate called
-        without an active exception", and torchrun reports it failed; tests/shard_ranks.py checks none is left)."""
-        group, self._group = self._group, None
-        if group is None:
-            return
-        try:
-            dist.destroy_process_group(group)
-        except ValueError:
-            pass  # torch no longer knows it: `dist.destroy_process_group()` unregistered every group
-        del group  # ours was the last reference: the group's threads are joined here
+        """Destroy the site's gloo group and let go of it, so that its threads are joined now (it happens, once,
+        when this object is garbage too). Runs for every SiteShards still alive when the interpreter exits
+        (`atexit`): a group kept alive by a reference cycle (a wrapper's) outlives `dist.destroy_process_group()`
+        and would otherwise be torn down during interpreter shutdown, when its threads can no longer take the
+        GIL (the rank aborts with SIGABRT, "terminate called without an active exception", and torchrun reports
+        it failed; tests/shard_ranks.py checks none is left, and that a released group is gone)."""
+        self._group = None
+        self._destroy()
 
     def _send(self, t: torch.Tensor, rank: int) -> None:
         dist.send(t.contiguous(), dst=self._global[rank], group=self.group)

@@ -17,7 +17,7 @@ import diloco
 from diloco.comms.spans import span_bounds
 from diloco.outer import nesterov
 from diloco.shards import ShardedHandoff
-from diloco.state import GlobalState
+from diloco.state import GlobalState, StateError
 
 
 def _model() -> torch.nn.Module:
@@ -102,6 +102,13 @@ def checks(rank: int, out: Path) -> list[str]:
             found.append(f"accepted {needle}")
         except ValueError as err:
             found.append(f"refused {needle} {needle in str(err)}")
+    # the site's gloo group is ours: released, it is destroyed (its threads joined) and refuses further use
+    assert e.shards is not None
+    groups = _gloo_groups()
+    e.shards.release()
+    with pytest.raises(StateError, match="released"):
+        e.shards.all_true(True)
+    found.append(f"released {_gloo_groups() == groups - 1}")
     return found
 
 

@@ -59,6 +59,7 @@ def test_a_loopback_point_times_rounds_of_real_peers_against_plain_tcp():
     (["--part", "sideways"], "--part must be loopback, wan or all"),
     (["--peers", "1"], "every --peers/--wan-peers >= 2"),
     (["--part", "wan", "--wan-peers", "1"], "every --peers/--wan-peers >= 2"),
+    (["--part", "wan", "--wan-payload-mb", "0"], "every payload > 0"),
     (["--rate-mbit", "0"], "--rate-mbit must be > 0"),
 ])
 def test_bad_options_exit_2_naming_the_fix(args, needle, monkeypatch):
@@ -71,7 +72,8 @@ def test_options_of_a_part_that_does_not_run_are_not_checked(monkeypatch):
     setups = []
     monkeypatch.setattr("diloco.bench.transport.run",
                         lambda setup, say: setups.append(setup) or {"setup": {}, "loopback": [], "wan": []})
-    done = invoke(["bench", "transport", "--part", "loopback", "--wan-peers", "1", "--peers", "3"])
+    done = invoke(["bench", "transport", "--part", "loopback", "--wan-peers", "1", "--wan-payload-mb", "0",
+                   "--rate-mbit", "0", "--peers", "3"])
     assert done.exit_code == 0, (done.output, done.exception)
     assert [(s.peers, s.loopback, s.wan) for s in setups] == [((3,), True, False)]
 

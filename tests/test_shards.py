@@ -137,4 +137,5 @@ def test_a_sharded_site_hashes_hands_out_and_checkpoints_its_state_like_a_full_r
     numel = 16 * 64 + 64 + 64 + 1
     assert found == ["start True", "gathered True", "scattered True", "spans True",
                      f"largest {-(-numel // 5)} of {numel}", "handed out True", "resumed True True round 2",
-                     "refused error feedback True", "refused overlap True", "no site group at exit True"], found
+                     "refused error feedback True", "refused overlap True", "released True",
+                     "no site group at exit True"], found

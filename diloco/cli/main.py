@@ -916,13 +916,15 @@ def bench_transport_cmd(
 
     if part not in ("loopback", "wan", "all"):
         _fail(f"--part must be loopback, wan or all, got {part!r}")
-    sizes = [*(peers if part != "wan" else []), *(wan_peers if part != "loopback" else [])]  # the parts that run
-    if rounds < 1 or any(n < 2 for n in sizes) or any(mb <= 0 for mb in [*payload_mb, wan_payload_mb]):
+    loopback, wan = part != "wan", part != "loopback"  # the parts that run: only their options are checked
+    sizes = [*(peers if loopback else []), *(wan_peers if wan else [])]
+    payloads = [*(payload_mb if loopback else []), *([wan_payload_mb] if wan else [])]
+    if rounds < 1 or any(n < 2 for n in sizes) or any(mb <= 0 for mb in payloads):
         _fail("--rounds must be >= 1, every --peers/--wan-peers >= 2 and every payload > 0")
-    if rate_mbit <= 0 or delay_ms < 0:
+    if wan and (rate_mbit <= 0 or delay_ms < 0):
         _fail("--rate-mbit must be > 0 and --delay-ms >= 0")
-    setup = TransportSetup(peers=tuple(peers), payload_mb=tuple(payload_mb), rounds=rounds, wan=part != "loopback",
-                           loopback=part != "wan", wan_peers=tuple(wan_peers), wan_payload_mb=wan_payload_mb,
+    setup = TransportSetup(peers=tuple(peers), payload_mb=tuple(payload_mb), rounds=rounds, wan=wan,
+                           loopback=loopback, wan_peers=tuple(wan_peers), wan_payload_mb=wan_payload_mb,
                            rate_mbit=rate_mbit, delay_ms=delay_ms)
     result = run(setup, say=lambda text: typer.echo(text, err=True))
     typer.echo(markdown(result))
