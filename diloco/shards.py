@@ -205,8 +205,8 @@ class SiteShards:
         self._group: dist.ProcessGroup | None = group
         self._global = [dist.get_global_rank(group, r) for r in range(site.size)]
         # Destroyed when this object is garbage, or at exit by `_release_all` (see `release`)
-        self._destroy = weakref.finalize(self, _destroy, group)
-        self._destroy.atexit = False
+        self._finalizer = weakref.finalize(self, _destroy, group)
+        self._finalizer.atexit = False
         _release_at_exit()
         _LIVE.add(self)
 
@@ -250,7 +250,7 @@ class SiteShards:
         GIL (the rank aborts with SIGABRT, "terminate called without an active exception", and torchrun reports
         it failed; tests/shard_ranks.py checks none is left, and that a released group is gone)."""
         self._group = None
-        self._destroy()
+        self._finalizer()
 
     def _send(self, t: torch.Tensor, rank: int) -> None:
         dist.send(t.contiguous(), dst=self._global[rank], group=self.group)

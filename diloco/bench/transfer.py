@@ -17,9 +17,7 @@ the copies are memcpys of host memory (no pinned or on-device rows).
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Callable
 
 import torch
@@ -75,11 +73,6 @@ def run(setup: TransferSetup) -> dict[str, Any]:
         on_device = [p.clone() for p in local]
         row("Δ on device (global_device)", str(device), lambda: pseudo_gradient(on_device, local))
     return {"device": device_name(device), "params": numel, "tensors": len(shapes), "rows": rows}
-
-
-def write_json(report: dict[str, Any], path: Path, setup: dict[str, Any]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"setup": setup, **report}, indent=2) + "\n")
 
 
 def markdown_table(report: dict[str, Any]) -> str:

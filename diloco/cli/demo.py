@@ -85,7 +85,7 @@ def peer_command(cfg: DemoConfig, index: int, run_id: str, workdir: Path, bootst
 def _gpus() -> int:
     import torch
 
-    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+    return torch.cuda.device_count()  # 0 without CUDA
 
 
 def _spawn(cmd: list[str], log_path: Path, secret: str) -> subprocess.Popen[bytes]:

@@ -655,7 +655,8 @@ def bench_transfer_cmd(
     import torch
     from rich.console import Console
 
-    from ..bench.transfer import TransferSetup, markdown_table, run, write_json
+    from ..bench.transfer import TransferSetup, markdown_table, run
+    from ..bench.wrapper import write_json  # the same report file as bench wrapper's: {"setup": ..., **report}
     from ..job.model import GPTConfig
 
     if repeats < 1:
