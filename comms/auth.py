@@ -43,6 +43,8 @@ from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable
 
+from diloco.compression.errors import ConfigError, DiLoCoError
+
 from .streamgate import StreamGate
 from .tarpit import Tarpit
 from .transport import PeerId, TransportError
@@ -76,7 +78,7 @@ class AuthRefused(TransportError):
             if reason == "unauthorized" else ""))
 
 
-class Refusal(Exception):
+class Refusal(DiLoCoError):
     """A request that must not reach its handler; `reply` is what to send back."""
 
     def __init__(self, reason: str, reply: bytes, detail: str) -> None:
@@ -98,7 +100,7 @@ def check_secret(secret: str) -> bytes:
     """The secret's bytes; raises ValueError naming the fix when it is too short to be a key."""
     raw = secret.strip().encode()
     if len(raw) < MIN_SECRET_BYTES:
-        raise ValueError(f"the swarm secret has {len(raw)} characters, at least {MIN_SECRET_BYTES} are needed; "
+        raise ConfigError(f"the swarm secret has {len(raw)} characters, at least {MIN_SECRET_BYTES} are needed; "
                          "let `diloco start` create one (it writes it to a file) or use a long random string")
     return raw
 

@@ -33,6 +33,8 @@ import os
 import signal
 from typing import TYPE_CHECKING, Callable
 
+from diloco.compression.errors import ConfigError
+
 if TYPE_CHECKING:
     import torch
 
@@ -73,7 +75,7 @@ class FaultPlan(Faults):
                 continue
             phase, _, rnd = where.partition(":")
             if action != "kill" or phase not in PHASES or not rnd.isdigit():
-                raise ValueError(f"bad fault {item!r}; expected kill@PHASE:ROUND with PHASE in {', '.join(PHASES)}, "
+                raise ConfigError(f"bad fault {item!r}; expected kill@PHASE:ROUND with PHASE in {', '.join(PHASES)}, "
                                  "or poison@ROUND")
             self.points.add((phase, int(rnd)))
         self.fired: list[tuple[str, int]] = []

@@ -21,6 +21,7 @@ from typing import Any
 import msgpack
 
 from diloco.compression import PROTOCOL_VERSION
+from diloco.compression.errors import DiLoCoError
 
 MAX_HELLO = 1024  # bytes: a hello is four short fields
 FIELDS = ("protocol", "run_id", "schema")
@@ -37,7 +38,7 @@ REASON = {"protocol": "bad_version", "run_id": "wrong_run", "schema": "wrong_sch
 """The rejection reason a refused handshake is counted under (the frame checks use the same ones)."""
 
 
-class HandshakeError(RuntimeError):
+class HandshakeError(DiLoCoError, RuntimeError):
     """The peer we dialed belongs to another swarm configuration; `field` says which setting differs."""
 
     def __init__(self, field: str, ours: Any, theirs: Any, peer: str) -> None:

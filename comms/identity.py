@@ -24,6 +24,7 @@ from typing import IO, Iterator
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization as ser
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
+from diloco.compression.errors import DiLoCoError
 
 from .transport import PeerId
 
@@ -36,7 +37,7 @@ _IDENTITY_MULTIHASH = b"\x00\x24"  # multihash "identity" (the data itself), 36 
 _B58 = "123456789ABCDEFGHJKLMNPQRSTUVWXYZabcdefghijkmnopqrstuvwxyz"
 
 
-class IdentityError(ValueError):
+class IdentityError(DiLoCoError, ValueError):
     """An identity file that cannot be used; the message names the file and the fix."""
 
 

@@ -29,6 +29,7 @@ from typing import Sequence
 
 import torch
 
+from diloco.compression.errors import ConfigError
 from diloco.compression.pipeline import Decoded
 
 from .reduce import average
@@ -52,15 +53,15 @@ class RobustConfig:
 
     def __post_init__(self) -> None:
         if not (self.clip == 0 or self.clip >= 1) or not math.isfinite(self.clip):
-            raise ValueError(f"clip must be 0 (off) or a finite multiple >= 1 of the median norm, got {self.clip}")
+            raise ConfigError(f"clip must be 0 (off) or a finite multiple >= 1 of the median norm, got {self.clip}")
         if not 0 <= self.trim < 0.5:
-            raise ValueError(f"trim must be in [0, 0.5) (the fraction dropped at each end), got {self.trim}")
+            raise ConfigError(f"trim must be in [0, 0.5) (the fraction dropped at each end), got {self.trim}")
         if not self.strike > 1 or not math.isfinite(self.strike):
-            raise ValueError(f"strike must be a finite multiple > 1 of the median norm, got {self.strike}")
+            raise ConfigError(f"strike must be a finite multiple > 1 of the median norm, got {self.strike}")
         if self.ban_after < 0:
-            raise ValueError(f"ban_after must be >= 0 strikes (0: never ban), got {self.ban_after}")
+            raise ConfigError(f"ban_after must be >= 0 strikes (0: never ban), got {self.ban_after}")
         if not self.max_rms > 0:
-            raise ValueError(f"max_rms must be > 0, got {self.max_rms}")
+            raise ConfigError(f"max_rms must be > 0, got {self.max_rms}")
 
 
 _CHUNK = 1 << 20  # values per float64 piece: the norm's temporary stays 8 MiB whatever the span

@@ -16,6 +16,7 @@ from typing import Iterator, Sequence
 
 import torch
 
+from diloco.compression.errors import ConfigError
 from diloco.compression.pipeline import Decoded, parse
 
 from .robust import RobustConfig
@@ -43,20 +44,20 @@ class CollectiveConfig:
     """Admission bound, clipping, trimmed mean and bans (`comms.robust`)."""
 
     def __post_init__(self) -> None:
-        spec = parse(self.compression)  # raises ValueError naming what is wrong and what is allowed
+        spec = parse(self.compression)  # raises SpecError (a ConfigError) naming what is wrong and what is allowed
         if self.robust.trim and spec.sparsifier is not None:
-            raise ValueError(f"trim (trimmed mean) needs a dense compression pipeline, not {self.compression!r}: "
+            raise ConfigError(f"trim (trimmed mean) needs a dense compression pipeline, not {self.compression!r}: "
                              "sparse contributions hold different coordinates; use clip instead")
         for name in ("gather_timeout", "reduce_timeout", "result_timeout", "call_timeout"):
             if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be > 0 seconds, got {getattr(self, name)}")
+                raise ConfigError(f"{name} must be > 0 seconds, got {getattr(self, name)}")
         if self.result_timeout <= self.reduce_timeout:
-            raise ValueError(
+            raise ConfigError(
                 f"result_timeout ({self.result_timeout}) must exceed reduce_timeout ({self.reduce_timeout}) "
                 "so that owners' results can arrive after they close their reduce"
             )
         if self.min_peers < 1:
-            raise ValueError(f"min_peers must be >= 1, got {self.min_peers}")
+            raise ConfigError(f"min_peers must be >= 1, got {self.min_peers}")
 
 
 @dataclass

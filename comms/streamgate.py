@@ -31,6 +31,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Iterator
 
+from diloco.compression.errors import DiLoCoError
+
 log = logging.getLogger(__name__)
 
 
@@ -50,7 +52,7 @@ CUTS = ("slow_head", "too_many_streams")
 """Why the gate closes a stream (counted with the credential check's refusals)."""
 
 
-class Cut(Exception):
+class Cut(DiLoCoError):
     """A stream the gate closes: `reason` is `too_many_streams` or `slow_head`."""
 
     def __init__(self, reason: str, detail: str) -> None:

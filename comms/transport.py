@@ -20,6 +20,8 @@ import asyncio
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Awaitable, Callable, NewType, Optional, Protocol
 
+from diloco.compression.errors import DiLoCoError
+
 if TYPE_CHECKING:
     from .auth import Guard
 
@@ -27,7 +29,7 @@ PeerId = NewType("PeerId", str)
 Handler = Callable[[PeerId, bytes], Awaitable[bytes]]
 
 
-class TransportError(Exception):
+class TransportError(DiLoCoError):
     """A call could not be completed: the peer is unreachable, gone, too slow, or refused."""
 
 

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import enum
 
-__all__ = ["Reason", "PayloadRejected"]
+__all__ = ["ConfigError", "DiLoCoError", "PayloadRejected", "Reason", "SpecError", "UsageError"]
 
 
 class Reason(str, enum.Enum):
@@ -83,7 +83,30 @@ class Reason(str, enum.Enum):
         return self.value
 
 
-class PayloadRejected(Exception):
+class DiLoCoError(Exception):
+    """The root of every exception diloco raises on purpose: `except diloco.DiLoCoError` catches a wrong setting,
+    a refused handshake, a swarm that could not be joined, a damaged checkpoint, a payload refused, …
+
+    It lives on the lowest floor (this package imports nothing of ours) so that every floor above can derive
+    from it. Most classes beneath it also keep the standard base they always had (`ConfigError` is still a
+    `ValueError`, `SwarmError` a `RuntimeError`), so code that caught those goes on catching them."""
+
+
+class ConfigError(DiLoCoError, ValueError):
+    """A setting is invalid; the message names the field, the constraint and the fix."""
+
+
+class UsageError(DiLoCoError, RuntimeError):
+    """A call the object's current setup does not allow (`DiLoCo.sync()` with a whole outer step overlapped, a
+    callback used outside its Trainer); the message says what to call instead."""
+
+
+class SpecError(ConfigError):
+    """A compression spec string that cannot be used (an unknown codec, a bad argument): the message names the
+    part and a spec that works."""
+
+
+class PayloadRejected(DiLoCoError):
     """Bytes from the network failed validation.
 
     Attributes:

@@ -36,7 +36,7 @@ import torch
 import zstandard
 
 from .codecs import Codec, get_codec
-from .errors import PayloadRejected, Reason
+from .errors import PayloadRejected, Reason, SpecError
 from .indexcode import INDEX_CODECS
 from .quant import QUANTIZERS
 from .sparse import ChunkSpec, randk_select, topk_select
@@ -77,7 +77,7 @@ class Spec:
 def _value_codec(name: str, args: list[str]) -> Codec:
     if name in _BASE_CODECS:
         if args:
-            raise ValueError(f"{name} takes no arguments, got {':'.join(args)!r}")
+            raise SpecError(f"{name} takes no arguments, got {':'.join(args)!r}")
         return get_codec(name)
     return QUANTIZERS[name](args)
 
@@ -87,10 +87,21 @@ def value_codec_names() -> tuple[str, ...]:
 
 
 def parse(text: str) -> Spec:
-    """Parse a spec string; raises ValueError that says what is wrong and what is allowed."""
+    """Parse a spec string; raises `SpecError` (a ValueError) that says what is wrong and what is allowed."""
+    try:
+        return _parse(text)
+    except SpecError:
+        raise
+    except (ValueError, TypeError) as e:  # a stage's own argument checks (quantizers, chunk specs)
+        raise SpecError(f"compression spec {text!r}: {e}") from e
+
+
+def _parse(text: str) -> Spec:
+    if not isinstance(text, str):
+        raise SpecError(f"a compression spec is a string such as 'fp16', got {type(text).__name__}")
     raw = text.strip()
     if not raw:
-        raise ValueError("empty compression spec; try 'fp16' or 'topk:64/4096+s2+ef:0.95'")
+        raise SpecError("empty compression spec; try 'fp16' or 'topk:64/4096+s2+ef:0.95'")
     if raw == "none":
         raw = "fp32"
     value = sparsifier = index = None
@@ -101,12 +112,12 @@ def parse(text: str) -> Spec:
         kind = ("value" if name in value_codec_names() else "sparsifier" if name in ("topk", "randk")
                 else "index" if name in INDEX_CODECS else name)
         if kind not in ("value", "sparsifier", "index", "zstd", "ef"):
-            raise ValueError(
+            raise SpecError(
                 f"unknown stage {name!r} in {text!r}; stages: value codecs ({', '.join(value_codec_names())}), "
                 "topk:K/C, randk:K/C, index codes (" + ", ".join(INDEX_CODECS) + "), zstd[:LEVEL], ef:BETA"
             )
         if kind in seen:
-            raise ValueError(f"two {kind} stages in {text!r}; use at most one of each")
+            raise SpecError(f"two {kind} stages in {text!r}; use at most one of each")
         seen.add(kind)
         if kind == "value":
             value = _value_codec(name, args).name
@@ -115,27 +126,27 @@ def parse(text: str) -> Spec:
             sparsifier = name
         elif kind == "index":
             if args:
-                raise ValueError(f"index code {name} takes no arguments")
+                raise SpecError(f"index code {name} takes no arguments")
             index = name
         elif kind == "zstd":
             zstd_level = _parse_int("zstd level", args[0], 1, 19) if args else 3
             if len(args) > 1:
-                raise ValueError("zstd takes one argument, the level (1-19)")
+                raise SpecError("zstd takes one argument, the level (1-19)")
         else:
             if len(args) != 1:
-                raise ValueError("ef takes one argument, the decay, e.g. ef:0.95")
+                raise SpecError("ef takes one argument, the decay, e.g. ef:0.95")
             try:
                 ef = float(args[0])
             except ValueError:
-                raise ValueError(f"ef decay must be a number in (0, 1], got {args[0]!r}") from None
+                raise SpecError(f"ef decay must be a number in (0, 1], got {args[0]!r}") from None
             if not 0 < ef <= 1:
-                raise ValueError(f"ef decay must be in (0, 1], got {ef}")
+                raise SpecError(f"ef decay must be in (0, 1], got {ef}")
     if index is not None and sparsifier != "topk":
-        raise ValueError(f"index code {index!r} only applies to topk (randk sends a seed instead of indices)")
+        raise SpecError(f"index code {index!r} only applies to topk (randk sends a seed instead of indices)")
     if sparsifier == "topk" and index is None:
         index = "rice"
     if index == "idx12" and chunk is not None and chunk.chunk > 4096:
-        raise ValueError(f"idx12 packs 12-bit local indices: chunk must be <= 4096, got {chunk.chunk}")
+        raise SpecError(f"idx12 packs 12-bit local indices: chunk must be <= 4096, got {chunk.chunk}")
     value = value or "fp32"
     parts = [f"{sparsifier}:{chunk.k}/{chunk.chunk}"] if sparsifier and chunk else []
     parts += [value] + ([index] if index else []) + ([f"zstd:{zstd_level}"] if zstd_level else [])
@@ -145,13 +156,13 @@ def parse(text: str) -> Spec:
 
 def _parse_int(what: str, text: str, lo: int, hi: int) -> int:
     if not text.isdigit() or not lo <= int(text) <= hi:
-        raise ValueError(f"{what} must be an integer in [{lo}, {hi}], got {text!r}")
+        raise SpecError(f"{what} must be an integer in [{lo}, {hi}], got {text!r}")
     return int(text)
 
 
 def _parse_chunk(name: str, args: list[str]) -> ChunkSpec:
     if len(args) != 1 or "/" not in args[0]:
-        raise ValueError(f"{name} needs K/C, e.g. {name}:64/4096 (keep 64 of every 4096 values)")
+        raise SpecError(f"{name} needs K/C, e.g. {name}:64/4096 (keep 64 of every 4096 values)")
     k, c = args[0].split("/", 1)
     chunk = _parse_int(f"{name} chunk C", c, 1, 65536)
     return ChunkSpec(_parse_int(f"{name} K", k, 1, chunk), chunk)

@@ -12,7 +12,8 @@ hivemind peer-to-peer swarm and apply them with an outer Nesterov optimizer. See
 from . import credentials
 from .accounting import Usage
 from .comms.hello import HandshakeError
-from .config import ConfigError, SwarmConfig
+from .compression.errors import ConfigError, DiLoCoError, SpecError, UsageError
+from .config import SwarmConfig
 from .fragments import FragmentError, StreamingConfig
 from .outer import nesterov
 from .swarm import Banned, Swarm, SwarmError
@@ -20,5 +21,6 @@ from .wrapper import DiLoCo, RoundReport
 
 __version__ = "0.1.0"
 
-__all__ = ["Banned", "ConfigError", "DiLoCo", "FragmentError", "HandshakeError", "RoundReport",
-           "StreamingConfig", "Swarm", "SwarmConfig", "SwarmError", "Usage", "credentials", "nesterov", "__version__"]
+__all__ = ["Banned", "ConfigError", "DiLoCo", "DiLoCoError", "FragmentError", "HandshakeError", "RoundReport", "SpecError",
+           "StreamingConfig", "Swarm", "SwarmConfig", "SwarmError", "Usage", "UsageError", "credentials", "nesterov",
+           "__version__"]

@@ -71,6 +71,8 @@ from pathlib import Path
 from types import ModuleType
 from typing import IO, TYPE_CHECKING, Any, Callable, Mapping
 
+from .compression.errors import DiLoCoError
+
 if TYPE_CHECKING:
     import numpy as np
     import numpy.typing as npt
@@ -95,7 +97,7 @@ _TMP_RE = re.compile(r"^\.tmp-[a-z]+-\d+-(\d+)-[0-9a-f]+$")
 _OS_ERROR_RE = re.compile(r"\(os error (\d+)\)")
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(DiLoCoError, RuntimeError):
     """A checkpoint cannot be written or read; the message says what is wrong and what to do."""
 
 

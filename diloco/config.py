@@ -13,13 +13,9 @@ from diloco.comms import CollectiveConfig, PeerId
 from diloco.comms.auth import Guard, check_secret
 from diloco.comms.identity import public_key_of
 from diloco.comms.robust import RobustConfig
+from diloco.compression.errors import ConfigError as ConfigError  # re-exported: settings errors are raised here
 from diloco.compression.pipeline import parse as parse_compression
 from diloco.peers.records import REGION
-
-
-class ConfigError(ValueError):
-    """A setting is invalid; the message names the field, the constraint and the fix."""
-
 
 _ROUND, _ROBUST = CollectiveConfig(), RobustConfig()  # the round's defaults are declared there, once
 

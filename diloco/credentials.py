@@ -13,13 +13,14 @@ import stat
 from pathlib import Path
 
 from diloco.comms.auth import check_secret, new_secret
+from diloco.compression.errors import DiLoCoError
 
 log = logging.getLogger(__name__)
 
 ENV = "DILOCO_SECRET"
 
 
-class CredentialError(ValueError):
+class CredentialError(DiLoCoError, ValueError):
     """No usable secret; the message says where one was looked for and how to provide it."""
 
 

@@ -23,12 +23,14 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Sequence
 
+from .compression.errors import ConfigError
+
 PATTERNS = ("strided", "sequential")
 OVERLAP_MODES = ("none", "delayed", "eager")
 _BLOCK = re.compile(r"^(?:(.*?)\.)?(\d+)(?:\.|$)")  # "blocks.3.attn.w" -> ("blocks", "3"); "0.weight" -> (None, "0")
 
 
-class FragmentError(ValueError):
+class FragmentError(ConfigError):
     """The streaming settings do not fit the model or each other; the message says how to fix them."""
 
 
@@ -171,7 +173,7 @@ def parse_h_schedule(text: str) -> HSchedule:
                 raise ValueError
             pairs.append((int(after), int(h)))
         except ValueError:
-            raise ValueError(f"H schedule {text!r}: write ROUNDS:H pairs, e.g. '80:10' (after 80 rounds, H=10) or "
+            raise FragmentError(f"H schedule {text!r}: write ROUNDS:H pairs, e.g. '80:10' (after 80 rounds, H=10) or "
                              f"'80:10,95:5'; {part!r} is not one") from None
     check_h_schedule(tuple(pairs))
     return tuple(pairs)

@@ -33,6 +33,7 @@ try:
 except ImportError as e:
     raise ImportError(f'diloco.hf needs transformers, which is not installed ({e}): pip install "diloco[hf]"') from e
 
+from .compression.errors import UsageError
 from .wrapper import DiLoCo
 
 
@@ -48,7 +49,7 @@ class DiLoCoCallback(TrainerCallback):
     def on_train_begin(self, args: Any, state: Any, control: Any, *, model: Any = None, optimizer: Any = None,
                        **_: Any) -> None:
         if model is None or optimizer is None:
-            raise RuntimeError("DiLoCoCallback needs the Trainer's model and optimizer when training begins; "
+            raise UsageError("DiLoCoCallback needs the Trainer's model and optimizer when training begins; "
                                "pass it in Trainer(callbacks=[...]) rather than calling it yourself")
         self.diloco = DiLoCo(model, optimizer, inner_steps=self.inner_steps, **self.kwargs)
         self.diloco.attach()

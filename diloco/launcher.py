@@ -30,13 +30,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+from .compression.errors import DiLoCoError
 from .environment import LAUNCH_ID, Launch, read_lines
 from .peers.reaper import Reaper, kill_tagged
 
 SEPARATOR = "--"
 
 
-class LaunchError(ValueError):
+class LaunchError(DiLoCoError, ValueError):
     """The command or the launcher's options are unusable; the message names the fix."""
 
 

@@ -27,12 +27,14 @@ from pathlib import Path
 from typing import Any, Mapping, Protocol, Sequence
 from urllib.parse import urlparse
 
+from .compression.errors import DiLoCoError
+
 log = logging.getLogger(__name__)
 
 INSTALL = {"tensorboard": 'pip install "diloco[tensorboard]"', "wandb": 'pip install "diloco[wandb]"'}
 
 
-class SinkError(RuntimeError):
+class SinkError(DiLoCoError, RuntimeError):
     """A sink cannot be used; the message says why and what to do."""
 
 

@@ -32,12 +32,14 @@ from typing import Any, Callable, TypeVar
 import torch
 import torch.distributed as dist
 
+from .compression.errors import DiLoCoError
+
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
 
-class SiteError(RuntimeError):
+class SiteError(DiLoCoError, RuntimeError):
     """The site's leader failed at a decision point; its error, as this rank heard it."""
 
 

@@ -28,6 +28,7 @@ from typing import Any, Iterator, Sequence
 import msgpack
 import torch
 
+from .compression.errors import DiLoCoError
 from .outer import OuterFactory
 
 _DTYPES = {"float32": torch.float32, "float64": torch.float64, "float16": torch.float16,
@@ -68,7 +69,7 @@ def schema_digest(named_params: Sequence[tuple[str, torch.Tensor]], compression:
     return h.hexdigest()[:16]
 
 
-class StateError(ValueError):
+class StateError(DiLoCoError, ValueError):
     """Downloaded state does not fit this model (shape, dtype, count) or is malformed."""
 
 

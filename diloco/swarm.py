@@ -54,6 +54,7 @@ from .config import SwarmConfig
 from .gossip import group_of, group_tag, round_to_run
 from .state import Manifest, Receiver, StateError
 from .statesync import NOT_HELD, NotHeld, Progress, Snapshot, download, serve_chunk, serve_manifest
+from diloco.compression.errors import DiLoCoError
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +62,7 @@ SnapshotProvider = Callable[[str], "Snapshot | None"]  # digest -> the snapshot 
 JOIN_PASSES, JOIN_PAUSE = 3, 2.0  # tries of every bootstrap address, and the growing pause between passes
 
 
-class SwarmError(RuntimeError):
+class SwarmError(DiLoCoError, RuntimeError):
     """The swarm could not be started or joined; the message says what was tried and what to do."""
 
 

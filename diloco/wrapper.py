@@ -68,7 +68,7 @@ from . import persist
 from .accounting import Accounting, Usage
 from .catchup import CatchUp
 from .checkpoint import CheckpointError
-from .config import ConfigError
+from .compression.errors import ConfigError, UsageError
 from .environment import WAIT_TIMEOUT, Launch
 from .gossip import Gossip
 from .metrics import close_launched
@@ -268,7 +268,7 @@ class DiLoCo:
         swarm_cfg = self.swarm.cfg if self.swarm is not None else self.launch.swarm if self.launch else None
         spec = parse(swarm_cfg.compression if swarm_cfg is not None else compression or "fp32")
         if swarm_cfg is not None and compression is not None and parse(compression).text != spec.text:
-            raise ValueError(f"compression={compression!r} differs from the swarm's {spec.text!r}; "
+            raise ConfigError(f"compression={compression!r} differs from the swarm's {spec.text!r}; "
                              "set it once, in SwarmConfig(compression=...)")
         self.compression = spec.text
         self._outer_factory = outer_optimizer or default_outer(spec.ef is not None)
@@ -368,7 +368,7 @@ class DiLoCo:
         if self.global_device.type != "cpu":
             why.append(f"global_device={self.global_device}: keep θ in host memory (the default)")
         if why:
-            raise ValueError("an FSDP2 site (sharded parameters) does not support " + "; ".join(why))
+            raise ConfigError("an FSDP2 site (sharded parameters) does not support " + "; ".join(why))
         return SiteShards.build(self.site, named)
 
     # ------------------------------------------------------------------ attaching to the loop
@@ -589,12 +589,12 @@ class DiLoCo:
         """Synchronize the next fragment now and wait for its result (τ is not waited out).
 
         Raises:
-            RuntimeError: with `outer_overlap`, whose rounds complete at the next slot (call `flush()`).
+            UsageError: with `outer_overlap`, whose rounds complete at the next slot (call `flush()`).
             Banned: most members of the last round banned this peer; it must stop (the CLI exits 1).
         A round that fails is not raised: the report says why (`RoundReport.reason`), and the next slot
         retries it."""
         if self.streaming.outer_overlap != "none":
-            raise RuntimeError("with outer_overlap the rounds complete at the next synchronization slot; "
+            raise UsageError("with outer_overlap the rounds complete at the next synchronization slot; "
                                "call flush() to apply the exchange in flight")
         self.flush()
         report = self._launch(force_complete=True)
@@ -1015,7 +1015,7 @@ class DiLoCo:
         docs/CHECKPOINTS.md). A failure (disk full, …) is logged and training goes on; returns the path."""
         target = Path(root) if root is not None else self.checkpoint_dir
         if target is None:
-            raise ValueError("no checkpoint directory: pass root or DiLoCo(checkpoint_dir=...)")
+            raise ConfigError("no checkpoint directory: pass root or DiLoCo(checkpoint_dir=...)")
         state: GlobalState | None = self.state
         if self.shards is not None:  # every rank sends its pieces; the leader writes the whole state
             state = self.shards.gather_state(self.state, self._outer_factory)
@@ -1050,7 +1050,7 @@ class DiLoCo:
     def _resume(self, root: str | os.PathLike[str] | None = None) -> bool:
         target = Path(root) if root is not None else self.checkpoint_dir
         if target is None:
-            raise ValueError("no checkpoint directory: pass root or DiLoCo(checkpoint_dir=...)")
+            raise ConfigError("no checkpoint directory: pass root or DiLoCo(checkpoint_dir=...)")
         sizes = [f.numel for f in self.fragments] if self._error_feedback else None
         like = self.state.params if self.shards is None else [torch.empty(s) for s in self.shards.map.shapes]
         got = persist.read(target, like, self._outer_factory, sizes, self.schema)

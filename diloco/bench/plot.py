@@ -17,10 +17,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
+from ..compression.errors import DiLoCoError
+
 INSTALL_HINT = 'pip install "diloco[plot]"'
 
 
-class PlotError(RuntimeError):
+class PlotError(DiLoCoError, RuntimeError):
     """A plot cannot be drawn; the message says why and what to do."""
 
 

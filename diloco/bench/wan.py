@@ -101,7 +101,9 @@ _netem_probe: bool | None = None
 
 
 class WanError(RuntimeError):
-    """Building, using or tearing down a WAN lab failed; the message says what and how to fix it."""
+    """Building, using or tearing down a WAN lab failed; the message says what and how to fix it. Not beneath
+    `DiLoCoError`: this file also runs as a standalone script (the lab's forwarder, `python -I wan.py _switch`)
+    that imports nothing of the package, so a lab starts without importing torch."""
 
 
 # --------------------------------------------------------------------------------------- checks

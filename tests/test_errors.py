@@ -1,0 +1,63 @@
+"""One exception root: every exception class the package defines derives from `diloco.DiLoCoError`, and the
+classes keep the standard bases users caught before (a `ConfigError` is still a `ValueError`)."""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+
+import pytest
+import torch
+
+import diloco
+from diloco.compression.errors import DiLoCoError
+
+from test_layering import modules
+
+pytestmark = pytest.mark.unit
+
+OUTSIDE = {
+    "diloco.sim.faults.Killed": "a simulated SIGKILL: a BaseException, so that no `except Exception` survives it",
+    "diloco.bench.wan.WanError": "wan.py also runs as a standalone script that imports nothing of the package",
+}
+
+
+def _exception_classes() -> dict[str, type[BaseException]]:
+    found = {}
+    for name in modules():
+        if name == "diloco.__main__" or name == "diloco.hf" and importlib.util.find_spec("transformers") is None:
+            continue
+        module = importlib.import_module(name)
+        for attr, obj in vars(module).items():
+            if inspect.isclass(obj) and issubclass(obj, BaseException) and obj.__module__ == name:
+                found[f"{name}.{attr}"] = obj
+    return found
+
+
+def test_every_exception_class_of_the_package_derives_from_the_root():
+    found = _exception_classes()
+    assert len(found) >= 20 and set(OUTSIDE) <= set(found)  # the walk sees the package's classes
+    strays = sorted(name for name, cls in found.items() if not issubclass(cls, DiLoCoError) and name not in OUTSIDE)
+    assert not strays, f"exception classes outside diloco.DiLoCoError: {strays}"
+
+
+@pytest.mark.parametrize("cls, base", [
+    (diloco.ConfigError, ValueError), (diloco.SpecError, ValueError), (diloco.FragmentError, ValueError),
+    (diloco.SwarmError, RuntimeError), (diloco.Banned, RuntimeError), (diloco.HandshakeError, RuntimeError),
+    (diloco.UsageError, RuntimeError),
+])
+def test_the_old_bases_stay(cls, base):
+    assert issubclass(cls, DiLoCoError) and issubclass(cls, base)
+
+
+def test_one_clause_catches_what_the_wrapper_raises():
+    model = torch.nn.Linear(2, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for bad in ({"inner_steps": 0}, {"compression": "q8:3"}, {"compression": "nonsense"}):
+        with pytest.raises(diloco.DiLoCoError) as info:
+            diloco.DiLoCo(model, opt, swarm=None, **bad)
+        assert str(info.value)  # says what was wrong
+    d = diloco.DiLoCo(model, opt, swarm=None, inner_steps=2,
+                      streaming=diloco.StreamingConfig(outer_overlap="delayed"))
+    with pytest.raises(diloco.UsageError, match="flush"):
+        d.sync()
