@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping
 
 from .config import ConfigError, SwarmConfig
+from .lines import write_lines
 from .sinks import SinkConfig
 
 if TYPE_CHECKING:
@@ -143,17 +144,3 @@ class Launch:
         if self.peers_file:
             swarm.keep_addresses(self.peers_file)
         return swarm
-
-
-def write_lines(path: str | os.PathLike[str], lines: list[str]) -> None:
-    """Replace `path` with `lines` atomically (a reader never sees half a file)."""
-    tmp = Path(f"{path}.tmp")
-    tmp.write_text("".join(line + "\n" for line in lines))
-    os.replace(tmp, path)
-
-
-def read_lines(path: str | os.PathLike[str]) -> list[str]:
-    try:
-        return [line for line in Path(path).read_text().splitlines() if line.strip()]
-    except OSError:
-        return []

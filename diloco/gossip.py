@@ -29,54 +29,26 @@ can vouch for it, since every peer's differs).
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import time
 from collections import deque
 from statistics import median
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import torch
 
 from diloco.comms import PeerId, RoundKey
-from diloco.peers.membership import serving
-from diloco.peers.records import PeerRecord
+from diloco.compression.errors import ConfigError
+from diloco.peers.membership import group_of, group_tag, groups, round_to_run  # noqa: F401  (the round's arithmetic)
 
-from .config import ConfigError
 from .outer import flatten
+from .report import RoundReport
+from .topology import Topology
 
 if TYPE_CHECKING:
-    from .wrapper import DiLoCo, RoundReport
+    from .member import Member
 
 log = logging.getLogger(__name__)
-
-
-def groups(peers: Sequence[PeerId], rnd: int, run_id: str, size: int) -> list[tuple[PeerId, ...]]:
-    """`peers` cut into groups of `size` for round `rnd`: a permutation drawn from (run id, round) — each peer
-    ordered by a hash of the three — cut in order. Peers left over (fewer than `size`) join the last group, so
-    nobody is alone while two peers are up. Every peer that sees the same peers draws the same groups."""
-    if size < 2:
-        raise ValueError(f"a gossip group has at least 2 peers, got {size}")
-
-    def draw(p: PeerId) -> bytes:
-        return hashlib.sha256(f"{run_id}\0{rnd}\0{p}".encode()).digest()
-
-    order = sorted(set(peers), key=draw)
-    cut = [tuple(order[i:i + size]) for i in range(0, len(order), size)]
-    if len(cut) > 1 and len(cut[-1]) < size:
-        cut[-2:] = [cut[-2] + cut[-1]]
-    return [tuple(sorted(g)) for g in cut]
-
-
-def group_of(me: PeerId, peers: Sequence[PeerId], rnd: int, run_id: str, size: int) -> tuple[PeerId, ...]:
-    """The group `me` is in at round `rnd` (`groups` of `peers` and `me`)."""
-    return next(g for g in groups([*peers, me], rnd, run_id, size) if me in g)
-
-
-def group_tag(rnd: int, group: Sequence[PeerId]) -> str:
-    """What a group's members say they hold when they gather (the round protocol closes a view among peers that
-    say the same): members that drew different groups never mix."""
-    return "gossip-" + hashlib.sha256(f"{rnd}\0{','.join(sorted(group))}".encode()).hexdigest()[:16]
 
 
 def gossip_gradient(theta: torch.Tensor, group_mean_local: torch.Tensor) -> torch.Tensor:
@@ -99,26 +71,22 @@ def history_scale(norm: float, recent: Sequence[float], clip: float, least: int 
     return min(1.0, clip * median(recent) / norm)
 
 
-def round_to_run(records: Sequence[PeerRecord], me: PeerId, my_round: int) -> int:
-    """The round a peer runs next: its own, unless a live peer shows a round two or more ahead; then the round
-    before that newest one (a peer that fell behind jumps, keeping its state, to where the slowest of the
-    others are, and draws the same groups as they do). A peer one round behind runs its own round: its
-    partner may well be there still, waiting for it."""
-    newest = max([my_round, *(r.round for r in serving(records) if r.peer != me)])
-    return max(my_round, newest - 1)
+class Gossip(Topology):
+    """One worker's gossip rounds: groups, the exchange of local parameters, the step of its own state."""
 
+    name = "gossip"
+    one_state = False
 
-class Gossip:
-    """One worker's gossip rounds (`DiLoCo.gossip`): groups, the exchange of local parameters, the step."""
-
-    def __init__(self, worker: DiLoCo) -> None:
-        if worker.streams:
+    def __init__(self, member: Member, outer_lr_schedule: Callable[[int], float], *, streams: bool) -> None:
+        if streams:
             raise ConfigError("streaming and overlap need one round per fragment for the whole swarm; gossip has "
                               "none (docs/GOSSIP.md): drop --fragments/--overlap or use a flat swarm")
-        if worker.site is not None:
+        if member.link.site is not None:
             raise ConfigError("a multi-process site cannot gossip yet (its ranks follow a leader's swarm rounds); "
                               "run one process per worker or use a flat swarm")
-        self.worker = worker
+        self.member = member
+        self.outer_lr_schedule = outer_lr_schedule
+        member.catch_up.gossip = True  # a joiner takes one peer's state: no majority vouches for any
         self.met = 0
         """Rounds whose group met: we stepped with the group's mean."""
         self.solo = 0
@@ -131,26 +99,24 @@ class Gossip:
         """Rounds whose outer gradient we scaled down, far above our recent ones (`history_scale`)."""
         self._norms: deque[float] = deque(maxlen=HISTORY)
 
-    def round(self, started: float) -> RoundReport:
+    def slot(self, started: float) -> RoundReport:
         """One synchronization slot: draw our group, average local parameters with it, step our own θ."""
-        from .wrapper import RoundReport
-
-        w = self.worker
-        assert w.swarm is not None
-        local = flatten(w.local_params).to(w.global_device)  # where θ and its outer step live
+        m = self.member
+        assert m.swarm is not None
+        local = flatten(m.local()).to(m.holding.device)  # where θ and its outer step live
         numel = local.numel()
-        outcome = w.swarm.finish_exchange(w.swarm.gossip_async(w.state.round, local), RoundKey(w.state.round))
+        outcome = m.swarm.finish_exchange(m.swarm.gossip_async(m.round, local), RoundKey(m.round))
         rnd = outcome.key.round  # ours, or later if we were behind (`round_to_run`)
-        if rnd > w.state.round:
+        if rnd > m.round:
             self.jumped += 1
-            log.info("event=gossip_jump from=%d to=%d", w.state.round, rnd)
+            log.info("event=gossip_jump from=%d to=%d", m.round, rnd)
         met = outcome.committed
         mean_local = outcome.aggregate if met else local
         assert mean_local is not None  # a committed round of a whole `Handoff` holds its mean
-        gradient = gossip_gradient(flatten(w.state.params), mean_local.to(w.global_device))
+        gradient = gossip_gradient(flatten(m.holding.params), mean_local.to(m.holding.device))
         del mean_local, local
         norm = float(gradient.norm())
-        scale = history_scale(norm, self._norms, w.swarm.cfg.clip)
+        scale = history_scale(norm, self._norms, m.swarm.cfg.clip)
         if scale < 1.0:
             self.clipped += 1
             gradient.mul_(scale)
@@ -158,20 +124,20 @@ class Gossip:
                         "our recent rounds' (a partner sent parameters far from ours)", rnd + 1, norm, scale,
                         ",".join(outcome.view))
         self._norms.append(norm * scale)
-        w.step_to(gradient, rnd + 1)
+        m.step_to(gradient, rnd + 1, self.outer_lr_schedule(rnd + 1))
         del gradient
         if met:
             self.met += 1
-            self.partners.update(p for p in outcome.view if p != w.swarm.peer_id)
+            self.partners.update(p for p in outcome.view if p != m.swarm.peer_id)
             log.info("event=gossip_round round=%d group=%s", rnd + 1, ",".join(outcome.view))
         else:
             self.solo += 1
             log.info("event=gossip_solo round=%d reason=%s", rnd + 1, outcome.reason)
-        report = RoundReport(w.state.round, met, "gossip" if met else f"solo: {outcome.reason}",
+        report = RoundReport(m.round, met, "gossip" if met else f"solo: {outcome.reason}",
                              max(1, len(outcome.view)), outcome.bytes_sent, outcome.bytes_received,
-                             time.monotonic() - started, w.steps, payload_bytes=outcome.payload_bytes, numel=numel,
-                             phases=outcome.phases)
-        return w.close_round(report, outcome.seconds)
+                             time.monotonic() - started, m.standing.steps, payload_bytes=outcome.payload_bytes,
+                             numel=numel, phases=outcome.phases)
+        return m.close_round(report, outcome.seconds)
 
     def summary(self) -> dict[str, object]:
         """What the final metrics line says of our gossip."""

@@ -31,7 +31,8 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from .compression.errors import DiLoCoError
-from .environment import LAUNCH_ID, Launch, read_lines
+from .environment import LAUNCH_ID, Launch
+from .lines import read_lines
 from .peers.reaper import Reaper, kill_tagged
 
 SEPARATOR = "--"

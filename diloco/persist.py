@@ -16,8 +16,10 @@ schedule position and the last round's members. No pickle anywhere.
 
 from __future__ import annotations
 
+import logging
+import os
 from pathlib import Path
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
 import numpy.typing as npt
@@ -25,8 +27,15 @@ import torch
 
 from . import progress
 from .checkpoint import CheckpointError, Loaded, load_latest, save
+from .compression.errors import ConfigError
 from .outer import OuterFactory
 from .state import GlobalState, StateError
+
+if TYPE_CHECKING:
+    from .engine import RoundEngine
+    from .member import Member
+
+log = logging.getLogger(__name__)
 
 
 def fp32_array(t: torch.Tensor, what: str) -> npt.NDArray[np.float32]:
@@ -83,3 +92,93 @@ def read(root: Path, params: Sequence[torch.Tensor], outer_factory: OuterFactory
             arr = loaded.tensors.get(f"ef/{i}")
             residuals.append(torch.zeros(n) if arr is None else fp32_tensor(arr, n, f"ef/{i}"))
     return state, residuals, loaded
+
+
+class Checkpoints:
+    """One worker's checkpoints: every `every` committed rounds into `root`, and resuming from the newest.
+
+    On an FSDP2 site every rank sends its pieces of the state and the leader writes the whole; on any other site
+    the leader writes alone. A write that fails (disk full, …) is logged and training goes on."""
+
+    def __init__(self, member: Member, engine: RoundEngine, names: Sequence[str], *, compression: str,
+                 root: str | os.PathLike[str] | None, every: int) -> None:
+        self.member, self.engine, self.names, self.compression = member, engine, list(names), compression
+        self.root = Path(root) if root is not None else None
+        self.every = every
+
+    def _target(self, root: str | os.PathLike[str] | None) -> Path:
+        target = Path(root) if root is not None else self.root
+        if target is None:
+            raise ConfigError("no checkpoint directory: pass root or DiLoCo(checkpoint_dir=...)")
+        return target
+
+    def if_due(self) -> None:
+        """After a round moved our state: write a checkpoint every `every` rounds (when we write them)."""
+        if self.root is not None and self.every and self.member.link.writes_checkpoints and \
+                self.member.round % self.every == 0:
+            self.save()
+
+    def save(self, root: str | os.PathLike[str] | None = None, keep: int = 3) -> Path | None:
+        """Write the global state, error-feedback residuals and schedule position atomically (format:
+        docs/CHECKPOINTS.md); returns the path (None on the ranks that do not write, or when it failed)."""
+        target = self._target(root)
+        member, engine = self.member, self.engine
+        state = member.link.gather(member)  # an FSDP2 site: every rank sends its pieces, the leader gets the whole
+        if state is None or not member.link.talks:  # a site writes one checkpoint, its leader's
+            return None
+        s = member.standing
+        meta = {"schema": member.schema, "steps": s.steps, "position": s.position, "members": ",".join(s.members or ()),
+                "compression": self.compression}
+        residuals = [k.ef.residual for k in engine.per_fragment if k.ef is not None] if engine.error_feedback else None
+        try:
+            with member.holding.lock:
+                path = write(target, self.names, state, residuals, meta, keep)
+        except CheckpointError as e:
+            log.warning("event=checkpoint_failed reason=%s", e)
+            return None
+        log.info("event=checkpoint_saved path=%s round=%d", path, member.round)
+        return path
+
+    def resume(self, root: str | os.PathLike[str] | None = None) -> bool:
+        """Load the newest verified checkpoint (falling back past damaged ones); False when there is none. On an
+        FSDP2 site every rank calls it: the leader reads the checkpoint and hands out the pieces."""
+        link = self.member.link
+        if link.shards is None:
+            return self.read(root)
+        taken = link.agree(lambda: link.handed_out(self.member) if self.read(root) else None)
+        if taken is None:
+            return False
+        link.took(self.member, taken)
+        return True
+
+    def read(self, root: str | os.PathLike[str] | None = None) -> bool:
+        """The worker's side of `resume` (the leader's, on a site)."""
+        target = self._target(root)
+        member, engine = self.member, self.engine
+        sizes = [f.numel for f in engine.fragments] if engine.error_feedback else None
+        shards = member.link.shards
+        like = member.holding.params if shards is None else [torch.empty(s) for s in shards.map.shapes]
+        got = read(target, like, member.holding.outer_factory, sizes, member.schema)
+        if got is None:
+            return False
+        state, residuals, loaded = got
+        member.adopt(state)
+        if residuals is not None:
+            for kept, r in zip(engine.per_fragment, residuals):
+                if kept.ef is not None:
+                    kept.ef.residual = r
+        steps = loaded.meta.get("steps")
+        s = member.standing
+        if isinstance(steps, int) and steps >= 0:
+            position = loaded.meta.get("position")
+            s.steps = steps
+            s.last_slot = steps - (position if isinstance(position, int) and not isinstance(position, bool)
+                                   else steps) % engine.period
+        # The saved membership is not restored: a restarted peer has a new peer id, so it could never be a
+        # majority of its old round. A running swarm's state (and members) arrive with the catch-up.
+        s.members = None
+        s.attempt = 0
+        if member.swarm is not None:
+            member.swarm.moved_to(state.round)
+        log.info("event=resumed path=%s round=%d skipped=%d", loaded.path, state.round, len(loaded.skipped))
+        return True

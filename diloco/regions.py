@@ -14,11 +14,12 @@ A peer whose `SwarmConfig.region` names a region trains at two levels:
   kept); the region's other members wait, then download that region state from it over the region's link
   (verified, vouched for by the records like any catch-up).
 
-The global level (`Regions.upper`) is an ordinary `DiLoCo` worker whose "local model" is a copy of θ_R and
-whose inner step is one committed region round: the swarm's catch-up, state serving, quorum and digests
-apply to it unchanged. Members other than the representative publish `standby` in the swarm's records:
-they serve the θ_G they hold but are not waited for in its rounds; a member that becomes the representative
-downloads the newest θ_G before its first merge.
+The global level (`Regions.upper`) is an ordinary member of the peer's swarm (`diloco.member`) whose "local
+model" is a copy of θ_R and whose inner step is one committed region round; its rounds (`Regions.merger`) are
+an ordinary round engine (`diloco.engine`): the swarm's catch-up, state serving, quorum and digests apply to it
+unchanged. Members other than the representative publish `standby` in the swarm's records: they serve the θ_G
+they hold but are not waited for in its rounds; a member that becomes the representative downloads the
+newest θ_G before its first merge.
 
 What happens when (tests/test_regions.py):
 - a representative crashes before or during a merge: its members' wait ends at the round's deadline
@@ -39,17 +40,23 @@ import logging
 import time
 from typing import TYPE_CHECKING, Sequence
 
-import torch
-
 from diloco.comms import PeerId
+from diloco.compression.errors import ConfigError
+from diloco.compression.pipeline import parse
 from diloco.peers.records import PeerRecord
 
-from .config import ConfigError
-from .outer import copy_into, nesterov
+from .accounting import Accounting
+from .engine import RoundEngine
+from .fragments import StreamingConfig, partition
+from .holding import Holding
+from .member import Member
+from .outer import OuterFactory, copy_into, nesterov
+from .sitelink import SiteLink
+from .state import GlobalState, schema_digest
+from .topology import Topology
 
 if TYPE_CHECKING:
     from .swarm import Swarm
-    from .wrapper import DiLoCo, RoundReport
 
 log = logging.getLogger(__name__)
 
@@ -79,44 +86,33 @@ def follow_decision(rep: PeerRecord | None, region_round: int) -> str:
     return "wait"
 
 
-class _Holder(torch.nn.Module):
-    """The global level's model: a copy of the region state's tensors (never trained by an optimizer)."""
+class Regions(Topology):
+    """One worker's two levels: the region's namespace (`scope`, where the worker's rounds run) and the global
+    level (`upper`: a member of the peer's swarm holding θ_G, and `merger`, its rounds). The wrapper makes one
+    when its swarm names a region."""
 
-    def __init__(self, tensors: Sequence[torch.Tensor]) -> None:
-        super().__init__()
-        self.p = torch.nn.ParameterList([torch.nn.Parameter(t.detach().clone()) for t in tensors])
+    name = "regions"
 
-
-class Regions:
-    """One worker's two levels: the region's namespace (`scope`, the worker's rounds) and the global worker
-    (`upper`, on the peer's swarm). Create with the peer's swarm; `DiLoCo` does when its swarm names a region."""
-
-    def __init__(self, worker: DiLoCo, swarm: Swarm) -> None:
-        from .wrapper import DiLoCo
-
+    def __init__(self, worker: Member, swarm: Swarm, *, streams: bool) -> None:
         cfg = swarm.cfg
-        if worker.streams:
+        if streams:
             raise ConfigError("regions run plain DiLoCo rounds: give no --fragments/--overlap/--outer-overlap "
                               "with --region (streaming inside a region is not supported yet)")
-        if worker.site is not None or worker.shards is not None:
+        if worker.link.site is not None:
             raise ConfigError("a torch.distributed site cannot be a region's member yet: run one process per "
                               "peer with --region, or drop --region to make the site one worker of a flat swarm")
         self.name = cfg.region
+        self.worker = worker
         self.swarm = swarm
         """The peer's swarm: the global rounds (one representative per region) and the global state."""
-        swarm.quorum_by_region = True
         swarm.update(region=cfg.region)  # at once: the quorum of merges counts regions from these records
         self.scope = swarm.scope(scope_of(cfg.region))
         """The region's namespace: the worker's own rounds."""
-        holder = _Holder(worker.state.params)
-        # made without a swarm (which would make it enter the region too), then given the peer's
-        self.upper = DiLoCo(holder, torch.optim.SGD(holder.parameters(), lr=0.0), swarm=None,
-                            compression=cfg.compression, inner_steps=cfg.merge_every,
-                            outer_optimizer=nesterov(cfg.global_lr, cfg.global_momentum), site=None,
-                            join_timeout=worker.join_timeout, global_device=worker.global_device)
-        self.upper.swarm = swarm
-        """The global level: its inner step is one committed region round; its state is θ_G."""
-        self.upper.standby = True  # published when it attaches; a region round may say otherwise (`after_commit`)
+        self.upper, self.merger = _global_level(worker, cfg.compression, cfg.merge_every,
+                                                nesterov(cfg.global_lr, cfg.global_momentum))
+        """The global level: a member of the peer's swarm whose state is θ_G and whose inner step is one committed
+        region round, and its rounds (the merges)."""
+        self.upper.standby = True  # published when it joins; a region round may say otherwise (`after_commit`)
         self.merges = 0
         """Merges this peer took part in (as the representative, or by downloading θ_G′)."""
         self.skipped = 0
@@ -124,108 +120,140 @@ class Regions:
 
     # ------------------------------------------------------------------ joining and leaving
 
+    def rounds(self, swarm: Swarm) -> Swarm:
+        return self.scope
+
+    def whole(self, swarm: Swarm) -> Swarm:
+        return self.swarm  # every region's peers count
+
     def attach(self) -> None:
         """Join the global level (catch up with θ_G), before the worker catches up in its region. Until a merge
         commits, its quorum is a majority of the regions we see now: two regions whose representatives do not
         see each other yet (a record not yet propagated) cannot both commit a first merge on their own."""
-        self.upper.attach()
-        if self.upper.members is None:
-            self.upper.members = tuple(sorted(r.peer for r in self.swarm.records() if r.status in ("training", "standby")))
+        upper = self.upper
+        upper.join(self.swarm)
+        upper.publish("training")
+        if upper.standing.members is None:
+            upper.standing.members = tuple(sorted(r.peer for r in self.swarm.records()
+                                                  if r.status in ("training", "standby")))
 
-    def after_catch_up(self, worker: DiLoCo) -> None:
+    def after_catch_up(self) -> None:
         """The worker caught up in its region (or found nobody there): a region without other members starts
         from θ_G, so a peer that (re)opens a region joins the swarm's model, not its own initialization."""
+        worker = self.worker
         records = [r for r in self.scope.records() if r.status in ("training", "joining")]
         alone = not any(r.peer != self.scope.peer_id for r in records)
         # our role until a region round says otherwise: the lowest peer id we see in the region represents it
         # (published now, so the other regions' representatives expect us in the first merge)
         self.upper.set_standby(representative([r.peer for r in records] + [self.scope.peer_id]) != self.scope.peer_id)
-        if alone and worker.state.round == 0 and worker.digest != self.upper.digest:
-            worker.take_params(self.upper.state.params, bump=False)
-            log.info("event=region_opened region=%s global_round=%d", self.name, self.upper.state.round)
+        if alone and worker.round == 0 and worker.digest != self.upper.digest:
+            worker.take_params(self.upper.holding.params, bump=False)
+            log.info("event=region_opened region=%s global_round=%d", self.name, self.upper.round)
 
     def close(self) -> None:
         """Leave the region's namespace and the global level (the worker leaves the swarm after this)."""
         self.scope.close()
-        self.upper.detach(completed=False)
+        self.merger.flush()
 
     # ------------------------------------------------------------------ the merge
 
-    def after_commit(self, worker: DiLoCo, members: Sequence[PeerId]) -> RoundReport | None:
-        """A region round just committed with `members`: publish our role in the swarm's records, and merge
-        if one is due (the region round's count since the last merge reached `merge_every`). Returns the
-        merge's report (None when no merge was due, or none happened)."""
+    def after_commit(self, members: Sequence[PeerId]) -> None:
+        """A region round just committed with `members`: publish our role in the swarm's records, and merge if
+        one is due (the region round's count since the last merge reached `merge_every`)."""
+        worker, upper = self.worker, self.upper
         rep = representative(members)
         me = self.scope.peer_id
-        upper = self.upper
-        upper.steps += 1  # the global level's inner step, shown in our swarm record: the swarm has started
+        upper.standing.steps += 1  # the global level's inner step, shown in our swarm record: the swarm has started
         upper.set_standby(me != rep)
-        if upper.schedule_position < upper.inner_steps_now:
-            return None
+        if upper.standing.position < self.merger.inner_steps_now:
+            return
         # Due. A merge that does not happen is tried again after the next region round (not `merge_every`
         # later), so regions whose schedules drifted apart (one slowed by a crash, a late start) meet again.
         # The merge makes the next region round R + 1: frames for it may come before we are done merging.
-        self.scope.moved_to(worker.state.round)
-        return self._lead(worker) if me == rep else self._follow(worker, rep)
+        self.scope.moved_to(worker.round)
+        if me == rep:
+            self._lead()
+        else:
+            self._follow(rep)
 
-    def _lead(self, worker: DiLoCo) -> RoundReport | None:
-        upper = self.upper
-        upper.resync_now()  # hold the newest θ_G before we take the difference to it
-        copy_into(upper.local_params, worker.state.params)
-        report = upper.sync()
+    def _lead(self) -> None:
+        worker, upper = self.worker, self.upper
+        upper.maybe_resync(time.monotonic())  # hold the newest θ_G before we take the difference to it
+        copy_into(upper.local(), worker.holding.params)
+        report = self.merger.sync()
         if not report.committed:
             self.skipped += 1
             worker.fail_attempt()  # our members read it in our record: no merge this time
             log.warning("event=merge_skipped region=%s role=representative reason=%s", self.name, report.reason)
-            return report
-        upper.mark_slot()
-        worker.take_params(upper.state.params, bump=True)  # the region round R + 1: θ_R ← θ_G′
+            return
+        upper.standing.last_slot = upper.standing.steps
+        worker.take_params(upper.holding.params, bump=True)  # the region round R + 1: θ_R ← θ_G′
         self.merges += 1
         log.info("event=region_merged region=%s role=representative global_round=%d peers=%d", self.name,
-                 upper.state.round, report.peers)
-        return worker.report_merge(report)
+                 upper.round, report.peers)
+        worker.report_merge(report)
 
-    def _follow(self, worker: DiLoCo, rep: PeerId) -> RoundReport | None:
+    def _follow(self, rep: PeerId) -> None:
         """Wait for the representative's merge, then download the region state it merged into (θ_G′ and the
         region's momentum, at the next region round: exactly its state, verified) over the region's link. Our
         θ_G stays as it was: the representatives hold θ_G′, and if we represent the region one day, our first
         merge downloads the newest θ_G first (`_lead`), so a merge never waits for a download across regions
         that it does not need."""
-        cfg = self.swarm.cfg
-        region_round = worker.state.round
+        worker, cfg = self.worker, self.swarm.cfg
+        region_round = worker.round
         # the representative's round under its own deadlines, and a few chunk deadlines for its download
         limit = 1.2 * cfg.gather_timeout + cfg.result_timeout + 8 * cfg.call_timeout
         deadline = time.monotonic() + limit
         while True:
             decision = follow_decision(next((r for r in self.scope.records() if r.peer == rep), None), region_round)
             if decision == "download":
-                report = worker.resync_now(merge=True)
+                report = worker.maybe_resync(time.monotonic(), merge=True)
                 if report is not None and report.resynced:
                     self.merges += 1
-                    log.info("event=region_merged region=%s role=member region_round=%d", self.name,
-                             worker.state.round)
-                    return report
+                    log.info("event=region_merged region=%s role=member region_round=%d", self.name, worker.round)
+                    return
             if decision == "skip" or time.monotonic() >= deadline:
                 self.skipped += 1
                 log.warning("event=merge_skipped region=%s role=member representative=%s reason=%s", self.name, rep,
                             "its merge failed or it left" if decision == "skip" else f"no merge within {limit:.0f}s")
-                return None
+                return
             time.sleep(0.1)
 
     def summary(self) -> dict[str, object]:
         """The global level, for a run's final line: our region, θ_G's round and digest, the merges."""
-        return {"region": self.name, "global_round": self.upper.state.round, "global_digest": self.upper.digest,
+        return {"region": self.name, "global_round": self.upper.round, "global_digest": self.upper.digest,
                 "merges": self.merges, "merges_skipped": self.skipped}
 
     # ------------------------------------------------------------------ the region's schedule
 
     def snapshot_info(self) -> dict[str, object]:
         """What a member joining our region learns with the region state: where we are in the merge schedule."""
-        return {"merge_position": self.upper.schedule_position}
+        return {"merge_position": self.upper.standing.position}
 
     def take_info(self, info: dict[str, object]) -> None:
         """We downloaded the region state: merge when our region does."""
         position = info.get("merge_position")
         if isinstance(position, int) and not isinstance(position, bool) and position >= 0:
-            self.upper.place_in_schedule(position)
+            self.upper.place(position)
+
+
+def _global_level(worker: Member, compression: str, merge_every: int, outer: OuterFactory,
+                  ) -> tuple[Member, RoundEngine]:
+    """The global level of a region's member: θ_G (a copy of the worker's state's shapes, with the global outer
+    optimizer) held by a member of the peer's swarm, whose local copy is what a merge takes the difference to
+    (the region state), and whose rounds are the merges (one fragment, `merge_every` region rounds a period)."""
+    local = [t.detach().clone() for t in worker.holding.params]
+    named = [(f"p.{i}", t) for i, t in enumerate(local)]  # the schema's names: the same on every member
+    spec = parse(compression)
+    streaming = StreamingConfig()
+    fragments = partition([n for n, _ in named], [t.numel() for t in local], streaming)
+    device = worker.holding.device
+    holding = Holding(GlobalState(local, outer, device), outer, device)
+    engine: list[RoundEngine] = []
+    upper = Member(holding, lambda: local, SiteLink(None, None), Accounting(),
+                   schema=schema_digest(named, f"{spec.text}|fragments={len(fragments)}:{streaming.pattern}"),
+                   period=lambda: engine[0].period, join_timeout=worker.join_timeout)
+    engine.append(RoundEngine(upper, fragments=fragments, streaming=streaming, inner_steps=merge_every, h_schedule=(),
+                              outer_lr_schedule=lambda rnd: 1.0, spec=spec))
+    return upper, engine[0]
 

@@ -47,11 +47,11 @@ from diloco.comms.transport import InProcNetwork, ScopedTransport
 from diloco.compression import PayloadRejected, Reason
 from diloco.peers import (Directory, PeerRecord, banned_by_majority, departed, expected_peers, quorum,
                           round_key_for, started_without, voted_out)
-from diloco.peers.membership import regions_of, serving
+from diloco.peers.membership import group_of, group_tag, regions_of, round_to_run, serving
 from diloco.peers.records import MAX_BANNED
 
 from .config import SwarmConfig
-from .gossip import group_of, group_tag, round_to_run
+from .lines import write_lines
 from .state import Manifest, Receiver, StateError
 from .statesync import NOT_HELD, NotHeld, Progress, Snapshot, download, serve_chunk, serve_manifest
 from diloco.compression.errors import DiLoCoError
@@ -79,7 +79,7 @@ class Swarm:
     def __init__(self, loop: LoopThread, transport: Transport, directory: Directory, collective: Collective,
                  cfg: SwarmConfig, *, owns_loop: bool, addresses: list[str],
                  on_close: Callable[[], None] | None = None,
-                 bootstrapped: bool = False, addresses_dialed: Collection[str] = ()) -> None:
+                 bootstrapped: bool = False, addresses_dialed: Collection[str] = (), scoped: bool = False) -> None:
         self.bootstrapped = bootstrapped
         """True when this peer joined through another peer's address (so a swarm should be visible)."""
         self.bootstrap_peers: list[PeerId] = [_peer_of(a) for a in addresses_dialed]
@@ -101,9 +101,10 @@ class Swarm:
         self._exchanges: set[concurrent.futures.Future[RoundOutcome]] = set()  # rounds in flight (`crash`)
         self._addresses_file: str | None = None
         self._kept: list[str] = []
-        self.quorum_by_region = False
-        """Count a round's quorum in regions, not peers (the swarm's rounds between regions' representatives:
-        `diloco.regions`); the region of each peer is the last one its record named."""
+        self.quorum_by_region = bool(cfg.region) and not scoped
+        """Count a round's quorum in regions, not peers: the rounds of a swarm whose peers name regions are merges
+        between the regions' representatives (`diloco.regions`; a region's own rounds run in a `scope`); the
+        region of each peer is the last one its record named."""
         self._regions: dict[PeerId, str] = {}
         self._scopes: list[Swarm] = []  # namespaces on our connections (`scope`): they die with us
         loop.run(transport.register("diloco.manifest", self._on_manifest))
@@ -244,7 +245,7 @@ class Swarm:
         transport = ScopedTransport(self.transport, name)
         collective = self.loop.run(Collective.create(transport, cfg.run_id, cfg.collective(), self.collective.faults))
         inner = Swarm(self.loop, transport, scoped_dir(name), collective, cfg, owns_loop=False,
-                      addresses=self.addresses, on_close=lambda: None)
+                      addresses=self.addresses, on_close=lambda: None, scoped=True)
         self._scopes.append(inner)
         return inner
 
@@ -371,8 +372,6 @@ class Swarm:
         self._addresses_file = path
 
     def _write_addresses(self, records: list[PeerRecord]) -> None:
-        from .environment import write_lines
-
         addrs = sorted({a for r in records if r.peer != self.peer_id and r.status != "left" for a in r.addrs})
         if self._addresses_file and addrs and addrs != self._kept:
             try:

@@ -15,14 +15,18 @@ is unit-tested deterministically.
   take our contributions).
 - `quorum`: whether a round's view may commit: enough peers, and a majority of the last round's
   members, so that at most one side of a partition makes progress.
+- Gossip (`diloco.gossip`): `groups` / `group_of` cut the live peers into a round's groups from the run id and
+  the round number alone, `group_tag` names a group for its gather, `round_to_run` is the round a peer runs next.
 """
 
 from __future__ import annotations
 
+import hashlib
 from collections import Counter
 from typing import Collection, Mapping, Sequence
 
 from diloco.comms import PeerId, RoundKey
+from diloco.compression.errors import ConfigError
 
 from .records import PeerRecord
 
@@ -205,3 +209,43 @@ def quorum(view: Sequence[PeerId], previous: Sequence[PeerId] | None, left: Sequ
         return False, (f"no quorum: {present} of the last round's {len(counted)} members are here, "
                        f"a majority needs {len(counted) // 2 + 1}")
     return True, f"quorum: {present} of {len(counted)} previous members"
+
+
+# ------------------------------------------------------------------ gossip (diloco.gossip)
+
+
+def groups(peers: Sequence[PeerId], rnd: int, run_id: str, size: int) -> list[tuple[PeerId, ...]]:
+    """`peers` cut into groups of `size` for round `rnd`: a permutation drawn from (run id, round) — each peer
+    ordered by a hash of the three — cut in order. Peers left over (fewer than `size`) join the last group, so
+    nobody is alone while two peers are up. Every peer that sees the same peers draws the same groups."""
+    if size < 2:
+        raise ConfigError(f"a gossip group has at least 2 peers, got {size}")
+
+    def draw(p: PeerId) -> bytes:
+        return hashlib.sha256(f"{run_id}\0{rnd}\0{p}".encode()).digest()
+
+    order = sorted(set(peers), key=draw)
+    cut = [tuple(order[i:i + size]) for i in range(0, len(order), size)]
+    if len(cut) > 1 and len(cut[-1]) < size:
+        cut[-2:] = [cut[-2] + cut[-1]]
+    return [tuple(sorted(g)) for g in cut]
+
+
+def group_of(me: PeerId, peers: Sequence[PeerId], rnd: int, run_id: str, size: int) -> tuple[PeerId, ...]:
+    """The group `me` is in at round `rnd` (`groups` of `peers` and `me`)."""
+    return next(g for g in groups([*peers, me], rnd, run_id, size) if me in g)
+
+
+def group_tag(rnd: int, group: Sequence[PeerId]) -> str:
+    """What a group's members say they hold when they gather (the round protocol closes a view among peers that
+    say the same): members that drew different groups never mix."""
+    return "gossip-" + hashlib.sha256(f"{rnd}\0{','.join(sorted(group))}".encode()).hexdigest()[:16]
+
+
+def round_to_run(records: Sequence[PeerRecord], me: PeerId, my_round: int) -> int:
+    """The round a peer runs next: its own, unless a live peer shows a round two or more ahead; then the round
+    before that newest one (a peer that fell behind jumps, keeping its state, to where the slowest of the
+    others are, and draws the same groups as they do). A peer one round behind runs its own round: its
+    partner may well be there still, waiting for it."""
+    newest = max([my_round, *(r.round for r in serving(records) if r.peer != me)])
+    return max(my_round, newest - 1)

@@ -18,7 +18,6 @@ pytestmark = pytest.mark.unit
 
 OUTSIDE = {
     "diloco.sim.faults.Killed": "a simulated SIGKILL: a BaseException, so that no `except Exception` survives it",
-    "diloco.bench.wan.WanError": "wan.py also runs as a standalone script that imports nothing of the package",
 }
 
 

@@ -124,7 +124,7 @@ class _Lab:
 
 
 def _digests_by_round(d: DiLoCo) -> dict[int, str]:
-    return dict(d._recent)
+    return dict(d.member.holding.recent)
 
 
 def test_two_regions_hold_one_state_per_region_round_and_one_global_state_per_merge():

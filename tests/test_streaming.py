@@ -579,19 +579,19 @@ def test_a_joiner_after_an_h_schedule_change_takes_the_new_slots():
 def test_delayed_mode_resends_the_delta_of_a_round_that_failed(monkeypatch):
     """With a whole outer step overlapped the local copy restarts from θ every phase, so a round that
     commits for nobody would lose its Δ; instead it rides with the next round's contribution."""
-    import diloco.wrapper as wrapper_mod
+    import diloco.engine as engine_mod
 
     harness = Harness()
     phase_deltas: dict[str, list[torch.Tensor]] = {}
     sent: dict[str, list[tuple[int, int, torch.Tensor]]] = {}
-    real_pg = wrapper_mod.pseudo_gradient
+    real_pg = engine_mod.pseudo_gradient
 
     def recording_pg(start, local):
         out = real_pg(start, local)
         phase_deltas.setdefault(threading.current_thread().name, []).append(out.clone())
         return out
 
-    monkeypatch.setattr(wrapper_mod, "pseudo_gradient", recording_pg)
+    monkeypatch.setattr(engine_mod, "pseudo_gradient", recording_pg)
     dropped: dict[str, int] = {}
 
     def make(i):
@@ -659,7 +659,7 @@ def test_joiner_rejects_a_tampered_source_and_takes_the_state_from_another():
     def forge(i: int, d: DiLoCo) -> None:
         if i != 0:
             return
-        honest = d._serve  # serve bytes that do not match the manifest of the state in peer0's record
+        honest = d.member.server.serve  # serve bytes that do not match the manifest of the state in peer0's record
 
         def forged(digest):
             real = honest(digest)
@@ -671,7 +671,7 @@ def test_joiner_rejects_a_tampered_source_and_takes_the_state_from_another():
                 fake.params[0].add_(1.0)
             return Snapshot(real.round, real.manifest, [t for _, t in fake.layout()[0]], real.info)
 
-        d._serve = forged
+        d.member.server.serve = forged
 
     def attached(d: DiLoCo) -> None:
         seen["round"], seen["digest"], seen["failures"] = d.round, d.digest, d.catch_up.failures

@@ -323,7 +323,7 @@ def test_joiner_rejects_state_that_does_not_match_the_digest(harness, monkeypatc
     model0 = _mlp(0)
     opt0 = torch.optim.SGD(model0.parameters(), lr=0.05)
     d0 = DiLoCo(model0, opt0, swarm=harness.swarm("peer0"), inner_steps=H)
-    honest = d0._serve
+    honest = d0.member.server.serve
 
     def forged(digest: str) -> Snapshot | None:
         real = honest(digest)
@@ -337,7 +337,7 @@ def test_joiner_rejects_state_that_does_not_match_the_digest(harness, monkeypatc
         manifest = real.manifest if forgery == "chunks_differ_from_the_manifest" else fake.manifest()
         return Snapshot(real.round, manifest, [t for _, t in fake.layout()[0]], real.info)
 
-    monkeypatch.setattr(d0, "_serve", forged)
+    monkeypatch.setattr(d0.member.server, "serve", forged)
     with d0:
         _train(model0, opt0, _batches(0, H))  # one round, alone
     assert d0.round == 1 and d0.reports[-1].committed

@@ -100,10 +100,15 @@ _lab_counter_lock = threading.Lock()
 _netem_probe: bool | None = None
 
 
-class WanError(RuntimeError):
-    """Building, using or tearing down a WAN lab failed; the message says what and how to fix it. Not beneath
-    `DiLoCoError`: this file also runs as a standalone script (the lab's forwarder, `python -I wan.py _switch`)
-    that imports nothing of the package, so a lab starts without importing torch."""
+if __name__ == "diloco.bench.wan":  # beneath diloco.DiLoCoError, as every error of the package
+    from diloco.compression.errors import DiLoCoError
+else:  # run as the lab's forwarder (`python -I wan.py _switch`), it imports nothing of the package
+    class DiLoCoError(Exception):  # type: ignore[no-redef]
+        """The package's root exception, stood in for."""
+
+
+class WanError(DiLoCoError, RuntimeError):
+    """Building, using or tearing down a WAN lab failed; the message says what and how to fix it."""
 
 
 # --------------------------------------------------------------------------------------- checks

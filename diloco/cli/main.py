@@ -988,7 +988,8 @@ def _launch(initial: list[str], command: list[str], swarm_cfg: SwarmConfig, secr
     import shlex
     import shutil
 
-    from ..environment import Launch, write_lines
+    from ..environment import Launch
+    from ..lines import write_lines
     from ..launcher import Supervisor, free_port, private_copy, run_dir
 
     workdir = run_dir()

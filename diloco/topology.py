@@ -1,0 +1,75 @@
+"""Topologies: how a worker's rounds relate to the rest of the swarm — flat, regions or gossip.
+
+One narrow interface, driven by the engine and the wrapper at fixed points of a worker's life:
+
+| point | flat | regions (`diloco.regions`) | gossip (`diloco.gossip`) |
+|---|---|---|---|
+| `rounds(swarm)`: where our rounds run | the swarm | the region's namespace | the swarm |
+| `attach()`, before we join | — | join the global level (θ_G) | — |
+| `after_catch_up()` | — | a region of our own starts from θ_G | — |
+| `slot(started)`: a round of its own? | no: the engine's | no: the engine's | the group's round, our own step |
+| `after_commit(members)` | — | a merge when one is due | — |
+| `one_state`: one state for all, caught up with? | yes | yes (per region) | no: each peer its own |
+| `snapshot_info()` / `take_info(info)` | — | the merge schedule | — |
+| `summary()`, `close()` | — | merges, θ_G; leave the levels | groups met |
+
+A topology gets the worker's `Member` (its state, standing and record), never the wrapper; the swarm itself
+carries no topology policy. The wrapper picks one from the swarm's settings (`SwarmConfig.region`,
+`SwarmConfig.topology`).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Sequence
+
+from diloco.comms import PeerId
+
+if TYPE_CHECKING:
+    from .member import Member
+    from .report import RoundReport
+    from .swarm import Swarm
+
+
+class Topology:
+    """Flat DiLoCo: every round is the whole swarm's, and every peer that commits holds one state. Regions and
+    gossip override what differs (see the module docstring)."""
+
+    name = "flat"
+    one_state = True
+    """Every peer of a round holds the same state afterwards: a peer behind downloads it, and a run's end waits
+    for peers still behind (False for gossip: each peer keeps its own state)."""
+
+    def rounds(self, swarm: Swarm) -> Swarm:
+        """The swarm our rounds run on, given the peer's."""
+        return swarm
+
+    def whole(self, swarm: Swarm) -> Swarm:
+        """The whole swarm, given the one our rounds run on (`--wait-for N` counts every peer of the run)."""
+        return swarm
+
+    def attach(self) -> None:
+        """Before the worker joins the swarm of its rounds."""
+
+    def after_catch_up(self) -> None:
+        """The worker caught up with its swarm (or found nobody to catch up with)."""
+
+    def slot(self, started: float) -> RoundReport | None:
+        """At a synchronization slot: a round of the topology's own (its report), or None for the engine's."""
+        return None
+
+    def after_commit(self, members: Sequence[PeerId]) -> None:
+        """A round of ours committed with `members`."""
+
+    def snapshot_info(self) -> dict[str, object]:
+        """What a peer downloading our state learns with it, beyond our schedule and members."""
+        return {}
+
+    def take_info(self, info: dict[str, object]) -> None:
+        """We downloaded a peer's state: `info` is what it told us of it."""
+
+    def summary(self) -> dict[str, object]:
+        """What a run's final line says of the topology."""
+        return {}
+
+    def close(self) -> None:
+        """The worker leaves the swarm."""
