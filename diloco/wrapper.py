@@ -64,6 +64,7 @@ from .environment import WAIT_TIMEOUT, Launch
 from .fragments import HSchedule, StreamingConfig, check_h_schedule, check_schedule, partition
 from .gossip import Gossip
 from .holding import Holding
+from .lifecycle import end_run, final_fields, linger
 from .member import Member
 from .metrics import close_launched
 from .outer import OuterFactory, copy_into, default_outer, warmup_scale
@@ -436,21 +437,16 @@ class DiLoCo:
                 self._finish_launched(completed)
 
     def _finish_launched(self, completed: bool) -> None:
-        member, launch = self.member, self.launch
+        """The launched run's end (`diloco.lifecycle`, as the bundled job's): linger, the final checkpoint and
+        metrics line; then leave the swarm we joined."""
+        launch, member = self.launch, self.member
         assert launch is not None
-        if completed and self.shards is not None and member.in_swarm:
-            member.take_snapshot()  # an FSDP2 site serves its final state to a peer still behind
-        if completed and member.swarm is not None:
-            self.linger(member.swarm.cfg.gather_timeout)  # a site still behind downloads the final state from us
-        if self.checkpoints.root is not None and self.link.writes_checkpoints:
-            self.save_checkpoint()
+        end_run(self, completed=completed)
         if launch.records_metrics:
-            peer = member.swarm.peer_id if member.swarm else ""
-            launch.metrics_writer(peer, sinks=self.link.talks).write(
+            fields = final_fields(self)
+            launch.metrics_writer(str(fields["peer"]), sinks=self.link.talks).write(
                 "final", rank=self.site.rank if self.site else 0, site_size=self.site.size if self.site else 1,
-                peer=peer, round=self.round, digest=self.digest, steps=self.steps,
-                committed_rounds=sum(r.committed for r in self.reports), restart=launch.restart,
-                **self.topology_summary())
+                restart=launch.restart, **fields)
             close_launched()
         if self._owns_swarm and member.swarm is not None:
             self.topology.close()
@@ -507,31 +503,9 @@ class DiLoCo:
 
     def linger(self, timeout: float) -> int:
         """At the end of a run, before leaving: keep serving our state while a peer that is still in the swarm
-        holds an older round (it was in doubt, frozen, or slow when we finished), so that it can download the
-        final state instead of ending on an older one. Returns after `timeout` seconds at most, with the number
-        of peers still behind (0 when everyone caught up)."""
-        swarm = self.member.swarm
-        if swarm is None or not self.topology.one_state:  # nobody downloads a gossip peer's final state
-            return 0
-        started = time.monotonic()
-        deadline, quiet = started + timeout, 3 * swarm.cfg.heartbeat_interval + 2
-        first_beat: dict[PeerId, float] = {}
-        while True:
-            now = time.monotonic()
-            behind = []
-            for r in swarm.records():
-                if r.peer == swarm.peer_id or r.status == "left" or r.round >= self.round:
-                    continue
-                # a peer whose heartbeat has not moved for a while is dead or frozen: not worth waiting for
-                if first_beat.setdefault(r.peer, r.beat) != r.beat or now - started < quiet:
-                    behind.append(r.peer)
-            if not behind or now >= deadline:
-                if behind:
-                    log.warning("event=left_peers_behind round=%d peers=%s reason=they did not catch up within "
-                                "%.0fs", self.round, ",".join(behind), timeout)
-                return len(behind)
-            log.info("event=linger round=%d behind=%s", self.round, ",".join(behind))
-            time.sleep(0.25)
+        holds an older round, for at most `timeout` seconds; returns how many are still behind
+        (`diloco.lifecycle.linger`)."""
+        return linger(self, timeout)
 
     # ------------------------------------------------------------------ checkpoints
 

@@ -81,3 +81,74 @@ def test_the_check_sees_an_upward_import(tmp_path):
     assert {"diloco.job.train", "diloco.cli"} <= got
     assert level("diloco.job.train") > level("diloco.wrapper") and level("diloco.cli") > level("diloco.wrapper")
     assert level("diloco.comms.collective") < level("diloco.peers.reaper") < level("diloco.swarm")
+
+
+def runtime_imports(module: str, path: Path, known: set[str]) -> set[str]:
+    """The diloco modules `module` imports when it runs (lazy imports included, `if TYPE_CHECKING:` blocks left
+    out: annotations are not imports); `from . import x` imports the module x, not its package again."""
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    tree = ast.parse(path.read_text(), str(path))
+    typing_only = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If) and "TYPE_CHECKING" in
+                   ast.unparse(node.test) for sub in node.body for n in ast.walk(sub)}
+    out = set()
+    for node in ast.walk(tree):
+        if id(node) in typing_only:
+            continue
+        if isinstance(node, ast.Import):
+            out |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            named = {f"{target}.{a.name}" for a in node.names} & known
+            out |= named or {target}
+    return {t for t in out if t in known and t != module}
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The import circles of `graph` (its strongly connected components of more than one module)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            part = []
+            while (w := stack.pop()) != v:
+                part.append(w)
+            if part:
+                found.append(sorted([v, *part]))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_no_module_imports_another_that_imports_it_back():
+    found = modules()
+    graph = {m: runtime_imports(m, p, set(found)) for m, p in found.items()}
+    assert graph["diloco.wrapper"] and not cycles(graph), cycles(graph)
+
+
+def test_the_cycle_check_sees_a_circle_through_a_lazy_import(tmp_path):
+    a, b = tmp_path / "a.py", tmp_path / "b.py"
+    a.write_text("from .b import f\n")
+    b.write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .a import g\n")
+    known = {"diloco.a", "diloco.b"}
+    graph = {"diloco.a": runtime_imports("diloco.a", a, known), "diloco.b": runtime_imports("diloco.b", b, known)}
+    assert not cycles(graph)  # an annotation's import is no circle
+    b.write_text("def f():\n    from . import a\n")
+    graph["diloco.b"] = runtime_imports("diloco.b", b, known)
+    assert cycles(graph) == [["diloco.a", "diloco.b"]]

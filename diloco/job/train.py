@@ -30,6 +30,7 @@ from ..fragments import FragmentError, HSchedule, StreamingConfig, check_h_sched
 from ..metrics import MetricsWriter, write_failures, write_status
 from ..outer import OuterFactory, default_outer
 from ..swarm import Swarm
+from ..lifecycle import end_run, final_fields
 from ..wrapper import DiLoCo, RoundReport
 from .corpus import BatchSampler, Corpus, CorpusConfig, evaluate, heldout_batches
 from .model import GPTConfig, build_model
@@ -394,23 +395,22 @@ def run_job(cfg: JobConfig, swarm: Swarm | None, *, metrics: MetricsWriter | Non
                              blocked_seconds=usage.blocked_seconds, mean_bps=usage.mean_bytes_per_second,
                              peak_bps=usage.peak_bytes_per_second)
     trained = train_seconds()
-    if swarm is not None and not stop.is_set() and d.round >= target:
-        d.linger(swarm.cfg.gather_timeout)  # a peer still behind downloads the final state from us
-    if cfg.checkpoint_dir:
-        d.save_checkpoint()  # the final one: also on SIGTERM / Ctrl-C, which end the loop above
+    # the end every run shares (`diloco.lifecycle`): a peer still behind downloads the final state from us, and the
+    # final checkpoint (also on SIGTERM / Ctrl-C, which end the loop above)
+    end_run(d, completed=not stop.is_set() and d.round >= target)
     with d.global_weights():
         eval_loss = evaluate(model, heldout)
     sent, recv = d.bytes_on_wire()
     synced = [r for r in d.reports if r.committed]
     bits = sum(r.bits_per_param for r in synced) / len(synced) if synced else 0.0
-    summary = dict(peer=peer, round=d.round // len(d.fragments), fragment_rounds=d.round, eval_loss=eval_loss, digest=d.digest, steps=d.steps,
-                   device=str(device), compression=d.compression, bits_per_param_sync=round(bits, 5),
-                   params=sum(p.numel() for p in model.parameters()), bytes_sent=sent, bytes_received=recv,
-                   committed_rounds=sum(r.committed for r in d.reports), wall_seconds=round(time.monotonic() - started, 2),
+    summary = dict(final_fields(d), peer=peer, round=d.round // len(d.fragments), fragment_rounds=d.round,
+                   eval_loss=eval_loss, device=str(device), compression=d.compression,
+                   bits_per_param_sync=round(bits, 5), params=sum(p.numel() for p in model.parameters()),
+                   bytes_sent=sent, bytes_received=recv, wall_seconds=round(time.monotonic() - started, 2),
                    train_seconds=trained, data_parallel=cfg.data_parallel,
                    stopped=stop.is_set(), fragments=len(d.fragments), overlap=cfg.streaming.overlap,
                    alpha=cfg.streaming.alpha, outer_overlap=cfg.streaming.outer_overlap, usage=d.usage().as_dict(),
-                   rollbacks=d.rollbacks, **d.topology_summary(),
+                   rollbacks=d.rollbacks,
                    write_failures=dict(sorted(write_failures.items())),
                    **(swarm.defences() if swarm is not None else Swarm.NO_DEFENCES))
     metrics.write("final", **summary)
