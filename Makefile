@@ -17,8 +17,11 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/diloco demo
 
+# Three workers on two cores: most tests wait on real processes, deadlines and links (pytest-xdist; every test
+# keeps to its own ports, directories and namespaces). TEST_WORKERS=0 runs them one after another.
+TEST_WORKERS ?= 3
 test: $(STAMP)
-	$(BIN)/python -m pytest -q --durations=15
+	$(BIN)/python -m pytest -q --durations=15 -n $(TEST_WORKERS) --dist worksteal
 
 test-slow: $(STAMP)
 	$(BIN)/python -m pytest -q -m slow

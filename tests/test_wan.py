@@ -22,11 +22,16 @@ from diloco.bench.wan import PREFIX, WanError, WanLab, check_privileges, cleanup
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(120)]
 
 WAN_PY = Path(wan.__file__).resolve()
+STALE = "dlcwanstale-"
+"""The prefix of the namespaces the tests leave stale on purpose: every lab's start cleans up stale namespaces of
+the usual prefix (`cleanup_stale`), and a lab started meanwhile by another test (parallel workers) must not
+clean up these before the test looks at them."""
 # A child script that builds a lab without importing the diloco package (torch takes seconds to import).
 CHILD = textwrap.dedent(f"""
     import importlib.util, json, sys, time
     spec = importlib.util.spec_from_file_location("wan_child", {str(WAN_PY)!r})
     wan = importlib.util.module_from_spec(spec); sys.modules["wan_child"] = wan; spec.loader.exec_module(wan)
+    wan.PREFIX = sys.argv[1]
     with wan.WanLab(2, rate_mbit=40.0, delay_ms=10.0, backend="tun") as lab:
         p = lab.popen(1, ["sleep", "600"])
         print(json.dumps({{"ns": [lab.namespace(0), lab.namespace(1)], "pids": [p.pid],
@@ -35,9 +40,9 @@ CHILD = textwrap.dedent(f"""
 """)
 
 
-def _our_namespaces(pid: int | None = None) -> list[str]:
+def _our_namespaces(pid: int | None = None, prefix: str = PREFIX) -> list[str]:
     out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=True).stdout
-    mine = f"{PREFIX}{os.getpid() if pid is None else pid}-"
+    mine = f"{prefix}{os.getpid() if pid is None else pid}-"
     return [line.split()[0] for line in out.splitlines() if line.startswith(mine)]
 
 
@@ -149,11 +154,12 @@ def test_lab_exit_leaves_nothing_behind(raises):
         lab.popen(0, ["true"])
 
 
-def _start_owner(tmp_path: Path) -> tuple[subprocess.Popen, dict]:
-    """A child process that builds a lab and runs `sleep` in host 1; returns it and what it reported."""
+def _start_owner(tmp_path: Path, prefix: str = PREFIX) -> tuple[subprocess.Popen, dict]:
+    """A child process that builds a lab (its namespaces named `prefix`…) and runs `sleep` in host 1; returns it
+    and what it reported."""
     err = tmp_path / "owner.err"
     with open(err, "w") as errf:
-        child = subprocess.Popen([sys.executable, "-I", "-c", CHILD], stdout=subprocess.PIPE, stderr=errf,
+        child = subprocess.Popen([sys.executable, "-I", "-c", CHILD, prefix], stdout=subprocess.PIPE, stderr=errf,
                                  stdin=subprocess.DEVNULL, text=True)
     assert child.stdout is not None
     line = child.stdout.readline()
@@ -179,13 +185,13 @@ def test_sigterm_to_the_owner_cleans_up(tmp_path):
 
 
 def test_sigkilled_owner_forwarder_exits_and_cleanup_stale_removes_the_rest(tmp_path):
-    child, info = _start_owner(tmp_path)
+    child, info = _start_owner(tmp_path, STALE)
     child.kill()
     child.wait(timeout=10)
     assert _gone(info["forwarder"])  # its stdin closed with the owner
     assert set(info["ns"]) <= set(wan._list_netns())  # a SIGKILL leaves the namespaces and what runs in them
     assert not any(_gone(p, timeout=0.2) for p in info["pids"])
-    removed = cleanup_stale()
+    removed = cleanup_stale(STALE)
     assert set(info["ns"]) <= set(removed)
     assert set(info["ns"]).isdisjoint(wan._list_netns())
     assert all(_gone(p) for p in info["pids"])
@@ -194,13 +200,13 @@ def test_sigkilled_owner_forwarder_exits_and_cleanup_stale_removes_the_rest(tmp_
 def test_cleanup_stale_removes_namespaces_of_dead_owners_only():
     dead = subprocess.Popen(["true"])
     dead.wait()
-    stale, live = f"{PREFIX}{dead.pid}-1-0", f"{PREFIX}{os.getpid()}-999-0"
+    stale, live = f"{STALE}{dead.pid}-1-0", f"{STALE}{os.getpid()}-999-0"
     for name in (stale, live):
         subprocess.run(["ip", "netns", "add", name], check=True, capture_output=True)
     sleeper = subprocess.Popen(["ip", "netns", "exec", stale, "sleep", "600"])
     try:
         time.sleep(0.2)
-        removed = cleanup_stale()
+        removed = cleanup_stale(STALE)
         assert stale in removed and live not in removed
         names = wan._list_netns()
         assert stale not in names and live in names
@@ -211,7 +217,7 @@ def test_cleanup_stale_removes_namespaces_of_dead_owners_only():
         sleeper.wait()
         for name in (stale, live):
             subprocess.run(["ip", "netns", "del", name], capture_output=True)
-    assert not _our_namespaces()
+    assert not _our_namespaces(prefix=STALE)
 
 
 class _nullcontext:
