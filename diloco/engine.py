@@ -35,7 +35,7 @@ from diloco.peers import stragglers
 from .fragments import Fragment, HSchedule, StreamingConfig, fragment_of_round, inner_steps_at
 from .holding import views
 from .member import Member
-from .outer import copy_into, mix_into, outer_step, pseudo_gradient, pseudo_gradient_pieces
+from .outer import copy_into, is_pinned, mix_into, outer_step, pseudo_gradient, pseudo_gradient_pieces
 from .report import RoundReport
 from .shards import ShardedHandoff
 from .swarm import Banned
@@ -69,6 +69,8 @@ class _FragmentState:
     fragment: Fragment
     ef: ErrorFeedback | None
     carry: torch.Tensor | None = None
+    buffer: torch.Tensor | None = None
+    """A lone worker's Δ of this fragment, formed in the same memory every slot (`RoundEngine._buffer`)."""
 
 
 class RoundEngine:
@@ -184,7 +186,7 @@ class RoundEngine:
             delta = pseudo_gradient_pieces(global_frag, local_frag)
             ok = all(finite(p) for p in delta)
         else:
-            delta = pseudo_gradient(global_frag, local_frag)
+            delta = pseudo_gradient(global_frag, local_frag, out=self._buffer(frag))
             ok = finite(delta)
         if not self.link.all_true(ok):  # on an FSDP2 site every rank judges its own piece
             return self.roll_back(started)
@@ -256,6 +258,18 @@ class RoundEngine:
         return self.member.report(RoundReport(self.holding.round, False, "non-finite pseudo-gradient: rolled back, "
                                               "sent nothing", 1, 0, 0, time.monotonic() - started, self.standing.steps))
 
+    def _buffer(self, frag: Fragment) -> torch.Tensor | None:
+        """Where a lone worker forms Δ of `frag`: the same buffer every slot (a fresh one as large costs more in
+        page faults than forming Δ). Only without a swarm and without a whole outer step overlapped: there
+        nothing holds the last slot's Δ by the time this fragment's next slot comes (τ < H/P)."""
+        if self.member.swarm is not None or self.overlapped or self.link.site is not None:
+            return None
+        kept = self.per_fragment[frag.index]
+        if kept.buffer is None:
+            kept.buffer = torch.empty(frag.numel, dtype=torch.float32, device=self.holding.device,
+                                      pin_memory=any(is_pinned(p) for p in self.holding.params))
+        return kept.buffer
+
     @property
     def lean(self) -> bool:
         """Whether our rounds take Δ in pieces and keep Δ̄ as their frames (`PiecewiseHandoff`): a lone peer in a
@@ -282,10 +296,9 @@ class RoundEngine:
             self.pending = _Pending(frag, acc, due, started, key=key)
             return self.pending
         if self.member.swarm is None:
-            payload = self.local_pipeline.encode(acc)
-            sent = self.local_pipeline.decode(payload, acc.numel()).dense(acc.numel())
+            sent, size = self._locally(acc)
             outcome = RoundOutcome(RoundKey(self.holding.round), True, "local", (), sent, [()], sent,
-                                   payload_bytes=len(payload))
+                                   payload_bytes=size)
             self.pending = _Pending(frag, acc, due, started, outcome=outcome)
             return self.pending
         source = self.link.handoff(acc, frag.params)
@@ -293,6 +306,15 @@ class RoundEngine:
         keep = self.error_feedback or self.overlapped
         self.pending = _Pending(frag, acc if keep else None, due, started, future=future, source=source, key=key)
         return self.pending
+
+    def _locally(self, acc: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """A lone worker's round: what its codec would deliver of `acc`, and the bytes it would send. Plain fp32
+        delivers `acc` itself in 4 bytes a value: nothing is encoded (it would cost a copy out and one back);
+        a lossy codec is applied, as a swarm's peers would apply it (with its error feedback)."""
+        if self.local_pipeline.spec.text == "fp32":
+            return acc, 4 * acc.numel()
+        payload = self.local_pipeline.encode(acc)
+        return self.local_pipeline.decode(payload, acc.numel()).dense(acc.numel()), len(payload)
 
     def _exchange(self, frag: Fragment, delta: torch.Tensor | list[torch.Tensor] | Handoff,
                   ) -> concurrent.futures.Future[RoundOutcome]:

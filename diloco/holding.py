@@ -18,8 +18,8 @@ from typing import Callable, Iterator, Sequence
 
 import torch
 
-from .outer import OuterFactory
-from .state import GlobalState, Manifest, is_pinned
+from .outer import OuterFactory, is_pinned
+from .state import GlobalState, Manifest
 
 RECENT = 4
 """How many (round, digest) pairs of the states we held our record publishes."""

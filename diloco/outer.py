@@ -17,8 +17,11 @@ OuterFactory = Callable[[list[torch.Tensor]], torch.optim.Optimizer]
 
 
 def nesterov(lr: float = 0.7, momentum: float = 0.9) -> OuterFactory:
-    """The paper's outer optimizer: SGD with Nesterov momentum (plain SGD when momentum is 0)."""
-    return lambda params: torch.optim.SGD(params, lr=lr, momentum=momentum, nesterov=momentum > 0)
+    """The paper's outer optimizer: SGD with Nesterov momentum (plain SGD when momentum is 0). Its foreach form
+    everywhere (torch picks it by itself on a GPU only): the same arithmetic as the per-tensor loop, bit for bit
+    (tests/test_outer.py), with the momentum added to the gradients in place instead of into a fresh copy of
+    them (`outer_step` hands it gradients it may write)."""
+    return lambda params: torch.optim.SGD(params, lr=lr, momentum=momentum, nesterov=momentum > 0, foreach=True)
 
 
 def default_outer(error_feedback: bool, lr: float | None = None, momentum: float | None = None) -> OuterFactory:
@@ -62,6 +65,11 @@ def unflatten(flat: torch.Tensor, like: Sequence[torch.Tensor]) -> list[torch.Te
     return out
 
 
+def is_pinned(t: torch.Tensor) -> bool:
+    """Whether `t` is in pinned host memory, asked without starting CUDA (nothing is pinned before it starts)."""
+    return bool(torch.cuda.is_initialized()) and t.is_pinned()  # type: ignore[no-untyped-call]
+
+
 def _crosses(local_params: Sequence[torch.Tensor], device: torch.device) -> bool:
     """Whether forming Δ on `device` (host memory) reads parameters from a GPU."""
     return device.type == "cpu" and any(p.is_cuda for p in local_params)
@@ -76,14 +84,20 @@ def wait_for_gpus(tensors: Iterable[torch.Tensor]) -> None:
 
 
 @torch.no_grad()
-def pseudo_gradient(global_params: Sequence[torch.Tensor], local_params: Sequence[torch.Tensor]) -> torch.Tensor:
-    """Δ = θ_global − θ_local, flat fp32, where θ_global lives. One allocation: Δ itself. With the model on a GPU
-    and θ in host memory, Δ is allocated pinned and every parameter is copied into it without waiting, then the
-    GPU is waited for once (not once per parameter), and the subtraction runs in place on the host."""
+def pseudo_gradient(global_params: Sequence[torch.Tensor], local_params: Sequence[torch.Tensor],
+                    out: torch.Tensor | None = None) -> torch.Tensor:
+    """Δ = θ_global − θ_local, flat fp32, where θ_global lives. One allocation: Δ itself, or none into `out` (a
+    flat fp32 buffer of the right size there: a fresh allocation this large costs more in page faults than the
+    subtraction). With the model on a GPU and θ in host memory, Δ is allocated pinned and every parameter is
+    copied into it without waiting, then the GPU is waited for once (not once per parameter), and the
+    subtraction runs in place on the host."""
     device = global_params[0].device if global_params else torch.device("cpu")
     crossing = _crosses(local_params, device)
-    delta = torch.empty(sum(p.numel() for p in global_params), dtype=torch.float32, device=device,
-                        pin_memory=crossing)
+    numel = sum(p.numel() for p in global_params)
+    fits = out is not None and out.numel() == numel and out.device == device and out.dtype == torch.float32 and \
+        (not crossing or is_pinned(out))
+    delta = out if fits and out is not None else torch.empty(numel, dtype=torch.float32, device=device,
+                                                             pin_memory=crossing)
     views = unflatten(delta, global_params)
     if crossing:
         for out, p in zip(views, local_params):

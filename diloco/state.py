@@ -29,15 +29,10 @@ import msgpack
 import torch
 
 from .compression.errors import DiLoCoError
-from .outer import OuterFactory
+from .outer import OuterFactory, is_pinned
 
 _DTYPES = {"float32": torch.float32, "float64": torch.float64, "float16": torch.float16,
            "bfloat16": torch.bfloat16, "int64": torch.int64, "int32": torch.int32}
-
-
-def is_pinned(t: torch.Tensor) -> bool:
-    """Whether `t` is in pinned host memory, asked without starting CUDA (nothing is pinned before it starts)."""
-    return bool(torch.cuda.is_initialized()) and t.is_pinned()  # type: ignore[no-untyped-call]
 
 
 def _host_copy(p: torch.Tensor, device: torch.device | str | None) -> torch.Tensor:

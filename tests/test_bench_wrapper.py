@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from diloco.bench.wrapper import WrapperSetup, markdown_table, run
+from diloco.bench.wrapper import WrapperSetup, markdown_table, run, sync_cost, sync_table
 from diloco.job.train import JobConfig
 
 pytestmark = pytest.mark.swarm  # in-process training runs, a few seconds
@@ -26,3 +26,13 @@ def test_the_wrapper_benchmark_times_bare_and_wrapped_runs_and_finds_the_syncs()
         assert len(r["runs"]) == 2
     assert ticks[0] == (0, 6, "bare") and ticks[-1] == (6, 6, "done")
     assert markdown_table(report).count("\n") == 4 and report["params"] > 0
+
+
+def test_the_sync_is_timed_on_the_training_thread_against_its_floor_in_the_same_process():
+    """At a tiny size: every round after the first is timed, the floor and the sync are positive, and the ratio
+    is theirs (the figure at 85M: docs/BENCHMARKS.md, B5)."""
+    job = JobConfig(d_model=32, n_layer=2, batch_size=2, context=32, corpus_bytes=1 << 20)
+    cost = sync_cost(WrapperSetup(job=job), inner_steps=4, syncs=3)
+    assert cost["syncs"] == 3 and cost["params"] > 0 and cost["floor_ms"] > 0 and cost["plain_step_ms"] > 0
+    assert cost["ratio"] == pytest.approx(cost["sync_ms"] / cost["floor_ms"])
+    assert sync_table(cost).count("\n") == 2

@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+from pathlib import Path
 import time
 
 import pytest
@@ -124,11 +125,23 @@ def _ctrl_c(proc: subprocess.Popen) -> int:
     try:
         return proc.wait(timeout=30)
     except subprocess.TimeoutExpired:
+        masks = _signal_masks(proc.pid)  # is SIGINT (bit 2, 0x2) pending, blocked, ignored or caught?
         proc.send_signal(signal.SIGUSR1)
         time.sleep(2)
         proc.kill()
         proc.wait(timeout=10)
-        raise AssertionError(f"still running 30 s after Ctrl-C; its stderr:\n{_stderr(proc)}") from None
+        raise AssertionError(f"still running 30 s after Ctrl-C ({masks}); its stderr:\n{_stderr(proc)}") from None
+
+
+def _signal_masks(pid: int) -> str:
+    """The signal lines of /proc/PID/status (hex masks; SIGINT is 0x2): what became of a signal the process did not
+    act on."""
+    try:
+        lines = Path(f"/proc/{pid}/status").read_text().splitlines()
+    except OSError as e:
+        return f"no /proc status: {e}"
+    return ", ".join(line.replace("\t", " ") for line in lines if line.startswith(("SigPnd", "ShdPnd", "SigBlk",
+                                                                                 "SigIgn", "SigCgt")))
 
 
 def _stderr(proc: subprocess.Popen) -> str:

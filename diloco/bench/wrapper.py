@@ -29,7 +29,7 @@ from ..job.corpus import BatchSampler
 from ..job.model import GPTConfig, build_model
 from ..job.train import ADAMW_BETAS, WEIGHT_DECAY, JobConfig, load_corpus
 from ..wrapper import DiLoCo
-from .devices import waiter
+from .devices import median_time, waiter
 
 Tick = Callable[[float, float, str], None]
 
@@ -97,9 +97,14 @@ def _run(setup: WrapperSetup, h: int | None, corpus: Any) -> dict[str, Any]:
             "params": sum(p.numel() for p in model.parameters())}
 
 
-def run(setup: WrapperSetup, tick: Tick = lambda done, total, status: None) -> dict[str, Any]:
+def run(setup: WrapperSetup, tick: Tick = lambda done, total, status: None, loops: bool = True) -> dict[str, Any]:
     """Bare and each H, interleaved `repeats` times; per kind the median run's mean step, and for the
-    wrapper the overhead over bare, split into every step's share and the synchronizations' share."""
+    wrapper the overhead over bare, split into every step's share and the synchronizations' share (`loops`
+    False: none of this); then a synchronization's time on the training thread against its floor (`sync`)."""
+    if not loops:
+        cost = sync_cost(setup)
+        tick(1, 1, "done")
+        return {"params": cost["params"], "rows": [], "sync": cost}
     corpus = load_corpus(setup.job)
     kinds: list[int | None] = [None, *setup.inner_steps]
     runs: dict[int | None, list[dict[str, Any]]] = {k: [] for k in kinds}
@@ -129,7 +134,7 @@ def run(setup: WrapperSetup, tick: Tick = lambda done, total, status: None) -> d
         rows.append(dict(kind=f"DiLoCo H={h}", inner_steps=h, mean_step_ms=with_d * 1e3, overhead=with_d / bare - 1,
                          per_step_overhead=plain / bare - 1, sync_ms=sync * 1e3, sync_overhead=sync / h / bare,
                          syncs=[sum(x["synced"]) for x in runs[h]], runs=[mean(x) * 1e3 for x in runs[h]]))
-    return {"params": runs[None][0]["params"], "rows": rows}
+    return {"params": runs[None][0]["params"], "rows": rows, "sync": sync_cost(setup)}
 
 
 def markdown_table(report: dict[str, Any]) -> str:
@@ -145,3 +150,75 @@ def markdown_table(report: dict[str, Any]) -> str:
 def write_json(report: dict[str, Any], path: Path, setup: dict[str, Any]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"setup": setup, **report}, indent=2) + "\n")
+
+
+@torch.no_grad()
+def _floor(theta: list[torch.Tensor], local: list[torch.Tensor], delta: list[torch.Tensor],
+           outer: torch.optim.Optimizer) -> None:
+    """The least a synchronization does on the training thread, in bare torch: Δ = θ − θ_local into memory kept
+    for it (moved to θ's device first when the model is elsewhere), the Nesterov step with Δ as θ's gradient
+    (foreach, in place), and θ copied back into the model."""
+    if delta[0].device != local[0].device:
+        torch._foreach_copy_(delta, local, non_blocking=True)
+        for device in {t.device for t in local if t.is_cuda}:
+            torch.cuda.current_stream(device).synchronize()
+        for d, t in zip(delta, theta):
+            torch.sub(t, d, out=d)
+    else:
+        for d, t, p in zip(delta, theta, local):
+            torch.sub(t, p, out=d)
+    for t, d in zip(theta, delta):
+        t.grad = d
+    outer.step()
+    torch._foreach_copy_(local, theta, non_blocking=True)
+
+
+def sync_cost(setup: WrapperSetup, inner_steps: int = 8, syncs: int = 5) -> dict[str, Any]:
+    """A synchronization's time on the training thread against the floor, measured in one process on one model
+    (`setup.job`'s size: 85M parameters at width 768 and 12 blocks). The inner steps take fixed gradients (no
+    forward or backward: the sync does not depend on them), `inner_steps` of them a round, `syncs` rounds after
+    one untimed; a sync's time is its step's minus a plain step's (medians). The floor (`_floor`) runs `syncs`
+    times on copies of the same tensors. θ lives on `setup.global_device`, as the wrapper keeps it."""
+    job = setup.job
+    torch.set_num_threads(job.threads)
+    device, global_device = torch.device(setup.device), torch.device(setup.global_device)
+    finish = waiter(device)
+    model = build_model(GPTConfig(context=job.context, d_model=job.d_model, n_layer=job.n_layer), seed=job.seed)
+    model.to(device)
+    params = list(model.parameters())
+    gen = torch.Generator().manual_seed(job.seed)
+    grads = [(torch.randn(p.shape, generator=gen) * 1e-3).to(device) for p in params]
+    local = [p.detach() for p in params]
+    pinned = global_device.type == "cpu" and device.type == "cuda"
+    theta = [p.detach().to(global_device, copy=True) for p in params]
+    delta = [torch.empty_like(t, pin_memory=pinned) for t in theta]
+    outer = torch.optim.SGD(theta, lr=0.7, momentum=0.9, nesterov=True, foreach=True)
+    floor, _ = median_time(lambda: _floor(theta, local, delta, outer), syncs, finish, warmup=1)
+    del theta, delta, outer
+
+    opt = torch.optim.SGD(params, lr=1e-3)
+    times: list[float] = []
+    synced: list[bool] = []
+    with DiLoCo(model, opt, swarm=None, inner_steps=inner_steps, compression=setup.compression,
+                global_device=setup.global_device) as d:
+        for k in range((syncs + 1) * inner_steps):
+            for p, g in zip(params, grads):
+                p.grad = g
+            before = d.round
+            started = time.perf_counter()
+            opt.step()
+            finish()
+            if k >= inner_steps:  # the first round is untimed
+                times.append(time.perf_counter() - started)
+                synced.append(d.round != before)
+    plain = statistics.median(t for t, s in zip(times, synced) if not s)
+    sync = statistics.median(t for t, s in zip(times, synced) if s) - plain
+    return {"params": sum(p.numel() for p in params), "floor_ms": floor * 1e3, "sync_ms": sync * 1e3,
+            "ratio": sync / floor, "plain_step_ms": plain * 1e3, "inner_steps": inner_steps, "syncs": sum(synced)}
+
+
+def sync_table(cost: dict[str, Any]) -> str:
+    return "\n".join([
+        "| parameters | the floor (bare torch) | a sync on the training thread | × the floor |",
+        "|---|---|---|---|",
+        f"| {cost['params'] / 1e6:.1f}M | {cost['floor_ms']:.1f} ms | {cost['sync_ms']:.1f} ms | {cost['ratio']:.2f} |"])
