@@ -386,7 +386,11 @@ def _watch(addresses: List[str], run_id: str, secret: str, interval: float, json
     from .status import PeerStatus, watch
 
     stop = threading.Event()
+    # Ctrl-C and SIGTERM end the loop, whatever this process inherited: a process started while its parent ignored
+    # SIGINT (C's system() does, for as long as it runs; a shell does for a job it starts with &) begins with SIGINT
+    # ignored, and Ctrl-C would never reach it (seen in tests/test_status.py under parallel workers)
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
     console = Console(width=max(Console().width, 170))
     live = None if json_out or not sys.stdout.isatty() else Live(console=console, auto_refresh=False)
 
@@ -406,8 +410,6 @@ def _watch(addresses: List[str], run_id: str, secret: str, interval: float, json
         watch(addresses, run_id, secret, show, interval=interval, stop=stop)
     except RuntimeError as e:
         _fail(str(e), code=1)
-    except KeyboardInterrupt:
-        pass
     finally:
         if live is not None:
             live.stop()
