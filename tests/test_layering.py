@@ -40,19 +40,27 @@ def level(module: str) -> int:
     return ORDER.index(max((room for room in ORDER if module == room or module.startswith(room + ".")), key=len))
 
 
+def _source(node: ast.ImportFrom, package: str) -> str:
+    """The module a `from … import …` reads from, relative imports resolved against `package`."""
+    if not node.level:
+        return node.module or ""
+    base = package.split(".")[: len(package.split(".")) - node.level + 1]
+    return ".".join(base + ([node.module] if node.module else []))
+
+
+def _package(module: str, path: Path) -> str:
+    return module if path.name == "__init__.py" else module.rpartition(".")[0]
+
+
 def imports(module: str, path: Path) -> set[str]:
     """The diloco modules `module` imports anywhere in its file, relative imports resolved."""
-    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    package = _package(module, path)
     out = set()
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.Import):
             out |= {a.name for a in node.names if a.name.startswith("diloco")}
         elif isinstance(node, ast.ImportFrom):
-            if node.level:
-                base = package.split(".")[: len(package.split(".")) - node.level + 1]
-                target = ".".join(base + ([node.module] if node.module else []))
-            else:
-                target = node.module or ""
+            target = _source(node, package)
             if target.startswith("diloco"):
                 out.add(target)
                 out |= {f"{target}.{a.name}" for a in node.names}  # `from . import train` names a module
@@ -86,7 +94,7 @@ def test_the_check_sees_an_upward_import(tmp_path):
 def runtime_imports(module: str, path: Path, known: set[str]) -> set[str]:
     """The diloco modules `module` imports when it runs (lazy imports included, `if TYPE_CHECKING:` blocks left
     out: annotations are not imports); `from . import x` imports the module x, not its package again."""
-    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    package = _package(module, path)
     tree = ast.parse(path.read_text(), str(path))
     typing_only = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If) and "TYPE_CHECKING" in
                    ast.unparse(node.test) for sub in node.body for n in ast.walk(sub)}
@@ -97,11 +105,7 @@ def runtime_imports(module: str, path: Path, known: set[str]) -> set[str]:
         if isinstance(node, ast.Import):
             out |= {a.name for a in node.names}
         elif isinstance(node, ast.ImportFrom):
-            if node.level:
-                base = package.split(".")[: len(package.split(".")) - node.level + 1]
-                target = ".".join(base + ([node.module] if node.module else []))
-            else:
-                target = node.module or ""
+            target = _source(node, package)
             named = {f"{target}.{a.name}" for a in node.names} & known
             out |= named or {target}
     return {t for t in out if t in known and t != module}
