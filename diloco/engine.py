@@ -98,6 +98,12 @@ class RoundEngine:
         self.start: list[torch.Tensor] | None = None  # eager: where this phase started (≠ θ)
         self.last_view = 1
 
+    @property
+    def residuals(self) -> list[torch.Tensor] | None:
+        """The error-feedback residual of each fragment (what compression has not delivered yet), or None without
+        error feedback."""
+        return [k.ef.residual for k in self.per_fragment if k.ef is not None] if self.error_feedback else None
+
     def forget_carry(self) -> None:
         """We took another peer's state: a failed round's Δ carried for the next one refers to ours, not to it."""
         for kept in self.per_fragment:

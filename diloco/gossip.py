@@ -74,7 +74,6 @@ def history_scale(norm: float, recent: Sequence[float], clip: float, least: int 
 class Gossip(Topology):
     """One worker's gossip rounds: groups, the exchange of local parameters, the step of its own state."""
 
-    name = "gossip"
     one_state = False
 
     def __init__(self, member: Member, outer_lr_schedule: Callable[[int], float], *, streams: bool) -> None:

@@ -52,15 +52,15 @@ def fp32_tensor(arr: npt.NDArray[Any], numel: int, what: str) -> torch.Tensor:
 
 
 def write(root: Path, names: Sequence[str], state: GlobalState, residuals: Sequence[torch.Tensor] | None,
-          meta: dict[str, Any], keep: int = 3, digest: str | None = None) -> Path:
-    """`digest`: the state's, when the caller knows it already (else it is hashed here)."""
+          meta: dict[str, Any], keep: int, digest: str) -> Path:
+    """`digest`: the state's, as the worker holds it (hashing it again here would cost a pass over the state)."""
     tensors = {f"theta/{n}": fp32_array(p, f"theta/{n}") for n, p in zip(names, state.params)}
     tensors["global_state"] = np.frombuffer(state.to_bytes(), dtype=np.uint8)
     for i, r in enumerate(residuals or ()):
         tensors[f"ef/{i}"] = fp32_array(r, f"ef/{i}")
     size = sum(t.nbytes for t in tensors.values())
     with progress.transfer(f"checkpoint round {state.round}", size) as shown:  # large states only
-        return save(root, state.round, tensors, {**meta, "round": state.round, "digest": digest or state.digest()},
+        return save(root, state.round, tensors, {**meta, "round": state.round, "digest": digest},
                     keep=keep,
                     progress=lambda done, total: shown.update(done, total))
 
@@ -131,10 +131,9 @@ class Checkpoints:
         s = member.standing
         meta = {"schema": member.schema, "steps": s.steps, "position": s.position, "members": ",".join(s.members or ()),
                 "compression": self.compression}
-        residuals = [k.ef.residual for k in engine.per_fragment if k.ef is not None] if engine.error_feedback else None
         try:
             with member.holding.lock:
-                path = write(target, self.names, state, residuals, meta, keep, digest=member.holding.digest)
+                path = write(target, self.names, state, engine.residuals, meta, keep, digest=member.holding.digest)
         except CheckpointError as e:
             log.warning("event=checkpoint_failed reason=%s", e)
             return None

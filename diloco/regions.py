@@ -91,8 +91,6 @@ class Regions(Topology):
     level (`upper`: a member of the peer's swarm holding θ_G, and `merger`, its rounds). The wrapper makes one
     when its swarm names a region."""
 
-    name = "regions"
-
     def __init__(self, worker: Member, swarm: Swarm, *, streams: bool) -> None:
         cfg = swarm.cfg
         if streams:
@@ -112,7 +110,7 @@ class Regions(Topology):
                                                 nesterov(cfg.global_lr, cfg.global_momentum))
         """The global level: a member of the peer's swarm whose state is θ_G and whose inner step is one committed
         region round, and its rounds (the merges)."""
-        self.upper.standby = True  # published when it joins; a region round may say otherwise (`after_commit`)
+        self.upper.set_standby(True)  # published when it joins; a region round may say otherwise (`after_commit`)
         self.merges = 0
         """Merges this peer took part in (as the representative, or by downloading θ_G′)."""
         self.skipped = 0
@@ -249,11 +247,9 @@ def _global_level(worker: Member, compression: str, merge_every: int, outer: Out
     fragments = partition([n for n, _ in named], [t.numel() for t in local], streaming)
     device = worker.holding.device
     holding = Holding(GlobalState(local, outer, device), outer, device)
-    engine: list[RoundEngine] = []
     upper = Member(holding, lambda: local, SiteLink(None, None), Accounting(),
                    schema=schema_digest(named, f"{spec.text}|fragments={len(fragments)}:{streaming.pattern}"),
-                   period=lambda: engine[0].period, join_timeout=worker.join_timeout)
-    engine.append(RoundEngine(upper, fragments=fragments, streaming=streaming, inner_steps=merge_every, h_schedule=(),
-                              outer_lr_schedule=lambda rnd: 1.0, spec=spec))
-    return upper, engine[0]
+                   period=lambda: merge_every, join_timeout=worker.join_timeout)  # one fragment, no H schedule
+    return upper, RoundEngine(upper, fragments=fragments, streaming=streaming, inner_steps=merge_every, h_schedule=(),
+                              outer_lr_schedule=lambda rnd: 1.0, spec=spec)
 

@@ -45,6 +45,7 @@ from diloco.comms.identity import Identity, IdentityError
 from diloco.comms.loop import LoopThread
 from diloco.comms.transport import InProcNetwork, ScopedTransport
 from diloco.compression import PayloadRejected, Reason
+from diloco.compression.errors import DiLoCoError
 from diloco.peers import (Directory, PeerRecord, banned_by_majority, departed, expected_peers, quorum,
                           round_key_for, started_without, voted_out)
 from diloco.peers.membership import group_of, group_tag, regions_of, round_to_run, serving
@@ -54,7 +55,6 @@ from .config import SwarmConfig
 from .lines import write_lines
 from .state import Manifest, Receiver, StateError
 from .statesync import NOT_HELD, NotHeld, Progress, Snapshot, download, serve_chunk, serve_manifest
-from diloco.compression.errors import DiLoCoError
 
 log = logging.getLogger(__name__)
 

@@ -34,7 +34,6 @@ class Topology:
     """Flat DiLoCo: every round is the whole swarm's, and every peer that commits holds one state. Regions and
     gossip override what differs (see the module docstring)."""
 
-    name = "flat"
     one_state = True
     """Every peer of a round holds the same state afterwards: a peer behind downloads it, and a run's end waits
     for peers still behind (False for gossip: each peer keeps its own state)."""

@@ -262,16 +262,16 @@ class DiLoCo:
     @property
     def state(self) -> GlobalState:
         """The global state we hold: θ, the outer optimizer, the round."""
-        return self.member.holding.state
+        return self.member.state
 
     @property
     def digest(self) -> str:
         """Short SHA-256 of the global state (θ, outer optimizer state, round)."""
-        return self.member.holding.digest
+        return self.member.digest
 
     @property
     def round(self) -> int:
-        return self.member.holding.round
+        return self.member.round
 
     @property
     def reports(self) -> list[RoundReport]:
@@ -327,9 +327,7 @@ class DiLoCo:
     def residuals(self) -> list[torch.Tensor] | None:
         """The error-feedback residual of each fragment (what compression has not delivered yet), or None without
         error feedback."""
-        if not self.engine.error_feedback:
-            return None
-        return [k.ef.residual for k in self.engine.per_fragment if k.ef is not None]
+        return self.engine.residuals
 
     @property
     def local_params(self) -> list[torch.Tensor]:

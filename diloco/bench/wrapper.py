@@ -28,6 +28,7 @@ import torch
 from ..job.corpus import BatchSampler
 from ..job.model import GPTConfig, build_model
 from ..job.train import ADAMW_BETAS, WEIGHT_DECAY, JobConfig, load_corpus
+from ..outer import wait_for_gpus
 from ..wrapper import DiLoCo
 from .devices import median_time, waiter
 
@@ -160,8 +161,7 @@ def _floor(theta: list[torch.Tensor], local: list[torch.Tensor], delta: list[tor
     (foreach, in place), and θ copied back into the model."""
     if delta[0].device != local[0].device:
         torch._foreach_copy_(delta, local, non_blocking=True)
-        for device in {t.device for t in local if t.is_cuda}:
-            torch.cuda.current_stream(device).synchronize()
+        wait_for_gpus(local)
         for d, t in zip(delta, theta):
             torch.sub(t, d, out=d)
     else:

@@ -386,11 +386,7 @@ def _watch(addresses: List[str], run_id: str, secret: str, interval: float, json
     from .status import PeerStatus, watch
 
     stop = threading.Event()
-    # Ctrl-C and SIGTERM end the loop, whatever this process inherited: a process started while its parent ignored
-    # SIGINT (C's system() does, for as long as it runs; a shell does for a job it starts with &) begins with SIGINT
-    # ignored, and Ctrl-C would never reach it (seen in tests/test_status.py under parallel workers)
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    signal.signal(signal.SIGINT, lambda *_: stop.set())
     console = Console(width=max(Console().width, 170))
     live = None if json_out or not sys.stdout.isatty() else Live(console=console, auto_refresh=False)
 
@@ -410,6 +406,8 @@ def _watch(addresses: List[str], run_id: str, secret: str, interval: float, json
         watch(addresses, run_id, secret, show, interval=interval, stop=stop)
     except RuntimeError as e:
         _fail(str(e), code=1)
+    except KeyboardInterrupt:
+        pass
     finally:
         if live is not None:
             live.stop()
@@ -1037,6 +1035,11 @@ def main(argv: Optional[List[str]] = None) -> None:
 
     args, command = split_command(sys.argv[1:] if argv is None else argv)
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 PID`: every thread's stack on stderr
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        # Ctrl-C stops every command, whatever the process inherited: one started while its parent ignored SIGINT
+        # (C's system() does, for as long as it runs; a shell, for a job it starts with &) begins with it ignored,
+        # and Python then never installs its KeyboardInterrupt (seen: tests/test_status.py, parallel workers)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     if command is not None and not (args and args[0] in ("start", "join")):
         typer.echo("error: only `diloco start` and `diloco join` run a command of yours (`-- CMD`); "
                    "e.g. diloco start -- python train.py", err=True)
