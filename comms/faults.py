@@ -15,6 +15,7 @@ Phases, in the order a round passes them:
 | `reduce` | our span is reduced but its result not sent: nobody can commit       | our span has no result     |
 | `decide` | we accepted the round's value (every result is in), voted for nobody | members in doubt, or committed |
 | `apply`  | every result is in (others commit), our outer step is not applied    | a committed round, then us gone |
+| `applied`| our outer step is applied; its digest is being hashed beside training | a committed round, then us gone |
 
 Each kill fires at most once. A poisoning peer is an authorized peer gone bad: robust aggregation
 clips its contributions, then the others ban it, and it stops (`diloco.Banned`).
@@ -38,7 +39,7 @@ from diloco.compression.errors import ConfigError
 if TYPE_CHECKING:
     import torch
 
-PHASES = ("gather", "encode", "send", "reduce", "decide", "apply")
+PHASES = ("gather", "encode", "send", "reduce", "decide", "apply", "applied")
 POISON_FACTOR = 1e4
 
 

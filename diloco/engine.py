@@ -383,6 +383,8 @@ class RoundEngine:
                 global_frag = views(state.params, frag.params)
                 outer_step(state.outer, global_frag, aggregate, scale)
                 state.round += 1
+            if swarm is not None:
+                swarm.applied(outcome.key.round)
             del aggregate
             s.attempt = 0
             self.last_view = max(1, len(outcome.view))

@@ -3,8 +3,16 @@
 The state is θ (fp32 copies of the trained parameters), the outer optimizer over θ and the round
 (`diloco.state.GlobalState`). Derived from it: the manifest (SHA-256 of every 4 MiB chunk) and the digest
 the swarm compares, and the digests of the last rounds held (`recent`, published with the peer's record).
-Two threads touch the state: the training thread changes it (an outer step, a download), the event-loop
-thread serializes it for a peer catching up; `lock` keeps the second from seeing half of a change.
+
+Three threads touch the state. The training thread changes it (an outer step, a download); the event-loop
+thread serializes it for a peer catching up, and `lock` keeps it from seeing half of a change. The manifest
+is hashed on a thread of its own, beside the next inner steps (hashing 85M parameters and their momentum
+takes longer than the outer step itself): `digest` and `manifest` wait for it, which the next round does,
+H inner steps later, long after it is done; `known()` answers at once ("" while the hash is under way),
+which is what a record published right after a commit carries until `on_known` listeners publish the
+digest. The hash reads the state in place, so a change waits for the hash in flight before it starts (no
+second copy of the state is kept for it). An FSDP2 site hashes its state from every rank's pieces, a
+collective call that all ranks make together: there the hash stays on the training thread.
 Whatever must follow a change (the snapshot server dropping idle copies) registers with `on_change`.
 """
 
@@ -29,10 +37,12 @@ class Holding:
     """One worker's global state, its digest, and the lock around changes to it."""
 
     def __init__(self, state: GlobalState, outer_factory: OuterFactory, device: torch.device,
-                 manifest_of: Callable[[GlobalState], Manifest] | None = None) -> None:
+                 manifest_of: Callable[[GlobalState], Manifest] | None = None, *,
+                 background: bool | None = None) -> None:
         """`device`: where θ and the outer state live (`DiLoCo(global_device=...)`). `manifest_of`: how the state
         is hashed (default `GlobalState.manifest`; an FSDP2 site hashes the whole state from its ranks' pieces,
-        `SiteShards.manifest`)."""
+        `SiteShards.manifest`). `background`: hash on a thread of our own (default: unless `manifest_of` is
+        given, which may be a collective call every rank makes on its training thread)."""
         self.state = state
         self.outer_factory = outer_factory
         self.device = device
@@ -42,7 +52,14 @@ class Holding:
         self.recent: collections.deque[tuple[int, str]] = collections.deque(maxlen=RECENT)
         """The last (round, digest) states we held, published with our record (`PeerRecord.recent`)."""
         self._manifest_of = manifest_of or GlobalState.manifest
+        self._background = manifest_of is None if background is None else background
         self._listeners: list[Callable[[], None]] = []
+        self._known_listeners: list[Callable[[], None]] = []
+        self._settled = threading.Condition()
+        """Guards `_manifest`, `_failed` and `recent`, and wakes whoever waits for the hash."""
+        self._manifest: Manifest | None = None
+        self._failed: BaseException | None = None
+        self._hasher: threading.Thread | None = None
         with self.lock:
             self.changed()
 
@@ -56,30 +73,92 @@ class Holding:
         return self.state.params
 
     def on_change(self, listener: Callable[[], None]) -> None:
-        """Call `listener()` after every change of the state (with `lock` held)."""
+        """Call `listener()` after every change of the state (on the training thread, with `lock` held)."""
         self._listeners.append(listener)
 
+    def on_known(self, listener: Callable[[], None]) -> None:
+        """Call `listener()` once the digest of a changed state is known, when it was not at the change (on the
+        hashing thread, without `lock`: a listener must not wait for a change of the state)."""
+        self._known_listeners.append(listener)
+
+    @property
+    def manifest(self) -> Manifest:
+        """The manifest of the state we hold, waiting for its hash if it is under way."""
+        with self._settled:
+            while self._manifest is None:
+                if self._failed is not None:
+                    raise self._failed
+                self._settled.wait()
+            return self._manifest
+
+    @property
+    def digest(self) -> str:
+        """The digest of the state we hold, waiting for its hash if it is under way."""
+        return self.manifest.digest
+
+    def known(self) -> str:
+        """The digest of the state we hold, or "" while it is being hashed (never waits)."""
+        with self._settled:
+            return self._manifest.digest if self._manifest is not None else ""
+
+    def record(self) -> tuple[int, str, tuple[tuple[int, str], ...]]:
+        """What our record says of our state, read at one moment: the round, its digest ("" while being hashed)
+        and the (round, digest) of the last states we held."""
+        with self._settled:
+            return self.state.round, self._manifest.digest if self._manifest is not None else "", tuple(self.recent)
+
     def changed(self) -> None:
-        """The state changed (call with `lock` held): new manifest and digest; one state per round in `recent`
-        (a state replaced at its round, by a resync, is not ours any more)."""
-        self.manifest = self._manifest_of(self.state)
-        self.digest = self.manifest.digest
-        while self.recent and self.recent[-1][0] >= self.state.round:
-            self.recent.pop()
-        self.recent.append((self.state.round, self.digest))
+        """The state changed (call with `lock` held): hash it (beside training, or here), then the new manifest
+        and digest hold, and `recent` one state per round (a state replaced at its round is not ours any more)."""
+        with self._settled:
+            self._manifest, self._failed = None, None
         for listener in self._listeners:
             listener()
+        state = self.state
+        if not self._background:
+            self._hashed(state, self._manifest_of(state))
+            return
+        self._hasher = threading.Thread(target=self._hash, args=(state,), name="diloco-digest")
+        self._hasher.start()
+
+    def _hash(self, state: GlobalState) -> None:
+        try:
+            manifest = self._manifest_of(state)
+        except BaseException as e:  # noqa: BLE001 - handed to whoever waits for the digest
+            with self._settled:
+                self._failed = e
+                self._settled.notify_all()
+            raise
+        self._hashed(state, manifest)
+        for listener in self._known_listeners:
+            listener()
+
+    def _hashed(self, state: GlobalState, manifest: Manifest) -> None:
+        with self._settled:
+            self._manifest = manifest
+            while self.recent and self.recent[-1][0] >= state.round:
+                self.recent.pop()
+            self.recent.append((state.round, manifest.digest))
+            self._settled.notify_all()
+
+    def settle(self) -> None:
+        """Wait for the hash in flight, if any (it reads the state in place: call before changing it)."""
+        hasher, self._hasher = self._hasher, None
+        if hasher is not None and hasher is not threading.current_thread():
+            hasher.join()
 
     @contextmanager
     def changing(self) -> Iterator[GlobalState]:
         """`with holding.changing() as state:` change `state` in place; the digest follows on leaving."""
         with self.lock:
+            self.settle()
             yield self.state
             self.changed()
 
     def replace(self, fresh: GlobalState) -> None:
         """Hold `fresh` from now on (downloaded, resumed, handed out by a site's leader)."""
         with self.lock:
+            self.settle()
             self.state = fresh
             self.changed()
 

@@ -12,6 +12,7 @@ On a torch.distributed site every rank is a member object and the leader speaks 
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Callable, Sequence
@@ -89,6 +90,12 @@ class Member:
         self.standby = False
         """Publish `standby` instead of `training` (a region's global level held by a member that is not its
         region's representative: it holds θ_G but leaves the swarm's rounds to the representative)."""
+        self._publishing = threading.Lock()
+        """One thread at a time writes our record's view of the state: a record published right after a commit
+        carries the digest "" (still being hashed) and must not land after the one that carries the digest."""
+        self._owed = False
+        """A publication at once waits for the digest being hashed."""
+        holding.on_known(self._publish_digest)
 
     @property
     def state(self) -> GlobalState:
@@ -136,10 +143,23 @@ class Member:
             sent, received = self.bytes_on_wire()
             usage = self.accounting.usage()
             s = self.standing
-            self.swarm.update(now=now, status=status, round=self.holding.round, attempt=s.attempt,
-                              digest=self.holding.digest, step=s.steps, loss=self.loss,
-                              recent=tuple(self.holding.recent), bytes_sent=sent, bytes_received=received,
-                              utilization=round(usage.utilization, 4) if usage.steps else None)
+            with self._publishing:
+                rnd, digest, recent = self.holding.record()
+                owed = now and not digest  # sent once the digest is known (`_publish_digest`), not twice
+                self.swarm.update(now=now and not owed, status=status, round=rnd, attempt=s.attempt, digest=digest,
+                                  step=s.steps, loss=self.loss, recent=recent, bytes_sent=sent,
+                                  bytes_received=received,
+                                  utilization=round(usage.utilization, 4) if usage.steps else None)
+                self._owed = self._owed or owed
+
+    def _publish_digest(self) -> None:
+        """The digest of the state we hold is known now (hashed beside training): our record says so, and goes
+        out at once if a publication waited for it."""
+        if self.swarm is not None:
+            with self._publishing:
+                rnd, digest, recent = self.holding.record()
+                self.swarm.update(now=self._owed, round=rnd, digest=digest, recent=recent)
+                self._owed = False
 
     def set_standby(self, standby: bool) -> None:
         """Publish `standby` instead of `training` from now on, or stop: our record at once if that changes it,

@@ -41,8 +41,8 @@ class SnapshotServer:
             for snap in self._snapshots:
                 if snap.digest == digest:
                     return snap
-            if not self._on_demand or digest != held.digest:  # an FSDP2 leader gathers one at its next slot
-                return None
+            if not self._on_demand or digest != held.known():  # an FSDP2 leader gathers one at its next slot
+                return None  # (a state still being hashed is not in our record yet: nobody asks for it)
             return self._keep(Snapshot.take(held.state, held.manifest, self._info()))
 
     def offer(self, whole: GlobalState) -> None:

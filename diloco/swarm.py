@@ -293,7 +293,7 @@ class Swarm:
         `now`, else with the next heartbeat (progress between rounds needs no extra DHT traffic)."""
         record = self._change_record(**fields)
         self.collective.abstaining = record.status == "standby"
-        if now:
+        if now and not self._closed:  # (a digest hashed beside training may arrive after we left)
             self.loop.submit(self._publish())
 
     def _change_record(self, **fields: Any) -> PeerRecord:
@@ -581,6 +581,11 @@ class Swarm:
         and False means this peer crashed meanwhile (an in-process kill), so the step must not happen."""
         self.collective.faults.hit("apply", rnd)
         return not self.collective.crashed
+
+    def applied(self, rnd: int) -> None:
+        """Our outer step of round `rnd` is applied (the new state's digest is being hashed): its `applied` fault
+        hook runs."""
+        self.collective.faults.hit("applied", rnd)
 
     def value_spans(self, value: Value) -> Iterator[tuple[int, int, torch.Tensor]]:
         """A lean round's value (`RoundOutcome.value`) decoded span by span: (lo, hi, values)."""

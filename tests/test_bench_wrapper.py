@@ -35,4 +35,5 @@ def test_the_sync_is_timed_on_the_training_thread_against_its_floor_in_the_same_
     cost = sync_cost(WrapperSetup(job=job), inner_steps=4, syncs=3)
     assert cost["syncs"] == 3 and cost["params"] > 0 and cost["floor_ms"] > 0 and cost["plain_step_ms"] > 0
     assert cost["ratio"] == pytest.approx(cost["sync_ms"] / cost["floor_ms"])
+    assert cost["round_ratio"] == pytest.approx(cost["round_extra_ms"] / cost["floor_ms"])
     assert sync_table(cost).count("\n") == 2

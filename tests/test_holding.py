@@ -1,14 +1,22 @@
-"""The worker's state (diloco.holding) and what a synchronization no longer does on the training thread: a lone
-worker's fp32 round encodes nothing, Δ is formed in the same memory every slot, and the outer Nesterov step runs
-in its foreach form, bit for bit."""
+"""The worker's state (diloco.holding) and what a synchronization no longer does on the training thread: the
+digest is hashed beside training (the same digest; a record says "" until it is known, and goes out once it is),
+a lone worker's fp32 round encodes nothing, Δ is formed in the same memory every slot, and the outer Nesterov step
+runs in its foreach form, bit for bit."""
 
 from __future__ import annotations
+
+import threading
+from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
 
 from diloco import DiLoCo
+from diloco.accounting import Accounting
 from diloco.holding import Holding
+from diloco.member import Member
+from diloco.sitelink import SiteLink
 from diloco.outer import nesterov, outer_step
 from diloco.state import GlobalState
 
@@ -34,6 +42,125 @@ def test_the_digest_held_is_the_state_hashed_in_place_and_follows_every_change()
         s.round += 1
     assert held.digest == s.manifest().digest != expected
     assert list(held.recent) == [(3, expected), (4, held.digest)]
+
+
+class _Gate:
+    """A manifest function that hashes only when let go (`release`), counting how many hashes are running."""
+
+    def __init__(self) -> None:
+        self.go, self.started = threading.Event(), threading.Event()
+        self.running, self.most = 0, 0
+
+    def __call__(self, state: GlobalState):
+        self.running += 1
+        self.most = max(self.most, self.running)
+        self.started.set()
+        assert self.go.wait(10)
+        try:
+            return state.manifest()
+        finally:
+            self.running -= 1
+
+    def release(self) -> None:
+        self.go.set()
+
+
+def test_the_digest_is_hashed_beside_training_and_waited_for_only_where_it_is_needed():
+    state, gate = _state(), _Gate()
+    gate.release()  # the first state's hash
+    held = Holding(state, nesterov(), torch.device("cpu"), manifest_of=gate, background=True)
+    first = held.digest
+    known: list[str] = []
+    held.on_known(lambda: known.append(held.known()))
+    gate.go.clear()
+    gate.started.clear()
+    with held.changing() as s:
+        s.params[0].mul_(2.0)
+        s.round += 1
+    assert gate.started.wait(10)  # the change returned while its hash is under way
+    assert held.known() == "" and held.record() == (4, "", ((3, first),))  # a record says "": not known yet
+
+    waited: list[str] = []
+    waiter = threading.Thread(target=lambda: waited.append(held.digest))
+    waiter.start()
+    waiter.join(0.3)
+    assert waiter.is_alive() and not known  # whoever needs the digest waits for it
+    gate.release()
+    waiter.join(10)
+    assert waited == [s.manifest().digest] == known and held.record() == (4, known[0], ((3, first), (4, known[0])))
+
+
+def test_a_change_waits_for_the_hash_in_flight_which_reads_the_state_in_place():
+    gate = _Gate()
+    held = Holding(_state(), nesterov(), torch.device("cpu"), manifest_of=gate, background=True)
+    changed = threading.Event()
+
+    def change() -> None:
+        with held.changing() as s:
+            s.params[1].zero_()
+        changed.set()
+
+    assert gate.started.wait(10)
+    t = threading.Thread(target=change)
+    t.start()
+    assert not changed.wait(0.3)  # the first hash is still reading θ
+    gate.release()
+    t.join(10)
+    assert changed.is_set() and gate.most == 1
+    assert held.digest == held.state.manifest().digest
+
+
+def test_a_hash_that_fails_is_raised_to_whoever_waits_for_the_digest(monkeypatch):
+    monkeypatch.setattr(threading, "excepthook", lambda args: None)  # the hashing thread's own report
+
+    def broken(state: GlobalState):
+        raise OSError("disk on fire")
+
+    held = Holding(_state(), nesterov(), torch.device("cpu"), manifest_of=broken, background=True)
+    with pytest.raises(OSError, match="disk on fire"):
+        held.digest
+    assert held.known() == ""
+
+
+class _Board:
+    """A swarm stand-in that keeps our record and counts the publications that go out at once."""
+
+    def __init__(self) -> None:
+        self.record: dict[str, Any] = {}
+        self.sent: list[dict[str, Any]] = []
+
+    def update(self, *, now: bool = True, **fields: Any) -> None:
+        self.record.update(fields)
+        if now:
+            self.sent.append(dict(self.record))
+
+    def bytes_on_wire(self) -> tuple[int, int]:
+        return 0, 0
+
+
+def test_a_record_published_while_the_digest_is_hashed_goes_out_once_it_is_known():
+    gate = _Gate()
+    gate.release()
+    held = Holding(_state(), nesterov(), torch.device("cpu"), manifest_of=gate, background=True)
+    member = Member(held, lambda: [], SiteLink(None, None), Accounting(), schema="s", period=lambda: 4)
+    board = _Board()
+    member.swarm = board  # type: ignore[assignment]
+    held.digest
+    member.publish("training")
+    assert [r["digest"] for r in board.sent] == [held.digest]  # known: at once, as before
+    gate.go.clear()
+    with held.changing() as s:
+        s.round += 1
+    member.publish("training")
+    assert board.record["digest"] == "" and board.record["round"] == 4 and len(board.sent) == 1  # owed, not sent
+    gate.release()
+    held.digest
+    for _ in range(200):  # the hashing thread publishes after it let the waiters go
+        if len(board.sent) == 2:
+            break
+        threading.Event().wait(0.05)
+    assert [(r["round"], r["digest"]) for r in board.sent] == [(3, board.sent[0]["digest"]), (4, held.digest)]
+    assert board.sent[1]["recent"] == held.record()[2] and board.sent[1]["status"] == "training"
 
 
 def test_foreach_nesterov_steps_bit_for_bit_like_the_loop_over_tensors():

@@ -90,7 +90,7 @@ def test_survivors_commit_without_a_peer_killed_at_each_phase(phase):
         assert alone[0] - killed_at[0] < bound, (phase, alone[0] - killed_at[0], seen[i])
     if phase in ("gather", "encode", "reduce"):  # the victim's span had no result: that round failed
         assert not any(c and p == 3 and rnd == KILL_ROUND + 1 for rnd, c, _, p, _ in seen[0]), seen[0]
-    if phase == "apply":  # every result was out: the survivors committed that round with all three
+    if phase in ("apply", "applied"):  # every result was out: the survivors committed that round with all three
         assert any(c and p == 3 and rnd == KILL_ROUND + 1 for rnd, c, _, p, _ in seen[0]), seen[0]
 
 
@@ -102,7 +102,7 @@ def test_each_fault_fires_exactly_once():
             plan.hit(phase, 1)
         plan.hit("encode", 2)
     assert plan.fired == [("encode", 1), ("apply", 1)] and len(fired) == 2
-    with pytest.raises(ValueError, match="PHASE in gather, encode, send, reduce, decide, apply"):
+    with pytest.raises(ValueError, match="PHASE in gather, encode, send, reduce, decide, apply, applied"):
         FaultPlan("kill@decode:1")
 
 

@@ -277,20 +277,23 @@ def test_a_hung_peer_is_left_out_then_catches_up(peers):
 @pytest.mark.multiproc
 @pytest.mark.timeout(180)
 def test_a_killed_peer_restarts_and_catches_up(peers):
-    """SIGKILL one of three peers of a streaming swarm (2 fragments), start
-    it again (a new process, a new peer id) with a dead bootstrap address given first: it skips that
-    address, downloads the swarm's state and schedule position, and holds the swarm's digest from its
-    first round on. The swarm runs until the test stops it (SIGTERM), so a slow restart cannot find
-    it finished."""
+    """SIGKILL one of three peers of a streaming swarm (2 fragments) right after its outer step of round 2,
+    while the new state's digest is being hashed beside training and its record waits for it; start it
+    again (a new process, a new peer id) with a dead bootstrap address given first: it skips that address,
+    downloads the swarm's state and schedule position, and holds the swarm's digest from its first round on.
+    Nothing committed is lost: the round it died in commits with all three. The swarm runs until the test
+    stops it (SIGTERM), so a slow restart cannot find it finished."""
     common = ["--rounds", "1000", "-H", "6", "--fragments", "2", *TINY, "--layers", "2"]
     procs = [peers.spawn(0, ["start", "--wait-for", "3", *common])]
-    procs += [peers.spawn(i, ["join", peers.address(0), "--wait-for", "3", *common]) for i in (1, 2)]
-    deadline = time.monotonic() + 90
-    while not any(r["committed"] and r["peers"] == 3 and r["round"] >= 2 for r in peers.lines(2, "round")):
-        assert time.monotonic() < deadline, peers.log(2)
+    procs += [peers.spawn(i, ["join", peers.address(0), "--wait-for", "3", *common],
+                          env={"DILOCO_FAULTS": "kill@applied:2"} if i == 2 else None) for i in (1, 2)]
+    assert peers.wait(procs[2], 90) == -signal.SIGKILL, peers.log(2)
+    assert [r["round"] for r in peers.lines(2, "round") if r["committed"]][-1] == 2, peers.log(2)
+    deadline = time.monotonic() + 30
+    while not [r for r in peers.lines(0, "round") if r["round"] == 3 and r["committed"]]:
+        assert time.monotonic() < deadline, peers.log(0)
         time.sleep(0.1)
-    procs[2].kill()
-    procs[2].wait()
+    assert [r["peers"] for r in peers.lines(0, "round") if r["round"] == 3 and r["committed"]] == [3]
     dead = "/ip4/127.0.0.1/tcp/9/p2p/12D3KooWRQPiyGWQQdn3DaPhb84P9MBDWaM43QfaVX9YR9qxStbP"
     started = time.monotonic()
     restarted = peers.spawn(3, ["join", dead, peers.address(0), *common])
