@@ -379,7 +379,7 @@ class RoundEngine:
             if self.streaming.outer_overlap == "eager":  # the eager step reads the aggregate again
                 aggregate = aggregate.clone()
             scale = self.outer_lr_scale()
-            with self.holding.changing() as state:
+            with self.holding.changing(touched=frag.params) as state:
                 global_frag = views(state.params, frag.params)
                 outer_step(state.outer, global_frag, aggregate, scale)
                 state.round += 1

@@ -22,12 +22,45 @@ import collections
 import copy
 import threading
 from contextlib import contextmanager
-from typing import Callable, Iterator, Sequence
+from typing import Callable, Collection, Iterator, Sequence
 
 import torch
 
 from .outer import OuterFactory, is_pinned
 from .state import GlobalState, Manifest
+
+class Later:
+    """A value (the digest of one state) that a thread of ours is still computing: `ready()` without waiting,
+    `get()` waiting for it, `then(fn)` calling `fn()` once it is there (at once if it is)."""
+
+    def __init__(self) -> None:
+        self._done = threading.Event()
+        self._value = ""
+        self._then: list[Callable[[], None]] = []
+        self._lock = threading.Lock()
+
+    def ready(self) -> bool:
+        return self._done.is_set()
+
+    def get(self) -> str:
+        self._done.wait()
+        return self._value
+
+    def then(self, fn: Callable[[], None]) -> None:
+        with self._lock:
+            if not self._done.is_set():
+                self._then.append(fn)
+                return
+        fn()
+
+    def set(self, value: str) -> None:
+        with self._lock:
+            self._value = value
+            self._done.set()
+            waiting, self._then = self._then, []
+        for fn in waiting:
+            fn()
+
 
 RECENT = 4
 """How many (round, digest) pairs of the states we held our record publishes."""
@@ -60,6 +93,9 @@ class Holding:
         self._manifest: Manifest | None = None
         self._failed: BaseException | None = None
         self._hasher: threading.Thread | None = None
+        self._readers: list[threading.Thread] = []
+        """Other work that reads the state in place beside training (`beside`: a periodic checkpoint)."""
+        self._later: Later
         with self.lock:
             self.changed()
 
@@ -101,33 +137,56 @@ class Holding:
         with self._settled:
             return self._manifest.digest if self._manifest is not None else ""
 
+    def later(self) -> Later:
+        """The digest of the state we hold now, to be read once it is hashed (a metrics line written beside
+        training: `diloco.metrics`)."""
+        with self._settled:
+            return self._later
+
     def record(self) -> tuple[int, str, tuple[tuple[int, str], ...]]:
         """What our record says of our state, read at one moment: the round, its digest ("" while being hashed)
         and the (round, digest) of the last states we held."""
         with self._settled:
             return self.state.round, self._manifest.digest if self._manifest is not None else "", tuple(self.recent)
 
-    def changed(self) -> None:
-        """The state changed (call with `lock` held): hash it (beside training, or here), then the new manifest
-        and digest hold, and `recent` one state per round (a state replaced at its round is not ours any more)."""
+    def changed(self, touched: Collection[int] | None = None) -> None:
+        """The state changed (call with `lock` held; `touched`: the only parameters whose θ and outer state
+        changed, when the change was one fragment's, else all may have): hash it (beside training, or here), then
+        the new manifest and digest hold, and `recent` one state per round (a state replaced at its round is not
+        ours any more)."""
         with self._settled:
-            self._manifest, self._failed = None, None
+            previous = self._manifest if touched is not None and self._incremental() else None
+            self._manifest, self._failed, self._later = None, None, Later()
         for listener in self._listeners:
             listener()
         state = self.state
         if not self._background:
-            self._hashed(state, self._manifest_of(state))
+            self._hashed(state, self._hash_of(state, previous, touched))
             return
-        self._hasher = threading.Thread(target=self._hash, args=(state,), name="diloco-digest")
+        self._hasher = threading.Thread(target=self._hash, args=(state, previous, touched), name="diloco-digest")
         self._hasher.start()
 
-    def _hash(self, state: GlobalState) -> None:
+    def _incremental(self) -> bool:
+        """Whether a change of some parameters leaves the others' bytes alone: our own hashing, and an outer
+        optimizer of torch's, which steps only the parameters given a gradient (a user's own might not)."""
+        return self._manifest_of is GlobalState.manifest and type(self.state.outer).__module__.startswith("torch.optim")
+
+    def _hash_of(self, state: GlobalState, previous: Manifest | None, touched: Collection[int] | None) -> Manifest:
+        """`state`'s manifest: only the chunks `touched` changed are hashed again when `previous` is the manifest of
+        the state before (`GlobalState.manifest`)."""
+        if previous is not None:
+            return state.manifest(previous=previous, touched=touched)
+        return self._manifest_of(state)
+
+    def _hash(self, state: GlobalState, previous: Manifest | None, touched: Collection[int] | None) -> None:
         try:
-            manifest = self._manifest_of(state)
+            manifest = self._hash_of(state, previous, touched)
         except BaseException as e:  # noqa: BLE001 - handed to whoever waits for the digest
             with self._settled:
                 self._failed = e
                 self._settled.notify_all()
+                later = self._later
+            later.set("")  # a metrics line waiting for it says "" rather than never being written
             raise
         self._hashed(state, manifest)
         for listener in self._known_listeners:
@@ -140,20 +199,35 @@ class Holding:
                 self.recent.pop()
             self.recent.append((state.round, manifest.digest))
             self._settled.notify_all()
+            later = self._later
+        later.set(manifest.digest)
+
+    def beside(self, work: Callable[[], None], name: str) -> None:
+        """Run `work` on a thread of its own, reading the state in place (a checkpoint written beside training): the
+        next change of the state waits for it, as for the hash (call from the training thread)."""
+        self._readers = [t for t in self._readers if t.is_alive()]
+        reader = threading.Thread(target=work, name=name)
+        self._readers.append(reader)
+        reader.start()
 
     def settle(self) -> None:
-        """Wait for the hash in flight, if any (it reads the state in place: call before changing it)."""
+        """Wait for the hash and the other work in flight that read the state in place (call before changing it,
+        from the training thread)."""
         hasher, self._hasher = self._hasher, None
-        if hasher is not None and hasher is not threading.current_thread():
-            hasher.join()
+        readers, self._readers = self._readers, []
+        for t in (hasher, *readers):
+            if t is not None and t is not threading.current_thread():
+                t.join()
 
     @contextmanager
-    def changing(self) -> Iterator[GlobalState]:
-        """`with holding.changing() as state:` change `state` in place; the digest follows on leaving."""
+    def changing(self, touched: Collection[int] | None = None) -> Iterator[GlobalState]:
+        """`with holding.changing() as state:` change `state` in place; the digest follows on leaving. `touched`:
+        the parameters whose θ and outer state the change may write, when not all (one fragment's outer step): the
+        others' chunks of the manifest are not hashed again."""
         with self.lock:
             self.settle()
             yield self.state
-            self.changed()
+            self.changed(touched)
 
     def replace(self, fresh: GlobalState) -> None:
         """Hold `fresh` from now on (downloaded, resumed, handed out by a site's leader)."""

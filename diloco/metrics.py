@@ -7,6 +7,11 @@ live view polls: the peer's latest step, loss and byte counters, rewritten atomi
 The same events can also go to TensorBoard and W&B (`--tensorboard DIR`, `--wandb PROJECT`:
 `diloco.sinks`), next to the JSON lines.
 
+A field may be a value still being computed beside training (the digest of the state a round made, hashed
+on a thread of its own: `diloco.holding.Later`): its line waits, and the lines after it wait behind it, until
+it is there (`then`), so lines keep their order and the training thread never waits for a hash to log a round;
+`close()` writes what still waits.
+
 Failure semantics: a write that fails (disk full, the directory gone, no file descriptor left, a
 TensorBoard or W&B call that raises) never stops a peer: it is counted in `write_failures` by
 what was written (reported in the final line, if that one gets written), logged once per file and
@@ -18,10 +23,11 @@ from __future__ import annotations
 import json
 import logging
 import os
+import threading
 import time
-from collections import Counter
+from collections import Counter, deque
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Protocol, Sequence, runtime_checkable
 
 if TYPE_CHECKING:
     from .sinks import Sink, SinkConfig
@@ -42,12 +48,25 @@ def _failed(kind: str, path: Path | str, error: Exception) -> None:
                     "fix the path, or raise the open-files limit (`ulimit -n`)", kind, path, error)
 
 
+@runtime_checkable
+class Pending(Protocol):
+    """A field's value still being computed (`diloco.holding.Later`)."""
+
+    def ready(self) -> bool: ...
+
+    def get(self) -> Any: ...
+
+    def then(self, fn: Callable[[], None]) -> None: ...
+
+
 class MetricsWriter:
     """JSON lines to `path` (None: none), and the same events to `sinks` (TensorBoard, W&B)."""
 
     def __init__(self, path: str | os.PathLike[str] | None, sinks: Sequence[Sink] = ()) -> None:
         self.path = Path(path) if path else None
         self.sinks = list(sinks)
+        self._waiting: deque[dict[str, Any]] = deque()
+        self._lock = threading.Lock()
         if self.path is not None:
             try:
                 self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -56,8 +75,30 @@ class MetricsWriter:
 
     def write(self, event: str, **fields: Any) -> None:
         """Append one line and hand the event to each sink (a failure is counted and logged once: see the
-        module's failure semantics)."""
+        module's failure semantics); a line with a field still being computed is written once it is there."""
         stamped = {"event": event, "time": round(time.time(), 3), **fields}
+        with self._lock:
+            self._waiting.append(stamped)
+            self._drain(wait=False)
+        for value in stamped.values():
+            if isinstance(value, Pending):
+                value.then(lambda: self.flush(wait=False))
+
+    def flush(self, wait: bool = True) -> None:
+        """Write the lines that wait for a value: all of them (`wait`: waiting for their values), or those whose
+        values are there."""
+        with self._lock:
+            self._drain(wait)
+
+    def _drain(self, wait: bool) -> None:
+        while self._waiting:
+            head = self._waiting[0]
+            if not wait and any(isinstance(v, Pending) and not v.ready() for v in head.values()):
+                return
+            self._waiting.popleft()
+            self._append({k: v.get() if isinstance(v, Pending) else v for k, v in head.items()})
+
+    def _append(self, stamped: dict[str, Any]) -> None:
         if self.path is not None:
             try:
                 with open(self.path, "a", encoding="utf-8") as f:
@@ -66,14 +107,15 @@ class MetricsWriter:
                 _failed("metrics", self.path, e)
         for sink in self.sinks:
             try:
-                sink.log(event, stamped)
+                sink.log(stamped["event"], stamped)
             except Exception as e:  # noqa: BLE001 - a sink's failure must never stop the peer
                 _failed(sink.name, getattr(sink, "log_dir", sink.name), e)
 
     def close(self) -> None:
-        """Close the sinks (W&B finishes its run); the JSON lines need nothing."""
+        """Write the lines still waiting for a value, and close the sinks (W&B finishes its run)."""
         from .sinks import close_all
 
+        self.flush()
         close_all(self.sinks)
         self.sinks = []
 

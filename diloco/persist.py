@@ -100,7 +100,8 @@ class Checkpoints:
     """One worker's checkpoints: every `every` committed rounds into `root`, and resuming from the newest.
 
     On an FSDP2 site every rank sends its pieces of the state and the leader writes the whole; on any other site
-    the leader writes alone. A write that fails (disk full, …) is logged and training goes on."""
+    the leader writes alone, the periodic checkpoints beside training (`write_beside`). A write that fails (disk
+    full, …) is logged and training goes on."""
 
     def __init__(self, member: Member, engine: RoundEngine, names: Sequence[str], *, compression: str,
                  root: str | os.PathLike[str] | None, every: int) -> None:
@@ -115,25 +116,52 @@ class Checkpoints:
         return target
 
     def if_due(self) -> None:
-        """After a round moved our state: write a checkpoint every `every` rounds (when we write them)."""
+        """After a round moved our state: write a checkpoint every `every` rounds (when we write them), beside
+        training (`write_beside`; an FSDP2 site's ranks gather the state together, on the training thread)."""
         if self.root is not None and self.every and self.member.link.writes_checkpoints and \
                 self.member.round % self.every == 0:
-            self.save()
+            if self.member.link.shards is None:
+                self.write_beside()
+            else:
+                self.save()
+
+    def _meta(self) -> dict[str, Any]:
+        s = self.member.standing
+        return {"schema": self.member.schema, "steps": s.steps, "position": s.position,
+                "members": ",".join(s.members or ()), "compression": self.compression}
+
+    def write_beside(self, keep: int = 3) -> None:
+        """Write a checkpoint of the state we hold on a thread of its own, while training goes on: the state is read
+        in place (its next change waits for the write: `Holding.beside`), the residuals are copied (the next round
+        changes them), the digest is the one being hashed. A failure is logged, as `save`'s."""
+        target, member, holding = self._target(None), self.member, self.member.holding
+        state, meta, digest = holding.state, self._meta(), holding.later()
+        residuals = [r.clone() for r in self.engine.residuals or ()] or None
+
+        def work() -> None:
+            try:
+                path = write(target, self.names, state, residuals, meta, keep, digest=digest.get())
+            except CheckpointError as e:
+                log.warning("event=checkpoint_failed reason=%s", e)
+                return
+            log.info("event=checkpoint_saved path=%s round=%d", path, state.round)
+
+        holding.beside(work, "diloco-checkpoint")
 
     def save(self, root: str | os.PathLike[str] | None = None, keep: int = 3) -> Path | None:
         """Write the global state, error-feedback residuals and schedule position atomically (format:
-        docs/CHECKPOINTS.md); returns the path (None on the ranks that do not write, or when it failed)."""
+        docs/CHECKPOINTS.md), after any checkpoint still being written beside training; returns the path (None on
+        the ranks that do not write, or when it failed)."""
         target = self._target(root)
         member, engine = self.member, self.engine
+        member.holding.settle()  # a periodic checkpoint of this round may still be under way: after it
         state = member.link.gather(member)  # an FSDP2 site: every rank sends its pieces, the leader gets the whole
         if state is None or not member.link.talks:  # a site writes one checkpoint, its leader's
             return None
-        s = member.standing
-        meta = {"schema": member.schema, "steps": s.steps, "position": s.position, "members": ",".join(s.members or ()),
-                "compression": self.compression}
         try:
             with member.holding.lock:
-                path = write(target, self.names, state, engine.residuals, meta, keep, digest=member.holding.digest)
+                path = write(target, self.names, state, engine.residuals, self._meta(), keep,
+                             digest=member.holding.digest)
         except CheckpointError as e:
             log.warning("event=checkpoint_failed reason=%s", e)
             return None

@@ -23,7 +23,7 @@ import struct
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Iterator, Sequence
+from typing import Any, Collection, Iterator, Sequence
 
 import msgpack
 import torch
@@ -153,13 +153,24 @@ class GlobalState:
                 (tensors if torch.is_tensor(value) else scalars).append((f"o{idx}.{name}", value))
         return tensors, scalars
 
-    def manifest(self, chunk: int = CHUNK_BYTES) -> Manifest:
-        """The header and the SHA-256 of every chunk, hashing the tensors in place."""
+    def manifest(self, chunk: int = CHUNK_BYTES, *, previous: Manifest | None = None,
+                 touched: Collection[int] | None = None) -> Manifest:
+        """The header and the SHA-256 of every chunk, hashing the tensors in place. With `previous` (the manifest of
+        this state before a change) and `touched` (the parameters that change changed: their θ and outer state),
+        only the chunks that hold a touched tensor's bytes are hashed again (a fragment's outer step costs that
+        fragment), provided the tensors are laid out as before; otherwise, all of them."""
         tensors, scalars = self.layout()
-        header = manifest_header(self.round, [(n, t.dtype, tuple(t.shape)) for n, t in tensors], scalars)
+        listed = [(n, t.dtype, tuple(t.shape)) for n, t in tensors]
+        header = manifest_header(self.round, listed, scalars)
         views = [byte_view(t) for _, t in tensors]
         total = sum(v.nbytes for v in views)
         count = -(-total // chunk)
+        hashes: list[bytes] = [b""] * count
+        todo: Sequence[int] = range(count)
+        if previous is not None and touched is not None and previous.total == total and previous.chunk == chunk \
+                and _tensors_of(previous.header) == _tensors_of(header):
+            hashes, chosen = list(previous.hashes), set(touched)
+            todo = _chunks_of(views, [_param_of(n) in chosen for n, _, _ in listed], chunk)
 
         def hash_chunk(index: int) -> bytes:
             h = hashlib.sha256()
@@ -167,11 +178,13 @@ class GlobalState:
                 h.update(piece)  # hashlib lets go of the GIL while it hashes a large piece
             return h.digest()
 
-        if count <= 2:
-            hashes = [hash_chunk(i) for i in range(count)]
+        if len(todo) <= 2:
+            fresh = [hash_chunk(i) for i in todo]
         else:
             with ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1)) as pool:
-                hashes = list(pool.map(hash_chunk, range(count)))
+                fresh = list(pool.map(hash_chunk, todo))
+        for i, h in zip(todo, fresh):
+            hashes[i] = h
         return Manifest(header, total, chunk, tuple(hashes))
 
     def receiver(self, manifest: Manifest) -> Receiver:
@@ -430,6 +443,28 @@ def byte_view(t: torch.Tensor) -> memoryview:
         return memoryview(bytearray())
     array: Any = t.reshape(-1).view(torch.uint8).numpy()  # shares the tensor's storage
     return memoryview(array)
+
+
+def _tensors_of(header: bytes) -> Any:
+    """The tensor list (names, dtypes, shapes) of a manifest header: its layout, the round and scalars aside."""
+    return msgpack.unpackb(header, raw=False).get("tensors")
+
+
+def _param_of(name: str) -> int:
+    """The parameter a state tensor belongs to: pI is θ of parameter I, oI.NAME its outer state."""
+    return int(name[1:].split(".", 1)[0])
+
+
+def _chunks_of(views: Sequence[memoryview], selected: Sequence[bool], chunk: int) -> list[int]:
+    """The chunks (in stream order) that hold any byte of the selected views."""
+    out: set[int] = set()
+    start = 0
+    for v, chosen in zip(views, selected):
+        end = start + v.nbytes
+        if chosen and end > start:
+            out.update(range(start // chunk, (end - 1) // chunk + 1))
+        start = end
+    return sorted(out)
 
 
 def pieces_of(views: Sequence[memoryview], lo: int, hi: int) -> Iterator[tuple[int, memoryview]]:

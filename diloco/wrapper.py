@@ -430,6 +430,7 @@ class DiLoCo:
             if completed:  # a loop that ended behind the swarm (the last round in doubt) ends on its state
                 self.member.maybe_resync(time.monotonic())
         finally:
+            self.member.holding.settle()  # a checkpoint written beside training is on disk when we return
             self._stop.restore()
             if self.launch is not None:
                 self._finish_launched(completed)
@@ -465,7 +466,8 @@ class DiLoCo:
         launch = self.launch
         if launch is not None and launch.records_metrics and self.link.talks:
             peer = self.member.swarm.peer_id if self.member.swarm else ""
-            launch.metrics_writer(peer).write("round", peer=peer, loss=self.loss, digest=self.digest,
+            digest = self.member.holding.later()  # written once hashed, beside training (`diloco.metrics`)
+            launch.metrics_writer(peer).write("round", peer=peer, loss=self.loss, digest=digest,
                                               restart=launch.restart, **report.as_dict())
         if self.on_round is not None:
             self.on_round(report)

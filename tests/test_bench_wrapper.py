@@ -37,3 +37,14 @@ def test_the_sync_is_timed_on_the_training_thread_against_its_floor_in_the_same_
     assert cost["ratio"] == pytest.approx(cost["sync_ms"] / cost["floor_ms"])
     assert cost["round_ratio"] == pytest.approx(cost["round_extra_ms"] / cost["floor_ms"])
     assert sync_table(cost).count("\n") == 2
+
+
+def test_a_checkpoint_due_is_timed_beside_training_against_the_same_checkpoint_on_the_training_thread():
+    """At a tiny size: the syncs that make a checkpoint due are timed, and the same checkpoint written by
+    save_checkpoint (the figures at 85M: docs/BENCHMARKS.md, B5)."""
+    from diloco.bench.wrapper import checkpoint_cost, checkpoint_table
+
+    job = JobConfig(d_model=32, n_layer=2, batch_size=2, context=32, corpus_bytes=1 << 20)
+    cost = checkpoint_cost(WrapperSetup(job=job, checkpoints=True), inner_steps=4, syncs=2)
+    assert cost["syncs"] == 2 and cost["save_ms"] > 0
+    assert checkpoint_table(cost).count("\n") == 2

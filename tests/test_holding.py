@@ -223,3 +223,31 @@ def test_a_lone_lossy_round_still_goes_through_its_codec():
     d, model, opt = _lone(compression="q8")
     _train(d, model, opt)
     assert d.round == 4 and all(0 < r.bits_per_param < 10 for r in d.reports)
+
+
+def test_a_fragments_outer_step_hashes_again_only_the_chunks_that_hold_that_fragment(monkeypatch):
+    """Streaming: each round steps one fragment's θ and momentum. The manifest after it, hashing again only the
+    chunks that hold those bytes, equals the whole state hashed anew, round after round, including the first
+    steps (the momentum appears: another layout, all hashed) and a parameter that spans several chunks."""
+    import diloco.state as state_mod
+
+    g = torch.Generator().manual_seed(3)
+    params = [torch.randn(n, generator=g) for n in (300_000, 70, 5_000, 1_300_000, 10)]  # 1.2 MB and 5.2 MB tensors
+    held = Holding(GlobalState(params, nesterov()), nesterov(), torch.device("cpu"))
+    fragments = [(0, 2, 4), (1, 3)]
+    again: list[list[int]] = []
+    real = state_mod._chunks_of
+    monkeypatch.setattr(state_mod, "_chunks_of", lambda *a: again.append(real(*a)) or again[-1])
+    for rnd in range(6):
+        frag = fragments[rnd % 2]
+        with held.changing(touched=frag) as s:
+            outer_step(s.outer, [s.params[i] for i in frag],
+                       torch.randn(sum(s.params[i].numel() for i in frag), generator=g), 1.0)
+            s.round += 1
+        assert held.digest == s.manifest().digest, rnd  # (a whole manifest: no previous given)
+    # rounds 1 and 2 add each fragment's momentum (a new layout: every chunk); then only the fragment's chunks
+    assert len(again) == 4 and again[0] == again[2] and again[1] == again[3], again
+    assert len(held.manifest.hashes) == 4 and all(len(a) < 4 for a in again[::2]), again
+    with held.changing() as s:  # a change of everything (a download, a merge) hashes everything
+        s.params[1].add_(1.0)
+    assert held.digest == s.manifest().digest and len(again) == 4

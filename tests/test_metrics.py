@@ -6,6 +6,7 @@ import errno
 import logging
 import os
 import resource
+import threading
 
 import pytest
 
@@ -64,3 +65,25 @@ def test_the_soft_open_files_limit_is_raised_to_the_hard_one():
     assert soft_target(4096, 2048, inf) is None  # never lowered
     assert soft_target(1024, inf, inf) == UNLIMITED_TARGET
     assert soft_target(inf, inf, inf) is None
+
+
+@pytest.mark.unit
+def test_a_line_waits_for_a_value_hashed_beside_training_and_the_lines_keep_their_order(tmp_path):
+    """A round's digest is hashed on a thread of its own (diloco.holding): its line is written once the digest is
+    there, the lines after it wait behind it, nothing waits on the writing thread, and close() writes the rest."""
+    from diloco.holding import Later
+
+    path = tmp_path / "m.jsonl"
+    writer = MetricsWriter(path)
+    first, second = Later(), Later()
+    writer.write("round", round=1, digest=first)
+    writer.write("round", round=2, digest=first)  # a failed round: the same state
+    assert not path.exists()  # not yet: nothing waited for the digest either
+    first.set("aa")
+    assert [(r["round"], r["digest"]) for r in read_jsonl(path)] == [(1, "aa"), (2, "aa")]
+    writer.write("round", round=3, digest=second)
+    writer.write("final", round=3, digest="bb")
+    assert len(read_jsonl(path)) == 2
+    threading.Timer(0.2, second.set, ("bb",)).start()
+    writer.close()  # waits for what is still being computed (here: by another thread)
+    assert [(r["event"], r["digest"]) for r in read_jsonl(path)][2:] == [("round", "bb"), ("final", "bb")]

@@ -198,7 +198,8 @@ def _run_key(argv: list[str]) -> tuple[str, ...]:
 @pytest.fixture
 def workdir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     """A working directory holding what the examples read: the secret file `diloco start` would have
-    written (copied over, as the README says), fault plans (docs/SIMULATE.md's, and the repo's)."""
+    written (copied over, as the README says), fault plans (docs/SIMULATE.md's, and the repo's), a settings
+    file (examples/lab.toml)."""
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("DILOCO_SECRET", SECRET)
     monkeypatch.setenv("PATH", f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")  # python, torchrun
@@ -207,6 +208,7 @@ def workdir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     plan = re.search(r"```json\n(.*?)```", (ROOT / "docs" / "SIMULATE.md").read_text(), re.S)
     assert plan, "docs/SIMULATE.md lost its example fault plan"
     (tmp_path / "plan.json").write_text(plan.group(1))
+    (tmp_path / "lab.toml").write_text((ROOT / "examples" / "lab.toml").read_text())  # a lab's settings file
     for d in ("benchmarks/results", "docs/img"):
         (tmp_path / d).mkdir(parents=True)
     (tmp_path / "benchmarks" / "poison-plan.json").write_text((ROOT / "benchmarks" / "poison-plan.json").read_text())

@@ -3,6 +3,9 @@ of another model's checkpoint, and training that goes on when a save fails."""
 
 from __future__ import annotations
 
+import shutil
+import time
+
 import pytest
 import torch
 from test_streaming import H, _net, _step
@@ -74,3 +77,59 @@ def test_a_failed_save_is_logged_and_training_goes_on(tmp_path, caplog):
     d = _train(blocker, rounds=2)
     assert d.round == 2  # trained through both rounds
     assert "checkpoint_failed" in caplog.text
+
+
+def test_a_periodic_checkpoint_is_written_beside_training_and_the_next_round_waits_for_it(tmp_path, monkeypatch):
+    """The write of round 1's checkpoint is held back: training goes on through the next inner step, the round
+    after waits for the write (it would change the state the write reads in place), and the checkpoint holds
+    round 1's state, residuals and digest."""
+    import threading
+
+    from diloco import persist
+
+    gate, writing = threading.Event(), threading.Event()
+    real = persist.write
+
+    def held_back(*args, **kwargs):
+        writing.set()
+        assert gate.wait(20)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(persist, "write", held_back)
+    model = _net(7)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    steps: list[int] = []
+    seen: dict[str, object] = {}
+    d = DiLoCo(model, opt, inner_steps=2, compression=SPARSE, checkpoint_dir=tmp_path, checkpoint_every=1)
+
+    def train() -> None:
+        with d:
+            for i, b in enumerate(_batches(8, 4)):
+                _step(model, opt, b)
+                if d.round == 1 and "digest" not in seen:
+                    seen["digest"], seen["residuals"] = d.digest, [r.clone() for r in d.residuals]
+                steps.append(i)
+
+    t = threading.Thread(target=train)
+    t.start()
+    assert writing.wait(20)
+    deadline = time.monotonic() + 20
+    while len(steps) < 3 and time.monotonic() < deadline:  # step 3 is no slot: it does not wait for the write
+        time.sleep(0.02)
+    time.sleep(0.3)
+    assert steps == [0, 1, 2], steps  # step 4's round waits for the write
+    gate.set()
+    t.join(20)
+    assert steps == [0, 1, 2, 3] and d.round == 2
+    newest = list_checkpoints(tmp_path)[0]
+    assert newest.name.endswith("2")
+    shutil.rmtree(newest)  # round 2's (written when it was due): round 1's is the one written beside training
+    loaded = persist.read(tmp_path, [p.detach() for p in d.state.params], d.member.holding.outer_factory,
+                          None, d.member.schema)
+    assert loaded is not None
+    state, _, meta = loaded
+    assert state.round == 1 and state.digest() == seen["digest"] == meta.meta["digest"]
+    residuals = meta.tensors  # the residuals as they were at round 1, not as round 2 left them
+    kept = [torch.from_numpy(residuals[f"ef/{i}"].copy()) for i in range(len(seen["residuals"]))]
+    assert all(torch.equal(a, b) for a, b in zip(kept, seen["residuals"]))
+    assert not all(torch.equal(a, b) for a, b in zip(kept, d.residuals))

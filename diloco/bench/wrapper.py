@@ -54,6 +54,8 @@ class WrapperSetup:
     weights make the model's arithmetic meet subnormals that plain training's do not (measured: the
     bundled GPT's inner step grows from 118 to 191 ms by step 500 at H=50, flat at 114-119 ms with
     flushing): a cost of the weights' values, not of the wrapper's code, which this benchmark measures."""
+    checkpoints: bool = False
+    """Also time a synchronization that makes a periodic checkpoint due (`checkpoint_cost`)."""
 
 
 def _run(setup: WrapperSetup, h: int | None, corpus: Any) -> dict[str, Any]:
@@ -105,7 +107,8 @@ def run(setup: WrapperSetup, tick: Tick = lambda done, total, status: None, loop
     if not loops:
         cost = sync_cost(setup)
         tick(1, 1, "done")
-        return {"params": cost["params"], "rows": [], "sync": cost}
+        return {"params": cost["params"], "rows": [], "sync": cost,
+                **({"checkpoint": checkpoint_cost(setup)} if setup.checkpoints else {})}
     corpus = load_corpus(setup.job)
     kinds: list[int | None] = [None, *setup.inner_steps]
     runs: dict[int | None, list[dict[str, Any]]] = {k: [] for k in kinds}
@@ -135,7 +138,8 @@ def run(setup: WrapperSetup, tick: Tick = lambda done, total, status: None, loop
         rows.append(dict(kind=f"DiLoCo H={h}", inner_steps=h, mean_step_ms=with_d * 1e3, overhead=with_d / bare - 1,
                          per_step_overhead=plain / bare - 1, sync_ms=sync * 1e3, sync_overhead=sync / h / bare,
                          syncs=[sum(x["synced"]) for x in runs[h]], runs=[mean(x) * 1e3 for x in runs[h]]))
-    return {"params": runs[None][0]["params"], "rows": rows, "sync": sync_cost(setup)}
+    return {"params": runs[None][0]["params"], "rows": rows, "sync": sync_cost(setup),
+            **({"checkpoint": checkpoint_cost(setup)} if setup.checkpoints else {})}
 
 
 def markdown_table(report: dict[str, Any]) -> str:
@@ -219,6 +223,57 @@ def sync_cost(setup: WrapperSetup, inner_steps: int = 8, syncs: int = 5) -> dict
     return {"params": sum(p.numel() for p in params), "floor_ms": floor * 1e3, "sync_ms": sync * 1e3,
             "ratio": sync / floor, "round_extra_ms": round_extra * 1e3, "round_ratio": round_extra / floor,
             "plain_step_ms": plain * 1e3, "inner_steps": inner_steps, "syncs": sum(synced)}
+
+
+def checkpoint_cost(setup: WrapperSetup, inner_steps: int = 8, syncs: int = 3) -> dict[str, Any]:
+    """What a periodic checkpoint costs the training thread: `sync_cost`'s loop with a checkpoint every round
+    (written beside training: the sync's time, and a round's beyond its plain steps, which includes any wait of the
+    next round for the write), against the same checkpoint written on the training thread
+    (`DiLoCo.save_checkpoint`, median of `syncs`). The checkpoints go to a temporary directory, deleted after."""
+    import tempfile
+
+    job = setup.job
+    torch.set_num_threads(job.threads)
+    device = torch.device(setup.device)
+    finish = waiter(device)
+    model = build_model(GPTConfig(context=job.context, d_model=job.d_model, n_layer=job.n_layer), seed=job.seed)
+    model.to(device)
+    params = list(model.parameters())
+    gen = torch.Generator().manual_seed(job.seed)
+    grads = [(torch.randn(p.shape, generator=gen) * 1e-3).to(device) for p in params]
+    opt = torch.optim.SGD(params, lr=1e-3)
+    times: list[float] = []
+    synced: list[bool] = []
+    with tempfile.TemporaryDirectory(prefix="diloco-bench-ckpt-") as root:
+        with DiLoCo(model, opt, swarm=None, inner_steps=inner_steps, compression=setup.compression,
+                    global_device=setup.global_device, checkpoint_dir=root, checkpoint_every=1) as d:
+            for k in range((syncs + 1) * inner_steps):
+                for p, g in zip(params, grads):
+                    p.grad = g
+                before = d.round
+                started = time.perf_counter()
+                opt.step()
+                finish()
+                if k >= inner_steps:
+                    times.append(time.perf_counter() - started)
+                    synced.append(d.round != before)
+            saves = []
+            for _ in range(syncs):
+                started = time.perf_counter()
+                d.save_checkpoint(keep=1)
+                saves.append(time.perf_counter() - started)
+    plain = statistics.median(t for t, s in zip(times, synced) if not s)
+    sync = statistics.median(t for t, s in zip(times, synced) if s) - plain
+    round_extra = sum(times) / sum(synced) - inner_steps * plain
+    return {"sync_ms": sync * 1e3, "round_extra_ms": round_extra * 1e3, "save_ms": statistics.median(saves) * 1e3,
+            "syncs": sum(synced)}
+
+
+def checkpoint_table(cost: dict[str, Any]) -> str:
+    return "\n".join([
+        "| a sync with a checkpoint due | a round beyond its plain steps | the same checkpoint on the training thread |",
+        "|---|---|---|",
+        f"| {cost['sync_ms']:.1f} ms | {cost['round_extra_ms']:.1f} ms | {cost['save_ms']:.1f} ms |"])
 
 
 def sync_table(cost: dict[str, Any]) -> str:

@@ -28,7 +28,7 @@ from ..config import ConfigError, SwarmConfig
 from ..job.train import JobConfig, training_device
 from ..sinks import SinkConfig
 from .demo import DEMO_COMPRESSION, DEMO_JOB
-from .options import (AggregationOptions, Group, JobOptions, ModelOptions, OutputOptions, PeerJobOptions, PeerOptions,
+from .options import (CONFIG, AggregationOptions, Group, JobOptions, ModelOptions, OutputOptions, PeerJobOptions, PeerOptions,
                       RunOptions, StreamingOptions, SwarmOptions, command, job_config, typer_option)
 
 if TYPE_CHECKING:
@@ -177,7 +177,7 @@ def _run_config(swarm_cfg: SwarmConfig, job: JobConfig) -> dict[str, Any]:
          StreamingOptions, OutputOptions)
 def start(swarm: SwarmOptions, aggregation: AggregationOptions, peer: PeerOptions, job: JobOptions, model: ModelOptions,
           run: RunOptions, mine: PeerJobOptions, streaming: StreamingOptions, out: OutputOptions,
-          ctx: typer.Context = typer.Option(None, hidden=True)) -> None:
+          config: Optional[Path] = CONFIG, ctx: typer.Context = typer.Option(None, hidden=True)) -> None:
     """Start a swarm and print the line others run to join. Trains the bundled model, or runs your own
     command as this site's worker: `diloco start [OPTIONS] -- CMD [ARGS...]`."""
     _peer([], swarm, aggregation, peer, (job, model, run, mine, streaming), out, ctx)
@@ -189,7 +189,7 @@ def start(swarm: SwarmOptions, aggregation: AggregationOptions, peer: PeerOption
 def join(swarm: SwarmOptions, aggregation: AggregationOptions, peer: PeerOptions, job: JobOptions, model: ModelOptions,
          run: RunOptions, mine: PeerJobOptions, streaming: StreamingOptions, out: OutputOptions,
          addresses: List[str] = typer.Argument(..., help="Address(es) of running peers, tried in order."),
-         ctx: typer.Context = typer.Option(None, hidden=True)) -> None:
+         config: Optional[Path] = CONFIG, ctx: typer.Context = typer.Option(None, hidden=True)) -> None:
     """Join a running swarm at ADDRESSES and train with it: the bundled model, or your own command as this
     site's worker: `diloco join ADDR [OPTIONS] -- CMD [ARGS...]`."""
     from ..swarm import SwarmError, validate_addrs
@@ -606,6 +606,9 @@ def bench_wrapper_cmd(
                                                    "(docs/BENCHMARKS.md, B5)."),
     loops: bool = typer.Option(True, help="Time the training loops (bare and each H); --no-loops times only the "
                                           "synchronization against its floor (a large model trains slowly on a CPU)."),
+    checkpoints: bool = typer.Option(False, "--checkpoints", help="Also time a synchronization that makes a "
+                                     "periodic checkpoint due (written beside training) against the same checkpoint "
+                                     "written on the training thread (into a temporary directory)."),
     json_path: Optional[Path] = typer.Option(None, "--json", help="Write the report as JSON here."),
     quiet: bool = Quiet,
 ) -> None:
@@ -618,7 +621,7 @@ def bench_wrapper_cmd(
     from rich.console import Console
 
     from ..bench.devices import device_name
-    from ..bench.wrapper import WrapperSetup, markdown_table, run, sync_table, write_json
+    from ..bench.wrapper import WrapperSetup, checkpoint_table, markdown_table, run, sync_table, write_json
     from ..progress import Reporter
 
     if steps < 1 or repeats < 1 or min(inner_steps) < 1:
@@ -627,7 +630,8 @@ def bench_wrapper_cmd(
     try:
         setup = WrapperSetup(job=job_config(model, threads=threads), inner_steps=tuple(inner_steps), steps=steps,
                              repeats=repeats, compression=compression, device=str(where),
-                             global_device=str(global_where), flush_denormal=flush_denormal)
+                             global_device=str(global_where), flush_denormal=flush_denormal,
+                             checkpoints=checkpoints)
         SwarmConfig(compression=compression)
     except ConfigError as e:
         _fail(str(e))
@@ -636,6 +640,8 @@ def bench_wrapper_cmd(
     if loops:
         Console().print(markdown_table(report), markup=False, soft_wrap=True)
     Console().print(sync_table(report["sync"]), markup=False, soft_wrap=True)
+    if checkpoints:
+        Console().print(checkpoint_table(report["checkpoint"]), markup=False, soft_wrap=True)
     if json_path:
         write_json(report, json_path, {"inner_steps": inner_steps, "steps": steps, "repeats": repeats,
                                        "threads": threads, "compression": compression,

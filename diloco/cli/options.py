@@ -16,12 +16,14 @@ A command that wants other defaults for a group (the demo's shorter run) passes 
 
 from __future__ import annotations
 
+import difflib
 import functools
 import inspect
+import tomllib
 import typing
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any, Callable, List, Optional, TypeVar
+from typing import Any, Callable, Iterator, List, Optional, Sequence, TypeVar
 
 import typer
 
@@ -286,6 +288,96 @@ class StreamingOptions(Group):
             return {"streaming": self.config()}
         except FragmentError as e:
             raise ConfigError(str(e)) from e
+
+
+def read_settings(path: Path, params: Sequence[Any]) -> dict[str, Any]:
+    """The settings a TOML file gives a command whose options are `params`: {option name: value}.
+
+    The file's keys are the command's long options without their dashes (`gather-timeout = 30`; `_` for `-`
+    works too), at its top level or in tables, which only group them (`[swarm]`, `[job]`: any names). Raises
+    ConfigError naming the file, the key and the fix."""
+    try:
+        with open(path, "rb") as f:
+            data = tomllib.load(f)
+    except OSError as e:
+        raise ConfigError(f"--config {path}: cannot read it ({e.strerror or e})") from e
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"--config {path}: not valid TOML: {e}") from e
+    by_key: dict[str, Any] = {}  # typer's click options (typer.core.TyperOption), by the flags a key may name
+    for p in params:
+        if p.param_type_name == "option" and not p.hidden and p.name not in ("config", "help"):
+            for flag in (*p.opts, *p.secondary_opts):
+                if flag.startswith("--"):
+                    by_key[flag[2:]] = p
+            by_key.setdefault(str(p.name).replace("_", "-"), p)
+    out: dict[str, Any] = {}
+    for key, value in _flat(data):
+        option = by_key.get(key.replace("_", "-"))
+        if option is None:
+            near = difflib.get_close_matches(key.replace("_", "-"), list(by_key), n=1)
+            raise ConfigError(f"--config {path}: unknown setting {key!r}"
+                              + (f" (did you mean {near[0]!r}?)" if near else "")
+                              + "; a setting is a long option of this command without its dashes, e.g. "
+                                "gather-timeout = 30 (see --help)")
+        if "--" + key.replace("_", "-") in option.secondary_opts and isinstance(value, bool):
+            value = not value  # no-live = true: live is off
+        name = str(option.name)
+        if name in out:
+            raise ConfigError(f"--config {path}: {key!r} is set twice (as {name.replace('_', '-')})")
+        if option.multiple and not isinstance(value, list):
+            raise ConfigError(f"--config {path}: {key!r} takes a list, e.g. {key} = [\"{value}\"]")
+        if not option.multiple and isinstance(value, (list, dict)):
+            raise ConfigError(f"--config {path}: {key!r} takes one value, not {type(value).__name__} {value!r}")
+        out[name] = value
+    return out
+
+
+def _flat(data: dict[str, Any]) -> Iterator[tuple[str, Any]]:
+    """(key, value) of a settings file, its tables opened (their names only group the settings)."""
+    for key, value in data.items():
+        if isinstance(value, dict):
+            yield from _flat(value)
+        else:
+            yield key, value
+
+
+def load_config(ctx: typer.Context, _param: typer.CallbackParam, path: Optional[Path]) -> Optional[Path]:
+    """`--config FILE.toml`'s callback: the file's settings become the command's defaults, so that any option
+    given on the command line overrides them. Exits 2 naming the file, the setting and the fix."""
+    if path is None:
+        return None
+    hint = f"--config {path}"
+    try:
+        settings = read_settings(path, ctx.command.params)
+    except ConfigError as e:
+        raise typer.BadParameter(str(e).removeprefix(f"{hint}: "), param_hint=hint) from e
+    for param in ctx.command.params:
+        if param.name in settings:
+            try:
+                _convert(ctx, param, settings[param.name])
+            except Exception as e:  # noqa: BLE001 - click's BadParameter (typer vendors its own click)
+                raise typer.BadParameter(f"{param.name.replace('_', '-')} = {settings[param.name]!r}: "
+                                         f"{getattr(e, 'message', e)}", param_hint=hint) from e
+    ctx.default_map = {**(ctx.default_map or {}), **settings}
+    return path
+
+
+def _convert(ctx: typer.Context, param: Any, value: Any) -> None:
+    """Convert `value` as the command line would convert it for `param`, raising what it would raise (so that a
+    wrong type in the file is reported with the file's name)."""
+    if isinstance(value, bool) and getattr(param, "is_flag", False):
+        return
+    if hasattr(param, "type_cast_value"):  # typer on click
+        param.type_cast_value(ctx, value)
+    else:  # typer with its own click (0.2x)
+        param.get_runtime_param().coerce(value, param=param, ctx=ctx)
+
+
+CONFIG = typer.Option(None, "--config", is_eager=True, callback=load_config, metavar="FILE.toml",
+                      help="Read settings from this TOML file: each key a long option without its dashes "
+                           "(gather-timeout = 30, compression = \"e3m0\"), at the top or in [tables] that group them; "
+                           "the command line overrides the file (docs/CLI.md, \"Settings files\").")
+"""`--config FILE.toml` of the peer commands (`diloco start/join`)."""
 
 
 JOB_GROUPS = (JobOptions, ModelOptions, RunOptions, PeerJobOptions, StreamingOptions)

@@ -330,7 +330,7 @@ def run_job(cfg: JobConfig, swarm: Swarm | None, *, metrics: MetricsWriter | Non
                       loss=d.loss, bytes_sent=r.bytes_sent, bytes_received=r.bytes_received,
                       payload_bytes=r.payload_bytes, bits_per_param=round(r.bits_per_param, 5),
                       seconds=round(r.seconds, 3), step=r.step, tokens=r.step * cfg.batch_size * cfg.context,
-                      digest=d.digest, fragment=r.fragment, blocked=r.blocked, resynced=r.resynced, merge=r.merge,
+                      digest=d.member.holding.later(), fragment=r.fragment, blocked=r.blocked, resynced=r.resynced, merge=r.merge,
                       phases={k: round(v, 3) for k, v in r.phases.items()}, **d.usage().as_dict())
         if cfg.eval_every and r.committed and r.round % cfg.eval_every == 0:
             t = time.monotonic()
@@ -414,6 +414,7 @@ def run_job(cfg: JobConfig, swarm: Swarm | None, *, metrics: MetricsWriter | Non
                    write_failures=dict(sorted(write_failures.items())),
                    **(swarm.defences() if swarm is not None else Swarm.NO_DEFENCES))
     metrics.write("final", **summary)
+    metrics.flush()
     if status_path:
         write_status(status_path, done=True, step=d.steps, loss=d.loss, **summary)
     return summary
