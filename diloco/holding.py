@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import collections
 import copy
+import os
 import threading
 from contextlib import contextmanager
 from typing import Callable, Collection, Iterator, Sequence
@@ -173,9 +174,11 @@ class Holding:
 
     def _hash_of(self, state: GlobalState, previous: Manifest | None, touched: Collection[int] | None) -> Manifest:
         """`state`'s manifest: only the chunks `touched` changed are hashed again when `previous` is the manifest of
-        the state before (`GlobalState.manifest`)."""
-        if previous is not None:
-            return state.manifest(previous=previous, touched=touched)
+        the state before (`GlobalState.manifest`). Beside training it hashes on one core in two (the others are
+        training's)."""
+        if self._manifest_of is GlobalState.manifest:
+            workers = max(1, (os.cpu_count() or 2) // 2) if self._background else None
+            return state.manifest(previous=previous, touched=touched, workers=workers)
         return self._manifest_of(state)
 
     def _hash(self, state: GlobalState, previous: Manifest | None, touched: Collection[int] | None) -> None:

@@ -154,11 +154,12 @@ class GlobalState:
         return tensors, scalars
 
     def manifest(self, chunk: int = CHUNK_BYTES, *, previous: Manifest | None = None,
-                 touched: Collection[int] | None = None) -> Manifest:
+                 touched: Collection[int] | None = None, workers: int | None = None) -> Manifest:
         """The header and the SHA-256 of every chunk, hashing the tensors in place. With `previous` (the manifest of
         this state before a change) and `touched` (the parameters that change changed: their θ and outer state),
         only the chunks that hold a touched tensor's bytes are hashed again (a fragment's outer step costs that
-        fragment), provided the tensors are laid out as before; otherwise, all of them."""
+        fragment), provided the tensors are laid out as before; otherwise, all of them. `workers`: threads that hash
+        chunks at once (default: up to 4, one a core)."""
         tensors, scalars = self.layout()
         listed = [(n, t.dtype, tuple(t.shape)) for n, t in tensors]
         header = manifest_header(self.round, listed, scalars)
@@ -178,10 +179,11 @@ class GlobalState:
                 h.update(piece)  # hashlib lets go of the GIL while it hashes a large piece
             return h.digest()
 
-        if len(todo) <= 2:
+        workers = workers or min(4, os.cpu_count() or 1)
+        if len(todo) <= 2 or workers == 1:
             fresh = [hash_chunk(i) for i in todo]
         else:
-            with ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1)) as pool:
+            with ThreadPoolExecutor(max_workers=workers) as pool:
                 fresh = list(pool.map(hash_chunk, todo))
         for i, h in zip(todo, fresh):
             hashes[i] = h

@@ -177,7 +177,7 @@ def _floor(theta: list[torch.Tensor], local: list[torch.Tensor], delta: list[tor
     torch._foreach_copy_(local, theta, non_blocking=True)
 
 
-def sync_cost(setup: WrapperSetup, inner_steps: int = 8, syncs: int = 5) -> dict[str, Any]:
+def sync_cost(setup: WrapperSetup, inner_steps: int = 32, syncs: int = 5) -> dict[str, Any]:
     """A synchronization's time on the training thread against the floor, measured in one process on one model
     (`setup.job`'s size: 85M parameters at width 768 and 12 blocks). The inner steps take fixed gradients (no
     forward or backward: the sync does not depend on them), `inner_steps` of them a round, `syncs` rounds after
@@ -225,11 +225,12 @@ def sync_cost(setup: WrapperSetup, inner_steps: int = 8, syncs: int = 5) -> dict
             "plain_step_ms": plain * 1e3, "inner_steps": inner_steps, "syncs": sum(synced)}
 
 
-def checkpoint_cost(setup: WrapperSetup, inner_steps: int = 8, syncs: int = 3) -> dict[str, Any]:
+def checkpoint_cost(setup: WrapperSetup, inner_steps: int = 256, syncs: int = 3) -> dict[str, Any]:
     """What a periodic checkpoint costs the training thread: `sync_cost`'s loop with a checkpoint every round
     (written beside training: the sync's time, and a round's beyond its plain steps, which includes any wait of the
-    next round for the write), against the same checkpoint written on the training thread
-    (`DiLoCo.save_checkpoint`, median of `syncs`). The checkpoints go to a temporary directory, deleted after."""
+    next round for the write: a round shorter than the write waits for it), against the same checkpoint written on
+    the training thread (`DiLoCo.save_checkpoint`, median of `syncs`). The checkpoints go to a temporary directory,
+    deleted after."""
     import tempfile
 
     job = setup.job
@@ -266,14 +267,16 @@ def checkpoint_cost(setup: WrapperSetup, inner_steps: int = 8, syncs: int = 3) -
     sync = statistics.median(t for t, s in zip(times, synced) if s) - plain
     round_extra = sum(times) / sum(synced) - inner_steps * plain
     return {"sync_ms": sync * 1e3, "round_extra_ms": round_extra * 1e3, "save_ms": statistics.median(saves) * 1e3,
-            "syncs": sum(synced)}
+            "round_ms": inner_steps * plain * 1e3, "inner_steps": inner_steps, "syncs": sum(synced)}
 
 
 def checkpoint_table(cost: dict[str, Any]) -> str:
     return "\n".join([
-        "| a sync with a checkpoint due | a round beyond its plain steps | the same checkpoint on the training thread |",
-        "|---|---|---|",
-        f"| {cost['sync_ms']:.1f} ms | {cost['round_extra_ms']:.1f} ms | {cost['save_ms']:.1f} ms |"])
+        "| a round's plain steps | a sync with a checkpoint due | a round beyond its plain steps "
+        "| the same checkpoint on the training thread |",
+        "|---|---|---|---|",
+        f"| {cost['inner_steps']} × = {cost['round_ms']:.0f} ms | {cost['sync_ms']:.1f} ms "
+        f"| {cost['round_extra_ms']:.1f} ms | {cost['save_ms']:.1f} ms |"])
 
 
 def sync_table(cost: dict[str, Any]) -> str:
