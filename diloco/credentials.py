@@ -59,10 +59,11 @@ def create_secret(path: Path) -> str:
     return secret
 
 
-def resolve(path: Path | None, *, run_id: str, create: bool) -> tuple[str, str]:
+def resolve(path: str | os.PathLike[str] | None, *, run_id: str, create: bool) -> tuple[str, str]:
     """(secret, where it came from, for humans). Order: `path`, then $DILOCO_SECRET, then (when `create`,
     i.e. `diloco start`) the default file diloco-<run id>.secret in the working directory, made if missing."""
     if path is not None:
+        path = Path(path)
         if create and not path.exists():
             return create_secret(path), f"created {path}"
         return read_secret(path), str(path)

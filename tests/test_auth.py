@@ -71,6 +71,16 @@ def test_window_refuses_repeats_and_counters_older_than_the_window():
 
 
 @pytest.mark.unit
+@pytest.mark.unit
+def test_a_secret_file_may_be_named_by_a_string(tmp_path):
+    """`diloco.credentials.resolve` takes a path as a str too (a script's, not only the CLI's Path)."""
+    from diloco.credentials import resolve
+
+    made, where = resolve(str(tmp_path / "s.secret"), run_id="r", create=True)
+    assert where == f"created {tmp_path / 's.secret'}"
+    assert resolve(str(tmp_path / "s.secret"), run_id="r", create=False) == (made, str(tmp_path / "s.secret"))
+
+
 def test_config_keeps_the_secret_out_of_its_repr_and_checks_it():
     cfg = SwarmConfig(secret=SECRET)
     assert SECRET not in repr(cfg) and SECRET not in repr(cfg.guard("me"))

@@ -164,6 +164,9 @@ def test_join_with_dead_bootstrap_exits_nonzero_listing_addresses(tmp_path):
     (["start", "--run-id", "bad id!"], "run_id"),
     (["join", "not-an-address"], "is not a swarm address"),
     (["demo", "--peers", "0"], "peers must be between 1 and 16"),
+    (["start", "--rounds", "2", "python", "train.py"], "put `--` before it: diloco start [OPTIONS] -- python train.py"),
+    (["join", "/ip4/127.0.0.1/tcp/9/p2p/12D3KooWRQPiyGWQQdn3DaPhb84P9MBDWaM43QfaVX9YR9qxStbP", "python", "train.py"],
+     "put `--` before it: diloco join ADDR [OPTIONS] -- python train.py"),
 ])
 def test_bad_cli_input_exits_2_naming_the_fix(args, needle, monkeypatch, tmp_path):
     """In this process, as `main()` runs these (no `--` in them): the app's checks refuse the input before
@@ -198,6 +201,9 @@ def test_sigterm_leaves_cleanly_and_the_swarm_goes_on(peers):
     assert alone and alone[0]["peers"] == 1
     # It did not sit out the 30 s gather timeout waiting for the peer that left.
     assert alone[0]["seconds"] < 10, alone[0]
+    # the first peer said how to join and how to watch the swarm it started (the secret from $DILOCO_SECRET)
+    said = peers.log(0, whole=True)
+    assert f"watch the swarm with:\n  diloco status /ip4/127.0.0.1/" in said and f"--run-id {peers.run_id}\n" in said
 
 
 @pytest.mark.multiproc

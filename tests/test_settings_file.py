@@ -77,3 +77,11 @@ def _flat(text: str) -> str:
 def test_a_missing_file_is_named(settings, tmp_path):
     result = invoke(["start", "--config", str(tmp_path / "nope.toml")])
     assert result.exit_code == 2 and "cannot read it" in result.output and "peer" not in settings
+
+
+def test_help_shows_the_extras_to_install_verbatim():
+    """Rich's markup would eat `[tensorboard]` out of `pip install "diloco[tensorboard]"` (diloco/cli/options.py,
+    `plain`)."""
+    out = invoke(["start", "--help"], env={"COLUMNS": "250"})
+    assert out.exit_code == 0 and 'pip install "diloco[tensorboard]"' in out.output, out.output
+    assert 'pip install "diloco[wandb]"' in out.output

@@ -11,6 +11,7 @@ import pytest
 from cli_util import invoke, refuse_to_start
 
 from diloco.config import ConfigError, SwarmConfig
+from diloco.sim.faults import random_plan
 from diloco.sim.simulate import NetworkModel, project, simulate, step_seconds
 from diloco.bench.convergence import data_parallel
 from diloco.job.train import JobConfig, run_job
@@ -102,12 +103,30 @@ def test_simulate_cli_shows_progress_lines_on_stderr_off_a_terminal_and_none_wit
     assert quiet.exit_code == 0 and quiet.stderr == "" and "held-out loss" in quiet.stdout
 
 
+@pytest.mark.swarm
+def test_simulate_runs_gossip_each_worker_meeting_its_group_every_round():
+    """`diloco simulate --topology gossip`: the same workers (the wrapper, the round protocol) in groups of two,
+    each stepping a state of its own (docs/GOSSIP.md): every worker met its group in every round."""
+    job = JobConfig(**{**TINY.__dict__, "rounds": 3})
+    sim = simulate(job, 4, swarm=SwarmConfig(run_id="simg", compression="fp32", topology="gossip"))
+    assert sim["topology"] == "gossip" and sim["finished"] == 4 and sim["round"] == 3
+    assert sim["gossip_met"] == [3, 3, 3, 3], sim["workers_seen"]
+    assert len(sim["digests"]) > 1  # a state per worker, not one global state
+    out = invoke(["simulate", "--workers", "2", "--rounds", "2", "-H", "2", "--d-model", "16", "--layers", "1",
+                  "--batch-size", "2", "--topology", "gossip", "--compression", "fp32", "--quiet"])
+    assert out.exit_code == 0 and "states (gossip: each worker steps its own)" in out.stdout, out.output
+    with pytest.raises(ConfigError, match="not supported with gossip yet"):
+        simulate(job, 2, swarm=SwarmConfig(run_id="simg", compression="fp32", topology="gossip"),
+                 faults=random_plan(0, 2, 3, 1))
+
+
 def test_simulate_cli_rejects_bad_flags_before_running(monkeypatch):
     refuse_to_start(monkeypatch, "diloco.sim.simulate.simulate")
     for args, needle in ((["--workers", "2", "--speeds", "1,x"], "--speeds"),
                          (["--workers", "2", "--speeds", "1,1,1"], "one speed per worker"),
                          (["--bandwidth-mbit", "0"], "bandwidth_mbit"),
-                         (["-H", "10", "--fragments", "3"], "divisible")):
+                         (["-H", "10", "--fragments", "3"], "divisible"),
+                         (["--topology", "gossip", "--compression", "e3m0"], "use --compression fp32")):
         out = invoke(["simulate", *args])
         assert out.exit_code == 2 and needle in out.stderr, (args, out.output, out.exception)
 

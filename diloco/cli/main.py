@@ -140,6 +140,9 @@ def _run_peer(initial: list[str], *, host: str, port: int, announce: Optional[Li
             typer.echo(f"  address: {addr}")
         if not initial:
             typer.echo(f"others join with:\n  {_join_line(swarm.join_command(), secret_from)}")
+            watch = swarm.join_command().replace("diloco join", "diloco status", 1)
+            typer.echo(f"watch the swarm with:\n  {watch}" + ("" if secret_from.startswith("$") else
+                                                             f" --secret-file {secret_from.removeprefix('created ')}"))
         if address_file:
             tmp = Path(str(address_file) + ".tmp")
             tmp.write_text("\n".join(swarm.addresses) + "\n")
@@ -172,7 +175,7 @@ def _run_config(swarm_cfg: SwarmConfig, job: JobConfig) -> dict[str, Any]:
     return {**asdict(job), **swarm}
 
 
-@app.command()
+@app.command(context_settings={"allow_extra_args": True})  # a command without `--` is refused in _command
 @command(SwarmOptions, AggregationOptions, PeerOptions, JobOptions, ModelOptions, RunOptions, PeerJobOptions,
          StreamingOptions, OutputOptions)
 def start(swarm: SwarmOptions, aggregation: AggregationOptions, peer: PeerOptions, job: JobOptions, model: ModelOptions,
@@ -197,7 +200,9 @@ def join(swarm: SwarmOptions, aggregation: AggregationOptions, peer: PeerOptions
     try:
         validate_addrs(addresses)
     except SwarmError as e:
-        _fail(str(e))
+        command = [a for a in addresses if not a.startswith("/")]
+        _fail(str(e) + (f"; to run your own command as this site's worker, put `--` before it: diloco join ADDR "
+                        f"[OPTIONS] -- {' '.join(command)}" if command and command != addresses else ""))
     _peer(addresses, swarm, aggregation, peer, (job, model, run, mine, streaming), out, ctx)
 
 
@@ -260,6 +265,8 @@ def simulate(
     region_link: List[str] = typer.Option([], help="The link inside one region, NAME=MBIT:MS[:LOSS] (e.g. "
                                                    "eu=1000:5); repeatable; default: the workers' own links."),
     merge_every: int = typer.Option(4, help="With --regions: region rounds between two merges."),
+    topology: str = typer_option(SwarmOptions, "topology"),
+    gossip_group: int = typer_option(SwarmOptions, "gossip_group"),
     faults: Optional[str] = typer.Option(None, help="Fault plan: a JSON file (docs/SIMULATE.md), or random:N for N "
                                                      "faults drawn from --seed."),
     json_path: Optional[Path] = typer.Option(None, "--json", help="Write the summary as JSON here."),
@@ -278,7 +285,8 @@ def simulate(
     except ValueError:
         _fail(f"--speeds must be comma-separated numbers, got {speeds!r}")
     try:
-        swarm_cfg = aggregation.config(run_id="simulate", merge_every=merge_every)
+        swarm_cfg = aggregation.config(run_id="simulate", merge_every=merge_every, topology=topology,
+                                       gossip_group=gossip_group)
         job_cfg = job_config(job, model, run, streaming)
     except ConfigError as e:
         _fail(str(e))
@@ -308,8 +316,10 @@ def simulate(
     for fault in summary["faults_fired"]:
         typer.echo(f"fault fired: {fault}")
     p = summary["projection"]
-    typer.echo(f"{workers} workers, round {summary['round']}: held-out loss {summary['eval_loss']:.4f}, "
-               f"digest {summary['digest']}, {summary['bytes_sent'] / 1e6:.2f} MB sent, "
+    states = f"digest {summary['digest']}" if topology != "gossip" else \
+        f"{len(summary['digests'])} states (gossip: each worker steps its own)"
+    typer.echo(f"{workers} workers, round {summary['round']}: held-out loss {summary['eval_loss']:.4f} (worker 0), "
+               f"{states}, {summary['bytes_sent'] / 1e6:.2f} MB sent, "
                f"{summary['bits_per_param_sync']:.3f} bits/param/sync ({summary['wall_seconds']:.1f} s here)")
     if region_list:
         inside = ", ".join(f"{name} {ln.bandwidth_mbit:g} Mbit/s {ln.latency_ms:g} ms" for name, ln in net.region_links)
@@ -353,7 +363,9 @@ def status(
     try:
         validate_addrs(addresses)
     except SwarmError as e:
-        _fail(str(e))
+        command = [a for a in addresses if not a.startswith("/")]
+        _fail(str(e) + (f"; to run your own command as this site's worker, put `--` before it: diloco join ADDR "
+                        f"[OPTIONS] -- {' '.join(command)}" if command and command != addresses else ""))
     if interval <= 0:
         _fail("--interval must be > 0 seconds")
     secret, _ = _secret(secret_file, run_id, create=False)
@@ -982,6 +994,10 @@ def _command(ctx: typer.Context, max_restarts: int) -> list[str] | None:
     from ..launcher import LaunchError, check_command
 
     command = (ctx.obj or {}).get("command") if ctx is not None else None
+    extra = list(ctx.args) if ctx is not None else []
+    if extra:
+        _fail(f"unexpected argument(s) {' '.join(extra)!r}: to run your own command as this site's worker, put `--` "
+              f"before it: diloco {ctx.info_name} [OPTIONS] -- {' '.join(extra)}")
     try:
         if command is not None:
             check_command(command, max_restarts)

@@ -65,11 +65,16 @@ class Group:
         return value
 
 
+def plain(help: str) -> str:
+    """`help` as typer's rich help shows it verbatim: a bracket opens no markup (`pip install "diloco[wandb]"`)."""
+    return help.replace("[", "\\[")
+
+
 def typer_option(group: type[Group], name: str) -> Any:
     """The typer option of `group`'s field `name`, as a command's parameter default: also for a command
     that takes that one option rather than the whole group (`--quiet` of the benchmarks)."""
     f = next(f for f in fields(group) if f.name == name)  # type: ignore[arg-type]
-    return typer.Option(group._overrides.get(name, f.default), *f.metadata["flags"], help=f.metadata["help"],
+    return typer.Option(group._overrides.get(name, f.default), *f.metadata["flags"], help=plain(f.metadata["help"]),
                         hidden=f.metadata["hidden"])
 
 
