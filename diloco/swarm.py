@@ -157,7 +157,9 @@ class Swarm:
                         log.warning("event=bootstrap_failed addr=%s attempt=%d reason=%s", addr, attempt + 1, e)
             raise SwarmError(f"could not join the swarm; no bootstrap address answered ({JOIN_PASSES} tries each):\n  "
                              + "\n  ".join(tried) +
-                             "\nCheck the address (copy it from the `diloco start` output) and that the peer is up.")
+                             "\nCheck the address (copy it from the `diloco start` output) and that the peer is up: a "
+                             "swarm whose peers all finished their run (a short one, started without --wait-for N) "
+                             "is gone, and its address answers nothing.")
         except BaseException:
             identity.release()  # only a swarm that started owns it (and releases it when it closes)
             raise

@@ -154,6 +154,7 @@ def test_join_with_dead_bootstrap_exits_nonzero_listing_addresses(tmp_path):
                           capture_output=True, text=True, timeout=90, env={**os.environ, "DILOCO_SECRET": "s" * 32})
     assert proc.returncode == 1
     assert "no bootstrap address answered" in proc.stderr and dead in proc.stderr.replace("\n", "")
+    assert "a swarm whose peers all finished their run" in proc.stderr.replace("\n", " ")  # the case it cannot rule out
 
 
 @pytest.mark.unit
@@ -165,6 +166,8 @@ def test_join_with_dead_bootstrap_exits_nonzero_listing_addresses(tmp_path):
     (["join", "not-an-address"], "is not a swarm address"),
     (["demo", "--peers", "0"], "peers must be between 1 and 16"),
     (["start", "--rounds", "2", "python", "train.py"], "put `--` before it: diloco start [OPTIONS] -- python train.py"),
+    (["start", "--rounds", "2", "-H", "5", "--", "python", "train.py"],
+     "--inner-steps, --rounds: the bundled job's, which your command never sees"),
     (["join", "/ip4/127.0.0.1/tcp/9/p2p/12D3KooWRQPiyGWQQdn3DaPhb84P9MBDWaM43QfaVX9YR9qxStbP", "python", "train.py"],
      "put `--` before it: diloco join ADDR [OPTIONS] -- python train.py"),
 ])
@@ -204,6 +207,7 @@ def test_sigterm_leaves_cleanly_and_the_swarm_goes_on(peers):
     # the first peer said how to join and how to watch the swarm it started (the secret from $DILOCO_SECRET)
     said = peers.log(0, whole=True)
     assert f"watch the swarm with:\n  diloco status /ip4/127.0.0.1/" in said and f"--run-id {peers.run_id}\n" in said
+    assert "waiting for 2 peers (this one included, up to 120 s) before the first step" in said
 
 
 @pytest.mark.multiproc

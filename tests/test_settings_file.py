@@ -85,3 +85,20 @@ def test_help_shows_the_extras_to_install_verbatim():
     out = invoke(["start", "--help"], env={"COLUMNS": "250"})
     assert out.exit_code == 0 and 'pip install "diloco[tensorboard]"' in out.output, out.output
     assert 'pip install "diloco[wandb]"' in out.output
+
+
+def test_under_a_command_the_files_bundled_job_settings_are_named_as_unused(monkeypatch, tmp_path):
+    """A lab's file may serve the bundled job and a script under the launcher alike: with `-- CMD` the settings
+    only the bundled job reads are named in a note (on the command line they would exit 2: test_multiproc.py)."""
+    launched: list[list[str]] = []
+
+    def launch(initial, command, *args, **kwargs):
+        launched.append(command)
+        raise SystemExit(0)
+
+    monkeypatch.setattr(cli, "_launch", launch)
+    monkeypatch.chdir(tmp_path)
+    result = invoke(["start", "--config", str(EXAMPLE), "--", "python", "train.py"])
+    assert result.exit_code == 0 and launched == [["python", "train.py"]], result.output
+    assert "note: --config sets --inner-steps, --outer-warmup, --rounds, --fragments, which only the bundled job " \
+           "reads" in result.stderr, result.stderr

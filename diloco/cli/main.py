@@ -143,6 +143,8 @@ def _run_peer(initial: list[str], *, host: str, port: int, announce: Optional[Li
             watch = swarm.join_command().replace("diloco join", "diloco status", 1)
             typer.echo(f"watch the swarm with:\n  {watch}" + ("" if secret_from.startswith("$") else
                                                              f" --secret-file {secret_from.removeprefix('created ')}"))
+        if line := _waiting_line(job.wait_for, first=not initial):
+            typer.echo(line)
         if address_file:
             tmp = Path(str(address_file) + ".tmp")
             tmp.write_text("\n".join(swarm.addresses) + "\n")
@@ -165,6 +167,17 @@ def _run_peer(initial: list[str], *, host: str, port: int, announce: Optional[Li
                    f"sent {summary['bytes_sent'] / 1e6:.1f} MB, received {summary['bytes_received'] / 1e6:.1f} MB")
     finally:
         swarm.close()
+
+
+def _waiting_line(wait_for: int, *, first: bool) -> str:
+    """What a peer does before its first step: wait for `wait_for` peers, or (the `first` of a swarm) train alone
+    meanwhile; "" for a joiner that waits for nobody."""
+    if wait_for > 1:
+        return f"waiting for {wait_for} peers (this one included, up to 120 s) before the first step"
+    if not first:
+        return ""
+    return ("training now, alone until others join (they download its state); --wait-for N waits for N peers first, "
+            "and a short run may end before anyone joins")
 
 
 def _run_config(swarm_cfg: SwarmConfig, job: JobConfig) -> dict[str, Any]:
@@ -210,6 +223,8 @@ def _peer(initial: list[str], swarm: SwarmOptions, aggregation: AggregationOptio
           job: tuple[Group, ...], out: OutputOptions, ctx: typer.Context) -> None:
     """start and join: this peer trains the bundled job, or runs the user's command as its site's worker."""
     command = _command(ctx, peer.max_restarts)
+    if command is not None:
+        _unused_by_command(ctx, (peer, *job))
     swarm_cfg, job_cfg = _configs(swarm, aggregation, peer, *job)
     sinks = _sinks(out.tensorboard, out.wandb)
     secret, where = _secret(peer.secret_file, swarm.run_id, create=not initial)
@@ -1008,6 +1023,26 @@ def _command(ctx: typer.Context, max_restarts: int) -> list[str] | None:
     return command
 
 
+def _unused_by_command(ctx: typer.Context, groups: tuple[Group, ...]) -> None:
+    """Under `-- CMD`: an option of the bundled job given on the command line exits 2 (the command never sees it);
+    one from a --config file is named in a warning (a lab's file may serve both)."""
+    from .options import bundled_only, long_flag
+
+    given: dict[str, list[str]] = {"COMMANDLINE": [], "DEFAULT_MAP": []}
+    for group in groups:
+        for name in sorted(bundled_only(type(group))):
+            source = ctx.get_parameter_source(name)
+            if source is not None and source.name in given:
+                given[source.name].append(long_flag(type(group), name))
+    if given["COMMANDLINE"]:
+        _fail(f"{', '.join(given['COMMANDLINE'])}: the bundled job's, which your command never sees (it runs its own "
+              "loop, model and schedule): drop them, or give your script what it needs (e.g. DiLoCo(model, opt, "
+              "inner_steps=H) for -H). `diloco start --help` lists what reaches a command.")
+    if given["DEFAULT_MAP"]:
+        typer.echo(f"note: --config sets {', '.join(given['DEFAULT_MAP'])}, which only the bundled job reads: your "
+                   "command does not see them", err=True)
+
+
 def _launch(initial: list[str], command: list[str], swarm_cfg: SwarmConfig, secret: str, where: str, *,
             host: str, port: int, announce: Optional[List[str]], address_file: Optional[Path],
             metrics: Optional[Path], sinks: SinkConfig, checkpoint_dir: Optional[str], checkpoint_every: int,
@@ -1042,6 +1077,8 @@ def _launch(initial: list[str], command: list[str], swarm_cfg: SwarmConfig, secr
                 addr = next((a for a in addrs if "/127.0.0.1/" not in a), addrs[0])
                 typer.echo("others join with:\n  " + _join_line(f"diloco join {addr} --run-id {swarm_cfg.run_id}",
                                                                   where) + f"\n  followed by -- {shlex.join(command)}")
+            if line := _waiting_line(wait_for, first=not initial):
+                typer.echo(line)
             if address_file:
                 write_lines(address_file, addrs)
 

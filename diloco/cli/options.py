@@ -70,12 +70,32 @@ def plain(help: str) -> str:
     return help.replace("[", "\\[")
 
 
+BUNDLED_PANEL = "The bundled job (not passed to your command after --)"
+"""Where `--help` lists the options of the bundled job, which a command of yours (`diloco start -- CMD`) never sees."""
+
+
 def typer_option(group: type[Group], name: str) -> Any:
     """The typer option of `group`'s field `name`, as a command's parameter default: also for a command
     that takes that one option rather than the whole group (`--quiet` of the benchmarks)."""
     f = next(f for f in fields(group) if f.name == name)  # type: ignore[arg-type]
+    panel = BUNDLED_PANEL if name in bundled_only(group) else None
     return typer.Option(group._overrides.get(name, f.default), *f.metadata["flags"], help=plain(f.metadata["help"]),
-                        hidden=f.metadata["hidden"])
+                        hidden=f.metadata["hidden"], rich_help_panel=panel)
+
+
+def long_flag(group: type[Group], name: str) -> str:
+    """The long flag of `group`'s field `name` (`--fragment-pattern` for `pattern`)."""
+    f = next(f for f in fields(group) if f.name == name)  # type: ignore[arg-type]
+    return next((x for x in f.metadata["flags"] if x.startswith("--")), "--" + name.replace("_", "-"))
+
+
+def bundled_only(group: type[Group]) -> set[str]:
+    """The options of `group` that only the bundled job reads: under `diloco start/join -- CMD` the launcher hands
+    the swarm's settings, checkpoints, metrics and whom to wait for to your command, and nothing of these (your
+    script has its own loop, model, data and schedule)."""
+    if group.__name__ in ("JobOptions", "ModelOptions", "RunOptions", "StreamingOptions"):
+        return {f.name for f in fields(group)}  # type: ignore[arg-type]
+    return {"PeerJobOptions": {"shard", "resume"}, "PeerOptions": {"status_file"}}.get(group.__name__, set())
 
 
 def _parameters(group: type[Group]) -> list[inspect.Parameter]:
@@ -422,7 +442,7 @@ def flags(values: object, *groups: type[Group]) -> list[str]:
             value = group.option_value(f.name, getattr(values, f.name))
             if value == f.default:
                 continue
-            flag = next((x for x in f.metadata["flags"] if x.startswith("--")), "--" + f.name.replace("_", "-"))
+            flag = long_flag(group, f.name)
             if isinstance(value, bool):
                 out += [flag] if value else []
             elif value is not None:
