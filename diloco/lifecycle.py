@@ -8,13 +8,17 @@ and a script of yours under the launcher (`diloco start/join -- CMD`, `DiLoCo.de
 3. The final checkpoint, where checkpoints are written.
 4. The final metrics line (`final_fields` is what every run's says; the bundled job adds its evaluation).
 
-A run that was stopped (Ctrl-C, SIGTERM) or failed skips the first two: it leaves at once.
+A run that was stopped (Ctrl-C, SIGTERM) or failed skips the first two: it leaves at once. A script under the
+launcher that fails with one of diloco's errors (a wrong secret or run id, a ban) says so in one line, as the
+bundled job does, not in a traceback (`errors_as_lines`).
 """
 
 from __future__ import annotations
 
 import logging
+import sys
 import time
+from types import TracebackType
 from typing import TYPE_CHECKING
 
 from diloco.comms import PeerId
@@ -69,3 +73,24 @@ def linger(d: DiLoCo, timeout: float) -> int:
             return len(behind)
         log.info("event=linger round=%d behind=%s", d.round, ",".join(behind))
         time.sleep(0.25)
+
+
+def errors_as_lines() -> None:
+    """From now on, an uncaught `diloco.DiLoCoError` ends this process with its message as one `error:` line on
+    stderr (exit status 1, as for any uncaught exception), not a traceback: the message names the fix already. A
+    script may still catch them; any other exception keeps its traceback. For a script under the launcher."""
+    from .compression.errors import DiLoCoError
+
+    previous = sys.excepthook
+    if getattr(previous, "diloco_lines", False):
+        return
+
+    def hook(kind: type[BaseException], value: BaseException, tb: TracebackType | None) -> None:
+        if isinstance(value, DiLoCoError):
+            sys.stderr.write(f"error: {value}\n")
+            sys.stderr.flush()
+        else:
+            previous(kind, value, tb)
+
+    hook.diloco_lines = True  # type: ignore[attr-defined]
+    sys.excepthook = hook

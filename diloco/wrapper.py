@@ -64,7 +64,7 @@ from .environment import WAIT_TIMEOUT, Launch
 from .fragments import HSchedule, StreamingConfig, check_h_schedule, check_schedule, partition
 from .gossip import Gossip
 from .holding import Holding
-from .lifecycle import end_run, final_fields, linger
+from .lifecycle import end_run, errors_as_lines, final_fields, linger
 from .member import Member
 from .metrics import close_launched
 from .outer import OuterFactory, copy_into, default_outer, warmup_scale
@@ -172,6 +172,8 @@ class DiLoCo:
         # "auto": a command started by `diloco start/join -- CMD` finds its swarm in the environment
         # (connected when we attach); without the launcher's variables, a single worker, no network.
         self.launch = Launch.from_env() if swarm == "auto" else None
+        if self.launch is not None:
+            errors_as_lines()  # a wrong secret, run id or model: one line, as from the bundled job
         given = swarm if isinstance(swarm, Swarm) else None
         self.site = Site.detect() if site == "auto" else site
         """The torch.distributed group this worker spans (`diloco.site`); None for a lone process."""

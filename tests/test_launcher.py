@@ -403,3 +403,19 @@ def test_your_script_under_the_launcher_gossips(sites):
     assert all(f["topology"] == "gossip" and f["round"] >= 6 and f["gossip_met"] >= 4 for f in finals), finals
     rows = [r for i in range(2) for r in sites.lines(i, "round")]
     assert all(r["peers"] == 2 for r in rows if r["committed"]), rows
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(180)
+def test_a_script_refused_at_the_handshake_says_why_in_one_line_not_a_traceback(sites):
+    """`diloco join ADDR --run-id other -- python train.py`: the script's `DiLoCo(...)` is refused (another run id);
+    it says so in one `error:` line, as the bundled job does, and the launcher exits with its status, 1."""
+    sites.launch(0, ["start"], [sys.executable, SCRIPT, "--rounds", "100000", "--inner-steps", "5"])
+    addr = sites.address(0)
+    joiner = sites.launch(1, ["join", addr], [sys.executable, SCRIPT, "--rounds", "2", "--inner-steps", "5"],
+                          "--run-id", f"{sites.run_id}-other")
+    assert joiner.wait(timeout=120) == 1, sites.log(1)
+    said = sites.log(1, whole=True)
+    assert "error: handshake with" in said and "run_id differs" in said, said
+    assert "Traceback" not in said, said
+    assert sites.procs[0].poll() is None  # the swarm's site trains on
