@@ -96,6 +96,10 @@ def test_status_shows_a_running_peer(tmp_path):
                                   capture_output=True, text=True, timeout=90,
                                   env={**os.environ, "DILOCO_SECRET": "w" * 32})
         assert stranger.returncode == 1 and "no address answered" in stranger.stderr, stranger.stdout
+        for said in (stranger, subprocess.run([sys.executable, "-m", "diloco", "status", addr, "--run-id", "another"],
+                                              capture_output=True, text=True, timeout=90, env=env)):
+            assert said.returncode == 1 and "a wrong --run-id or swarm secret" in said.stderr, said.stderr
+            assert "ensure_bootstrap_success" not in said.stderr  # hivemind's option, nothing a user can set
         nothing = subprocess.run([sys.executable, "-m", "diloco", "status", addr, "--run-id", group.run_id],
                                  capture_output=True, text=True, timeout=90,
                                  env={k: v for k, v in os.environ.items() if k != "DILOCO_SECRET"})

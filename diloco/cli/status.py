@@ -84,6 +84,17 @@ class Tracker:
         return out
 
 
+def why_not(error: BaseException) -> str:
+    """Why connecting to one address failed, in the user's terms: the DHT's refusal of a request signed for
+    another run or with another secret reads, from hivemind, as a bootstrap failure with an option nobody here
+    can set."""
+    text = str(error).splitlines()[0] if str(error) else ""
+    if "DHTNode bootstrap failed" in text:
+        return ("its DHT did not answer us: a wrong --run-id or swarm secret (it answers only requests signed for "
+                "its run with its secret), or the peer is down")
+    return f"{type(error).__name__}: {text}"
+
+
 class Observer:
     """A read-only view of a swarm's records: `open` through the first address that answers, `read` as
     often as wanted, `close` (or use it as a context manager)."""
@@ -113,7 +124,7 @@ class Observer:
                 return addr
             except Exception as e:  # noqa: BLE001 - any failure means "try the next address"
                 self.close()
-                tried.append(f"{addr} ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})")
+                tried.append(f"{addr} ({why_not(e)})")
         raise RuntimeError("no address answered:\n  " + "\n  ".join(tried) +
                            "\nCheck the address (from the output of `diloco start`) and the --run-id.")
 
