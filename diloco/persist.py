@@ -26,7 +26,7 @@ import numpy.typing as npt
 import torch
 
 from . import progress
-from .checkpoint import CheckpointError, Loaded, load_latest, save
+from .checkpoint import CheckpointError, Loaded, load_latest, require_safetensors, save
 from .compression.errors import ConfigError
 from .outer import OuterFactory
 from .state import GlobalState, StateError
@@ -96,6 +96,32 @@ def read(root: Path, params: Sequence[torch.Tensor], outer_factory: OuterFactory
     return state, residuals, loaded
 
 
+def export(root: str | os.PathLike[str], out: str | os.PathLike[str]) -> tuple[Path, Loaded]:
+    """Write the global parameters of the newest verified checkpoint under `root` as a plain safetensors state dict
+    at `out`: each parameter under the model's own name, a tied one under each of its names, so that
+    `model.load_state_dict(safetensors.torch.load_file(out))` or `from_pretrained` takes it (parameters the run
+    did not train, frozen ones, and buffers are not in a checkpoint: load with `strict=False` over the base model).
+    Raises CheckpointError when there is no checkpoint or it is not diloco's."""
+    loaded = load_latest(Path(root))
+    if loaded is None:
+        raise CheckpointError(f"no verified checkpoint under {root}: give the --checkpoint-dir of a run")
+    params = {k.removeprefix("theta/"): v for k, v in loaded.tensors.items() if k.startswith("theta/")}
+    if not params:
+        raise CheckpointError(f"checkpoint {loaded.path} holds no global parameters (theta/...): not a diloco "
+                              "worker's checkpoint")
+    aliases = loaded.meta.get("aliases") or {}
+    if not isinstance(aliases, dict) or any(not isinstance(k, str) or v not in params for k, v in aliases.items()):
+        raise CheckpointError(f"checkpoint {loaded.path}: its tied-parameter names do not match its parameters")
+    tensors = {**params, **{alias: params[name].copy() for alias, name in aliases.items()}}
+    require_safetensors()
+    from safetensors.numpy import save_file
+
+    target = Path(out)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(target), metadata={"format": "pt", "diloco_round": str(loaded.step)})
+    return target, loaded
+
+
 class Checkpoints:
     """One worker's checkpoints: every `every` committed rounds into `root`, and resuming from the newest.
 
@@ -104,8 +130,11 @@ class Checkpoints:
     full, …) is logged and training goes on."""
 
     def __init__(self, member: Member, engine: RoundEngine, names: Sequence[str], *, compression: str,
-                 root: str | os.PathLike[str] | None, every: int) -> None:
+                 root: str | os.PathLike[str] | None, every: int, aliases: dict[str, str] | None = None) -> None:
+        """`aliases`: the other names of tied parameters (name → the name θ holds it under), kept in the metadata so
+        that `export` writes a complete state dict."""
         self.member, self.engine, self.names, self.compression = member, engine, list(names), compression
+        self.aliases = dict(aliases or {})
         self.root = Path(root) if root is not None else None
         self.every = every
 
@@ -128,7 +157,7 @@ class Checkpoints:
     def _meta(self) -> dict[str, Any]:
         s = self.member.standing
         return {"schema": self.member.schema, "steps": s.steps, "position": s.position,
-                "members": ",".join(s.members or ()), "compression": self.compression}
+                "members": ",".join(s.members or ()), "compression": self.compression, "aliases": self.aliases}
 
     def write_beside(self, keep: int = 3) -> None:
         """Write a checkpoint of the state we hold on a thread of its own, while training goes on: the state is read

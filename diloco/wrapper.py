@@ -120,6 +120,19 @@ def _innermost(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
     return optimizer
 
 
+def _aliases(model: torch.nn.Module) -> dict[str, str]:
+    """The other names of tied parameters (`lm_head.weight` → `transformer.wte.weight`), canonical: a plain state
+    dict has both, θ holds the tensor once."""
+    first: dict[int, str] = {}
+    out: dict[str, str] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        name = _canonical(name)
+        if id(p) in first and first[id(p)] != name:
+            out[name] = first[id(p)]
+        first.setdefault(id(p), name)
+    return out
+
+
 def _canonical(name: str) -> str:
     """A parameter's name without the prefixes wrappers add (DDP's `module.`, torch.compile's
     `_orig_mod.`), so sites that wrap the same model differently agree on its schema."""
@@ -221,7 +234,7 @@ class DiLoCo:
                                   on_rollback=self._inner.state.clear)
         """The worker's rounds, from a synchronization slot to the outer step."""
         self.checkpoints = Checkpoints(self.member, self.engine, [n for n, _ in named], compression=spec.text,
-                                       root=checkpoint_dir, every=checkpoint_every)
+                                       root=checkpoint_dir, every=checkpoint_every, aliases=_aliases(model))
         self.topology: Topology = Topology()
         """Flat, regions or gossip: what differs between them (`diloco.topology`)."""
         self._hook: RemovableHandle | None = None
@@ -502,6 +515,34 @@ class DiLoCo:
             yield
         finally:
             copy_into(self.local_params, saved)
+
+    def save_final(self, path: str | os.PathLike[str]) -> Path | None:
+        """Write the global model, as every peer holds it after the last round: through the model's
+        `save_pretrained(path)` (a directory `from_pretrained` reads) when it has one (Hugging Face), else as a
+        safetensors file of its state dict, tied weights included (`safetensors.torch.load_model` or
+        `load_state_dict` read it). On a site the leader writes, once; returns the path (None on the other ranks).
+
+        Raises:
+            UsageError: on an FSDP2 site, whose ranks hold pieces (write checkpoints, then `diloco export`)."""
+        if self.shards is not None:
+            raise UsageError("save_final on an FSDP2 site: its ranks hold pieces of the model; write checkpoints "
+                             "(checkpoint_dir=...) and turn the newest into a model with `diloco export DIR OUT`")
+        if not self.link.talks:
+            return None
+        target = Path(path)
+        with self.global_weights():
+            saver = getattr(self.model, "save_pretrained", None)
+            if callable(saver):
+                saver(str(target))
+            else:
+                from .checkpoint import require_safetensors
+
+                require_safetensors()
+                from safetensors.torch import save_model
+
+                target.parent.mkdir(parents=True, exist_ok=True)
+                save_model(self.model, str(target))
+        return target
 
     def linger(self, timeout: float) -> int:
         """At the end of a run, before leaving: keep serving our state while a peer that is still in the swarm

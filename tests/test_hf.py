@@ -47,6 +47,12 @@ def test_a_trainer_with_the_callback_is_a_diloco_worker(tmp_path):
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     assert losses[-1] < losses[0], losses
     assert d._hook is None  # detached when training ended
+    # the trained model out: save_pretrained of the global weights, which from_pretrained reads, tie included
+    d.save_final(tmp_path / "final")
+    again = type(model).from_pretrained(str(tmp_path / "final"))
+    with d.global_weights():
+        assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), again.state_dict().values()))
+    assert again.lm_head.weight is again.transformer.wte.weight
 
 
 @pytest.mark.swarm

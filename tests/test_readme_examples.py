@@ -152,6 +152,7 @@ STOPPED_AT = {  # command -> what would start the work (network, real peers, roo
     ("diloco", "bench", "size"): "diloco.bench.size.run", ("diloco", "bench", "wrapper"): "diloco.bench.wrapper.run",
     ("diloco", "bench", "transport"): "diloco.bench.transport.run", ("diloco", "bench", "race"): "diloco.bench.race.run",
     ("diloco", "bench", "regions"): "diloco.bench.regions.run",
+    ("diloco", "export"): "diloco.persist.export",  # run for real in tests/test_final_model.py
 }
 LAUNCHED = "diloco.cli.main._launch"
 """`diloco start/join ... -- CMD` runs the user's command as the site's worker: stopped there."""
@@ -209,6 +210,7 @@ def workdir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     assert plan, "docs/SIMULATE.md lost its example fault plan"
     (tmp_path / "plan.json").write_text(plan.group(1))
     (tmp_path / "lab.toml").write_text((ROOT / "examples" / "lab.toml").read_text())  # a lab's settings file
+    (tmp_path / "ckpt").mkdir()  # DIR: a run's checkpoint directory (`diloco export` stops before reading it)
     for d in ("benchmarks/results", "docs/img"):
         (tmp_path / d).mkdir(parents=True)
     (tmp_path / "benchmarks" / "poison-plan.json").write_text((ROOT / "benchmarks" / "poison-plan.json").read_text())

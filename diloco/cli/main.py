@@ -469,6 +469,28 @@ def plot(
         typer.echo(f"wrote {path}")
 
 
+@app.command()
+def export(
+    checkpoint_dir: Path = typer.Argument(..., help="A run's --checkpoint-dir (its newest verified checkpoint)."),
+    out: Path = typer.Argument(..., help="The safetensors file to write."),
+) -> None:
+    """Write the global model of the newest verified checkpoint in CHECKPOINT_DIR as a plain state dict OUT
+    (safetensors): each parameter under the model's name, tied ones under each name, for `load_state_dict` or
+    `from_pretrained`."""
+    from ..checkpoint import CheckpointError
+    from ..persist import export as export_model
+
+    if not checkpoint_dir.is_dir():
+        _fail(f"no such checkpoint directory: {checkpoint_dir} (a run's --checkpoint-dir)")
+    try:
+        target, loaded = export_model(checkpoint_dir, out)
+    except CheckpointError as e:
+        _fail(str(e), code=1)
+    except OSError as e:
+        _fail(f"cannot write {out}: {e}", code=1)
+    typer.echo(f"wrote {target}: the global model of round {loaded.step} ({loaded.path.name})")
+
+
 bench_app = typer.Typer(add_completion=False, no_args_is_help=True, help="Benchmarks (results: docs/BENCHMARKS.md).")
 app.add_typer(bench_app, name="bench")
 
