@@ -519,8 +519,8 @@ class DiLoCo:
     def save_final(self, path: str | os.PathLike[str]) -> Path | None:
         """Write the global model, as every peer holds it after the last round: through the model's
         `save_pretrained(path)` (a directory `from_pretrained` reads) when it has one (Hugging Face), else as a
-        safetensors file of its state dict, tied weights included (`safetensors.torch.load_model` or
-        `load_state_dict` read it). On a site the leader writes, once; returns the path (None on the other ranks).
+        safetensors file of its whole state dict, a tied weight under each of its names (`load_state_dict(
+        safetensors.torch.load_file(path))` takes it). On a site the leader writes, once; returns the path (None on the other ranks).
 
         Raises:
             UsageError: on an FSDP2 site, whose ranks hold pieces (write checkpoints, then `diloco export`)."""
@@ -538,10 +538,13 @@ class DiLoCo:
                 from .checkpoint import require_safetensors
 
                 require_safetensors()
-                from safetensors.torch import save_model
+                from safetensors.torch import save_file
 
                 target.parent.mkdir(parents=True, exist_ok=True)
-                save_model(self.model, str(target))
+                # every name, a tied tensor under each (copied: the format stores no shared memory), so that a
+                # plain load_state_dict(strict=True) takes it
+                save_file({k: v.detach().cpu().clone().contiguous() for k, v in self.model.state_dict().items()},
+                          str(target), metadata={"format": "pt", "diloco_round": str(self.round)})
         return target
 
     def linger(self, timeout: float) -> int:

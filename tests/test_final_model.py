@@ -58,7 +58,7 @@ def test_save_final_writes_the_global_model_with_its_tied_weights(tmp_path):
     d = _trained(tmp_path)
     path = d.save_final(tmp_path / "final.safetensors")
     fresh = Tied()
-    fresh.load_state_dict(load_file(str(path)), strict=False)
+    fresh.load_state_dict(load_file(str(path)), strict=True)
     expected = _global(d)
     assert all(torch.equal(fresh.state_dict()[k], v) for k, v in expected.items())
     assert fresh.head.weight is fresh.wte.weight  # still tied
@@ -87,3 +87,17 @@ def test_export_without_a_checkpoint_says_what_to_give(tmp_path):
         export(tmp_path / "empty", tmp_path / "x.safetensors")
     result = invoke(["export", str(tmp_path / "nowhere"), str(tmp_path / "x.safetensors")])
     assert result.exit_code == 2 and "no such checkpoint directory" in result.output
+
+
+def test_the_bundled_job_saves_its_final_global_model(tmp_path):
+    """`diloco start/join --save-final PATH`: the bundled job writes the global model at its end, which the same
+    model loads strictly (tied embedding and head, buffers)."""
+    from diloco.job.model import GPTConfig, build_model
+    from diloco.job.train import JobConfig, run_job
+
+    job = JobConfig(rounds=2, inner_steps=3, d_model=16, n_layer=1, context=16, batch_size=2, eval_batches=1,
+                    corpus_bytes=1 << 20, save_final=str(tmp_path / "final.safetensors"))
+    summary = run_job(job, None)
+    assert summary["saved"] == job.save_final and summary["round"] == 2
+    model = build_model(GPTConfig(context=16, d_model=16, n_layer=1), seed=job.seed)
+    model.load_state_dict(load_file(job.save_final), strict=True)

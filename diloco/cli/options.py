@@ -95,7 +95,8 @@ def bundled_only(group: type[Group]) -> set[str]:
     script has its own loop, model, data and schedule)."""
     if group.__name__ in ("JobOptions", "ModelOptions", "RunOptions", "StreamingOptions"):
         return {f.name for f in fields(group)}  # type: ignore[arg-type]
-    return {"PeerJobOptions": {"shard", "resume"}, "PeerOptions": {"status_file"}}.get(group.__name__, set())
+    return {"PeerJobOptions": {"shard", "resume", "save_final"},
+            "PeerOptions": {"status_file"}}.get(group.__name__, set())
 
 
 def _parameters(group: type[Group]) -> list[inspect.Parameter]:
@@ -285,6 +286,8 @@ class PeerJobOptions(Group):
                                                                "final one).")
     resume: bool = option(_JOB.resume, "--resume", help="Start from the newest verified checkpoint in "
                                                         "--checkpoint-dir.")
+    save_final: Optional[Path] = option(None, "--save-final", help="At the end, write the global model here (a "
+                                        "safetensors state dict, tied weights included).")
 
 
 @dataclass(frozen=True)

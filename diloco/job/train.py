@@ -155,6 +155,8 @@ class JobConfig:
     """Also checkpoint every this many committed rounds (0: only the final one)."""
     resume: bool = False
     """Start from the newest verified checkpoint in checkpoint_dir (if the swarm is ahead, catch up)."""
+    save_final: str | None = None
+    """Write the final global model here at the end (a safetensors state dict: `DiLoCo.save_final`)."""
 
     def __post_init__(self) -> None:
         for name in ("rounds", "inner_steps", "batch_size", "d_model", "n_layer", "context", "eval_batches", "threads",
@@ -193,11 +195,12 @@ class JobConfig:
             raise ConfigError(str(e)) from e
         if self.resume and not self.checkpoint_dir:
             raise ConfigError("resume needs checkpoint_dir (--checkpoint-dir DIR)")
-        if self.checkpoint_dir:
-            try:
-                require_safetensors()
-            except CheckpointError as e:
-                raise ConfigError(f"--checkpoint-dir: {e}") from None
+        for flag, given in (("--checkpoint-dir", self.checkpoint_dir), ("--save-final", self.save_final)):
+            if given:
+                try:
+                    require_safetensors()
+                except CheckpointError as e:
+                    raise ConfigError(f"{flag}: {e}") from None
         if self.first_step < 0:
             raise ConfigError(f"first_step must be >= 0, got {self.first_step}")
         if self.init_from is not None:
@@ -400,10 +403,13 @@ def run_job(cfg: JobConfig, swarm: Swarm | None, *, metrics: MetricsWriter | Non
     end_run(d, completed=not stop.is_set() and d.round >= target)
     with d.global_weights():
         eval_loss = evaluate(model, heldout)
+    if cfg.save_final:
+        d.save_final(cfg.save_final)
     sent, recv = d.bytes_on_wire()
     synced = [r for r in d.reports if r.committed]
     bits = sum(r.bits_per_param for r in synced) / len(synced) if synced else 0.0
     summary = dict(final_fields(d), peer=peer, round=d.round // len(d.fragments), fragment_rounds=d.round,
+                   saved=cfg.save_final,
                    eval_loss=eval_loss, device=str(device), compression=d.compression,
                    bits_per_param_sync=round(bits, 5), params=sum(p.numel() for p in model.parameters()),
                    bytes_sent=sent, bytes_received=recv, wall_seconds=round(time.monotonic() - started, 2),
