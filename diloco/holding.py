@@ -11,8 +11,10 @@ takes longer than the outer step itself): `digest` and `manifest` wait for it, w
 H inner steps later, long after it is done; `known()` answers at once ("" while the hash is under way),
 which is what a record published right after a commit carries until `on_known` listeners publish the
 digest. The hash reads the state in place, so a change waits for the hash in flight before it starts (no
-second copy of the state is kept for it). An FSDP2 site hashes its state from every rank's pieces, a
-collective call that all ranks make together: there the hash stays on the training thread.
+second copy of the state is kept for it); so does other work that reads it in place beside training (`beside`:
+a periodic checkpoint). A change of one fragment's parameters hashes again only the chunks that hold them
+(`changing(touched=...)`). An FSDP2 site hashes its state from every rank's pieces, a collective call that all
+ranks make together: there the hash stays on the training thread.
 Whatever must follow a change (the snapshot server dropping idle copies) registers with `on_change`.
 """
 
@@ -29,6 +31,7 @@ import torch
 
 from .outer import OuterFactory, is_pinned
 from .state import GlobalState, Manifest
+
 
 class Later:
     """A value (the digest of one state) that a thread of ours is still computing: `ready()` without waiting,
