@@ -106,12 +106,14 @@ def test_simulate_cli_shows_progress_lines_on_stderr_off_a_terminal_and_none_wit
 @pytest.mark.swarm
 def test_simulate_runs_gossip_each_worker_meeting_its_group_every_round():
     """`diloco simulate --topology gossip`: the same workers (the wrapper, the round protocol) in groups of two,
-    each stepping a state of its own (docs/GOSSIP.md): every worker met its group in every round."""
-    job = JobConfig(**{**TINY.__dict__, "rounds": 3})
+    each stepping a state of its own (docs/GOSSIP.md): every worker met its group. One round for four workers (a
+    pair that finished a later round and left while the other pair drew its groups would leave that pair to wait
+    out the gather timeout, by design: docs/GOSSIP.md); two workers, one group, run two rounds below."""
+    job = JobConfig(**{**TINY.__dict__, "rounds": 1})
     sim = simulate(job, 4, swarm=SwarmConfig(run_id="simg", compression="fp32", topology="gossip"))
-    assert sim["topology"] == "gossip" and sim["finished"] == 4 and sim["round"] == 3
-    assert sim["gossip_met"] == [3, 3, 3, 3], sim["workers_seen"]
-    assert len(sim["digests"]) > 1  # a state per worker, not one global state
+    assert sim["topology"] == "gossip" and sim["finished"] == 4 and sim["round"] == 1
+    assert sim["gossip_met"] == [1, 1, 1, 1], sim["workers_seen"]
+    assert len(sim["digests"]) == 2  # a state per pair (same start, same mean), not one global state
     out = invoke(["simulate", "--workers", "2", "--rounds", "2", "-H", "2", "--d-model", "16", "--layers", "1",
                   "--batch-size", "2", "--topology", "gossip", "--compression", "fp32", "--quiet"])
     assert out.exit_code == 0 and "states (gossip: each worker steps its own)" in out.stdout, out.output
