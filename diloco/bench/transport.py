@@ -191,6 +191,10 @@ def daemon_host(argv: list[str]) -> None:
                       for i in range(hosts) if i != me]
             for p in others:  # as the swarm's members are once their credential passed: no deadline on their heads
                 t.gate.passed(p)
+            (workdir / f"h{me}.passed").touch()
+            for i in range(hosts):  # a host that has not passed us yet would hold our call to a stranger's deadline
+                if i != me:
+                    await wait_for(workdir / f"h{i}.passed")
             for p in others:  # dial and warm up
                 await t.call(p, "copy", b"x", 120)
             share = bytes(max(1, nbytes // len(others)))
