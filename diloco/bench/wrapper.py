@@ -177,21 +177,50 @@ def _floor(theta: list[torch.Tensor], local: list[torch.Tensor], delta: list[tor
     torch._foreach_copy_(local, theta, non_blocking=True)
 
 
-def sync_cost(setup: WrapperSetup, inner_steps: int = 32, syncs: int = 5) -> dict[str, Any]:
-    """A synchronization's time on the training thread against the floor, measured in one process on one model
-    (`setup.job`'s size: 85M parameters at width 768 and 12 blocks). The inner steps take fixed gradients (no
-    forward or backward: the sync does not depend on them), `inner_steps` of them a round, `syncs` rounds after
-    one untimed; a sync's time is its step's minus a plain step's (medians). The floor (`_floor`) runs `syncs`
-    times on copies of the same tensors. θ lives on `setup.global_device`, as the wrapper keeps it."""
+def _fixed_gradients(setup: WrapperSetup) -> tuple[torch.nn.Module, list[torch.Tensor], list[torch.Tensor],
+                                                   Callable[[], None]]:
+    """The bundled GPT at `setup.job`'s size on `setup.device`, its parameters, a fixed gradient for each (the sync
+    does not depend on forward or backward), and how to wait for the device."""
     job = setup.job
     torch.set_num_threads(job.threads)
-    device, global_device = torch.device(setup.device), torch.device(setup.global_device)
-    finish = waiter(device)
+    device = torch.device(setup.device)
     model = build_model(GPTConfig(context=job.context, d_model=job.d_model, n_layer=job.n_layer), seed=job.seed)
     model.to(device)
-    params = list(model.parameters())
+    params: list[torch.Tensor] = list(model.parameters())
     gen = torch.Generator().manual_seed(job.seed)
     grads = [(torch.randn(p.shape, generator=gen) * 1e-3).to(device) for p in params]
+    return model, params, grads, waiter(device)
+
+
+def _timed_rounds(d: DiLoCo, opt: torch.optim.Optimizer, params: list[torch.Tensor], grads: list[torch.Tensor],
+                  finish: Callable[[], None], inner_steps: int, syncs: int) -> dict[str, Any]:
+    """`syncs` rounds of `inner_steps` fixed-gradient steps through `d`, after one untimed: a plain step, a sync
+    (its step less a plain one) and a round beyond its plain steps (the sync, and any step slowed by the work
+    beside training), all in seconds (medians)."""
+    times: list[float] = []
+    synced: list[bool] = []
+    for k in range((syncs + 1) * inner_steps):
+        for p, g in zip(params, grads):
+            p.grad = g
+        before = d.round
+        started = time.perf_counter()
+        opt.step()
+        finish()
+        if k >= inner_steps:  # the first round is untimed
+            times.append(time.perf_counter() - started)
+            synced.append(d.round != before)
+    plain = statistics.median(t for t, s in zip(times, synced) if not s)
+    return {"plain": plain, "sync": statistics.median(t for t, s in zip(times, synced) if s) - plain,
+            "round_extra": sum(times) / sum(synced) - inner_steps * plain, "syncs": sum(synced)}
+
+
+def sync_cost(setup: WrapperSetup, inner_steps: int = 32, syncs: int = 5) -> dict[str, Any]:
+    """A synchronization's time on the training thread against the floor, measured in one process on one model
+    (`setup.job`'s size: 85M parameters at width 768 and 12 blocks), fixed gradients, `inner_steps` steps a round,
+    `syncs` rounds after one untimed (`_timed_rounds`). The floor (`_floor`) runs `syncs` times on copies of the same
+    tensors. θ lives on `setup.global_device`, as the wrapper keeps it."""
+    model, params, grads, finish = _fixed_gradients(setup)
+    device, global_device = torch.device(setup.device), torch.device(setup.global_device)
     local = [p.detach() for p in params]
     pinned = global_device.type == "cpu" and device.type == "cuda"
     theta = [p.detach().to(global_device, copy=True) for p in params]
@@ -201,28 +230,13 @@ def sync_cost(setup: WrapperSetup, inner_steps: int = 32, syncs: int = 5) -> dic
     del theta, delta, outer
 
     opt = torch.optim.SGD(params, lr=1e-3)
-    times: list[float] = []
-    synced: list[bool] = []
     with DiLoCo(model, opt, swarm=None, inner_steps=inner_steps, compression=setup.compression,
                 global_device=setup.global_device) as d:
-        for k in range((syncs + 1) * inner_steps):
-            for p, g in zip(params, grads):
-                p.grad = g
-            before = d.round
-            started = time.perf_counter()
-            opt.step()
-            finish()
-            if k >= inner_steps:  # the first round is untimed
-                times.append(time.perf_counter() - started)
-                synced.append(d.round != before)
-    plain = statistics.median(t for t, s in zip(times, synced) if not s)
-    sync = statistics.median(t for t, s in zip(times, synced) if s) - plain
-    # what a round costs the training thread beyond its plain steps: the sync, and any step slowed by the work
-    # that runs beside training (the digest's hash)
-    round_extra = sum(times) / sum(synced) - inner_steps * plain
-    return {"params": sum(p.numel() for p in params), "floor_ms": floor * 1e3, "sync_ms": sync * 1e3,
-            "ratio": sync / floor, "round_extra_ms": round_extra * 1e3, "round_ratio": round_extra / floor,
-            "plain_step_ms": plain * 1e3, "inner_steps": inner_steps, "syncs": sum(synced)}
+        t = _timed_rounds(d, opt, params, grads, finish, inner_steps, syncs)
+    return {"params": sum(p.numel() for p in params), "floor_ms": floor * 1e3, "sync_ms": t["sync"] * 1e3,
+            "ratio": t["sync"] / floor, "round_extra_ms": t["round_extra"] * 1e3,
+            "round_ratio": t["round_extra"] / floor, "plain_step_ms": t["plain"] * 1e3, "inner_steps": inner_steps,
+            "syncs": t["syncs"]}
 
 
 def checkpoint_cost(setup: WrapperSetup, inner_steps: int = 256, syncs: int = 3) -> dict[str, Any]:
@@ -233,41 +247,20 @@ def checkpoint_cost(setup: WrapperSetup, inner_steps: int = 256, syncs: int = 3)
     deleted after."""
     import tempfile
 
-    job = setup.job
-    torch.set_num_threads(job.threads)
-    device = torch.device(setup.device)
-    finish = waiter(device)
-    model = build_model(GPTConfig(context=job.context, d_model=job.d_model, n_layer=job.n_layer), seed=job.seed)
-    model.to(device)
-    params = list(model.parameters())
-    gen = torch.Generator().manual_seed(job.seed)
-    grads = [(torch.randn(p.shape, generator=gen) * 1e-3).to(device) for p in params]
+    model, params, grads, finish = _fixed_gradients(setup)
     opt = torch.optim.SGD(params, lr=1e-3)
-    times: list[float] = []
-    synced: list[bool] = []
     with tempfile.TemporaryDirectory(prefix="diloco-bench-ckpt-") as root:
         with DiLoCo(model, opt, swarm=None, inner_steps=inner_steps, compression=setup.compression,
                     global_device=setup.global_device, checkpoint_dir=root, checkpoint_every=1) as d:
-            for k in range((syncs + 1) * inner_steps):
-                for p, g in zip(params, grads):
-                    p.grad = g
-                before = d.round
-                started = time.perf_counter()
-                opt.step()
-                finish()
-                if k >= inner_steps:
-                    times.append(time.perf_counter() - started)
-                    synced.append(d.round != before)
+            t = _timed_rounds(d, opt, params, grads, finish, inner_steps, syncs)
             saves = []
             for _ in range(syncs):
                 started = time.perf_counter()
                 d.save_checkpoint(keep=1)
                 saves.append(time.perf_counter() - started)
-    plain = statistics.median(t for t, s in zip(times, synced) if not s)
-    sync = statistics.median(t for t, s in zip(times, synced) if s) - plain
-    round_extra = sum(times) / sum(synced) - inner_steps * plain
-    return {"sync_ms": sync * 1e3, "round_extra_ms": round_extra * 1e3, "save_ms": statistics.median(saves) * 1e3,
-            "round_ms": inner_steps * plain * 1e3, "inner_steps": inner_steps, "syncs": sum(synced)}
+    return {"sync_ms": t["sync"] * 1e3, "round_extra_ms": t["round_extra"] * 1e3,
+            "save_ms": statistics.median(saves) * 1e3, "round_ms": inner_steps * t["plain"] * 1e3,
+            "inner_steps": inner_steps, "syncs": t["syncs"]}
 
 
 def checkpoint_table(cost: dict[str, Any]) -> str:
