@@ -53,9 +53,17 @@ run() {
     python3 -m diloco bench transfer --device cuda --json "$out/transfer-gpt.json" || rc=$?
     python3 -m diloco bench transfer --device cuda --d-model 1024 --layers 24 --json "$out/transfer-gpt-300m.json" \
         || rc=$?
-    python3 -m diloco bench wrapper --device cuda --quiet --json "$out/wrapper.json" || rc=$?
-    python3 -m diloco bench codecs --device cuda --quiet --size 16777216 --size 67108864 --input demo \
+    python3 -m diloco bench wrapper --device cuda --quiet -H 50 -H 500 --repeats 2 --json "$out/wrapper.json" || rc=$?
+    # 85M parameters in bf16 autocast, 16 × 256 bytes a step: θ in host memory (the default; H=50 and 500), then
+    # on the GPU (H=50); each with a profile of its timed synchronizations
+    local big=(--device cuda --d-model 768 --layers 12 --batch-size 16 --context 256 --autocast --repeats 2 --quiet)
+    python3 -m diloco bench wrapper "${big[@]}" --global-device cpu -H 50 -H 500 --steps 500 \
+        --profile "$out/profile-85m-cpu.txt" --json "$out/wrapper-85m-cpu.json" || rc=$?
+    python3 -m diloco bench wrapper "${big[@]}" --global-device cuda -H 50 --steps 300 \
+        --profile "$out/profile-85m-cuda.txt" --json "$out/wrapper-85m-cuda.json" || rc=$?
+    python3 -m diloco bench codecs --device cuda --quiet --size 16777216 --input demo \
         --json "$out/codecs.json" > "$out/codecs.md" || rc=$?
+    cat "$out/codecs.md"
     return "$rc"
 }
 

@@ -39,6 +39,8 @@ __all__ = [
     "pack_bits",
     "unpack_bits",
     "pack_bits_tensor",
+    "pack_codes",
+    "unpack_codes",
     "unpack_bits_tensor",
     "padding_bits_clear",
 ]
@@ -97,15 +99,17 @@ def pack_bits_tensor(values: torch.Tensor, bits: int) -> torch.Tensor:
     if bits == 8:
         return flat.to(torch.uint8, copy=True)
     if 8 % bits == 0:
-        return _pack_sub_byte(flat.to(torch.uint8), bits)
+        return pack_codes(flat.to(torch.uint8), bits)
     return _pack_words(flat.to(torch.int64), bits)
 
 
-def _pack_sub_byte(flat: torch.Tensor, bits: int) -> torch.Tensor:
+def pack_codes(flat: torch.Tensor, bits: int) -> torch.Tensor:
+    """Pack a 1-D uint8 tensor of codes already known to lie in ``[0, 2**bits)``, ``bits`` dividing 8, into a new
+    uint8 tensor on the same device (the codecs' own packing: no range check, no copy to the host)."""
     per_byte = 8 // bits
     count = flat.numel()
     full = count // per_byte
-    out = torch.empty(packed_size(count, bits), dtype=torch.uint8)
+    out = torch.empty(packed_size(count, bits), dtype=torch.uint8, device=flat.device)
     if full:
         columns = flat[: full * per_byte].view(full, per_byte)
         body = out[:full]
@@ -114,8 +118,8 @@ def _pack_sub_byte(flat: torch.Tensor, bits: int) -> torch.Tensor:
             body.bitwise_or_(columns[:, j] << (bits * j))
     rest = flat[full * per_byte :]
     if rest.numel():
-        shifts = torch.arange(rest.numel(), dtype=torch.int64) * bits
-        out[full] = int((rest.to(torch.int64) << shifts).sum())
+        shifts = torch.arange(rest.numel(), dtype=torch.int64, device=flat.device) * bits
+        out[full] = (rest.to(torch.int64) << shifts).sum()  # < 256: fits the byte
     return out
 
 
@@ -156,14 +160,16 @@ def unpack_bits_tensor(packed: torch.Tensor, bits: int, count: int) -> torch.Ten
     if bits == 8:
         return packed.clone()
     if 8 % bits == 0:
-        return _unpack_sub_byte(packed, bits, count)
+        return unpack_codes(packed, bits, count)
     return _unpack_words(packed, bits, count).to(out_dtype)
 
 
-def _unpack_sub_byte(packed: torch.Tensor, bits: int, count: int) -> torch.Tensor:
+def unpack_codes(packed: torch.Tensor, bits: int, count: int) -> torch.Tensor:
+    """``count`` codes of ``bits`` bits (dividing 8) from a 1-D uint8 tensor holding exactly their packed bytes,
+    as a new uint8 tensor on the same device (the codecs' own unpacking: sizes are checked before)."""
     per_byte = 8 // bits
     mask = (1 << bits) - 1
-    out = torch.empty(packed.numel(), per_byte, dtype=torch.uint8)
+    out = torch.empty(packed.numel(), per_byte, dtype=torch.uint8, device=packed.device)
     for j in range(per_byte):
         torch.bitwise_and(packed >> (bits * j), mask, out=out[:, j])
     flat = out.view(-1)

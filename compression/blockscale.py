@@ -9,12 +9,19 @@ format:
 
 * **Block sizes** -- :func:`parse_block_args` / :func:`check_block`: powers of
   two between :data:`BLOCK_MIN` and :data:`BLOCK_MAX` (or 0 where allowed).
-* **Chunking** -- codecs walk the tensor in chunks of :data:`CHUNK` values
-  (:func:`chunks`) with reused scratch (:func:`scratch`): a few MB that stay in
-  the last-level cache, instead of tensor-sized temporaries whose page faults
-  alone cost as much as a clone. Each chunk gets a fixed number of vectorized
-  torch/numpy operations -- never a Python loop over elements.
+* **Chunking** -- on a CPU, codecs walk the tensor in chunks of :data:`CHUNK`
+  values (:func:`chunks`) with reused scratch (:func:`scratch`): a few MB that
+  stay in the last-level cache, instead of tensor-sized temporaries whose page
+  faults alone cost as much as a clone. Each chunk gets a fixed number of
+  vectorized torch/numpy operations -- never a Python loop over elements.
   :func:`blockwise` applies ``op(value, its block's scale)`` to one chunk.
+* **Devices** -- an encoder works where its input is. On a GPU (:func:`whole`)
+  the tensor is one chunk (kernel launches, not the cache, set the pace there),
+  the codes are written into a buffer beside it (:func:`staging`), and only the
+  encoded bytes cross to the host (:func:`land`). The bytes are the same as on
+  the host for every deterministic codec: the same IEEE divisions, roundings and
+  casts, on the same values; decoders look up the same table entries there.
+  Tests run this path on a CPU (:data:`.codecs.DEVICE_PATH_ON_CPU`).
 * **Encoding** -- :func:`block_absmax` (which also rejects non-finite input),
   :func:`safe` divisors, and :class:`Dither`, the noise for stochastic rounding.
 * **Decoding** -- :func:`read_f32` and :func:`_check_scales` read and vet the
@@ -42,14 +49,15 @@ import math
 import os
 import re
 import threading
+import warnings
 from collections.abc import Callable, Iterator
 from typing import Final
 
 import numpy as np
 import torch
 
-from .bits import packed_size, padding_bits_clear
-from .codecs import Codec, byte_view, expect_size
+from .bits import packed_size, padding_bits_clear, unpack_codes
+from .codecs import Codec, byte_view, expect_size, whole
 from .errors import PayloadRejected, Reason
 
 __all__ = ["CHUNK", "BLOCK_MIN", "BLOCK_MAX", "FLT_MAX", "BlockScaledCodec"]
@@ -63,6 +71,7 @@ BLOCK_MAX: Final[int] = 65536
 FLT_MAX: Final[float] = float(np.finfo(np.float32).max)
 
 F32: Final[str] = "<f4"
+
 
 
 def scale_limit(top: float) -> float:
@@ -126,14 +135,32 @@ def check_block(stage: str, block: int, *, per_tensor_ok: bool = False) -> int:
 # --------------------------------------------------------------------------- chunking
 
 
-def chunks(n: int) -> Iterator[tuple[int, int]]:
-    for start in range(0, n, CHUNK):
-        yield start, min(n, start + CHUNK)
+def chunks(n: int, device: torch.device | None = None) -> Iterator[tuple[int, int]]:
+    """``(start, stop)`` of each chunk of an ``n``-value tensor on ``device`` (the host when None)."""
+    step = max(n, 1) if device is not None and whole(device) else CHUNK
+    for start in range(0, n, step):
+        yield start, min(n, start + step)
 
 
-def scratch(n: int, dtype: torch.dtype) -> torch.Tensor:
-    """Uninitialised scratch for one chunk of an ``n``-value tensor."""
+def scratch(n: int, dtype: torch.dtype, device: torch.device | None = None) -> torch.Tensor:
+    """Uninitialised scratch for one chunk of an ``n``-value tensor on ``device`` (the host when None)."""
+    if device is not None and whole(device):
+        return torch.empty(n, dtype=dtype, device=device)
     return torch.empty(min(n, CHUNK), dtype=dtype)
+
+
+def staging(body: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Where an encoder on ``device`` writes the codes that belong in ``body`` (host memory): ``body`` itself, or
+    on a GPU a buffer of the same size beside the input, copied into ``body`` by :func:`land`."""
+    if not whole(device):
+        return body
+    return torch.empty(body.numel(), dtype=body.dtype, device=device)
+
+
+def land(body: torch.Tensor, staged: torch.Tensor) -> None:
+    """Copy staged codes into ``body``: the only bytes that cross from a GPU to the host."""
+    if staged is not body:
+        body.copy_(staged)
 
 
 def blockwise(op: Callable[..., torch.Tensor], src: torch.Tensor, scales: torch.Tensor, block: int,
@@ -152,11 +179,25 @@ def blockwise(op: Callable[..., torch.Tensor], src: torch.Tensor, scales: torch.
 
 
 def block_absmax(x: torch.Tensor, block: int) -> np.ndarray:
-    """fp32 ``max |x|`` of each block of ``block`` values (the last may be partial).
+    """fp32 ``max |x|`` of each block of ``block`` values (the last may be partial), in host memory.
 
     NaN and inf propagate, so one look at the (small) result checks the whole
-    input for finiteness. ``-0.0`` is canonicalised to ``+0.0``.
+    input for finiteness. ``-0.0`` is canonicalised to ``+0.0``. A GPU tensor's
+    blocks are reduced there; only the maxima cross to the host.
     """
+    if whole(x.device):
+        full = x.numel() // block
+        parts = []
+        if full:
+            low, high = torch.aminmax(x[: full * block].view(full, block), dim=1)
+            parts.append(torch.maximum(high, low.neg()))
+        if x.numel() > full * block:
+            low, high = torch.aminmax(x[full * block :])
+            parts.append(torch.maximum(high, low.neg()).view(1))
+        absmax = torch.cat(parts).abs().cpu().numpy()
+        if not np.isfinite(absmax).all():
+            raise ValueError("cannot quantize non-finite values (NaN or inf in the input)")
+        return np.asarray(absmax, dtype=np.float32)
     a = x.numpy()
     full = a.size // block
     parts = []
@@ -172,9 +213,11 @@ def block_absmax(x: torch.Tensor, block: int) -> np.ndarray:
     return np.asarray(absmax, dtype=np.float32)
 
 
-def safe(scales: np.ndarray) -> torch.Tensor:
-    """Scales to divide by: a zero scale (all-zero block) becomes 1 (its codes are 0)."""
-    return torch.from_numpy(np.where(scales > 0, scales, np.float32(1.0)).astype(np.float32))
+def safe(scales: np.ndarray, device: torch.device | None = None) -> torch.Tensor:
+    """Scales to divide by, on ``device`` (the host when None): a zero scale (all-zero block) becomes 1 (its codes
+    are 0)."""
+    divisors = torch.from_numpy(np.where(scales > 0, scales, np.float32(1.0)).astype(np.float32))
+    return divisors if device is None else divisors.to(device)
 
 
 class Dither:
@@ -182,7 +225,8 @@ class Dither:
 
     torch's CPU ``uniform_`` draws fp32 values on a 2**-24 grid, so ``P(u < p)`` is within
     2**-24 of ``p``: rounding up with that probability is unbiased to 2**-24 of a
-    quantization step. A lock makes one codec safe to share between threads.
+    quantization step. A GPU buffer is filled by a generator on its device, seeded
+    from the host's. A lock makes one codec safe to share between threads.
     """
 
     def __init__(self, seed: int | None) -> None:
@@ -192,11 +236,18 @@ class Dither:
             raise ValueError(f"seed must be an int in [0, 2**64), got {seed!r}")
         self._generator = torch.Generator()
         self._generator.manual_seed(seed)
+        self._on_devices: dict[torch.device, torch.Generator] = {}
         self._lock = threading.Lock()
 
     def fill(self, buffer: torch.Tensor) -> torch.Tensor:
         with self._lock:
-            return buffer.uniform_(0.0, 1.0, generator=self._generator)
+            generator = self._generator
+            if buffer.device.type != "cpu":
+                generator = self._on_devices.get(buffer.device)  # type: ignore[assignment]
+                if generator is None:
+                    generator = self._on_devices[buffer.device] = torch.Generator(buffer.device)
+                    generator.manual_seed(int(torch.randint(1 << 62, (1,), generator=self._generator)))
+            return buffer.uniform_(0.0, 1.0, generator=generator)
 
 
 
@@ -247,15 +298,28 @@ def take_bytes(table: np.ndarray, packed: np.ndarray, out: np.ndarray) -> None:
         out[full * per_byte :] = table[packed[full], : out.size - full * per_byte]
 
 
+def wire_bytes(view: memoryview, offset: int, count: int, device: torch.device) -> torch.Tensor:
+    """``count`` bytes of ``view`` at ``offset`` as a new uint8 tensor on ``device`` (only these bytes cross)."""
+    with warnings.catch_warnings():  # the payload is read-only; the tensor is only read, then copied
+        warnings.simplefilter("ignore", UserWarning)
+        host = torch.frombuffer(view, dtype=torch.uint8, count=count, offset=offset) if count else \
+            torch.empty(0, dtype=torch.uint8)
+    return host.to(device, copy=True)
+
+
 def decode_table(codec: Codec, view: memoryview, numel: int, head: int, bits: int, table: np.ndarray,
-                  scales: torch.Tensor | None, block: int, reason: Reason, what: str) -> torch.Tensor:
+                  scales: torch.Tensor | None, block: int, reason: Reason, what: str,
+                  device: torch.device | None = None) -> torch.Tensor:
     """Decode ``numel`` packed codes after ``head`` header bytes: a byte-table look-up,
     then (when ``scales`` is given) one fp32 multiply by each value's block scale.
 
     Table entries that must never be received are NaN; one ``aminmax`` over the
     result then rejects them with ``reason`` (finite entries times checked scales
-    cannot overflow).
+    cannot overflow). On a GPU (``device``) the packed codes cross to it and are
+    looked up there: the same table entries times the same scales, the same bits.
     """
+    if device is not None and whole(device):
+        return _decode_table_on(device, codec, view, numel, head, bits, table, scales, block, reason, what)
     out = np.empty(numel, dtype=np.float32)
     result = torch.from_numpy(out)
     for start, stop in chunks(numel):
@@ -267,6 +331,21 @@ def decode_table(codec: Codec, view: memoryview, numel: int, head: int, bits: in
     return result
 
 
+def _decode_table_on(device: torch.device, codec: Codec, view: memoryview, numel: int, head: int, bits: int,
+                     table: np.ndarray, scales: torch.Tensor | None, block: int, reason: Reason,
+                     what: str) -> torch.Tensor:
+    """`decode_table` on ``device``: the codes unpacked there, each looked up in the per-code table (column 0 of
+    the byte table's first ``2**bits`` rows: byte ``b < 2**bits`` holds code ``b`` first)."""
+    packed = wire_bytes(view, head, packed_size(numel, bits), device)
+    codes = packed if bits == 8 else unpack_codes(packed, bits, numel)
+    values = torch.from_numpy(np.ascontiguousarray(table[: 1 << bits, 0])).to(device)
+    result = values[codes.long()]
+    if scales is not None:
+        blockwise(torch.mul, result, scales.to(device), block, result)
+    require_finite_output(codec, result, reason, what)
+    return result
+
+
 def require_finite_output(codec: Codec, out: torch.Tensor, reason: Reason, what: str) -> None:
     if out.numel():
         low, high = torch.aminmax(out)  # NaN propagates; one pass, no allocation
@@ -274,8 +353,8 @@ def require_finite_output(codec: Codec, out: torch.Tensor, reason: Reason, what:
             raise PayloadRejected(reason, f"{codec.name}: {what}")
 
 
-def empty() -> torch.Tensor:
-    return torch.empty(0, dtype=torch.float32)
+def empty(device: torch.device | None = None) -> torch.Tensor:
+    return torch.empty(0, dtype=torch.float32, device=device)
 
 
 
@@ -322,25 +401,26 @@ class BlockScaledCodec(Codec):
         out[:head].view(F32)[:] = scales
         return out, torch.from_numpy(out[head:])
 
-    def _chunk_scales(self, scales: np.ndarray, numel: int) -> tuple[int, torch.Tensor]:
+    def _chunk_scales(self, scales: torch.Tensor, numel: int) -> tuple[int, torch.Tensor]:
         """(block, per-block scales) to use chunk by chunk; a per-tensor scale is
         repeated over virtual blocks of CHUNK values."""
-        table = torch.from_numpy(scales)
         if self.block:
-            return self.block, table
-        return CHUNK, table.expand(-(-numel // CHUNK))
+            return self.block, scales
+        return CHUNK, scales.expand(-(-numel // CHUNK))
 
-    def decode(self, payload: bytes | bytearray | memoryview, numel: int) -> torch.Tensor:
+    def decode(self, payload: bytes | bytearray | memoryview, numel: int,
+               device: torch.device | None = None) -> torch.Tensor:
         view = byte_view(payload)
         expect_size(self, view, numel)
         if numel == 0:
-            return empty()
+            return empty(device)
         scales = read_f32(view, 0, self._blocks(numel))
         _check_scales(self, scales, self._max_scale)
         if self.bits < 8:
             check_padding(self, view, self.bits, numel)
-        return self._decode_codes(view, numel, scales)
+        return self._decode_codes(view, numel, scales, device)
 
     @abc.abstractmethod
-    def _decode_codes(self, view: memoryview, numel: int, scales: np.ndarray) -> torch.Tensor:
-        """Decode the codes that follow the (checked) ``scales`` in ``view``."""
+    def _decode_codes(self, view: memoryview, numel: int, scales: np.ndarray,
+                      device: torch.device | None) -> torch.Tensor:
+        """Decode the codes that follow the (checked) ``scales`` in ``view``, on ``device`` (the host when None)."""

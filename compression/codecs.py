@@ -55,6 +55,15 @@ FP16_MAX: Final[float] = 65504.0
 
 _CANONICAL_NAN: Final[np.float32] = np.frombuffer(b"\x00\x00\xc0\x7f", dtype="<f4")[0]
 
+DEVICE_PATH_ON_CPU: bool = False
+"""Treat the CPU as a GPU is treated (tests, where no GPU is): see :func:`whole`."""
+
+
+def whole(device: torch.device) -> bool:
+    """Whether a codec on ``device`` works as on a GPU: an encoder takes the whole tensor in one step and stages its
+    codes there, a decoder moves the payload's bytes there and turns them into values there."""
+    return device.type != "cpu" or DEVICE_PATH_ON_CPU
+
 
 class Codec(abc.ABC):
     """A lossless or lossy mapping between fp32 tensors and wire bytes."""
@@ -73,8 +82,10 @@ class Codec(abc.ABC):
         """Encode a 1-D fp32 tensor. Raises ``TypeError``/``ValueError`` on misuse."""
 
     @abc.abstractmethod
-    def decode(self, payload: bytes | bytearray | memoryview, numel: int) -> torch.Tensor:
-        """Decode into a new 1-D fp32 tensor of length ``numel``.
+    def decode(self, payload: bytes | bytearray | memoryview, numel: int,
+               device: torch.device | None = None) -> torch.Tensor:
+        """Decode into a new 1-D fp32 tensor of length ``numel`` on ``device`` (host memory when None: on a GPU
+        only the payload's bytes cross to it, and the values are the same bits).
 
         Raises :class:`PayloadRejected` (``WRONG_SIZE``) if ``payload`` is not
         exactly ``encoded_size(numel)`` bytes long; never raises anything else
@@ -96,9 +107,10 @@ def check_vector(t: torch.Tensor) -> None:
 
 
 def check_input(t: torch.Tensor) -> torch.Tensor:
-    """Validate an encode() argument and return it detached, on CPU, contiguous."""
+    """Validate an encode() argument and return it detached and contiguous, on its device: a codec encodes where
+    the tensor is and copies only the encoded bytes to the host."""
     check_vector(t)
-    return t.detach().cpu().contiguous()
+    return t.detach().contiguous()
 
 
 def byte_view(payload: bytes | bytearray | memoryview) -> memoryview:
@@ -137,15 +149,16 @@ class Fp32Codec(FixedWidthCodec):
     bits_per_value = 32.0
 
     def encode(self, t: torch.Tensor) -> bytes:
-        array = check_input(t).numpy()
+        array = check_input(t).cpu().numpy()
         return array.astype("<f4", copy=False).tobytes()
 
-    def decode(self, payload: bytes | bytearray | memoryview, numel: int) -> torch.Tensor:
+    def decode(self, payload: bytes | bytearray | memoryview, numel: int,
+               device: torch.device | None = None) -> torch.Tensor:
         view = byte_view(payload)
         expect_size(self, view, numel)
         wire = np.frombuffer(view, dtype="<f4", count=numel)
         native = wire.astype(np.float32, copy=True)  # copy: never alias the payload
-        return torch.from_numpy(native)
+        return torch.from_numpy(native) if device is None else torch.from_numpy(native).to(device)
 
 
 class Fp16Codec(FixedWidthCodec):
@@ -158,12 +171,17 @@ class Fp16Codec(FixedWidthCodec):
         source = check_input(t)
         clamped = source.clamp(-FP16_MAX, FP16_MAX)
         clamped = torch.where(torch.isinf(source), source, clamped)  # keep +-inf visible
-        array = clamped.to(torch.float16).numpy()
+        array = clamped.to(torch.float16).cpu().numpy()
         return array.astype("<f2", copy=False).tobytes()
 
-    def decode(self, payload: bytes | bytearray | memoryview, numel: int) -> torch.Tensor:
+    def decode(self, payload: bytes | bytearray | memoryview, numel: int,
+               device: torch.device | None = None) -> torch.Tensor:
         view = byte_view(payload)
         expect_size(self, view, numel)
+        if device is not None and whole(device):  # the halves cross, and widen there
+            half = np.frombuffer(view, dtype="<f2", count=numel).astype(np.float16, copy=True)
+            wide = torch.from_numpy(half).to(device).float()
+            return torch.where(torch.isnan(wide), torch.tensor(float(_CANONICAL_NAN), device=device), wide)
         wire = np.frombuffer(view, dtype="<f2", count=numel)
         native = wire.astype(np.float32)  # exact for every non-NaN half; a new array
         nan_mask = np.isnan(native)

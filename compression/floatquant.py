@@ -22,7 +22,7 @@ from typing import Final
 import numpy as np
 import torch
 
-from .bits import pack_bits_tensor
+from .bits import pack_codes
 from .blockscale import (
     FLT_MAX,
     BlockScaledCodec,
@@ -33,13 +33,16 @@ from .blockscale import (
     check_block,
     chunks,
     decode_table,
+    land,
     parse_block_args,
     require_finite_output,
     safe,
     scale_limit,
     scratch,
+    staging,
+    wire_bytes,
 )
-from .codecs import FixedWidthCodec, byte_view, check_input, expect_size
+from .codecs import FixedWidthCodec, byte_view, check_input, expect_size, whole
 from .errors import Reason
 
 __all__ = ["BF16_MAX", "FP8_MAX", "Bf16Codec", "Fp8Codec", "E3M0Codec"]
@@ -79,12 +82,19 @@ class Bf16Codec(FixedWidthCodec):
             raise ValueError("cannot quantize non-finite values (NaN or inf in the input)")
         if max(-low_f, high_f) > BF16_MAX:
             x = x.clamp(-BF16_MAX, BF16_MAX)
-        half = x.to(torch.bfloat16).view(torch.int16).numpy()
+        half = x.to(torch.bfloat16).view(torch.int16).cpu().numpy()
         return half.astype("<i2", copy=False).tobytes()
 
-    def decode(self, payload: bytes | bytearray | memoryview, numel: int) -> torch.Tensor:
+    def decode(self, payload: bytes | bytearray | memoryview, numel: int,
+               device: torch.device | None = None) -> torch.Tensor:
         view = byte_view(payload)
         expect_size(self, view, numel)
+        if device is not None and whole(device):  # each word becomes the high half of an fp32: a copy of bytes
+            quads = torch.zeros(numel, 4, dtype=torch.uint8, device=device)
+            quads[:, 2:] = wire_bytes(view, 0, 2 * numel, device).view(numel, 2)
+            values = quads.view(torch.float32).view(numel)
+            require_finite_output(self, values, Reason.NON_FINITE, "inf or NaN value")
+            return values
         words = np.frombuffer(view, dtype="<u2", count=numel)
         wide = np.empty(numel, dtype=np.uint32)
         np.left_shift(words, np.uint32(16), out=wide, dtype=np.uint32)
@@ -144,19 +154,22 @@ class Fp8Codec(BlockScaledCodec):
         if n == 0:
             return b""
         scales = self._clamped_scales(x, FP8_MAX)
-        divisors = safe(scales)
+        divisors = safe(scales, x.device)
         out, body = self._new_payload(scales, n)
-        work = scratch(n, torch.float32)
-        for start, stop in chunks(n):
+        codes = staging(body, x.device)
+        work = scratch(n, torch.float32, x.device)
+        for start, stop in chunks(n, x.device):
             v = work[: stop - start]
             blockwise(torch.div, x[start:stop], divisors[start // self.block :], self.block, v)
             v.clamp_(-FP8_MAX, FP8_MAX)
-            body[start:stop].copy_(v.to(torch.float8_e4m3fn).view(torch.uint8))
+            codes[start:stop].copy_(v.to(torch.float8_e4m3fn).view(torch.uint8))
+        land(body, codes)
         return out.tobytes()
 
-    def _decode_codes(self, view: memoryview, numel: int, scales: np.ndarray) -> torch.Tensor:
+    def _decode_codes(self, view: memoryview, numel: int, scales: np.ndarray,
+                      device: torch.device | None) -> torch.Tensor:
         return decode_table(self, view, numel, 4 * scales.size, 8, _FP8_TABLE, torch.from_numpy(scales),
-                             self.block, Reason.NON_FINITE, "e4m3 NaN code")
+                             self.block, Reason.NON_FINITE, "e4m3 NaN code", device)
 
 
 # --------------------------------------------------------------------------- e3m0 (FP4)
@@ -215,15 +228,16 @@ class E3M0Codec(BlockScaledCodec):
         if n == 0:
             return b""
         scales = block_absmax(x, self.block or n)
-        block, divisors = self._chunk_scales(safe(scales).numpy(), n)
+        block, divisors = self._chunk_scales(safe(scales, x.device), n)
         out, body = self._new_payload(scales, n)
-        ratio = scratch(n, torch.float32)
-        exponent = scratch(n, torch.int32)
-        flag = scratch(n, torch.bool)
+        codes = staging(body, x.device)
+        ratio = scratch(n, torch.float32, x.device)
+        exponent = scratch(n, torch.int32, x.device)
+        flag = scratch(n, torch.bool, x.device)
         if self._dither is not None:
-            low = scratch(n, torch.float32)
-            noise = scratch(n, torch.float32)
-        for start, stop in chunks(n):
+            low = scratch(n, torch.float32, x.device)
+            noise = scratch(n, torch.float32, x.device)
+        for start, stop in chunks(n, x.device):
             m = stop - start
             xc = x[start:stop]
             r = torch.abs(xc, out=ratio[:m])
@@ -245,15 +259,17 @@ class E3M0Codec(BlockScaledCodec):
                 k.add_(torch.lt(self._dither.fill(noise[:m]), r, out=flag[:m]))
             negative = torch.lt(xc, 0, out=flag[:m]).logical_and_(k > 0)
             k.add_(negative, alpha=8)
-            packed = pack_bits_tensor(k.to(torch.uint8), 4)
+            packed = pack_codes(k.to(torch.uint8), 4)
             first = start // 2
-            body[first : first + packed.numel()].copy_(packed)
+            codes[first : first + packed.numel()].copy_(packed)
+        land(body, codes)
         return out.tobytes()
 
-    def _decode_codes(self, view: memoryview, numel: int, scales: np.ndarray) -> torch.Tensor:
+    def _decode_codes(self, view: memoryview, numel: int, scales: np.ndarray,
+                      device: torch.device | None) -> torch.Tensor:
         table = byte_table(_E3M0_UNIT, 4)
         multipliers: torch.Tensor | None = torch.from_numpy(scales)
         if self.block == 0:  # fold the one scale into the table: the same fp32 products
             table, multipliers = table * scales[0], None
         return decode_table(self, view, numel, 4 * scales.size, 4, table, multipliers, self.block,
-                             Reason.BAD_DTYPE, "reserved code 0b1000 (negative zero)")
+                             Reason.BAD_DTYPE, "reserved code 0b1000 (negative zero)", device)

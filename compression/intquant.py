@@ -27,7 +27,7 @@ import math
 import numpy as np
 import torch
 
-from .bits import pack_bits_tensor, packed_size
+from .bits import pack_codes, packed_size
 from .blockscale import (
     F32,
     FLT_MAX,
@@ -40,15 +40,17 @@ from .blockscale import (
     chunks,
     decode_table,
     empty,
+    land,
     packed_chunk,
     parse_block_args,
     read_f32,
     safe,
     scale_limit,
     scratch,
+    staging,
     take_bytes,
 )
-from .codecs import Codec, byte_view, check_input, expect_size
+from .codecs import Codec, byte_view, check_input, expect_size, whole
 from .errors import PayloadRejected, Reason
 
 __all__ = ["BlockQuantCodec", "StatCodec"]
@@ -110,16 +112,17 @@ class BlockQuantCodec(BlockScaledCodec):
         if n == 0:
             return b""
         scales = self._clamped_scales(x, self.qmax)
-        divisors = safe(scales)
+        divisors = safe(scales, x.device)
         out, body = self._new_payload(scales, n)
-        work = scratch(n, torch.float32)
-        codes = scratch(n, torch.int8)
+        staged = staging(body, x.device)
+        work = scratch(n, torch.float32, x.device)
+        codes = scratch(n, torch.int8, x.device)
         if self._dither is not None:
             floor = torch.empty_like(work)
             noise = torch.empty_like(work)
-            up = torch.empty(work.numel(), dtype=torch.bool)
+            up = torch.empty(work.numel(), dtype=torch.bool, device=x.device)
         mask = (1 << self.bits) - 1
-        for start, stop in chunks(n):
+        for start, stop in chunks(n, x.device):
             m = stop - start
             v = work[:m]
             blockwise(torch.div, x[start:stop], divisors[start // self.block :], self.block, v)
@@ -135,16 +138,18 @@ class BlockQuantCodec(BlockScaledCodec):
             c.copy_(v)
             first = start * self.bits // 8
             if self.bits == 8:
-                body[start:stop].copy_(c.view(torch.uint8))
+                staged[start:stop].copy_(c.view(torch.uint8))
             else:
-                packed = pack_bits_tensor(c.view(torch.uint8) & mask, self.bits)
-                body[first : first + packed.numel()].copy_(packed)
+                packed = pack_codes(c.view(torch.uint8) & mask, self.bits)
+                staged[first : first + packed.numel()].copy_(packed)
+        land(body, staged)
         return out.tobytes()
 
-    def _decode_codes(self, view: memoryview, numel: int, scales: np.ndarray) -> torch.Tensor:
+    def _decode_codes(self, view: memoryview, numel: int, scales: np.ndarray,
+                      device: torch.device | None) -> torch.Tensor:
         # The spare code is NaN in the table; valid codes times a checked scale are finite.
         return decode_table(self, view, numel, 4 * scales.size, self.bits, self._table, torch.from_numpy(scales),
-                             self.block, Reason.BAD_DTYPE, f"spare code {-self.qmax - 1}")
+                             self.block, Reason.BAD_DTYPE, f"spare code {-self.qmax - 1}", device)
 
 
 # --------------------------------------------------------------------------- statistical codebook
@@ -204,9 +209,9 @@ class StatCodec(Codec):
         """Mean and sample standard deviation in float64, one chunked pass
         (Chan et al.'s pairwise update), overflow-free for any finite fp32 input."""
         n = x.numel()
-        work = scratch(n, torch.float64)
+        work = scratch(n, torch.float64, x.device)
         count, mean, m2 = 0, 0.0, 0.0
-        for start, stop in chunks(n):
+        for start, stop in chunks(n, x.device):
             m = stop - start
             d = work[:m]
             d.copy_(x[start:stop])
@@ -235,15 +240,16 @@ class StatCodec(Codec):
         # gives the largest one, and x - mean == 0 then still lands in the centre bin.
         inv_width = min(FLT_MAX, max(2.0**-126, 1.0 / width)) if width > 0 else FLT_MAX
         mean32 = float(np.float32(mean))
-        counts = torch.zeros(self.levels, dtype=torch.int64)
-        sums = torch.zeros(self.levels, dtype=torch.float64)
+        counts = torch.zeros(self.levels, dtype=torch.int64, device=x.device)
+        sums = torch.zeros(self.levels, dtype=torch.float64, device=x.device)
         head = 4 * self.levels
         out = np.empty(self.encoded_size(n), dtype=np.uint8)
         body = torch.from_numpy(out[head:])
-        work = scratch(n, torch.float32)
-        wide = scratch(n, torch.float64)
-        codes = scratch(n, torch.uint8)
-        for start, stop in chunks(n):
+        staged = staging(body, x.device)
+        work = scratch(n, torch.float32, x.device)
+        wide = scratch(n, torch.float64, x.device)
+        codes = scratch(n, torch.uint8, x.device)
+        for start, stop in chunks(n, x.device):
             m = stop - start
             xc = x[start:stop]
             v = torch.sub(xc, mean32, out=work[:m])
@@ -252,24 +258,30 @@ class StatCodec(Codec):
             c.copy_(v)
             counts += torch.bincount(c, minlength=self.levels)
             sums += torch.bincount(c, weights=wide[:m].copy_(xc), minlength=self.levels)
-            packed = pack_bits_tensor(c, self.bits)
+            packed = pack_codes(c, self.bits)
             first = start * self.bits // 8
-            body[first : first + packed.numel()].copy_(packed)
+            staged[first : first + packed.numel()].copy_(packed)
+        land(body, staged)
         centres = mean + (np.arange(self.levels) - half) * width
-        centroids = np.where(counts.numpy() > 0, sums.numpy() / np.maximum(counts.numpy(), 1), centres)
+        counts_, sums_ = counts.cpu().numpy(), sums.cpu().numpy()
+        centroids = np.where(counts_ > 0, sums_ / np.maximum(counts_, 1), centres)
         out[:head].view(F32)[:] = np.clip(centroids, -FLT_MAX, FLT_MAX).astype(np.float32)
         return out.tobytes()
 
-    def decode(self, payload: bytes | bytearray | memoryview, numel: int) -> torch.Tensor:
+    def decode(self, payload: bytes | bytearray | memoryview, numel: int,
+               device: torch.device | None = None) -> torch.Tensor:
         view = byte_view(payload)
         expect_size(self, view, numel)
         if numel == 0:
-            return empty()
+            return empty(device)
         table = read_f32(view, 0, self.levels)
         if not np.isfinite(table).all():
             raise PayloadRejected(Reason.NON_FINITE, f"{self.name}: non-finite centroid")
         check_padding(self, view, self.bits, numel)
         by_byte = byte_table(table, self.bits)
+        if device is not None and whole(device):
+            return decode_table(self, view, numel, 4 * self.levels, self.bits, by_byte, None, 0, Reason.NON_FINITE,
+                                "non-finite centroid", device)
         out = np.empty(numel, dtype=np.float32)
         for start, stop in chunks(numel):
             take_bytes(by_byte, packed_chunk(view, 4 * self.levels, self.bits, start, stop), out[start:stop])

@@ -56,8 +56,8 @@ class Decoded:
     def dense(self, numel: int) -> torch.Tensor:
         if self.indices is None:
             return self.values
-        out = torch.zeros(numel, dtype=torch.float32)
-        out[self.indices] = self.values
+        out = torch.zeros(numel, dtype=torch.float32, device=self.values.device)
+        out[self.indices.to(out.device)] = self.values
         return out
 
 
@@ -194,25 +194,25 @@ class Pipeline:
     # ---------------------------------------------------------------------- encode
 
     def encode(self, t: torch.Tensor) -> bytes:
-        """The wire bytes of `t` (any device and float dtype). The value codecs work on host memory: a dense
-        pipeline copies a GPU tensor to the host whole; a sparse one selects on the tensor's device, so that only
-        the kept values (and top-k's indices) cross to the host. The bytes are the same on every device: top-k's
-        selection is exact, rand-k's indices come from its seed."""
+        """The wire bytes of `t` (any device and float dtype). Everything is computed where `t` is: on a GPU the
+        selection and the value codec run there, and only the encoded bytes (and top-k's indices, which the index
+        code packs on the host) cross to the host. The bytes are the same on every device for every deterministic
+        codec: top-k's selection is exact, rand-k's indices come from its seed, the value codecs do the same IEEE
+        arithmetic (`s4`/`s2` sum their statistics in another order, so their bins may differ in the last bit)."""
         t = t.detach().reshape(-1).to(torch.float32)
         if self.spec.sparsifier == "topk":
             assert self.spec.chunk is not None and self.index is not None
             idx = topk_select(t, self.spec.chunk)
-            kept = t[idx].cpu().contiguous()
-            idx = idx.cpu()
-            index_bytes = self.index.encode(idx, t.numel(), self.spec.chunk)
+            kept = t[idx].contiguous()
+            index_bytes = self.index.encode(idx.cpu(), t.numel(), self.spec.chunk)
             raw = _U32.pack(len(index_bytes)) + index_bytes + self.value.encode(kept)
         elif self.spec.sparsifier is None:
-            raw = self.value.encode(t.cpu().contiguous())
+            raw = self.value.encode(t.contiguous())
         else:
             assert self.spec.chunk is not None
             seed = int.from_bytes(os.urandom(8), "little") >> 1  # torch seeds must fit in int64
             idx = randk_select(t.numel(), self.spec.chunk, seed)
-            raw = _U64.pack(seed) + self.value.encode(t[idx.to(t.device)].cpu().contiguous())
+            raw = _U64.pack(seed) + self.value.encode(t[idx.to(t.device)].contiguous())
         return self._zc.compress(raw) if self._zc is not None else raw
 
     # ---------------------------------------------------------------------- decode
@@ -224,12 +224,14 @@ class Pipeline:
         kept = self.spec.chunk.kept(numel)
         return 8 + 4 * kept + 64 * (numel // max(1, self.spec.chunk.chunk) + 1) + self.value.encoded_size(kept)
 
-    def decode(self, payload: bytes | memoryview, numel: int) -> Decoded:
+    def decode(self, payload: bytes | memoryview, numel: int, device: torch.device | None = None) -> Decoded:
+        """The values (and indices) of `payload`, on `device` (host memory when None: on a GPU, the value codec's
+        bytes cross to it and decode there; sparse indices decode on the host and cross as they are)."""
         raw = memoryview(payload)
         if self.spec.zstd:
             raw = memoryview(_decompress(raw, self.max_raw_size(numel)))
         if self.spec.sparsifier is None:
-            return Decoded(None, self.value.decode(raw, numel))
+            return Decoded(None, self.value.decode(raw, numel, device))
         assert self.spec.chunk is not None
         kept = self.spec.chunk.kept(numel)
         if self.spec.sparsifier == "topk":
@@ -240,7 +242,7 @@ class Pipeline:
             if n > raw.nbytes - 4:
                 raise PayloadRejected(Reason.TRUNCATED, f"index section of {n} bytes, {raw.nbytes - 4} present")
             idx = self.index.decode(raw[4 : 4 + n], numel, self.spec.chunk)
-            values = self.value.decode(raw[4 + n :], kept)
+            values = self.value.decode(raw[4 + n :], kept, device)
         else:
             if raw.nbytes < 8:
                 raise PayloadRejected(Reason.TRUNCATED, "randk payload shorter than its seed")
@@ -248,8 +250,8 @@ class Pipeline:
             if seed >= 1 << 63:
                 raise PayloadRejected(Reason.BAD_HEADER, "randk seed out of range")
             idx = randk_select(numel, self.spec.chunk, seed)
-            values = self.value.decode(raw[8:], kept)
-        return Decoded(idx, values)
+            values = self.value.decode(raw[8:], kept, device)
+        return Decoded(idx if device is None else idx.to(device), values)
 
 
 def _decompress(data: memoryview, limit: int) -> bytes:

@@ -320,7 +320,8 @@ class RoundEngine:
         if self.local_pipeline.spec.text == "fp32":
             return acc, 4 * acc.numel()
         payload = self.local_pipeline.encode(acc)
-        return self.local_pipeline.decode(payload, acc.numel()).dense(acc.numel()), len(payload)
+        onto = acc.device if acc.device.type != "cpu" else None  # θ on a GPU: the bytes decode there
+        return self.local_pipeline.decode(payload, acc.numel(), onto).dense(acc.numel()), len(payload)
 
     def _exchange(self, frag: Fragment, delta: torch.Tensor | list[torch.Tensor] | Handoff,
                   ) -> concurrent.futures.Future[RoundOutcome]:

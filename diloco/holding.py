@@ -25,7 +25,7 @@ import copy
 import os
 import threading
 from contextlib import contextmanager
-from typing import Callable, Collection, Iterator, Sequence
+from typing import Any, Callable, Collection, Iterator, Sequence
 
 import torch
 
@@ -99,6 +99,8 @@ class Holding:
         self._hasher: threading.Thread | None = None
         self._readers: list[threading.Thread] = []
         """Other work that reads the state in place beside training (`beside`: a periodic checkpoint)."""
+        self._side_stream: torch.cuda.Stream | None = None
+        """Where that work's copies of a state on a GPU run (`_off_the_stream`)."""
         self._later: Later
         with self.lock:
             self.changed()
@@ -167,8 +169,25 @@ class Holding:
         if not self._background:
             self._hashed(state, self._hash_of(state, previous, touched))
             return
-        self._hasher = threading.Thread(target=self._hash, args=(state, previous, touched), name="diloco-digest")
+        self._hasher = threading.Thread(target=self._off_the_stream(self._hash), args=(state, previous, touched),
+                                        name="diloco-digest")
         self._hasher.start()
+
+    def _off_the_stream(self, work: Callable[..., None]) -> Callable[..., None]:
+        """`work` (reading the state beside training) as a thread runs it: for a state on a GPU, its copies to the
+        host go on a stream of their own, after the work the training thread has queued so far (the change they
+        read), instead of between the training's kernels on the stream they share; call from the training thread."""
+        if self.device.type != "cuda":
+            return work
+        if self._side_stream is None:
+            self._side_stream = torch.cuda.Stream(self.device)  # type: ignore[no-untyped-call]
+        stream = self._side_stream
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+
+        def run(*args: Any) -> None:
+            with torch.cuda.stream(stream):
+                work(*args)
+        return run
 
     def _incremental(self) -> bool:
         """Whether a change of some parameters leaves the others' bytes alone: our own hashing, and an outer
@@ -212,7 +231,7 @@ class Holding:
         """Run `work` on a thread of its own, reading the state in place (a checkpoint written beside training): the
         next change of the state waits for it, as for the hash (call from the training thread)."""
         self._readers = [t for t in self._readers if t.is_alive()]
-        reader = threading.Thread(target=work, name=name)
+        reader = threading.Thread(target=self._off_the_stream(work), name=name)
         self._readers.append(reader)
         reader.start()
 

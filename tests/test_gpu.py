@@ -149,6 +149,26 @@ def test_global_device_cuda_keeps_theta_on_the_gpu_and_steps_it_to_the_same_bits
     assert states["cpu"][1] == states["cuda"][1]
 
 
+def test_a_state_on_the_gpu_is_hashed_beside_training_after_the_outer_step_it_follows():
+    """The digest's copies of θ go on a stream of their own: they must wait for the outer step queued before them
+    (else the hash could read θ half stepped), round after round."""
+    digests = {}
+    for where in ("cpu", "cuda"):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(1024, 2048), torch.nn.Linear(2048, 1024)).to(CUDA)
+        opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+        seen = []
+        with DiLoCo(model, opt, swarm=None, inner_steps=2, global_device=where) as d:
+            for k in range(8):
+                model(torch.ones(4, 1024, device=CUDA)).square().mean().backward()
+                opt.step()
+                opt.zero_grad()
+                if k % 2 == 1:
+                    seen.append(d.digest)
+        digests[where] = seen
+    assert digests["cpu"] == digests["cuda"] and len(set(digests["cpu"])) == 4
+
+
 @pytest.mark.parametrize("options", [
     dict(compression="topk:64/4096+s2+ef:0.95"),
     dict(streaming=StreamingConfig(overlap=1, alpha=0.5)),
@@ -224,13 +244,20 @@ def test_an_accelerate_loop_in_bf16_on_the_gpu_with_the_wrapper():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_codecs_write_the_same_bytes_for_a_gpu_tensor_as_for_its_host_copy(monkeypatch, dtype):
+def test_codecs_write_the_same_bytes_for_a_gpu_tensor_as_for_its_host_copy_and_decode_them_there(monkeypatch, dtype):
+    """Encoded on the GPU (only the bytes cross), decoded onto the GPU: the bytes and values of the host. `s4`/`s2`
+    sum their statistics in float64 in another order there, which would change a bin or a centroid only if a sum
+    fell within its float64 rounding of an fp32 boundary."""
     monkeypatch.setattr(pipeline_module.os, "urandom", lambda n: bytes(range(1, n + 1)))  # rand-k's seed, fixed
-    x = torch.randn((1 << 20) + 123, generator=torch.Generator().manual_seed(0)).to(dtype)
+    n = (1 << 20) + 123
+    x = torch.randn(n, generator=torch.Generator().manual_seed(0)).to(dtype)
     on_gpu = x.to(CUDA)
     for spec in (*DEFAULT_SPECS, DEFAULT_PIPELINE):
         pipe = Pipeline(spec)
-        assert pipe.encode(on_gpu) == pipe.encode(x), spec
+        payload = pipe.encode(on_gpu)
+        assert payload == pipe.encode(x), spec
+        decoded = pipe.decode(payload, n, CUDA).dense(n)
+        assert decoded.device == CUDA and torch.equal(decoded.cpu(), pipe.decode(payload, n).dense(n)), spec
 
 
 def test_bench_transfer_measures_the_moves_of_a_sync_on_the_gpu_and_labels_it():

@@ -14,6 +14,7 @@ The contract under test:
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import math
@@ -26,7 +27,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from diloco.compression import Codec, PayloadRejected, Reason, blockscale
+from diloco.compression import Codec, PayloadRejected, Reason, blockscale, codecs
 from diloco.compression.bits import (
     SUPPORTED_BITS,
     pack_bits,
@@ -244,6 +245,26 @@ def test_round_trip_across_chunks(spec: str, monkeypatch: pytest.MonkeyPatch) ->
         s = np.repeat(header(c.encode(t), -(-x.size // c.block)).astype(np.float32), c.block)[: x.size]
         ref = (np.round(x / np.where(s > 0, s, np.float32(1))) * s).astype(np.float32)
         assert np.array_equal(c.decode(c.encode(t), x.size).numpy(), ref)
+
+
+@pytest.mark.parametrize("spec", SPECS)
+def test_the_device_path_writes_and_reads_the_bytes_of_the_host_path(spec: str,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    # On a GPU an encoder takes the whole tensor in one step and stages its codes beside it, and a decoder moves
+    # the bytes there and looks them up there (codecs.whole); device_path() runs that path here. Deterministic
+    # codecs must write the host path's bytes, also across several of the host's chunks with partial blocks and an
+    # odd count; stochastic ones stay within their bound; decoding gives the host's values.
+    monkeypatch.setattr(blockscale, "CHUNK", 1 << 16)
+    g = torch.Generator().manual_seed(5)
+    for size in (1, 7, 16, 1000, 3 * blockscale.CHUNK + 777):
+        t = torch.randn(size, generator=g) * torch.rand(size, generator=g)
+        host = codec(spec).encode(t)
+        with device_path() as device:
+            if ":sr" in spec:
+                check_round_trip(spec, t)
+            else:
+                assert codec(spec).encode(t) == host, (spec, size)
+            assert torch.equal(codec(spec).decode(host, size, device), codec(spec).decode(host, size))
 
 
 @pytest.mark.parametrize("spec", SPECS)
@@ -533,17 +554,35 @@ def mutate(rng: random.Random, payload: bytearray, *, keep_size: bool) -> None:
             del payload[pos : pos + rng.randint(1, 4)]
 
 
+@contextlib.contextmanager
+def device_path() -> Iterator[torch.device]:
+    """Codecs on the CPU take the path they take on a GPU (codecs.whole): yields the device to decode onto."""
+    codecs.DEVICE_PATH_ON_CPU = True
+    try:
+        yield torch.device("cpu")
+    finally:
+        codecs.DEVICE_PATH_ON_CPU = False
+
+
 def check_decode_total(c: Codec, payload: bytes, numel: int) -> None:
     """decode() returns a finite fp32 tensor of length numel, deterministically, or
-    raises PayloadRejected -- nothing else."""
+    raises PayloadRejected -- nothing else; and decoding as on a GPU gives the same
+    bits or the same rejection."""
+    with device_path() as device:
+        try:
+            on_device: torch.Tensor | Reason = c.decode(payload, numel, device)
+        except PayloadRejected as err:
+            on_device = err.reason
     try:
         out = c.decode(payload, numel)
     except PayloadRejected as err:
         assert isinstance(err.reason, Reason)
+        assert on_device == err.reason, (on_device, err.reason)
         return
     assert out.dtype == torch.float32 and out.shape == (numel,)
     assert torch.isfinite(out).all()
     assert torch.equal(c.decode(payload, numel), out)
+    assert isinstance(on_device, torch.Tensor) and torch.equal(on_device, out), on_device
 
 
 @functools.cache

@@ -16,12 +16,13 @@ steps. Without a swarm the synchronization moves nothing: the network's share is
 
 from __future__ import annotations
 
+import contextlib
 import json
 import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -56,6 +57,11 @@ class WrapperSetup:
     flushing): a cost of the weights' values, not of the wrapper's code, which this benchmark measures."""
     checkpoints: bool = False
     """Also time a synchronization that makes a periodic checkpoint due (`checkpoint_cost`)."""
+    autocast: bool = False
+    """Run the forward pass under bf16 autocast (fp32 weights), in both loops: how large models train on a GPU."""
+    profile: Path | None = None
+    """Write a `torch.profiler` table of `sync_cost`'s timed rounds here (the operators by time on the training
+    thread, and on the GPU where there is one)."""
 
 
 def _run(setup: WrapperSetup, h: int | None, corpus: Any) -> dict[str, Any]:
@@ -79,7 +85,8 @@ def _run(setup: WrapperSetup, h: int | None, corpus: Any) -> dict[str, Any]:
         x, y = batches[k % len(batches)]
         before = d.round if d is not None else 0
         started = time.perf_counter()
-        _, loss = model(x, y)
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=setup.autocast):
+            _, loss = model(x, y)
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -231,12 +238,31 @@ def sync_cost(setup: WrapperSetup, inner_steps: int = 32, syncs: int = 5) -> dic
 
     opt = torch.optim.SGD(params, lr=1e-3)
     with DiLoCo(model, opt, swarm=None, inner_steps=inner_steps, compression=setup.compression,
-                global_device=setup.global_device) as d:
+                global_device=setup.global_device) as d, _profiled(setup.profile, device):
         t = _timed_rounds(d, opt, params, grads, finish, inner_steps, syncs)
     return {"params": sum(p.numel() for p in params), "floor_ms": floor * 1e3, "sync_ms": t["sync"] * 1e3,
             "ratio": t["sync"] / floor, "round_extra_ms": t["round_extra"] * 1e3,
             "round_ratio": t["round_extra"] / floor, "plain_step_ms": t["plain"] * 1e3, "inner_steps": inner_steps,
             "syncs": t["syncs"]}
+
+
+@contextlib.contextmanager
+def _profiled(path: Path | None, device: torch.device) -> Iterator[None]:
+    """Profile the block with `torch.profiler` (the GPU's kernels too on a GPU) and write its operators, by their
+    own time on the host, into `path`; nothing when `path` is None."""
+    if path is None:
+        yield
+        return
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        yield
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tables = [prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=40)]
+    if device.type == "cuda":
+        tables.append(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=25))
+    path.write_text("\n\n".join(tables) + "\n")
 
 
 def checkpoint_cost(setup: WrapperSetup, inner_steps: int = 256, syncs: int = 3) -> dict[str, Any]:

@@ -658,6 +658,10 @@ def bench_wrapper_cmd(
     checkpoints: bool = typer.Option(False, "--checkpoints", help="Also time a synchronization that makes a "
                                      "periodic checkpoint due (written beside training) against the same checkpoint "
                                      "written on the training thread (into a temporary directory)."),
+    autocast: bool = typer.Option(False, "--autocast", help="Forward passes under bf16 autocast (fp32 weights), in "
+                                  "both loops, as large models train on a GPU."),
+    profile: Optional[Path] = typer.Option(None, "--profile", help="Write a torch.profiler table of the timed "
+                                           "synchronizations' rounds here (operators by time; GPU kernels too)."),
     json_path: Optional[Path] = typer.Option(None, "--json", help="Write the report as JSON here."),
     quiet: bool = Quiet,
 ) -> None:
@@ -680,7 +684,7 @@ def bench_wrapper_cmd(
         setup = WrapperSetup(job=job_config(model, threads=threads), inner_steps=tuple(inner_steps), steps=steps,
                              repeats=repeats, compression=compression, device=str(where),
                              global_device=str(global_where), flush_denormal=flush_denormal,
-                             checkpoints=checkpoints)
+                             checkpoints=checkpoints, autocast=autocast, profile=profile)
         SwarmConfig(compression=compression)
     except ConfigError as e:
         _fail(str(e))
@@ -694,7 +698,8 @@ def bench_wrapper_cmd(
     if json_path:
         write_json(report, json_path, {"inner_steps": inner_steps, "steps": steps, "repeats": repeats,
                                        "threads": threads, "compression": compression,
-                                       "flush_denormal": flush_denormal, "batch_size": setup.job.batch_size,
+                                       "flush_denormal": flush_denormal, "autocast": autocast,
+                                       "batch_size": setup.job.batch_size, "context": setup.job.context,
                                        "d_model": setup.job.d_model, "layers": setup.job.n_layer,
                                        "params": report["params"], "torch": torch.__version__,
                                        "machine": platform.machine(), "cores": os.cpu_count(),
