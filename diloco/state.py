@@ -15,6 +15,7 @@ what we expect before anything is loaded.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import math
 import os
@@ -23,7 +24,7 @@ import struct
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Collection, Iterator, Sequence
+from typing import Any, Callable, Collection, Iterable, Iterator, Sequence
 
 import msgpack
 import torch
@@ -163,29 +164,27 @@ class GlobalState:
         tensors, scalars = self.layout()
         listed = [(n, t.dtype, tuple(t.shape)) for n, t in tensors]
         header = manifest_header(self.round, listed, scalars)
-        views = [byte_view(t) for _, t in tensors]
-        total = sum(v.nbytes for v in views)
+        sizes = [t.numel() * t.element_size() for _, t in tensors]
+        total = sum(sizes)
         count = -(-total // chunk)
         hashes: list[bytes] = [b""] * count
         todo: Sequence[int] = range(count)
         if previous is not None and touched is not None and previous.total == total and previous.chunk == chunk \
                 and _tensors_of(previous.header) == _tensors_of(header):
             hashes, chosen = list(previous.hashes), set(touched)
-            todo = _chunks_of(views, [_param_of(n) in chosen for n, _, _ in listed], chunk)
-
-        def hash_chunk(index: int) -> bytes:
-            h = hashlib.sha256()
-            for _, piece in pieces_of(views, index * chunk, min(total, (index + 1) * chunk)):
-                h.update(piece)  # hashlib lets go of the GIL while it hashes a large piece
-            return h.digest()
-
+            todo = _chunks_of(sizes, [_param_of(n) in chosen for n, _, _ in listed], chunk)
         workers = workers or min(4, os.cpu_count() or 1)
-        if len(todo) <= 2 or workers == 1:
-            fresh = [hash_chunk(i) for i in todo]
-        else:
-            with ThreadPoolExecutor(max_workers=workers) as pool:
-                fresh = list(pool.map(hash_chunk, todo))
-        for i, h in zip(todo, fresh):
+        with contextlib.ExitStack() as stack:
+            mapper: Mapper = map
+            if len(todo) > 2 and workers > 1:
+                mapper = stack.enter_context(ThreadPoolExecutor(max_workers=workers)).map
+            if any(t.is_cuda for _, t in tensors):
+                fresh = _hash_staged([t for _, t in tensors], total, chunk, todo, mapper)
+            else:
+                views = [byte_view(t) for _, t in tensors]
+                fresh = dict(zip(todo, mapper(lambda i: _hash_range(views, i * chunk, min(total, (i + 1) * chunk)),
+                                              todo)))
+        for i, h in fresh.items():
             hashes[i] = h
         return Manifest(header, total, chunk, tuple(hashes))
 
@@ -457,12 +456,78 @@ def _param_of(name: str) -> int:
     return int(name[1:].split(".", 1)[0])
 
 
-def _chunks_of(views: Sequence[memoryview], selected: Sequence[bool], chunk: int) -> list[int]:
-    """The chunks (in stream order) that hold any byte of the selected views."""
+def _hash_range(views: Sequence[memoryview], lo: int, hi: int) -> bytes:
+    """SHA-256 of the stream's bytes [lo, hi)."""
+    h = hashlib.sha256()
+    for _, piece in pieces_of(views, lo, hi):
+        h.update(piece)  # hashlib lets go of the GIL while it hashes a large piece
+    return h.digest()
+
+
+STAGING_BYTES = 64 << 20
+"""The window of a GPU state's byte stream that crosses to pinned host memory at once to be hashed (`_hash_staged`)."""
+
+
+Mapper = Callable[[Callable[[int], bytes], Iterable[int]], Iterator[bytes]]
+"""`map`, or a thread pool's: how chunks are hashed, one after the other or several at once."""
+
+
+def _hash_staged(tensors: Sequence[torch.Tensor], total: int, chunk: int, todo: Sequence[int],
+                 mapper: Mapper) -> dict[int, bytes]:
+    """The hashes of chunks `todo` of a state on a GPU: its byte stream crosses to the host window by window into
+    two pinned buffers, one window copying in (asynchronously, on the current stream: a DMA, where a copy into
+    pageable memory would hold the driver's lock and stall the training thread's kernel launches) while the other's
+    chunks are hashed. Only windows holding a chunk of `todo` cross."""
+    device = next((t.device for t in tensors if t.is_cuda), torch.device("cpu"))  # a host state: for the tests
+    flats = [t.detach().contiguous().reshape(-1).view(torch.uint8) for t in tensors]
+    per = max(1, STAGING_BYTES // chunk)
+    window = per * chunk
+    wanted: dict[int, list[int]] = {}
+    for i in todo:
+        wanted.setdefault(i // per, []).append(i)
+    cuda = device.type == "cuda"
+    buffers = [torch.empty(min(window, total), dtype=torch.uint8, pin_memory=cuda)
+               for _ in range(min(2, len(wanted)))]
+    out: dict[int, bytes] = {}
+
+    def drain(job: tuple[int, torch.Tensor, torch.cuda.Event | None]) -> None:
+        w, buffer, copied = job
+        if copied is not None:
+            copied.synchronize()
+        view = byte_view(buffer)
+        lo = w * window
+        hashed = mapper(lambda i: _hash_range([view], i * chunk - lo, min(total, (i + 1) * chunk) - lo), wanted[w])
+        out.update(zip(wanted[w], hashed))
+
+    pending: tuple[int, torch.Tensor, torch.cuda.Event | None] | None = None
+    for k, w in enumerate(sorted(wanted)):
+        buffer = buffers[k % 2]
+        lo, hi = w * window, min(total, (w + 1) * window)
+        start = 0
+        for flat in flats:
+            end = start + flat.numel()
+            if end > lo and start < hi:
+                a, b = max(lo, start), min(hi, end)
+                buffer[a - lo:b - lo].copy_(flat[a - start:b - start], non_blocking=True)
+            start = end
+        copied = None
+        if cuda:
+            copied = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            copied.record(torch.cuda.current_stream(device))
+        if pending is not None:
+            drain(pending)  # the window before is hashed while this one crosses
+        pending = (w, buffer, copied)
+    if pending is not None:
+        drain(pending)
+    return out
+
+
+def _chunks_of(sizes: Sequence[int], selected: Sequence[bool], chunk: int) -> list[int]:
+    """The chunks (in stream order) that hold any byte of the selected tensors (`sizes`: each one's bytes)."""
     out: set[int] = set()
     start = 0
-    for v, chosen in zip(views, selected):
-        end = start + v.nbytes
+    for size, chosen in zip(sizes, selected):
+        end = start + size
         if chosen and end > start:
             out.update(range(start // chunk, (end - 1) // chunk + 1))
         start = end

@@ -325,6 +325,24 @@ def test_the_digest_is_the_hash_of_the_manifest_and_a_chunk_size_change_changes_
     assert Manifest.unpack(s.manifest(64).pack()) == s.manifest(64)
 
 
+@pytest.mark.parametrize("chunk", [7, 16])
+def test_a_state_staged_window_by_window_hashes_to_the_same_chunks(chunk, monkeypatch):
+    """A state on a GPU crosses to the host in windows of whole chunks, one copying while the other is hashed
+    (`_hash_staged`); on the host it takes the same path with plain buffers: every chunk, or only some, hash as the
+    state hashed in place does."""
+    import diloco.state as state_module
+
+    monkeypatch.setattr(state_module, "STAGING_BYTES", 3 * chunk)
+    src = _stepped()
+    manifest = src.manifest(chunk)
+    tensors = [t for _, t in src.layout()[0]]
+    count = len(manifest.hashes)
+    assert count >= 4
+    for todo in (range(count), sorted({0, 2, 3, count - 1}), [count - 1]):
+        staged = state_module._hash_staged(tensors, manifest.total, chunk, todo, map)
+        assert staged == {i: manifest.hashes[i] for i in todo}
+
+
 def test_a_tampered_chunk_is_refused_and_not_written():
     src = _stepped()
     manifest = src.manifest(64)

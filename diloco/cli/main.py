@@ -645,7 +645,9 @@ def bench_wrapper_cmd(
                                                                                        "it."),
     steps: int = typer.Option(500, help="Timed inner steps per run (after 20 untimed)."),
     repeats: int = typer.Option(3, help="Runs of each kind, interleaved; the median run is reported."),
-    threads: int = typer.Option(1, help="torch CPU threads."),
+    threads: Optional[int] = typer.Option(None, help="torch CPU threads (default: 1 for a model on the CPU; for a "
+                                                     "model on a GPU torch's own, one a core, as in your process: "
+                                                     "the host's cores step θ kept in host memory)."),
     compression: str = typer.Option("fp32", help="Compression of the local synchronization."),
     device: str = typer.Option("cpu", help="Where the model trains: cpu, cuda, cuda:N (auto: cuda if there is one)."),
     global_device: str = typer.Option("cpu", help="Where the wrapper keeps θ and the outer state (its default: "
@@ -680,6 +682,8 @@ def bench_wrapper_cmd(
     if steps < 1 or repeats < 1 or min(inner_steps) < 1:
         _fail(f"--steps, --repeats and every -H must be >= 1, got {steps}, {repeats}, {inner_steps}")
     where, global_where = _device(device), _device(global_device, "--global-device")
+    if threads is None:
+        threads = 1 if where.type == "cpu" else torch.get_num_threads()
     try:
         setup = WrapperSetup(job=job_config(model, threads=threads), inner_steps=tuple(inner_steps), steps=steps,
                              repeats=repeats, compression=compression, device=str(where),
