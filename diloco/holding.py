@@ -24,6 +24,7 @@ import collections
 import copy
 import os
 import threading
+import time
 from contextlib import contextmanager
 from typing import Any, Callable, Collection, Iterator, Sequence
 
@@ -99,6 +100,9 @@ class Holding:
         self._hasher: threading.Thread | None = None
         self._readers: list[threading.Thread] = []
         """Other work that reads the state in place beside training (`beside`: a periodic checkpoint)."""
+        self.waited = 0.0
+        """Seconds the training thread waited for that work and the hash before changing the state (a round shorter
+        than the hash of the one before waits for it)."""
         self._side_stream: torch.cuda.Stream | None = None
         """Where that work's copies of a state on a GPU run (`_off_the_stream`)."""
         self._later: Later
@@ -240,9 +244,12 @@ class Holding:
         from the training thread)."""
         hasher, self._hasher = self._hasher, None
         readers, self._readers = self._readers, []
-        for t in (hasher, *readers):
-            if t is not None and t is not threading.current_thread():
+        busy = [t for t in (hasher, *readers) if t is not None and t is not threading.current_thread() and t.is_alive()]
+        if busy:
+            started = time.perf_counter()
+            for t in busy:
                 t.join()
+            self.waited += time.perf_counter() - started
 
     @contextmanager
     def changing(self, touched: Collection[int] | None = None) -> Iterator[GlobalState]:

@@ -106,9 +106,21 @@ def pseudo_gradient(global_params: Sequence[torch.Tensor], local_params: Sequenc
         for out, g in zip(views, global_params):
             torch.sub(g, out, out=out)
         return delta
+    if _one_gpu_fp32(global_params, local_params):  # a few fused kernels, not a launch per parameter
+        torch._foreach_copy_(views, list(global_params))
+        torch._foreach_sub_(views, [p.detach() for p in local_params])
+        return delta
     for out, g, p in zip(views, global_params, local_params):
         torch.sub(g, p.detach().to(device=device, dtype=torch.float32), out=out)
     return delta
+
+
+def _one_gpu_fp32(*groups: Sequence[torch.Tensor]) -> bool:
+    """Whether every tensor is fp32 on one GPU: there foreach kernels replace a launch per parameter (a CPU gains
+    nothing from them, and pays their extra pass over memory)."""
+    tensors = [t for group in groups for t in group]
+    return bool(tensors) and tensors[0].is_cuda and \
+        all(t.device == tensors[0].device and t.dtype == torch.float32 for t in tensors)
 
 
 @torch.no_grad()
@@ -152,6 +164,9 @@ def copy_into(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor]) -> None:
     """dst[i] ← src[i], for every i. Copies between host memory and a GPU are queued without waiting, and the GPUs
     are waited for once at the end (not once per tensor): on return every copy has landed, so either side may
     change its tensors."""
+    if _one_gpu_fp32(dst, src):
+        torch._foreach_copy_(list(dst), list(src))
+        return  # queued on the stream that uses them next: nothing crosses to the host
     gpu: list[torch.Tensor] = []
     for d, s in zip(dst, src):
         crossing = d.is_cuda or s.is_cuda
@@ -164,6 +179,9 @@ def copy_into(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor]) -> None:
 @torch.no_grad()
 def mix_into(local: Sequence[torch.Tensor], global_: Sequence[torch.Tensor], alpha: float) -> None:
     """Streaming DiLoCo's mixing: θ_local ← α·θ_local + (1−α)·θ_global (α = 0 copies θ_global exactly)."""
+    if alpha == 0.0 and _one_gpu_fp32(local, global_):
+        torch._foreach_copy_(list(local), list(global_))
+        return
     for d, g in zip(local, global_):
         if alpha == 0.0:
             d.copy_(g)

@@ -206,9 +206,12 @@ def _timed_rounds(d: DiLoCo, opt: torch.optim.Optimizer, params: list[torch.Tens
     beside training), all in seconds (medians)."""
     times: list[float] = []
     synced: list[bool] = []
+    waited = 0.0
     for k in range((syncs + 1) * inner_steps):
         for p, g in zip(params, grads):
             p.grad = g
+        if k == inner_steps:
+            waited = d.member.holding.waited
         before = d.round
         started = time.perf_counter()
         opt.step()
@@ -218,14 +221,17 @@ def _timed_rounds(d: DiLoCo, opt: torch.optim.Optimizer, params: list[torch.Tens
             synced.append(d.round != before)
     plain = statistics.median(t for t, s in zip(times, synced) if not s)
     return {"plain": plain, "sync": statistics.median(t for t, s in zip(times, synced) if s) - plain,
-            "round_extra": sum(times) / sum(synced) - inner_steps * plain, "syncs": sum(synced)}
+            "round_extra": sum(times) / sum(synced) - inner_steps * plain, "syncs": sum(synced),
+            "waited": (d.member.holding.waited - waited) / sum(synced)}
 
 
 def sync_cost(setup: WrapperSetup, inner_steps: int = 32, syncs: int = 5) -> dict[str, Any]:
     """A synchronization's time on the training thread against the floor, measured in one process on one model
     (`setup.job`'s size: 85M parameters at width 768 and 12 blocks), fixed gradients, `inner_steps` steps a round,
     `syncs` rounds after one untimed (`_timed_rounds`). The floor (`_floor`) runs `syncs` times on copies of the same
-    tensors. θ lives on `setup.global_device`, as the wrapper keeps it."""
+    tensors. θ lives on `setup.global_device`, as the wrapper keeps it. A round shorter than the hash of the state
+    before it (fixed-gradient steps on a GPU are short) waits for that hash at its sync: `waited_ms` says how long,
+    `own_ratio` compares the rest with the floor."""
     model, params, grads, finish = _fixed_gradients(setup)
     device, global_device = torch.device(setup.device), torch.device(setup.global_device)
     local = [p.detach() for p in params]
@@ -241,7 +247,8 @@ def sync_cost(setup: WrapperSetup, inner_steps: int = 32, syncs: int = 5) -> dic
                 global_device=setup.global_device) as d, _profiled(setup.profile, device):
         t = _timed_rounds(d, opt, params, grads, finish, inner_steps, syncs)
     return {"params": sum(p.numel() for p in params), "floor_ms": floor * 1e3, "sync_ms": t["sync"] * 1e3,
-            "ratio": t["sync"] / floor, "round_extra_ms": t["round_extra"] * 1e3,
+            "ratio": t["sync"] / floor, "waited_ms": t["waited"] * 1e3,
+            "own_ratio": max(0.0, t["sync"] - t["waited"]) / floor, "round_extra_ms": t["round_extra"] * 1e3,
             "round_ratio": t["round_extra"] / floor, "plain_step_ms": t["plain"] * 1e3, "inner_steps": inner_steps,
             "syncs": t["syncs"]}
 
@@ -301,7 +308,9 @@ def checkpoint_table(cost: dict[str, Any]) -> str:
 def sync_table(cost: dict[str, Any]) -> str:
     return "\n".join([
         "| parameters | the floor (bare torch) | a sync on the training thread | × the floor "
+        "| of which waiting for the last round's digest | the rest × the floor "
         "| a round beyond its plain steps | × the floor |",
-        "|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|",
         f"| {cost['params'] / 1e6:.1f}M | {cost['floor_ms']:.1f} ms | {cost['sync_ms']:.1f} ms | {cost['ratio']:.2f} "
+        f"| {cost['waited_ms']:.1f} ms | {cost['own_ratio']:.2f} "
         f"| {cost['round_extra_ms']:.1f} ms | {cost['round_ratio']:.2f} |"])
