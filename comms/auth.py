@@ -147,6 +147,8 @@ class Guard:
     def __init__(self, secret: str, run_id: str, me: PeerId, allow: frozenset[str] | None = None) -> None:
         raw = check_secret(secret)
         self._run_key, self._swarm_key = derive(raw, f"run/{run_id}"), derive(raw, "swarm")
+        self.data_key = derive(raw, f"data/{run_id}")
+        """The run's key for data connections (`dataplane.py`): it salts their key derivation, never travels."""
         self.me = me
         self.allow = allow
         self.session = secrets.randbits(63) | 1

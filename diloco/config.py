@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 from diloco.comms import CollectiveConfig, PeerId
 from diloco.comms.auth import Guard, check_secret
+from diloco.comms.dataplane import parse_address
 from diloco.comms.identity import public_key_of
 from diloco.comms.robust import RobustConfig
 from diloco.compression.errors import ConfigError as ConfigError  # re-exported: settings errors are raised here
@@ -84,6 +85,16 @@ class SwarmConfig:
     (`diloco.gossip`, NoLoCo)."""
     gossip_group: int = 2
     """With gossip: peers per group (a remainder joins the last group)."""
+    data_port: int | None = 0
+    """The direct data plane (`diloco.comms.dataplane`): the TCP port where members call this peer directly
+    (0: any free one; None: no data port, every call goes through libp2p). Calls to a member whose data port
+    cannot be reached go through libp2p."""
+    data_announce: str = ""
+    """host:port to advertise for the data port when others must dial another address than the one it listens
+    on (a NAT's forwarded port, a proxy); by default the listening address, or the host of the first
+    announced multiaddress."""
+    data_streams: int = 4
+    """Direct connections to one member at most (calls to it in flight at once)."""
 
     def __post_init__(self) -> None:
         if not _RUN_ID.match(self.run_id):
@@ -117,6 +128,13 @@ class SwarmConfig:
         if not (self.global_lr > 0 and 0 <= self.global_momentum < 1):
             raise ConfigError(f"global_lr must be > 0 and global_momentum in [0, 1), got {self.global_lr} and "
                               f"{self.global_momentum}")
+        if self.data_port is not None and not 0 <= self.data_port < 65536:
+            raise ConfigError(f"data_port must be a TCP port (0: any free one) or None (no data port), got "
+                              f"{self.data_port}")
+        if self.data_announce and parse_address(self.data_announce) is None:
+            raise ConfigError(f"data_announce must be host:port (an IPv6 host in brackets), got {self.data_announce!r}")
+        if self.data_streams < 1:
+            raise ConfigError(f"data_streams must be >= 1 connection, got {self.data_streams}")
         if self.topology not in ("flat", "gossip"):
             raise ConfigError(f"topology must be 'flat' or 'gossip', got {self.topology!r}")
         if self.topology == "gossip":

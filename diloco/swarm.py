@@ -40,6 +40,7 @@ from diloco.comms.rounds import Handoff, PiecewiseHandoff, Value
 from diloco.comms import hello as hs
 from diloco.comms import messages as msg
 from diloco.comms.auth import HELLO, AuthRefused, new_secret
+from diloco.comms.dataplane import DataConfig, DirectTransport
 from diloco.comms.hello import HandshakeError
 from diloco.comms.identity import Identity, IdentityError
 from diloco.comms.loop import LoopThread
@@ -89,7 +90,10 @@ class Swarm:
         self.addresses = addresses
         self._owns_loop = owns_loop
         self._on_close = on_close
-        self._record = PeerRecord(peer=self.peer_id, status="joining", round=0, addrs=tuple(addresses))
+        self._record = PeerRecord(peer=self.peer_id, status="joining", round=0, addrs=tuple(addresses),
+                                  data=transport.address if isinstance(transport, DirectTransport) else "")
+        if isinstance(transport, DirectTransport):
+            transport.address_of = self._data_address_of
         self._record_lock = threading.Lock()  # the training thread and the heartbeat both change our record
         self._snapshot: SnapshotProvider | None = None
         self._fetchers: dict[PeerId, float] = {}  # peers that asked us for state, and when they last did
@@ -180,23 +184,31 @@ class Swarm:
         reaper = Reaper()
         proto = "ip6" if ":" in host else "ip4"
 
-        async def build() -> tuple[P2PTransport, DHTDirectory, Collective, list[str]]:
-            transport = await P2PTransport.create(initial_peers=initial, host_maddrs=[f"/{proto}/{host}/tcp/{port}"],
-                                                  announce_maddrs=announce, max_message=cfg.max_payload + (1 << 20),
-                                                  identity=identity)
-            if transport.daemon_pid:
-                reaper.watch_pid(transport.daemon_pid)
-            for path in transport.socket_paths:
+        async def build() -> tuple[Transport, DHTDirectory, Collective, list[str]]:
+            p2p = await P2PTransport.create(initial_peers=initial, host_maddrs=[f"/{proto}/{host}/tcp/{port}"],
+                                            announce_maddrs=announce, max_message=cfg.max_payload + (1 << 20),
+                                            identity=identity)
+            if p2p.daemon_pid:
+                reaper.watch_pid(p2p.daemon_pid)
+            for path in p2p.socket_paths:
                 reaper.watch_file(path)
-            transport.guard = cfg.guard(transport.peer_id)
+            p2p.guard = cfg.guard(p2p.peer_id)
+            transport: Transport = p2p
             try:
                 for addr in initial:  # before the DHT: a peer that must not join learns why at once
-                    await _hello(transport, _peer_of(addr), cfg, "")
+                    await _hello(p2p, _peer_of(addr), cfg, "")
                 directory = await asyncio.wait_for(DHTDirectory.create(
-                    transport.p2p, cfg.run_id, initial, authorizer=HmacAuthorizer(cfg.secret or "", cfg.run_id),
+                    p2p.p2p, cfg.run_id, initial, authorizer=HmacAuthorizer(cfg.secret or "", cfg.run_id),
                     identity=identity, allow=frozenset(cfg.allow_peers) or None), 30)
+                addresses = await p2p.visible_addresses()
+                if cfg.data_port is not None:
+                    direct = DirectTransport(p2p, identity, DataConfig(
+                        host=host, port=cfg.data_port, announce=cfg.data_announce,
+                        announce_host=_announce_host(host, announce, addresses), streams=cfg.data_streams),
+                        p2p.max_message, inner_only=frozenset({HELLO}))
+                    transport = direct
+                    await direct.start()
                 collective = await Collective.create(transport, cfg.run_id, cfg.collective(), faults)
-                addresses = await transport.visible_addresses()
             except BaseException:
                 await transport.close()
                 raise
@@ -304,6 +316,14 @@ class Swarm:
         with self._record_lock:
             self._record = PeerRecord(**{**self._record.__dict__, **fields})
             return self._record
+
+    def _data_address_of(self, peer: PeerId) -> str:
+        """The data address `peer`'s record named when the heartbeat last read the directory ("" if none)."""
+        return next((r.data for r in self._seen or () if r.peer == peer), "")
+
+    def data_paths(self) -> dict[PeerId, str]:
+        """How our last call to each peer went: "direct" (its data port) or "libp2p"."""
+        return dict(self.transport.paths) if isinstance(self.transport, DirectTransport) else {}
 
     def records(self, *, cached: bool = False) -> list[PeerRecord]:
         """Everyone's current record (ours included), as the directory shows them now; with `cached`,
@@ -696,6 +716,22 @@ def _identity(cfg: SwarmConfig) -> Identity:
         return Identity.load(cfg.identity_file)
     except IdentityError as e:
         raise SwarmError(str(e)) from None
+
+
+def _announce_host(host: str, announce: list[str] | None, visible: list[str]) -> str:
+    """The host our data address names (its port is the data port's): the first announced multiaddress's host
+    (`--announce`: others dial that), else for a wildcard listening host the first visible address's that is not
+    loopback, else "" (the listening host itself)."""
+    def host_of(maddr: str) -> str:
+        parts = maddr.split("/")
+        return parts[2] if len(parts) > 2 and parts[1] in ("ip4", "ip6", "dns", "dns4", "dns6") else ""
+
+    for maddr in announce or ():
+        if host_of(maddr):
+            return host_of(maddr)
+    if host in ("0.0.0.0", "::"):
+        return next((h for h in map(host_of, visible) if h and not h.startswith("127.") and h != "::1"), "")
+    return ""
 
 
 def _peer_of(addr: str) -> PeerId:

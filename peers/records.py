@@ -26,6 +26,7 @@ from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 from diloco.comms import PeerId
+from diloco.comms.dataplane import parse_address
 
 if TYPE_CHECKING:
     from diloco.comms.identity import Identity
@@ -73,6 +74,9 @@ class PeerRecord:
     """Its compute utilization so far, in [0, 1] (None before its first inner steps)."""
     region: str = ""
     """The region this peer trains in (`--region`; "" in a flat swarm): a global round's quorum counts regions."""
+    data: str = ""
+    """host:port of its data port (`diloco.comms.dataplane`), where members call it directly; "" when it has
+    none (then it is called through libp2p)."""
 
     def to_wire(self) -> dict[str, Any]:
         out = asdict(self)
@@ -137,6 +141,7 @@ def parse_record(peer: str, value: Any) -> PeerRecord | None:
         recent = _parse_recent(value.get("recent", []))
         banned = _parse_banned(value.get("banned", []))
         region = value.get("region", "")
+        data = value.get("data", "")
     except (KeyError, TypeError):
         return None
     ints_ok = all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in (rnd, attempt, step))
@@ -149,9 +154,11 @@ def parse_record(peer: str, value: Any) -> PeerRecord | None:
         return None
     if value.get("peer", peer) != peer:
         return None
+    if not (isinstance(data, str) and len(data) <= 300 and (data == "" or parse_address(data) is not None)):
+        data = ""  # a data address that is not one: the peer is called through libp2p, the record stays valid
     return PeerRecord(peer=PeerId(peer), status=status, round=rnd, attempt=attempt, digest=digest,
                       step=step, loss=None if loss is None else float(loss), addrs=tuple(addrs), beat=float(beat),
-                      recent=recent, banned=banned, region=region, **_display_fields(value))
+                      recent=recent, banned=banned, region=region, data=data, **_display_fields(value))
 
 
 class Directory(Protocol):

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import socket
 import signal
 import subprocess
 import sys
@@ -64,6 +65,30 @@ def test_three_peers_train_and_end_bit_identical(peers, compression):
     expected_bits = {"fp32": 32.0}.get(compression)
     for r in committed:  # the codec's cost per parameter, as reported
         assert r["bits_per_param"] == pytest.approx(expected_bits) if expected_bits else 0 < r["bits_per_param"] < 2
+
+
+@pytest.mark.multiproc
+def test_rounds_go_direct_and_a_peer_whose_data_port_is_blocked_is_called_through_libp2p(peers):
+    """The data plane (docs/PROTOCOL.md, "The data plane"): 3 real peers, the third advertising a data port
+    nothing listens on (blocked, as a firewall would). The others call it through libp2p, everything else goes
+    direct, and all end on one digest."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        blocked = s.getsockname()[1]
+    common = ["--rounds", "3", "-H", "5", "--wait-for", "3", *TINY]
+    first = peers.spawn(0, ["start", *common])
+    addr = peers.address(0)
+    others = [peers.spawn(1, ["join", addr, *common]),
+              peers.spawn(2, ["join", addr, *common, "--data-announce", f"127.0.0.1:{blocked}"])]
+    for i, p in enumerate([first, *others]):
+        assert peers.wait(p, 90) == 0, peers.log(i)
+    finals = [peers.lines(i, "final")[-1] for i in range(3)]
+    assert {f["round"] for f in finals} == {3} and len({f["digest"] for f in finals}) == 1, finals
+    ids = [f["peer"] for f in finals]
+    assert finals[0]["data_paths"] == {"direct": [ids[1]], "libp2p": [ids[2]]}, finals[0]["data_paths"]
+    assert finals[1]["data_paths"] == {"direct": [ids[0]], "libp2p": [ids[2]]}, finals[1]["data_paths"]
+    assert finals[2]["data_paths"] == {"direct": sorted(ids[:2])}, finals[2]["data_paths"]
+    assert "event=data_path" in peers.log(0, whole=True) + peers.log(1, whole=True)  # the fallback is logged
 
 
 @pytest.mark.multiproc

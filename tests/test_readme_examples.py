@@ -25,6 +25,7 @@ What each command does here:
 - `plot`, `bench convergence --replot` (redraws saved curves), `bench transfer` (a second at the bundled
   model's size): run for real, on a small metrics file (`run.jsonl`) and the saved B1 result.
 - `make X`: the Makefile has target X.
+- a GPU benchmark (`--device cuda`) on a machine without a GPU: as written, on the CPU.
 - a command's bare name (`diloco bench overlap`, `diloco join`): its `--help` works.
 """
 
@@ -222,6 +223,17 @@ def workdir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     return tmp_path
 
 
+def _on_this_machine(argv: list[str]) -> list[str]:
+    """A GPU benchmark's command (`--device cuda`, `--global-device cuda`) as it runs on a machine without a GPU:
+    on the CPU, every other option as written (the GPU itself: tests/test_gpu.py, `make test-gpu`)."""
+    import torch
+
+    if torch.cuda.is_available():
+        return argv
+    return [("cpu" if a.startswith("cuda") and argv[i - 1] in ("--device", "--global-device") else a)
+            for i, a in enumerate(argv)]
+
+
 def test_every_documented_command_runs_or_reaches_its_work(workdir: Path, monkeypatch: pytest.MonkeyPatch):
     makefile = (ROOT / "Makefile").read_text()
     ran: set[tuple[str, ...]] = set()
@@ -234,6 +246,7 @@ def test_every_documented_command_runs_or_reaches_its_work(workdir: Path, monkey
             assert result.exit_code == 0, (where, result.output)
             continue
         command = _command(argv)
+        argv = _on_this_machine(argv)
         seen: list[Any] = []
         with monkeypatch.context() as m:
             m.setattr("diloco.bench.wan.check_privileges", lambda: None)  # bench overlap: stopped before root matters

@@ -59,6 +59,8 @@ class TransportSetup:
     rate_mbit: float = 50.0
     delay_ms: float = 25.0
     loopback: bool = True
+    direct: bool = True
+    """Peers use the direct data plane (`--direct`); False: every byte through libp2p, as before it."""
 
 
 def tcp_copy(peers: int, nbytes: int, host: str = "127.0.0.1") -> float:
@@ -254,7 +256,8 @@ def _rounds(peers: int, params: int, setup: TransportSetup, lab: Any = None) -> 
 
     env = {**os.environ, "DILOCO_SECRET": secrets.token_urlsafe(32), "OMP_NUM_THREADS": "1"}
     run_id = f"transport-{secrets.token_hex(3)}"
-    timing = ["--compression", "fp32", "--wait-for", str(peers), "--gather-timeout", "120", "--round-timeout", "600"]
+    timing = ["--compression", "fp32", "--wait-for", str(peers), "--gather-timeout", "120", "--round-timeout", "600",
+              "--direct" if setup.direct else "--no-direct"]
     # a peer may take a round or two before everyone is in; it trains until N peers took `rounds` together
     args = ["--params", str(params), "--rounds", str(setup.rounds + 2), "--inner-steps", str(setup.inner_steps)]
     with tempfile.TemporaryDirectory(prefix="diloco-bench-transport-") as tmp:
@@ -284,6 +287,7 @@ def _rounds(peers: int, params: int, setup: TransportSetup, lab: Any = None) -> 
     if not together:
         raise RuntimeError(f"{peers} peers never took a round all together")
     return {"peers": peers, "params": params, "payload_bytes": 4 * params, "rounds": len(together) // peers,
+            "paths": sorted({path for d in done for path in d.get("paths", [])}),
             "round_s": statistics.median(s for s, _, _ in together),
             "bytes_sent": statistics.median(b for _, b, _ in together),
             "phases_s": median_phases([ph for _, _, ph in together])}
@@ -348,11 +352,12 @@ def run(setup: TransportSetup, say: Callable[[str], None] = lambda s: None) -> d
 def markdown(result: dict[str, Any]) -> str:
     lines: list[str] = []
     if result["loopback"]:
-        lines += ["| peers | model (fp32) | bytes a peer sends | round | goodput a peer | plain TCP, same bytes | "
+        lines += ["| peers | model (fp32) | path | bytes a peer sends | round | goodput a peer | plain TCP, same bytes | "
                   "round / plain TCP | one daemon call, same bytes | round / daemon call |",
-                  "|---|---|---|---|---|---|---|---|---|"]
+                  "|---|---|---|---|---|---|---|---|---|---|"]
         for r in result["loopback"]:
-            lines.append(f"| {r['peers']} | {r['payload_bytes'] / 1e6:g} MB | {r['bytes_sent'] / 1e6:.2f} MB | "
+            lines.append(f"| {r['peers']} | {r['payload_bytes'] / 1e6:g} MB | {'+'.join(r.get('paths', [])) or '-'} | "
+                         f"{r['bytes_sent'] / 1e6:.2f} MB | "
                          f"{r['round_s']:.3f} s | {r['goodput_mb_s']:.1f} MB/s | {r['tcp_s']:.3f} s "
                          f"({r['tcp_mb_s']:.0f} MB/s) | {r['of_tcp']:.1%} | {r['daemon_s']:.3f} s | {r['of_daemon']:.1%} |")
     if result["wan"]:

@@ -977,6 +977,8 @@ def bench_transport_cmd(
     wan_payload_mb: float = typer.Option(20.0, help="The model's fp32 size on the emulated WAN, MB."),
     rate_mbit: float = typer.Option(50.0, help="Emulated WAN: every host's uplink, Mbit/s."),
     delay_ms: float = typer.Option(25.0, help="Emulated WAN: one-way delay, ms."),
+    direct: bool = typer.Option(True, "--direct/--no-direct", help="The peers' rounds on the direct data plane (the "
+                                "default), or every byte through libp2p (--no-direct)."),
     json_path: Optional[Path] = typer.Option(None, "--json", help="Write the report as JSON here."),
 ) -> None:
     """A round's goodput over the swarm's transport: N real peers on loopback against a plain TCP copy of the
@@ -996,7 +998,7 @@ def bench_transport_cmd(
         _fail("--rate-mbit must be > 0 and --delay-ms >= 0")
     setup = TransportSetup(peers=tuple(peers), payload_mb=tuple(payload_mb), rounds=rounds, wan=wan,
                            loopback=loopback, wan_peers=tuple(wan_peers), wan_payload_mb=wan_payload_mb,
-                           rate_mbit=rate_mbit, delay_ms=delay_ms)
+                           rate_mbit=rate_mbit, delay_ms=delay_ms, direct=direct)
     result = run(setup, say=lambda text: typer.echo(text, err=True))
     typer.echo(markdown(result))
     if json_path:

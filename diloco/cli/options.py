@@ -190,7 +190,8 @@ class SwarmOptions(Group):
                                   identity_file=str(peer.identity) if peer.identity else None, region=self.region,
                                   merge_every=self.merge_every, global_lr=self.global_lr,
                                   global_momentum=self.global_momentum, topology=self.topology,
-                                  gossip_group=self.gossip_group)
+                                  gossip_group=self.gossip_group, data_port=peer.data_port if peer.direct else None,
+                                  data_announce=peer.data_announce, data_streams=peer.data_streams)
 
 
 @dataclass(frozen=True)
@@ -208,6 +209,13 @@ class PeerOptions(Group):
     identity: Optional[Path] = option(None, "--identity", help="This peer's key file (created if missing, mode 600): "
                                       "its peer id then survives restarts, as other sites' --allow-peer need. "
                                       "Default: a new id per run.")
+    direct: bool = option(True, "--direct/--no-direct", help="Move the rounds' bytes on direct TCP connections "
+                          "between members (the data port; authenticated and encrypted), libp2p where one cannot be "
+                          "made; --no-direct: everything through libp2p (docs/PROTOCOL.md, \"The data plane\").")
+    data_port: int = option(0, help="TCP port of the data plane (0: any free port).")
+    data_announce: str = option("", help="host:port others should dial for the data port (behind NAT: the "
+                                         "forwarded port); default: the --announce host, else where it listens.")
+    data_streams: int = option(4, help="Direct connections to one member at most (its calls in flight at once).")
     address_file: Optional[Path] = option(None, help="Write this peer's addresses to this file once up.")
     status_file: Optional[Path] = option(None, help="Keep this peer's status here (the demo reads it).", hidden=True)
     max_restarts: int = option(0, help="With `-- CMD`: start the command again this many times if it fails (it "
