@@ -228,3 +228,26 @@ async def _handshake(p: Pair, *, data_key: bytes | None = None, claim: str | Non
     await writer.drain()
     assert await asyncio.wait_for(reader.read(), 5) == b""  # the server closes it
     writer.close()
+
+
+def test_silent_connections_are_capped_and_cut_and_members_still_get_through(monkeypatch: pytest.MonkeyPatch) -> None:
+    """200 connections from one address that send nothing: at most the gate's per-caller cap (32) wait for their
+    handshake at once, the rest are closed at once (`too_many_streams`), the waiting ones at the deadline
+    (`slow_head`), and the port serves a member afterwards. (The gate keys the data port by address: a member
+    behind the same address as such a flood waits for it to be cut, or its calls go through libp2p.)"""
+    monkeypatch.setattr(dp, "HELLO_TIMEOUT", 1.0)
+
+    async def main() -> None:
+        async with Pair() as p:
+            silent = [await asyncio.open_connection("127.0.0.1", p.port) for _ in range(200)]
+            await asyncio.sleep(0.3)
+            assert p.b._gate.waiting <= dp.GateConfig().per_caller
+            assert p.refused().get("too_many_streams", 0) >= 200 - dp.GateConfig().per_caller
+            await asyncio.sleep(1.5)  # the deadline passes: the waiting ones are cut too
+            assert p.b._gate.waiting == 0
+            assert p.refused().get("slow_head", 0) >= 1
+            assert await p.a.call(PeerId(p.idb.peer_id), "echo", b"still", 10) == b"llits"
+            for _, w in silent:
+                w.close()
+
+    run(main())
