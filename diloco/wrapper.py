@@ -141,6 +141,26 @@ def _canonical(name: str) -> str:
     return name
 
 
+_TOLD_OF_SUBNORMALS = False
+
+
+def flushes_subnormals() -> bool:
+    """Whether this process's CPU arithmetic flushes subnormal floats to zero (`torch.set_flush_denormal`)."""
+    return float(torch.tensor([1e-39]) * torch.tensor([1.0])) == 0.0
+
+
+def _tell_of_subnormals(model: torch.nn.Module) -> None:
+    """Once a process: a model that trains on the CPU without flushing subnormal floats is told how to (DiLoCo's
+    outer steps make its arithmetic meet them, and a CPU computes them slowly: docs/USAGE.md)."""
+    global _TOLD_OF_SUBNORMALS
+    if _TOLD_OF_SUBNORMALS or any(p.device.type != "cpu" for p in model.parameters()) or flushes_subnormals():
+        return
+    _TOLD_OF_SUBNORMALS = True
+    log.warning("event=subnormals_not_flushed fix=torch.set_flush_denormal(True) before training, on every peer "
+                "reason=on a CPU, DiLoCo's weights meet subnormal floats that cost up to a third of the step time "
+                "(docs/USAGE.md, \"Training on a CPU\")")
+
+
 class DiLoCo:
     """A DiLoCo worker around the user's model and inner optimizer (see the module docstring).
 
@@ -195,6 +215,7 @@ class DiLoCo:
             checkpoint_dir = checkpoint_dir if checkpoint_dir is not None else self.launch.checkpoint_dir
             checkpoint_every = checkpoint_every or self.launch.checkpoint_every
         self.model, self.optimizer = model, optimizer
+        _tell_of_subnormals(model)
         self._inner = _innermost(optimizer)  # accelerate's AcceleratedOptimizer wraps the torch optimizer
         self.global_device = torch.device(global_device)
         # Frozen parameters are not trained, so they are not synchronized: every peer loads the same values

@@ -60,3 +60,29 @@ def test_one_clause_catches_what_the_wrapper_raises():
                       streaming=diloco.StreamingConfig(outer_overlap="delayed"))
     with pytest.raises(diloco.UsageError, match="flush"):
         d.sync()
+
+
+def test_a_cpu_model_without_flushing_subnormals_is_told_once_how_to(monkeypatch, caplog):
+    import logging
+
+    import torch
+
+    import diloco.wrapper as wrapper_module
+    from diloco import DiLoCo
+
+    def build() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+        model = torch.nn.Linear(2, 2)
+        return model, torch.optim.SGD(model.parameters(), lr=0.1)
+
+    monkeypatch.setattr(wrapper_module, "_TOLD_OF_SUBNORMALS", False)
+    caplog.set_level(logging.WARNING, logger="diloco.wrapper")
+    try:
+        torch.set_flush_denormal(True)
+        DiLoCo(*build(), swarm=None, inner_steps=2)
+        assert "subnormals_not_flushed" not in caplog.text  # flushing: nothing to say
+        torch.set_flush_denormal(False)
+        for _ in range(2):
+            DiLoCo(*build(), swarm=None, inner_steps=2)
+        assert caplog.text.count("event=subnormals_not_flushed fix=torch.set_flush_denormal(True)") == 1
+    finally:
+        torch.set_flush_denormal(False)  # torch's default: the setting is the whole process's

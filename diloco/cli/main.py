@@ -114,7 +114,7 @@ def _run_peer(initial: list[str], *, host: str, port: int, announce: Optional[Li
     from ..progress import Reporter
     from ..sinks import SinkError
     from ..swarm import Banned, Swarm, SwarmError
-    from ..job.train import run_job
+    from ..job.train import run_job, subnormals_flushed
 
     raise_open_files_limit()  # before the daemon starts: it inherits the limit
     try:
@@ -157,7 +157,7 @@ def _run_peer(initial: list[str], *, host: str, port: int, announce: Optional[Li
         live = not logging.getLogger("diloco").isEnabledFor(logging.INFO)
         try:
             with Reporter.for_command(quiet=quiet, live=live) as rep, \
-                    rep.task("training", job.rounds, unit="rounds") as task:
+                    rep.task("training", job.rounds, unit="rounds") as task, subnormals_flushed():
                 summary = run_job(job, swarm, metrics=writer, status_path=status_file, stop=stop, progress=task.update)
         except (HandshakeError, Banned) as e:  # our model or codec differs from the swarm's; the swarm banned us
             _fail(str(e), code=1)

@@ -40,7 +40,7 @@ from diloco.peers.records import REGION
 
 from ..config import ConfigError, SwarmConfig
 from ..fragments import inner_steps_at
-from ..job.train import JobConfig, load_corpus, run_job
+from ..job.train import JobConfig, load_corpus, run_job, subnormals_flushed
 from ..metrics import MetricsWriter
 from ..swarm import Banned, Swarm
 from ..wrapper import DiLoCo
@@ -436,24 +436,25 @@ def simulate(job: JobConfig, workers: int, *, swarm: SwarmConfig | None = None, 
             progress(min(total_steps, sum(steps.values())), total_steps,
                      progress_status(_round_reached(list(rows)), job.fragments, job.rounds, running, workers))
 
-    try:
-        for i in range(workers):
-            start(i)
-        while True:  # restarts add threads while we wait
-            report()
-            alive = [t for t in list(threads) if t.is_alive()]
-            if not alive or errors:
-                break
-            alive[0].join(min(1.0, max(0.0, timeout - (time.monotonic() - started))))
-            if time.monotonic() - started > timeout:
-                raise RuntimeError(f"the simulation did not finish within {timeout:.0f}s")
-        if errors:
-            raise RuntimeError(f"a simulated worker failed: {errors[0]!r}") from errors[0]
-        report(over=True)
-    finally:
-        for s in swarms:
-            s.close(announce=False)
-        loop.stop()
+    with subnormals_flushed():  # every worker of the run, as each bundled-job process does
+        try:
+            for i in range(workers):
+                start(i)
+            while True:  # restarts add threads while we wait
+                report()
+                alive = [t for t in list(threads) if t.is_alive()]
+                if not alive or errors:
+                    break
+                alive[0].join(min(1.0, max(0.0, timeout - (time.monotonic() - started))))
+                if time.monotonic() - started > timeout:
+                    raise RuntimeError(f"the simulation did not finish within {timeout:.0f}s")
+            if errors:
+                raise RuntimeError(f"a simulated worker failed: {errors[0]!r}") from errors[0]
+            report(over=True)
+        finally:
+            for s in swarms:
+                s.close(announce=False)
+            loop.stop()
     wall = time.monotonic() - started
     fired = runner.fired if runner is not None else []
     summary = summarize(job, [finals[i] for i in sorted(finals)], rows, net, wall, workers,
