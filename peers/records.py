@@ -77,12 +77,16 @@ class PeerRecord:
     data: str = ""
     """host:port of its data port (`diloco.comms.dataplane`), where members call it directly; "" when it has
     none (then it is called through libp2p)."""
+    libp2p: tuple[PeerId, ...] = ()
+    """Members this peer's last call reached through libp2p instead of their data port (unknown or unreachable):
+    `diloco status` shows which pairs do not go direct."""
 
     def to_wire(self) -> dict[str, Any]:
         out = asdict(self)
         out["addrs"] = list(self.addrs)
         out["recent"] = [list(x) for x in self.recent]
         out["banned"] = list(self.banned)
+        out["libp2p"] = list(self.libp2p)
         return out
 
 
@@ -142,6 +146,7 @@ def parse_record(peer: str, value: Any) -> PeerRecord | None:
         banned = _parse_banned(value.get("banned", []))
         region = value.get("region", "")
         data = value.get("data", "")
+        libp2p = _parse_banned(value.get("libp2p", [])) or ()  # peer ids, as a ban list is: malformed means none
     except (KeyError, TypeError):
         return None
     ints_ok = all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in (rnd, attempt, step))
@@ -158,7 +163,7 @@ def parse_record(peer: str, value: Any) -> PeerRecord | None:
         data = ""  # a data address that is not one: the peer is called through libp2p, the record stays valid
     return PeerRecord(peer=PeerId(peer), status=status, round=rnd, attempt=attempt, digest=digest,
                       step=step, loss=None if loss is None else float(loss), addrs=tuple(addrs), beat=float(beat),
-                      recent=recent, banned=banned, region=region, data=data, **_display_fields(value))
+                      recent=recent, banned=banned, region=region, data=data, libp2p=libp2p, **_display_fields(value))
 
 
 class Directory(Protocol):

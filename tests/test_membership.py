@@ -173,6 +173,16 @@ def test_parse_record_accepts_valid_and_round_trips_to_wire():
     assert parse_record("p1", r.to_wire()) == r
 
 
+def test_a_record_names_its_data_port_and_the_members_it_reached_through_libp2p():
+    r = parse_record("p1", {**VALID, "data": "10.0.0.5:4000", "libp2p": ["p7"]})
+    assert (r.data, r.libp2p) == ("10.0.0.5:4000", ("p7",)) and parse_record("p1", r.to_wire()) == r
+    assert parse_record("p1", {**VALID, "data": "[2001:db8::1]:4000"}).data == "[2001:db8::1]:4000"
+    for bad in ("10.0.0.5", "host:0", "host:70000", ":4000", 5, "x" * 400 + ":1"):
+        # a data address that is not one: the peer is called through libp2p; the record itself stays valid
+        assert parse_record("p1", {**VALID, "data": bad}).data == ""
+    assert parse_record("p1", {**VALID, "libp2p": "p7"}).libp2p == ()
+
+
 def test_parse_record_defaults_and_int_loss():
     r = parse_record("p2", {"status": "joining", "round": 0, "loss": 2})
     assert (r.peer, r.status, r.round, r.attempt, r.digest, r.step, r.addrs) == ("p2", "joining", 0, 0, "", 0, ())

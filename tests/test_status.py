@@ -260,3 +260,14 @@ def test_a_region_members_row_says_its_region_and_the_title_counts_those_on_stan
                        bytes_per_second=None, heartbeat_age=None)]
     assert statusview.cells(rows[1])[1] == "standby (eu)"
     assert statusview.title(rows, "geo") == "swarm 'geo': 1 training, 1 on standby"
+
+
+def test_the_data_path_column_says_how_a_peers_calls_travel():
+    from diloco.cli.statusview import data_path
+    from diloco.peers import PeerRecord
+
+    base = PeerRecord(peer="p1", status="training", round=1)
+    assert data_path(base) == "libp2p"  # no data port: --no-direct, or an older peer
+    assert data_path(PeerRecord(**{**base.__dict__, "data": "127.0.0.1:4000"})) == "direct"
+    assert data_path(PeerRecord(**{**base.__dict__, "data": "127.0.0.1:4000", "libp2p": ("p2", "p3")})) == \
+        "direct, 2 via libp2p"

@@ -9,10 +9,19 @@ from typing import Sequence
 
 from rich.table import Table
 
+from ..peers.records import PeerRecord
 from .status import PeerStatus
 
 COLUMNS = ("peer", "status", "round", "attempt", "step", "steps/s", "loss", "Mbit/s", "sent", "recv", "util",
-           "digest", "heartbeat")
+           "data path", "digest", "heartbeat")
+
+
+def data_path(rec: PeerRecord) -> str:
+    """How this peer's calls travel: "direct" (it has a data port: docs/PROTOCOL.md, "The data plane"), with how
+    many members it reached through libp2p instead; "libp2p" without a data port."""
+    if not rec.data:
+        return "libp2p"
+    return f"direct, {len(rec.libp2p)} via libp2p" if rec.libp2p else "direct"
 
 
 def _mb(n: int) -> str:
@@ -29,7 +38,7 @@ def cells(row: PeerStatus) -> tuple[str, ...]:
             "-" if row.bytes_per_second is None else f"{row.bytes_per_second * 8 / 1e6:.2f}",
             _mb(rec.bytes_sent), _mb(rec.bytes_received),
             "-" if rec.utilization is None else f"{100 * rec.utilization:.1f}%",
-            rec.digest or "-",
+            data_path(rec), rec.digest or "-",
             "-" if row.heartbeat_age is None else f"{row.heartbeat_age:.1f} s ago")
 
 
