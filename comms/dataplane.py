@@ -337,8 +337,12 @@ class DataConfig:
 
 @dataclass
 class _Pool:
+    """One member's data connections: those idle (kept for its next calls), the calls in flight (`slots`), and
+    the address they go to."""
+
     idle: list[Channel] = field(default_factory=list)
     slots: asyncio.Semaphore | None = None
+    address: tuple[str, int] | None = None
 
 
 class DirectTransport:
@@ -422,21 +426,39 @@ class DirectTransport:
         if pool.slots is None:
             pool.slots = asyncio.Semaphore(max(1, self.cfg.streams))
         async with pool.slots:
-            channel = pool.idle.pop() if pool.idle else await self._connect(peer, address)
-            ok = False
+            if pool.address != address:  # the member moved (restarted on another port): its old connections are gone
+                for stale in pool.idle:
+                    stale.close()
+                pool.idle, pool.address = [], address
+            kept = bool(pool.idle)
+            channel = pool.idle.pop() if kept else await self._connect(peer, address)
             try:
-                await channel.send(REQUEST, name, payload)
-                _, reply = await channel.receive(REPLY)
-                ok = True
+                reply = await self._exchange(channel, name, payload)
             except (OSError, asyncio.IncompleteReadError) as e:
-                raise TransportError(f"call {name!r} to {peer} on its data port failed: {type(e).__name__}: {e}") \
-                    from None
-            finally:
-                if ok:
-                    pool.idle.append(channel)
-                else:
+                channel.close()
+                if not kept or (isinstance(e, asyncio.IncompleteReadError) and e.partial):
+                    raise TransportError(f"call {name!r} to {peer} on its data port failed: {type(e).__name__}: "
+                                         f"{e}") from None
+                # a kept connection the member closed while it idled (it restarted under the same id, or dropped
+                # it): once more, on a new one
+                channel = await self._connect(peer, address)
+                try:
+                    reply = await self._exchange(channel, name, payload)
+                except (OSError, asyncio.IncompleteReadError) as again:
                     channel.close()
+                    raise TransportError(f"call {name!r} to {peer} on its data port failed: "
+                                         f"{type(again).__name__}: {again}") from None
+            except BaseException:
+                channel.close()
+                raise
+            pool.idle.append(channel)
         self.paths[peer] = "direct"
+        return reply
+
+    @staticmethod
+    async def _exchange(channel: Channel, name: str, payload: bytes) -> bytes:
+        await channel.send(REQUEST, name, payload)
+        _, reply = await channel.receive(REPLY)
         return reply
 
     async def _connect(self, peer: PeerId, address: tuple[str, int]) -> Channel:

@@ -251,3 +251,19 @@ def test_silent_connections_are_capped_and_cut_and_members_still_get_through(mon
                 w.close()
 
     run(main())
+
+
+def test_a_kept_connection_the_member_dropped_is_replaced_and_the_call_goes_through() -> None:
+    """A member that restarted under the same id (or dropped our idle connection) is called again on a new
+    connection, once: the request never reached it on the old one."""
+    async def main() -> None:
+        async with Pair() as p:
+            b = PeerId(p.idb.peer_id)
+            assert await p.a.call(b, "echo", b"one", 5) == b"eno"
+            for task in list(p.b._serving):  # the member drops every connection it serves
+                task.cancel()
+            await asyncio.sleep(0.2)
+            assert await p.a.call(b, "echo", b"two", 5) == b"owt"
+            assert p.a.paths[b] == "direct" and not p.a.fallbacks and p.calls[-1] == (p.ida.peer_id, 3)
+
+    run(main())
