@@ -222,8 +222,9 @@ class Collective:
                 return RoundOutcome(key, False, f"{_short(self._elsewhere(r))} closed another view of round {key}",
                                     rs.view, payload_bytes=r.payload_bytes)
             if value is None:
-                return RoundOutcome(key, False, f"no result for {len(r.missing())} span(s) (owners "
-                                    f"{_short(r.missing())})", rs.view, payload_bytes=r.payload_bytes)
+                owners = list(dict.fromkeys(r.owner(s) for s in r.missed))  # as the deadline found them
+                return RoundOutcome(key, False, f"no result for {len(r.missed)} span(s) by the deadline (owners "
+                                    f"{_short(owners)})", rs.view, payload_bytes=r.payload_bytes)
         else:
             value = await self._carry(r, rs.carried, delta.numel)
             _lap(rs, "fetch", closed)
@@ -265,6 +266,7 @@ class Collective:
             # a member that closed another view never sends a result for ours: no use waiting out the deadline
             complete = await self._wait(rs, lambda: r.complete() or bool(self._elsewhere(r)),
                                         r.closed_at + self.cfg.result_timeout) and not self._elsewhere(r)
+            r.missed = [] if complete else [s for s in range(len(r.bounds)) if (rs.vid, s) not in rs.results]
             # Having every result does not mean everyone has ours: let our sends finish (bounded).
             await asyncio.wait(tasks, timeout=self.cfg.call_timeout)
         finally:

@@ -191,6 +191,8 @@ class Exchange:
     """Encoded size of our whole contribution (payloads sent to other owners are dropped once sent)."""
     own: dict[int, Decoded] = field(default_factory=dict)
     """Our own contribution to each span we own, decoded."""
+    missed: list[int] = field(default_factory=list)
+    """The spans whose results had not come when the round's deadline passed."""
 
     @property
     def view(self) -> tuple[PeerId, ...]:
