@@ -47,6 +47,7 @@ def test_a_loopback_point_times_rounds_of_real_peers_against_plain_tcp():
     assert 400_000 <= row["bytes_sent"] < 1.05 * 400_000, row
     assert 0 < row["tcp_s"] and 0 < row["round_s"] < 60
     assert row["of_tcp"] == pytest.approx(row["tcp_s"] / row["round_s"]) and row["daemon_s"] > 0
+    assert row["paths"] == ["direct"] and row["direct_s"] > 0  # the rounds went on the data plane, measured alone too
     assert said and "2 peers" in said[0]
     phases = row["phases_s"]  # the medians of where the peers' rounds spent their time
     assert list(phases) == ["gather", "encode", "exchange", "decide"] and phases["exchange"] > 0

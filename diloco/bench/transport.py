@@ -299,11 +299,57 @@ def median_phases(rounds: list[dict[str, float]]) -> dict[str, float]:
     return {name: statistics.median(ph[name] for ph in rounds if name in ph) for name in names}
 
 
+def direct_copy(nbytes: int, repeats: int = 3) -> float:
+    """Median seconds of one call carrying `nbytes` on the data plane (`diloco.comms.dataplane`: a direct TCP
+    connection, its handshake done once, AES-GCM records) between two endpoints of this process on loopback, with no
+    round protocol: what the direct connections alone cost (`daemon_copy`'s counterpart)."""
+    import asyncio
+
+    from diloco.comms import PeerId
+    from diloco.comms.auth import Guard, new_secret
+    from diloco.comms.dataplane import DataConfig, DirectTransport
+    from diloco.comms.identity import Identity
+    from diloco.comms.transport import InProcNetwork
+
+    async def measure() -> float:
+        net, secret = InProcNetwork(), new_secret()
+        ends = []
+        for _ in range(2):
+            me = Identity.generate()
+            end = DirectTransport(net.transport(me.peer_id), me, DataConfig(), nbytes + (1 << 20))
+            end.guard = Guard(secret, "copy", PeerId(me.peer_id))
+            ends.append(end)
+        a, b = ends
+        try:
+            async def take(caller: Any, payload: bytes) -> bytes:
+                return b"ok"
+
+            await a.register("copy", take)
+            address = await a.start()
+            b.address_of = lambda peer: address
+            data = bytes(nbytes)
+            await b.call(a.peer_id, "copy", data[:1024], 60)  # connect and warm up
+            times = []
+            for _ in range(repeats):
+                began = time.perf_counter()
+                await b.call(a.peer_id, "copy", data, 600)
+                times.append(time.perf_counter() - began)
+            if b.paths.get(a.peer_id) != "direct":
+                raise RuntimeError("the direct-call baseline went through the fallback, not the data port")
+            return statistics.median(times)
+        finally:
+            await b.close()
+            await a.close()
+
+    return asyncio.run(measure())
+
+
 def loopback(peers: int, payload_mb: float, setup: TransportSetup, say: Callable[[str], None]) -> dict[str, Any]:
     row = _rounds(peers, max(1, int(payload_mb * 1e6 / 4)), setup)
     row["tcp_s"] = statistics.median(tcp_copy(peers, int(row["bytes_sent"])) for _ in range(3))
     row["daemon_s"] = daemon_copy(int(row["bytes_sent"]))
     row["of_daemon"] = row["daemon_s"] / row["round_s"]
+    row["direct_s"] = direct_copy(int(row["bytes_sent"]))
     row["goodput_mb_s"] = row["bytes_sent"] / row["round_s"] / 1e6
     row["tcp_mb_s"] = row["bytes_sent"] / row["tcp_s"] / 1e6
     row["of_tcp"] = row["tcp_s"] / row["round_s"]
@@ -353,13 +399,15 @@ def markdown(result: dict[str, Any]) -> str:
     lines: list[str] = []
     if result["loopback"]:
         lines += ["| peers | model (fp32) | path | bytes a peer sends | round | goodput a peer | plain TCP, same bytes | "
-                  "round / plain TCP | one daemon call, same bytes | round / daemon call |",
-                  "|---|---|---|---|---|---|---|---|---|---|"]
+                  "round / plain TCP | one daemon call, same bytes | round / daemon call | one direct call, same bytes |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in result["loopback"]:
+            direct = f"{r['direct_s']:.3f} s" if "direct_s" in r else "-"
             lines.append(f"| {r['peers']} | {r['payload_bytes'] / 1e6:g} MB | {'+'.join(r.get('paths', [])) or '-'} | "
                          f"{r['bytes_sent'] / 1e6:.2f} MB | "
                          f"{r['round_s']:.3f} s | {r['goodput_mb_s']:.1f} MB/s | {r['tcp_s']:.3f} s "
-                         f"({r['tcp_mb_s']:.0f} MB/s) | {r['of_tcp']:.1%} | {r['daemon_s']:.3f} s | {r['of_daemon']:.1%} |")
+                         f"({r['tcp_mb_s']:.0f} MB/s) | {r['of_tcp']:.1%} | {r['daemon_s']:.3f} s | {r['of_daemon']:.1%} | "
+                         f"{direct} |")
     if result["wan"]:
         s = result["setup"]
         lines += ["", f"Emulated WAN: every uplink {s['rate_mbit']:g} Mbit/s, {s['delay_ms']:g} ms each way:", "",
