@@ -92,6 +92,55 @@ def test_rounds_go_direct_and_a_peer_whose_data_port_is_blocked_is_called_throug
 
 
 @pytest.mark.multiproc
+def test_strangers_at_a_data_port_are_refused_and_counted_while_the_swarm_commits(peers):
+    """While 3 real peers train, a stranger at peer 0's data port tries a handshake with another secret and sends
+    bytes that are no handshake: both are refused and counted in peer 0's final line, and every round commits
+    with all three peers."""
+    import asyncio
+
+    from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
+
+    from diloco.comms import dataplane as dp
+    from diloco.comms.auth import derive
+    from diloco.comms.identity import Identity
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    common = ["--rounds", "4", "-H", "5", "--wait-for", "3", *TINY]
+    first = peers.spawn(0, ["start", *common, "--data-port", str(port)])
+    addr = peers.address(0)
+    others = [peers.spawn(i, ["join", addr, *common]) for i in (1, 2)]
+
+    async def stranger() -> None:
+        me, own = Identity.generate(), X25519PrivateKey.generate()
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        hello = dp.client_hello(dp._public(own), secrets.token_bytes(16), me.peer_id)
+        writer.write(hello)
+        head = await reader.readexactly(4 + 32 + 1)
+        named = await reader.readexactly(head[-1] + 96)
+        t = dp.transcript(hello, head[4:36], named[:head[-1]].decode())
+        keys = dp.Keys.derive(own, head[4:36], derive(b"another secret entirely", f"data/{peers.run_id}"), t)
+        writer.write(me.sign(dp._signed("client", t)) + keys.proof(b"C", t))
+        assert await asyncio.wait_for(reader.read(), 10) == b""  # refused: closed
+        writer.close()
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n" + bytes(100))
+        assert await asyncio.wait_for(reader.read(), 10) == b""
+        writer.close()
+
+    asyncio.run(stranger())
+    for i, p in enumerate([first, *others]):
+        assert peers.wait(p, 90) == 0, peers.log(i)
+    finals = [peers.lines(i, "final")[-1] for i in range(3)]
+    assert {f["round"] for f in finals} == {4} and len({f["digest"] for f in finals}) == 1, finals
+    refused = finals[0]["auth_refused"]
+    assert refused.get("data_unauthorized") == 1 and refused.get("data_malformed") == 1, refused
+    committed = [r for i in range(3) for r in peers.lines(i, "round") if r["committed"]]
+    assert all(r["peers"] == 3 for r in committed), committed
+
+
+@pytest.mark.multiproc
 @pytest.mark.slow  # 30 s; in-process runs are deterministic under their seed too (tests/test_simulate.py)
 def test_two_runs_of_the_same_swarm_reach_the_same_state(tmp_path):
     """The global state depends on data and seeds only, not on the random peer ids that order a
