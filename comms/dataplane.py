@@ -72,7 +72,6 @@ HELLO_TIMEOUT = 5.0
 REQUEST, REPLY = 1, 2
 _LEN = struct.Struct(">I")
 _START = struct.Struct(">BQH")  # kind, body length, name length: the first record of a message
-PATHS = ("direct", "libp2p")
 REASONS = ("data_unauthorized", "data_not_allowed", "data_malformed", "data_bad_frame", "data_oversized",
            "data_wrong_peer")
 """Why the data port refused a connection or a message (counted beside the libp2p port's reasons)."""
@@ -539,5 +538,4 @@ class _NotConnected(TransportError):
     """No data connection could be opened (nothing was sent): the call may go through libp2p instead."""
 
 
-__all__ = ["DataConfig", "DataRefused", "DirectTransport", "Channel", "connect", "accept", "parse_address", "PATHS",
-           "REASONS"]
+__all__ = ["DataConfig", "DataRefused", "DirectTransport", "Channel", "connect", "accept", "parse_address", "REASONS"]
