@@ -429,27 +429,24 @@ class DirectTransport:
                 for stale in pool.idle:
                     stale.close()
                 pool.idle, pool.address = [], address
-            kept = bool(pool.idle)
-            channel = pool.idle.pop() if kept else await self._connect(peer, address)
-            try:
-                reply = await self._exchange(channel, name, payload)
-            except (OSError, asyncio.IncompleteReadError) as e:
-                channel.close()
-                if not kept or (isinstance(e, asyncio.IncompleteReadError) and e.partial):
-                    raise TransportError(f"call {name!r} to {peer} on its data port failed: {type(e).__name__}: "
-                                         f"{e}") from None
-                # a kept connection the member closed while it idled (it restarted under the same id, or dropped
-                # it): once more, on a new one
-                channel = await self._connect(peer, address)
+            channel = pool.idle.pop() if pool.idle else None
+            while True:
+                kept = channel is not None
+                if channel is None:
+                    channel = await self._connect(peer, address)
                 try:
                     reply = await self._exchange(channel, name, payload)
-                except (OSError, asyncio.IncompleteReadError) as again:
+                    break
+                except (OSError, asyncio.IncompleteReadError) as e:
                     channel.close()
-                    raise TransportError(f"call {name!r} to {peer} on its data port failed: "
-                                         f"{type(again).__name__}: {again}") from None
-            except BaseException:
-                channel.close()
-                raise
+                    if not kept or (isinstance(e, asyncio.IncompleteReadError) and e.partial):
+                        raise TransportError(f"call {name!r} to {peer} on its data port failed: "
+                                             f"{type(e).__name__}: {e}") from None
+                    channel = None  # a kept connection the member dropped while it idled (it restarted under the
+                    # same id): once more, on a new one
+                except BaseException:
+                    channel.close()
+                    raise
             pool.idle.append(channel)
         self.paths[peer] = "direct"
         return reply

@@ -43,10 +43,9 @@ def end_run(d: DiLoCo, *, completed: bool) -> None:
 def final_fields(d: DiLoCo) -> dict[str, object]:
     """What every run's final metrics line says of its worker: who, where it ended, and its topology."""
     swarm = d.member.swarm
-    paths = swarm.data_paths() if swarm is not None else {}
     return dict(peer=swarm.peer_id if swarm is not None else "", round=d.round, digest=d.digest, steps=d.steps,
                 committed_rounds=sum(r.committed for r in d.reports), **d.topology_summary(),
-                data_paths={path: sorted(p for p, how in paths.items() if how == path) for path in set(paths.values())})
+                data_paths=swarm.data_paths() if swarm is not None else {})
 
 
 def linger(d: DiLoCo, timeout: float) -> int:

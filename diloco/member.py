@@ -146,12 +146,10 @@ class Member:
             with self._publishing:
                 rnd, digest, recent = self.holding.record()
                 owed = now and not digest  # sent once the digest is known (`_publish_digest`), not twice
-                paths = self.swarm.data_paths()
                 self.swarm.update(now=now and not owed, status=status, round=rnd, attempt=s.attempt, digest=digest,
                                   step=s.steps, loss=self.loss, recent=recent, bytes_sent=sent,
                                   bytes_received=received,
-                                  utilization=round(usage.utilization, 4) if usage.steps else None,
-                                  libp2p=tuple(sorted(p for p, how in paths.items() if how == "libp2p"))[:64])
+                                  utilization=round(usage.utilization, 4) if usage.steps else None)
                 self._owed = self._owed or owed
 
     def _publish_digest(self) -> None:

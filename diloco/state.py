@@ -24,7 +24,7 @@ import struct
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Callable, Collection, Iterable, Iterator, Sequence
+from typing import Any, Callable, Collection, Iterable, Iterator, Sequence, TypeVar
 
 import msgpack
 import torch
@@ -503,13 +503,8 @@ def _hash_staged(tensors: Sequence[torch.Tensor], total: int, chunk: int, todo: 
     for k, w in enumerate(sorted(wanted)):
         buffer = buffers[k % 2]
         lo, hi = w * window, min(total, (w + 1) * window)
-        start = 0
-        for flat in flats:
-            end = start + flat.numel()
-            if end > lo and start < hi:
-                a, b = max(lo, start), min(hi, end)
-                buffer[a - lo:b - lo].copy_(flat[a - start:b - start], non_blocking=True)
-            start = end
+        for offset, piece in pieces_of(flats, lo, hi):
+            buffer[offset - lo:offset - lo + len(piece)].copy_(piece, non_blocking=True)
         copied = None
         if cuda:
             copied = torch.cuda.Event()  # type: ignore[no-untyped-call]
@@ -534,11 +529,15 @@ def _chunks_of(sizes: Sequence[int], selected: Sequence[bool], chunk: int) -> li
     return sorted(out)
 
 
-def pieces_of(views: Sequence[memoryview], lo: int, hi: int) -> Iterator[tuple[int, memoryview]]:
-    """(stream offset, slice) of every view's part that lies in the stream range [lo, hi)."""
+_Bytes = TypeVar("_Bytes", memoryview, torch.Tensor)
+
+
+def pieces_of(views: Sequence[_Bytes], lo: int, hi: int) -> Iterator[tuple[int, _Bytes]]:
+    """(stream offset, slice) of every view's part that lies in the stream range [lo, hi): the views are flat
+    bytes, memoryviews or uint8 tensors (a GPU state's, `_hash_staged`)."""
     start = 0
     for v in views:
-        end = start + v.nbytes
+        end = start + len(v)
         if end > lo and start < hi:
             a, b = max(lo, start), min(hi, end)
             yield a, v[a - start:b - start]

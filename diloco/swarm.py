@@ -321,9 +321,10 @@ class Swarm:
         """The data address `peer`'s record named when the heartbeat last read the directory ("" if none)."""
         return next((r.data for r in self._seen or () if r.peer == peer), "")
 
-    def data_paths(self) -> dict[PeerId, str]:
-        """How our last call to each peer went: "direct" (its data port) or "libp2p"."""
-        return dict(self.transport.paths) if isinstance(self.transport, DirectTransport) else {}
+    def data_paths(self) -> dict[str, list[PeerId]]:
+        """The peers our last call reached on their data port ("direct") and through libp2p ("libp2p")."""
+        paths = self.transport.paths if isinstance(self.transport, DirectTransport) else {}
+        return {how: sorted(p for p, used in paths.items() if used == how) for how in sorted(set(paths.values()))}
 
     def records(self, *, cached: bool = False) -> list[PeerRecord]:
         """Everyone's current record (ours included), as the directory shows them now; with `cached`,
@@ -382,7 +383,8 @@ class Swarm:
         if self.collective.crashed:  # a crashed peer says nothing more
             return
         banned = tuple(sorted(self.collective.banned)[:MAX_BANNED])
-        record = self._change_record(beat=time.time(), banned=banned)
+        libp2p = tuple(self.data_paths().get("libp2p", ())[:MAX_BANNED])
+        record = self._change_record(beat=time.time(), banned=banned, libp2p=libp2p)
         try:
             await self.directory.publish(record, self.cfg.heartbeat_ttl)
         except Exception as e:  # noqa: BLE001

@@ -149,6 +149,19 @@ def flushes_subnormals() -> bool:
     return float(torch.tensor([1e-39]) * torch.tensor([1.0])) == 0.0
 
 
+@contextmanager
+def subnormals_flushed(flush: bool = True) -> Iterator[None]:
+    """CPU arithmetic that flushes subnormal floats to zero (`flush`; they cost a CPU up to a third of its speed once
+    DiLoCo's weights meet them: docs/USAGE.md), for the block. The setting is the whole process's: a command that runs
+    the bundled job (every worker of a simulation at once) or a benchmark sets it for its run and restores it after."""
+    before = flushes_subnormals()
+    torch.set_flush_denormal(flush)
+    try:
+        yield
+    finally:
+        torch.set_flush_denormal(before)
+
+
 def _tell_of_subnormals(model: torch.nn.Module) -> None:
     """Once a process: a model that trains on the CPU without flushing subnormal floats is told how to (DiLoCo's
     outer steps make its arithmetic meet them, and a CPU computes them slowly: docs/USAGE.md)."""

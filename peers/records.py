@@ -111,7 +111,8 @@ def _display_fields(value: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _parse_banned(value: Any) -> tuple[PeerId, ...] | None:
+def _parse_peers(value: Any) -> tuple[PeerId, ...] | None:
+    """A list of peer ids from the network (a ban list, the members reached through libp2p), or None if malformed."""
     if not isinstance(value, list) or len(value) > MAX_BANNED:
         return None
     if not all(isinstance(p, str) and 0 < len(p) <= 128 for p in value):
@@ -143,10 +144,10 @@ def parse_record(peer: str, value: Any) -> PeerRecord | None:
         digest, step, loss = value.get("digest", ""), value.get("step", 0), value.get("loss")
         addrs, beat = value.get("addrs", []), value.get("beat", 0.0)
         recent = _parse_recent(value.get("recent", []))
-        banned = _parse_banned(value.get("banned", []))
+        banned = _parse_peers(value.get("banned", []))
         region = value.get("region", "")
         data = value.get("data", "")
-        libp2p = _parse_banned(value.get("libp2p", [])) or ()  # peer ids, as a ban list is: malformed means none
+        libp2p = _parse_peers(value.get("libp2p", [])) or ()  # peer ids, as a ban list is: malformed means none
     except (KeyError, TypeError):
         return None
     ints_ok = all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in (rnd, attempt, step))

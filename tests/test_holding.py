@@ -137,9 +137,6 @@ class _Board:
     def bytes_on_wire(self) -> tuple[int, int]:
         return 0, 0
 
-    def data_paths(self) -> dict[str, str]:
-        return {}
-
 
 def test_a_record_published_while_the_digest_is_hashed_goes_out_once_it_is_known():
     gate = _Gate()

@@ -88,7 +88,7 @@ def worker(argv: list[str]) -> None:
             if args.step_seconds:
                 time.sleep(args.step_seconds)
         swarm = d.member.swarm
-        paths = swarm.data_paths() if swarm is not None else {}
+        paths = swarm.data_paths() if swarm is not None else {}  # how the rounds' calls travelled
     rounds = [r for r in d.reports if r.committed and r.peers > 1]
     Path(args.out).write_text(json.dumps({
         "params": args.params, "base_rss_kib": base, "peak_rss_kib": round(procmem.peak_rss_mib() * 1024),
@@ -96,7 +96,7 @@ def worker(argv: list[str]) -> None:
         "bytes_received": [r.bytes_received for r in rounds], "peers": [r.peers for r in rounds],
         "phases": [r.phases for r in rounds],
         "rounds": d.round, "wall_s": time.monotonic() - started, "resyncs": sum(r.resynced for r in d.reports),
-        "paths": sorted(set(paths.values())),
+        "paths": sorted(paths),
     }))
 
 

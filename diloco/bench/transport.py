@@ -125,6 +125,23 @@ def tcp_copy(peers: int, nbytes: int, host: str = "127.0.0.1") -> float:
     return seconds
 
 
+async def _timed_calls(a: Any, b: Any, nbytes: int, repeats: int) -> float:
+    """Median seconds of `b` calling `a` with `nbytes` (a handler answering "ok"), after one small call that
+    connects and warms up: the one-call baselines of both transports."""
+    async def take(caller: Any, payload: bytes) -> bytes:
+        return b"ok"
+
+    await a.register("copy", take)
+    data = bytes(nbytes)
+    await b.call(a.peer_id, "copy", data[:1024], 60)
+    times = []
+    for _ in range(repeats):
+        began = time.perf_counter()
+        await b.call(a.peer_id, "copy", data, 600)
+        times.append(time.perf_counter() - began)
+    return statistics.median(times)
+
+
 def daemon_copy(nbytes: int, repeats: int = 3) -> float:
     """Median seconds of one call carrying `nbytes` from one libp2p daemon to another on loopback, through
     the swarm's transport (`diloco.comms.p2p`: encrypted libp2p streams, length-prefixed) with no
@@ -138,18 +155,7 @@ def daemon_copy(nbytes: int, repeats: int = 3) -> float:
         try:
             b = await P2PTransport.create(initial_peers=[str(m) for m in await a.p2p.get_visible_maddrs()])
             try:
-                async def take(caller: Any, payload: bytes) -> bytes:
-                    return b"ok"
-
-                await a.register("copy", take)
-                data = bytes(nbytes)
-                await b.call(a.peer_id, "copy", data[:1024], 60)  # dial and warm up
-                times = []
-                for _ in range(repeats):
-                    began = time.perf_counter()
-                    await b.call(a.peer_id, "copy", data, 600)
-                    times.append(time.perf_counter() - began)
-                return statistics.median(times)
+                return await _timed_calls(a, b, nbytes, repeats)
             finally:
                 await b.close()
         finally:
@@ -321,22 +327,12 @@ def direct_copy(nbytes: int, repeats: int = 3) -> float:
             ends.append(end)
         a, b = ends
         try:
-            async def take(caller: Any, payload: bytes) -> bytes:
-                return b"ok"
-
-            await a.register("copy", take)
             address = await a.start()
             b.address_of = lambda peer: address
-            data = bytes(nbytes)
-            await b.call(a.peer_id, "copy", data[:1024], 60)  # connect and warm up
-            times = []
-            for _ in range(repeats):
-                began = time.perf_counter()
-                await b.call(a.peer_id, "copy", data, 600)
-                times.append(time.perf_counter() - began)
+            seconds = await _timed_calls(a, b, nbytes, repeats)
             if b.paths.get(a.peer_id) != "direct":
                 raise RuntimeError("the direct-call baseline went through the fallback, not the data port")
-            return statistics.median(times)
+            return seconds
         finally:
             await b.close()
             await a.close()

@@ -30,7 +30,7 @@ from ..job.corpus import BatchSampler
 from ..job.model import GPTConfig, build_model
 from ..job.train import ADAMW_BETAS, WEIGHT_DECAY, JobConfig, load_corpus
 from ..outer import wait_for_gpus
-from ..wrapper import DiLoCo
+from ..wrapper import DiLoCo, subnormals_flushed
 from .devices import median_time, waiter
 
 Tick = Callable[[float, float, str], None]
@@ -68,7 +68,6 @@ def _run(setup: WrapperSetup, h: int | None, corpus: Any) -> dict[str, Any]:
     """One run: per-step times (seconds) and which steps synchronized; `h` None is the bare loop."""
     job = setup.job
     torch.set_num_threads(job.threads)
-    torch.set_flush_denormal(setup.flush_denormal)
     device = torch.device(setup.device)
     model = build_model(GPTConfig(context=job.context, d_model=job.d_model, n_layer=job.n_layer), seed=job.seed)
     model.to(device)
@@ -120,13 +119,11 @@ def run(setup: WrapperSetup, tick: Tick = lambda done, total, status: None, loop
     kinds: list[int | None] = [None, *setup.inner_steps]
     runs: dict[int | None, list[dict[str, Any]]] = {k: [] for k in kinds}
     total = setup.repeats * len(kinds)
-    try:
+    with subnormals_flushed(setup.flush_denormal):
         for r in range(setup.repeats):
             for i, kind in enumerate(kinds):
                 tick(r * len(kinds) + i, total, "bare" if kind is None else f"H={kind}")
                 runs[kind].append(_run(setup, kind, corpus))
-    finally:
-        torch.set_flush_denormal(False)  # torch's default again: the setting is the whole process's
     tick(total, total, "done")
 
     def mean(run_: dict[str, Any], only_plain: bool = False) -> float:

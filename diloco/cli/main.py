@@ -114,7 +114,8 @@ def _run_peer(initial: list[str], *, host: str, port: int, announce: Optional[Li
     from ..progress import Reporter
     from ..sinks import SinkError
     from ..swarm import Banned, Swarm, SwarmError
-    from ..job.train import run_job, subnormals_flushed
+    from ..job.train import run_job
+    from ..wrapper import subnormals_flushed
 
     raise_open_files_limit()  # before the daemon starts: it inherits the limit
     try:

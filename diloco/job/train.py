@@ -10,7 +10,6 @@ measured on the global (outer) parameters.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 import os
@@ -19,7 +18,7 @@ import time
 import zlib
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import torch
 
@@ -32,7 +31,7 @@ from ..metrics import MetricsWriter, write_failures, write_status
 from ..outer import OuterFactory, default_outer
 from ..swarm import Swarm
 from ..lifecycle import end_run, final_fields
-from ..wrapper import DiLoCo, RoundReport, flushes_subnormals
+from ..wrapper import DiLoCo, RoundReport
 from .corpus import BatchSampler, Corpus, CorpusConfig, evaluate, heldout_batches
 from .model import GPTConfig, build_model
 
@@ -288,19 +287,6 @@ def round_status(rnd: int, rounds: int, fragments: int, fragment: int, committed
         return f"{where}, not committed: {reason}"
     return (f"{where}, loss {'-' if loss is None else f'{loss:.3f}'}, {mean_bps * 8 / 1e6:.2f} Mbit/s, "
             f"{peers} peer{'s' if peers != 1 else ''}, sent {bytes_sent / 1e6:.1f} MB, recv {bytes_received / 1e6:.1f} MB")
-
-
-@contextlib.contextmanager
-def subnormals_flushed() -> Iterator[None]:
-    """The bundled job's CPU arithmetic flushes subnormal floats to zero (they cost a CPU up to a third of its speed
-    once DiLoCo's weights meet them: docs/USAGE.md). The setting is the whole process's: a command that runs the
-    job (every worker of a simulation at once) sets it for the run and restores it after."""
-    before = flushes_subnormals()
-    torch.set_flush_denormal(True)
-    try:
-        yield
-    finally:
-        torch.set_flush_denormal(before)
 
 
 def run_job(cfg: JobConfig, swarm: Swarm | None, *, metrics: MetricsWriter | None = None,

@@ -40,10 +40,10 @@ from diloco.peers.records import REGION
 
 from ..config import ConfigError, SwarmConfig
 from ..fragments import inner_steps_at
-from ..job.train import JobConfig, load_corpus, run_job, subnormals_flushed
+from ..job.train import JobConfig, load_corpus, run_job
 from ..metrics import MetricsWriter
 from ..swarm import Banned, Swarm
-from ..wrapper import DiLoCo
+from ..wrapper import DiLoCo, subnormals_flushed
 from .faults import Fault, FaultRunner, Killed, check_plan
 
 log = logging.getLogger(__name__)
