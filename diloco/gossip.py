@@ -41,8 +41,9 @@ from diloco.comms import PeerId, RoundKey
 from diloco.compression.errors import ConfigError
 from diloco.peers.membership import group_of, group_tag, groups, round_to_run  # noqa: F401  (the round's arithmetic)
 
-from .outer import flatten
+from .outer import flatten, unflatten
 from .report import RoundReport
+from .state import params_digest
 from .topology import Topology
 
 if TYPE_CHECKING:
@@ -97,6 +98,8 @@ class Gossip(Topology):
         self.clipped = 0
         """Rounds whose outer gradient we scaled down, far above our recent ones (`history_scale`)."""
         self._norms: deque[float] = deque(maxlen=HISTORY)
+        self.final = 0
+        """Peers of the run's final average we took part in (0: none, or it is still to come)."""
 
     def slot(self, started: float) -> RoundReport:
         """One synchronization slot: draw our group, average local parameters with it, step our own θ."""
@@ -138,7 +141,29 @@ class Gossip(Topology):
                              numel=numel, phases=outcome.phases)
         return m.close_round(report, outcome.seconds)
 
+    def finish(self, worker: Member) -> None:
+        """The run ends on one model: one average of every live peer's state θ_i (a single merge of locally
+        trained replicas), each peer's model and θ then the mean. Every peer of the average takes the same mean
+        (the round protocol's commit); a peer that missed it (it came after the gather closed) keeps its own
+        state, and its final line says so (`gossip_final` 0)."""
+        m = self.member
+        assert m.swarm is not None
+        outcome = m.swarm.finish_exchange(m.swarm.gossip_async(m.round, flatten(m.holding.params), everyone=True),
+                                          RoundKey(m.round))
+        if not outcome.committed:
+            log.warning("event=gossip_final_average_missed round=%d reason=%s", m.round, outcome.reason)
+            return
+        assert outcome.aggregate is not None
+        m.take_params(unflatten(outcome.aggregate.to(m.holding.device), m.holding.params), bump=False)
+        self.final = len(outcome.view)
+        log.info("event=gossip_final_average round=%d peers=%d", m.round, self.final)
+
+    def final_digest(self, worker: Member) -> str:
+        """The final model's parameters alone: the peers of the final average hold the same, each with its own
+        outer optimizer's state (so `digest`, which covers it, differs)."""
+        return params_digest(worker.holding.params)
+
     def summary(self) -> dict[str, object]:
         """What the final metrics line says of our gossip."""
         return {"topology": "gossip", "gossip_met": self.met, "gossip_solo": self.solo, "gossip_jumped": self.jumped,
-                "gossip_partners": len(self.partners), "gossip_clipped": self.clipped}
+                "gossip_partners": len(self.partners), "gossip_clipped": self.clipped, "gossip_final": self.final}

@@ -49,6 +49,7 @@ from .accounting import Accounting
 from .engine import RoundEngine
 from .fragments import StreamingConfig, partition
 from .holding import Holding
+from .lifecycle import linger
 from .member import Member
 from .outer import OuterFactory, copy_into, nesterov
 from .sitelink import SiteLink
@@ -173,6 +174,26 @@ class Regions(Topology):
             self._lead()
         else:
             self._follow(rep)
+
+    def finish(self, worker: Member) -> None:
+        """The run ends on one model: a last merge if region rounds ran since the previous one (every region's
+        representative ends its run at the same global round, so they meet), then θ_G′ everywhere: a member
+        downloads it from a representative (it holds θ_R, whose parameters are θ_G′'s, but not θ_G′'s outer
+        state), and a representative serves it while a peer of the swarm still holds an older θ_G. Every peer's
+        model then holds θ_G′'s parameters, and `final_digest` is θ_G′'s."""
+        upper, members = self.upper, worker.standing.members
+        if upper.standing.position > 0 and members:
+            self.scope.moved_to(worker.round)
+            rep = representative(members)
+            if rep == self.scope.peer_id:
+                self._lead()
+            else:
+                self._follow(rep)
+        upper.maybe_resync(time.monotonic())
+        linger(upper, self.swarm.cfg.gather_timeout)
+
+    def final_digest(self, worker: Member) -> str:
+        return self.upper.digest
 
     def _lead(self) -> None:
         worker, upper = self.worker, self.upper

@@ -435,6 +435,16 @@ class ChunkHasher:
         return Manifest(header, self.total, self.chunk, tuple(self.hashes))
 
 
+def params_digest(params: Sequence[torch.Tensor]) -> str:
+    """Short SHA-256 of parameters alone (dtype, shape and bytes of each, in order): the same model, whatever
+    outer optimizer state or round goes with it (a gossip run's final average)."""
+    h = hashlib.sha256()
+    for p in params:
+        h.update(f"{p.dtype}{tuple(p.shape)};".encode())
+        h.update(byte_view(p))
+    return h.hexdigest()[:16]
+
+
 def byte_view(t: torch.Tensor) -> memoryview:
     """The bytes of `t` as a writable memoryview of its own storage (host tensors; a GPU tensor is copied)."""
     t = t.detach()

@@ -49,7 +49,7 @@ from diloco.compression import PayloadRejected, Reason
 from diloco.compression.errors import DiLoCoError
 from diloco.peers import (Directory, PeerRecord, banned_by_majority, departed, expected_peers, quorum,
                           round_key_for, started_without, voted_out)
-from diloco.peers.membership import group_of, group_tag, regions_of, round_to_run, serving
+from diloco.peers.membership import FINAL_TAG, group_of, group_tag, regions_of, round_to_run, serving
 from diloco.peers.records import MAX_BANNED
 
 from .config import SwarmConfig
@@ -471,29 +471,34 @@ class Swarm:
 
         return self._track(go())
 
-    def gossip_async(self, my_round: int, local: torch.Tensor) -> concurrent.futures.Future[RoundOutcome]:
+    def gossip_async(self, my_round: int, local: torch.Tensor, *, everyone: bool = False,
+                     ) -> concurrent.futures.Future[RoundOutcome]:
         """Start our next gossip round (`diloco.gossip`) in the background: from fresh records, the round to run
         (ours, or the newest a live peer shows: `round_to_run`) and our group (`group_of`); then one round of the
         protocol whose view can only be members that drew the same group, averaging our local parameters
         `local` (fp32, 1-D). It commits with two members or more (its `aggregate` is the group's mean, its key
-        the round it ran); nothing is retried. `finish_exchange` collects the outcome."""
+        the round it ran); nothing is retried. `finish_exchange` collects the outcome. With `everyone`, the run's
+        final average instead: round `my_round`, every live peer of the swarm expected, one view among those that
+        came to it (`membership.FINAL_TAG`)."""
         handoff = Handoff(local)
         del local
 
         async def go() -> RoundOutcome:
             records = await self._read_records()
-            rnd = round_to_run(records, self.peer_id, my_round)
+            rnd = my_round if everyone else round_to_run(records, self.peer_id, my_round)
             banned = self.collective.banned
             peers = [r.peer for r in serving(records) if r.peer != self.peer_id and r.peer not in banned]
-            group = group_of(self.peer_id, peers, rnd, self.cfg.run_id, self.cfg.gossip_group)
+            group = tuple(sorted({*peers, self.peer_id})) if everyone else \
+                group_of(self.peer_id, peers, rnd, self.cfg.run_id, self.cfg.gossip_group)
             if len(group) < 2:
                 return RoundOutcome(RoundKey(rnd), False, "no other peer to gossip with")
 
             def admit(view: tuple[PeerId, ...]) -> tuple[bool, str]:
                 return len(view) >= 2, f"nobody of our group ({','.join(group)}) met us in time"
 
-            return await self.collective.run_round(RoundKey(rnd), group_tag(rnd, group),
-                                                   [p for p in group if p != self.peer_id], handoff, admit=admit)
+            tag = f"{FINAL_TAG}-{rnd}" if everyone else group_tag(rnd, group)
+            return await self.collective.run_round(RoundKey(rnd), tag, [p for p in group if p != self.peer_id],
+                                                   handoff, admit=admit)
 
         return self._track(go())
 

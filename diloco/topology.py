@@ -11,6 +11,8 @@ One narrow interface, driven by the engine and the wrapper at fixed points of a 
 | `after_commit(members)` | — | a merge when one is due | — |
 | `one_state`: one state for all, caught up with? | yes | yes (per region) | no: each peer its own |
 | `snapshot_info()` / `take_info(info)` | — | the merge schedule | — |
+| `finish()`: the run's one final model | — (one state already) | a final merge; θ_G′ everywhere | one average of all |
+| `final_digest()`: what every peer ends on | the state's | θ_G′'s | the averaged parameters' |
 | `summary()`, `close()` | — | merges, θ_G; leave the levels | groups met |
 
 A topology gets the worker's `Member` (its state, standing and record), never the wrapper; the swarm itself
@@ -65,6 +67,15 @@ class Topology:
 
     def take_info(self, info: dict[str, object]) -> None:
         """We downloaded a peer's state: `info` is what it told us of it."""
+
+    def finish(self, worker: Member) -> None:
+        """The run ended, its loop complete: make the one final model every peer of the run ends on (a flat swarm
+        holds one state already). `worker` is the run's worker (`Topology` of a flat swarm holds none)."""
+
+    def final_digest(self, worker: Member) -> str:
+        """The digest of the final model, the same in every peer's final line when the run ended on one: a flat
+        swarm's state (θ, the outer state, the round)."""
+        return worker.digest
 
     def summary(self) -> dict[str, object]:
         """What a run's final line says of the topology."""

@@ -272,6 +272,7 @@ class DiLoCo:
         self.topology: Topology = Topology()
         """Flat, regions or gossip: what differs between them (`diloco.topology`)."""
         self._hook: RemovableHandle | None = None
+        self._finished = False
         if given is not None:
             self._enter(given)
 
@@ -581,11 +582,23 @@ class DiLoCo:
                           str(target), metadata={"format": "pt", "diloco_round": str(self.round)})
         return target
 
+    def finish(self) -> None:
+        """End the run on one final model, every peer's: with regions a last merge (when region rounds ran since
+        the previous one) and θ_G′ taken by every peer; with gossip one average of every live peer's state (a
+        flat swarm holds one state already). The model holds the final parameters afterwards, and the final
+        line's `final_digest` names them. A run under the launcher or the CLI does this when its loop completes;
+        a script that brings its own swarm calls it as the last line of its `with` block, on every peer. Once a
+        run: a second call does nothing."""
+        if self.member.swarm is not None and not self._finished:
+            self._finished = True
+            self.flush()
+            self.topology.finish(self.member)
+
     def linger(self, timeout: float) -> int:
         """At the end of a run, before leaving: keep serving our state while a peer that is still in the swarm
         holds an older round, for at most `timeout` seconds; returns how many are still behind
-        (`diloco.lifecycle.linger`)."""
-        return linger(self, timeout)
+        (`diloco.lifecycle.linger`; 0 at once for gossip, whose peers download nobody's final state)."""
+        return linger(self.member, timeout) if self.topology.one_state else 0
 
     # ------------------------------------------------------------------ checkpoints
 

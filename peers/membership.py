@@ -236,6 +236,11 @@ def group_of(me: PeerId, peers: Sequence[PeerId], rnd: int, run_id: str, size: i
     return next(g for g in groups([*peers, me], rnd, run_id, size) if me in g)
 
 
+FINAL_TAG = "gossip-final"
+"""What every peer says it holds when it gathers for a gossip run's final average (one view of all that came, under
+round `FINAL_TAG-R`; a group's tag never reads so)."""
+
+
 def group_tag(rnd: int, group: Sequence[PeerId]) -> str:
     """What a group's members say they hold when they gather (the round protocol closes a view among peers that
     say the same): members that drew different groups never mix."""

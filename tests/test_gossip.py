@@ -134,7 +134,7 @@ class _Lab:
                                                     bootstrapped=True)
 
     def worker(self, peer: str, rounds: int, barrier: threading.Barrier | None = None, *,
-               stop: threading.Event | None = None):
+               stop: threading.Event | None = None, finish: bool = False):
         def run() -> None:
             model = copy.deepcopy(self.base)
             opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -152,6 +152,8 @@ class _Lab:
                     opt.zero_grad()
                     k += 1
                     time.sleep(0.01)
+                if finish:
+                    d.finish()
         return run
 
     def close(self) -> None:
@@ -165,10 +167,10 @@ class _Lab:
         return max(float((flat[a] - flat[b]).norm()) for a, b in combinations(sorted(flat), 2))
 
 
-def _run(lab: _Lab, rounds: int) -> None:
+def _run(lab: _Lab, rounds: int, finish: bool = False) -> None:
     barrier = threading.Barrier(len(lab.peers), timeout=20)
     try:
-        _run_threads([lab.worker(p, rounds, barrier) for p in lab.peers], [barrier])
+        _run_threads([lab.worker(p, rounds, barrier, finish=finish) for p in lab.peers], [barrier])
     finally:
         lab.close()
 
@@ -190,6 +192,33 @@ def test_four_peers_meet_in_changing_pairs_and_stay_closer_together_than_peers_a
     assert len({d.digest for d in w.values()}) == 4
     # ... but averaging pulls them together: far closer than the same peers training alone
     assert lab.spread() < 0.5 * alone.spread(), (lab.spread(), alone.spread())
+
+
+def test_the_run_ends_on_one_model_the_average_of_every_peers_state():
+    """`finish()` (a launched run's end calls it): one average of all four peers' states, taken by every peer: one
+    model, the mean of the states they held, in every peer's model and θ; each keeps its own outer state."""
+    peers = ["p1", "p2", "p3", "p4"]
+    lab = _Lab(peers)
+    before: dict[str, list[torch.Tensor]] = {}
+    real_finish = DiLoCo.finish
+
+    def finish(d: DiLoCo) -> None:  # the states as they were when each peer's loop ended
+        before[d.member.swarm.peer_id] = [t.clone() for t in d.state.params]
+        real_finish(d)
+
+    DiLoCo.finish = finish  # type: ignore[method-assign]
+    try:
+        _run(lab, 4, finish=True)
+    finally:
+        DiLoCo.finish = real_finish  # type: ignore[method-assign]
+    w = lab.workers
+    assert all(d.gossip.final == 4 for d in w.values()), {p: d.gossip.final for p, d in w.items()}
+    assert len({d.topology.final_digest(d.member) for d in w.values()}) == 1
+    mean = [torch.stack(ts).mean(0) for ts in zip(*before.values())]
+    for d in w.values():
+        assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(d.state.params, mean))
+        assert all(torch.equal(p.detach(), t) for p, t in zip(d.model.parameters(), d.state.params))
+    assert len({d.digest for d in w.values()}) == 4  # the outer optimizers' states stay each peer's own
 
 
 def test_a_crashed_partner_costs_a_solo_round_and_the_others_go_on_and_a_joiner_takes_a_peers_state():

@@ -371,8 +371,8 @@ def test_a_launched_site_logs_to_tensorboard_and_wandb_from_its_leader_only(site
 @pytest.mark.timeout(300)
 def test_your_script_under_the_launcher_trains_in_regions(sites):
     """`diloco start/join --region R -- python train.py`: the script's one line (`DiLoCo(model, opt)`) finds its
-    region in the launcher's environment; two regions of one site each merge into one global state, and each
-    merge is a row of the site's metrics (docs/REGIONS.md)."""
+    region in the launcher's environment; two regions of one site each merge into one global state, each merge
+    is a row of the site's metrics (docs/REGIONS.md), and the run ends on one model in both (`final_digest`)."""
     rounds = ["--rounds", "6", "--inner-steps", "5"]
     sites.launch(0, ["start", "--wait-for", "2", "--region", "eu", "--merge-every", "2"], [sys.executable, SCRIPT, *rounds])
     addr = sites.address(0)
@@ -383,6 +383,7 @@ def test_your_script_under_the_launcher_trains_in_regions(sites):
     finals = [sites.lines(i, "final")[-1] for i in range(2)]
     assert [f["region"] for f in finals] == ["eu", "us"]
     assert finals[0]["global_digest"] == finals[1]["global_digest"] and finals[0]["global_round"] >= 1, finals
+    assert finals[0]["final_digest"] == finals[1]["final_digest"] == finals[0]["global_digest"], finals
     merges = [r for i in range(2) for r in sites.lines(i, "round") if r["merge"]]
     assert merges and all(r["committed"] and r["peers"] == 2 for r in merges), merges
 
@@ -392,7 +393,7 @@ def test_your_script_under_the_launcher_trains_in_regions(sites):
 def test_your_script_under_the_launcher_gossips(sites):
     """`diloco start/join --topology gossip -- python train.py`: the script's one line finds the topology in the
     launcher's environment and its rounds average with its partner (docs/GOSSIP.md). Two peers are one group
-    every round, so each round that met gives both the same mean."""
+    every round, so each round that met gives both the same mean; the run ends on one model, their average."""
     rounds = ["--rounds", "6", "--inner-steps", "5"]
     flags = ["--wait-for", "2", "--topology", "gossip", "--compression", "fp32"]
     sites.launch(0, ["start", *flags], [sys.executable, SCRIPT, *rounds])
@@ -401,6 +402,7 @@ def test_your_script_under_the_launcher_gossips(sites):
         assert proc.wait(timeout=240) == 0, sites.log(i)
     finals = [sites.lines(i, "final")[-1] for i in range(2)]
     assert all(f["topology"] == "gossip" and f["round"] >= 6 and f["gossip_met"] >= 4 for f in finals), finals
+    assert all(f["gossip_final"] == 2 for f in finals) and finals[0]["final_digest"] == finals[1]["final_digest"]
     rows = [r for i in range(2) for r in sites.lines(i, "round")]
     assert all(r["peers"] == 2 for r in rows if r["committed"]), rows
 

@@ -488,10 +488,11 @@ def test_demo_reports_agreement_memory_and_round_time(tmp_path):
 @pytest.mark.multiproc
 def test_two_regions_of_real_peers_merge_into_one_global_state(peers):
     """Two regions of two `diloco start/join --region` processes each: region rounds inside each region, a
-    merge every 2 of them by one representative per region (docs/REGIONS.md). Every peer ends on the same
-    global state, every member of a region on its region's state, and the run ends on a merge, so all four
-    evaluate the same model."""
-    common = ["--rounds", "6", "-H", "5", "--merge-every", "2", "--wait-for", "4", *TINY]
+    merge every 2 of them by one representative per region (docs/REGIONS.md); a merge is a region round of its
+    own (rounds 3 and 6), so a run to round 7 ends one region round past a merge: the run's end merges once more
+    (round 8). Every peer ends on the same global state, every member of a region on its region's state, and
+    all four on one final model (`final_digest`), which they evaluate alike."""
+    common = ["--rounds", "7", "-H", "5", "--merge-every", "2", "--wait-for", "4", *TINY]
     first = peers.spawn(0, ["start", "--region", "eu", *common])
     addr = peers.address(0)
     others = [peers.spawn(i, ["join", addr, "--region", region, *common]) for i, region in ((1, "eu"), (2, "us"), (3, "us"))]
@@ -503,11 +504,12 @@ def test_two_regions_of_real_peers_merge_into_one_global_state(peers):
     glob = {(f["global_round"], f["global_digest"]) for f in finals}
     assert len(glob) == len({r for r, _ in glob}), finals
     for a, b in ((0, 1), (2, 3)):
-        assert finals[a]["round"] == finals[b]["round"] == 6 and finals[a]["digest"] == finals[b]["digest"], finals
+        assert finals[a]["round"] == finals[b]["round"] == 8 and finals[a]["digest"] == finals[b]["digest"], finals
     assert all(f["merges"] >= 1 for f in finals), finals  # the regions merged: every member took a merge
-    assert {f["region"] for f in finals if f["global_round"] >= 1} == {"eu", "us"}  # by one representative each
-    if all(f["merges_skipped"] == 0 for f in finals):  # the run ended on a merge: every peer holds one model
-        assert len({f["eval_loss"] for f in finals}) == 1, finals
+    # the final merge: every peer holds θ_G′ (members downloaded it), its parameters in every model
+    assert len({(f["global_round"], f["global_digest"], f["final_digest"]) for f in finals}) == 1, finals
+    assert finals[0]["global_digest"] == finals[0]["final_digest"] and finals[0]["global_round"] >= 2, finals
+    assert len({f["eval_loss"] for f in finals}) == 1, finals
     assert all(f["rejections"] == {} and f["records_dropped"] == {} for f in finals), finals
     # the region rounds ran inside each region: two peers each
     rows = [r for i in range(4) for r in peers.lines(i, "round")]
@@ -523,7 +525,8 @@ def test_four_real_peers_gossip_in_pairs_without_an_all_reduce(peers):
     """Four `diloco start/join --topology gossip` processes (docs/GOSSIP.md): each round every peer averages its
     local parameters with the partner the round number draws for it, and steps its own state. Rounds that met
     ran between two peers only; each peer holds its own state (its own digest). A round whose partner drew
-    another group (records that disagree while peers start) runs alone: most rounds still meet."""
+    another group (records that disagree while peers start) runs alone: most rounds still meet. The run ends on
+    one model: the four states' average, taken by every peer (`gossip_final`, `final_digest`)."""
     common = ["--rounds", "6", "-H", "5", "--topology", "gossip", "--compression", "fp32", "--wait-for", "4", *TINY]
     first = peers.spawn(0, ["start", *common])
     addr = peers.address(0)
@@ -532,7 +535,10 @@ def test_four_real_peers_gossip_in_pairs_without_an_all_reduce(peers):
         assert peers.wait(p, 120) == 0, peers.log(i)
     finals = [peers.lines(i, "final")[-1] for i in range(4)]
     assert all(f["topology"] == "gossip" and f["round"] >= 6 for f in finals), finals
-    assert len({f["digest"] for f in finals}) == 4  # no global state: one per peer
+    assert len({f["digest"] for f in finals}) == 4  # no global state: one per peer (each its own outer state) ...
+    # ... and one final model, the average of the four, evaluated alike
+    assert all(f["gossip_final"] == 4 for f in finals) and len({f["final_digest"] for f in finals}) == 1, finals
+    assert len({f["eval_loss"] for f in finals}) == 1, finals
     assert all(f["gossip_met"] >= 1 for f in finals) and sum(f["gossip_met"] for f in finals) >= 12, finals
     assert all(f["gossip_clipped"] == 0 for f in finals), finals  # honest rounds are never scaled down
     assert max(f["gossip_partners"] for f in finals) >= 2, finals  # the pairs change from round to round

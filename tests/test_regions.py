@@ -96,7 +96,7 @@ class _Lab:
         self.base = _mlp(5)
 
     def worker(self, peer: str, rounds: int, barrier: threading.Barrier | None = None, *,
-               pace: float = 0.01, stop: threading.Event | None = None, leave: bool = False):
+               pace: float = 0.01, stop: threading.Event | None = None, leave: bool = False, finish: bool = False):
         def run() -> None:
             model = copy.deepcopy(self.base)
             opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -113,6 +113,8 @@ class _Lab:
                     opt.zero_grad()
                     k += 1
                     time.sleep(pace)
+                if finish:
+                    d.finish()
             if leave:
                 self.swarms[peer].close()  # says it left, in the swarm's records and in its region's
         return run
@@ -146,6 +148,30 @@ def test_two_regions_hold_one_state_per_region_round_and_one_global_state_per_me
     # ... and every member took each merge: its representative's region state, whose parameters are θ_G′
     assert all(d.regions.merges >= 2 for d in w.values()), {p: d.regions.merges for p, d in w.items()}
     assert all(torch.equal(a, b) for a, b in zip(w["b2"].state.params, uppers["b1"].state.params))
+
+
+@pytest.mark.parametrize("rounds, merges", [(4, 2), (3, 1)])
+def test_a_run_ends_on_one_model_a_final_merge_taken_by_every_peer(rounds, merges):
+    """`finish()` (a launched run's end calls it). A merge is a region round of its own: two region rounds, the
+    merge (round 3), one more region round (round 4) and the loop ends one region round past the merge: the
+    representatives merge a last time. A loop to round 3 ends on the merge: nobody merges again. Either way every
+    peer ends holding θ_G′, members too (they held the region state only), and its parameters in the model."""
+    lab = _Lab({"a1": "eu", "a2": "eu", "b1": "us", "b2": "us"}, merge_every=2)
+    barrier = threading.Barrier(4, timeout=20)
+    try:
+        _run_threads([lab.worker(p, rounds, barrier, finish=True) for p in lab.regions], [barrier])
+    finally:
+        lab.close()
+    w = lab.workers
+    uppers = {p: d.regions.upper for p, d in w.items()}
+    assert len({u.digest for u in uppers.values()}) == 1, {p: (u.round, u.digest) for p, u in uppers.items()}
+    assert len({d.topology.final_digest(d.member) for d in w.values()}) == 1
+    assert all(u.round == merges for u in uppers.values()), {p: u.round for p, u in uppers.items()}
+    assert all(d.regions.merges == merges and d.regions.skipped == 0 for d in w.values())
+    theta_g = uppers["a1"].state.params
+    for d in w.values():
+        assert all(torch.equal(a, b) for a, b in zip(d.state.params, theta_g))
+        assert all(torch.equal(p.detach(), t) for p, t in zip(d.model.parameters(), theta_g))
 
 
 def test_a_merge_does_not_wait_for_a_peer_that_went_on_standby_after_it_began():
