@@ -10,6 +10,7 @@ command's environment, and how the wrapper turns it back into a swarm peer.
 | `DILOCO_METRICS` | a JSON-lines file for the wrapper's round and final lines (only with `--metrics`) |
 | `DILOCO_TENSORBOARD`, `DILOCO_WANDB` | a TensorBoard directory and a W&B project for the same events (only with `--tensorboard` / `--wandb`; `diloco.sinks`) |
 | `DILOCO_CHECKPOINT_DIR`, `DILOCO_CHECKPOINT_EVERY` | checkpoints (only with `--checkpoint-dir`): the wrapper resumes from the newest one when it attaches |
+| `DILOCO_SHARD` | the site's data shard when `--shard N` was given (`DiLoCo.data_shard` reads it; otherwise derived from the site's peer id, which the launcher keeps across restarts) |
 | `DILOCO_RESTART` | how many times the launcher restarted the command (0 the first time) |
 | `DILOCO_LAUNCH_ID` | tags every process of one launch, so that nothing outlives the launcher |
 
@@ -23,6 +24,7 @@ import dataclasses
 import json
 import logging
 import os
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping
@@ -41,10 +43,22 @@ SWARM, SECRET_FILE, ADDRESS_FILE, PEERS_FILE = "DILOCO_SWARM", "DILOCO_SECRET_FI
     "DILOCO_PEERS_FILE"
 METRICS, CHECKPOINT_DIR, CHECKPOINT_EVERY = "DILOCO_METRICS", "DILOCO_CHECKPOINT_DIR", "DILOCO_CHECKPOINT_EVERY"
 TENSORBOARD, WANDB = "DILOCO_TENSORBOARD", "DILOCO_WANDB"
-RESTART, LAUNCH_ID = "DILOCO_RESTART", "DILOCO_LAUNCH_ID"
+RESTART, LAUNCH_ID, SHARD = "DILOCO_RESTART", "DILOCO_LAUNCH_ID", "DILOCO_SHARD"
 WAIT_TIMEOUT = 120.0  # seconds a launched worker waits for `wait_for` peers, then trains with whoever is there
 ALL = (SWARM, SECRET_FILE, ADDRESS_FILE, PEERS_FILE, METRICS, TENSORBOARD, WANDB, CHECKPOINT_DIR, CHECKPOINT_EVERY,
-       RESTART, LAUNCH_ID)
+       RESTART, LAUNCH_ID, SHARD)
+SHARDS = 100_000
+"""Data shards a peer id is spread over when none is given (`data_shard`)."""
+
+
+def data_shard(peer: str, given: int | None = None) -> int:
+    """A worker's data shard: `given` (`--shard N`), else one drawn from its peer id (stable while the id is:
+    across a launcher's restarts, or with `--identity`), so that workers read different data without agreeing on
+    anything; 0 for a worker with no swarm."""
+    if given is not None:
+        return given
+    return zlib.crc32(peer.encode()) % SHARDS if peer else 0
+
 
 
 @dataclass(frozen=True)
@@ -68,6 +82,8 @@ class Launch:
     checkpoint_dir: str | None = None
     checkpoint_every: int = 0
     restart: int = 0
+    shard: int | None = None
+    """The site's data shard, when given (`--shard N`)."""
     extra: Mapping[str, str] = field(default_factory=dict)
     """Other variables to set (the launch id)."""
 
@@ -82,6 +98,8 @@ class Launch:
                             (CHECKPOINT_DIR, self.checkpoint_dir)):
             if value:
                 env[name] = value
+        if self.shard is not None:
+            env[SHARD] = str(self.shard)
         return env
 
     @classmethod
@@ -98,6 +116,7 @@ class Launch:
             swarm = SwarmConfig(**settings)
             every = int(env.get(CHECKPOINT_EVERY, "0"))
             restart = int(env.get(RESTART, "0"))
+            shard = int(env[SHARD]) if env.get(SHARD) else None
         except (ValueError, TypeError, KeyError) as e:
             raise ConfigError(f"{SWARM} (set by `diloco start/join -- CMD`) is malformed: {e}; run the command "
                               "under the launcher of the same diloco version, or unset the variable") from None
@@ -107,7 +126,7 @@ class Launch:
                    port=int(connect["port"]), announce=tuple(connect["announce"] or ()), wait_for=int(connect["wait_for"]),
                    address_file=env.get(ADDRESS_FILE), peers_file=env.get(PEERS_FILE), metrics=env.get(METRICS),
                    sinks=SinkConfig(tensorboard=env.get(TENSORBOARD) or None, wandb=env.get(WANDB) or None),
-                   checkpoint_dir=env.get(CHECKPOINT_DIR), checkpoint_every=every, restart=restart)
+                   checkpoint_dir=env.get(CHECKPOINT_DIR), checkpoint_every=every, restart=restart, shard=shard)
 
     @property
     def records_metrics(self) -> bool:

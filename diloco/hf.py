@@ -15,7 +15,9 @@ that gradient accumulation or an overflowing fp16 step skips is not counted as a
 training ends, the exchange in flight is applied and a launched worker leaves the swarm.
 
 The learning-rate schedule, gradient clipping, mixed precision, logging and the Trainer's own
-checkpoints stay the Trainer's. Evaluate the global model with
+checkpoints stay the Trainer's; a Trainer that joins a running swarm steps its scheduler to the swarm's step
+(`DiLoCo.swarm_step`) when training begins, so its warmup and decay continue the swarm's instead of starting
+over. Evaluate the global model with
 `with callback.diloco.global_weights(): trainer.evaluate()`.
 
 `accelerate` loops need nothing special: `model, optimizer = accelerator.prepare(model, optimizer)`,
@@ -26,6 +28,7 @@ Needs the `hf` extra: `pip install "diloco[hf]"`.
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 try:
@@ -47,13 +50,24 @@ class DiLoCoCallback(TrainerCallback):
         """The wrapper, once training began (its `round`, `digest`, `reports`, `global_weights()`)."""
 
     def on_train_begin(self, args: Any, state: Any, control: Any, *, model: Any = None, optimizer: Any = None,
-                       **_: Any) -> None:
+                       lr_scheduler: Any = None, **_: Any) -> None:
         if model is None or optimizer is None:
             raise UsageError("DiLoCoCallback needs the Trainer's model and optimizer when training begins; "
                                "pass it in Trainer(callbacks=[...]) rather than calling it yourself")
         self.diloco = DiLoCo(model, optimizer, inner_steps=self.inner_steps, **self.kwargs)
         self.diloco.attach()
+        if lr_scheduler is not None:
+            fast_forward(lr_scheduler, self.diloco.swarm_step - state.global_step)
 
     def on_train_end(self, args: Any, state: Any, control: Any, **_: Any) -> None:
         if self.diloco is not None:
             self.diloco.detach()
+
+
+def fast_forward(scheduler: Any, steps: int) -> None:
+    """Step a torch lr `scheduler` `steps` times without optimizer steps: a joiner's schedule continues from the
+    swarm's step (torch's warning that the scheduler stepped before the optimizer is beside the point here)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step()`")
+        for _ in range(max(0, steps)):
+            scheduler.step()

@@ -49,6 +49,15 @@ class Standing:
     majority of them (`SwarmConfig.majority`)."""
     stragglers: set[PeerId] = field(default_factory=set)
     """Peers the last rounds went on without: asked, taken in when ready in time, not waited for."""
+    offset: int = 0
+    """Inner steps the swarm had taken that we did not: a state we downloaded comes with its source's step count
+    (`swarm_step`), so a joiner's schedule continues where the swarm's is, not from 0."""
+
+    @property
+    def swarm_step(self) -> int:
+        """The swarm's inner step, as this worker counts it: its own steps, plus those the swarm took before it
+        joined (or while it was behind: the source of the last state it downloaded)."""
+        return self.steps + self.offset
 
     @property
     def position(self) -> int:
@@ -170,7 +179,7 @@ class Member:
     def snapshot_info(self) -> dict[str, object]:
         """What a peer downloading our state learns with it: our place in the schedule, the last members, and
         what the topology adds (a region's place in its merge schedule)."""
-        info: dict[str, object] = {"position": self.standing.position,
+        info: dict[str, object] = {"position": self.standing.position, "swarm_step": self.standing.swarm_step,
                                    "members": ",".join(self.standing.members or ())}
         return {**info, **(self.topology.snapshot_info() if self.topology is not None else {})}
 
@@ -252,9 +261,11 @@ class Member:
         s = self.standing
         s.attempt, s.stragglers = 0, set()
         self._on_download()
-        position, members = info.get("position"), info.get("members")
+        position, members, step = info.get("position"), info.get("members"), info.get("swarm_step")
         if isinstance(position, int) and not isinstance(position, bool):
             self.place(position)  # take the source's place: our next slot is its next slot
+        if isinstance(step, int) and not isinstance(step, bool) and 0 <= step < 1 << 62:
+            s.offset = step - s.steps  # the swarm's step: a schedule (the lr's) continues from the source's
         if isinstance(members, str) and members:
             s.members = tuple(PeerId(m) for m in members.split(",")[:4096] if m)
         if self.topology is not None:

@@ -156,7 +156,7 @@ class Checkpoints:
 
     def _meta(self) -> dict[str, Any]:
         s = self.member.standing
-        return {"schema": self.member.schema, "steps": s.steps, "position": s.position,
+        return {"schema": self.member.schema, "steps": s.steps, "swarm_step": s.swarm_step, "position": s.position,
                 "members": ",".join(s.members or ()), "compression": self.compression, "aliases": self.aliases}
 
     def write_beside(self, keep: int = 3) -> None:
@@ -232,6 +232,9 @@ class Checkpoints:
             s.steps = steps
             s.last_slot = steps - (position if isinstance(position, int) and not isinstance(position, bool)
                                    else steps) % engine.period
+            swarm_step = loaded.meta.get("swarm_step")
+            if isinstance(swarm_step, int) and not isinstance(swarm_step, bool) and swarm_step >= steps:
+                s.offset = swarm_step - steps
         # The saved membership is not restored: a restarted peer has a new peer id, so it could never be a
         # majority of its old round. A running swarm's state (and members) arrive with the catch-up.
         s.members = None

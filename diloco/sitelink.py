@@ -102,7 +102,8 @@ class SiteLink:
         state: dict[str, object] = {"incoming": self.incoming is not None} if self.shards is not None else \
             {"state": member.holding.state.to_bytes()}
         s = member.standing
-        return {**state, "steps": s.steps, "last_slot": s.last_slot, "attempt": s.attempt, "members": s.members}
+        return {**state, "steps": s.steps, "last_slot": s.last_slot, "attempt": s.attempt, "members": s.members,
+                "offset": s.offset}
 
     def take(self, member: Member, taken: dict[str, Any]) -> None:
         """A site rank other than the leader: start from the leader's state and place in the schedule."""
@@ -113,7 +114,7 @@ class SiteLink:
             copy_into(member.local(), member.holding.params)
         s = member.standing
         s.steps, s.last_slot = int(taken["steps"]), int(taken["last_slot"])
-        s.attempt, s.members = int(taken["attempt"]), taken["members"]
+        s.attempt, s.members, s.offset = int(taken["attempt"]), taken["members"], int(taken["offset"])
 
     def took(self, member: Member, taken: dict[str, Any]) -> None:
         """The leader adopted a new state (`taken`: what it handed out): the other ranks take it, and on an FSDP2

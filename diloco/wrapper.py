@@ -60,7 +60,7 @@ from .accounting import Accounting, Usage
 from .catchup import CatchUp
 from .compression.errors import ConfigError, UsageError
 from .engine import RoundEngine
-from .environment import WAIT_TIMEOUT, Launch
+from .environment import WAIT_TIMEOUT, Launch, data_shard
 from .fragments import HSchedule, StreamingConfig, check_h_schedule, check_schedule, partition
 from .gossip import Gossip
 from .holding import Holding
@@ -139,6 +139,17 @@ def _canonical(name: str) -> str:
     while name.startswith(("module.", "_orig_mod.")):
         name = name.split(".", 1)[1]
     return name
+
+
+def _unwrapped(model: torch.nn.Module) -> torch.nn.Module:
+    """The model inside the wrappers whose prefixes `_canonical` drops (DDP's `.module`, torch.compile's
+    `._orig_mod`): what a user's `load_state_dict` and `from_pretrained` expect."""
+    while True:
+        inner = getattr(model, "module", None) if isinstance(model, torch.nn.parallel.DistributedDataParallel) \
+            else getattr(model, "_orig_mod", None)
+        if not isinstance(inner, torch.nn.Module):
+            return model
+        model = inner
 
 
 _TOLD_OF_SUBNORMALS = False
@@ -273,6 +284,7 @@ class DiLoCo:
         """Flat, regions or gossip: what differs between them (`diloco.topology`)."""
         self._hook: RemovableHandle | None = None
         self._finished = False
+        self._data_shard = data_shard("", self.launch.shard if self.launch else None)
         if given is not None:
             self._enter(given)
 
@@ -330,6 +342,22 @@ class DiLoCo:
     @property
     def steps(self) -> int:
         return self.member.standing.steps
+
+    @property
+    def swarm_step(self) -> int:
+        """The swarm's inner step: `steps` for a worker that trained from the start; a joiner (or a worker that fell
+        behind and downloaded the state) continues from the step of the peer whose state it took. Set a schedule
+        from it (the inner lr's: `lr_at(d.swarm_step)`) and a late joiner continues the swarm's, not its own from 0.
+        Every rank of a site reads the same."""
+        return self.member.standing.swarm_step
+
+    @property
+    def data_shard(self) -> int:
+        """This worker's data shard, the same on every rank of a site: `diloco start/join --shard N` under the
+        launcher, else drawn from the worker's peer id (stable across the launcher's restarts; 0 without a swarm).
+        Seed the site's data order with it (and split it among the site's ranks as usual), so that workers read
+        different data without agreeing on anything (`diloco.environment.data_shard`)."""
+        return self._data_shard
 
     @property
     def members(self) -> tuple[PeerId, ...] | None:
@@ -437,6 +465,9 @@ class DiLoCo:
         A swarm that cannot be caught up with in time is not an error: training starts from our own state and
         resynchronizes at the first slot (the report says so)."""
         taken = self.link.agree(self._join)
+        shard = taken.pop("shard")
+        assert isinstance(shard, int)
+        self._data_shard = shard
         if self.site is not None and not self.site.leader:
             self.link.follows = bool(taken.pop("swarm"))
             self.link.take(self.member, taken)
@@ -463,9 +494,11 @@ class DiLoCo:
             if self.launch is not None and self.launch.wait_for > 1:  # `--wait-for N`: hold the first step
                 seen = self.topology.whole(member.swarm).wait_for_peers(self.launch.wait_for, WAIT_TIMEOUT)
                 log.info("event=peers_present count=%d wanted=%d", seen, self.launch.wait_for)
+        shard = data_shard(member.swarm.peer_id if member.swarm is not None else "",
+                           self.launch.shard if self.launch else None)
         if self.site is None:
-            return {}
-        return {"swarm": member.swarm is not None, **self.link.handed_out(member)}
+            return {"shard": shard}
+        return {"swarm": member.swarm is not None, "shard": shard, **self.link.handed_out(member)}
 
     def detach(self, *, completed: bool = True) -> None:
         """Unhook the optimizer after applying the exchange still in flight, if any (`flush`). When the loop
@@ -565,8 +598,9 @@ class DiLoCo:
         if not self.link.talks:
             return None
         target = Path(path)
+        model = _unwrapped(self.model)  # the user's model, as they load it (not DDP's or torch.compile's wrapper)
         with self.global_weights():
-            saver = getattr(self.model, "save_pretrained", None)
+            saver = getattr(model, "save_pretrained", None)
             if callable(saver):
                 saver(str(target))
             else:
@@ -578,7 +612,7 @@ class DiLoCo:
                 target.parent.mkdir(parents=True, exist_ok=True)
                 # every name, a tied tensor under each (copied: the format stores no shared memory), so that a
                 # plain load_state_dict(strict=True) takes it
-                save_file({k: v.detach().cpu().clone().contiguous() for k, v in self.model.state_dict().items()},
+                save_file({k: v.detach().cpu().clone().contiguous() for k, v in model.state_dict().items()},
                           str(target), metadata={"format": "pt", "diloco_round": str(self.round)})
         return target
 

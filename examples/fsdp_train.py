@@ -34,7 +34,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=10, help="train until the global round reaches this")
     ap.add_argument("--inner-steps", type=int, default=20, help="H: inner steps per round")
     ap.add_argument("--lr", type=float, default=3e-3)
-    ap.add_argument("--seed", type=int, default=None, help="data seed (default: from the process id)")
+    ap.add_argument("--seed", type=int, default=None, help="data seed (default: from the site's data shard)")
     ap.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                     help="auto: a GPU per rank if this machine has enough, else the CPU")
     args = ap.parse_args()
@@ -52,10 +52,10 @@ def main() -> None:
         fully_shard(model)
     rank = dist.get_rank() if distributed else 0
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
-    data = batches(args.seed if args.seed is not None else os.getpid() + rank)
     loss = torch.tensor(float("nan"))  # no step at all if the swarm is already past --rounds when we join
 
     with diloco.DiLoCo(model, opt, inner_steps=args.inner_steps) as d:   # the one DiLoCo line
+        data = batches(args.seed if args.seed is not None else d.data_shard * 1000 + rank)  # each site its own data
         while d.round < args.rounds:
             x, y = (t.to(device, non_blocking=True) for t in next(data))
             loss = torch.nn.functional.mse_loss(model(x), y)

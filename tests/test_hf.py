@@ -56,6 +56,41 @@ def test_a_trainer_with_the_callback_is_a_diloco_worker(tmp_path):
 
 
 @pytest.mark.swarm
+def test_a_trainer_that_joins_late_continues_the_swarms_lr_schedule(tmp_path, monkeypatch):
+    """A worker whose attach took a state 12 steps into the swarm (as a joiner's download does): the Trainer's
+    scheduler starts at the swarm's step 12, where a worker that trained from the start is."""
+    attach = DiLoCo.attach
+
+    def joined(d: DiLoCo) -> None:
+        attach(d)
+        d.member.standing.offset = 12  # what a download from a peer 12 steps in sets
+
+    monkeypatch.setattr(DiLoCo, "attach", joined)
+    lrs: list[float] = []
+
+    def trainer(callbacks: list) -> Trainer:
+        return Trainer(model=build("gpt2"), train_dataset=Counting(256, 0), callbacks=callbacks,
+                       args=TrainingArguments(output_dir=str(tmp_path), max_steps=20, per_device_train_batch_size=4,
+                                              learning_rate=3e-3, warmup_steps=10, lr_scheduler_type="cosine",
+                                              report_to=[], save_strategy="no", use_cpu=True, disable_tqdm=True))
+
+    callback = DiLoCoCallback(inner_steps=5)
+    t = trainer([callback])
+    t.create_optimizer_and_scheduler(num_training_steps=20)
+    callback.on_train_begin(t.args, t.state, t.control, model=t.model, optimizer=t.optimizer,
+                            lr_scheduler=t.lr_scheduler)
+    lrs.append(t.lr_scheduler.get_last_lr()[0])
+    reference = trainer([])
+    reference.create_optimizer_and_scheduler(num_training_steps=20)
+    for _ in range(12):
+        reference.optimizer.step()
+        reference.lr_scheduler.step()
+    assert callback.diloco.swarm_step == 12
+    assert lrs == [reference.lr_scheduler.get_last_lr()[0]] and lrs[0] != 3e-3 * 1 / 10
+    callback.diloco.detach()
+
+
+@pytest.mark.swarm
 def test_an_accelerate_loop_with_the_wrapper():
     """Llama through accelerate's prepare, with its gradient accumulation: the wrapper hooks the torch
     optimizer inside AcceleratedOptimizer, so a micro-batch without an optimizer step is no inner step."""

@@ -10,15 +10,19 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import secrets
 import signal
 import subprocess
 import sys
 import time
+import zlib
 from pathlib import Path
 
 import psutil
 import pytest
+import torch
+from safetensors.torch import load_file
 
 from cli_util import invoke, refuse_to_start
 
@@ -112,11 +116,15 @@ def sites(tmp_path):
 def test_sites_of_one_two_and_three_ranks_train_together_on_one_digest(sites):
     """Three sites, one a lone process and two torchrun groups (2 ranks with DDP, 3 ranks with FSDP2, over
     gloo), train one model together: every rank of every site ends on the same global-state digest, and
-    each site puts one replica's worth of encoded pseudo-gradient on the WAN, like the lone process."""
+    each site puts one replica's worth of encoded pseudo-gradient on the WAN, like the lone process. The script's
+    `--save` writes the final global model: the same file from the lone process and the DDP site. Each site reads
+    the data shard it was given (`--shard 7`) or one drawn from its peer id."""
     rounds = ["--rounds", "4", "--inner-steps", "5"]
-    sites.launch(0, ["start", "--wait-for", "3"], [sys.executable, SCRIPT, *rounds])
+    saved = [sites.workdir / f"final{i}.safetensors" for i in range(2)]
+    sites.launch(0, ["start", "--wait-for", "3", "--shard", "7"],
+                 [sys.executable, SCRIPT, *rounds, "--save", str(saved[0])])
     addr = sites.address(0)
-    sites.launch(1, ["join", addr, "--wait-for", "3"], [*_torchrun(2), SCRIPT, *rounds])
+    sites.launch(1, ["join", addr, "--wait-for", "3"], [*_torchrun(2), SCRIPT, *rounds, "--save", str(saved[1])])
     sites.launch(2, ["join", addr, "--wait-for", "3"], [*_torchrun(3), FSDP_SCRIPT, *rounds])
     for i, proc in sites.procs.items():
         assert proc.wait(timeout=240) == 0, sites.log(i)
@@ -125,6 +133,13 @@ def test_sites_of_one_two_and_three_ranks_train_together_on_one_digest(sites):
     digests = {f["digest"] for i in range(3) for f in finals[i]}
     assert len(digests) == 1 and {f["round"] for i in range(3) for f in finals[i]} == {4}, finals
     assert sorted(f["rank"] for f in finals[2]) == [0, 1, 2] and {f["site_size"] for f in finals[2]} == {3}
+    # one final model, written alike by both sites (bit for bit; safetensors orders its metadata as it likes)
+    files = [load_file(str(p)) for p in saved]
+    assert files[0].keys() == files[1].keys() == {"0.weight", "0.bias", "2.weight", "2.bias"}  # no DDP prefix
+    assert all(torch.equal(files[0][k], files[1][k]) for k in files[0])
+    shards = [int(re.search(r"data shard (\d+)", sites.log(i)).group(1)) for i in range(2)]
+    leader = next(f["peer"] for f in finals[1] if f["rank"] == 0)
+    assert shards == [7, zlib.crc32(leader.encode()) % 100_000], shards
     # one replica on the WAN: the 2- and 3-rank sites' leaders send what the lone process sends (the FSDP2
     # site's leader reads Δ from its ranks one span at a time: tests/test_shards.py)
     together = {i: [r for r in sites.lines(i, "round") if r["committed"] and r["peers"] == 3] for i in range(3)}

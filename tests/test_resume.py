@@ -38,13 +38,25 @@ def test_periodic_checkpoints_resume_to_the_same_state(tmp_path):
     assert d.round == 4 and len(list_checkpoints(tmp_path)) == 3  # keep=3 newest
     e = _fresh(tmp_path)
     assert e.resume()
-    assert e.round == 4 and e.digest == d.digest and e.steps == d.steps
+    assert e.round == 4 and e.digest == d.digest and e.steps == d.steps and e.swarm_step == d.swarm_step
     assert e.schedule_position == d.schedule_position
     assert e.residuals is not None and d.residuals is not None and len(e.residuals) == len(d.residuals) > 0
     for a, b in zip(e.residuals, d.residuals):
         assert torch.equal(a, b) and torch.count_nonzero(b) > 0
     for p, g in zip(e.model.parameters(), d.state.params):  # the model continues from θ
         assert torch.equal(p.detach(), g)
+
+
+def test_a_resumed_joiner_keeps_the_swarms_step(tmp_path):
+    """A worker that joined late counts the swarm's step (its source's steps and its own); its checkpoint keeps
+    it, so a restart continues the swarm's schedule, not the worker's own count."""
+    d = _fresh(tmp_path)
+    d.member.standing.offset = 1000  # as if it had downloaded a state 1,000 steps into the swarm
+    assert d.swarm_step == 1000
+    d.member.standing.steps = 7
+    d.save_checkpoint()
+    e = _fresh(tmp_path)
+    assert e.resume() and (e.steps, e.swarm_step) == (7, 1007)
 
 
 def test_resume_falls_back_past_a_damaged_checkpoint(tmp_path, caplog):

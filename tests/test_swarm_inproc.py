@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import threading
+import zlib
 import time
 from typing import Callable
 
@@ -224,6 +225,7 @@ def test_late_joiner_downloads_state_and_ends_identical(harness):
         with d:
             out["joiner_attached"] = (d.round, d.digest, [p.detach().clone() for p in joiner_model.parameters()],
                                       len(d.reports))
+            out["joiner_steps"] = (d.steps, d.swarm_step, d.data_shard)
             go.wait()
             _train(joiner_model, opt, data[M][: 2 * H])
         out["joiner"] = d
@@ -243,6 +245,8 @@ def test_late_joiner_downloads_state_and_ends_identical(harness):
     for p, g, own in zip(params, swarm_params, joiner_init):
         assert torch.equal(p, g)
         assert not torch.equal(p, own)
+    # it continues the swarm's step (a schedule set from it goes on where the swarm's is), with data of its own
+    assert out["joiner_steps"] == (0, 2 * H, zlib.crc32(b"peer9") % 100_000), out["joiner_steps"]
 
     # then all four took part in rounds 3 and 4 and ended identical
     ds: list[DiLoCo] = [out[i] for i in range(M)] + [out["joiner"]]
@@ -255,6 +259,8 @@ def test_late_joiner_downloads_state_and_ends_identical(harness):
         (3, True, 4, False), (4, True, 4, False)]
     for p, q in zip(out["joiner"].state.params, ds[0].state.params):
         assert torch.equal(p, q)
+    assert {d.swarm_step for d in ds} == {4 * H} and out["joiner"].steps == 2 * H
+    assert len({d.data_shard for d in ds}) == M + 1
 
 
 def test_a_joiner_gets_in_while_the_swarm_commits_rounds_faster_than_a_download(harness):

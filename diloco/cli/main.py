@@ -233,7 +233,8 @@ def _peer(initial: list[str], swarm: SwarmOptions, aggregation: AggregationOptio
     if command is not None:
         _launch(initial, command, swarm_cfg, secret, where, host=peer.host, port=peer.port, announce=peer.announce,
                 address_file=peer.address_file, metrics=out.metrics, sinks=sinks, checkpoint_dir=job_cfg.checkpoint_dir,
-                checkpoint_every=job_cfg.checkpoint_every, max_restarts=peer.max_restarts, wait_for=job_cfg.wait_for)
+                checkpoint_every=job_cfg.checkpoint_every, max_restarts=peer.max_restarts, wait_for=job_cfg.wait_for,
+                shard=job_cfg.shard)
     swarm_cfg = replace(swarm_cfg, secret=secret)
     _run_peer(initial, host=peer.host, port=peer.port, announce=peer.announce, address_file=peer.address_file,
               metrics=out.metrics, status_file=peer.status_file, swarm_cfg=swarm_cfg, job=job_cfg, secret_from=where,
@@ -1080,7 +1081,7 @@ def _unused_by_command(ctx: typer.Context, groups: tuple[Group, ...]) -> None:
 def _launch(initial: list[str], command: list[str], swarm_cfg: SwarmConfig, secret: str, where: str, *,
             host: str, port: int, announce: Optional[List[str]], address_file: Optional[Path],
             metrics: Optional[Path], sinks: SinkConfig, checkpoint_dir: Optional[str], checkpoint_every: int,
-            max_restarts: int, wait_for: int) -> NoReturn:
+            max_restarts: int, wait_for: int, shard: Optional[int]) -> NoReturn:
     """Run the user's `command` as this site's worker (`diloco.launcher`) and exit with its status."""
     import shlex
     import shutil
@@ -1100,7 +1101,7 @@ def _launch(initial: list[str], command: list[str], swarm_cfg: SwarmConfig, secr
                         address_file=str(workdir / "address"), peers_file=str(workdir / "peers"),
                         metrics=str(metrics) if metrics else None, sinks=sinks,
                         checkpoint_dir=checkpoint_dir,
-                        checkpoint_every=checkpoint_every)
+                        checkpoint_every=checkpoint_every, shard=shard)
 
         def on_address(addrs: list[str]) -> None:
             typer.echo(f"site peer {addrs[0].rsplit('/p2p/', 1)[-1]} in run {swarm_cfg.run_id!r}, swarm secret from "

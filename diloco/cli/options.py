@@ -95,7 +95,7 @@ def bundled_only(group: type[Group]) -> set[str]:
     script has its own loop, model, data and schedule)."""
     if group.__name__ in ("JobOptions", "ModelOptions", "RunOptions", "StreamingOptions"):
         return {f.name for f in fields(group)}  # type: ignore[arg-type]
-    return {"PeerJobOptions": {"shard", "resume", "save_final"},
+    return {"PeerJobOptions": {"resume", "save_final"},
             "PeerOptions": {"status_file"}}.get(group.__name__, set())
 
 
@@ -285,7 +285,8 @@ class RunOptions(Group):
 class PeerJobOptions(Group):
     """A peer's own part of the job (`JobConfig`): its data shard, whom to wait for, its checkpoints."""
 
-    shard: Optional[int] = option(_JOB.shard, help="Data shard of this peer (default: from its peer id).")
+    shard: Optional[int] = option(_JOB.shard, help="Data shard of this peer (default: from its peer id); a command "
+                                                   "reads it as DiLoCo.data_shard.")
     wait_for: int = option(_JOB.wait_for, help="Wait (up to 120 s) until this many peers are in the swarm before "
                                                "training.")
     checkpoint_dir: Optional[Path] = option(None, help="Write atomic, verified checkpoints here (a final one on "

@@ -15,7 +15,6 @@ import math
 import os
 import threading
 import time
-import zlib
 from dataclasses import dataclass
 from functools import partial
 from typing import Any, Callable
@@ -26,6 +25,7 @@ from diloco.compression.pipeline import parse as parse_compression
 
 from ..checkpoint import CheckpointError, require_safetensors
 from ..config import ConfigError
+from ..environment import SHARDS, data_shard
 from ..fragments import FragmentError, HSchedule, StreamingConfig, check_h_schedule, check_schedule, inner_steps_at
 from ..metrics import MetricsWriter, write_failures, write_status
 from ..outer import OuterFactory, default_outer
@@ -315,9 +315,9 @@ def run_job(cfg: JobConfig, swarm: Swarm | None, *, metrics: MetricsWriter | Non
                                     torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=ADAMW_BETAS,
                                                       weight_decay=WEIGHT_DECAY))
     peer = swarm.peer_id if swarm is not None else "local"
-    shard = cfg.shard if cfg.shard is not None else zlib.crc32(peer.encode()) % 100_000
+    shard = data_shard(peer, cfg.shard)
     sampler = BatchSampler(corpus.train, batch_size=cfg.batch_size, context=cfg.context, seed=cfg.seed,
-                           shard=shard, num_shards=100_000)
+                           shard=shard, num_shards=SHARDS)
     sampler.skip(cfg.first_step)  # the batches the run we continue took
     heldout = heldout_batches(corpus.heldout, batch_size=16, context=cfg.context, max_batches=cfg.eval_batches)
     started = time.monotonic()
@@ -374,7 +374,7 @@ def run_job(cfg: JobConfig, swarm: Swarm | None, *, metrics: MetricsWriter | Non
         while d.round + d.pending_rounds < target and not stop.is_set() and d.steps < max_steps:
             if not cfg.data_parallel:
                 for group in inner.param_groups:
-                    group["lr"] = inner_lr(cfg.first_step + d.steps, lr=cfg.lr, warmup=cfg.warmup,
+                    group["lr"] = inner_lr(cfg.first_step + d.swarm_step, lr=cfg.lr, warmup=cfg.warmup,
                                            total=cfg.first_step + total_steps, schedule=cfg.schedule)
             x, y = sampler.next()
             _, loss = model(x.to(device, non_blocking=True), y.to(device, non_blocking=True))
