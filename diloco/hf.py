@@ -28,6 +28,7 @@ Needs the `hf` extra: `pip install "diloco[hf]"`.
 
 from __future__ import annotations
 
+import re
 import warnings
 from typing import Any
 
@@ -68,6 +69,6 @@ def fast_forward(scheduler: Any, steps: int) -> None:
     """Step a torch lr `scheduler` `steps` times without optimizer steps: a joiner's schedule continues from the
     swarm's step (torch's warning that the scheduler stepped before the optimizer is beside the point here)."""
     with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step()`")
+        warnings.filterwarnings("ignore", message=re.escape("Detected call of `lr_scheduler.step()`"))
         for _ in range(max(0, steps)):
             scheduler.step()
