@@ -930,6 +930,51 @@ def bench_flood_cmd(
         write_json(report, json_path)
 
 
+@bench_app.command("chaos")
+def bench_chaos_cmd(
+    workers: int = typer.Option(5, help="Workers of the swarm (bundled-job peers on 127.0.0.1, one secret)."),
+    seconds: float = typer.Option(300.0, help="How long the faults go on (and the undisturbed baseline runs)."),
+    every: float = typer.Option(10.0, help="Mean seconds between two faults."),
+    seed: int = typer.Option(0, help="Seed of the fault plan (kinds, targets, times, durations)."),
+    faults: str = typer.Option(",".join(("kill", "stop")), help="Kinds of faults, comma-separated: kill (SIGKILL, "
+                               "restarted from its checkpoint under the same identity), stop (SIGSTOP for a while), "
+                               "leave (Ctrl-C, for good), join (a new worker)."),
+    restart_after: float = typer.Option(2.0, help="Seconds a killed worker stays down."),
+    stop_max: float = typer.Option(20.0, help="Longest SIGSTOP, seconds (the shortest is 1)."),
+    heal: float = typer.Option(15.0, help="Seconds after the last fault, everyone back, before the swarm stops."),
+    job: str = typer.Option(" ".join(("--d-model", "64", "--layers", "2", "--batch-size", "8", "-H", "10")),
+                            help="Flags of the bundled job every worker runs (model, H, timeouts)."),
+    baseline: bool = typer.Option(True, help="Run the same swarm undisturbed first (goodput is against it)."),
+    workdir: Optional[Path] = typer.Option(None, help="Keep the workers' logs, metrics and checkpoints here "
+                                                      "(default: a temporary directory)."),
+    json_path: Optional[Path] = typer.Option(None, "--json", help="Write the report as JSON here."),
+    quiet: bool = Quiet,
+) -> None:
+    """A real swarm under random faults (SIGKILL and restart, SIGSTOP, leaving, joining) against the same swarm
+    undisturbed: goodput, time to the next commit and to each worker's return, stalls, forks."""
+    import shlex
+    import tempfile
+
+    from ..bench.chaos import KINDS, ChaosSetup, markdown, run, write_json
+    from ..progress import Reporter
+
+    kinds = tuple(k.strip() for k in faults.split(",") if k.strip())
+    if not kinds or set(kinds) - set(KINDS):
+        _fail(f"--faults {faults!r}: name kinds among {', '.join(KINDS)}, comma-separated")
+    if workers < 2 or seconds <= 0 or every <= 0 or restart_after < 0 or stop_max < 1 or heal < 0:
+        _fail("--workers must be >= 2; --seconds and --every > 0; --restart-after and --heal >= 0; --stop-max >= 1")
+    setup = ChaosSetup(workers=workers, seconds=seconds, every=every, seed=seed, kinds=kinds,
+                       restart_after=restart_after, stop_seconds=(1.0, stop_max), heal=heal,
+                       job=tuple(shlex.split(job)), baseline=baseline)
+    where = workdir or Path(tempfile.mkdtemp(prefix="diloco-chaos-"))
+    with Reporter.for_command(quiet=quiet) as rep, rep.task("chaos", unit="s") as task:
+        report = run(setup, where, progress=rep.say, tick=task.update)
+    typer.echo(markdown(report))
+    typer.echo(f"logs, metrics and checkpoints: {where}")
+    if json_path:
+        write_json(report, json_path)
+
+
 @bench_app.command("size")
 def bench_size_cmd(
     sizes: str = typer.Option("10M,30M,100M,300M", help="Model sizes, comma-separated (M = million parameters)."),

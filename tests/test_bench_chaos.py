@@ -1,0 +1,75 @@
+"""`diloco bench chaos` (diloco/bench/chaos.py): the fault plan and what the workers' lines say (pure), then a
+short run of real workers under SIGKILLs and SIGSTOPs with a fixed seed: no fork, every worker back and exiting
+0, the report's figures in place. The long runs are benchmarks (docs/BENCHMARKS.md, "Chaos")."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from diloco.bench.chaos import ChaosSetup, Hit, commits, forks, plan, quantile, recovery, stalls
+
+
+def _round(t: float, rnd: int, digest: str, committed: bool = True, **kw: object) -> dict:
+    return {"event": "round", "time": t, "round": rnd, "digest": digest, "committed": committed, **kw}
+
+
+@pytest.mark.unit
+def test_the_plan_comes_from_the_seed_alone_and_spaces_its_faults_around_every():
+    setup = ChaosSetup(seconds=600, every=10, seed=3, kinds=("kill", "stop", "leave", "join"))
+    a, b = plan(setup), plan(setup)
+    assert a == b and a != plan(ChaosSetup(seconds=600, every=10, seed=4, kinds=setup.kinds))
+    gaps = [y.at - x.at for x, y in zip(a, a[1:])]
+    assert all(5 <= g <= 15 for g in gaps) and 40 <= len(a) <= 80 and a[-1].at < 600
+    assert {f.kind for f in a} == set(setup.kinds)
+    assert all(1 <= f.seconds <= 20 for f in a if f.kind == "stop") and all(f.seconds == 0 for f in a if f.kind != "stop")
+
+
+@pytest.mark.unit
+def test_commits_forks_and_stalls_from_the_lines():
+    w0 = [_round(10.0, 1, "a"), _round(11.0, 2, "b"), _round(20.0, 3, "c"), {"event": "final", "round": 3, "digest": "c"}]
+    w1 = [_round(10.2, 1, "a"), _round(10.9, 2, "b"), _round(15.0, 3, "x", committed=False, resynced=False),
+          _round(21.0, 3, "c", committed=False, resynced=True)]
+    assert commits([w0, w1]) == [(10.0, 1), (10.9, 2), (20.0, 3)]
+    assert forks([w0, w1]) == {}
+    assert forks([w0, w1 + [_round(30.0, 3, "d")]]) == {3: ["c", "d"]}  # committed otherwise: a fork
+    assert forks([w0, [_round(21.0, 2, "e", committed=False, resynced=True)]]) == {2: ["b", "e"]}  # downloaded
+    assert stalls([10.0, 10.9, 20.0, 20.5], 3.0) == [pytest.approx(9.1)]
+    assert quantile([], 0.5) is None and quantile([3.0, 1.0, 2.0], 0.5) == 2.0 and quantile([1.0, 9.0], 0.99) == 9.0
+
+
+@pytest.mark.unit
+def test_recovery_times_the_next_commit_and_the_workers_return():
+    lines = [[_round(10.0, 1, "a"), _round(14.0, 2, "b")],
+             [_round(10.0, 1, "a"), _round(20.0, 3, "c")]]
+    hits = [Hit("kill", 1, at=11.0, ended=13.0), Hit("stop", 0, at=15.0, skipped=True), Hit("leave", 0, at=16.0)]
+    times = [t for t, _ in commits(lines)]
+    assert recovery(hits, times, lines) == [
+        {"kind": "kill", "worker": 1, "to_next_commit": 3.0, "to_return": 9.0},   # 14.0 by worker 0; 20.0 its own
+        {"kind": "leave", "worker": 0, "to_next_commit": 4.0, "to_return": None},  # skipped ones are not timed
+    ]
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(400)
+def test_a_short_chaos_run_of_real_workers_ends_without_a_fork(tmp_path):
+    """Four workers for 60 s, a SIGKILL (restart from the checkpoint, same identity) or a SIGSTOP about every 8 s
+    (seed 1): the report counts every fault, no round is held with two digests, every worker is back and exits 0
+    (the killed ones after their restart), and the swarm committed rounds under the faults."""
+    out = tmp_path / "chaos.json"
+    proc = subprocess.run([sys.executable, "-m", "diloco", "bench", "chaos", "--workers", "4", "--seconds", "60",
+                           "--every", "8", "--seed", "1", "--stop-max", "10", "--heal", "10", "--no-baseline",
+                           "--job", "--d-model 32 --layers 1 --batch-size 4 -H 5 --gather-timeout 20",
+                           "--workdir", str(tmp_path / "w"), "--json", str(out), "--quiet"],
+                          capture_output=True, text=True, timeout=380)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["forks"] == {}, report["forks"]
+    assert report["exits"] == [0, 0, 0, 0], (report["exits"], proc.stdout)
+    applied = {k: f["applied"] for k, f in report["faults"].items()}
+    assert sum(applied.values()) == report["faults_applied"] >= 5 and set(applied) <= {"kill", "stop"}, applied
+    assert report["rounds_committed"] >= 3, report
+    assert "goodput" not in report and "| kill |" in proc.stdout and "forks: **0**" in proc.stdout
