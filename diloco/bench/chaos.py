@@ -120,7 +120,8 @@ def forks(lines: Sequence[Lines]) -> dict[int, list[str]]:
 
 
 def stalls(times: Sequence[float], longer_than: float) -> list[float]:
-    """Gaps between consecutive commit times longer than `longer_than` seconds."""
+    """Gaps between consecutive times (commits, between the window's start and end) longer than `longer_than`
+    seconds."""
     return [b - a for a, b in zip(times, times[1:]) if b - a > longer_than]
 
 
@@ -142,9 +143,11 @@ class Hit:
     skipped: bool = False
 
 
-def recovery(hits: Sequence[Hit], commit_times: Sequence[float], lines: Sequence[Lines]) -> list[dict[str, Any]]:
-    """Per applied fault: seconds from it to the swarm's next commit, and to the faulty worker's next committed
-    round after the fault ended (None where that never came: a worker that left, or the run ended first)."""
+def recovery(hits: Sequence[Hit], commit_times: Sequence[float], lines: Sequence[Lines],
+             start: float = 0.0) -> list[dict[str, Any]]:
+    """Per applied fault: when (`at`, seconds after `start`), seconds from it to the swarm's next commit, and to the
+    faulty worker's next committed round after the fault ended (None where that never came: a worker that left,
+    or the run ended first)."""
     out = []
     for h in hits:
         if h.skipped:
@@ -155,7 +158,8 @@ def recovery(hits: Sequence[Hit], commit_times: Sequence[float], lines: Sequence
             since = h.ended if h.ended is not None else h.at
             back = next((ln["time"] for ln in lines[h.worker] if ln.get("event") == "round" and ln.get("committed")
                          and ln["time"] > since), None)
-        out.append({"kind": h.kind, "worker": h.worker, "to_next_commit": None if nxt is None else nxt - h.at,
+        out.append({"kind": h.kind, "worker": h.worker, "at": round(h.at - start, 2),
+                    "to_next_commit": None if nxt is None else nxt - h.at,
                     "to_return": None if back is None else back - h.at})
     return out
 
@@ -166,7 +170,7 @@ def summary(setup: ChaosSetup, hits: Sequence[Hit], lines: Sequence[Lines], wind
     start, end = window
     times = [t for t, _ in commits(lines)]
     inside = [t for t in times if start <= t <= end]
-    rec = recovery(hits, times, lines)
+    rec = recovery(hits, times, lines, start)
     by_kind: dict[str, dict[str, Any]] = {}
     for kind in sorted({h.kind for h in hits}):
         mine = [r for r in rec if r["kind"] == kind]
@@ -176,7 +180,7 @@ def summary(setup: ChaosSetup, hits: Sequence[Hit], lines: Sequence[Lines], wind
                          "to_next_commit_p50": quantile(nxt, 0.5), "to_next_commit_p99": quantile(nxt, 0.99),
                          "to_return_p50": quantile(back, 0.5), "to_return_p99": quantile(back, 0.99),
                          "returned": len(back)}
-    gaps = stalls(inside, setup.stall)
+    gaps = stalls([start, *inside, end], setup.stall)  # a swarm that stopped committing stalls to the window's end
     finals = [next((ln for ln in reversed(w) if ln.get("event") == "final"), None) for w in lines]
     losses = [f["eval_loss"] for f in finals if f and f.get("eval_loss") is not None]
     report: dict[str, Any] = {
