@@ -73,3 +73,23 @@ def test_a_short_chaos_run_of_real_workers_ends_without_a_fork(tmp_path):
     assert sum(applied.values()) == report["faults_applied"] >= 5 and set(applied) <= {"kill", "stop"}, applied
     assert report["rounds_committed"] >= 3, report
     assert "goodput" not in report and "| kill |" in proc.stdout and "forks: **0**" in proc.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+@pytest.mark.timeout(1200)
+def test_five_minutes_of_every_kind_of_fault_end_without_a_fork(tmp_path):
+    """`make test-slow`: five workers for 300 s under a fault about every 6 s of every kind (SIGKILL and restart,
+    SIGSTOP, leaving for good, a new worker joining; seed 2): no round held with two digests, every worker that was
+    still in the swarm at the end back and exiting 0, and rounds committed under the faults."""
+    out = tmp_path / "chaos.json"
+    proc = subprocess.run([sys.executable, "-m", "diloco", "bench", "chaos", "--workers", "5", "--seconds", "300",
+                           "--every", "6", "--seed", "2", "--faults", "kill,stop,leave,join", "--no-baseline",
+                           "--workdir", str(tmp_path / "w"), "--json", str(out), "--quiet"],
+                          capture_output=True, text=True, timeout=1150)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["forks"] == {}, report["forks"]
+    assert report["faults_applied"] >= 35 and set(report["faults"]) == {"kill", "stop", "leave", "join"}, report
+    assert all(code == 0 for code in report["exits"]), report["exits"]
+    assert report["rounds_committed"] >= 10, report

@@ -293,7 +293,9 @@ class _Swarm:
             w = self.add()
             hit.worker, hit.ended = w.index, time.time()
             return
-        up = [w for w in self.workers if w.state == "up"]
+        # a worker still starting (no address written yet) is not in the swarm: a Ctrl-C then only interrupts its
+        # imports (it dies of SIGINT), which is not what these faults measure
+        up = [w for w in self.workers if w.state == "up" and self.path(w.index, "addr").exists()]
         if fault.kind == "leave" and len(up) <= 2:
             up = []  # the last two stay: a swarm of one measures nothing
         if not up:
