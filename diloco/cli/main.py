@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any, Callable, List, NoReturn, Optional
 
 import typer
 
+from ..bench.chaos import ChaosSetup
 from ..config import ConfigError, SwarmConfig
 from ..job.train import JobConfig, training_device
 from ..sinks import SinkConfig
@@ -930,20 +931,26 @@ def bench_flood_cmd(
         write_json(report, json_path)
 
 
+_CHAOS = ChaosSetup()  # the defaults of `bench chaos`, declared once there
+
+
 @bench_app.command("chaos")
 def bench_chaos_cmd(
-    workers: int = typer.Option(5, help="Workers of the swarm (bundled-job peers on 127.0.0.1, one secret)."),
-    seconds: float = typer.Option(300.0, help="How long the faults go on (and the undisturbed baseline runs)."),
-    every: float = typer.Option(10.0, help="Mean seconds between two faults."),
-    seed: int = typer.Option(0, help="Seed of the fault plan (kinds, targets, times, durations)."),
-    faults: str = typer.Option(",".join(("kill", "stop")), help="Kinds of faults, comma-separated: kill (SIGKILL, "
+    workers: int = typer.Option(_CHAOS.workers, help="Workers of the swarm (bundled-job peers on 127.0.0.1, one "
+                                                     "secret)."),
+    seconds: float = typer.Option(_CHAOS.seconds, help="How long the faults go on (and the undisturbed baseline "
+                                                       "runs)."),
+    every: float = typer.Option(_CHAOS.every, help="Mean seconds between two faults."),
+    seed: int = typer.Option(_CHAOS.seed, help="Seed of the fault plan (kinds, targets, times, durations)."),
+    faults: str = typer.Option(",".join(_CHAOS.kinds), help="Kinds of faults, comma-separated: kill (SIGKILL, "
                                "restarted from its checkpoint under the same identity), stop (SIGSTOP for a while), "
                                "leave (Ctrl-C, for good), join (a new worker)."),
-    restart_after: float = typer.Option(2.0, help="Seconds a killed worker stays down."),
-    stop_max: float = typer.Option(20.0, help="Longest SIGSTOP, seconds (the shortest is 1)."),
-    heal: float = typer.Option(15.0, help="Seconds after the last fault, everyone back, before the swarm stops."),
-    job: str = typer.Option(" ".join(("--d-model", "64", "--layers", "2", "--batch-size", "8", "-H", "10")),
-                            help="Flags of the bundled job every worker runs (model, H, timeouts)."),
+    restart_after: float = typer.Option(_CHAOS.restart_after, help="Seconds a killed worker stays down."),
+    stop_max: float = typer.Option(_CHAOS.stop_seconds[1], help="Longest SIGSTOP, seconds (the shortest is 1)."),
+    heal: float = typer.Option(_CHAOS.heal, help="Seconds after the last fault, everyone back, before the swarm "
+                                                 "stops."),
+    job: str = typer.Option(" ".join(_CHAOS.job), help="Flags of the bundled job every worker runs (model, H, "
+                                                       "timeouts)."),
     baseline: bool = typer.Option(True, help="Run the same swarm undisturbed first (goodput is against it)."),
     workdir: Optional[Path] = typer.Option(None, help="Keep the workers' logs, metrics and checkpoints here "
                                                       "(default: a temporary directory)."),
@@ -955,7 +962,7 @@ def bench_chaos_cmd(
     import shlex
     import tempfile
 
-    from ..bench.chaos import KINDS, ChaosSetup, markdown, run, write_json
+    from ..bench.chaos import KINDS, markdown, run, write_json
     from ..progress import Reporter
 
     kinds = tuple(k.strip() for k in faults.split(",") if k.strip())
