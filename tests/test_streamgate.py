@@ -3,7 +3,7 @@
 Unit tests of its decisions; then real daemons: a stranger's silent streams are cut (at once past
 the caps, after the head deadline otherwise) while a member is served; and a 2-peer swarm whose
 peers run under a 1,024 open-files limit keeps committing rounds while 2,000 silent streams are
-opened to one of them.
+opened to one of them, or 2,000 silent connections to its direct data port (comms/dataplane.py).
 """
 
 from __future__ import annotations
@@ -199,3 +199,99 @@ def test_a_swarm_under_1024_open_files_keeps_committing_while_2000_silent_stream
     assert {r["peer"] for r in during} == {finals[0]["peer"], finals[1]["peer"]} and len(during) >= 4
     assert finals[0]["write_failures"] == {} and finals[1]["write_failures"] == {}
 
+
+
+_HOLD = r"""
+import resource, socket, sys, time
+resource.setrlimit(resource.RLIMIT_NOFILE, (4096, max(4096, resource.getrlimit(resource.RLIMIT_NOFILE)[1])))
+port, count = int(sys.argv[1]), int(sys.argv[2])
+held, refused = [], 0
+for _ in range(count):
+    s = socket.socket()
+    s.settimeout(5)
+    try:
+        s.connect(("127.0.0.1", port))
+        held.append(s)
+    except OSError:
+        refused += 1
+        s.close()
+print(f'{{"opened": {len(held)}, "refused": {refused}}}', flush=True)
+sys.stdin.readline()  # hold them, sending nothing, until told to stop
+closed = 0
+for s in held:
+    s.setblocking(False)
+    try:
+        closed += s.recv(1) == b""
+    except BlockingIOError:
+        pass
+    except OSError:
+        closed += 1
+print(f'{{"closed": {closed}}}', flush=True)
+"""
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(240)
+def test_2000_silent_connections_to_a_data_port_under_1024_open_files_do_not_stop_the_rounds(tmp_path):
+    """The same attack on the direct data port (comms/dataplane.py): 2,000 TCP connections that never send a
+    handshake, to one peer running under a limit of 1,024 open files. The port's gate holds at most its
+    per-address cap of them for the handshake deadline and closes the rest at once, the peer's open files stay
+    far below the limit, and the two peers keep committing rounds (their own calls come from the flood's address,
+    127.0.0.1: they wait for it to be cut, or go through libp2p)."""
+    import socket as sk
+
+    from multiproc_util import TINY, Peers
+
+    from diloco.bench.procmem import open_fds
+    from diloco.comms import dataplane as dp
+
+    connections, limit = 2000, 1024
+    with sk.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    group = Peers(tmp_path, "dstall")
+    attacker = None
+    try:
+        common = ["--rounds", "1000", "-H", "4", "--min-peers", "2", "--wait-for", "2", *TINY]
+        victim = group.spawn(0, ["start", *common, "--data-port", str(port)], open_files=limit)
+        group.spawn(1, ["join", group.address(0), *common], open_files=limit)
+        deadline = time.monotonic() + 45
+        while not all(any(r["committed"] for r in group.lines(i, "round")) for i in (0, 1)):
+            assert time.monotonic() < deadline, group.log(0) + group.log(1)
+            time.sleep(0.2)
+        attacker = subprocess.Popen([sys.executable, "-c", _HOLD, str(port), str(connections)],
+                                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        first: dict = {}
+        threading.Thread(target=lambda: first.update(line=attacker.stdout.readline(), at=time.time()),
+                         daemon=True).start()
+        peak = 0
+        give_up = time.time() + 60
+        while time.time() < give_up and not ("at" in first and time.time() > first["at"] + dp.HELLO_TIMEOUT + 3):
+            peak = max(peak, open_fds(victim.pid))
+            time.sleep(0.1)
+        opened = json.loads(first["line"]) if first.get("line") else None
+        assert opened is not None and opened["opened"] + opened["refused"] == connections, opened
+        during = [r for i in (0, 1) for r in group.lines(i, "round") if r["time"] >= first["at"] and r["committed"]]
+        attacker.stdin.write("\n")
+        attacker.stdin.flush()
+        closed = json.loads(attacker.stdout.readline())["closed"]
+        for p in group.procs:
+            p.send_signal(signal.SIGTERM)
+        codes = [group.wait(p, 60) for p in group.procs]
+        finals = [group.lines(i, "final")[-1] for i in (0, 1)]
+    finally:
+        if attacker is not None and attacker.poll() is None:
+            attacker.kill()
+            attacker.wait()
+        group.kill_all()
+    print(f"silent connections: {opened}, closed by the peer: {closed}; peak fds of the peer {peak}; rounds "
+          f"committed while they were held: {len(during)}; cut: {finals[0]['auth_refused']}")
+    assert codes == [0, 0], group.log(0)
+    assert closed == opened["opened"]  # the peer closed every one it accepted (the gate, or its deadline)
+    cut = finals[0]["auth_refused"]
+    # each one cut once: at once past the cap of those waiting for their handshake, or at the deadline
+    assert cut.get("too_many_streams", 0) + cut.get("slow_head", 0) >= opened["opened"], cut
+    assert cut.get("slow_head", 0) >= dp.GateConfig().per_caller and cut.get("too_many_streams", 0) > 0, cut
+    assert peak < 3 * limit // 4, peak  # 229-347 in runs here: accepted connections are closed as fast as they come
+    assert {r["peer"] for r in during} == {finals[0]["peer"], finals[1]["peer"]} and len(during) >= 4
+    assert finals[0]["write_failures"] == {} and finals[1]["write_failures"] == {}
