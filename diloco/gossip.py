@@ -148,13 +148,24 @@ class Gossip(Topology):
         state, and its final line says so (`gossip_final` 0)."""
         m = self.member
         assert m.swarm is not None
-        outcome = m.swarm.finish_exchange(m.swarm.gossip_async(m.round, flatten(m.holding.params), everyone=True),
+        theta = flatten(m.holding.params)
+        outcome = m.swarm.finish_exchange(m.swarm.gossip_async(m.round, theta.clone(), everyone=True),
                                           RoundKey(m.round))
         if not outcome.committed:
             log.warning("event=gossip_final_average_missed round=%d reason=%s", m.round, outcome.reason)
             return
         assert outcome.aggregate is not None
-        m.take_params(unflatten(outcome.aggregate.to(m.holding.device), m.holding.params), bump=False)
+        # as in any gossip round: a partner's absurd parameters move us at most `clip` times a usual round
+        theta, mean = theta.to(m.holding.device), outcome.aggregate.to(m.holding.device)
+        gradient = theta - mean
+        scale = history_scale(float(gradient.norm()), self._norms, m.swarm.cfg.clip)
+        if scale < 1.0:
+            self.clipped += 1
+            log.warning("event=gossip_clipped round=final scale=%.3g group=%s reason=the final average is far from "
+                        "our state, beyond our recent rounds' (a partner sent parameters far from ours)", scale,
+                        ",".join(outcome.view))
+            mean = theta - scale * gradient
+        m.take_params(unflatten(mean, m.holding.params), bump=False)  # the mean itself, bit for bit, when unclipped
         self.final = len(outcome.view)
         log.info("event=gossip_final_average round=%d peers=%d", m.round, self.final)
 

@@ -57,8 +57,8 @@ class DiLoCoCallback(TrainerCallback):
                                "pass it in Trainer(callbacks=[...]) rather than calling it yourself")
         self.diloco = DiLoCo(model, optimizer, inner_steps=self.inner_steps, **self.kwargs)
         self.diloco.attach()
-        if lr_scheduler is not None:
-            fast_forward(lr_scheduler, self.diloco.swarm_step - state.global_step)
+        if lr_scheduler is not None:  # no further than the Trainer's own schedule goes
+            fast_forward(lr_scheduler, min(self.diloco.swarm_step, state.max_steps or 0) - state.global_step)
 
     def on_train_end(self, args: Any, state: Any, control: Any, **_: Any) -> None:
         if self.diloco is not None:

@@ -233,8 +233,8 @@ class Checkpoints:
             s.last_slot = steps - (position if isinstance(position, int) and not isinstance(position, bool)
                                    else steps) % engine.period
             swarm_step = loaded.meta.get("swarm_step")
-            if isinstance(swarm_step, int) and not isinstance(swarm_step, bool) and swarm_step >= steps:
-                s.offset = swarm_step - steps
+            if isinstance(swarm_step, int) and not isinstance(swarm_step, bool) and 0 <= swarm_step < 1 << 62:
+                s.offset = swarm_step - steps  # negative too: we had trained more steps than the state we took
         # The saved membership is not restored: a restarted peer has a new peer id, so it could never be a
         # majority of its old round. A running swarm's state (and members) arrive with the catch-up.
         s.members = None

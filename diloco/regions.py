@@ -53,7 +53,7 @@ from .lifecycle import linger
 from .member import Member
 from .outer import OuterFactory, copy_into, nesterov
 from .sitelink import SiteLink
-from .state import GlobalState, schema_digest
+from .state import GlobalState, params_digest, schema_digest
 from .topology import Topology
 
 if TYPE_CHECKING:
@@ -180,7 +180,8 @@ class Regions(Topology):
         representative ends its run at the same global round, so they meet), then θ_G′ everywhere: a member
         downloads it from a representative (it holds θ_R, whose parameters are θ_G′'s, but not θ_G′'s outer
         state), and a representative serves it while a peer of the swarm still holds an older θ_G. Every peer's
-        model then holds θ_G′'s parameters, and `final_digest` is θ_G′'s."""
+        model then holds θ_G′'s parameters, and `final_digest` (a digest of the parameters each peer ends on) is the
+        same everywhere; where the final merge failed, each region's differs."""
         upper, members = self.upper, worker.standing.members
         if upper.standing.position > 0 and members:
             self.scope.moved_to(worker.round)
@@ -190,10 +191,12 @@ class Regions(Topology):
             else:
                 self._follow(rep)
         upper.maybe_resync(time.monotonic())
-        linger(upper, self.swarm.cfg.gather_timeout)
+        if not upper.standby:  # the representatives serve θ_G′ to the swarm's peers that do not hold it yet
+            linger(upper, self.swarm.cfg.gather_timeout)
 
     def final_digest(self, worker: Member) -> str:
-        return self.upper.digest
+        """The parameters this peer ends on (θ_G′'s after the final merge), whatever region momentum goes with them."""
+        return params_digest(worker.holding.params)
 
     def _lead(self) -> None:
         worker, upper = self.worker, self.upper

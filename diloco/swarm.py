@@ -478,14 +478,16 @@ class Swarm:
         protocol whose view can only be members that drew the same group, averaging our local parameters
         `local` (fp32, 1-D). It commits with two members or more (its `aggregate` is the group's mean, its key
         the round it ran); nothing is retried. `finish_exchange` collects the outcome. With `everyone`, the run's
-        final average instead: round `my_round`, every live peer of the swarm expected, one view among those that
-        came to it (`membership.FINAL_TAG`)."""
+        final average instead: at the newest round a live peer shows (ours at least), every live peer of the swarm
+        expected, one view among those that came to it (`membership.FINAL_TAG`)."""
         handoff = Handoff(local)
         del local
 
         async def go() -> RoundOutcome:
             records = await self._read_records()
-            rnd = my_round if everyone else round_to_run(records, self.peer_id, my_round)
+            rnd = round_to_run(records, self.peer_id, my_round)
+            if everyone:  # the final average: at the newest round a live peer shows, so peers that ended apart meet
+                rnd = max([my_round, *(r.round for r in serving(records) if r.peer != self.peer_id)])
             banned = self.collective.banned
             peers = [r.peer for r in serving(records) if r.peer != self.peer_id and r.peer not in banned]
             group = tuple(sorted({*peers, self.peer_id})) if everyone else \
@@ -496,7 +498,7 @@ class Swarm:
             def admit(view: tuple[PeerId, ...]) -> tuple[bool, str]:
                 return len(view) >= 2, f"nobody of our group ({','.join(group)}) met us in time"
 
-            tag = f"{FINAL_TAG}-{rnd}" if everyone else group_tag(rnd, group)
+            tag = FINAL_TAG if everyone else group_tag(rnd, group)
             return await self.collective.run_round(RoundKey(rnd), tag, [p for p in group if p != self.peer_id],
                                                    handoff, admit=admit)
 

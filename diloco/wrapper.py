@@ -623,9 +623,11 @@ class DiLoCo:
         line's `final_digest` names them. A run under the launcher or the CLI does this when its loop completes;
         a script that brings its own swarm calls it as the last line of its `with` block, on every peer. Once a
         run: a second call does nothing."""
-        if self.member.swarm is not None and not self._finished:
-            self._finished = True
-            self.flush()
+        if self._finished:
+            return
+        self._finished = True
+        self.flush()  # on every rank of a site: completing an exchange is a step they take together
+        if self.member.swarm is not None:
             self.topology.finish(self.member)
 
     def linger(self, timeout: float) -> int:

@@ -237,8 +237,8 @@ def group_of(me: PeerId, peers: Sequence[PeerId], rnd: int, run_id: str, size: i
 
 
 FINAL_TAG = "gossip-final"
-"""What every peer says it holds when it gathers for a gossip run's final average (one view of all that came, under
-round `FINAL_TAG-R`; a group's tag never reads so)."""
+"""What every peer says it holds when it gathers for a gossip run's final average (one view of all that came, at the
+newest round a live peer shows; a group's tag never reads so)."""
 
 
 def group_tag(rnd: int, group: Sequence[PeerId]) -> str:

@@ -213,6 +213,7 @@ def test_the_run_ends_on_one_model_the_average_of_every_peers_state():
         DiLoCo.finish = real_finish  # type: ignore[method-assign]
     w = lab.workers
     assert all(d.gossip.final == 4 for d in w.values()), {p: d.gossip.final for p, d in w.items()}
+    assert all(d.gossip.clipped == 0 for d in w.values())  # honest states: the average is not scaled down
     assert len({d.topology.final_digest(d.member) for d in w.values()}) == 1
     mean = [torch.stack(ts).mean(0) for ts in zip(*before.values())]
     for d in w.values():
@@ -260,14 +261,15 @@ def test_a_partner_that_sends_absurd_parameters_moves_its_partners_only_as_far_a
     """p4 holds the secret and goes bad from round 3: it sends its local parameters × 50 (admitted: finite, RMS
     under max_update_rms). A pair's median cannot tell which of two is wrong; each honest partner's own history
     can: its step that round is scaled down to clip (4) × its recent rounds'. The honest peers stay within a
-    few times their clean size; with clipping off, the same run throws them far out."""
+    few times their clean size, the run's final average of all four included (scaled down as any round); with
+    clipping off, the same run throws them far out."""
     peers, honest = ["p1", "p2", "p3", "p4"], ["p1", "p2", "p3"]
 
     def run(clip: float) -> dict[str, DiLoCo]:
         plan = FaultPlan("poison@3")
         plan.poison_factor = 50.0
         lab = _Lab(peers, faults={"p4": plan}, cfg=replace(GOSSIP, clip=clip))
-        _run(lab, 10)
+        _run(lab, 10, finish=True)
         return lab.workers
 
     def size(w: DiLoCo) -> float:
@@ -280,5 +282,6 @@ def test_a_partner_that_sends_absurd_parameters_moves_its_partners_only_as_far_a
     victims = [p for p in honest if "p4" in guarded[p].gossip.partners]
     assert victims and all(guarded[p].gossip.clipped >= 1 for p in victims), \
         {p: (guarded[p].gossip.partners, guarded[p].gossip.clipped) for p in honest}
+    assert all(guarded[p].gossip.final == 4 for p in honest)  # the final average with p4 happened, scaled down
     assert all(size(guarded[p]) < 5 * usual for p in honest), ([size(guarded[p]) for p in honest], usual)
     assert max(size(open_[p]) for p in honest) > 20 * usual, ([size(open_[p]) for p in honest], usual)

@@ -77,6 +77,7 @@ def test_a_trainer_that_joins_late_continues_the_swarms_lr_schedule(tmp_path, mo
     callback = DiLoCoCallback(inner_steps=5)
     t = trainer([callback])
     t.create_optimizer_and_scheduler(num_training_steps=20)
+    t.state.max_steps = 20  # as `train()` sets it before training begins
     callback.on_train_begin(t.args, t.state, t.control, model=t.model, optimizer=t.optimizer,
                             lr_scheduler=t.lr_scheduler)
     lrs.append(t.lr_scheduler.get_last_lr()[0])

@@ -282,9 +282,9 @@ def test_every_documented_command_runs_or_reaches_its_work(doc: Path, part: int,
             ran.add(_run_key(argv))
 
 
-def test_the_docs_run_simulate_and_bench_codecs_for_real():
-    """At least one documented `simulate` and `bench codecs` command is run for real (the others may stop at the
-    run when one with the same options ran already): the docs have commands that no other one repeats."""
+def test_the_docs_have_simulate_and_bench_codecs_commands_that_run_for_real():
+    """The docs hold `simulate` and `bench codecs` commands, which the parts above run for real (the first of each
+    set of options in a test process; `RUN_REDUCED` names no stopping point for them otherwise)."""
     keys = {_run_key(_on_this_machine(argv)) for _, argv in examples() if argv[0] == "diloco" and len(argv) > 2}
     assert any(k[:2] == ("diloco", "simulate") for k in keys) and any(k[:3] == ("diloco", "bench", "codecs")
                                                                        for k in keys)

@@ -403,6 +403,9 @@ def markdown(report: dict[str, Any]) -> str:
     def sec(x: float | None) -> str:
         return "–" if x is None else f"{x:.1f}"
 
+    def loss(x: float | None) -> str:  # none when no worker wrote a final line (one had to be killed)
+        return "–" if x is None else f"{x:.4f}"
+
     rows = ["| fault | applied | skipped | to the next commit p50 / p99 (s) | to the worker's return p50 / p99 (s) |",
             "|---|---|---|---|---|"]
     for kind, f in report["faults"].items():
@@ -416,8 +419,8 @@ def markdown(report: dict[str, Any]) -> str:
                 if base else "")
              + f"; {report['stalls']} stalls over {s['stall']:g} s ({report['stalled_seconds']:.0f} s in all, the "
                f"longest {report['longest_stall']:.1f} s); forks: **{len(report['forks'])}**; exit statuses "
-               f"{report['exits']}; held-out loss {report['eval_loss_mean']:.4f}"
-             + (f" (undisturbed {base['eval_loss_mean']:.4f})" if base and base["eval_loss_mean"] else "") + "."]
+               f"{report['exits']}; held-out loss {loss(report['eval_loss_mean'])}"
+             + (f" (undisturbed {loss(base['eval_loss_mean'])})" if base else "") + "."]
     return "\n".join(lines)
 
 

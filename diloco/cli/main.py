@@ -976,10 +976,10 @@ def bench_chaos_cmd(
     where = workdir or Path(tempfile.mkdtemp(prefix="diloco-chaos-"))
     with Reporter.for_command(quiet=quiet) as rep, rep.task("chaos", unit="s") as task:
         report = run(setup, where, progress=rep.say, tick=task.update)
-    typer.echo(markdown(report))
-    typer.echo(f"logs, metrics and checkpoints: {where}")
     if json_path:
         write_json(report, json_path)
+    typer.echo(markdown(report))
+    typer.echo(f"logs, metrics and checkpoints: {where}")
 
 
 @bench_app.command("size")
