@@ -59,7 +59,8 @@ def gossip_gradient(theta: torch.Tensor, group_mean_local: torch.Tensor) -> torc
 
 
 HISTORY = 8
-"""Outer gradients whose norms a gossip peer remembers to judge the next one (`history_scale`)."""
+"""Outer gradients of rounds that met whose norms a gossip peer remembers to judge the next one (`history_scale`; a
+solo round has no partner to guard against and is neither judged nor remembered)."""
 
 
 def history_scale(norm: float, recent: Sequence[float], clip: float, least: int = 3) -> float:
@@ -118,14 +119,17 @@ class Gossip(Topology):
         gradient = gossip_gradient(flatten(m.holding.params), mean_local.to(m.holding.device))
         del mean_local, local
         norm = float(gradient.norm())
-        scale = history_scale(norm, self._norms, m.swarm.cfg.clip)
+        # a partner's influence is what the history guards against: a solo round (our own Δ alone) is neither judged
+        # nor remembered, since its norm lacks the consensus term and would drag the median of met rounds down
+        scale = history_scale(norm, self._norms, m.swarm.cfg.clip) if met else 1.0
         if scale < 1.0:
             self.clipped += 1
             gradient.mul_(scale)
             log.warning("event=gossip_clipped round=%d norm=%.4g scale=%.3g group=%s reason=outer gradient far above "
                         "our recent rounds' (a partner sent parameters far from ours)", rnd + 1, norm, scale,
                         ",".join(outcome.view))
-        self._norms.append(norm * scale)
+        if met:
+            self._norms.append(norm * scale)
         m.step_to(gradient, rnd + 1, self.outer_lr_schedule(rnd + 1))
         del gradient
         if met:
