@@ -138,6 +138,19 @@ def test_silent_streams_are_cut_while_a_member_is_served():
     assert r["known"] and r["after"] == 0
 
 
+def _end(group) -> tuple[list[int], list[dict]]:
+    """SIGTERM the two peers: their exit statuses and final lines."""
+    for p in group.procs:
+        p.send_signal(signal.SIGTERM)
+    return [group.wait(p, 60) for p in group.procs], [group.lines(i, "final")[-1] for i in (0, 1)]
+
+
+def _reap(attacker: subprocess.Popen | None) -> None:
+    if attacker is not None and attacker.poll() is None:
+        attacker.kill()
+        attacker.wait()
+
+
 @pytest.mark.multiproc
 @pytest.mark.timeout(90)
 def test_a_swarm_under_1024_open_files_keeps_committing_while_2000_silent_streams_are_opened(tmp_path):
@@ -177,14 +190,9 @@ def test_a_swarm_under_1024_open_files_keeps_committing_while_2000_silent_stream
         during = [r for i in (0, 1) for r in group.lines(i, "round") if r["time"] >= first["at"] and r["committed"]]
         attacker.send_signal(signal.SIGTERM)
         summary = json.loads(attacker.communicate(timeout=30)[0].splitlines()[-1])
-        for p in group.procs:
-            p.send_signal(signal.SIGTERM)
-        codes = [group.wait(p, 60) for p in group.procs]
-        finals = [group.lines(i, "final")[-1] for i in (0, 1)]
+        codes, finals = _end(group)
     finally:
-        if attacker is not None and attacker.poll() is None:
-            attacker.kill()
-            attacker.wait()
+        _reap(attacker)
         group.kill_all()
     print(f"stalled streams: {opened}; peak fds peer {peak['peer']}, daemon {peak['daemon']}; "
           f"rounds committed during the attack: {len(during)}; cut: {finals[0]['auth_refused']}")
@@ -275,14 +283,9 @@ def test_2000_silent_connections_to_a_data_port_under_1024_open_files_do_not_sto
         attacker.stdin.write("\n")
         attacker.stdin.flush()
         closed = json.loads(attacker.stdout.readline())["closed"]
-        for p in group.procs:
-            p.send_signal(signal.SIGTERM)
-        codes = [group.wait(p, 60) for p in group.procs]
-        finals = [group.lines(i, "final")[-1] for i in (0, 1)]
+        codes, finals = _end(group)
     finally:
-        if attacker is not None and attacker.poll() is None:
-            attacker.kill()
-            attacker.wait()
+        _reap(attacker)
         group.kill_all()
     print(f"silent connections: {opened}, closed by the peer: {closed}; peak fds of the peer {peak}; rounds "
           f"committed while they were held: {len(during)}; cut: {finals[0]['auth_refused']}")
