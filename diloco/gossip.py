@@ -118,18 +118,11 @@ class Gossip(Topology):
         assert mean_local is not None  # a committed round of a whole `Handoff` holds its mean
         gradient = gossip_gradient(flatten(m.holding.params), mean_local.to(m.holding.device))
         del mean_local, local
-        norm = float(gradient.norm())
         # a partner's influence is what the history guards against: a solo round (our own Δ alone) is neither judged
         # nor remembered, since its norm lacks the consensus term and would drag the median of met rounds down
-        scale = history_scale(norm, self._norms, m.swarm.cfg.clip) if met else 1.0
+        scale = self._judged(gradient, rnd + 1, outcome.view) if met else 1.0
         if scale < 1.0:
-            self.clipped += 1
             gradient.mul_(scale)
-            log.warning("event=gossip_clipped round=%d norm=%.4g scale=%.3g group=%s reason=outer gradient far above "
-                        "our recent rounds' (a partner sent parameters far from ours)", rnd + 1, norm, scale,
-                        ",".join(outcome.view))
-        if met:
-            self._norms.append(norm * scale)
         m.step_to(gradient, rnd + 1, self.outer_lr_schedule(rnd + 1))
         del gradient
         if met:
@@ -162,16 +155,25 @@ class Gossip(Topology):
         # as in any gossip round: a partner's absurd parameters move us at most `clip` times a usual round
         theta, mean = theta.to(m.holding.device), outcome.aggregate.to(m.holding.device)
         gradient = theta - mean
-        scale = history_scale(float(gradient.norm()), self._norms, m.swarm.cfg.clip)
+        scale = self._judged(gradient, "final", outcome.view)
         if scale < 1.0:
-            self.clipped += 1
-            log.warning("event=gossip_clipped round=final scale=%.3g group=%s reason=the final average is far from "
-                        "our state, beyond our recent rounds' (a partner sent parameters far from ours)", scale,
-                        ",".join(outcome.view))
             mean = theta - scale * gradient
         m.take_params(unflatten(mean, m.holding.params), bump=False)  # the mean itself, bit for bit, when unclipped
         self.final = len(outcome.view)
         log.info("event=gossip_final_average round=%d peers=%d", m.round, self.final)
+
+    def _judged(self, gradient: torch.Tensor, rnd: int | str, view: Sequence[PeerId]) -> float:
+        """The factor our outer `gradient` of round `rnd`, from averaging with `view`, is to be scaled by
+        (`history_scale` against our recent met rounds'); counted and logged when below 1, and remembered."""
+        assert self.member.swarm is not None
+        norm = float(gradient.norm())
+        scale = history_scale(norm, self._norms, self.member.swarm.cfg.clip)
+        if scale < 1.0:
+            self.clipped += 1
+            log.warning("event=gossip_clipped round=%s norm=%.4g scale=%.3g group=%s reason=outer gradient far above "
+                        "our recent rounds' (a partner sent parameters far from ours)", rnd, norm, scale, ",".join(view))
+        self._norms.append(norm * scale)
+        return scale
 
     def final_digest(self, worker: Member) -> str:
         """The final model's parameters alone: the peers of the final average hold the same, each with its own

@@ -168,9 +168,13 @@ class Regions(Topology):
             return
         # Due. A merge that does not happen is tried again after the next region round (not `merge_every`
         # later), so regions whose schedules drifted apart (one slowed by a crash, a late start) meet again.
-        # The merge makes the next region round R + 1: frames for it may come before we are done merging.
-        self.scope.moved_to(worker.round)
-        if me == rep:
+        self._merge(rep)
+
+    def _merge(self, rep: PeerId) -> None:
+        """Merge as the representative `rep` of our last region round, or follow its merge. The merge makes the next
+        region round R + 1: frames for it may come before we are done merging."""
+        self.scope.moved_to(self.worker.round)
+        if rep == self.scope.peer_id:
             self._lead()
         else:
             self._follow(rep)
@@ -184,12 +188,7 @@ class Regions(Topology):
         same everywhere; where the final merge failed, each region's differs."""
         upper, members = self.upper, worker.standing.members
         if upper.standing.position > 0 and members:
-            self.scope.moved_to(worker.round)
-            rep = representative(members)
-            if rep == self.scope.peer_id:
-                self._lead()
-            else:
-                self._follow(rep)
+            self._merge(representative(members))
         upper.maybe_resync(time.monotonic())
         if not upper.standby:  # the representatives serve θ_G′ to the swarm's peers that do not hold it yet
             linger(upper, self.swarm.cfg.gather_timeout)
