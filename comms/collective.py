@@ -85,7 +85,7 @@ from . import robust
 from .reduce import canonical_order, order_key, summation_order
 from .rounds import Accepted, CollectiveConfig, Contribution, Exchange, Handoff, RoundOutcome, RoundState, Value
 from .spans import MAX_SPANS, RoundKey, make_view, span_bounds, spans_for, view_id
-from .transport import PeerId, Transport, TransportError
+from .transport import CallTimedOut, PeerId, Transport, TransportError
 
 log = logging.getLogger(__name__)
 
@@ -142,6 +142,7 @@ class Collective:
         await transport.register("diloco.result", self._on_result)
         await transport.register("diloco.vote", self._on_vote)
         await transport.register("diloco.value", self._on_value)
+        await transport.register("diloco.probe", self._on_probe)
         return self
 
     def advance_to(self, key: RoundKey) -> None:
@@ -221,6 +222,11 @@ class Collective:
             if value is None and self._elsewhere(r):
                 return RoundOutcome(key, False, f"{_short(self._elsewhere(r))} closed another view of round {key}",
                                     rs.view, payload_bytes=r.payload_bytes)
+            if value is None and r.lost():
+                lost = r.lost()
+                return RoundOutcome(key, False, f"{_short(lost)} will send no result for round {key} "
+                                    f"({rs.gone[lost[0]]}): given up without waiting for the deadline",
+                                    rs.view, payload_bytes=r.payload_bytes)
             if value is None:
                 owners = list(dict.fromkeys(r.owner(s) for s in r.missed))  # as the deadline found them
                 return RoundOutcome(key, False, f"no result for {len(r.missed)} span(s) by the deadline (owners "
@@ -261,14 +267,19 @@ class Collective:
             else:
                 rs.results[(view, span)] = (owner, self._into_aggregate(rs, span, tensor), idx)
 
-        tasks = [asyncio.create_task(self._send_contributions(r)), asyncio.create_task(self._reduce_and_broadcast(r))]
+        tasks = [asyncio.create_task(self._send_contributions(r)), asyncio.create_task(self._reduce_and_broadcast(r)),
+                 asyncio.create_task(self._watch(r))]
         try:
-            # a member that closed another view never sends a result for ours: no use waiting out the deadline
-            complete = await self._wait(rs, lambda: r.complete() or bool(self._elsewhere(r)),
-                                        r.closed_at + self.cfg.result_timeout) and not self._elsewhere(r)
+            # a member that closed another view, or that is gone, never sends a result for ours: no use waiting
+            # out the deadline
+            complete = await self._wait(rs, lambda: r.complete() or bool(self._elsewhere(r) or r.lost()),
+                                        r.closed_at + self.cfg.result_timeout) and r.complete() and not self._elsewhere(r)
             r.missed = [] if complete else [s for s in range(len(r.bounds)) if (rs.vid, s) not in rs.results]
-            # Having every result does not mean everyone has ours: let our sends finish (bounded).
-            await asyncio.wait(tasks, timeout=self.cfg.call_timeout)
+            # Having every result does not mean everyone has ours: let our sends finish (bounded), but those to a
+            # member that is gone (the probes go on meanwhile: a frozen member costs a window, not a call timeout).
+            # An attempt we give up needs none of them: we accept nothing in it.
+            if complete:
+                await self._wait(rs, r.delivered, time.monotonic() + self.cfg.call_timeout)
         finally:
             for t in tasks:
                 t.cancel()
@@ -429,7 +440,18 @@ class Collective:
             return all(p in rs.ready for p in waited if replies.get(p, {}) is not None)
 
         try:
-            await asyncio.gather(*(ask(p) for p in asked & first))
+            # A peer we have heard from before that leaves our ready unanswered through the answer window is frozen
+            # or overloaded: not waited for (its reply, or its own ready, still counts if it comes before we close).
+            # A first contact (dialing, handshakes) gets the whole call timeout.
+            asking = {p: asyncio.create_task(ask(p)) for p in asked & first}
+            if asking:
+                await asyncio.wait(asking.values(), timeout=self.cfg.answer_timeout)
+            for p, task in asking.items():
+                if not task.done() and self.transport.counter.per_peer.get(p, [0, 0])[1] > 0:
+                    replies[p] = None
+                    later[p] = task
+                    log.info("event=peer_silent round=%s peer=%s seconds=%.1f", key, p, self.cfg.answer_timeout)
+            await asyncio.gather(*(t for p, t in asking.items() if p not in later))
             self.faults.hit("gather", key.round)
             deadline = time.monotonic() + self.cfg.gather_timeout
             while not await self._wait(rs, lambda: closed(False), min(deadline, time.monotonic() + grace)) \
@@ -487,12 +509,21 @@ class Collective:
         chunk = self.pipeline.spec.chunk
         return span_bounds(numel, spans_for(numel, members), align=chunk.chunk if chunk else 1)
 
+    async def _deliver(self, r: Exchange, peer: PeerId, name: str, frame: bytes) -> dict[str, Any] | None:
+        """`_call` for a frame we owe `peer` (`Exchange.owed`, counted when it fell due)."""
+        try:
+            return await self._call(peer, name, frame)
+        finally:
+            r.owed[peer] -= 1
+            r.rs.changed.set()
+
     async def _send_contributions(self, r: Exchange) -> None:
         async def send(owner: PeerId, span: int, window: asyncio.Semaphore) -> None:
             async with window:
                 if owner in r.rs.elsewhere:  # it closed another view: the rest of its spans would be refused too
+                    r.owed[owner] -= 1
                     return
-                reply = await self._call(owner, "diloco.contrib", self._frame(
+                reply = await self._deliver(r, owner, "diloco.contrib", self._frame(
                     msg.CONTRIB, r.key, view=r.rs.vid, span=span, numel=r.numel(span), body=r.payloads[span]))
                 if reply is not None and reply.get("reason") == Reason.WRONG_VIEW.value:
                     self._closed_elsewhere(r.rs, owner)
@@ -503,6 +534,7 @@ class Collective:
         # so a model cut into many spans costs IN_FLIGHT spans per owner): over a long path one stream is held
         # back by its flow-control window, two keep the link busy; a slow owner holds up only its own spans.
         windows = {p: asyncio.Semaphore(IN_FLIGHT) for p in r.view if p != self.me}
+        r.owed.update(r.owner(span) for span in range(len(r.bounds)) if r.owner(span) != self.me)
         await asyncio.gather(*(send(r.owner(span), span, windows[r.owner(span)])
                                for span in range(len(r.bounds)) if r.owner(span) != self.me))
         self.faults.hit("send", r.key.round)
@@ -510,9 +542,9 @@ class Collective:
     async def _reduce_and_broadcast(self, r: Exchange) -> None:
         """Owner's side: each span we own, in order, once every member's contribution to it is in (or at the
         deadline): reduce it and send its result while the next span's contributions are still arriving."""
-        def arrived(span: int) -> bool:
+        def arrived(span: int) -> bool:  # every member's contribution is in, refused, or will never come
             got = r.rs.contribs.get((r.rs.vid, span), {})
-            return len(got) + len(r.rs.refused.get(span, set()) & set(r.view)) >= len(r.view)
+            return all(p in got or p in r.rs.gone or p in r.rs.refused.get(span, ()) for p in r.view)
 
         sends = []
         window = asyncio.Semaphore(IN_FLIGHT)  # results on their way, as for contributions: each one a copy in flight
@@ -520,6 +552,7 @@ class Collective:
             for span in r.owned:
                 await self._wait(r.rs, partial(arrived, span), r.closed_at + self.cfg.reduce_timeout)
                 frame = self._reduce_span(r, span)
+                r.owed.update(p for p in r.view if p != self.me)
                 await window.acquire()
                 sends.append(asyncio.create_task(self._broadcast(r, frame, window)))
             await asyncio.gather(*sends)
@@ -527,9 +560,45 @@ class Collective:
             for t in sends:
                 t.cancel()
 
+    async def _watch(self, r: Exchange) -> None:
+        """While we wait on members of our view (their results, their contributions to our spans), ask them an
+        answer window apart whether they still run it (`diloco.probe`). One that cannot be reached (killed),
+        stays silent through the window while nothing else came from it (frozen), or no longer runs this attempt
+        (restarted, or gave it up) is `gone`: its contributions are not waited for, and a span it owns gets no
+        result, so every member of the view gives the attempt up within a window of each other instead of at
+        the result deadline. Giving an attempt up is always safe: we accepted nothing in it."""
+        window = self.cfg.answer_timeout
+        while True:
+            await asyncio.sleep(window)
+            awaited = r.awaited() - r.rs.gone.keys() - r.rs.elsewhere
+            await asyncio.gather(*(self._probe(r, p, window) for p in awaited))
+
+    async def _probe(self, r: Exchange, peer: PeerId, window: float) -> None:
+        rs = r.rs
+        heard = self.transport.counter.per_peer.get(peer, [0, 0])[1]
+        try:
+            reply = await self.transport.call(peer, "diloco.probe", self._frame(msg.PROBE, r.key, view=rs.vid), window)
+            meta = msg.read_ack(reply, run=self.run_id, caller=peer)
+        except CallTimedOut:
+            if self.transport.counter.per_peer.get(peer, [0, 0])[1] != heard:
+                return  # its reply is queued behind the bytes it is sending us: busy, not frozen
+            why = f"silent for {window:.1f} s"
+        except TransportError as e:
+            why = f"unreachable: {e}"
+        except PayloadRejected as e:
+            why = f"its reply to our probe was refused: {e.detail}"
+        else:
+            if meta.get("ok", False) and meta.get("running") is True:
+                return
+            why = "no longer runs this attempt" if meta.get("ok", False) else f"refused our probe ({meta.get('reason')})"
+        if peer not in rs.gone and rs.vid:
+            rs.gone[peer] = why
+            rs.changed.set()
+            log.info("event=member_gone round=%s peer=%s reason=%s", r.key, peer, why)
+
     async def _broadcast(self, r: Exchange, frame: bytes, window: asyncio.Semaphore) -> None:
         try:
-            await asyncio.gather(*(self._call(p, "diloco.result", frame) for p in r.view if p != self.me))
+            await asyncio.gather(*(self._deliver(r, p, "diloco.result", frame) for p in r.view if p != self.me))
         finally:
             window.release()
 
@@ -816,6 +885,20 @@ class Collective:
             rs.votes.setdefault(header.view, set()).add(caller)
             rs.changed.set()
             return msg.ack(run=self.run_id, sender=self.me, accepted=accepted)
+        except PayloadRejected as e:
+            return self._reject(caller, e)
+
+    async def _on_probe(self, caller: PeerId, data: bytes) -> bytes:
+        """A member of a view asks whether we still run it (`_watch`): `running` is true while our attempt of that
+        key is under way and either still gathering or closed on that view. No side effect."""
+        try:
+            self._check_banned(caller)
+            header, _, key = msg.decode(data, run=self.run_id, kind=msg.PROBE, caller=caller, max_body=0,
+                                        schema=self.schema)
+            rs = self._rounds.get(key)
+            running = key == self._floor and rs is not None and rs.expected is not None and \
+                (rs.view is None or rs.vid == header.view)
+            return msg.ack(run=self.run_id, sender=self.me, running=running)
         except PayloadRejected as e:
             return self._reject(caller, e)
 

@@ -56,7 +56,7 @@ from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
 from .identity import Identity, verify
 from .streamgate import Cut, GateConfig, StreamGate
-from .transport import ByteCounter, Handler, PeerId, Transport, TransportError
+from .transport import ByteCounter, CallTimedOut, Handler, PeerId, Transport, TransportError
 
 if TYPE_CHECKING:
     from .auth import Guard
@@ -409,7 +409,7 @@ class DirectTransport:
             try:
                 return await asyncio.wait_for(self._direct(peer, address, name, payload), timeout)
             except asyncio.TimeoutError:
-                raise TransportError(f"call {name!r} to {peer} timed out after {timeout:.1f}s") from None
+                raise CallTimedOut(f"call {name!r} to {peer} timed out after {timeout:.1f}s") from None
             except _NotConnected as e:
                 why = "unreachable"
                 self._unreachable[peer] = time.monotonic() + self.cfg.retry_after

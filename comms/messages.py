@@ -7,6 +7,7 @@
 | `result`  | owner → every member | mean, or bundle (sparse)  | attempt, contributors, result |
 | `vote`    | member → member      | (none)                    | attempt (the view names the value accepted) |
 | `value`   | member → member      | (reply) the value's frames | attempt (of the value), members |
+| `probe`   | member → member      | (none)                    | attempt, view (is it still running it?) |
 | `ack`     | reply to any call    | (ready) peer ids expected | ok, reason, closed, in_view, ready, accepted |
 
 `ready` and its `ack` also carry what the sender accepted in an earlier attempt of the round
@@ -27,7 +28,7 @@ from .spans import RoundKey
 from .transport import PeerId
 
 READY, CONTRIB, RESULT, ACK, STATE = "ready", "contrib", "result", "ack", "state"
-VOTE, VALUE = "vote", "value"
+VOTE, VALUE, PROBE = "vote", "value", "probe"
 MAX_NAMES = 4096  # peer ids one ready message (or reply) may name
 MAX_NAMES_BYTES = MAX_NAMES * 129
 

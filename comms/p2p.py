@@ -37,7 +37,7 @@ from .auth import HEAD_SIZE, MAC_SIZE, Guard, Refusal
 from .fdlimit import raise_open_files_limit
 from .identity import Identity
 from .streamgate import Cut, StreamGate
-from .transport import ByteCounter, Handler, PeerId, TransportError
+from .transport import ByteCounter, CallTimedOut, Handler, PeerId, TransportError
 
 log = logging.getLogger(__name__)
 
@@ -286,7 +286,7 @@ class P2PTransport:
         try:
             return await asyncio.wait_for(exchange(), timeout)
         except asyncio.TimeoutError as e:
-            raise TransportError(f"call {name!r} to {peer} timed out after {timeout:.1f}s") from e
+            raise CallTimedOut(f"call {name!r} to {peer} timed out after {timeout:.1f}s") from e
         except TransportError:
             raise
         except Exception as e:  # p2pd control errors, resets, refused dials: all mean "unreachable"

@@ -10,7 +10,7 @@ in an attempt, which later attempts of the same round carry instead of computing
 from __future__ import annotations
 
 import asyncio
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Iterator, Sequence
 
@@ -42,6 +42,12 @@ class CollectiveConfig:
     """Largest frame body accepted from the network, in bytes."""
     robust: RobustConfig = field(default_factory=RobustConfig)
     """Admission bound, clipping, trimmed mean and bans (`comms.robust`)."""
+
+    @property
+    def answer_timeout(self) -> float:
+        """Seconds a small control call (a ready, a probe) may go unanswered before its peer counts as silent for
+        this attempt: a tenth of the gather timeout (the stragglers' grace), at least 2 s, at most call_timeout."""
+        return min(self.call_timeout, max(2.0, self.gather_timeout / 10))
 
     def __post_init__(self) -> None:
         spec = parse(self.compression)  # raises SpecError (a ConfigError) naming what is wrong and what is allowed
@@ -151,6 +157,11 @@ class RoundState:
     """Peers that showed us they closed another view of this round key (they refused a frame of ours as of
     the wrong view, or sent us one of theirs): a member of our view among them never sends a result for
     our view, so our view cannot complete."""
+    gone: dict[PeerId, str] = field(default_factory=dict)
+    """Members of our view that will send nothing more for it, and why: unreachable (killed), silent through a
+    probe's answer window (frozen), or no longer running this attempt (restarted, gave it up). Their
+    contributions are not waited for; a span one of them owns gets no result, so the attempt is given up at
+    once rather than at the result deadline (`Collective._watch`)."""
 
     def named(self, me: PeerId) -> set[PeerId]:
         """Whom this round may include: the peers we expect and, transitively, the peers that a peer so
@@ -193,6 +204,9 @@ class Exchange:
     """Our own contribution to each span we own, decoded."""
     missed: list[int] = field(default_factory=list)
     """The spans whose results had not come when the round's deadline passed."""
+    owed: Counter[PeerId] = field(default_factory=Counter)
+    """Frames we still owe each member (contributions to its spans, our spans' results): counted when they are
+    due, until their call returns (delivered, refused or failed)."""
 
     @property
     def view(self) -> tuple[PeerId, ...]:
@@ -222,6 +236,27 @@ class Exchange:
 
     def complete(self) -> bool:
         return not self.missing()
+
+    def lost(self) -> list[PeerId]:
+        """Owners of spans without a result that will never send it (`RoundState.gone`)."""
+        return [p for p in self.missing() if p in self.rs.gone]
+
+    def awaited(self) -> set[PeerId]:
+        """Members we still wait on: owners of the spans without a result, and contributors to the spans we own
+        that we have not reduced yet; once we hold every result, those we still owe a frame."""
+        rs = self.rs
+        if self.complete():
+            return {p for p, n in self.owed.items() if n} - {self.me}
+        out = set(self.missing())
+        for span in self.owned:
+            if (rs.vid, span) not in rs.results:
+                got = rs.contribs.get((rs.vid, span), {})
+                out |= {p for p in self.view if p not in got and p not in rs.refused.get(span, ())}
+        return out - {self.me}
+
+    def delivered(self) -> bool:
+        """Every frame we owe a member that is not gone has been delivered (or failed)."""
+        return not any(n and p not in self.rs.gone for p, n in self.owed.items())
 
 
 class Handoff:

@@ -33,6 +33,10 @@ class TransportError(DiLoCoError):
     """A call could not be completed: the peer is unreachable, gone, too slow, or refused."""
 
 
+class CallTimedOut(TransportError):
+    """A call got no reply within its timeout (the peer may be alive: frozen, overloaded, or behind a slow link)."""
+
+
 @dataclass
 class ByteCounter:
     """Bytes this peer sent and received, in total and per remote peer."""
@@ -129,7 +133,7 @@ class InProcTransport:
                 await asyncio.sleep(self.network.latency)
             reply = await asyncio.wait_for(target.handlers[name](self.peer_id, bytes(payload)), timeout)
         except asyncio.TimeoutError as e:
-            raise TransportError(f"call {name!r} to {peer} timed out after {timeout:.1f}s") from e
+            raise CallTimedOut(f"call {name!r} to {peer} timed out after {timeout:.1f}s") from e
         if self.network.lookup(peer) is not target:
             raise TransportError(f"peer {peer} died during call {name!r}")
         self.counter.add(peer, sent=len(payload), received=len(reply))

@@ -278,12 +278,15 @@ def test_a_hung_straggler_costs_the_grace_not_a_call_timeout():
 
 
 def test_owner_killed_after_gather_nobody_commits_then_next_attempt_commits():
+    """The survivors learn that the victim is gone within a probe's answer window (`Collective._watch`), not at the
+    result deadline, give the attempt up together, and commit the next one among themselves."""
     victim, survivors = "p2", ["p0", "p1", "p3"]
     key = RoundKey(5, 0)
+    patient = replace(FAST, reduce_timeout=8.0, result_timeout=10.0)  # deadlines the probes must beat by far
 
     async def main():
         net = InProcNetwork()
-        cs = await _collectives(net, PEERS)
+        cs = await _collectives(net, PEERS, patient)
         # Contributions are sent only after a peer closed its gather. Hold every contribution until
         # all 4 peers sent all of theirs (12: every gather closed, with a view of 4), then kill the
         # victim, as if SIGKILLed between gather and reduce, and let the contributions through.
@@ -319,12 +322,12 @@ def test_owner_killed_after_gather_nobody_commits_then_next_attempt_commits():
 
     sent, outs, took, deltas2, outs2 = asyncio.run(main())
     assert sent == {p: 3 for p in PEERS}  # every peer closed its gather with all 4 in view
-    assert took < FAST.result_timeout + 2 * FAST.call_timeout
+    assert took < patient.reduce_timeout / 2, took  # a window or two of probes (1 s each), not the deadlines
     survivor_outcomes = {(o.committed, o.reason, o.view, o.key) for p, o in outs.items() if p != victim}
     assert len(survivor_outcomes) == 1, survivor_outcomes  # all survivors report the same outcome
     committed, reason, view, k = survivor_outcomes.pop()
     assert not committed and k == key
-    assert "no result for 1 span(s) by the deadline" in reason and victim[-6:] in reason  # the victim's span
+    assert "will send no result" in reason and "unreachable" in reason and victim in reason  # the victim's span
     assert view == tuple(PEERS)
     assert all(o.aggregate is None for o in outs.values())
     assert not outs[victim].committed
@@ -335,6 +338,47 @@ def test_owner_killed_after_gather_nobody_commits_then_next_attempt_commits():
         assert o.key == RoundKey(5, 1) and o.view == tuple(survivors)
         assert torch.equal(o.aggregate, first)
     assert torch.allclose(first, _mean(deltas2, survivors), rtol=0, atol=1e-6)
+
+
+def test_a_member_frozen_mid_round_is_given_up_within_a_probe_window_and_the_next_gather_goes_on_without_it():
+    """p3 freezes (SIGSTOP) once every contribution to its span is in: its result never goes out, and it answers
+    nothing. The others' probes go unanswered for a window (2 s here), so they give the attempt up long before
+    the result deadline; in the next attempt their ready to p3 (which they heard from before) goes unanswered for
+    a window too, and they close and commit without it instead of waiting out the call timeout."""
+    present = PEERS[:3]
+    cfg = replace(FAST, reduce_timeout=10.0, result_timeout=12.0, call_timeout=8.0)
+    assert cfg.answer_timeout == 2.0
+
+    async def main():
+        net = InProcNetwork()
+        cs = await _collectives(net, PEERS, cfg)
+        freezer, got = _Freezer(net, "p3"), []
+        on_contrib = net.lookup("p3").handlers["diloco.contrib"]
+
+        async def count_then_freeze(caller, data):
+            reply = await on_contrib(caller, data)
+            got.append(caller)
+            if len(got) == 3:
+                freezer.frozen = True
+            return reply
+        net.lookup("p3").handlers["diloco.contrib"] = count_then_freeze
+        deltas = _deltas(PEERS, 99, seed=11)
+        started = time.monotonic()
+        frozen_round = asyncio.create_task(cs["p3"].run_round(RoundKey(4, 0), DIGEST, PEERS, deltas["p3"]))
+        first = await asyncio.gather(*(cs[p].run_round(RoundKey(4, 0), DIGEST, PEERS, deltas[p]) for p in present))
+        took0, started = time.monotonic() - started, time.monotonic()
+        again = await asyncio.gather(*(cs[p].run_round(RoundKey(4, 1), DIGEST, PEERS, deltas[p]) for p in present))
+        took1 = time.monotonic() - started
+        frozen_round.cancel()  # what a thawed peer does next is test_frozen_after_every_result_...'s subject
+        freezer.thaw()
+        return first, again, took0, took1
+
+    first, again, took0, took1 = asyncio.run(main())
+    assert all(not o.committed and "p3 will send no result" in o.reason and "silent" in o.reason for o in first), \
+        [o.reason for o in first]
+    assert took0 < cfg.reduce_timeout * 0.7, took0  # a window's sleep and a window's probe: ~4 s, not 10-12 s
+    assert all(o.committed and o.view == tuple(present) for o in again), [(o.reason, o.view) for o in again]
+    assert took1 < cfg.call_timeout * 0.6, took1  # a window (2 s), not the 8 s call timeout
 
 
 # ---------------------------------------------------------------------- late peers
@@ -438,7 +482,9 @@ def test_members_that_closed_different_views_give_up_at_once_not_at_the_result_d
     assert not any(o.committed for o in outs.values()), {p: o.reason for p, o in outs.items()}
     assert len({o.view for o in outs.values()}) == 3, {p: o.view for p, o in outs.items()}
     assert outs["p0"].view == ("p0", "p1", "p2")
-    assert all("closed another view" in o.reason for o in outs.values()), {p: o.reason for p, o in outs.items()}
+    # each learns it from a frame of another view, or from a probe's answer that a member gave ours up
+    assert all("closed another view" in o.reason or "no longer runs this attempt" in o.reason
+               for o in outs.values()), {p: o.reason for p, o in outs.items()}
     assert seconds < 4, seconds  # the gather's 1 s and the calls, not the 8 s result deadline
 
 
@@ -708,12 +754,19 @@ def test_frames_of_another_run_or_kind_are_rejected():
         replies["bad_magic"] = await x.call("a", "diloco.contrib", b"not a frame at all", 1)
         no_digest = msg.encode(msg.READY, run=RUN, sender="x", key=RoundKey(0))
         replies["bad_header"] = await x.call("a", "diloco.ready", no_digest, 1)
+        # a probe is a bodiless frame of its own kind, answered without a side effect
+        replies["oversized"] = await x.call("a", "diloco.probe", msg.encode(msg.PROBE, run=RUN, sender="x",
+                                                                           key=RoundKey(0), body=b"x"), 1)
+        replies["wrong_kind"] = await x.call("a", "diloco.probe", no_digest, 1)
+        probe = msg.encode(msg.PROBE, run=RUN, sender="x", key=RoundKey(0), view="v")
+        answered = msg.read_ack(await x.call("a", "diloco.probe", probe, 1), run=RUN, caller="a")
+        assert answered["ok"] and answered["running"] is False and not a._rounds  # a runs nothing, and keeps nothing
         return {k: msg.read_ack(v, run=RUN, caller="a") for k, v in replies.items()}, Counter(a.rejections)
 
     replies, rejections = asyncio.run(main())
     for reason, meta in replies.items():
         assert meta["ok"] is False and meta["reason"] == reason
-    assert rejections == Counter({"wrong_run": 1, "wrong_kind": 1, "bad_magic": 1, "bad_header": 1})
+    assert rejections == Counter({"wrong_run": 1, "wrong_kind": 2, "bad_magic": 1, "bad_header": 1, "oversized": 1})
 
 
 # ---------------------------------------------------------------------- deciding (step 4): no fork
