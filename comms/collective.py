@@ -159,6 +159,7 @@ class Collective:
         self, key: RoundKey, digest: str, expected: list[PeerId], delta: torch.Tensor | Handoff, fragment: int = 0,
         admit: Admit | None = None,
         wait_for: Collection[PeerId] | None = None,
+        weight: int = 1,
     ) -> RoundOutcome:
         """Run round `key` with our pseudo-gradient `delta` (1-D fp32; a `Handoff` lets the round drop it
         once encoded) of model fragment `fragment`;
@@ -168,7 +169,10 @@ class Collective:
         that may not sends nothing and commits nothing; the same rule decides whether the members
         that accepted the value may commit it (step 4). All `expected` peers are asked; the gather
         waits only for those in `wait_for` (default: all), so a straggler is taken in when it is
-        ready in time but not waited for."""
+        ready in time but not waited for. `weight` is what our contribution counts in every span's mean against
+        the others' (the inner steps Δ covers: workers of unequal speed, `Contribution.weight`)."""
+        if not _weight_ok(weight):
+            raise ValueError(f"weight must be a whole number of inner steps >= 1, got {weight!r}")
         started, (sent0, recv0) = time.monotonic(), self.transport.counter.snapshot()
         if key.round < self._floor.round:
             raise ValueError(f"round {key} is older than the last round run ({self._floor}); round keys must grow")
@@ -178,6 +182,7 @@ class Collective:
         self._forget_before(key)
         others = [p for p in expected if p != self.me and p not in self.banned]
         rs = self._state(key)
+        rs.weight = weight
         try:
             handoff = delta if isinstance(delta, Handoff) else Handoff(delta)
             del delta
@@ -254,7 +259,7 @@ class Collective:
         self.faults.hit("encode", r.key.round)
         for span in r.owned:
             own = r.own[span] = self.pipeline.decode(r.payloads[span], r.numel(span))
-            rs.contribs.setdefault((rs.vid, span), {})[self.me] = self._contribution(r.payloads[span], own)
+            rs.contribs.setdefault((rs.vid, span), {})[self.me] = self._contribution(r.payloads[span], own, rs.weight)
             if self.pipeline.spec.ef is None:  # only error feedback reads it again; we hold it decoded meanwhile
                 r.payloads[span] = b""
         for (view, span), (owner, tensor, idx) in list(rs.results.items()):  # results that came before our view
@@ -311,8 +316,8 @@ class Collective:
         """Members of our view that closed another view of this round (see `RoundState.elsewhere`)."""
         return sorted(r.rs.elsewhere & set(r.view))
 
-    def _contribution(self, body: bytes | memoryview, decoded: Decoded) -> Contribution:
-        return Contribution(order_key(body), decoded, bytes(body) if self.pipeline.sparse else None)
+    def _contribution(self, body: bytes | memoryview, decoded: Decoded, weight: int = 1) -> Contribution:
+        return Contribution(order_key(body), decoded, bytes(body) if self.pipeline.sparse else None, weight)
 
     def _encode(self, handoff: Handoff, bounds: list[tuple[int, int]], round_: int) -> list[bytes]:
         # after this, the round holds Δ only as its encoded spans (a poisoning plan scales each span first)
@@ -524,7 +529,8 @@ class Collective:
                     r.owed[owner] -= 1
                     return
                 reply = await self._deliver(r, owner, "diloco.contrib", self._frame(
-                    msg.CONTRIB, r.key, view=r.rs.vid, span=span, numel=r.numel(span), body=r.payloads[span]))
+                    msg.CONTRIB, r.key, view=r.rs.vid, span=span, numel=r.numel(span), body=r.payloads[span],
+                    meta={"weight": r.rs.weight} if r.rs.weight != 1 else None))
                 if reply is not None and reply.get("reason") == Reason.WRONG_VIEW.value:
                     self._closed_elsewhere(r.rs, owner)
                 elif self.pipeline.spec.ef is None:  # only error feedback reads it again (what of Δ was sent)
@@ -611,10 +617,21 @@ class Collective:
                         robust.admit(got.pop(self.me).decoded, self.cfg.robust)[1])
             refused.add(self.me)
         senders = [p for p in r.view if p in got]
+        for i in robust.overweight([got[p].weight for p in senders], self.cfg.robust.max_weight):
+            p, floor = senders[i], min(got[q].weight for q in senders)
+            log.warning("event=contribution_overweight round=%s span=%d peer=%s weight=%g lowest=%g max_weight=%g",
+                        r.key, span, p, got[p].weight, floor, self.cfg.robust.max_weight)
+            self.robust_events["overweight"] += 1
+            del got[p]
+            refused.add(p)
+        senders = [p for p in senders if p in got]
         idx = tuple(r.view.index(p) for p in senders)
+        weights = [got[p].weight for p in senders]
+        weighted = len(set(weights)) > 1
         numel = r.numel(span)
         order = summation_order([got[p].order for p in senders])
-        combined = robust.combine([got[senders[i]].decoded for i in order], numel, self.cfg.robust)
+        combined = robust.combine([got[senders[i]].decoded for i in order], numel, self.cfg.robust,
+                                  [weights[i] for i in order] if weighted else None)
         outliers = self._judge([senders[i] for i in order], combined.norms, r.key)
         marked = tuple(sorted(r.view.index(p) for p in (outliers | refused) if p in r.view))
         r.rs.marked[(r.rs.vid, span)] = marked
@@ -627,13 +644,16 @@ class Collective:
         del combined, got  # the span's contributions are not needed past its result
         r.rs.contribs.pop((r.rs.vid, span), None)
         self.faults.hit("reduce", r.key.round)
-        result = self._into_aggregate(r.rs, span, self._decode_result(kind, memoryview(body), numel, idx))
+        result = self._into_aggregate(r.rs, span, self._decode_result(kind, memoryview(body), numel, idx,
+                                                                      weights if weighted else None))
         r.rs.results[(r.rs.vid, span)] = (self.me, result, idx)
         if self.pipeline.spec.ef is None:
             r.own.pop(span, None)  # our decoded contribution is needed past here only for error feedback
         r.rs.changed.set()
-        frame = self._frame(msg.RESULT, r.key, view=r.rs.vid, span=span, numel=numel, body=body,
-                            meta={"contributors": list(idx), "result": kind, "marked": list(marked)})
+        meta: dict[str, Any] = {"contributors": list(idx), "result": kind, "marked": list(marked)}
+        if weighted:  # a bundle's members weigh its payloads by these; a mean says what it was weighted by
+            meta["weights"] = weights
+        frame = self._frame(msg.RESULT, r.key, view=r.rs.vid, span=span, numel=numel, body=body, meta=meta)
         r.rs.frames[(r.rs.vid, span)] = frame
         return frame
 
@@ -699,8 +719,10 @@ class Collective:
             return base
         return torch.cat(tensors)
 
-    def _decode_result(self, kind: str, body: memoryview, numel: int, idx: tuple[int, ...]) -> torch.Tensor:
-        """The span's aggregate from a result body; identical on every peer for identical bytes."""
+    def _decode_result(self, kind: str, body: memoryview, numel: int, idx: tuple[int, ...],
+                       weights: list[int] | None = None) -> torch.Tensor:
+        """The span's aggregate from a result body (a bundle's payloads weighed by `weights`, in `idx`'s order);
+        identical on every peer for identical bytes."""
         if kind == "mean" and not self.pipeline.sparse:
             values = self.mean_pipeline.decode(body, numel).dense(numel)
         elif kind == "bundle" and self.pipeline.sparse:
@@ -708,10 +730,12 @@ class Collective:
             if tuple(i for i, _ in items) != idx:
                 raise PayloadRejected(Reason.BAD_HEADER, "bundle contributors differ from the frame's list")
             payloads = [p for _, p in items]
-            parts = [self.pipeline.decode(payloads[i], numel) for i in canonical_order(payloads)]
+            order = canonical_order(payloads)
+            parts = [self.pipeline.decode(payloads[i], numel) for i in order]
             for part in parts:
                 self._admit(part, "a bundled contribution")
-            values = robust.combine(parts, numel, self.cfg.robust).values
+            values = robust.combine(parts, numel, self.cfg.robust,
+                                    [weights[i] for i in order] if weights else None).values
         else:
             raise PayloadRejected(Reason.BAD_DTYPE, f"result kind {kind!r} does not fit pipeline {self.pipeline.name}")
         self._admit(Decoded(None, values), "result")
@@ -801,6 +825,9 @@ class Collective:
             rs = self._accepting(key)
             self._check_view_slot(rs, header.view, caller, owner=self.me, span=header.span)
             self._check_codec(header)
+            weight = header.meta.get("weight", 1)
+            if not _weight_ok(weight):
+                raise PayloadRejected(Reason.BAD_HEADER, f"weight {weight!r} must be a whole number of inner steps >= 1")
             bucket = rs.contribs.setdefault((header.view, header.span), {})
             if caller in bucket or caller in rs.refused.get(header.span, ()):  # one a span: a refused one counts
                 raise PayloadRejected(Reason.DUPLICATE, f"second contribution from {caller} for span {header.span}")
@@ -811,7 +838,7 @@ class Collective:
                 rs.refused.setdefault(header.span, set()).add(caller)
                 rs.changed.set()
                 raise
-            bucket[caller] = self._contribution(body, decoded)
+            bucket[caller] = self._contribution(body, decoded, weight)
             rs.changed.set()
             return msg.ack(run=self.run_id, sender=self.me)
         except PayloadRejected as e:
@@ -857,7 +884,12 @@ class Collective:
             raise PayloadRejected(Reason.BAD_HEADER, f"result's marked list {marked!r} is not unique view indices")
         self._check_codec(header)
         kind = header.meta.get("result")
-        tensor = self._decode_result(kind if isinstance(kind, str) else "", body, header.numel, tuple(idx))
+        weights = header.meta.get("weights")
+        if weights is not None and (not isinstance(weights, list) or len(weights) != len(idx)
+                                    or not all(_weight_ok(w) for w in weights)):
+            raise PayloadRejected(Reason.BAD_HEADER, f"result's weights {weights!r} are not one whole number >= 1 "
+                                  "per contributor")
+        tensor = self._decode_result(kind if isinstance(kind, str) else "", body, header.numel, tuple(idx), weights)
         return tuple(idx), tuple(marked), tensor
 
     async def _on_vote(self, caller: PeerId, data: bytes) -> bytes:
@@ -1102,6 +1134,11 @@ def _accepted_of(meta: dict[str, Any], key: RoundKey) -> tuple[int, str] | None:
             or not isinstance(value, str) or not 0 < len(value) <= 64:
         raise PayloadRejected(Reason.BAD_HEADER, f"accepted report ({attempt!r}, {value!r}) does not fit attempt {key}")
     return attempt, value
+
+
+def _weight_ok(w: object) -> bool:
+    """A contribution's weight off the wire: a whole number of inner steps in [1, 10¹²]."""
+    return type(w) is int and 1 <= w <= 10**12
 
 
 def _short(peers: list[PeerId]) -> str:

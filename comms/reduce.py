@@ -3,6 +3,9 @@
 - Dense contributions: the fp32 mean over contributors, summed in view order.
 - Sparse contributions (top-k / random-k): each coordinate is averaged over the contributors
   that sent it (SparseLoCo's sparse aggregation); coordinates nobody sent stay 0.
+- Weighted (contributors that trained different numbers of inner steps, e.g. rounds by time): each
+  contribution counts in proportion to its weight, Σ wᵢ·Δᵢ / Σ wᵢ (per coordinate over those that hold it).
+  Equal weights take the unweighted path, so a swarm of equal workers computes exactly what it did without.
 
 Every peer that holds the same inputs in the same order computes bit-identical outputs. The order
 is canonical: contributions are summed sorted by a hash of their encoded bytes, not by who sent
@@ -37,10 +40,13 @@ def canonical_order(payloads: Sequence[bytes | memoryview]) -> list[int]:
     return summation_order([order_key(p) for p in payloads])
 
 
-def average(parts: Sequence[Decoded], numel: int) -> torch.Tensor:
-    """Per-coordinate mean of `parts` (in the given order) over the parts that hold the coordinate."""
+def average(parts: Sequence[Decoded], numel: int, weights: Sequence[float] | None = None) -> torch.Tensor:
+    """Per-coordinate mean of `parts` (in the given order) over the parts that hold the coordinate, each part
+    counted `weights[i]` times (None, or all equal: the plain mean)."""
     if not parts:
         raise ValueError("cannot average zero contributions")
+    if weights is not None and len(set(weights)) > 1:
+        return _weighted(parts, numel, weights)
     total = torch.zeros(numel, dtype=torch.float32)
     if all(p.indices is None for p in parts):
         for p in parts:
@@ -55,3 +61,20 @@ def average(parts: Sequence[Decoded], numel: int) -> torch.Tensor:
             total.index_add_(0, p.indices, p.values)
             count.index_add_(0, p.indices, torch.ones_like(p.values))
     return torch.where(count > 0, total / count.clamp(min=1), total)
+
+
+def _weighted(parts: Sequence[Decoded], numel: int, weights: Sequence[float]) -> torch.Tensor:
+    total = torch.zeros(numel, dtype=torch.float32)
+    if all(p.indices is None for p in parts):
+        for p, w in zip(parts, weights):
+            total.add_(p.values, alpha=w)
+        return total.div_(float(sum(weights)))
+    mass = torch.zeros(numel, dtype=torch.float32)
+    for p, w in zip(parts, weights):
+        if p.indices is None:
+            total.add_(p.values, alpha=w)
+            mass += w
+        else:
+            total.index_add_(0, p.indices, p.values, alpha=w)
+            mass.index_add_(0, p.indices, torch.full_like(p.values, w))
+    return torch.where(mass > 0, total / mass.clamp(min=1e-30), total)

@@ -50,6 +50,10 @@ class RobustConfig:
     max_rms: float = 1e3
     """Refuse a contribution whose root-mean-square value exceeds this (a pseudo-gradient that large is
     never training; raise it only if your parameters themselves are that large)."""
+    max_weight: float = 8.0
+    """Refuse a contribution whose weight (the inner steps it covers) exceeds this multiple of the lowest weight in
+    its span (the slowest peer's; 0: no bound): a peer cannot outvote the others by claiming more work than the
+    spread of its swarm's speeds allows."""
 
     def __post_init__(self) -> None:
         if not (self.clip == 0 or self.clip >= 1) or not math.isfinite(self.clip):
@@ -62,6 +66,9 @@ class RobustConfig:
             raise ConfigError(f"ban_after must be >= 0 strikes (0: never ban), got {self.ban_after}")
         if not self.max_rms > 0:
             raise ConfigError(f"max_rms must be > 0, got {self.max_rms}")
+        if not (self.max_weight == 0 or 1 <= self.max_weight < math.inf):
+            raise ConfigError(f"max_weight must be 0 (no bound) or a finite multiple >= 1 of the lowest weight, got "
+                              f"{self.max_weight}")
 
 
 _CHUNK = 1 << 20  # values per float64 piece: the norm's temporary stays 8 MiB whatever the span
@@ -135,16 +142,29 @@ class Combined:
         return [i for i, s in enumerate(self.scales) if s != 1.0]
 
 
-def combine(parts: Sequence[Decoded], numel: int, cfg: RobustConfig) -> Combined:
-    """The robust mean of `parts` (in the given order, which fixes the summation order)."""
+def overweight(weights: Sequence[float], bound: float) -> list[int]:
+    """Indices of weights above `bound` × the lowest one (none when `bound` is 0)."""
+    if bound == 0 or not weights:
+        return []
+    floor = min(weights)
+    return [i for i, w in enumerate(weights) if w > bound * floor]
+
+
+def combine(parts: Sequence[Decoded], numel: int, cfg: RobustConfig,
+            weights: Sequence[float] | None = None) -> Combined:
+    """The robust mean of `parts` (in the given order, which fixes the summation order), each weighted by
+    `weights` (the trimmed mean, per coordinate, ignores them). Weighted, clipping and strikes judge each part's
+    norm per unit of weight: a peer that trained four times as many steps may move four times as far."""
     norms = [norm(p) for p in parts]
+    if weights is not None and len(set(weights)) > 1:
+        norms = [n / w for n, w in zip(norms, weights)]
     scales = clip_scales(norms, cfg.clip)
     scaled = [p if s == 1.0 else Decoded(p.indices, p.values * torch.tensor(s, dtype=torch.float32))
               for p, s in zip(parts, scales)]
     k = math.floor(cfg.trim * len(parts))
     if k > 0 and all(p.indices is None for p in scaled):
         return Combined(trimmed_mean([p.values for p in scaled], k), norms, scales)
-    return Combined(average(scaled, numel), norms, scales)
+    return Combined(average(scaled, numel, weights), norms, scales)
 
 
 def trimmed_mean(values: Sequence[torch.Tensor], k: int) -> torch.Tensor:

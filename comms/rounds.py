@@ -109,6 +109,8 @@ class Contribution:
     body: bytes | None
     """The encoded bytes, kept only where the result bundles them (sparse pipelines): a dense one would
     hold the span twice for nothing."""
+    weight: int = 1
+    """How much it counts in the span's mean: the inner steps its sender's Δ covers (1 when all are equal)."""
 
 
 @dataclass
@@ -125,6 +127,7 @@ class RoundState:
     view: tuple[PeerId, ...] | None = None  # set when this peer closes its gather
     vid: str = ""  # the view's id, set with `view`
     fragment: int = 0  # model fragment of this round (set when we run it)
+    weight: int = 1  # what our contribution counts in the means (set when we run it; `Contribution.weight`)
     contribs: dict[tuple[str, int], dict[PeerId, Contribution]] = field(default_factory=dict)
     results: dict[tuple[str, int], tuple[PeerId, torch.Tensor, tuple[int, ...]]] = field(default_factory=dict)
     marked: dict[tuple[str, int], tuple[int, ...]] = field(default_factory=dict)

@@ -418,11 +418,12 @@ class Swarm:
     def exchange_async(self, rnd: int, attempt: int, digest: str, delta: torch.Tensor | list[torch.Tensor] | Handoff,
                        fragment: int = 0,
                        previous: tuple[PeerId, ...] | None = None,
-                       skip: Collection[PeerId] = ()) -> concurrent.futures.Future[RoundOutcome]:
+                       skip: Collection[PeerId] = (), weight: int = 1) -> concurrent.futures.Future[RoundOutcome]:
         """Start our next round in the background (training goes on) and return at once: which attempt
         to run and whom to wait for are decided there from fresh records, so the training thread does
         no network I/O. With `majority` on, the round commits only with a majority of `previous` (the
-        members of the last round we committed); peers in `skip` are not waited for. A list `delta` is a lone
+        members of the last round we committed); peers in `skip` are not waited for; `weight`: what our Δ counts
+        in the round's means (the inner steps it covers, for rounds by time). A list `delta` is a lone
         peer's Δ in pieces (`PiecewiseHandoff`): its outcome holds Δ̄ as the result frames, not decoded.
         `finish_exchange` collects the outcome."""
         if isinstance(delta, Handoff):
@@ -464,7 +465,8 @@ class Swarm:
             if fetching:
                 wait_for = {*(expected if wait_for is None else wait_for), *fetching}
             outcome = await self.collective.run_round(key, digest, sorted({*expected, *resyncing, *fetching}),
-                                                      handoff, fragment=fragment, admit=admit, wait_for=wait_for)
+                                                      handoff, fragment=fragment, admit=admit, wait_for=wait_for,
+                                                      weight=weight)
             if not outcome.committed:
                 self.check_standing(previous)  # refused as banned by most of them: stop now, not next slot
             return outcome

@@ -56,19 +56,19 @@ def test_recovery_times_the_next_commit_and_the_workers_return():
 @pytest.mark.multiproc
 @pytest.mark.timeout(400)
 def test_a_short_chaos_run_of_real_workers_ends_without_a_fork(tmp_path):
-    """Four workers for 60 s, a SIGKILL (restart from the checkpoint, same identity) or a SIGSTOP about every 8 s
+    """Three workers for 36 s, a SIGKILL (restart from the checkpoint, same identity) or a SIGSTOP about every 6 s
     (seed 1): the report counts every fault, no round is held with two digests, every worker is back and exits 0
     (the killed ones after their restart), and the swarm committed rounds under the faults."""
     out = tmp_path / "chaos.json"
-    proc = subprocess.run([sys.executable, "-m", "diloco", "bench", "chaos", "--workers", "4", "--seconds", "60",
-                           "--every", "8", "--seed", "1", "--stop-max", "10", "--heal", "10", "--no-baseline",
+    proc = subprocess.run([sys.executable, "-m", "diloco", "bench", "chaos", "--workers", "3", "--seconds", "36",
+                           "--every", "6", "--seed", "1", "--stop-max", "10", "--heal", "10", "--no-baseline",
                            "--job", "--d-model 32 --layers 1 --batch-size 4 -H 5 --gather-timeout 20",
                            "--workdir", str(tmp_path / "w"), "--json", str(out), "--quiet"],
                           capture_output=True, text=True, timeout=380)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads(out.read_text())
     assert report["forks"] == {}, report["forks"]
-    assert report["exits"] == [0, 0, 0, 0], (report["exits"], proc.stdout)
+    assert report["exits"] == [0, 0, 0], (report["exits"], proc.stdout)
     applied = {k: f["applied"] for k, f in report["faults"].items()}
     assert sum(applied.values()) == report["faults_applied"] >= 5 and set(applied) <= {"kill", "stop"}, applied
     assert report["rounds_committed"] >= 3, report

@@ -82,6 +82,72 @@ def test_four_peers_fp32_commit_the_mean_bit_identically():
     assert all(o.bytes_sent >= 4 * numel * 3 // 4 for o in outs.values())
 
 
+@pytest.mark.parametrize("compression", ["fp32", "topk:64/256"])
+def test_contributions_count_by_their_weights_bit_identically_on_every_peer(compression):
+    """Workers of unequal speed: p0..p3 trained 1, 2, 4 and 4 steps' worth; every span's mean is Σ wᵢ·Δᵢ / Σ wᵢ
+    (per coordinate over those that sent it, for top-k), the same bits on every peer, and a result says what it
+    was weighted by. Equal weights (the default) stay the plain mean."""
+    numel, weights = 1001, {"p0": 1, "p1": 2, "p2": 4, "p3": 4}
+
+    async def main():
+        net = InProcNetwork()
+        cs = await _collectives(net, PEERS, replace(FAST, compression=compression, result_timeout=5.0,
+                                                     reduce_timeout=4.0))
+        deltas = _deltas(PEERS, numel, seed=21)
+        outs = await asyncio.gather(*(cs[p].run_round(RoundKey(0), DIGEST, PEERS, deltas[p], weight=weights[p])
+                                      for p in PEERS))
+        return deltas, dict(zip(PEERS, outs)), cs
+
+    deltas, outs, cs = asyncio.run(main())
+    first = outs["p0"].aggregate
+    for p, o in outs.items():
+        assert o.committed, o.reason
+        assert torch.equal(o.aggregate, first) and not cs[p].rejections
+    if compression == "fp32":
+        expected = sum(weights[p] * deltas[p] for p in PEERS) / sum(weights.values())
+        assert torch.allclose(first, expected, rtol=0, atol=1e-6)
+        assert not torch.allclose(first, _mean(deltas, PEERS), rtol=0, atol=1e-3)  # not the plain mean
+    else:  # each coordinate over the peers whose top-k held it, by their weights
+        n = 256  # span 0: spans are aligned to top-k's chunks
+        held = [(p, cs[p].pipeline.decode(cs[p].pipeline.encode(deltas[p][:n]), n)) for p in PEERS]
+        total, mass = torch.zeros(n), torch.zeros(n)
+        for p, part in held:
+            total.index_add_(0, part.indices, part.values * weights[p])
+            mass.index_add_(0, part.indices, torch.full_like(part.values, weights[p]))
+        expected = torch.where(mass > 0, total / mass.clamp(min=1e-30), total)
+        assert torch.allclose(first[:n], expected, rtol=0, atol=1e-6)
+
+
+def test_a_weight_above_max_weight_times_the_lowest_is_refused_and_counted():
+    """p3 claims 100 times the work of the slowest: each owner refuses its contributions (counted, logged, marked:
+    a strike when the round commits) and averages the others by their weights. A weight that is no positive
+    number is refused at the frame."""
+    weights = {"p0": 1, "p1": 2, "p2": 2, "p3": 100}
+
+    async def main():
+        net = InProcNetwork()
+        cs = await _collectives(net, PEERS, replace(FAST, result_timeout=5.0, reduce_timeout=4.0))
+        deltas = _deltas(PEERS, 400, seed=22)
+        outs = await asyncio.gather(*(cs[p].run_round(RoundKey(0), DIGEST, PEERS, deltas[p], weight=weights[p])
+                                      for p in PEERS))
+        x = net.transport("x")
+        bad = msg.encode(msg.CONTRIB, run=RUN, sender="x", key=RoundKey(1), view="v", span=0, numel=1,
+                         codec=cs["p0"].pipeline.name, meta={"weight": 0.5})
+        refused = msg.read_ack(await x.call("p0", "diloco.contrib", bad, 1), run=RUN, caller="p0")
+        return deltas, dict(zip(PEERS, outs)), cs, refused
+
+    deltas, outs, cs, refused = asyncio.run(main())
+    honest = ["p0", "p1", "p2"]
+    expected = sum(weights[p] * deltas[p] for p in honest) / sum(weights[p] for p in honest)
+    for p, o in outs.items():
+        assert o.committed, o.reason
+        assert torch.allclose(o.aggregate, expected, rtol=0, atol=1e-6)
+        assert all(c == tuple(honest) for c in o.contributors), o.contributors
+        assert o.offenders == ("p3",)  # every owner marked it: a strike
+    assert all(c.robust_events["overweight"] == 1 for c in cs.values())  # every owner, p3 itself too
+    assert refused["ok"] is False and refused["reason"] == "bad_header"
+
+
 def test_fp16_wire_identical_across_peers_within_fp16_error():
     numel = 4099
     cfg = CollectiveConfig(gather_timeout=0.5, reduce_timeout=0.5, result_timeout=1.0, call_timeout=1.0,
