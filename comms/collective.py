@@ -72,7 +72,7 @@ import logging
 import time
 from collections import Counter
 from functools import partial
-from typing import Any, Callable, Collection, Iterator
+from typing import Any, Callable, Collection, Iterator, TypeGuard
 
 import torch
 
@@ -1136,7 +1136,7 @@ def _accepted_of(meta: dict[str, Any], key: RoundKey) -> tuple[int, str] | None:
     return attempt, value
 
 
-def _weight_ok(w: object) -> bool:
+def _weight_ok(w: object) -> TypeGuard[int]:
     """A contribution's weight off the wire: a whole number of inner steps in [1, 10¹²]."""
     return type(w) is int and 1 <= w <= 10**12
 
