@@ -78,7 +78,7 @@ class RoundEngine:
 
     def __init__(self, member: Member, *, fragments: Sequence[Fragment], streaming: StreamingConfig,
                  inner_steps: int, h_schedule: HSchedule, outer_lr_schedule: Callable[[int], float], spec: Spec,
-                 on_rollback: Callable[[], None] = lambda: None) -> None:
+                 on_rollback: Callable[[], None] = lambda: None, round_seconds: float | None = None) -> None:
         """`member`: the worker in its swarm (state, standing, catching up). `on_rollback()`: after a non-finite Δ
         rolled the model back (the inner optimizer's state holds the same NaN)."""
         self.member = member
@@ -97,6 +97,12 @@ class RoundEngine:
         self.pending: _Pending | None = None
         self.start: list[torch.Tensor] | None = None  # eager: where this phase started (≠ θ)
         self.last_view = 1
+        self.round_seconds = round_seconds
+        """Rounds by time: a slot comes once this many seconds passed since the last one (however many inner steps
+        that took), and our Δ counts in the round's means by the steps it covers. None: every H inner steps."""
+        self._clock = time.monotonic()  # when the current span of inner steps began (rounds by time)
+        self.covered = 0
+        """Inner steps the Δ of the latest slot covers (its weight in the round's means, with rounds by time)."""
 
     @property
     def residuals(self) -> list[torch.Tensor] | None:
@@ -142,8 +148,9 @@ class RoundEngine:
             raise SystemExit(128 + signum)  # leave now: `with` applies what is in flight (a site: at its slot)
         if self.pending is not None and self.pending.due <= s.steps and not self.overlapped:
             self.complete(self.pending)
-        if s.position < self.period:
+        if not self._slot_due():
             return False
+        self.covered, self._clock = s.position, time.monotonic()
         s.last_slot = s.steps
         try:
             self.member.check_standing()
@@ -158,8 +165,19 @@ class RoundEngine:
 
     # ------------------------------------------------------------------ a slot
 
+    def _slot_due(self) -> bool:
+        s = self.standing
+        if self.round_seconds is None:
+            return s.position >= self.period
+        return s.position >= 1 and time.monotonic() - self._clock >= self.round_seconds
+
+    def restart_clock(self) -> None:
+        """Rounds by time: the next span of inner steps begins now (after a download, or the first step)."""
+        self._clock = time.monotonic()
+
     def sync(self) -> RoundReport:
         """Synchronize the next fragment now and wait for its result (`DiLoCo.sync`)."""
+        self.covered = max(1, self.standing.position)
         self.flush()
         report = self.launch(force_complete=True)
         assert report is not None
@@ -327,8 +345,9 @@ class RoundEngine:
                   ) -> concurrent.futures.Future[RoundOutcome]:
         swarm, s = self.member.swarm, self.standing
         assert swarm is not None
+        weight = max(1, self.covered) if self.round_seconds is not None else 1
         return swarm.exchange_async(self.holding.round, s.attempt, self.holding.digest, delta, fragment=frag.index,
-                                    previous=s.members, skip=s.stragglers)
+                                    previous=s.members, skip=s.stragglers, weight=weight)
 
     def complete(self, pending: _Pending, in_step: bool = True) -> RoundReport | None:
         """Wait for the exchange in flight and apply it; waiting inside an inner step (not in `flush`) is

@@ -212,9 +212,12 @@ class DiLoCo:
         checkpoint_every: int = 0,
         site: Site | None | Literal["auto"] = "auto",
         global_device: torch.device | str = "cpu",
+        round_seconds: float | None = None,
     ) -> None:
         if inner_steps < 1:
             raise ConfigError(f"inner_steps must be >= 1, got {inner_steps}")
+        if round_seconds is not None and not (0 < round_seconds < float("inf")):
+            raise ConfigError(f"round_seconds must be a positive number of seconds, got {round_seconds}")
         if outer_warmup < 0:
             raise ConfigError(f"outer_warmup must be >= 0 rounds, got {outer_warmup}")
         if outer_warmup and outer_lr_schedule is not None:
@@ -247,6 +250,12 @@ class DiLoCo:
         self._params = [p for _, p in named]
         self.fragments = partition([n for n, _ in named], [p.numel() for _, p in named], self.streaming)
         check_schedule(inner_steps, len(self.fragments), self.streaming)
+        if round_seconds is not None and self.site is not None and self.site.size > 1:
+            raise ConfigError("round_seconds (rounds by time) does not work on a multi-rank site yet (its ranks would "
+                              "have to agree on the step they stop at): use inner_steps there")
+        if round_seconds is not None and (len(self.fragments) > 1 or self.streaming.overlap or h_schedule):
+            raise ConfigError("round_seconds (rounds by time) works with whole-model rounds for now: drop streaming "
+                              "fragments, overlap and h_schedule, or use inner_steps")
         check_h_schedule(self.h_schedule, len(self.fragments), self.streaming)
         # Compression is a property of the swarm (every peer must agree); locally, take it from the
         # argument. Error feedback (the spec's ef:BETA stage) keeps this peer's unsent residual.
@@ -270,13 +279,13 @@ class DiLoCo:
         self.member = Member(holding, lambda: self.local_params, self.link, self.accounting,
                              schema=schema_digest(named, f"{spec.text}|{layout}"), period=lambda: self.engine.period,
                              join_timeout=join_timeout, on_report=self._reported,
-                             on_download=lambda: self.engine.forget_carry(), on_commit=lambda: self.checkpoints.if_due(),
+                             on_download=self._downloaded, on_commit=lambda: self.checkpoints.if_due(),
                              stop_requested=lambda: self._stop.signum)
         """What the worker holds (θ, the outer state, the round), how it stands in the swarm, its catching up."""
         self.engine = RoundEngine(self.member, fragments=self.fragments, streaming=self.streaming,
                                   inner_steps=inner_steps, h_schedule=self.h_schedule,
                                   outer_lr_schedule=self.outer_lr_schedule, spec=spec,
-                                  on_rollback=self._inner.state.clear)
+                                  on_rollback=self._inner.state.clear, round_seconds=round_seconds)
         """The worker's rounds, from a synchronization slot to the outer step."""
         self.checkpoints = Checkpoints(self.member, self.engine, [n for n, _ in named], compression=spec.text,
                                        root=checkpoint_dir, every=checkpoint_every, aliases=_aliases(model))
@@ -477,6 +486,13 @@ class DiLoCo:
             self._stop.install()
         if self._hook is None:
             self._hook = self._inner.register_step_post_hook(lambda *_: self._after_step())
+        self.engine.restart_clock()  # rounds by time: the first span of inner steps begins now
+
+    def _downloaded(self) -> None:
+        """We took a state another peer served: what we carried for it is gone, and our span of inner steps
+        (rounds by time) begins now."""
+        self.engine.forget_carry()
+        self.engine.restart_clock()
 
     def _join(self) -> dict[str, object]:
         """The leader's side of `attach` (a lone process's, all of it); for a site, what the others take."""

@@ -239,6 +239,10 @@ class JobOptions(Group):
 
     rounds: int = option(_JOB.rounds, help="Train until the swarm has committed this many rounds.")
     inner_steps: int = option(_JOB.inner_steps, "--inner-steps", "-H", help="Inner steps per round (H).")
+    round_seconds: Optional[float] = option(_JOB.round_seconds, "--round-seconds", help="Rounds by time instead of "
+                                            "-H: train for this many seconds a round, however many inner steps that is "
+                                            "on this machine; each worker's Δ counts by its steps (machines of unequal "
+                                            "speed, docs/USAGE.md).")
     h_schedule: str = option("", "--h-schedule", help="Change H during the run: 'R:H' pairs, e.g. '80:10' (after 80 "
                                                       "outer steps, H=10) or '80:10,95:5'.")
     outer_lr: Optional[float] = option(_JOB.outer_lr, help="Outer SGD lr (default 0.7; 1.0 when the compression has "

@@ -93,6 +93,9 @@ class JobConfig:
     """Stop when the global round reaches this many committed rounds."""
     inner_steps: int = 50
     """H: inner AdamW steps per round."""
+    round_seconds: float | None = None
+    """Rounds by time instead of H: train inner steps for this many seconds a round, however many that is on this
+    machine; each worker's pseudo-gradient counts by the steps it covers (`DiLoCo(round_seconds=...)`)."""
     h_schedule: HSchedule = ()
     """Change H during the run: (after this many outer steps, H from then on) pairs, e.g. ((80, 10),): H=10
     for the outer steps after the 80th (`diloco.fragments.parse_h_schedule` reads '80:10')."""
@@ -183,6 +186,10 @@ class JobConfig:
             if (self.streaming.fragments or 1) != 1 or self.streaming.overlap or self.h_schedule:
                 raise ConfigError("data-parallel synchronizes the whole gradient every step: leave --fragments, "
                                   "--overlap and --h-schedule unset")
+        if self.round_seconds is not None and (self.data_parallel or self.fragments > 1 or self.streaming.overlap
+                                               or self.h_schedule or not 0 < self.round_seconds < float("inf")):
+            raise ConfigError(f"--round-seconds must be a positive number of seconds, without --data-parallel, "
+                              f"--fragments, --overlap or --h-schedule (got {self.round_seconds})")
         if self.d_model % 4:
             raise ConfigError(f"d_model ({self.d_model}) must be divisible by the 4 attention heads")
         if self.streaming.fragments is None:
@@ -359,7 +366,8 @@ def run_job(cfg: JobConfig, swarm: Swarm | None, *, metrics: MetricsWriter | Non
     d = DiLoCo(model, inner, swarm=swarm, inner_steps=cfg.inner_steps, h_schedule=cfg.round_schedule,
                on_round=on_round, outer_optimizer=outer,
                outer_warmup=cfg.outer_warmup, outer_lr_schedule=schedule,
-               streaming=cfg.streaming, checkpoint_dir=cfg.checkpoint_dir, checkpoint_every=cfg.checkpoint_every)
+               streaming=cfg.streaming, checkpoint_dir=cfg.checkpoint_dir, checkpoint_every=cfg.checkpoint_every,
+               round_seconds=cfg.round_seconds)
     if cfg.resume and not d.resume():
         log.info("event=resume_skipped reason=no verified checkpoint in %s", cfg.checkpoint_dir)
     target = cfg.rounds * len(d.fragments)  # a round synchronizes one fragment
@@ -369,9 +377,14 @@ def run_job(cfg: JobConfig, swarm: Swarm | None, *, metrics: MetricsWriter | Non
             seen = swarm.wait_for_peers(cfg.wait_for, cfg.wait_timeout)
             log.info("event=peers_present count=%d wanted=%d", seen, cfg.wait_for)
         clock["start"] = time.monotonic()
-        max_steps = total_steps * 4  # a safety net if the swarm never commits
+        # a safety net if the swarm never commits: four times the run's steps, or with rounds by time its seconds
+        max_steps = total_steps * 4 if cfg.round_seconds is None else None
+        time_limit = clock["start"] + 4 * target * (cfg.round_seconds or 0) + 60
+
+        def go_on() -> bool:
+            return d.steps < max_steps if max_steps is not None else time.monotonic() < time_limit
         # A round on the wire counts: with overlap its result is applied on leaving the `with` (flush).
-        while d.round + d.pending_rounds < target and not stop.is_set() and d.steps < max_steps:
+        while d.round + d.pending_rounds < target and not stop.is_set() and go_on():
             if not cfg.data_parallel:
                 for group in inner.param_groups:
                     group["lr"] = inner_lr(cfg.first_step + d.swarm_step, lr=cfg.lr, warmup=cfg.warmup,
