@@ -130,6 +130,10 @@ class Collective:
         """We take no part in this namespace's rounds for now (a region's member on standby in the swarm's records,
         `diloco.regions`): a peer asking us to be ready is told so and does not wait for us."""
         self.crashed = False
+        self._silent: dict[PeerId, float] = {}
+        """Peers found dead or frozen (a probe or a ready unanswered through the answer window), until when we do
+        not wait for their answer again: while a frozen peer's record lives, each gather asks it, and without this
+        each one would wait the window for it anew. Any reply from it clears it."""
         """Set by an in-process kill (`Swarm.crash`): as with a SIGKILLed process, nothing we were doing
         may still take effect, so no round commits from now on."""
 
@@ -422,12 +426,22 @@ class Collective:
         later = {p: asyncio.create_task(ask(p)) for p in asked - first}
         grace = self.cfg.gather_timeout / 10
 
+        since: dict[PeerId, float] = {}  # when each ask still on its way was sent
+
         def ask_again(peers: Collection[PeerId]) -> None:
             """Those of `peers` we wait for that answered "not yet" may have died, left, gone on standby or
-            closed their view since (their ready would then never come): ask them again to hear which."""
+            closed their view since (their ready would then never come): ask them again to hear which. One that
+            leaves such a question unanswered through the answer window froze after it answered: not waited for."""
+            now = time.monotonic()
             for p in set(peers) & rs.waited(self.me) - set(rs.ready):
-                if replies.get(p, {}) is not None and (p not in later or later[p].done()):
-                    later[p] = asyncio.create_task(ask(p))
+                if replies.get(p, {}) is None:
+                    continue
+                if p not in later or later[p].done():
+                    later[p], since[p] = asyncio.create_task(ask(p)), now
+                elif now - since.get(p, now) > self.cfg.answer_timeout:
+                    replies[p] = None
+                    self._mark_silent(p)
+                    log.info("event=peer_silent round=%s peer=%s", key, p)
 
         def closed(everyone: bool) -> bool:
             """Ask newly named peers, and again those whose records changed (`recheck`); then: did a reply show we
@@ -448,14 +462,20 @@ class Collective:
             # A peer we have heard from before that leaves our ready unanswered through the answer window is frozen
             # or overloaded: not waited for (its reply, or its own ready, still counts if it comes before we close).
             # A first contact (dialing, handshakes) gets the whole call timeout.
+            # One found silent lately is not waited for at all until it answers something again.
             asking = {p: asyncio.create_task(ask(p)) for p in asked & first}
-            if asking:
-                await asyncio.wait(asking.values(), timeout=self.cfg.answer_timeout)
+            now = time.monotonic()
+            fresh = [t for p, t in asking.items() if self._silent.get(p, 0) <= now]
+            if fresh:
+                await asyncio.wait(fresh, timeout=self.cfg.answer_timeout)
+            elif asking:
+                await asyncio.wait(asking.values(), timeout=self.cfg.answer_timeout / 20)  # a round trip, no more
             for p, task in asking.items():
                 if not task.done() and self.transport.counter.per_peer.get(p, [0, 0])[1] > 0:
                     replies[p] = None
                     later[p] = task
-                    log.info("event=peer_silent round=%s peer=%s seconds=%.1f", key, p, self.cfg.answer_timeout)
+                    self._mark_silent(p)
+                    log.info("event=peer_silent round=%s peer=%s", key, p)
             await asyncio.gather(*(t for p, t in asking.items() if p not in later))
             self.faults.hit("gather", key.round)
             deadline = time.monotonic() + self.cfg.gather_timeout
@@ -589,11 +609,14 @@ class Collective:
             if self.transport.counter.per_peer.get(peer, [0, 0])[1] != heard:
                 return  # its reply is queued behind the bytes it is sending us: busy, not frozen
             why = f"silent for {window:.1f} s"
+            self._mark_silent(peer)
         except TransportError as e:
             why = f"unreachable: {e}"
+            self._mark_silent(peer)
         except PayloadRejected as e:
             why = f"its reply to our probe was refused: {e.detail}"
         else:
+            self._silent.pop(peer, None)
             if meta.get("ok", False) and meta.get("running") is True:
                 return
             why = "no longer runs this attempt" if meta.get("ok", False) else f"refused our probe ({meta.get('reason')})"
@@ -601,6 +624,11 @@ class Collective:
             rs.gone[peer] = why
             rs.changed.set()
             log.info("event=member_gone round=%s peer=%s reason=%s", r.key, peer, why)
+
+    def _mark_silent(self, peer: PeerId) -> None:
+        """Do not wait for `peer`'s answer in our gathers for a while (`_silent`): twice the gather timeout (at least a
+        call timeout), about as long as its record may outlive it; any reply from it ends this sooner."""
+        self._silent[peer] = time.monotonic() + max(self.cfg.call_timeout, 2 * self.cfg.gather_timeout)
 
     async def _broadcast(self, r: Exchange, frame: bytes, window: asyncio.Semaphore) -> None:
         try:
@@ -1067,6 +1095,7 @@ class Collective:
         except (TransportError, PayloadRejected) as e:
             log.info("event=call_failed handler=%s peer=%s reason=%s", name, peer, e)
             return None
+        self._silent.pop(peer, None)
         if not meta.get("ok", False):
             log.info("event=frame_refused handler=%s peer=%s reason=%s", name, peer, meta.get("reason"))
             if meta.get("reason") == Reason.BANNED.value:

@@ -310,6 +310,39 @@ def test_a_peer_that_answered_not_yet_and_then_went_away_costs_a_grace_not_the_g
     assert took < gather / 3, took  # a grace (0.3 s) or two, and the round
 
 
+def test_a_peer_that_answered_not_yet_and_then_froze_costs_a_window_not_the_gather():
+    """As above, but x freezes (SIGSTOP) instead of going away: the others' second question goes unanswered, and
+    once it has been on its way for the answer window they close without x, well before the 20 s gather."""
+    gather = 20.0
+
+    async def main():
+        net = InProcNetwork()
+        cs = await _collectives(net, ["p0", "p1", "x"], CollectiveConfig(gather_timeout=gather, reduce_timeout=0.5,
+                                                                         result_timeout=1, call_timeout=8))
+        answered = asyncio.Event()
+        freezer = _Freezer(net, "x")
+        on_ready = net.lookup("x").handlers["diloco.ready"]
+
+        async def answer_then_freeze(caller, data):
+            reply = await on_ready(caller, data)
+            answered.set()
+            return reply
+        net.lookup("x").handlers["diloco.ready"] = answer_then_freeze
+        deltas = _deltas(["p0", "p1"], 30, seed=9)
+        started = time.monotonic()
+        running = asyncio.gather(*(cs[p].run_round(RoundKey(2), DIGEST, ["p0", "p1", "x"], deltas[p])
+                                   for p in ("p0", "p1")))
+        await asyncio.wait_for(answered.wait(), 1)
+        freezer.frozen = True
+        outs = await running
+        freezer.thaw()
+        return outs, time.monotonic() - started
+
+    outs, took = asyncio.run(main())
+    assert all(o.committed and o.view == ("p0", "p1") for o in outs), [(o.reason, o.view) for o in outs]
+    assert took < gather / 2, took  # a grace (2 s) to ask again, and a window or two (2 s) for the answer
+
+
 def test_a_hung_straggler_costs_the_grace_not_a_call_timeout():
     """p3 is a straggler (the others go on without waiting for it) whose record is still live, and it
     is frozen: its ready handler never answers. The others ask it, but do not wait out their call to
@@ -410,7 +443,8 @@ def test_a_member_frozen_mid_round_is_given_up_within_a_probe_window_and_the_nex
     """p3 freezes (SIGSTOP) once every contribution to its span is in: its result never goes out, and it answers
     nothing. The others' probes go unanswered for a window (2 s here), so they give the attempt up long before
     the result deadline; in the next attempt their ready to p3 (which they heard from before) goes unanswered for
-    a window too, and they close and commit without it instead of waiting out the call timeout."""
+    a window too, and they close and commit without it instead of waiting out the call timeout; in the round after,
+    they do not wait a window for it again."""
     present = PEERS[:3]
     cfg = replace(FAST, reduce_timeout=10.0, result_timeout=12.0, call_timeout=8.0)
     assert cfg.answer_timeout == 2.0
@@ -434,17 +468,21 @@ def test_a_member_frozen_mid_round_is_given_up_within_a_probe_window_and_the_nex
         first = await asyncio.gather(*(cs[p].run_round(RoundKey(4, 0), DIGEST, PEERS, deltas[p]) for p in present))
         took0, started = time.monotonic() - started, time.monotonic()
         again = await asyncio.gather(*(cs[p].run_round(RoundKey(4, 1), DIGEST, PEERS, deltas[p]) for p in present))
-        took1 = time.monotonic() - started
+        took1, started = time.monotonic() - started, time.monotonic()
+        # still frozen, still in their records: the next round does not wait a window for it again
+        later = await asyncio.gather(*(cs[p].run_round(RoundKey(5, 0), DIGEST, PEERS, deltas[p]) for p in present))
+        took2 = time.monotonic() - started
         frozen_round.cancel()  # what a thawed peer does next is test_frozen_after_every_result_...'s subject
         freezer.thaw()
-        return first, again, took0, took1
+        return first, again + later, took0, took1, took2
 
-    first, again, took0, took1 = asyncio.run(main())
+    first, again, took0, took1, took2 = asyncio.run(main())
     assert all(not o.committed and "p3 will send no result" in o.reason and "silent" in o.reason for o in first), \
         [o.reason for o in first]
     assert took0 < cfg.reduce_timeout * 0.7, took0  # a window's sleep and a window's probe: ~4 s, not 10-12 s
     assert all(o.committed and o.view == tuple(present) for o in again), [(o.reason, o.view) for o in again]
     assert took1 < cfg.call_timeout * 0.6, took1  # a window (2 s), not the 8 s call timeout
+    assert took2 < cfg.answer_timeout / 2, took2  # a twentieth of the window, and the round
 
 
 # ---------------------------------------------------------------------- late peers
