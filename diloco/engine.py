@@ -101,8 +101,6 @@ class RoundEngine:
         """Rounds by time: a slot comes once this many seconds passed since the last one (however many inner steps
         that took), and our Δ counts in the round's means by the steps it covers. None: every H inner steps."""
         self._clock = time.monotonic()  # when the current span of inner steps began (rounds by time)
-        self.covered = 0
-        """Inner steps the Δ of the latest slot covers (its weight in the round's means, with rounds by time)."""
 
     @property
     def residuals(self) -> list[torch.Tensor] | None:
@@ -150,7 +148,7 @@ class RoundEngine:
             self.complete(self.pending)
         if not self._slot_due():
             return False
-        self.covered, self._clock = s.position, time.monotonic()
+        s.covered, self._clock = s.position, time.monotonic()
         s.last_slot = s.steps
         try:
             self.member.check_standing()
@@ -177,7 +175,7 @@ class RoundEngine:
 
     def sync(self) -> RoundReport:
         """Synchronize the next fragment now and wait for its result (`DiLoCo.sync`)."""
-        self.covered = max(1, self.standing.position)
+        self.standing.covered = max(1, self.standing.position)
         self.flush()
         report = self.launch(force_complete=True)
         assert report is not None
@@ -345,7 +343,7 @@ class RoundEngine:
                   ) -> concurrent.futures.Future[RoundOutcome]:
         swarm, s = self.member.swarm, self.standing
         assert swarm is not None
-        weight = max(1, self.covered) if self.round_seconds is not None else 1
+        weight = max(1, s.covered) if self.round_seconds is not None else 1
         return swarm.exchange_async(self.holding.round, s.attempt, self.holding.digest, delta, fragment=frag.index,
                                     previous=s.members, skip=s.stragglers, weight=weight)
 

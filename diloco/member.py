@@ -43,6 +43,9 @@ class Standing:
 
     steps: int = 0
     last_slot: int = 0
+    covered: int = 0
+    """Inner steps the Δ of our latest slot covered: its weight in the round's means with rounds by time (H
+    otherwise); `diloco status` shows it."""
     attempt: int = 0
     members: tuple[PeerId, ...] | None = None
     """Who took part in the last round we committed (or in the state we downloaded): the next round needs a
@@ -158,7 +161,8 @@ class Member:
                 self.swarm.update(now=now and not owed, status=status, round=rnd, attempt=s.attempt, digest=digest,
                                   step=s.steps, loss=self.loss, recent=recent, bytes_sent=sent,
                                   bytes_received=received,
-                                  utilization=round(usage.utilization, 4) if usage.steps else None)
+                                  utilization=round(usage.utilization, 4) if usage.steps else None,
+                                  round_steps=s.covered or None)
                 self._owed = self._owed or owed
 
     def _publish_digest(self) -> None:

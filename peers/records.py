@@ -72,6 +72,9 @@ class PeerRecord:
     """Bytes it has received so far."""
     utilization: float | None = None
     """Its compute utilization so far, in [0, 1] (None before its first inner steps)."""
+    round_steps: int | None = None
+    """Inner steps its last round's Δ covered: H, or with rounds by time what its machine managed, which is the
+    weight of its Δ in the round's means (None before its first round)."""
     region: str = ""
     """The region this peer trains in (`--region`; "" in a flat swarm): a global round's quorum counts regions."""
     data: str = ""
@@ -103,6 +106,8 @@ def _display_fields(value: dict[str, Any]) -> dict[str, Any]:
     for name in ("bytes_sent", "bytes_received"):
         v = value.get(name, 0)
         out[name] = v if isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= MAX_BYTES else 0
+    n = value.get("round_steps")
+    out["round_steps"] = n if isinstance(n, int) and not isinstance(n, bool) and 0 < n <= 10**12 else None
     u = value.get("utilization")
     if isinstance(u, (int, float)) and not isinstance(u, bool) and math.isfinite(u) and 0.0 <= u <= 1.0:
         out["utilization"] = float(u)

@@ -30,6 +30,7 @@ def test_workers_of_unequal_speed_each_train_until_the_slot_and_end_on_one_diges
     start = threading.Barrier(3, timeout=10)
     covered: dict[int, list[int]] = {i: [] for i in range(3)}
     out: dict[int, DiLoCo] = {}
+    shown: dict[int, dict[str, int | None]] = {}
 
     def peer(i: int):
         def run() -> None:
@@ -37,7 +38,7 @@ def test_workers_of_unequal_speed_each_train_until_the_slot_and_end_on_one_diges
             opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
             data = _batches(30 + i, 64)
             with DiLoCo(model, opt, swarm=h.swarm(f"w{i}"), round_seconds=0.5,
-                        on_round=lambda r: covered[i].append(d.engine.covered)) as d:
+                        on_round=lambda r: covered[i].append(d.member.standing.covered)) as d:
                 start.wait()
                 k, deadline = 0, time.monotonic() + 60
                 while d.round < ROUNDS and time.monotonic() < deadline:
@@ -47,6 +48,7 @@ def test_workers_of_unequal_speed_each_train_until_the_slot_and_end_on_one_diges
                     opt.step()
                     opt.zero_grad()
                     k += 1
+                shown[i] = {r.peer: r.round_steps for r in d.swarm.records()}  # what `diloco status` shows
             out[i] = d
         return run
 
@@ -61,6 +63,7 @@ def test_workers_of_unequal_speed_each_train_until_the_slot_and_end_on_one_diges
         assert [(r.round, r.committed, r.peers) for r in d.reports] == [(k + 1, True, 3) for k in range(ROUNDS)]
     assert all(c >= 1 for cs in covered.values() for c in cs), covered
     assert sum(covered[0]) > 2 * sum(covered[2]), covered  # the fast worker's Δ covers more steps, and counts more
+    assert shown[0]["w0"] == covered[0][-1] and all(n is not None and n >= 1 for n in shown[0].values()), shown
 
 
 def test_rounds_by_time_refuse_what_they_do_not_support_yet():
