@@ -551,7 +551,9 @@ class Collective:
                 reply = await self._deliver(r, owner, "diloco.contrib", self._frame(
                     msg.CONTRIB, r.key, view=r.rs.vid, span=span, numel=r.numel(span), body=r.payloads[span],
                     meta={"weight": r.rs.weight} if r.rs.weight != 1 else None))
-                if reply is not None and reply.get("reason") == Reason.WRONG_VIEW.value:
+                if reply is None:
+                    r.rs.undeliverable.add(owner)  # a probe from it will hear so: it need not wait for us
+                elif reply.get("reason") == Reason.WRONG_VIEW.value:
                     self._closed_elsewhere(r.rs, owner)
                 elif self.pipeline.spec.ef is None:  # only error feedback reads it again (what of Δ was sent)
                     r.payloads[span] = b""
@@ -570,7 +572,9 @@ class Collective:
         deadline): reduce it and send its result while the next span's contributions are still arriving."""
         def arrived(span: int) -> bool:  # every member's contribution is in, refused, or will never come
             got = r.rs.contribs.get((r.rs.vid, span), {})
-            return all(p in got or p in r.rs.gone or p in r.rs.refused.get(span, ()) for p in r.view)
+            rs = r.rs
+            return all(p in got or p in rs.gone or p in rs.owes_nothing or p in rs.refused.get(span, ())
+                       for p in r.view)
 
         sends = []
         window = asyncio.Semaphore(IN_FLIGHT)  # results on their way, as for contributions: each one a copy in flight
@@ -592,7 +596,8 @@ class Collective:
         stays silent through the window while nothing else came from it (frozen), or no longer runs this attempt
         (restarted, or gave it up) is `gone`: its contributions are not waited for, and a span it owns gets no
         result, so every member of the view gives the attempt up within a window of each other instead of at
-        the result deadline. Giving an attempt up is always safe: we accepted nothing in it."""
+        the result deadline. Giving an attempt up is always safe: we accepted nothing in it. One that answers that
+        its contribution to us could not be delivered is not waited for as a contributor (`owes_nothing`)."""
         window = self.cfg.answer_timeout
         while True:
             await asyncio.sleep(window)
@@ -618,6 +623,10 @@ class Collective:
         else:
             self._silent.pop(peer, None)
             if meta.get("ok", False) and meta.get("running") is True:
+                if meta.get("undelivered") is True and peer not in rs.owes_nothing:  # our span: reduce without it
+                    rs.owes_nothing.add(peer)
+                    rs.changed.set()
+                    log.info("event=contribution_undeliverable round=%s peer=%s", r.key, peer)
                 return
             why = "no longer runs this attempt" if meta.get("ok", False) else f"refused our probe ({meta.get('reason')})"
         if peer not in rs.gone and rs.vid:
@@ -958,7 +967,9 @@ class Collective:
             rs = self._rounds.get(key)
             running = key == self._floor and rs is not None and rs.expected is not None and \
                 (rs.view is None or rs.vid == header.view)
-            return msg.ack(run=self.run_id, sender=self.me, running=running)
+            extra: dict[str, Any] = {"undelivered": True} if running and rs is not None and caller in rs.undeliverable \
+                else {}
+            return msg.ack(run=self.run_id, sender=self.me, running=running, **extra)
         except PayloadRejected as e:
             return self._reject(caller, e)
 

@@ -7,7 +7,7 @@
 | `result`  | owner → every member | mean, or bundle (sparse)  | attempt, contributors, result |
 | `vote`    | member → member      | (none)                    | attempt (the view names the value accepted) |
 | `value`   | member → member      | (reply) the value's frames | attempt (of the value), members |
-| `probe`   | member → member      | (none)                    | attempt, view (is it still running it?) |
+| `probe`   | member → member      | (none)                    | attempt, view (is it still running it? `undelivered`: its contribution to the asker could not be sent) |
 | `ack`     | reply to any call    | (ready) peer ids expected | ok, reason, closed, in_view, ready, accepted |
 
 `ready` and its `ack` also carry what the sender accepted in an earlier attempt of the round

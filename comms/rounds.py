@@ -160,6 +160,12 @@ class RoundState:
     """Peers that showed us they closed another view of this round key (they refused a frame of ours as of
     the wrong view, or sent us one of theirs): a member of our view among them never sends a result for
     our view, so our view cannot complete."""
+    undeliverable: set[PeerId] = field(default_factory=set)
+    """Owners our contribution could not be delivered to (the call failed): a probe from one of them hears it, and
+    stops waiting for it."""
+    owes_nothing: set[PeerId] = field(default_factory=set)
+    """Members whose contribution to our spans will not come (they told a probe they could not deliver it):
+    reduced without, as if it were refused."""
     gone: dict[PeerId, str] = field(default_factory=dict)
     """Members of our view that will send nothing more for it, and why: unreachable (killed), silent through a
     probe's answer window (frozen), or no longer running this attempt (restarted, gave it up). Their
@@ -254,7 +260,8 @@ class Exchange:
         for span in self.owned:
             if (rs.vid, span) not in rs.results:
                 got = rs.contribs.get((rs.vid, span), {})
-                out |= {p for p in self.view if p not in got and p not in rs.refused.get(span, ())}
+                out |= {p for p in self.view if p not in got and p not in rs.refused.get(span, ())
+                        and p not in rs.owes_nothing}
         return out - {self.me}
 
     def delivered(self) -> bool:

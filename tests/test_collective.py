@@ -415,6 +415,30 @@ def test_owner_killed_after_gather_nobody_commits_then_next_attempt_commits():
     assert torch.allclose(first, _mean(deltas2, survivors), rtol=0, atol=1e-6)
 
 
+def test_an_owner_stops_waiting_for_a_contribution_its_member_says_it_could_not_deliver():
+    """p1 cannot reach p0 with its contribution (the call fails: a dial backoff, a half-broken path), though both
+    are alive and every other call goes through. p0's probe hears so from p1 and reduces span 0 without it, a window
+    after the gather rather than at the 8 s reduce deadline; everyone commits, span 0 averaged without p1."""
+    cfg = replace(FAST, reduce_timeout=8.0, result_timeout=10.0, call_timeout=4.0)
+
+    async def main():
+        net = InProcNetwork()
+        no_contrib_to_p0 = lambda target, name: target == "p0" and name == "diloco.contrib"  # noqa: E731
+        cs = {p: await Collective.create(net.transport(p, no_contrib_to_p0 if p == "p1" else None), RUN, cfg)
+              for p in PEERS}
+        deltas = _deltas(PEERS, 400, seed=23)
+        started = time.monotonic()
+        outs = await _round(cs, RoundKey(0), PEERS, deltas)
+        return deltas, outs, time.monotonic() - started
+
+    deltas, outs, took = asyncio.run(main())
+    for o in outs.values():
+        assert o.committed, o.reason
+        assert o.contributors[0] == ("p0", "p2", "p3") and all(c == tuple(PEERS) for c in o.contributors[1:])
+    assert torch.allclose(outs["p0"].aggregate[:100], _mean(deltas, ["p0", "p2", "p3"])[:100], rtol=0, atol=1e-6)
+    assert took < cfg.reduce_timeout / 2, took  # a window's sleep and the probe (2 s), not the 8 s reduce deadline
+
+
 def test_a_member_frozen_mid_round_is_given_up_within_a_probe_window_and_the_next_gather_goes_on_without_it():
     """p3 freezes (SIGSTOP) once every contribution to its span is in: its result never goes out, and it answers
     nothing. The others' probes go unanswered for a window (2 s here), so they give the attempt up long before
