@@ -73,3 +73,12 @@ def test_rounds_by_time_refuse_what_they_do_not_support_yet():
         DiLoCo(model, opt, swarm=None, round_seconds=0)
     with pytest.raises(ConfigError, match="whole-model rounds"):
         DiLoCo(model, opt, swarm=None, round_seconds=1.0, streaming=StreamingConfig(fragments=2))
+
+
+def test_the_command_line_refuses_rounds_by_time_with_fragments_naming_both(monkeypatch):
+    """`diloco start --round-seconds 30 --fragments 2`: exit 2 before any peer starts, naming the options."""
+    from cli_util import invoke, refuse_to_start
+    refuse_to_start(monkeypatch, "diloco.cli.main._run_peer", "diloco.cli.main._launch")
+    result = invoke(["start", "--round-seconds", "30", "--fragments", "2"])
+    said = "".join(result.output.replace("│", "").split())
+    assert result.exit_code == 2 and "--round-seconds" in said and "--fragments" in said, result.output
