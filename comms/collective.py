@@ -82,7 +82,7 @@ from diloco.compression.pipeline import Decoded, Pipeline
 from . import messages as msg
 from .faults import NO_FAULTS, Faults
 from . import robust
-from .reduce import canonical_order, order_key, summation_order
+from .reduce import canonical_order, order_key, summation_order, uneven
 from .rounds import Accepted, CollectiveConfig, Contribution, Exchange, Handoff, RoundOutcome, RoundState, Value
 from .spans import MAX_SPANS, RoundKey, make_view, span_bounds, spans_for, view_id
 from .transport import CallTimedOut, PeerId, Transport, TransportError
@@ -664,7 +664,7 @@ class Collective:
         senders = [p for p in senders if p in got]
         idx = tuple(r.view.index(p) for p in senders)
         weights = [got[p].weight for p in senders]
-        weighted = len(set(weights)) > 1
+        weighted = uneven(weights)
         numel = r.numel(span)
         order = summation_order([got[p].order for p in senders])
         combined = robust.combine([got[senders[i]].decoded for i in order], numel, self.cfg.robust,

@@ -45,7 +45,8 @@ def average(parts: Sequence[Decoded], numel: int, weights: Sequence[float] | Non
     counted `weights[i]` times (None, or all equal: the plain mean)."""
     if not parts:
         raise ValueError("cannot average zero contributions")
-    if weights is not None and len(set(weights)) > 1:
+    if uneven(weights):
+        assert weights is not None
         return _weighted(parts, numel, weights)
     total = torch.zeros(numel, dtype=torch.float32)
     if all(p.indices is None for p in parts):
@@ -61,6 +62,11 @@ def average(parts: Sequence[Decoded], numel: int, weights: Sequence[float] | Non
             total.index_add_(0, p.indices, p.values)
             count.index_add_(0, p.indices, torch.ones_like(p.values))
     return torch.where(count > 0, total / count.clamp(min=1), total)
+
+
+def uneven(weights: Sequence[float] | None) -> bool:
+    """Whether `weights` change anything: given, and not all equal (equal weights are the plain mean)."""
+    return weights is not None and len(set(weights)) > 1
 
 
 def _weighted(parts: Sequence[Decoded], numel: int, weights: Sequence[float]) -> torch.Tensor:

@@ -32,7 +32,7 @@ import torch
 from diloco.compression.errors import ConfigError
 from diloco.compression.pipeline import Decoded
 
-from .reduce import average
+from .reduce import average, uneven
 
 MIN_ROBUST = 3
 
@@ -156,7 +156,7 @@ def combine(parts: Sequence[Decoded], numel: int, cfg: RobustConfig,
     `weights` (the trimmed mean, per coordinate, ignores them). Weighted, clipping and strikes judge each part's
     norm per unit of weight: a peer that trained four times as many steps may move four times as far."""
     norms = [norm(p) for p in parts]
-    if weights is not None and len(set(weights)) > 1:
+    if weights is not None and uneven(weights):
         norms = [n / w for n, w in zip(norms, weights)]
     scales = clip_scales(norms, cfg.clip)
     scaled = [p if s == 1.0 else Decoded(p.indices, p.values * torch.tensor(s, dtype=torch.float32))

@@ -61,7 +61,7 @@ from .catchup import CatchUp
 from .compression.errors import ConfigError, UsageError
 from .engine import RoundEngine
 from .environment import WAIT_TIMEOUT, Launch, data_shard
-from .fragments import HSchedule, StreamingConfig, check_h_schedule, check_schedule, partition
+from .fragments import HSchedule, StreamingConfig, check_h_schedule, check_round_seconds, check_schedule, partition
 from .gossip import Gossip
 from .holding import Holding
 from .lifecycle import end_run, errors_as_lines, final_fields, linger
@@ -216,8 +216,6 @@ class DiLoCo:
     ) -> None:
         if inner_steps < 1:
             raise ConfigError(f"inner_steps must be >= 1, got {inner_steps}")
-        if round_seconds is not None and not (0 < round_seconds < float("inf")):
-            raise ConfigError(f"round_seconds must be a positive number of seconds, got {round_seconds}")
         if outer_warmup < 0:
             raise ConfigError(f"outer_warmup must be >= 0 rounds, got {outer_warmup}")
         if outer_warmup and outer_lr_schedule is not None:
@@ -253,9 +251,7 @@ class DiLoCo:
         if round_seconds is not None and self.site is not None and self.site.size > 1:
             raise ConfigError("round_seconds (rounds by time) does not work on a multi-rank site yet (its ranks would "
                               "have to agree on the step they stop at): use inner_steps there")
-        if round_seconds is not None and (len(self.fragments) > 1 or self.streaming.overlap or h_schedule):
-            raise ConfigError("round_seconds (rounds by time) works with whole-model rounds for now: drop streaming "
-                              "fragments, overlap and h_schedule, or use inner_steps")
+        check_round_seconds(round_seconds, len(self.fragments), self.streaming, self.h_schedule)
         check_h_schedule(self.h_schedule, len(self.fragments), self.streaming)
         # Compression is a property of the swarm (every peer must agree); locally, take it from the
         # argument. Error feedback (the spec's ef:BETA stage) keeps this peer's unsent residual.

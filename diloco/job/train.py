@@ -26,7 +26,8 @@ from diloco.compression.pipeline import parse as parse_compression
 from ..checkpoint import CheckpointError, require_safetensors
 from ..config import ConfigError
 from ..environment import SHARDS, data_shard
-from ..fragments import FragmentError, HSchedule, StreamingConfig, check_h_schedule, check_schedule, inner_steps_at
+from ..fragments import (FragmentError, HSchedule, StreamingConfig, check_h_schedule, check_round_seconds,
+                         check_schedule, inner_steps_at)
 from ..metrics import MetricsWriter, write_failures, write_status
 from ..outer import OuterFactory, default_outer
 from ..swarm import Swarm
@@ -186,10 +187,8 @@ class JobConfig:
             if (self.streaming.fragments or 1) != 1 or self.streaming.overlap or self.h_schedule:
                 raise ConfigError("data-parallel synchronizes the whole gradient every step: leave --fragments, "
                                   "--overlap and --h-schedule unset")
-        if self.round_seconds is not None and (self.data_parallel or self.fragments > 1 or self.streaming.overlap
-                                               or self.h_schedule or not 0 < self.round_seconds < float("inf")):
-            raise ConfigError(f"--round-seconds must be a positive number of seconds, without --data-parallel, "
-                              f"--fragments, --overlap or --h-schedule (got {self.round_seconds})")
+        if self.round_seconds is not None and self.data_parallel:
+            raise ConfigError("--round-seconds and --data-parallel do not go together: data-parallel rounds are steps")
         if self.d_model % 4:
             raise ConfigError(f"d_model ({self.d_model}) must be divisible by the 4 attention heads")
         if self.streaming.fragments is None:
@@ -198,6 +197,7 @@ class JobConfig:
         try:
             check_schedule(self.inner_steps, self.fragments, self.streaming)
             check_h_schedule(self.h_schedule, self.fragments, self.streaming)
+            check_round_seconds(self.round_seconds, self.fragments, self.streaming, self.h_schedule)
         except FragmentError as e:
             raise ConfigError(str(e)) from e
         if self.resume and not self.checkpoint_dir:
