@@ -36,6 +36,7 @@ from .fragments import Fragment, HSchedule, StreamingConfig, fragment_of_round, 
 from .holding import views
 from .member import Member
 from .outer import copy_into, is_pinned, mix_into, outer_step, pseudo_gradient, pseudo_gradient_pieces
+from .pace import Pace
 from .report import RoundReport
 from .shards import ShardedHandoff
 from .swarm import Banned
@@ -53,6 +54,8 @@ class _Pending:
     overlap's carry); otherwise the round drops Δ once it is encoded."""
     due: int  # inner step at which the result is applied
     started: float
+    slot: int = 0
+    """The inner step of the slot that sent it: once it commits, the fragment's next Δ covers the steps after it."""
     future: concurrent.futures.Future[RoundOutcome] | None = None
     source: ShardedHandoff | None = None  # an FSDP2 site leader's Δ, read span by span by the round
     key: RoundKey = RoundKey(0)
@@ -69,6 +72,10 @@ class _FragmentState:
     fragment: Fragment
     ef: ErrorFeedback | None
     carry: torch.Tensor | None = None
+    since: int = 0
+    """The inner step from which the local copy of this fragment has trained away from θ: the slot of its last
+    committed round, or where the worker last took θ whole (joined, downloaded, rolled back). Its next Δ covers
+    the steps after it, failed rounds' included: that Δ's weight in a round by time."""
     buffer: torch.Tensor | None = None
     """A lone worker's Δ of this fragment, formed in the same memory every slot (`RoundEngine._buffer`)."""
 
@@ -98,9 +105,11 @@ class RoundEngine:
         self.start: list[torch.Tensor] | None = None  # eager: where this phase started (≠ θ)
         self.last_view = 1
         self.round_seconds = round_seconds
-        """Rounds by time: a slot comes once this many seconds passed since the last one (however many inner steps
-        that took), and our Δ counts in the round's means by the steps it covers. None: every H inner steps."""
-        self._clock = time.monotonic()  # when the current span of inner steps began (rounds by time)
+        """Rounds by time: each fragment syncs every this many seconds (however many inner steps that took), and
+        our Δ counts in the round's means by the steps it covers. None: every H inner steps."""
+        self.pace = Pace(round_seconds, len(self.fragments), planned=self.link.site is not None,
+                         now=time.monotonic()) if round_seconds is not None else None
+        """Rounds by time: when our slots come (`diloco.pace`)."""
 
     @property
     def residuals(self) -> list[torch.Tensor] | None:
@@ -148,7 +157,7 @@ class RoundEngine:
             self.complete(self.pending)
         if not self._slot_due():
             return False
-        s.covered, self._clock = s.position, time.monotonic()
+        started = time.monotonic()
         s.last_slot = s.steps
         try:
             self.member.check_standing()
@@ -158,24 +167,35 @@ class RoundEngine:
         if self.overlapped:
             self.overlapped_slot()
         else:
+            if self.pending is not None:  # rounds by time: a slow worker's slot came before the last one's τ steps
+                self.complete(self.pending)
             self.launch()
+        if self.pace is not None:
+            self.pace.slot(started, time.monotonic())
         return True
 
     # ------------------------------------------------------------------ a slot
 
     def _slot_due(self) -> bool:
-        s = self.standing
-        if self.round_seconds is None:
-            return s.position >= self.period
-        return s.position >= 1 and time.monotonic() - self._clock >= self.round_seconds
+        if self.pace is None:
+            return self.standing.position >= self.period
+        return self.pace.due(time.monotonic(), self.link.agree)
 
     def restart_clock(self) -> None:
-        """Rounds by time: the next span of inner steps begins now (after a download, or the first step)."""
-        self._clock = time.monotonic()
+        """We start from θ whole (joined, or took another peer's state): every fragment's Δ covers the steps from
+        here, and with rounds by time the span of inner steps to the next slot begins now."""
+        for kept in self.per_fragment:
+            kept.since = self.standing.steps
+        if self.pace is not None:
+            self.pace.restart(time.monotonic())
+
+    def covered(self, frag: Fragment) -> int:
+        """Inner steps the Δ of `frag` formed now covers (at least one): since its last committed round, or since
+        we last started from θ whole."""
+        return max(1, self.standing.steps - self.per_fragment[frag.index].since)
 
     def sync(self) -> RoundReport:
         """Synchronize the next fragment now and wait for its result (`DiLoCo.sync`)."""
-        self.standing.covered = max(1, self.standing.position)
         self.flush()
         report = self.launch(force_complete=True)
         assert report is not None
@@ -202,6 +222,7 @@ class RoundEngine:
         if resync is not None:
             return resync
         frag = self.fragments[fragment_of_round(self.holding.round, len(self.fragments))]
+        self.standing.covered = self.covered(frag)
         global_frag, local_frag = views(self.holding.params, frag.params), views(self.local(), frag.params)
         delta: torch.Tensor | list[torch.Tensor]
         if self.lean:  # in pieces the round frees as it encodes them (SIZE.md)
@@ -249,6 +270,8 @@ class RoundEngine:
         if resync is not None:
             self.start = None
             return
+        self.standing.covered = self.covered(frag)
+        kept.since = self.standing.steps  # each phase's Δ is its own (a failed one's comes as the carry)
         self.start_exchange(frag, delta, started)
         if before is None:
             copy_into(self.local(), self.holding.params)
@@ -276,6 +299,8 @@ class RoundEngine:
                     "the global state, sent nothing (lower the inner lr or clip gradients if this repeats)",
                     self.holding.round)
         copy_into(self.local(), self.holding.params)
+        for kept in self.per_fragment:
+            kept.since = self.standing.steps
         self._on_rollback()
         return self.member.report(RoundReport(self.holding.round, False, "non-finite pseudo-gradient: rolled back, "
                                               "sent nothing", 1, 0, 0, time.monotonic() - started, self.standing.steps))
@@ -308,25 +333,26 @@ class RoundEngine:
         key = RoundKey(self.holding.round, self.standing.attempt)
         steps = self.standing.steps
         if isinstance(delta, list):  # a lean round's Δ in pieces: only the round reads it
-            self.pending = _Pending(frag, None, steps + self.streaming.overlap, started,
+            self.pending = _Pending(frag, None, steps + self.streaming.overlap, started, steps,
                                     future=self._exchange(frag, delta), key=key)
             return self.pending
         ef = self.per_fragment[frag.index].ef
         acc = ef.accumulate(delta) if ef is not None else delta
         due = steps + (self.inner_steps_now if self.overlapped else self.streaming.overlap)
         if self.link.follows:  # the leader sends; we apply the outcome it tells us (`complete`)
-            self.pending = _Pending(frag, acc, due, started, key=key)
+            self.pending = _Pending(frag, acc, due, started, steps, key=key)
             return self.pending
         if self.member.swarm is None:
             sent, size = self._locally(acc)
             outcome = RoundOutcome(RoundKey(self.holding.round), True, "local", (), sent, [()], sent,
                                    payload_bytes=size)
-            self.pending = _Pending(frag, acc, due, started, outcome=outcome)
+            self.pending = _Pending(frag, acc, due, started, steps, outcome=outcome)
             return self.pending
         source = self.link.handoff(acc, frag.params)
         future = self._exchange(frag, source or acc)
         keep = self.error_feedback or self.overlapped
-        self.pending = _Pending(frag, acc if keep else None, due, started, future=future, source=source, key=key)
+        self.pending = _Pending(frag, acc if keep else None, due, started, steps, future=future, source=source,
+                                key=key)
         return self.pending
 
     def _locally(self, acc: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -343,7 +369,7 @@ class RoundEngine:
                   ) -> concurrent.futures.Future[RoundOutcome]:
         swarm, s = self.member.swarm, self.standing
         assert swarm is not None
-        weight = max(1, s.covered) if self.round_seconds is not None else 1
+        weight = s.covered if self.round_seconds is not None else 1
         return swarm.exchange_async(self.holding.round, s.attempt, self.holding.digest, delta, fragment=frag.index,
                                     previous=s.members, skip=s.stragglers, weight=weight)
 
@@ -405,6 +431,8 @@ class RoundEngine:
                 swarm.applied(outcome.key.round)
             del aggregate
             s.attempt = 0
+            if not self.overlapped:
+                kept.since = max(kept.since, pending.slot)
             self.last_view = max(1, len(outcome.view))
             if outcome.view:
                 # members the round went on without are not waited for until they make it into a view again

@@ -153,16 +153,18 @@ HSchedule = tuple[tuple[int, int], ...]
 
 def check_round_seconds(round_seconds: float | None, fragments: int, cfg: StreamingConfig,
                         h_schedule: HSchedule) -> None:
-    """Rounds by time (`DiLoCo(round_seconds=...)`, `--round-seconds`): a positive time, whole-model rounds only
-    for now; raises FragmentError naming the settings in Python and on the command line."""
+    """Rounds by time (`DiLoCo(round_seconds=...)`, `--round-seconds`): a positive time; streaming fragments and
+    their overlap τ work with it (each fragment syncs every `round_seconds`), a whole outer step overlapped and an H
+    schedule do not (both count in inner steps). Raises FragmentError naming the settings in Python and on the
+    command line."""
     if round_seconds is None:
         return
     if not 0 < round_seconds < float("inf"):
         raise FragmentError(f"round_seconds (--round-seconds) must be a positive number of seconds, got {round_seconds}")
-    if fragments > 1 or cfg.overlap or cfg.outer_overlap != "none" or h_schedule:
-        raise FragmentError("round_seconds (--round-seconds) works with whole-model rounds for now: drop streaming "
-                            "fragments (--fragments), overlap (--overlap) and h_schedule (--h-schedule), or use "
-                            "inner_steps (-H)")
+    if cfg.outer_overlap != "none" or h_schedule:
+        raise FragmentError("round_seconds (--round-seconds) does not work with outer_overlap (--outer-overlap) or "
+                            "an h_schedule (--h-schedule), which count in inner steps: drop them, or use inner_steps "
+                            "(-H)")
 
 
 def inner_steps_at(committed: int, inner_steps: int, schedule: HSchedule = ()) -> int:

@@ -247,11 +247,9 @@ class DiLoCo:
         named = [(_canonical(n), p) for n, p in model.named_parameters() if p.requires_grad]
         self._params = [p for _, p in named]
         self.fragments = partition([n for n, _ in named], [p.numel() for _, p in named], self.streaming)
-        check_schedule(inner_steps, len(self.fragments), self.streaming)
-        if round_seconds is not None and self.site is not None and self.site.size > 1:
-            raise ConfigError("round_seconds (rounds by time) does not work on a multi-rank site yet (its ranks would "
-                              "have to agree on the step they stop at): use inner_steps there")
         check_round_seconds(round_seconds, len(self.fragments), self.streaming, self.h_schedule)
+        if round_seconds is None:  # by time, the slots do not count inner steps
+            check_schedule(inner_steps, len(self.fragments), self.streaming)
         check_h_schedule(self.h_schedule, len(self.fragments), self.streaming)
         # Compression is a property of the swarm (every peer must agree); locally, take it from the
         # argument. Error feedback (the spec's ef:BETA stage) keeps this peer's unsent residual.
@@ -563,7 +561,8 @@ class DiLoCo:
             peer = self.member.swarm.peer_id if self.member.swarm else ""
             digest = self.member.holding.later()  # written once hashed, beside training (`diloco.metrics`)
             launch.metrics_writer(peer).write("round", peer=peer, loss=self.loss, digest=digest,
-                                              restart=launch.restart, **report.as_dict())
+                                              restart=launch.restart, round_steps=self.member.standing.covered,
+                                              **report.as_dict())
         if self.on_round is not None:
             self.on_round(report)
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import time
 
 import torch
 import torch.distributed as dist
@@ -73,6 +74,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=10, help="train until the global round reaches this")
     ap.add_argument("--inner-steps", type=int, default=20, help="H: inner steps per round")
+    ap.add_argument("--round-seconds", type=float, default=None,
+                    help="rounds by time: sync every this many seconds, however many steps this site managed")
+    ap.add_argument("--step-delay", type=float, default=0.0,
+                    help="sleep this long in every inner step: play a slower machine (try it with --round-seconds)")
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--warmup", type=int, default=20, help="inner lr warmup steps, then cosine")
     ap.add_argument("--seed", type=int, default=None, help="data seed (default: from the site's data shard)")
@@ -95,7 +100,7 @@ def main() -> None:
     loss = torch.tensor(float("nan"))  # no step at all if the swarm is already past --rounds when we join
     total = args.rounds * args.inner_steps
 
-    with diloco.DiLoCo(model, opt, inner_steps=args.inner_steps) as d:   # the one DiLoCo line
+    with diloco.DiLoCo(model, opt, inner_steps=args.inner_steps, round_seconds=args.round_seconds) as d:  # the line
         # each site its own data (each rank its own part of it), and the swarm's place in the lr schedule
         data = batches(args.seed if args.seed is not None else d.data_shard * 1000 + rank)
         while d.round < args.rounds:
@@ -104,6 +109,7 @@ def main() -> None:
             x, y = (t.to(device, non_blocking=True) for t in next(data))
             loss = torch.nn.functional.mse_loss(model(x), y)
             loss.backward()
+            time.sleep(args.step_delay)
             opt.step()
             opt.zero_grad()
     if args.save:

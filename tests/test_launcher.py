@@ -13,6 +13,7 @@ import os
 import re
 import secrets
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -380,6 +381,29 @@ def test_a_launched_site_logs_to_tensorboard_and_wandb_from_its_leader_only(site
     info = run_info(run)
     assert (info.display_name, info.run_group, info.project) == (peer, sites.run_id, "diloco-site")
     assert "secret" not in {item.key for item in info.config.update}
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(300)
+def test_a_two_rank_site_and_a_lone_process_of_unequal_speed_sync_by_time_on_one_digest(sites):
+    """Rounds by time across a 2-rank torchrun site and a lone process whose steps are about three times as fast
+    (`--round-seconds 1`): the site's leader plans each span's length for both its ranks, every round commits with
+    both workers, each one's pseudo-gradient counts by the steps it covered (the lone process's several times the
+    site's), and every rank of both ends on one digest."""
+    rounds = ["--rounds", "4", "--round-seconds", "1"]
+    sites.launch(0, ["start", "--wait-for", "2"], [sys.executable, SCRIPT, *rounds, "--step-delay", "0.01"])
+    sites.launch(1, ["join", sites.address(0), "--wait-for", "2"],
+                 [*_torchrun(2), SCRIPT, *rounds, "--step-delay", "0.03"])
+    for i, proc in sites.procs.items():
+        assert proc.wait(timeout=240) == 0, sites.log(i)
+    finals = {i: sites.lines(i, "final") for i in range(2)}
+    assert [len(finals[i]) for i in range(2)] == [1, 2], finals
+    assert len({f["digest"] for i in range(2) for f in finals[i]}) == 1, finals
+    assert {f["round"] for i in range(2) for f in finals[i]} == {4}, finals
+    steps = {i: [r["round_steps"] for r in sites.lines(i, "round") if r["committed"] and r["peers"] == 2]
+             for i in range(2)}
+    assert all(steps.values()), steps
+    assert statistics.median(steps[0]) > 1.5 * statistics.median(steps[1]) >= 3, steps
 
 
 @pytest.mark.multiproc

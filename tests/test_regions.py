@@ -96,12 +96,13 @@ class _Lab:
         self.base = _mlp(5)
 
     def worker(self, peer: str, rounds: int, barrier: threading.Barrier | None = None, *,
-               pace: float = 0.01, stop: threading.Event | None = None, leave: bool = False, finish: bool = False):
+               pace: float = 0.01, stop: threading.Event | None = None, leave: bool = False, finish: bool = False,
+               round_seconds: float | None = None):
         def run() -> None:
             model = copy.deepcopy(self.base)
             opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
             data = _batches(hash(peer) % 1000, 16)
-            with DiLoCo(model, opt, swarm=self.swarms[peer], inner_steps=H) as d:
+            with DiLoCo(model, opt, swarm=self.swarms[peer], inner_steps=H, round_seconds=round_seconds) as d:
                 self.workers[peer] = d
                 if barrier is not None:
                     barrier.wait()
@@ -148,6 +149,27 @@ def test_two_regions_hold_one_state_per_region_round_and_one_global_state_per_me
     # ... and every member took each merge: its representative's region state, whose parameters are θ_G′
     assert all(d.regions.merges >= 2 for d in w.values()), {p: d.regions.merges for p, d in w.items()}
     assert all(torch.equal(a, b) for a, b in zip(w["b2"].state.params, uppers["b1"].state.params))
+
+
+def test_regions_of_unequal_workers_run_their_rounds_by_time_and_merge_into_one_global_state():
+    """Rounds by time inside regions (`round_seconds`): each region's workers, a fast and a slow one, sync every
+    0.4 s with the steps each managed; every region round and merge commits, each region holds one state, every peer
+    one global state, and the fast workers' pseudo-gradients covered more steps than the slow ones'."""
+    lab = _Lab({"a1": "eu", "a2": "eu", "b1": "us", "b2": "us"}, merge_every=2)
+    paces = {"a1": 0.005, "a2": 0.02, "b1": 0.03, "b2": 0.01}
+    barrier = threading.Barrier(4, timeout=20)
+    try:
+        _run_threads([lab.worker(p, 6, barrier, pace=paces[p], round_seconds=0.4) for p in lab.regions], [barrier])
+    finally:
+        lab.close()
+    w = lab.workers
+    assert {d.round for d in w.values()} == {6} and w["a1"].digest == w["a2"].digest and w["b1"].digest == w["b2"].digest
+    assert all(r.committed or r.merge for d in w.values() for r in d.reports), {p: d.reports for p, d in w.items()}
+    uppers = {p: d.regions.upper for p, d in w.items()}
+    assert uppers["a1"].digest == uppers["b1"].digest and uppers["a1"].round == 2
+    assert all(d.regions.merges == 2 and d.regions.skipped == 0 for d in w.values())
+    covered = {p: d.member.standing.covered for p, d in w.items()}
+    assert covered["a1"] > 2 * covered["a2"] and covered["b2"] > 2 * covered["b1"], covered
 
 
 @pytest.mark.parametrize("rounds, merges", [(4, 2), (3, 1)])

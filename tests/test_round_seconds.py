@@ -14,6 +14,7 @@ import torch
 from diloco import DiLoCo
 from diloco.compression.errors import ConfigError
 from diloco.fragments import StreamingConfig
+from diloco.pace import Pace, planned_steps
 
 from test_swarm_inproc import Harness, _batches, _mlp, _run_threads
 
@@ -21,10 +22,14 @@ ROUNDS = 3
 
 
 @pytest.mark.timeout(120)
-def test_workers_of_unequal_speed_each_train_until_the_slot_and_end_on_one_digest():
+@pytest.mark.parametrize("streaming", [None, StreamingConfig(fragments=2, overlap=2)], ids=["whole", "fragments"])
+def test_workers_of_unequal_speed_each_train_until_the_slot_and_end_on_one_digest(streaming):
     """Three workers whose inner steps take 10, 20 and 40 ms train for 0.5 s a round: each round every one of them
     syncs with the steps it managed (the fast one about four times the slow one's), all commit the same rounds
-    together, and they end on one global state."""
+    together, and they end on one global state. With two streaming fragments and τ = 2 each fragment syncs every
+    0.5 s (a slot every 0.25 s, the slowest worker's slot coming before its τ steps did: it applies the round
+    at the slot), and each fragment's Δ counts by the steps since that fragment's last round."""
+    rounds = ROUNDS * (streaming.fragments if streaming else 1)
     h = Harness()
     base, delays = _mlp(7), [0.01, 0.02, 0.04]
     start = threading.Barrier(3, timeout=10)
@@ -37,11 +42,11 @@ def test_workers_of_unequal_speed_each_train_until_the_slot_and_end_on_one_diges
             model = copy.deepcopy(base)
             opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
             data = _batches(30 + i, 64)
-            with DiLoCo(model, opt, swarm=h.swarm(f"w{i}"), round_seconds=0.5,
+            with DiLoCo(model, opt, swarm=h.swarm(f"w{i}"), round_seconds=0.5, streaming=streaming,
                         on_round=lambda r: covered[i].append(d.member.standing.covered)) as d:
                 start.wait()
                 k, deadline = 0, time.monotonic() + 60
-                while d.round < ROUNDS and time.monotonic() < deadline:
+                while d.round < rounds and time.monotonic() < deadline:
                     x, y = data[k % len(data)]
                     torch.nn.functional.mse_loss(model(x), y).backward()
                     time.sleep(delays[i])  # a slower machine
@@ -57,10 +62,11 @@ def test_workers_of_unequal_speed_each_train_until_the_slot_and_end_on_one_diges
     finally:
         h.close()
     ds = [out[i] for i in range(3)]
-    assert {d.round for d in ds} == {ROUNDS}, [d.round for d in ds]
+    assert {d.round for d in ds} == {rounds}, [d.round for d in ds]
     assert len({d.digest for d in ds}) == 1
     for d in ds:
-        assert [(r.round, r.committed, r.peers) for r in d.reports] == [(k + 1, True, 3) for k in range(ROUNDS)]
+        assert [(r.round, r.committed, r.peers) for r in d.reports] == [(k + 1, True, 3) for k in range(rounds)]
+        assert [r.fragment for r in d.reports] == [k % len(d.fragments) for k in range(rounds)]
     assert all(c >= 1 for cs in covered.values() for c in cs), covered
     assert sum(covered[0]) > 2 * sum(covered[2]), covered  # the fast worker's Δ covers more steps, and counts more
     assert shown[0]["w0"] == covered[0][-1] and all(n is not None and n >= 1 for n in shown[0].values()), shown
@@ -71,14 +77,65 @@ def test_rounds_by_time_refuse_what_they_do_not_support_yet():
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with pytest.raises(ConfigError, match="positive number of seconds"):
         DiLoCo(model, opt, swarm=None, round_seconds=0)
-    with pytest.raises(ConfigError, match="whole-model rounds"):
-        DiLoCo(model, opt, swarm=None, round_seconds=1.0, streaming=StreamingConfig(fragments=2))
+    with pytest.raises(ConfigError, match="outer_overlap"):
+        DiLoCo(model, opt, swarm=None, round_seconds=1.0, streaming=StreamingConfig(outer_overlap="eager"))
+    with pytest.raises(ConfigError, match="h_schedule"):
+        DiLoCo(model, opt, swarm=None, round_seconds=1.0, h_schedule=((2, 10),))
+    # H needs no multiple of P by time: the slots count seconds
+    DiLoCo(model, opt, swarm=None, round_seconds=1.0, inner_steps=99, streaming=StreamingConfig(fragments=2))
 
 
-def test_the_command_line_refuses_rounds_by_time_with_fragments_naming_both(monkeypatch):
-    """`diloco start --round-seconds 30 --fragments 2`: exit 2 before any peer starts, naming the options."""
+def test_the_command_line_refuses_rounds_by_time_with_an_h_schedule_naming_both(monkeypatch):
+    """`diloco start --round-seconds 30 --h-schedule 4:10`: exit 2 before any peer starts, naming the options."""
     from cli_util import invoke, refuse_to_start
     refuse_to_start(monkeypatch, "diloco.cli.main._run_peer", "diloco.cli.main._launch")
-    result = invoke(["start", "--round-seconds", "30", "--fragments", "2"])
+    result = invoke(["start", "--round-seconds", "30", "--h-schedule", "4:10"])
     said = "".join(result.output.replace("│", "").split())
-    assert result.exit_code == 2 and "--round-seconds" in said and "--fragments" in said, result.output
+    assert result.exit_code == 2 and "--round-seconds" in said and "--h-schedule" in said, result.output
+
+
+def test_a_site_leader_plans_each_span_and_every_rank_stops_at_the_same_step():
+    """Two ranks of a site, their clocks apart (rank 1's steps seem three times as long): at the second step of
+    each span the leader plans its length from its own pace and the time left, and both ranks end every span at
+    that step; the plan follows the leader's pace (0.5 s slots of 0.1 s steps: 5 steps, less the slot's own work)."""
+    leader = Pace(1.0, 2, planned=True, now=0.0)
+    other = Pace(1.0, 2, planned=True, now=0.0)
+    told: list[int] = []
+
+    def tell(decide):
+        told.append(decide())
+        return told[-1]
+
+    def hear(decide):
+        return told[-1]
+
+    t_leader = t_other = 0.0
+    spans: list[tuple[int, int]] = []
+    for span in range(4):
+        steps = 0
+        while True:
+            t_leader += 0.1
+            t_other += 0.3
+            steps += 1
+            due_leader, due_other = leader.due(t_leader, tell), other.due(t_other, hear)
+            assert due_leader == due_other, (span, steps)
+            if due_leader:
+                break
+        spans.append((steps, told[-1]))
+        sync = 0.1  # the slot's own work
+        leader.slot(t_leader, t_leader + sync)
+        other.slot(t_other, t_other + sync)
+        t_leader += sync
+        t_other += sync
+    assert [s for s, _ in spans] == [p for _, p in spans]
+    assert spans[0][0] == 5 and all(s == 4 for s, _ in spans[1:]), spans  # the slot's 0.1 s counts in its 0.5 s
+
+
+@pytest.mark.parametrize(("taken", "elapsed", "step", "expected"), [
+    (2, 0.2, 0.1, 10),  # 0.8 s left at 0.1 s a step
+    (2, 1.5, 0.1, 2),   # the time is up: the slot comes now
+    (2, 0.2, 0.0, 2),   # no pace known: now
+    (2, 0.2, 0.3, 5),   # 0.8 / 0.3 = 2.7 more
+])
+def test_planned_steps(taken, elapsed, step, expected):
+    assert planned_steps(taken, elapsed, 1.0, step) == expected

@@ -195,7 +195,8 @@ class JobConfig:
             raise ConfigError("the bundled job counts rounds in fragments: give StreamingConfig(fragments=P), "
                               "not blocks_per_fragment")
         try:
-            check_schedule(self.inner_steps, self.fragments, self.streaming)
+            if self.round_seconds is None:  # by time, the slots do not count inner steps
+                check_schedule(self.inner_steps, self.fragments, self.streaming)
             check_h_schedule(self.h_schedule, self.fragments, self.streaming)
             check_round_seconds(self.round_seconds, self.fragments, self.streaming, self.h_schedule)
         except FragmentError as e:

@@ -1,0 +1,82 @@
+"""Rounds by time (`DiLoCo(round_seconds=S)`, `--round-seconds S`): when a worker's synchronization slot comes.
+
+With P fragments a slot comes every S/P seconds (each fragment syncs every S seconds), however many inner steps
+that took; the slot's time counts from the previous slot's start, so the synchronization's own time is part of it.
+
+- **A lone process** reads its clock after every inner step: the slot is due once S/P seconds passed and at least
+  one step was taken.
+- **A torch.distributed site** steps in lockstep (DDP), but each rank has its own clock, so no rank may decide
+  from its own: they would stop at different steps and the site's collectives would hang. The leader plans
+  instead, at the second step of every span of steps (a point every rank reaches together): from its clock it
+  knows the time left until the slot and its pace (a moving average of its steps' durations, the slot's own work
+  left out), and every rank takes the count it planned (`SiteLink.agree`, one broadcast per slot). A site's slot
+  therefore comes after at least two steps.
+
+The pace decides only where the slots fall; what a worker's pseudo-gradient weighs (the inner steps it covers)
+is the engine's (`RoundEngine`).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+PLAN_AT = 2
+"""The step of a span at which a site's leader plans the span's length: by then it has timed one whole step."""
+
+SMOOTHING = 0.2
+"""Weight of the latest step's duration in the moving average of a step's seconds."""
+
+
+def planned_steps(taken: int, elapsed: float, slot_seconds: float, step_seconds: float) -> int:
+    """How many inner steps a span should have in all so that its slot comes `slot_seconds` after it began:
+    `taken` steps already, in `elapsed` seconds, then as many steps of `step_seconds` as fit in the time left
+    (none when it is up: the slot comes now)."""
+    left = slot_seconds - elapsed
+    if left <= 0 or not step_seconds > 0:
+        return taken
+    return taken + round(left / step_seconds)
+
+
+class Pace:
+    """When the slots of one worker's rounds by time come (see the module docstring). `planned`: a site, whose
+    leader plans each span's length for every rank; otherwise a lone process reading its clock."""
+
+    def __init__(self, round_seconds: float, fragments: int, *, planned: bool, now: float) -> None:
+        self.slot_seconds = round_seconds / fragments
+        """Seconds from one slot's start to the next's (each fragment syncs every `round_seconds`)."""
+        self.planned = planned
+        self.span = 0
+        """Inner steps since the last slot (or since training began): the same count on every rank of a site,
+        which the slots and `restart` alone change."""
+        self.plan: int | None = None
+        """A site: the span's length the leader planned at its step `PLAN_AT` (None before)."""
+        self.step_seconds: float | None = None
+        """The leader's moving average of an inner step's duration (the slot's own work left out)."""
+        self._start = now
+        self._last: float | None = None
+
+    def restart(self, now: float) -> None:
+        """The worker's span of inner steps begins now: it joined, or took another peer's state."""
+        self._start, self._last = now, now
+
+    def due(self, now: float, agree: Callable[[Callable[[], int]], int]) -> bool:
+        """After an inner step ended at `now`: whether this step is a slot. `agree(decide)` gives every rank of a
+        site the leader's `decide()` (for a lone process: `decide()`)."""
+        if self._last is not None:
+            took = now - self._last
+            self.step_seconds = took if self.step_seconds is None else \
+                (1 - SMOOTHING) * self.step_seconds + SMOOTHING * took
+        self._last = now
+        self.span += 1
+        if not self.planned:
+            return now - self._start >= self.slot_seconds
+        if self.span == PLAN_AT:
+            self.plan = agree(lambda: max(PLAN_AT, planned_steps(self.span, now - self._start, self.slot_seconds,
+                                                                 self.step_seconds or 0.0)))
+        return self.plan is not None and self.span >= self.plan
+
+    def slot(self, started: float, ended: float) -> None:
+        """A slot's work ran from `started` to `ended`: the next span counts from its start, and the next step's
+        duration from its end."""
+        self.span, self.plan = 0, None
+        self._start, self._last = started, ended
