@@ -110,6 +110,8 @@ class RoundEngine:
         self.pace = Pace(round_seconds, len(self.fragments), planned=self.link.site is not None,
                          now=time.monotonic()) if round_seconds is not None else None
         """Rounds by time: when our slots come (`diloco.pace`)."""
+        self.clock: Callable[[], float] = time.monotonic
+        """The seconds rounds by time count (the simulator gives each worker a clock of its simulated steps)."""
 
     @property
     def residuals(self) -> list[torch.Tensor] | None:
@@ -157,7 +159,6 @@ class RoundEngine:
             self.complete(self.pending)
         if not self._slot_due():
             return False
-        started = time.monotonic()
         s.last_slot = s.steps
         try:
             self.member.check_standing()
@@ -171,7 +172,7 @@ class RoundEngine:
                 self.complete(self.pending)
             self.launch()
         if self.pace is not None:
-            self.pace.slot(started, time.monotonic())
+            self.pace.slot(self.clock())
         return True
 
     # ------------------------------------------------------------------ a slot
@@ -179,7 +180,7 @@ class RoundEngine:
     def _slot_due(self) -> bool:
         if self.pace is None:
             return self.standing.position >= self.period
-        return self.pace.due(time.monotonic(), self.link.agree)
+        return self.pace.due(self.clock(), self.link.agree)
 
     def restart_clock(self) -> None:
         """We start from θ whole (joined, or took another peer's state): every fragment's Δ covers the steps from
@@ -187,7 +188,7 @@ class RoundEngine:
         for kept in self.per_fragment:
             kept.since = self.standing.steps
         if self.pace is not None:
-            self.pace.restart(time.monotonic())
+            self.pace.restart(self.clock())
 
     def covered(self, frag: Fragment) -> int:
         """Inner steps the Δ of `frag` formed now covers (at least one): since its last committed round, or since

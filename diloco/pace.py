@@ -1,7 +1,9 @@
 """Rounds by time (`DiLoCo(round_seconds=S)`, `--round-seconds S`): when a worker's synchronization slot comes.
 
-With P fragments a slot comes every S/P seconds (each fragment syncs every S seconds), however many inner steps
-that took; the slot's time counts from the previous slot's start, so the synchronization's own time is part of it.
+With P fragments a worker trains S/P seconds between two slots (each fragment syncs after every S seconds of
+training), however many inner steps that is; the time counts from the end of the previous slot's work, so a
+synchronization that takes long (a slow link, waiting for the others) does not eat into the next span's steps,
+and workers that leave a round together reach the next slot together.
 
 - **A lone process** reads its clock after every inner step: the slot is due once S/P seconds passed and at least
   one step was taken.
@@ -43,7 +45,7 @@ class Pace:
 
     def __init__(self, round_seconds: float, fragments: int, *, planned: bool, now: float) -> None:
         self.slot_seconds = round_seconds / fragments
-        """Seconds from one slot's start to the next's (each fragment syncs every `round_seconds`)."""
+        """Seconds of training between two slots (each fragment syncs after every `round_seconds` of it)."""
         self.planned = planned
         self.span = 0
         """Inner steps since the last slot (or since training began): the same count on every rank of a site,
@@ -75,8 +77,7 @@ class Pace:
                                                                  self.step_seconds or 0.0)))
         return self.plan is not None and self.span >= self.plan
 
-    def slot(self, started: float, ended: float) -> None:
-        """A slot's work ran from `started` to `ended`: the next span counts from its start, and the next step's
-        duration from its end."""
+    def slot(self, ended: float) -> None:
+        """A slot's work ended at `ended`: the next span, and the next step's duration, count from then."""
         self.span, self.plan = 0, None
-        self._start, self._last = started, ended
+        self._start, self._last = ended, ended

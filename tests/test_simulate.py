@@ -174,6 +174,36 @@ def test_the_projection_takes_each_rounds_own_steps_under_an_h_schedule():
     assert varied.compute_seconds == pytest.approx((2.2, 2.2)) and varied.wall_seconds == pytest.approx(2.2 + 3 * 1.04)
 
 
+def test_the_projection_of_rounds_by_time_takes_each_workers_own_steps():
+    """Rounds by time: each worker's steps a round, by worker; a round's compute lasts as long as its slowest
+    member's steps, so workers whose steps fill the same time are all busy."""
+    net = NetworkModel(bandwidth_mbit=1000, latency_ms=0, step_seconds=0.1, speeds=(1.0, 0.5, 0.25))
+    by_time = project([(0, 0)] * 2, steps_per_round=[{0: 40, 1: 20, 2: 10}] * 2, overlap=0, workers=3, net=net,
+                      step_seconds=1)
+    assert by_time.wall_seconds == pytest.approx(8.0) and by_time.utilization == pytest.approx((1.0, 1.0, 1.0))
+    fixed = project([(0, 0)] * 2, steps_per_round=40, overlap=0, workers=3, net=net, step_seconds=1)
+    assert fixed.wall_seconds == pytest.approx(32.0) and fixed.utilization == pytest.approx((0.25, 0.5, 1.0))
+
+
+@pytest.mark.swarm
+def test_simulate_runs_rounds_by_time_each_worker_stepping_at_its_speed():
+    """`diloco simulate --round-seconds 0.8 --step-seconds 0.1 --speeds 1,0.5,0.25`: in simulated time the workers
+    take 8, 4 and 2 steps a round, their pseudo-gradients weighted by them, one digest; the projection has every
+    worker busy, where the same run with fixed H leaves the fast ones waiting for the slowest."""
+    job = JobConfig(**{**TINY.__dict__, "round_seconds": 0.8, "rounds": 3})
+    net = NetworkModel(bandwidth_mbit=1000, latency_ms=1, step_seconds=0.1, speeds=(1.0, 0.5, 0.25))
+    out = simulate(job, 3, swarm=SwarmConfig(run_id="simt", compression="fp32"), net=net)
+    p = out["projection"]
+    assert len(out["digests"]) == 1 and out["round"] == 3
+    assert p["steps_per_round"] == {"0": 8.0, "1": 4.0, "2": 2.0}
+    assert p["min_utilization"] > 0.9, p
+    fixed = simulate(JobConfig(**{**TINY.__dict__, "inner_steps": 8, "rounds": 3}), 3,
+                     swarm=SwarmConfig(run_id="simf", compression="fp32"), net=net)["projection"]
+    assert fixed["min_utilization"] < 0.3 and fixed["wall_seconds"] > 3 * p["wall_seconds"], fixed
+    with pytest.raises(ConfigError, match="--step-seconds"):
+        simulate(job, 2, net=NetworkModel())
+
+
 # ---------------------------------------------------------------------- regions (docs/REGIONS.md)
 
 MB = 1_000_000

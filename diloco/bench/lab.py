@@ -27,12 +27,16 @@ def measure_link(lab: Any, rate_mbit: float, progress: Callable[[str], None]) ->
 
 
 def run_swarm(lab: Any, peers: int, args: Sequence[str], workdir: Path, timeout_s: float,
-              watch: Callable[[Lines], None] | None = None, per_peer: Sequence[Sequence[str]] = ()) -> list[Lines]:
+              watch: Callable[[Lines], None] | None = None, per_peer: Sequence[Sequence[str]] = (),
+              straggle_s: float | None = None) -> list[Lines]:
     """Run `peers` peers of the bundled job with the job/swarm flags `args` (peer 0 starts the swarm, the
     others join it; each gets `--shard i`, and `per_peer[i]` if given), wait for all of them, and return each
     one's metrics lines.
     `watch(lines)` gets peer 0's lines about every 2 s while they run. A peer still running at `timeout_s`
-    is killed (TimeoutExpired); a peer that ends without a final line raises RuntimeError naming its log."""
+    is killed (TimeoutExpired); a peer that ends without a final line raises RuntimeError naming its log.
+    `straggle_s`: once peer 0 ended, a peer still running this much later is stopped with SIGTERM (it ends its
+    run and writes its final line, as on Ctrl-C): a worker the swarm went on without may never reach the last
+    round."""
     workdir.mkdir(parents=True, exist_ok=True)
     run_id = f"lab-{int(time.time() * 1000) % 10**8}"
     procs: list[subprocess.Popen[bytes]] = []
@@ -51,7 +55,7 @@ def run_swarm(lab: Any, peers: int, args: Sequence[str], workdir: Path, timeout_
             if i == 0:
                 _wait_for_file(workdir / "peer0.addr", procs[0], 120)
         deadline = time.monotonic() + timeout_s
-        for p in procs:
+        for k, p in enumerate(procs):
             while True:
                 try:
                     p.wait(timeout=min(2.0, max(0.1, deadline - time.monotonic())))
@@ -61,6 +65,8 @@ def run_swarm(lab: Any, peers: int, args: Sequence[str], workdir: Path, timeout_
                         raise
                     if watch is not None:
                         watch(read_jsonl(workdir / "peer0.jsonl"))
+            if k == 0 and straggle_s is not None:
+                _stop_stragglers(procs[1:], straggle_s)
     finally:
         for p in procs:
             if p.poll() is None:
@@ -75,6 +81,16 @@ def run_swarm(lab: Any, peers: int, args: Sequence[str], workdir: Path, timeout_
             raise RuntimeError(f"peer {i} did not finish; see {workdir / f'peer{i}.log'}")
         out.append(lines)
     return out
+
+
+def _stop_stragglers(procs: Sequence[subprocess.Popen[bytes]], after: float) -> None:
+    """Give `procs` `after` seconds to end, then SIGTERM those still running (they end their runs)."""
+    deadline = time.monotonic() + after
+    while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    for p in procs:
+        if p.poll() is None:
+            p.terminate()
 
 
 def final(lines: Lines) -> dict[str, Any]:

@@ -824,6 +824,41 @@ def bench_race_cmd(
     _lab_bench(race, setup, "race", "racers", json_path, plot_path, workdir, quiet)
 
 
+@bench_app.command("hetero")
+def bench_hetero_cmd(
+    slowdowns: str = typer.Option("1,2,4", help="How many times as long each worker's inner step takes, one worker "
+                                                "per host (the bench throttles them)."),
+    rate: float = typer.Option(50.0, help="Link rate per host, Mbit/s."),
+    delay: float = typer.Option(50.0, help="One-way delay per link, ms."),
+    inner_steps: int = typer.Option(500, "--inner-steps", "-H", help="H of the fixed-H variants."),
+    rounds: int = typer.Option(4, help="Rounds of the fixed-H run that waits for the slowest (the finish line)."),
+    grace: float = typer.Option(1.0, help="Gather timeout of the fixed-H run that goes on without the slow, s."),
+    round_seconds: Optional[float] = typer.Option(None, help="A round by time, s (default: H × the fastest "
+                                                             "worker's step time in the first run)."),
+    lr: float = typer.Option(4e-3, help="Inner AdamW lr."),
+    d_model: int = typer.Option(64, help="Model width."),
+    layers: int = typer.Option(2, help="Transformer blocks."),
+    json_path: Optional[Path] = typer.Option(None, "--json", help="Write the report as JSON here."),
+    plot_path: Optional[Path] = typer.Option(None, "--plot", help="Draw held-out loss vs training time as PNG here."),
+    workdir: Optional[Path] = typer.Option(None, help="Keep peers' logs and metrics here (default: a temp dir)."),
+    quiet: bool = Quiet,
+) -> None:
+    """Workers of unequal speed on an emulated WAN (needs root): fixed H waiting for the slowest, fixed H going on
+    without it, and rounds by time (--round-seconds), timed until each reaches the first one's final held-out loss."""
+    from ..bench import hetero
+
+    def setup() -> hetero.HeteroSetup:
+        try:
+            factors = tuple(float(s) for s in slowdowns.split(","))
+        except ValueError:
+            raise ValueError(f"--slowdowns {slowdowns!r}: expected numbers separated by commas, e.g. 1,2,4") from None
+        return hetero.HeteroSetup(slowdowns=factors, rate_mbit=rate, delay_ms=delay, inner_steps=inner_steps,
+                                  rounds=rounds, grace=grace, round_seconds=round_seconds, lr=lr, d_model=d_model,
+                                  layers=layers)
+
+    _lab_bench(hetero, setup, "hetero", "variants", json_path, plot_path, workdir, quiet)
+
+
 def _lab_bench(module: Any, setup: Callable[[], Any], task: str, unit: str, json_path: Optional[Path],
                plot_path: Optional[Path], workdir: Optional[Path], quiet: bool) -> None:
     """A benchmark of variants on one emulated WAN (`bench race`, `bench regions`): check root and the setup

@@ -243,6 +243,8 @@ class JobOptions(Group):
                                             "-H: train for this many seconds a round, however many inner steps that is "
                                             "on this machine; each worker's Δ counts by its steps (machines of unequal "
                                             "speed, docs/USAGE.md).")
+    slowdown: float = option(_JOB.slowdown, help="Benchmarks: every inner step takes this many times as long (it "
+                             "sleeps the rest), playing a slower machine.", hidden=True)
     h_schedule: str = option("", "--h-schedule", help="Change H during the run: 'R:H' pairs, e.g. '80:10' (after 80 "
                                                       "outer steps, H=10) or '80:10,95:5'.")
     outer_lr: Optional[float] = option(_JOB.outer_lr, help="Outer SGD lr (default 0.7; 1.0 when the compression has "

@@ -97,6 +97,9 @@ class JobConfig:
     round_seconds: float | None = None
     """Rounds by time instead of H: train inner steps for this many seconds a round, however many that is on this
     machine; each worker's pseudo-gradient counts by the steps it covers (`DiLoCo(round_seconds=...)`)."""
+    slowdown: float = 1.0
+    """Benchmarks: every inner step takes this many times as long (it sleeps (F − 1) × its forward and backward
+    time), playing a slower machine (`diloco bench hetero`)."""
     h_schedule: HSchedule = ()
     """Change H during the run: (after this many outer steps, H from then on) pairs, e.g. ((80, 10),): H=10
     for the outer steps after the 80th (`diloco.fragments.parse_h_schedule` reads '80:10')."""
@@ -187,6 +190,8 @@ class JobConfig:
             if (self.streaming.fragments or 1) != 1 or self.streaming.overlap or self.h_schedule:
                 raise ConfigError("data-parallel synchronizes the whole gradient every step: leave --fragments, "
                                   "--overlap and --h-schedule unset")
+        if not 1 <= self.slowdown < float("inf"):
+            raise ConfigError(f"--slowdown must be a factor >= 1 (1: full speed), got {self.slowdown}")
         if self.round_seconds is not None and self.data_parallel:
             raise ConfigError("--round-seconds and --data-parallel do not go together: data-parallel rounds are steps")
         if self.d_model % 4:
@@ -300,12 +305,15 @@ def round_status(rnd: int, rounds: int, fragments: int, fragment: int, committed
 def run_job(cfg: JobConfig, swarm: Swarm | None, *, metrics: MetricsWriter | None = None,
             status_path: str | os.PathLike[str] | None = None, stop: threading.Event | None = None,
             corpus: Corpus | None = None, on_step: Callable[[DiLoCo], None] | None = None,
-            progress: Callable[[float, float | None, str | None], None] | None = None) -> dict[str, Any]:
+            progress: Callable[[float, float | None, str | None], None] | None = None,
+            round_clock: Callable[[DiLoCo], float] | None = None) -> dict[str, Any]:
     """Train until the global round reaches cfg.rounds (or `stop` is set); returns the final summary.
     `corpus`: `load_corpus(cfg)` already loaded (workers in one process share it, read-only).
     `on_step(d)`: called after every inner step (the simulator's fault plans act there).
     `progress(done, total, status)`: outer rounds done (fractional between rounds) of `cfg.rounds`
-    after every inner step, with a new status (`round_status`) after every round."""
+    after every inner step, with a new status (`round_status`) after every round. `round_clock(d)`: the seconds rounds by
+    time count instead of the wall clock's (the simulator's workers count simulated time: their steps at their
+    speed), and then no time limit."""
     stop = stop or threading.Event()
     metrics = metrics or MetricsWriter(None)
     torch.set_num_threads(cfg.threads)
@@ -342,6 +350,7 @@ def run_job(cfg: JobConfig, swarm: Swarm | None, *, metrics: MetricsWriter | Non
                       payload_bytes=r.payload_bytes, bits_per_param=round(r.bits_per_param, 5),
                       seconds=round(r.seconds, 3), step=r.step, tokens=r.step * cfg.batch_size * cfg.context,
                       digest=d.member.holding.later(), fragment=r.fragment, blocked=r.blocked, resynced=r.resynced, merge=r.merge,
+                      round_steps=d.member.standing.covered,
                       phases={k: round(v, 3) for k, v in r.phases.items()}, **d.usage().as_dict())
         if cfg.eval_every and r.committed and r.round % cfg.eval_every == 0:
             t = time.monotonic()
@@ -369,6 +378,8 @@ def run_job(cfg: JobConfig, swarm: Swarm | None, *, metrics: MetricsWriter | Non
                outer_warmup=cfg.outer_warmup, outer_lr_schedule=schedule,
                streaming=cfg.streaming, checkpoint_dir=cfg.checkpoint_dir, checkpoint_every=cfg.checkpoint_every,
                round_seconds=cfg.round_seconds)
+    if round_clock is not None:
+        d.engine.clock = partial(round_clock, d)
     if cfg.resume and not d.resume():
         log.info("event=resume_skipped reason=no verified checkpoint in %s", cfg.checkpoint_dir)
     target = cfg.rounds * len(d.fragments)  # a round synchronizes one fragment
@@ -383,7 +394,9 @@ def run_job(cfg: JobConfig, swarm: Swarm | None, *, metrics: MetricsWriter | Non
         time_limit = clock["start"] + 4 * target * (cfg.round_seconds or 0) + 60
 
         def go_on() -> bool:
-            return d.steps < max_steps if max_steps is not None else time.monotonic() < time_limit
+            if max_steps is not None:
+                return d.steps < max_steps
+            return round_clock is not None or time.monotonic() < time_limit
         # A round on the wire counts: with overlap its result is applied on leaving the `with` (flush).
         while d.round + d.pending_rounds < target and not stop.is_set() and go_on():
             if not cfg.data_parallel:
@@ -391,11 +404,14 @@ def run_job(cfg: JobConfig, swarm: Swarm | None, *, metrics: MetricsWriter | Non
                     group["lr"] = inner_lr(cfg.first_step + d.swarm_step, lr=cfg.lr, warmup=cfg.warmup,
                                            total=cfg.first_step + total_steps, schedule=cfg.schedule)
             x, y = sampler.next()
+            computed = time.monotonic()
             _, loss = model(x.to(device, non_blocking=True), y.to(device, non_blocking=True))
             loss.backward()
             if not cfg.data_parallel:  # data-parallel clips the mean gradient, in the outer step
                 torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP_NORM)
             d.report_loss(loss.item())
+            if cfg.slowdown > 1:
+                time.sleep((cfg.slowdown - 1) * (time.monotonic() - computed))
             inner.step()  # the wrapper's hook synchronizes every inner_steps-th call
             inner.zero_grad(set_to_none=True)
             if on_step is not None:

@@ -167,14 +167,16 @@ class Projection:
 RoundBytes = Mapping[int, tuple[int, int]]  # worker -> (bytes sent, bytes received) in one round
 
 
-def project(rounds: Sequence[RoundBytes | tuple[int, int]], *, steps_per_round: int | Sequence[int], overlap: int,
-            workers: int,
+def project(rounds: Sequence[RoundBytes | tuple[int, int]], *, steps_per_round: int | Sequence[int | Mapping[int, int]],
+            overlap: int, workers: int,
             net: NetworkModel, step_seconds: float, faults: Sequence[Fault] = ()) -> Projection:
     """Project a run onto `net`. `rounds[k]` is round k+1: who took part and what each sent and received
     (a bare (sent, received) pair: every worker moved that much). Each round follows `steps_per_round`
-    inner steps (H/P; a sequence: round k+1's, under an H schedule) and its result is needed `overlap` (τ) steps after it began; `slow` and
+    inner steps (H/P; a sequence: round k+1's, under an H schedule, or with rounds by time each worker's own, by
+    worker) and its result is needed `overlap` (τ) steps after it began; `slow` and
     `degrade` faults change a worker's speed and link from their round on. Pure: the model is in the
-    module docstring; a round moves at its slowest member's pace and its slowest exchange."""
+    module docstring; a round's compute lasts as long as its slowest member's steps, and its exchange as its
+    slowest exchange."""
     step, speeds = _pace(net, workers, step_seconds)
     wall = blocked = comm_total = 0.0
     compute = [0.0] * workers
@@ -185,13 +187,14 @@ def project(rounds: Sequence[RoundBytes | tuple[int, int]], *, steps_per_round: 
         pace = {i: step / _speed(i, k, speeds, faults) for i in members}
         slowest = max(pace.values())
         steps = steps_per_round if isinstance(steps_per_round, int) else steps_per_round[k - 1]
+        took = {i: (steps if isinstance(steps, int) else steps.get(i, 0)) * t for i, t in pace.items()}
         comm = max(_link(i, k, net, faults).seconds(*members[i]) for i in members)
         wait = max(0.0, comm - overlap * slowest)
-        wall += steps * slowest + wait
+        wall += max(took.values()) + wait
         blocked += wait
         comm_total += comm
-        for i, t in pace.items():
-            compute[i] += steps * t
+        for i, t in took.items():
+            compute[i] += t
     return Projection(wall_seconds=wall, compute_seconds=tuple(compute), blocked_seconds=blocked,
                       comm_seconds=comm_total)
 
@@ -363,6 +366,13 @@ def simulate(job: JobConfig, workers: int, *, swarm: SwarmConfig | None = None, 
     late = [f for f in faults if f.round >= target]
     if late:
         raise ConfigError(f"{late[0]}: the run ends at round {target} (--rounds × fragments); move it earlier")
+    if job.round_seconds is not None:
+        if net.step_seconds is None:
+            raise ConfigError("rounds by time in a simulation count simulated seconds: give --step-seconds (an inner "
+                              "step's time at speed 1; each worker's is that over its --speeds)")
+        if faults or regions or gossip:
+            raise ConfigError("the simulator runs rounds by time (--round-seconds) in a flat swarm without faults for "
+                              "now: leave out --faults, --regions and --topology gossip")
     if faults and job.streaming.outer_overlap != "none":
         raise ConfigError("fault plans need outer_overlap none: a worker killed with a whole outer step in flight "
                           "would hold the others until their deadlines")
@@ -382,7 +392,9 @@ def simulate(job: JobConfig, workers: int, *, swarm: SwarmConfig | None = None, 
     swarms: list[Swarm] = []
     threads: list[threading.Thread] = []
     steps: dict[str, int] = {}  # inner steps per incarnation
+    slots: dict[int, list[int]] = {i: [] for i in range(workers)}  # each worker's inner steps before each of its slots
     lock = threading.Lock()
+    speed = net.speeds or (1.0,) * workers
 
     def start(i: int, restarted: bool = False) -> None:
         incarnation = sum(w == i for w, _ in rows)
@@ -407,11 +419,16 @@ def simulate(job: JobConfig, workers: int, *, swarm: SwarmConfig | None = None, 
     def work(i: int, s: Swarm, out: _Rows, job_i: JobConfig) -> None:
         def hook(d: DiLoCo) -> None:
             steps[s.peer_id] = d.steps
+            if d.member.standing.last_slot == d.steps:  # a slot: the steps since the last one
+                slots[i].append(d.steps - sum(slots[i]))
             if runner is not None:
                 runner.after_step(i, d)
 
+        # rounds by time count simulated seconds: worker i's steps take step_seconds / its speed
+        clock = partial(_simulated_seconds, step=net.step_seconds / speed[i]) \
+            if job.round_seconds is not None and net.step_seconds is not None else None
         try:
-            finals[i] = run_job(job_i, s, metrics=out, corpus=corpus, on_step=hook)
+            finals[i] = run_job(job_i, s, metrics=out, corpus=corpus, on_step=hook, round_clock=clock)
             s.close()  # done: it leaves, as `diloco join` does after its job, so peers still training (a region
             # whose merges drifted behind) do not wait for it in their rounds
         except Killed:
@@ -458,9 +475,14 @@ def simulate(job: JobConfig, workers: int, *, swarm: SwarmConfig | None = None, 
     wall = time.monotonic() - started
     fired = runner.fired if runner is not None else []
     summary = summarize(job, [finals[i] for i in sorted(finals)], rows, net, wall, workers,
-                        [f for _, f in fired], regions)
+                        [f for _, f in fired], regions, slots if job.round_seconds is not None else None)
     summary["faults_fired"] = [dict(f.as_dict(), plan_index=k) for k, f in fired]
     return summary
+
+
+def _simulated_seconds(d: DiLoCo, step: float) -> float:
+    """A simulated worker's clock for rounds by time: its inner steps so far, `step` seconds each."""
+    return d.steps * step
 
 
 def step_seconds(finals: Sequence[dict[str, Any]], cores: int | None = None) -> float:
@@ -492,9 +514,11 @@ def region_runs(rows: Sequence[tuple[int, Sequence[dict[str, Any]]]], regions: S
 
 
 def summarize(job: JobConfig, finals: list[dict[str, Any]], rows: Sequence[tuple[int, _Rows]], net: NetworkModel,
-              wall: float, workers: int, faults: Sequence[Fault] = (), regions: Sequence[str] = ()) -> dict[str, Any]:
+              wall: float, workers: int, faults: Sequence[Fault] = (), regions: Sequence[str] = (),
+              slots: Mapping[int, Sequence[int]] | None = None) -> dict[str, Any]:
     """The simulation's summary from the finals of the workers that finished and every worker's round
-    metrics (`rows`: (worker, its rows), one entry per incarnation)."""
+    metrics (`rows`: (worker, its rows), one entry per incarnation). `slots`: with rounds by time, each worker's
+    inner steps before each of its slots (slot k is round k + 1: a simulation by time has no faults)."""
     moved: dict[int, dict[int, tuple[int, int]]] = {}
     seen = {w: dict(worker=w, incarnations=0, committed=0, refused=0, resyncs=0) for w in range(workers)}
     for worker, out in rows:
@@ -519,10 +543,14 @@ def summarize(job: JobConfig, finals: list[dict[str, Any]], rows: Sequence[tuple
                                     steps_per_round=job.inner_steps, workers=workers, net=net,
                                     step_seconds=measured_step)
     else:
-        projected = project([moved.get(k, {}) for k in range(1, count + 1)],
-                            steps_per_round=[inner_steps_at(k, job.inner_steps, job.round_schedule) // fragments
-                                             for k in range(count)], overlap=job.streaming.overlap, workers=workers,
-                            net=net, step_seconds=measured_step, faults=faults).as_dict()
+        by_round: list[int | Mapping[int, int]] = \
+            [inner_steps_at(k, job.inner_steps, job.round_schedule) // fragments for k in range(count)] \
+            if slots is None else [{i: s[k] for i, s in slots.items() if k < len(s)} for k in range(count)]
+        projected = project([moved.get(k, {}) for k in range(1, count + 1)], steps_per_round=by_round,
+                            overlap=job.streaming.overlap, workers=workers, net=net, step_seconds=measured_step,
+                            faults=faults).as_dict()
+        if slots is not None:
+            projected["steps_per_round"] = {str(i): round(sum(s) / len(s), 2) for i, s in slots.items() if s}
     return dict(workers=workers, finished=len(finals), digests=sorted({f["digest"] for f in finals}),
                 digest=finals[0]["digest"], round=finals[0]["round"], eval_loss=finals[0]["eval_loss"],
                 params=finals[0]["params"], bytes_sent=sum(f["bytes_sent"] for f in finals),

@@ -1,0 +1,73 @@
+"""Workers of unequal speed (`diloco bench hetero`): the arithmetic of useful steps (pure), the setup's checks, and
+the harness end to end with real throttled peers across an emulated link.
+
+The figures live in docs/BENCHMARKS.md; the end-to-end test checks that the three variants run through real swarms
+on one lab with the bench's throttle, not how fast this machine is.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from diloco.bench.hetero import HeteroSetup, markdown_table, run, useful_share, variants, worker_rows
+
+
+def _round(steps, committed=True):
+    return dict(event="round", committed=committed, round_steps=steps)
+
+
+def _final(steps, wall=10.0, sync=2.0, utilization=0.8):
+    return dict(event="final", usage=dict(steps=steps, wall_seconds=wall, sync_seconds=sync, utilization=utilization))
+
+
+def test_a_workers_useful_steps_are_those_its_committed_rounds_covered():
+    """Steps in a round the swarm went on without (not committed for this worker) are lost; a later committed round
+    covers only the steps since it took the state again."""
+    lines = [_round(50), _round(50, committed=False), _round(50), _final(150)]
+    assert useful_share(lines) == pytest.approx(2 / 3)
+    rows = worker_rows([lines, [_round(10), _round(30), _final(40, utilization=0.9)]])
+    assert rows[0]["useful_utilization"] == pytest.approx(0.8 * 2 / 3) and rows[0]["steps_per_round"] == 50
+    assert rows[1]["useful_share"] == 1.0 and rows[1]["steps_per_round"] == 20
+    assert rows[0]["step_seconds"] == pytest.approx(8.0 / 150)
+
+
+def test_the_variants_share_the_model_and_differ_in_how_a_round_ends():
+    fixed, without, by_time = variants(HeteroSetup(rounds=6, grace=1.5), round_seconds=0.75)
+    assert fixed.flags[fixed.flags.index("--rounds") + 1] == "6" and "--round-seconds" not in fixed.flags
+    assert float(fixed.flags[fixed.flags.index("--gather-timeout") + 1]) >= 600  # waits for the slowest
+    assert without.flags[without.flags.index("--gather-timeout") + 1] == "1.5"
+    assert without.flags[without.flags.index("--rounds") + 1] == "24"  # 4x as many rounds: 4x as slow at most
+    assert by_time.flags[by_time.flags.index("--round-seconds") + 1] == "0.750" and "-H" not in by_time.flags
+
+
+@pytest.mark.parametrize("bad, says", [
+    (dict(slowdowns=(1.0,)), "two workers"),
+    (dict(slowdowns=(1.0, 0.5)), "factor >= 1"),
+    (dict(grace=0), "grace"),
+    (dict(round_seconds=0), "round_seconds"),
+])
+def test_a_setup_that_cannot_run_is_refused_saying_why(bad, says):
+    with pytest.raises(ValueError, match=says):
+        HeteroSetup(**bad)
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(300)
+def test_fixed_h_and_rounds_by_time_run_with_throttled_peers_across_an_emulated_link(tmp_path):
+    """Two real peers, the second throttled 3×: fixed H waiting for it, fixed H going on without it, rounds by time.
+    Every variant ends on one digest; waiting, the fast worker's steps a round are H; by time, the fast worker
+    covers more steps a round than the throttled one."""
+    setup = HeteroSetup(slowdowns=(1.0, 3.0), rate_mbit=50.0, delay_ms=5.0, inner_steps=8, rounds=2, grace=1.0,
+                        d_model=32, layers=1, context=32, batch_size=2, warmup=2, timeout_s=150)
+    lines: list[str] = []
+    report = run(setup, workdir=tmp_path, progress=lines.append, measure=False)
+    fixed, without, by_time = report["results"]
+    assert all(r["digests_agree"] for r in report["results"]), report["results"]
+    assert fixed["rounds"] == 2 and [w["steps_per_round"] for w in fixed["workers"]] == [8.0, 8.0]
+    assert without["rounds"] == 6 and by_time["rounds"] == 6
+    fast, slow = by_time["workers"]
+    assert fast["steps_per_round"] > 1.5 * slow["steps_per_round"], by_time["workers"]
+    assert report["round_seconds"] == pytest.approx(8 * fixed["workers"][0]["step_seconds"])
+    assert report["standings"][0]["target"] == fixed["eval_loss"]
+    text = markdown_table(report)
+    assert "rounds by time" in text and "worker 1 (3×)" in text and "2 hosts in network namespaces" in lines[0]
