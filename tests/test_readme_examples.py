@@ -17,8 +17,8 @@ What each command does here:
 - `bench convergence` (its smallest budget is 500 inner steps, about 20 s here; the real run at test
   size is tests/test_bench_convergence.py), `start`, `join`, `status` (and `status --watch`), `demo` (real peers,
   tests/test_multiproc.py), `start/join ... -- CMD` (the launcher, tests/test_launcher.py), `bench
-  overlap` and `bench race` (root and network namespaces, tests/test_bench_overlap.py and
-  tests/test_bench_race.py), `bench flood` (real daemons,
+  overlap`, `bench race` and `bench hetero` (root and network namespaces, tests/test_bench_overlap.py,
+  tests/test_bench_race.py and tests/test_bench_hetero.py), `bench flood` (real daemons,
   tests/test_auth.py), `bench chaos` (minutes of real workers under faults, tests/test_bench_chaos.py), `bench
   site` (torchrun sites), `bench size` (models of up to 300M parameters,
   tests/test_bench_size.py), `bench wrapper` (minutes of training, tests/test_bench_wrapper.py): parsed and
@@ -155,6 +155,7 @@ STOPPED_AT = {  # command -> what would start the work (network, real peers, roo
     ("diloco", "bench", "size"): "diloco.bench.size.run", ("diloco", "bench", "wrapper"): "diloco.bench.wrapper.run",
     ("diloco", "bench", "transport"): "diloco.bench.transport.run", ("diloco", "bench", "race"): "diloco.bench.race.run",
     ("diloco", "bench", "regions"): "diloco.bench.regions.run", ("diloco", "bench", "chaos"): "diloco.bench.chaos.run",
+    ("diloco", "bench", "hetero"): "diloco.bench.hetero.run",
     ("diloco", "export"): "diloco.persist.export",  # run for real in tests/test_final_model.py
 }
 LAUNCHED = "diloco.cli.main._launch"

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import threading
+from dataclasses import replace
 import time
 
 import pytest
@@ -16,21 +17,24 @@ from diloco.compression.errors import ConfigError
 from diloco.fragments import StreamingConfig
 from diloco.pace import Pace, planned_steps
 
-from test_swarm_inproc import Harness, _batches, _mlp, _run_threads
+from test_swarm_inproc import CFG, Harness, _batches, _mlp, _run_threads
 
 ROUNDS = 3
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("streaming", [None, StreamingConfig(fragments=2, overlap=2)], ids=["whole", "fragments"])
-def test_workers_of_unequal_speed_each_train_until_the_slot_and_end_on_one_digest(streaming):
+@pytest.mark.parametrize(("streaming", "compression"), [(None, None), (StreamingConfig(fragments=2, overlap=2), None),
+                                                       (None, "topk:64/512+ef:0.9")],
+                         ids=["whole", "fragments", "error-feedback"])
+def test_workers_of_unequal_speed_each_train_until_the_slot_and_end_on_one_digest(streaming, compression):
     """Three workers whose inner steps take 10, 20 and 40 ms train for 0.5 s a round: each round every one of them
     syncs with the steps it managed (the fast one about four times the slow one's), all commit the same rounds
     together, and they end on one global state. With two streaming fragments and τ = 2 each fragment syncs every
     0.5 s (a slot every 0.25 s, the slowest worker's slot coming before its τ steps did: it applies the round
-    at the slot), and each fragment's Δ counts by the steps since that fragment's last round."""
+    at the slot), and each fragment's Δ counts by the steps since that fragment's last round. With top-k and error
+    feedback, each coordinate's mean weighs the workers that sent it."""
     rounds = ROUNDS * (streaming.fragments if streaming else 1)
-    h = Harness()
+    h = Harness(replace(CFG, compression=compression) if compression else CFG)
     base, delays = _mlp(7), [0.01, 0.02, 0.04]
     start = threading.Barrier(3, timeout=10)
     covered: dict[int, list[int]] = {i: [] for i in range(3)}
