@@ -32,18 +32,20 @@ def test_a_workers_useful_steps_are_those_its_committed_rounds_covered():
 
 
 def test_the_variants_share_the_model_and_differ_in_how_a_round_ends():
-    fixed, without, by_time = variants(HeteroSetup(rounds=6, grace=1.5), round_seconds=0.75)
+    fixed, without, by_time, overlapped = variants(HeteroSetup(rounds=6, grace=1.5, overlap=20), round_seconds=0.75)
     assert fixed.flags[fixed.flags.index("--rounds") + 1] == "6" and "--round-seconds" not in fixed.flags
     assert float(fixed.flags[fixed.flags.index("--gather-timeout") + 1]) >= 600  # waits for the slowest
     assert without.flags[without.flags.index("--gather-timeout") + 1] == "1.5"
     assert without.flags[without.flags.index("--rounds") + 1] == "24"  # 4x as many rounds: 4x as slow at most
     assert by_time.flags[by_time.flags.index("--round-seconds") + 1] == "0.750" and "-H" not in by_time.flags
+    assert overlapped.flags[overlapped.flags.index("--overlap") + 1] == "20" and "--round-seconds" in overlapped.flags
 
 
 @pytest.mark.parametrize("bad, says", [
     (dict(slowdowns=(1.0,)), "two workers"),
     (dict(slowdowns=(1.0, 0.5)), "factor >= 1"),
     (dict(grace=0), "grace"),
+    (dict(overlap=0), "overlap"),
     (dict(round_seconds=0), "round_seconds"),
 ])
 def test_a_setup_that_cannot_run_is_refused_saying_why(bad, says):
@@ -54,17 +56,17 @@ def test_a_setup_that_cannot_run_is_refused_saying_why(bad, says):
 @pytest.mark.multiproc
 @pytest.mark.timeout(300)
 def test_fixed_h_and_rounds_by_time_run_with_throttled_peers_across_an_emulated_link(tmp_path):
-    """Two real peers, the second throttled 3×: fixed H waiting for it, fixed H going on without it, rounds by time.
-    Every variant ends on one digest; waiting, the fast worker's steps a round are H; by time, the fast worker
-    covers more steps a round than the throttled one."""
+    """Two real peers, the second throttled 3×: fixed H waiting for it, fixed H going on without it, rounds by time
+    plain and overlapped. Every variant ends on one digest (among the workers at its last round); waiting, the fast
+    worker's steps a round are H; by time, the fast worker covers more steps a round than the throttled one."""
     setup = HeteroSetup(slowdowns=(1.0, 3.0), rate_mbit=50.0, delay_ms=5.0, inner_steps=8, rounds=2, grace=1.0,
-                        d_model=32, layers=1, context=32, batch_size=2, warmup=2, timeout_s=150)
+                        overlap=1, d_model=32, layers=1, context=32, batch_size=2, warmup=2, timeout_s=150)
     lines: list[str] = []
     report = run(setup, workdir=tmp_path, progress=lines.append, measure=False)
-    fixed, without, by_time = report["results"]
+    fixed, without, by_time, overlapped = report["results"]
     assert all(r["digests_agree"] for r in report["results"]), report["results"]
     assert fixed["rounds"] == 2 and [w["steps_per_round"] for w in fixed["workers"]] == [8.0, 8.0]
-    assert without["rounds"] == 6 and by_time["rounds"] == 6
+    assert without["rounds"] == 6 and by_time["rounds"] == 6 and overlapped["rounds"] == 6
     fast, slow = by_time["workers"]
     assert fast["steps_per_round"] > 1.5 * slow["steps_per_round"], by_time["workers"]
     assert report["round_seconds"] == pytest.approx(8 * fixed["workers"][0]["step_seconds"])

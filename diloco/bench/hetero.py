@@ -13,7 +13,10 @@ time), 1×, 2× and 4× by default:
   state again (docs/GUARANTEES.md, "Stragglers cost one deadline");
 - **rounds by time**: every worker trains for `round_seconds` a round, however many steps that is for it, and its
   pseudo-gradient counts by the steps it covers (`--round-seconds`, docs/USAGE.md). By default `round_seconds` is H
-  × the fastest worker's step time measured in the first run, so the fastest runs about H steps a round.
+  × the fastest worker's step time measured in the first run, so the fastest runs about H steps a round;
+- **rounds by time, overlapped**: the same with `--overlap τ`: each round's exchange runs while the next τ inner
+  steps train, and its result is applied then (streaming DiLoCo's overlap on the whole model, α = 0), so the
+  protocol's time on the link is hidden where τ steps outlast it.
 
 The first variant runs `rounds` rounds; its final held-out loss is the finish line. The others may run for
 `rounds` × the largest slowdown rounds (their rounds are that much shorter) to get there. A variant's clock is its
@@ -59,6 +62,9 @@ class HeteroSetup:
     takes on a 50 ms link)."""
     rounds: int = 4
     """Rounds of the fixed-H run that waits for the slowest worker: its final held-out loss is the finish line."""
+    overlap: int = 50
+    """τ of the overlapped rounds by time, inner steps (below the slowest worker's steps a round, or its round is
+    applied at its next slot instead)."""
     grace: float = 1.0
     """Gather timeout of the fixed-H run that goes on without the slow workers, seconds (by default longer than the
     2× worker is late, shorter than the 4× one: the swarm goes on without the slowest)."""
@@ -72,9 +78,9 @@ class HeteroSetup:
             raise ValueError(f"slowdowns needs two workers or more, each a factor >= 1, got {list(self.slowdowns)}")
         if self.rate_mbit <= 0 or self.delay_ms < 0:
             raise ValueError(f"the link needs a rate > 0 and a delay >= 0, got {self.rate_mbit} Mbit/s, {self.delay_ms} ms")
-        if self.inner_steps < 1 or self.rounds < 1 or self.grace <= 0:
-            raise ValueError(f"inner_steps and rounds must be >= 1 and grace > 0, got {self.inner_steps}, "
-                             f"{self.rounds}, {self.grace}")
+        if self.inner_steps < 1 or self.rounds < 1 or self.grace <= 0 or self.overlap < 1:
+            raise ValueError(f"inner_steps, rounds and overlap must be >= 1 and grace > 0, got {self.inner_steps}, "
+                             f"{self.rounds}, {self.overlap}, {self.grace}")
         if self.round_seconds is not None and self.round_seconds <= 0:
             raise ValueError(f"round_seconds must be > 0, got {self.round_seconds}")
 
@@ -92,7 +98,7 @@ class Variant:
 
 def variants(setup: HeteroSetup, round_seconds: float) -> list[Variant]:
     """Fixed H waiting for the slowest first (its final loss is the finish line), then fixed H going on without the
-    slow workers, then rounds by time."""
+    slow workers, then rounds by time, plain and overlapped."""
     h, more = str(setup.inner_steps), str(setup.rounds * setup.longer)
     patient = str(max(600.0, 20 * setup.inner_steps))  # seconds: far beyond the slowest worker's round
     return [
@@ -105,6 +111,9 @@ def variants(setup: HeteroSetup, round_seconds: float) -> list[Variant]:
         Variant(f"rounds by time ({round_seconds:.2f} s)",
                 ("--round-seconds", f"{round_seconds:.3f}", "--rounds", more, "--gather-timeout", "60",
                  "--round-timeout", "60", "--eval-every", str(setup.longer))),
+        Variant(f"rounds by time ({round_seconds:.2f} s), overlap τ={setup.overlap}",
+                ("--round-seconds", f"{round_seconds:.3f}", "--overlap", str(setup.overlap), "--alpha", "0",
+                 "--rounds", more, "--gather-timeout", "60", "--round-timeout", "60", "--eval-every", str(setup.longer))),
     ]
 
 
@@ -154,16 +163,17 @@ def run(setup: HeteroSetup, *, workdir: Path | None = None, progress: Callable[[
         link = lab.describe()
         progress(link)
         measured = measure_link(lab, setup.rate_mbit, progress) if measure else None
-        for k in range(3):
+        count = len(variants(setup, 1.0))
+        for k in range(count):
             variant = variants(setup, round_seconds or 1.0)[k]
-            status = f"[{k + 1}/3] {variant.name}"
+            status = f"[{k + 1}/{count}] {variant.name}"
             progress(f"{status} ...")
             total = setup.rounds if k == 0 else setup.rounds * setup.longer
 
             def watch(lines: Lines, k: int = k, total: int = total, status: str = status) -> None:
                 if tick is not None:
                     rnd = max((ln.get("round", 0) for ln in lines if ln.get("event") == "round"), default=0)
-                    tick(k + min(1.0, rnd / total), 3, status)
+                    tick(k + min(1.0, rnd / total), count, status)
 
             try:
                 lines = run_swarm(lab, peers, [*common, *variant.flags], workdir / f"v{k}", setup.timeout_s, watch,
