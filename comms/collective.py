@@ -207,6 +207,7 @@ class Collective:
         sent, recv = self.transport.counter.snapshot()
         outcome.bytes_sent, outcome.bytes_received = sent - sent0, recv - recv0
         outcome.seconds, outcome.phases = time.monotonic() - started, dict(rs.phases)
+        outcome.gathered_at = rs.gathered_at
         return outcome
 
     async def _run(self, rs: RoundState, key: RoundKey, digest: str, others: list[PeerId], delta: Handoff,
@@ -214,7 +215,7 @@ class Collective:
         rs.fragment, rs.lean = fragment, not delta.keeps_aggregate
         began = time.monotonic()
         late = await self._gather(rs, key, digest, others, wait_for)
-        closed = _lap(rs, "gather", began)
+        closed = rs.gathered_at = _lap(rs, "gather", began)
         if late is not None:
             return late
         assert rs.view is not None

@@ -97,6 +97,9 @@ class RoundOutcome:
     seconds: float = 0.0
     phases: dict[str, float] = field(default_factory=dict)
     """Seconds spent in each step this attempt reached, in order (`RoundState.phases`)."""
+    gathered_at: float | None = None
+    """When (`time.monotonic()`) this attempt's view closed: the moment its members left the gather, about the same
+    for all of them (rounds by time start their next span there when the exchange overlapped training)."""
 
 
 @dataclass(frozen=True)
@@ -143,6 +146,8 @@ class RoundState:
     phases: dict[str, float] = field(default_factory=dict)
     """Seconds our attempt spent in each step it reached: gather (until the view closed), encode (our Δ),
     exchange (contributions out, results back), or fetch (the value our view carries), and decide (the vote)."""
+    gathered_at: float | None = None
+    """When (`time.monotonic()`) our attempt's view closed."""
     lean: bool = False
     """Keep no decoded values: each result is decoded to be checked, then only its frame is kept (see
     `Handoff.keeps_aggregate`)."""

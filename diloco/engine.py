@@ -107,8 +107,8 @@ class RoundEngine:
         self.round_seconds = round_seconds
         """Rounds by time: each fragment syncs every this many seconds (however many inner steps that took), and
         our Δ counts in the round's means by the steps it covers. None: every H inner steps."""
-        self.pace = Pace(round_seconds, len(self.fragments), planned=self.link.site is not None,
-                         now=time.monotonic()) if round_seconds is not None else None
+        self.pace = Pace(round_seconds, len(self.fragments), planned=self.link.site is not None, now=time.monotonic(),
+                         plan_at=streaming.overlap + 1) if round_seconds is not None else None
         """Rounds by time: when our slots come (`diloco.pace`)."""
         self.clock: Callable[[], float] = time.monotonic
         """The seconds rounds by time count (the simulator gives each worker a clock of its simulated steps)."""
@@ -386,6 +386,8 @@ class RoundEngine:
             if pending.blocked:
                 self.member.accounting.blocked(time.monotonic() - waited)
             pending.outcome = outcome
+        if self.pace is not None and outcome.gathered_at is not None and self.clock is time.monotonic:
+            self.pace.align(outcome.gathered_at)  # an overlapped round: the span counts from when its view closed
         report = self._apply(pending, outcome)
         members, topology = self.standing.members, self.member.topology
         if outcome.committed and topology is not None and members:

@@ -9,10 +9,14 @@ and workers that leave a round together reach the next slot together.
   one step was taken.
 - **A torch.distributed site** steps in lockstep (DDP), but each rank has its own clock, so no rank may decide
   from its own: they would stop at different steps and the site's collectives would hang. The leader plans
-  instead, at the second step of every span of steps (a point every rank reaches together): from its clock it
-  knows the time left until the slot and its pace (a moving average of its steps' durations, the slot's own work
-  left out), and every rank takes the count it planned (`SiteLink.agree`, one broadcast per slot). A site's slot
-  therefore comes after at least two steps.
+  instead, at the second step of every span of steps (a point every rank reaches together; with overlap τ, the
+  step after the last round was applied): from its clock it knows the time left until the slot and its pace (a
+  moving average of its steps' durations, the slot's own work left out), and every rank takes the count it planned
+  (`SiteLink.agree`, one broadcast per slot). A site's slot therefore comes after at least two steps.
+- **With overlap** (τ > 0) a worker trains on while its round's exchange runs, so nothing makes the workers leave a
+  round together: one that reached its slot early (it waited for the others in the round's gather while training)
+  would stay that much ahead round after round, and wait for them every time. Its span therefore counts from the
+  moment the round's view closed, the same for every member (`align`).
 
 The pace decides only where the slots fall; what a worker's pseudo-gradient weighs (the inner steps it covers)
 is the engine's (`RoundEngine`).
@@ -43,10 +47,13 @@ class Pace:
     """When the slots of one worker's rounds by time come (see the module docstring). `planned`: a site, whose
     leader plans each span's length for every rank; otherwise a lone process reading its clock."""
 
-    def __init__(self, round_seconds: float, fragments: int, *, planned: bool, now: float) -> None:
+    def __init__(self, round_seconds: float, fragments: int, *, planned: bool, now: float,
+                 plan_at: int = PLAN_AT) -> None:
         self.slot_seconds = round_seconds / fragments
         """Seconds of training between two slots (each fragment syncs after every `round_seconds` of it)."""
         self.planned = planned
+        self.plan_at = max(PLAN_AT, plan_at)
+        """A site: the step of each span at which the leader plans it."""
         self.span = 0
         """Inner steps since the last slot (or since training began): the same count on every rank of a site,
         which the slots and `restart` alone change."""
@@ -72,10 +79,15 @@ class Pace:
         self.span += 1
         if not self.planned:
             return now - self._start >= self.slot_seconds
-        if self.span == PLAN_AT:
-            self.plan = agree(lambda: max(PLAN_AT, planned_steps(self.span, now - self._start, self.slot_seconds,
+        if self.span == self.plan_at:
+            self.plan = agree(lambda: max(self.plan_at, planned_steps(self.span, now - self._start, self.slot_seconds,
                                                                  self.step_seconds or 0.0)))
         return self.plan is not None and self.span >= self.plan
+
+    def align(self, closed: float) -> None:
+        """The last round's view closed at `closed` (a moment every member shares): the span counts from there if that
+        is later than its start (an overlapped round's gather that waited for slower members)."""
+        self._start = max(self._start, closed)
 
     def slot(self, ended: float) -> None:
         """A slot's work ended at `ended`: the next span, and the next step's duration, count from then."""

@@ -135,6 +135,18 @@ def test_a_site_leader_plans_each_span_and_every_rank_stops_at_the_same_step():
     assert all(s == 5 for s, _ in spans), spans
 
 
+def test_an_overlapped_round_starts_the_next_span_when_its_view_closed():
+    """With overlap a worker trains on from its slot while the round's gather waits for slower members: its next span
+    counts from when the view closed (the same moment for every member), not from its own early slot, so it does not
+    stay ahead of them round after round."""
+    pace = Pace(5.0, 1, planned=False, now=0.0)
+    pace.slot(10.0)  # reached its slot at 10 s and went on training (the exchange in the background)
+    pace.align(14.0)  # the view closed at 14 s, once the slowest member was ready
+    assert not pace.due(18.9, lambda decide: decide()) and pace.due(19.0, lambda decide: decide())
+    pace.align(3.0)  # an earlier moment changes nothing
+    assert pace.due(19.5, lambda decide: decide())
+
+
 @pytest.mark.parametrize(("taken", "elapsed", "step", "expected"), [
     (2, 0.2, 0.1, 10),  # 0.8 s left at 0.1 s a step
     (2, 1.5, 0.1, 2),   # the time is up: the slot comes now

@@ -34,7 +34,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from .lab import Lines, Tick, final, measure_link, run_swarm
+from .lab import LabModel, Lines, Tick, final, measure_link, run_swarm
 from .race import curve, finish_plot, finish_table, standings
 
 
@@ -44,19 +44,15 @@ may never reach the last round (it ends its run and writes its final line, its s
 
 
 @dataclass(frozen=True)
-class HeteroSetup:
+class HeteroSetup(LabModel):
+    """The workers' speeds, the link and the variants' knobs; the model, batch and inner lr are `LabModel`'s."""
+
     slowdowns: tuple[float, ...] = (1.0, 2.0, 4.0)
     """How many times as long each worker's inner step takes (one worker per host; 1: full speed)."""
     rate_mbit: float = 50.0
     """Each host's link, Mbit/s."""
     delay_ms: float = 50.0
     """One-way delay of every link, ms."""
-    d_model: int = 64
-    layers: int = 2
-    context: int = 64
-    batch_size: int = 8
-    warmup: int = 20
-    lr: float = 4e-3
     inner_steps: int = 500
     """H of the fixed-H variants (a round of the fastest worker: about 6 s here, ten times what a round's protocol
     takes on a 50 ms link)."""
@@ -107,13 +103,13 @@ def variants(setup: HeteroSetup, round_seconds: float) -> list[Variant]:
                                                           "--eval-every", "1")),
         Variant(f"fixed H={h}, going on without ({setup.grace:g} s grace)",
                 ("-H", h, "--rounds", more, "--gather-timeout", f"{setup.grace:g}", "--round-timeout", "60",
-                 "--eval-every", str(setup.longer))),
+                 "--eval-every", "1")),
         Variant(f"rounds by time ({round_seconds:.2f} s)",
                 ("--round-seconds", f"{round_seconds:.3f}", "--rounds", more, "--gather-timeout", "60",
-                 "--round-timeout", "60", "--eval-every", str(setup.longer))),
+                 "--round-timeout", "60", "--eval-every", "1")),
         Variant(f"rounds by time ({round_seconds:.2f} s), overlap τ={setup.overlap}",
                 ("--round-seconds", f"{round_seconds:.3f}", "--overlap", str(setup.overlap), "--alpha", "0",
-                 "--rounds", more, "--gather-timeout", "60", "--round-timeout", "60", "--eval-every", str(setup.longer))),
+                 "--rounds", more, "--gather-timeout", "60", "--round-timeout", "60", "--eval-every", "1")),
     ]
 
 
@@ -152,9 +148,7 @@ def run(setup: HeteroSetup, *, workdir: Path | None = None, progress: Callable[[
 
     workdir = Path(workdir or tempfile.mkdtemp(prefix="diloco-bench-hetero-"))
     peers = len(setup.slowdowns)
-    common = ["--d-model", str(setup.d_model), "--layers", str(setup.layers), "--context", str(setup.context),
-              "--batch-size", str(setup.batch_size), "--warmup", str(setup.warmup), "--schedule", "constant",
-              "--lr", str(setup.lr), "--compression", "fp32", "--wait-for", str(peers), "--quiet"]
+    common = [*setup.model_flags(), "--lr", str(setup.lr), "--compression", "fp32", "--wait-for", str(peers), "--quiet"]
     # the first peer's curve is the variant's: the others do not evaluate (an evaluation holds its worker up)
     per_peer = [("--slowdown", f"{s:g}", *(("--eval-every", "0") if i else ())) for i, s in enumerate(setup.slowdowns)]
     results: list[dict[str, Any]] = []

@@ -9,6 +9,7 @@ import secrets
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -17,6 +18,27 @@ from ..metrics import read_jsonl
 Lines = list[dict[str, Any]]
 Tick = Callable[[float, float | None, str | None], None]
 """(done, total, status) of a benchmark that runs variants one after the other on a lab."""
+
+
+@dataclass(frozen=True)
+class LabModel:
+    """What every variant of a benchmark on a lab shares: the bundled model, its batches and the inner lr schedule
+    (linear warmup, then constant, so that a variant's loss at a step does not depend on how long it was set to run).
+    The benchmarks' setups extend it."""
+
+    d_model: int = 64
+    layers: int = 2
+    context: int = 64
+    batch_size: int = 8
+    warmup: int = 20
+    """Inner steps of linear lr warmup, then constant."""
+    lr: float = 4e-3
+    """Inner AdamW lr."""
+
+    def model_flags(self) -> list[str]:
+        """The bundled job's options for all of it but the lr (data-parallel sets its own)."""
+        return ["--d-model", str(self.d_model), "--layers", str(self.layers), "--context", str(self.context),
+                "--batch-size", str(self.batch_size), "--warmup", str(self.warmup), "--schedule", "constant"]
 
 
 def measure_link(lab: Any, rate_mbit: float, progress: Callable[[str], None]) -> Any:

@@ -28,30 +28,24 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from .lab import Lines, Tick, final, measure_link, run_swarm
+from .lab import LabModel, Lines, Tick, final, measure_link, run_swarm
 
 
 @dataclass(frozen=True)
-class RaceSetup:
+class RaceSetup(LabModel):
+    """The race's links and budgets; the model, batch, warmup and the DiLoCo racers' inner lr are `LabModel`'s."""
+
     peers: int = 2
     rate_mbit: float = 10.0
     """Each host's uplink, Mbit/s."""
     delay_ms: float = 50.0
     """One-way delay of every link, ms."""
-    d_model: int = 64
-    layers: int = 2
-    context: int = 64
-    batch_size: int = 8
-    warmup: int = 20
-    """Steps of linear lr warmup, then constant, for every racer."""
     dp_steps: int = 400
     """Data-parallel steps: its final held-out loss is the finish line."""
     dp_lr: float = 4e-3
     dp_eval_every: int = 25
     steps: int = 2000
     """Inner steps (per peer) each DiLoCo racer may take to reach the finish line."""
-    lr: float = 4e-3
-    """The DiLoCo racers' inner AdamW lr."""
     inner_steps: int = 50
     """H of the DiLoCo racers."""
     fragments: int = 2
@@ -146,9 +140,8 @@ def run(setup: RaceSetup, *, workdir: Path | None = None, progress: Callable[[st
 
     workdir = Path(workdir or tempfile.mkdtemp(prefix="diloco-bench-race-"))
     entrants = list(which or racers(setup))
-    common = ["--d-model", str(setup.d_model), "--layers", str(setup.layers), "--context", str(setup.context),
-              "--batch-size", str(setup.batch_size), "--warmup", str(setup.warmup), "--schedule", "constant",
-              "--wait-for", str(setup.peers), "--gather-timeout", "60", "--round-timeout", "120", "--quiet"]
+    common = [*setup.model_flags(), "--wait-for", str(setup.peers), "--gather-timeout", "60", "--round-timeout", "120",
+              "--quiet"]
     results = []
     with WanLab(hosts=setup.peers, rate_mbit=setup.rate_mbit, delay_ms=setup.delay_ms) as lab:
         link = lab.describe()

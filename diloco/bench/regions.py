@@ -25,12 +25,14 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from .lab import Lines, Tick, final, measure_link, run_swarm
+from .lab import LabModel, Lines, Tick, final, measure_link, run_swarm
 from .race import curve, finish_plot, finish_table, standings
 
 
 @dataclass(frozen=True)
-class RegionsSetup:
+class RegionsSetup(LabModel):
+    """The two-region network and the budgets; the model, batch and inner lr are `LabModel`'s."""
+
     regions: tuple[int, ...] = (0, 0, 1, 1)
     """The region of each peer (one peer per host)."""
     rate_mbit: float = 10.0
@@ -41,12 +43,6 @@ class RegionsSetup:
     """Each host's link to the other region, Mbit/s."""
     cross_delay_ms: float = 50.0
     """One-way delay between regions, ms."""
-    d_model: int = 64
-    layers: int = 2
-    context: int = 64
-    batch_size: int = 8
-    warmup: int = 20
-    lr: float = 4e-3
     inner_steps: int = 50
     steps: int = 1000
     """Flat DiLoCo's inner steps per peer: its final held-out loss is the finish line."""
@@ -97,9 +93,7 @@ def run(setup: RegionsSetup, *, workdir: Path | None = None, progress: Callable[
     workdir = Path(workdir or tempfile.mkdtemp(prefix="diloco-bench-regions-"))
     entrants = list(which or variants(setup))
     peers = len(setup.regions)
-    common = ["--d-model", str(setup.d_model), "--layers", str(setup.layers), "--context", str(setup.context),
-              "--batch-size", str(setup.batch_size), "--warmup", str(setup.warmup), "--schedule", "constant",
-              "--lr", str(setup.lr), "-H", str(setup.inner_steps), "--compression", "fp32", "--eval-every", "1",
+    common = [*setup.model_flags(), "--lr", str(setup.lr), "-H", str(setup.inner_steps), "--compression", "fp32", "--eval-every", "1",
               "--wait-for", str(peers), "--gather-timeout", "60", "--round-timeout", "120", "--quiet"]
     results = []
     with WanLab(hosts=peers, rate_mbit=setup.rate_mbit, delay_ms=setup.delay_ms, regions=setup.regions,
