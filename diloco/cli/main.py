@@ -42,6 +42,16 @@ Quiet = typer_option(OutputOptions, "quiet")
 """--quiet of the commands that take no OutputOptions (bench, status, plot)."""
 RunId = typer_option(SwarmOptions, "run_id")
 """--run-id of `diloco status`, which observes a swarm without joining it."""
+ReportJson = typer.Option(None, "--json", help="Write the report as JSON here.")
+"""--json of the benchmarks."""
+LossPlot = typer.Option(None, "--plot", help="Draw held-out loss vs training time as PNG here.")
+"""--plot of the benchmarks that race variants to a held-out loss."""
+LabWorkdir = typer.Option(None, help="Keep peers' logs and metrics here (default: a temp dir).")
+"""--workdir of the benchmarks that run real peers."""
+LabLr = typer.Option(4e-3, help="Inner AdamW lr.")
+LabWidth = typer.Option(64, help="Model width.")
+LabLayers = typer.Option(2, help="Transformer blocks.")
+"""The bundled model of the benchmarks on an emulated WAN (`diloco.bench.lab.LabModel`)."""
 
 
 def _fail(message: str, code: int = 2) -> NoReturn:
@@ -249,7 +259,7 @@ def demo(job: JobOptions, model: ModelOptions, run: RunOptions, streaming: Strea
          aggregation: AggregationOptions, out: OutputOptions,
          peers: int = typer.Option(4, help="Peers to run on this machine."),
          json_path: Optional[Path] = typer.Option(None, "--json", help="Write the final summary as JSON here."),
-         workdir: Optional[Path] = typer.Option(None, help="Keep peers' logs and metrics here (default: a temp dir)."),
+         workdir: Optional[Path] = LabWorkdir,
          live: bool = typer.Option(True, help="Show the live view on a terminal (off: plain progress lines)."),
          ) -> None:
     """Run a local swarm of PEERS processes on 127.0.0.1 training the bundled model, with a live view.
@@ -667,7 +677,7 @@ def bench_wrapper_cmd(
                                   "both loops, as large models train on a GPU."),
     profile: Optional[Path] = typer.Option(None, "--profile", help="Write a torch.profiler table of the timed "
                                            "synchronizations' rounds here (operators by time; GPU kernels too)."),
-    json_path: Optional[Path] = typer.Option(None, "--json", help="Write the report as JSON here."),
+    json_path: Optional[Path] = ReportJson,
     quiet: bool = Quiet,
 ) -> None:
     """B5: the wrapper's cost per inner step, against the bare loop, and a synchronization's time on the training
@@ -719,7 +729,7 @@ def bench_transfer_cmd(
     model: ModelOptions,
     device: str = typer.Option("auto", help="Where the model lives: auto (cuda if there is one), cpu, cuda, cuda:N."),
     repeats: int = typer.Option(5, help="Runs of each move; the median is reported."),
-    json_path: Optional[Path] = typer.Option(None, "--json", help="Write the report as JSON here."),
+    json_path: Optional[Path] = ReportJson,
 ) -> None:
     """What a synchronization moves between the model's device and the global state in host memory: Δ to the
     host, θ back (pageable and pinned), against forming Δ on the device."""
@@ -757,8 +767,8 @@ def bench_overlap_cmd(
     fragments: int = typer.Option(4, help="Fragments of the streaming variants."),
     tau: int = typer.Option(10, help="Overlap (tau, inner steps) of the streaming + overlap variant."),
     compression: str = typer.Option("e3m0", help="Compression pipeline of every variant."),
-    json_path: Optional[Path] = typer.Option(None, "--json", help="Write the report as JSON here."),
-    workdir: Optional[Path] = typer.Option(None, help="Keep peers' logs and metrics here (default: a temp dir)."),
+    json_path: Optional[Path] = ReportJson,
+    workdir: Optional[Path] = LabWorkdir,
     quiet: bool = Quiet,
 ) -> None:
     """B4: compute utilization of plain DiLoCo vs streaming + overlap on an emulated WAN link (needs root)."""
@@ -805,11 +815,11 @@ def bench_race_cmd(
     fragments: int = typer.Option(2, help="Fragments of the streaming racer."),
     tau: int = typer.Option(5, help="Inner steps a streaming exchange overlaps."),
     d_model: int = typer.Option(64, help="Model width (every racer)."),
-    layers: int = typer.Option(2, help="Transformer blocks."),
+    layers: int = LabLayers,
     context: int = typer.Option(64, help="Bytes of context."),
-    json_path: Optional[Path] = typer.Option(None, "--json", help="Write the report as JSON here."),
-    plot_path: Optional[Path] = typer.Option(None, "--plot", help="Draw held-out loss vs training time as PNG here."),
-    workdir: Optional[Path] = typer.Option(None, help="Keep peers' logs and metrics here (default: a temp dir)."),
+    json_path: Optional[Path] = ReportJson,
+    plot_path: Optional[Path] = LossPlot,
+    workdir: Optional[Path] = LabWorkdir,
     quiet: bool = Quiet,
 ) -> None:
     """The race on a slow link: data-parallel, DiLoCo and streaming DiLoCo on one emulated WAN (needs root),
@@ -833,18 +843,20 @@ def bench_hetero_cmd(
     inner_steps: int = typer.Option(500, "--inner-steps", "-H", help="H of the fixed-H variants."),
     rounds: int = typer.Option(4, help="Rounds of the fixed-H run that waits for the slowest (the finish line)."),
     grace: float = typer.Option(1.0, help="Gather timeout of the fixed-H run that goes on without the slow, s."),
+    overlap: int = typer.Option(50, help="τ of the overlapped rounds by time, inner steps."),
     round_seconds: Optional[float] = typer.Option(None, help="A round by time, s (default: H × the fastest "
                                                              "worker's step time in the first run)."),
-    lr: float = typer.Option(4e-3, help="Inner AdamW lr."),
-    d_model: int = typer.Option(64, help="Model width."),
-    layers: int = typer.Option(2, help="Transformer blocks."),
-    json_path: Optional[Path] = typer.Option(None, "--json", help="Write the report as JSON here."),
-    plot_path: Optional[Path] = typer.Option(None, "--plot", help="Draw held-out loss vs training time as PNG here."),
-    workdir: Optional[Path] = typer.Option(None, help="Keep peers' logs and metrics here (default: a temp dir)."),
+    lr: float = LabLr,
+    d_model: int = LabWidth,
+    layers: int = LabLayers,
+    json_path: Optional[Path] = ReportJson,
+    plot_path: Optional[Path] = LossPlot,
+    workdir: Optional[Path] = LabWorkdir,
     quiet: bool = Quiet,
 ) -> None:
     """Workers of unequal speed on an emulated WAN (needs root): fixed H waiting for the slowest, fixed H going on
-    without it, and rounds by time (--round-seconds), timed until each reaches the first one's final held-out loss."""
+    without it, and rounds by time (--round-seconds), plain and overlapped, timed until each reaches the first one's
+    final held-out loss."""
     from ..bench import hetero
 
     def setup() -> hetero.HeteroSetup:
@@ -853,7 +865,8 @@ def bench_hetero_cmd(
         except ValueError:
             raise ValueError(f"--slowdowns {slowdowns!r}: expected numbers separated by commas, e.g. 1,2,4") from None
         return hetero.HeteroSetup(slowdowns=factors, rate_mbit=rate, delay_ms=delay, inner_steps=inner_steps,
-                                  rounds=rounds, grace=grace, round_seconds=round_seconds, lr=lr, d_model=d_model,
+                                  rounds=rounds, grace=grace, overlap=overlap, round_seconds=round_seconds, lr=lr,
+                                  d_model=d_model,
                                   layers=layers)
 
     _lab_bench(hetero, setup, "hetero", "variants", json_path, plot_path, workdir, quiet)
@@ -903,12 +916,12 @@ def bench_regions_cmd(
     inner_steps: int = typer.Option(50, "--inner-steps", "-H", help="H of every variant."),
     merge_every: str = typer.Option("4,8", help="Region rounds between merges: a regions variant for each."),
     gossip: bool = typer.Option(True, help="Also run gossip (--topology gossip) for the same budget."),
-    lr: float = typer.Option(4e-3, help="Inner AdamW lr."),
-    d_model: int = typer.Option(64, help="Model width."),
-    layers: int = typer.Option(2, help="Transformer blocks."),
-    json_path: Optional[Path] = typer.Option(None, "--json", help="Write the report as JSON here."),
-    plot_path: Optional[Path] = typer.Option(None, "--plot", help="Draw held-out loss vs training time as PNG here."),
-    workdir: Optional[Path] = typer.Option(None, help="Keep peers' logs and metrics here (default: a temp dir)."),
+    lr: float = LabLr,
+    d_model: int = LabWidth,
+    layers: int = LabLayers,
+    json_path: Optional[Path] = ReportJson,
+    plot_path: Optional[Path] = LossPlot,
+    workdir: Optional[Path] = LabWorkdir,
     quiet: bool = Quiet,
 ) -> None:
     """Flat DiLoCo against regions (--region) and gossip (--topology gossip) on an emulated two-region network
@@ -945,7 +958,7 @@ def bench_flood_cmd(
                                         "attackers ran on their own machines)."),
     stalled: int = typer.Option(0, help="Instead of calls: each flooder opens this many streams to every peer and "
                                         "sends nothing on them (0: flood with calls)."),
-    json_path: Optional[Path] = typer.Option(None, "--json", help="Write the report as JSON here."),
+    json_path: Optional[Path] = ReportJson,
     quiet: bool = Quiet,
 ) -> None:
     """Round time of a swarm while processes without its secret flood it with calls,
@@ -989,7 +1002,7 @@ def bench_chaos_cmd(
     baseline: bool = typer.Option(True, help="Run the same swarm undisturbed first (goodput is against it)."),
     workdir: Optional[Path] = typer.Option(None, help="Keep the workers' logs, metrics and checkpoints here "
                                                       "(default: a temporary directory)."),
-    json_path: Optional[Path] = typer.Option(None, "--json", help="Write the report as JSON here."),
+    json_path: Optional[Path] = ReportJson,
     quiet: bool = Quiet,
 ) -> None:
     """A real swarm under random faults (SIGKILL and restart, SIGSTOP, leaving, joining) against the same swarm
@@ -1026,7 +1039,7 @@ def bench_size_cmd(
                                         "from 1, 2 and 3 peers on emulated links; needs root) or all."),
     catchup_params: str = typer.Option("25M", help="Model size for the catch-up part."),
     rate_mbit: float = typer.Option(200.0, help="Catch-up part: every host's uplink, Mbit/s."),
-    json_path: Optional[Path] = typer.Option(None, "--json", help="Write the report as JSON here."),
+    json_path: Optional[Path] = ReportJson,
 ) -> None:
     """The sync path at size: round time, bytes and peak memory per peer of 2 real peers from 10M to 300M
     parameters (fp32, e3m0), and a joiner's catch-up time from 1, 2 and 3 serving peers on emulated links."""
@@ -1068,7 +1081,7 @@ def bench_transport_cmd(
     delay_ms: float = typer.Option(25.0, help="Emulated WAN: one-way delay, ms."),
     direct: bool = typer.Option(True, "--direct/--no-direct", help="The peers' rounds on the direct data plane (the "
                                 "default), or every byte through libp2p (--no-direct)."),
-    json_path: Optional[Path] = typer.Option(None, "--json", help="Write the report as JSON here."),
+    json_path: Optional[Path] = ReportJson,
 ) -> None:
     """A round's goodput over the swarm's transport: N real peers on loopback against a plain TCP copy of the
     same bytes, and on an emulated WAN against the link's rate."""
@@ -1101,7 +1114,7 @@ def bench_site_cmd(
     width: int = typer.Option(512, help="Hidden width of the benchmark MLP (4 layers): how long a step takes."),
     inner_steps: int = typer.Option(20, "--inner-steps", "-H", help="Inner steps per round (H)."),
     steps: int = typer.Option(200, help="Inner steps timed per overhead run."),
-    json_path: Optional[Path] = typer.Option(None, "--json", help="Write the report as JSON here."),
+    json_path: Optional[Path] = ReportJson,
     quiet: bool = Quiet,
 ) -> None:
     """A torchrun site as one worker: the wrapper's inner-step overhead, WAN bytes per round vs a lone
