@@ -39,6 +39,8 @@ def test_the_variants_share_the_model_and_differ_in_how_a_round_ends():
     assert without.flags[without.flags.index("--rounds") + 1] == "24"  # 4x as many rounds: 4x as slow at most
     assert by_time.flags[by_time.flags.index("--round-seconds") + 1] == "0.750" and "-H" not in by_time.flags
     assert overlapped.flags[overlapped.flags.index("--overlap") + 1] == "20" and "--round-seconds" in overlapped.flags
+    assert HeteroSetup(inner_steps=500).seconds_of_a_round(0.014) == pytest.approx(7.0)  # the fastest: H steps a round
+    assert HeteroSetup(round_seconds=3.0).seconds_of_a_round(0.014) == 3.0
 
 
 @pytest.mark.parametrize("bad, says", [
@@ -59,8 +61,10 @@ def test_fixed_h_and_rounds_by_time_run_with_throttled_peers_across_an_emulated_
     """Two real peers, the second throttled 3×: fixed H waiting for it, fixed H going on without it, rounds by time
     plain and overlapped. Every variant ends on one digest (among the workers at its last round); waiting, the fast
     worker's steps a round are H; by time, the fast worker covers more steps a round than the throttled one."""
+    # rounds by time of 0.5 s (by default H × the fast step: a few ms at this size, too short to tell the workers apart)
     setup = HeteroSetup(slowdowns=(1.0, 3.0), rate_mbit=50.0, delay_ms=5.0, inner_steps=8, rounds=2, grace=1.0,
-                        overlap=1, d_model=32, layers=1, context=32, batch_size=2, warmup=2, timeout_s=150)
+                        overlap=1, round_seconds=0.5, d_model=32, layers=1, context=32, batch_size=2, warmup=2,
+                        timeout_s=150)
     lines: list[str] = []
     report = run(setup, workdir=tmp_path, progress=lines.append, measure=False)
     fixed, without, by_time, overlapped = report["results"]
@@ -69,7 +73,7 @@ def test_fixed_h_and_rounds_by_time_run_with_throttled_peers_across_an_emulated_
     assert without["rounds"] == 6 and by_time["rounds"] == 6 and overlapped["rounds"] == 6
     fast, slow = by_time["workers"]
     assert fast["steps_per_round"] > 1.5 * slow["steps_per_round"], by_time["workers"]
-    assert report["round_seconds"] == pytest.approx(8 * fixed["workers"][0]["step_seconds"])
+    assert report["round_seconds"] == 0.5 and "rounds by time (0.50 s)" in by_time["name"]
     assert report["standings"][0]["target"] == fixed["eval_loss"]
     text = markdown_table(report)
     assert "rounds by time" in text and "worker 1 (3×)" in text and "2 hosts in network namespaces" in lines[0]

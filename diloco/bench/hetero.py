@@ -80,6 +80,11 @@ class HeteroSetup(LabModel):
         if self.round_seconds is not None and self.round_seconds <= 0:
             raise ValueError(f"round_seconds must be > 0, got {self.round_seconds}")
 
+    def seconds_of_a_round(self, fastest_step: float) -> float:
+        """The rounds by time's S: `round_seconds`, else H × the fastest worker's step (`fastest_step` seconds), so that
+        it runs about H steps a round."""
+        return self.round_seconds if self.round_seconds is not None else self.inner_steps * fastest_step
+
     @property
     def longer(self) -> int:
         """How many times as many rounds the later variants may run (their rounds are that much shorter)."""
@@ -183,8 +188,8 @@ def run(setup: HeteroSetup, *, workdir: Path | None = None, progress: Callable[[
                        behind=[i for i, f in enumerate(finals) if f["round"] != finals[0]["round"]], workers=workers,
                        utilization=sum(w["utilization"] for w in workers) / len(workers), curve=curve(lines[0]))
             results.append(res)
-            if k == 0 and round_seconds is None:  # the fastest worker runs about H steps a round by time
-                round_seconds = setup.inner_steps * workers[0]["step_seconds"]
+            if k == 0:
+                round_seconds = setup.seconds_of_a_round(workers[0]["step_seconds"])
             behind = f" (workers {res['behind']} ended behind)" if res["behind"] else ""
             progress(f"    held-out loss {res['eval_loss']:.4f} after round {res['rounds']}, {res['train_seconds']:.0f} s; "
                      "useful utilization " + ", ".join(f"{100 * w['useful_utilization']:.0f}%" for w in workers) +
