@@ -140,7 +140,7 @@ class RoundEngine:
     @property
     def period(self) -> int:
         """Inner steps between synchronization slots now (H/P)."""
-        return self.inner_steps_now // len(self.fragments)
+        return max(1, self.inner_steps_now // len(self.fragments))  # by time, H need not be a multiple of P
 
     @property
     def pending_rounds(self) -> int:
@@ -386,8 +386,11 @@ class RoundEngine:
             if pending.blocked:
                 self.member.accounting.blocked(time.monotonic() - waited)
             pending.outcome = outcome
-        if self.pace is not None and outcome.gathered_at is not None and self.clock is time.monotonic:
-            self.pace.align(outcome.gathered_at)  # an overlapped round: the span counts from when its view closed
+            if self.pace is not None and self.clock is time.monotonic:  # rounds by time count training time only
+                if outcome.gathered_at is not None:
+                    self.pace.align(outcome.gathered_at)  # an overlapped round: the span counts from its view's close
+                if in_step:
+                    self.pace.pause(waited, time.monotonic())  # the wait for its result (τ steps on) is not training
         report = self._apply(pending, outcome)
         members, topology = self.standing.members, self.member.topology
         if outcome.committed and topology is not None and members:
@@ -434,8 +437,8 @@ class RoundEngine:
                 swarm.applied(outcome.key.round)
             del aggregate
             s.attempt = 0
-            if not self.overlapped:
-                kept.since = max(kept.since, pending.slot)
+            if not self.overlapped:  # with α = 0 the mix below drops the τ steps since the slot: Δ starts anew here
+                kept.since = max(kept.since, pending.slot if self.streaming.alpha > 0 else s.steps)
             self.last_view = max(1, len(outcome.view))
             if outcome.view:
                 # members the round went on without are not waited for until they make it into a view again

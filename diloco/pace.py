@@ -56,7 +56,7 @@ class Pace:
         """A site: the step of each span at which the leader plans it."""
         self.span = 0
         """Inner steps since the last slot (or since training began): the same count on every rank of a site,
-        which the slots and `restart` alone change."""
+        which `due` and `slot` alone change (never `restart`, which only the leader of a site runs)."""
         self.plan: int | None = None
         """A site: the span's length the leader planned at its step `PLAN_AT` (None before)."""
         self.step_seconds: float | None = None
@@ -88,6 +88,13 @@ class Pace:
         """The last round's view closed at `closed` (a moment every member shares): the span counts from there if that
         is later than its start (an overlapped round's gather that waited for slower members)."""
         self._start = max(self._start, closed)
+
+    def pause(self, begin: float, end: float) -> None:
+        """From `begin` to `end` the worker waited instead of training (for a round's result, τ steps after its slot):
+        neither the span's time nor the step's duration counts it."""
+        self._start += max(0.0, end - max(begin, self._start))
+        if self._last is not None:
+            self._last += max(0.0, end - max(begin, self._last))
 
     def slot(self, ended: float) -> None:
         """A slot's work ended at `ended`: the next span, and the next step's duration, count from then."""

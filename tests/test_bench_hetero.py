@@ -46,6 +46,7 @@ def test_the_variants_share_the_model_and_differ_in_how_a_round_ends():
 @pytest.mark.parametrize("bad, says", [
     (dict(slowdowns=(1.0,)), "two workers"),
     (dict(slowdowns=(1.0, 0.5)), "factor >= 1"),
+    (dict(slowdowns=(2.0, 1.0)), "fastest"),
     (dict(grace=0), "grace"),
     (dict(overlap=0), "overlap"),
     (dict(round_seconds=0), "round_seconds"),

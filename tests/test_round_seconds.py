@@ -147,6 +147,18 @@ def test_an_overlapped_round_starts_the_next_span_when_its_view_closed():
     assert pace.due(19.5, lambda decide: decide())
 
 
+def test_a_wait_for_a_rounds_result_is_not_training_time():
+    """τ steps after its slot a worker may wait for the round's result: neither its span nor that step's duration
+    (the pace a site's leader plans with) counts the wait."""
+    pace = Pace(1.0, 1, planned=True, now=0.0)
+    pace.slot(0.0)
+    told = []
+    assert not pace.due(0.1, lambda decide: told.append(decide()) or told[-1])  # step 1: 0.1 s
+    pace.pause(0.1, 0.6)  # waited half a second for the result
+    assert not pace.due(0.7, lambda decide: told.append(decide()) or told[-1])  # step 2 took 0.1 s of training
+    assert pace.step_seconds == pytest.approx(0.1) and told == [10]  # 0.2 s trained of 1.0: 8 more steps of 0.1 s
+
+
 @pytest.mark.parametrize(("taken", "elapsed", "step", "expected"), [
     (2, 0.2, 0.1, 10),  # 0.8 s left at 0.1 s a step
     (2, 1.5, 0.1, 2),   # the time is up: the slot comes now

@@ -183,6 +183,11 @@ def test_the_projection_of_rounds_by_time_takes_each_workers_own_steps():
     assert by_time.wall_seconds == pytest.approx(8.0) and by_time.utilization == pytest.approx((1.0, 1.0, 1.0))
     fixed = project([(0, 0)] * 2, steps_per_round=40, overlap=0, workers=3, net=net, step_seconds=1)
     assert fixed.wall_seconds == pytest.approx(32.0) and fixed.utilization == pytest.approx((0.25, 0.5, 1.0))
+    # τ = 5 steps hide the exchange at the fastest worker's pace by time (it needs the result first): 0.5 s of 1.04 s
+    slow_link = NetworkModel(bandwidth_mbit=8, latency_ms=10, step_seconds=0.1, speeds=(1.0, 0.5, 0.25))
+    hidden = project([(1_000_000, 500_000)], steps_per_round=[{0: 40, 1: 20, 2: 10}], overlap=5, workers=3,
+                     net=slow_link, step_seconds=1)
+    assert hidden.blocked_seconds == pytest.approx(1.04 - 0.5)
 
 
 @pytest.mark.swarm

@@ -72,6 +72,9 @@ class HeteroSetup(LabModel):
     def __post_init__(self) -> None:
         if len(self.slowdowns) < 2 or any(not 1 <= s < float("inf") for s in self.slowdowns):
             raise ValueError(f"slowdowns needs two workers or more, each a factor >= 1, got {list(self.slowdowns)}")
+        if self.slowdowns[0] != min(self.slowdowns):
+            raise ValueError(f"the first worker must be the fastest (its clock and step time are the variants'), got "
+                             f"{list(self.slowdowns)}: list the smallest slowdown first")
         if self.rate_mbit <= 0 or self.delay_ms < 0:
             raise ValueError(f"the link needs a rate > 0 and a delay >= 0, got {self.rate_mbit} Mbit/s, {self.delay_ms} ms")
         if self.inner_steps < 1 or self.rounds < 1 or self.grace <= 0 or self.overlap < 1:

@@ -388,6 +388,7 @@ def run_job(cfg: JobConfig, swarm: Swarm | None, *, metrics: MetricsWriter | Non
         if swarm is not None and cfg.wait_for > 1:
             seen = swarm.wait_for_peers(cfg.wait_for, cfg.wait_timeout)
             log.info("event=peers_present count=%d wanted=%d", seen, cfg.wait_for)
+            d.engine.restart_clock()  # rounds by time: the first span counts from here, not from the wait
         clock["start"] = time.monotonic()
         # a safety net if the swarm never commits: four times the run's steps, or with rounds by time its seconds
         max_steps = total_steps * 4 if cfg.round_seconds is None else None

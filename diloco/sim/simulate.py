@@ -189,7 +189,9 @@ def project(rounds: Sequence[RoundBytes | tuple[int, int]], *, steps_per_round: 
         steps = steps_per_round if isinstance(steps_per_round, int) else steps_per_round[k - 1]
         took = {i: (steps if isinstance(steps, int) else steps.get(i, 0)) * t for i, t in pace.items()}
         comm = max(_link(i, k, net, faults).seconds(*members[i]) for i in members)
-        wait = max(0.0, comm - overlap * slowest)
+        # τ steps hide the exchange: at the slowest member's pace with fixed H (the others wait for it anyway), at the
+        # fastest's by time (every member's span is as long, so the fastest needs the result first)
+        wait = max(0.0, comm - overlap * (slowest if isinstance(steps, int) else min(pace.values())))
         wall += max(took.values()) + wait
         blocked += wait
         comm_total += comm
