@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import random
 import secrets
 import shutil
 import signal
@@ -65,11 +66,35 @@ def check_command(command: Sequence[str], max_restarts: int) -> None:
 
 
 def free_port(host: str) -> int:
-    """A TCP port free on `host` now: the site keeps it across restarts, so its address stays valid."""
+    """A TCP port free on `host` now, for the site's daemon to listen on: the site keeps it across restarts, so its
+    address stays valid. It is drawn below the kernel's ephemeral range (`ephemeral_ports`), which every outgoing
+    connection and every socket bound to port 0 takes its port from: a port from that range, free now, could be
+    handed to one of them in the seconds before the daemon binds it ("address already in use")."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
+    low, _ = ephemeral_ports()
+    candidates = random.sample(range(PORTS_FROM, low), min(64, low - PORTS_FROM)) if low > PORTS_FROM else []
+    for port in [*candidates, 0]:  # 0: the kernel's choice, if nothing below its range is free
+        with socket.socket(family, socket.SOCK_STREAM) as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return int(s.getsockname()[1])
+    raise LaunchError(f"no free TCP port on {host}: give one with --port")
+
+
+PORTS_FROM = 10000
+"""The lowest port `free_port` draws (below it: well-known and registered services)."""
+
+
+def ephemeral_ports() -> tuple[int, int]:
+    """The kernel's range of ports for outgoing connections and port-0 binds (Linux's default where it cannot be
+    read)."""
+    try:
+        low, high = (int(v) for v in Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+        return low, high
+    except (OSError, ValueError):
+        return 32768, 60999
 
 
 def exit_code(returncode: int) -> int:

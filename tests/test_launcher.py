@@ -28,6 +28,7 @@ from safetensors.torch import load_file
 from cli_util import invoke, refuse_to_start
 
 from diloco.environment import LAUNCH_ID
+from diloco.launcher import PORTS_FROM, ephemeral_ports, free_port
 
 SCRIPT = str(Path(__file__).resolve().parent.parent / "examples" / "ddp_train.py")
 FSDP_SCRIPT = str(Path(SCRIPT).with_name("fsdp_train.py"))  # the same model, sharded by FSDP2 under torchrun
@@ -316,6 +317,15 @@ def test_bad_launcher_input_exits_2_naming_the_fix_before_anything_starts(tmp_pa
 
 
 @pytest.mark.multiproc
+def test_a_sites_port_is_drawn_below_the_ephemeral_range_so_no_other_socket_is_handed_it():
+    """The launcher picks the port the site's daemon listens on seconds before it binds it; outgoing connections and
+    port-0 binds take theirs from the kernel's ephemeral range, so a port below it cannot be handed to one of them
+    meanwhile (a full-suite run failed once: "bind: address already in use")."""
+    low, _ = ephemeral_ports()
+    ports = {free_port("127.0.0.1") for _ in range(20)}
+    assert all(PORTS_FROM <= p < low for p in ports) and len(ports) > 1, (ports, low)
+
+
 def test_a_command_after_another_verb_is_refused_by_the_entry_point(tmp_path):
     """`main()`'s own check, before the app parses anything: a real `python -m diloco`."""
     env = {k: v for k, v in os.environ.items() if k != "DILOCO_SECRET"}
