@@ -65,7 +65,7 @@ def test_fixed_h_and_rounds_by_time_run_with_throttled_peers_across_an_emulated_
     # rounds by time of 0.5 s (by default H × the fast step: a few ms at this size, too short to tell the workers apart)
     setup = HeteroSetup(slowdowns=(1.0, 3.0), rate_mbit=50.0, delay_ms=5.0, inner_steps=8, rounds=2, grace=1.0,
                         overlap=1, round_seconds=0.5, d_model=32, layers=1, context=32, batch_size=2, warmup=2,
-                        timeout_s=150)
+                        timeout_s=150, straggle_s=5)
     lines: list[str] = []
     report = run(setup, workdir=tmp_path, progress=lines.append, measure=False)
     fixed, without, by_time, overlapped = report["results"]

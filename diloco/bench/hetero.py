@@ -38,11 +38,6 @@ from .lab import LabModel, Lines, Tick, final, measure_link, run_swarm
 from .race import curve, finish_plot, finish_table, standings
 
 
-STRAGGLE_S = 30.0
-"""A worker still running this long after the first (fastest) one ended is stopped: one the swarm went on without
-may never reach the last round (it ends its run and writes its final line, its steps counted as they are)."""
-
-
 @dataclass(frozen=True)
 class HeteroSetup(LabModel):
     """The workers' speeds, the link and the variants' knobs; the model, batch and inner lr are `LabModel`'s."""
@@ -68,6 +63,9 @@ class HeteroSetup(LabModel):
     """Seconds of a round by time (default: H × the fastest worker's step time in the first run)."""
     timeout_s: float = 3600.0
     """Per variant."""
+    straggle_s: float = 30.0
+    """A worker still running this long after the first (fastest) one ended is stopped: one the swarm went on without
+    may never reach the last round (it ends its run and writes its final line, its steps counted as they are)."""
 
     def __post_init__(self) -> None:
         if len(self.slowdowns) < 2 or any(not 1 <= s < float("inf") for s in self.slowdowns):
@@ -179,7 +177,7 @@ def run(setup: HeteroSetup, *, workdir: Path | None = None, progress: Callable[[
 
             try:
                 lines = run_swarm(lab, peers, [*common, *variant.flags], workdir / f"v{k}", setup.timeout_s, watch,
-                                  per_peer=per_peer, straggle_s=STRAGGLE_S)
+                                  per_peer=per_peer, straggle_s=setup.straggle_s)
             except RuntimeError as e:
                 raise RuntimeError(f"{variant.name}: {e}") from e
             finals = [final(x) for x in lines]
