@@ -125,12 +125,16 @@ def step_seconds(end: dict[str, Any]) -> float:
     return max(1e-6, (float(usage["wall_seconds"]) - float(usage["sync_seconds"])) / max(1, int(usage["steps"])))
 
 
+def committed_steps(lines: Lines) -> list[int]:
+    """The inner steps each of a worker's committed rounds covered (its round lines' `round_steps`)."""
+    return [int(ln.get("round_steps") or 0) for ln in lines if ln.get("event") == "round" and ln.get("committed")]
+
+
 def useful_share(lines: Lines) -> float:
     """The share of a worker's inner steps that entered a committed round: the steps its committed rounds covered,
     over all it took (a round the swarm went on without loses them)."""
     steps = int(final(lines)["usage"]["steps"])
-    kept = sum(int(ln.get("round_steps") or 0) for ln in lines if ln.get("event") == "round" and ln.get("committed"))
-    return min(1.0, kept / steps) if steps else 1.0
+    return min(1.0, sum(committed_steps(lines)) / steps) if steps else 1.0
 
 
 def worker_rows(peers: Sequence[Lines]) -> list[dict[str, float]]:
@@ -138,7 +142,7 @@ def worker_rows(peers: Sequence[Lines]) -> list[dict[str, float]]:
     out = []
     for lines in peers:
         end = final(lines)
-        committed = [ln.get("round_steps") or 0 for ln in lines if ln.get("event") == "round" and ln.get("committed")]
+        committed = committed_steps(lines)
         share = useful_share(lines)
         out.append(dict(steps=end["usage"]["steps"], utilization=end["usage"]["utilization"], useful_share=share,
                         useful_utilization=end["usage"]["utilization"] * share,
