@@ -27,7 +27,7 @@ import torch
 
 from diloco.comms import PeerId, RoundKey, RoundOutcome
 from diloco.comms.rounds import Handoff
-from diloco.comms.robust import finite
+from diloco.comms.robust import RobustConfig, finite
 from diloco.compression.ef import ErrorFeedback
 from diloco.compression.pipeline import Pipeline, Spec
 from diloco.peers import stragglers
@@ -36,7 +36,7 @@ from .fragments import Fragment, HSchedule, StreamingConfig, fragment_of_round, 
 from .holding import views
 from .member import Member
 from .outer import copy_into, is_pinned, mix_into, outer_step, pseudo_gradient, pseudo_gradient_pieces
-from .pace import Pace
+from .pace import Pace, scaled_overlap
 from .report import RoundReport
 from .shards import ShardedHandoff
 from .swarm import Banned
@@ -85,7 +85,8 @@ class RoundEngine:
 
     def __init__(self, member: Member, *, fragments: Sequence[Fragment], streaming: StreamingConfig,
                  inner_steps: int, h_schedule: HSchedule, outer_lr_schedule: Callable[[int], float], spec: Spec,
-                 on_rollback: Callable[[], None] = lambda: None, round_seconds: float | None = None) -> None:
+                 on_rollback: Callable[[], None] = lambda: None, round_seconds: float | None = None,
+                 adaptive: bool = False) -> None:
         """`member`: the worker in its swarm (state, standing, catching up). `on_rollback()`: after a non-finite Δ
         rolled the model back (the inner optimizer's state holds the same NaN)."""
         self.member = member
@@ -107,8 +108,12 @@ class RoundEngine:
         self.round_seconds = round_seconds
         """Rounds by time: each fragment syncs every this many seconds (however many inner steps that took), and
         our Δ counts in the round's means by the steps it covers. None: every H inner steps."""
+        self.by_time = round_seconds is not None or adaptive
+        """Rounds by time, a fixed S or adaptive (H steps of the swarm's fastest worker): our Δ counts by its steps."""
         self.pace = Pace(round_seconds, len(self.fragments), planned=self.link.site is not None, now=time.monotonic(),
-                         plan_at=streaming.overlap + 1) if round_seconds is not None else None
+                         plan_at=streaming.overlap + 1, adaptive_steps=inner_steps if adaptive else None,
+                         others=member.step_seconds_of_others, bound=RobustConfig().max_weight) \
+            if self.by_time else None
         """Rounds by time: when our slots come (`diloco.pace`)."""
         self.clock: Callable[[], float] = time.monotonic
         """The seconds rounds by time count (the simulator gives each worker a clock of its simulated steps)."""
@@ -180,7 +185,13 @@ class RoundEngine:
     def _slot_due(self) -> bool:
         if self.pace is None:
             return self.standing.position >= self.period
-        return self.pace.due(self.clock(), self.link.agree)
+        due = self.pace.due(self.clock(), self.link.agree)
+        if self.pace.step_seconds is not None and (due or self.standing.step_seconds is None):
+            first = self.standing.step_seconds is None
+            self.standing.step_seconds = self.pace.step_seconds  # published with our record (adaptive rounds read it)
+            if first and self.member.swarm is not None:
+                self.member.publish("training", now=False)  # the first: with the next heartbeat, not after a round
+        return due
 
     def restart_clock(self) -> None:
         """We start from θ whole (joined, or took another peer's state): every fragment's Δ covers the steps from
@@ -328,18 +339,28 @@ class RoundEngine:
 
     # ------------------------------------------------------------------ the exchange
 
+    def overlap_now(self) -> int:
+        """τ of the round we send now, in our own inner steps: `streaming.overlap`, or with rounds by time that many
+        steps of the swarm's fastest worker (`pace.scaled_overlap`; a site's ranks take the leader's count)."""
+        tau, pace = self.streaming.overlap, self.pace
+        if tau == 0 or pace is None or self.overlapped:
+            return tau
+        return self.link.agree(lambda: scaled_overlap(tau, pace.step_seconds, self.member.step_seconds_of_others(),
+                                                      pace.bound))
+
     def start_exchange(self, frag: Fragment, delta: torch.Tensor | list[torch.Tensor], started: float) -> _Pending:
         """Send `delta` (Δ of `frag`) on its round, in the background; it is due τ steps later (or at the next
         slot, with a whole outer step overlapped). A lone worker's round completes here, through its codec."""
         key = RoundKey(self.holding.round, self.standing.attempt)
         steps = self.standing.steps
+        tau = self.overlap_now()
         if isinstance(delta, list):  # a lean round's Δ in pieces: only the round reads it
-            self.pending = _Pending(frag, None, steps + self.streaming.overlap, started, steps,
+            self.pending = _Pending(frag, None, steps + tau, started, steps,
                                     future=self._exchange(frag, delta), key=key)
             return self.pending
         ef = self.per_fragment[frag.index].ef
         acc = ef.accumulate(delta) if ef is not None else delta
-        due = steps + (self.inner_steps_now if self.overlapped else self.streaming.overlap)
+        due = steps + (self.inner_steps_now if self.overlapped else tau)
         if self.link.follows:  # the leader sends; we apply the outcome it tells us (`complete`)
             self.pending = _Pending(frag, acc, due, started, steps, key=key)
             return self.pending
@@ -370,7 +391,7 @@ class RoundEngine:
                   ) -> concurrent.futures.Future[RoundOutcome]:
         swarm, s = self.member.swarm, self.standing
         assert swarm is not None
-        weight = s.covered if self.round_seconds is not None else 1
+        weight = s.covered if self.by_time else 1
         return swarm.exchange_async(self.holding.round, s.attempt, self.holding.digest, delta, fragment=frag.index,
                                     previous=s.members, skip=s.stragglers, weight=weight)
 

@@ -152,19 +152,23 @@ HSchedule = tuple[tuple[int, int], ...]
 
 
 def check_round_seconds(round_seconds: float | None, fragments: int, cfg: StreamingConfig,
-                        h_schedule: HSchedule) -> None:
-    """Rounds by time (`DiLoCo(round_seconds=...)`, `--round-seconds`): a positive time; streaming fragments and
-    their overlap τ work with it (each fragment syncs every `round_seconds`), a whole outer step overlapped and an H
-    schedule do not (both count in inner steps). Raises FragmentError naming the settings in Python and on the
-    command line."""
-    if round_seconds is None:
+                        h_schedule: HSchedule, adaptive: bool = False) -> None:
+    """Rounds by time (`DiLoCo(round_seconds=...)`, `--round-seconds`, or `adaptive=True`, `--adaptive`): a positive
+    time, or adaptive, not both; streaming fragments and their overlap τ work with it (each fragment syncs every
+    `round_seconds`), a whole outer step overlapped and an H schedule do not (both count in inner steps of every
+    worker). Raises FragmentError naming the settings in Python and on the command line."""
+    if round_seconds is not None and adaptive:
+        raise FragmentError("round_seconds (--round-seconds) and adaptive (--adaptive) are two ways to set a round's "
+                            "length: give one (adaptive rounds last inner_steps (-H) steps of the fastest worker)")
+    if round_seconds is None and not adaptive:
         return
-    if not 0 < round_seconds < float("inf"):
+    what = "adaptive (--adaptive)" if adaptive else "round_seconds (--round-seconds)"
+    if round_seconds is not None and not 0 < round_seconds < float("inf"):
         raise FragmentError(f"round_seconds (--round-seconds) must be a positive number of seconds, got {round_seconds}")
     if cfg.outer_overlap != "none" or h_schedule:
-        raise FragmentError("round_seconds (--round-seconds) does not work with outer_overlap (--outer-overlap) or "
-                            "an h_schedule (--h-schedule), which count in inner steps: drop them, or use inner_steps "
-                            "(-H)")
+        raise FragmentError(f"{what} does not work with outer_overlap (--outer-overlap) or an h_schedule "
+                            "(--h-schedule), which count in inner steps of every worker: drop them, or use "
+                            "inner_steps (-H) alone")
 
 
 def inner_steps_at(committed: int, inner_steps: int, schedule: HSchedule = ()) -> int:

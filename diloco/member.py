@@ -46,6 +46,9 @@ class Standing:
     covered: int = 0
     """Inner steps the Δ of our latest slot covered: its weight in the round's means with rounds by time (H
     otherwise); `diloco status` shows it."""
+    step_seconds: float | None = None
+    """With rounds by time: our inner step's duration as our pace last measured it (adaptive rounds read the
+    others', `diloco.pace`)."""
     attempt: int = 0
     members: tuple[PeerId, ...] | None = None
     """Who took part in the last round we committed (or in the state we downloaded): the next round needs a
@@ -162,7 +165,7 @@ class Member:
                                   step=s.steps, loss=self.loss, recent=recent, bytes_sent=sent,
                                   bytes_received=received,
                                   utilization=round(usage.utilization, 4) if usage.steps else None,
-                                  round_steps=s.covered or None)
+                                  round_steps=s.covered or None, step_seconds=s.step_seconds)
                 self._owed = self._owed or owed
 
     def _publish_digest(self) -> None:
@@ -186,6 +189,13 @@ class Member:
         info: dict[str, object] = {"position": self.standing.position, "swarm_step": self.standing.swarm_step,
                                    "members": ",".join(self.standing.members or ())}
         return {**info, **(self.topology.snapshot_info() if self.topology is not None else {})}
+
+    def step_seconds_of_others(self) -> list[float]:
+        """The inner step times the swarm's other training workers published, as the heartbeat last read their
+        records (no network I/O; none for a lone worker or before the first read)."""
+        if self.swarm is None:
+            return []
+        return [r.step_seconds for r in self.swarm.others_seen() if r.step_seconds is not None and r.status == "training"]
 
     def bytes_on_wire(self) -> tuple[int, int]:
         """(sent, received) bytes of this peer so far, every message included."""

@@ -18,19 +18,53 @@ and workers that leave a round together reach the next slot together.
   would stay that much ahead round after round, and wait for them every time. Its span therefore counts from the
   moment the round's view closed, the same for every member (`align`).
 
-The pace decides only where the slots fall; what a worker's pseudo-gradient weighs (the inner steps it covers)
+- **Adaptive rounds** (`DiLoCo(adaptive=True)`, `--adaptive`): a span lasts H/P inner steps of the swarm's
+  fastest worker, whatever its machine: the fastest of our own step time and those the other workers publish in
+  their records (`PeerRecord.step_seconds`), so nobody has to know the machines' speeds in seconds. A lone process
+  recomputes it at every step (the others' step times arrive with the heartbeat); a site's leader when it plans.
+  Before the first record arrives a worker paces itself by its own steps (its first span is H of its own). A record
+  cannot make a span shorter than H/P steps of a machine `bound` times as fast as ours (the weight bound,
+  `RobustConfig.max_weight`): one implausibly fast claim does not shrink every round to a step.
+
+- **Overlap τ** (`--overlap`) counts steps of the fastest worker too (`scaled_overlap`): a worker k times as slow
+  applies a round τ/k of its own steps after its slot, so every worker applies it about the same time after the
+  slot, as long as the exchange takes on the link.
+
+The pace decides only where the slots fall (and when a round applies); what a worker's pseudo-gradient weighs (the inner steps it covers)
 is the engine's (`RoundEngine`).
 """
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Sequence
 
 PLAN_AT = 2
 """The step of a span at which a site's leader plans the span's length: by then it has timed one whole step."""
 
 SMOOTHING = 0.2
 """Weight of the latest step's duration in the moving average of a step's seconds."""
+
+
+def adaptive_seconds(steps: float, own: float, others: Sequence[float], bound: float) -> float:
+    """An adaptive span's seconds: `steps` inner steps at the fastest pace among ours (`own` seconds a step) and the
+    `others`' published ones, where no other counts as more than `bound` times as fast as we are (0: no bound)."""
+    fastest = min(own, *others) if others else own
+    if bound:
+        fastest = max(fastest, own / bound)
+    return steps * fastest
+
+
+def scaled_overlap(tau: int, own: float | None, others: Sequence[float], bound: float) -> int:
+    """τ in a worker's own steps with rounds by time: a round's exchange takes as long for every worker, so τ counts
+    steps of the swarm's fastest worker, and a worker k times as slow applies the round τ/k of its own steps after its
+    slot (at least one; τ itself while its pace is unknown). Counting τ in every worker's own steps instead, a slow
+    worker would train past most of its span before applying the round, and with α = 0 drop those steps from its Δ:
+    at 4× slower and τ near its steps a round, its weight fell to a tenth of the fastest's, under the weight bound's
+    floor (docs/BENCHMARKS.md, "Workers of unequal speed")."""
+    if tau <= 0 or own is None or not own > 0:
+        return tau
+    fastest = adaptive_seconds(1, own, others, bound)
+    return max(1, min(tau, round(tau * fastest / own)))
 
 
 def planned_steps(taken: int, elapsed: float, slot_seconds: float, step_seconds: float) -> int:
@@ -47,10 +81,20 @@ class Pace:
     """When the slots of one worker's rounds by time come (see the module docstring). `planned`: a site, whose
     leader plans each span's length for every rank; otherwise a lone process reading its clock."""
 
-    def __init__(self, round_seconds: float, fragments: int, *, planned: bool, now: float,
-                 plan_at: int = PLAN_AT) -> None:
-        self.slot_seconds = round_seconds / fragments
-        """Seconds of training between two slots (each fragment syncs after every `round_seconds` of it)."""
+    def __init__(self, round_seconds: float | None, fragments: int, *, planned: bool, now: float,
+                 plan_at: int = PLAN_AT, adaptive_steps: int | None = None,
+                 others: Callable[[], Sequence[float]] = lambda: (), bound: float = 0.0) -> None:
+        """`round_seconds`: S; or, with `adaptive_steps` (H) instead, a round lasts H steps of the fastest worker,
+        `others()` giving the other workers' published step times and `bound` the weight bound (see the module
+        docstring)."""
+        if (round_seconds is None) == (adaptive_steps is None):
+            raise ValueError("give round_seconds or adaptive_steps, one of them")
+        self.adaptive = adaptive_steps / fragments if adaptive_steps is not None else None
+        """Adaptive rounds: inner steps of the fastest worker between two slots (None: a fixed time)."""
+        self.slot_seconds = round_seconds / fragments if round_seconds is not None else 0.0
+        """Seconds of training between two slots (each fragment syncs after every `round_seconds` of it); adaptive,
+        as last computed."""
+        self._others, self.bound = others, bound
         self.planned = planned
         self.plan_at = max(PLAN_AT, plan_at)
         """A site: the step of each span at which the leader plans it."""
@@ -78,11 +122,24 @@ class Pace:
         self._last = now
         self.span += 1
         if not self.planned:
+            if self.adaptive is not None:
+                if self.step_seconds is None:
+                    return False
+                self._adapt(self.step_seconds)
             return now - self._start >= self.slot_seconds
         if self.span == self.plan_at:
-            self.plan = agree(lambda: max(self.plan_at, planned_steps(self.span, now - self._start, self.slot_seconds,
-                                                                 self.step_seconds or 0.0)))
+            self.plan = agree(lambda: self._plan(now))
         return self.plan is not None and self.span >= self.plan
+
+    def _adapt(self, own: float) -> None:
+        assert self.adaptive is not None
+        self.slot_seconds = adaptive_seconds(self.adaptive, own, self._others(), self.bound)
+
+    def _plan(self, now: float) -> int:
+        """The leader's decision: how many steps this span has in all."""
+        if self.adaptive is not None and self.step_seconds is not None:
+            self._adapt(self.step_seconds)
+        return max(self.plan_at, planned_steps(self.span, now - self._start, self.slot_seconds, self.step_seconds or 0.0))
 
     def align(self, closed: float) -> None:
         """The last round's view closed at `closed` (a moment every member shares): the span counts from there if that

@@ -326,6 +326,10 @@ class Swarm:
         paths = self.transport.paths if isinstance(self.transport, DirectTransport) else {}
         return {how: sorted(p for p, used in paths.items() if used == how) for how in sorted(set(paths.values()))}
 
+    def others_seen(self) -> list[PeerRecord]:
+        """The other peers' records as the heartbeat last read them (no network I/O; none before its first read)."""
+        return [r for r in self._seen or () if r.peer != self.peer_id]
+
     def records(self, *, cached: bool = False) -> list[PeerRecord]:
         """Everyone's current record (ours included), as the directory shows them now; with `cached`,
         as the last heartbeat read them (at most `heartbeat_interval` old, no network I/O)."""

@@ -213,6 +213,7 @@ class DiLoCo:
         site: Site | None | Literal["auto"] = "auto",
         global_device: torch.device | str = "cpu",
         round_seconds: float | None = None,
+        adaptive: bool = False,
     ) -> None:
         if inner_steps < 1:
             raise ConfigError(f"inner_steps must be >= 1, got {inner_steps}")
@@ -247,8 +248,8 @@ class DiLoCo:
         named = [(_canonical(n), p) for n, p in model.named_parameters() if p.requires_grad]
         self._params = [p for _, p in named]
         self.fragments = partition([n for n, _ in named], [p.numel() for _, p in named], self.streaming)
-        check_round_seconds(round_seconds, len(self.fragments), self.streaming, self.h_schedule)
-        if round_seconds is None:  # by time, the slots do not count inner steps
+        check_round_seconds(round_seconds, len(self.fragments), self.streaming, self.h_schedule, adaptive)
+        if round_seconds is None:  # by a fixed time, the slots do not count inner steps (adaptive: H of the fastest)
             check_schedule(inner_steps, len(self.fragments), self.streaming)
         check_h_schedule(self.h_schedule, len(self.fragments), self.streaming)
         # Compression is a property of the swarm (every peer must agree); locally, take it from the
@@ -279,7 +280,8 @@ class DiLoCo:
         self.engine = RoundEngine(self.member, fragments=self.fragments, streaming=self.streaming,
                                   inner_steps=inner_steps, h_schedule=self.h_schedule,
                                   outer_lr_schedule=self.outer_lr_schedule, spec=spec,
-                                  on_rollback=self._inner.state.clear, round_seconds=round_seconds)
+                                  on_rollback=self._inner.state.clear, round_seconds=round_seconds,
+                                  adaptive=adaptive)
         """The worker's rounds, from a synchronization slot to the outer step."""
         self.checkpoints = Checkpoints(self.member, self.engine, [n for n, _ in named], compression=spec.text,
                                        root=checkpoint_dir, every=checkpoint_every, aliases=_aliases(model))

@@ -76,6 +76,8 @@ def main() -> None:
     ap.add_argument("--inner-steps", type=int, default=20, help="H: inner steps per round")
     ap.add_argument("--round-seconds", type=float, default=None,
                     help="rounds by time: sync every this many seconds, however many steps this site managed")
+    ap.add_argument("--adaptive", action="store_true",
+                    help="adaptive rounds by time: a round lasts --inner-steps steps of the swarm's fastest worker")
     ap.add_argument("--step-delay", type=float, default=0.0,
                     help="sleep this long in every inner step: play a slower machine (try it with --round-seconds)")
     ap.add_argument("--lr", type=float, default=3e-3)
@@ -100,7 +102,8 @@ def main() -> None:
     loss = torch.tensor(float("nan"))  # no step at all if the swarm is already past --rounds when we join
     total = args.rounds * args.inner_steps
 
-    with diloco.DiLoCo(model, opt, inner_steps=args.inner_steps, round_seconds=args.round_seconds) as d:  # the line
+    with diloco.DiLoCo(model, opt, inner_steps=args.inner_steps, round_seconds=args.round_seconds,
+                       adaptive=args.adaptive) as d:  # the line
         # each site its own data (each rank its own part of it), and the swarm's place in the lr schedule
         data = batches(args.seed if args.seed is not None else d.data_shard * 1000 + rank)
         while d.round < args.rounds:

@@ -75,6 +75,9 @@ class PeerRecord:
     round_steps: int | None = None
     """Inner steps its last round's Δ covered: H, or with rounds by time what its machine managed, which is the
     weight of its Δ in the round's means (None before its first round)."""
+    step_seconds: float | None = None
+    """Its inner step's duration, a moving average (with rounds by time; None otherwise or before it timed one):
+    adaptive rounds (`DiLoCo(adaptive=True)`) last H steps of the swarm's fastest worker, read from these."""
     region: str = ""
     """The region this peer trains in (`--region`; "" in a flat swarm): a global round's quorum counts regions."""
     data: str = ""
@@ -96,18 +99,22 @@ class PeerRecord:
 MAX_RECENT = 8  # longest `recent` accepted from the network
 MAX_BANNED = 64  # longest `banned` accepted from the network
 MAX_BYTES = 1 << 62  # largest byte counter accepted from the network (msgpack packs it in 9 bytes)
+MAX_STEP_SECONDS = 86400.0  # longest inner step accepted from the network
 
 
 def _display_fields(value: dict[str, Any]) -> dict[str, Any]:
-    """The fields only `diloco status` shows (bandwidth, utilization): a value that is missing (a peer of
-    an older version) or malformed is taken as unknown; the record itself stays valid, since nothing
-    the swarm decides depends on these."""
+    """The fields `diloco status` shows (bandwidth, utilization, steps and step time): a value that is missing (a
+    peer of an older version) or malformed is taken as unknown; the record itself stays valid, since no state the
+    swarm commits depends on these (an adaptive round's length reads `step_seconds` within a bound, `diloco.pace`)."""
     out: dict[str, Any] = {}
     for name in ("bytes_sent", "bytes_received"):
         v = value.get(name, 0)
         out[name] = v if isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= MAX_BYTES else 0
     n = value.get("round_steps")
     out["round_steps"] = n if isinstance(n, int) and not isinstance(n, bool) and 0 < n <= 10**12 else None
+    t = value.get("step_seconds")
+    out["step_seconds"] = float(t) if isinstance(t, (int, float)) and not isinstance(t, bool) and \
+        0 < t <= MAX_STEP_SECONDS else None
     u = value.get("utilization")
     if isinstance(u, (int, float)) and not isinstance(u, bool) and math.isfinite(u) and 0.0 <= u <= 1.0:
         out["utilization"] = float(u)

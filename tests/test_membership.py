@@ -249,6 +249,16 @@ def test_bandwidth_and_utilization_round_trip_and_bad_values_are_taken_as_unknow
         assert got.round == 3 and got.digest == "abcd"  # the rest of the record is as sent
 
 
+def test_a_published_step_time_round_trips_and_a_bad_one_is_taken_as_unknown():
+    """`step_seconds` (adaptive rounds read it, within the weight bound): positive, finite, at most a day."""
+    r = parse_record("p1", {**VALID, "step_seconds": 0.25})
+    assert r.step_seconds == 0.25 and parse_record("p1", r.to_wire()) == r
+    assert parse_record("p1", dict(VALID)).step_seconds is None
+    for bad in (0, -0.1, math.nan, math.inf, 86401.0, "0.2", True, [0.1]):
+        got = parse_record("p1", {**VALID, "step_seconds": bad})
+        assert got is not None and got.step_seconds is None and got.round == 3, bad
+
+
 def test_a_record_with_every_field_at_its_limit_stays_small():
     import msgpack
 

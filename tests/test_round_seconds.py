@@ -15,7 +15,7 @@ import torch
 from diloco import DiLoCo
 from diloco.compression.errors import ConfigError
 from diloco.fragments import StreamingConfig
-from diloco.pace import Pace, planned_steps
+from diloco.pace import Pace, adaptive_seconds, planned_steps
 
 from test_swarm_inproc import CFG, Harness, _batches, _mlp, _run_threads
 
@@ -24,16 +24,53 @@ ROUNDS = 3
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize(("streaming", "compression"), [(None, None), (StreamingConfig(fragments=2, overlap=2), None),
+                                                       (StreamingConfig(overlap=8), None),
                                                        (None, "topk:64/512+ef:0.9")],
-                         ids=["whole", "fragments", "error-feedback"])
+                         ids=["whole", "fragments", "overlap", "error-feedback"])
 def test_workers_of_unequal_speed_each_train_until_the_slot_and_end_on_one_digest(streaming, compression):
     """Three workers whose inner steps take 10, 20 and 40 ms train for 0.5 s a round: each round every one of them
     syncs with the steps it managed (the fast one about four times the slow one's), all commit the same rounds
     together, and they end on one global state. With two streaming fragments and τ = 2 each fragment syncs every
     0.5 s (a slot every 0.25 s, the slowest worker's slot coming before its τ steps did: it applies the round
     at the slot), and each fragment's Δ counts by the steps since that fragment's last round. With top-k and error
-    feedback, each coordinate's mean weighs the workers that sent it."""
-    rounds = ROUNDS * (streaming.fragments if streaming else 1)
+    feedback, each coordinate's mean weighs the workers that sent it. With τ = 8 and α = 0 (the mix drops the steps
+    between a slot and the round's result from the next Δ), τ counts steps of the fastest worker: the slowest, about
+    11 steps a round, applies the round 2 of its steps after its slot, not 8, so its Δ still weighs about a quarter of
+    the fastest's, within the weight bound (8×), and no contribution is refused."""
+    rounds = ROUNDS * (streaming.fragments or 1 if streaming else 1)
+    ds, covered, shown = _train_unequal(rounds, streaming=streaming, compression=compression, round_seconds=0.5)
+    assert all(c >= 1 for cs in covered.values() for c in cs), covered
+    assert [d.swarm.collective.robust_events["overweight"] for d in ds] == [0, 0, 0], covered
+    assert sum(covered[0]) > 2 * sum(covered[2]), covered  # the fast worker's Δ counts more steps, and counts more
+    assert shown[0]["w0"] == covered[0][-1] and all(n is not None and n >= 1 for n in shown[0].values()), shown
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("fragments", [1, 2])
+def test_adaptive_rounds_last_h_steps_of_the_fastest_worker_and_the_others_train_as_many_as_they_manage(fragments):
+    """`adaptive=True`, H = 24: nobody gives a time. Each worker publishes its step time in its record; a round lasts
+    H steps of the fastest (10 ms a step), so the fastest worker's Δ covers about H steps and the one four times as
+    slow about a quarter of that, not H (which would make every round four times as long); with two fragments each
+    fragment syncs after H steps of the fastest (a slot every H/2). They commit every round together and end on one
+    state."""
+    h_steps = 24
+    streaming = StreamingConfig(fragments=fragments, overlap=2) if fragments > 1 else None
+    ds, covered, _ = _train_unequal(ROUNDS * fragments, streaming=streaming, adaptive=True, inner_steps=h_steps)
+    later = {i: cs[fragments:] for i, cs in covered.items()}  # a worker's first span may be paced by its own steps
+    fast, slow = sum(later[0]) / len(later[0]), sum(later[2]) / len(later[2])
+    assert 0.5 * h_steps <= fast <= 1.5 * h_steps, covered
+    assert slow < 0.5 * fast, covered  # not H of its own: the round did not wait for it
+    seconds = [d.engine.pace.slot_seconds for d in ds]  # every worker's span: H/P steps of the fastest
+    assert max(seconds) < 2 * min(seconds), seconds
+    step = ds[0].engine.pace.step_seconds
+    assert seconds[2] == pytest.approx(h_steps / fragments * step, rel=0.5), (seconds, step)
+
+
+def _train_unequal(rounds: int, *, streaming: StreamingConfig | None = None, compression: str | None = None,
+                   **kwargs) -> tuple[list[DiLoCo], dict[int, list[int]], dict[int, dict[str, int | None]]]:
+    """Three workers in an in-process swarm whose inner steps take 10, 20 and 40 ms train `rounds` rounds by time
+    (`kwargs` to `DiLoCo`): every one commits every round with three members and they end on one state. Returns
+    the wrappers, the steps each worker's Δ covered, by round, and the steps per round its records showed."""
     h = Harness(replace(CFG, compression=compression) if compression else CFG)
     base, delays = _mlp(7), [0.01, 0.02, 0.04]
     start = threading.Barrier(3, timeout=10)
@@ -46,7 +83,7 @@ def test_workers_of_unequal_speed_each_train_until_the_slot_and_end_on_one_diges
             model = copy.deepcopy(base)
             opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
             data = _batches(30 + i, 64)
-            with DiLoCo(model, opt, swarm=h.swarm(f"w{i}"), round_seconds=0.5, streaming=streaming,
+            with DiLoCo(model, opt, swarm=h.swarm(f"w{i}"), streaming=streaming, **kwargs,
                         on_round=lambda r: covered[i].append(d.member.standing.covered)) as d:
                 start.wait()
                 k, deadline = 0, time.monotonic() + 60
@@ -71,9 +108,7 @@ def test_workers_of_unequal_speed_each_train_until_the_slot_and_end_on_one_diges
     for d in ds:
         assert [(r.round, r.committed, r.peers) for r in d.reports] == [(k + 1, True, 3) for k in range(rounds)]
         assert [r.fragment for r in d.reports] == [k % len(d.fragments) for k in range(rounds)]
-    assert all(c >= 1 for cs in covered.values() for c in cs), covered
-    assert sum(covered[0]) > 2 * sum(covered[2]), covered  # the fast worker's Δ covers more steps, and counts more
-    assert shown[0]["w0"] == covered[0][-1] and all(n is not None and n >= 1 for n in shown[0].values()), shown
+    return ds, covered, shown
 
 
 def test_rounds_by_time_refuse_what_they_do_not_support_yet():
@@ -87,6 +122,12 @@ def test_rounds_by_time_refuse_what_they_do_not_support_yet():
         DiLoCo(model, opt, swarm=None, round_seconds=1.0, h_schedule=((2, 10),))
     # H needs no multiple of P by time: the slots count seconds
     DiLoCo(model, opt, swarm=None, round_seconds=1.0, inner_steps=99, streaming=StreamingConfig(fragments=2))
+    with pytest.raises(ConfigError, match="give one"):
+        DiLoCo(model, opt, swarm=None, round_seconds=1.0, adaptive=True)
+    with pytest.raises(ConfigError, match=r"adaptive \(--adaptive\) does not work with outer_overlap"):
+        DiLoCo(model, opt, swarm=None, adaptive=True, streaming=StreamingConfig(outer_overlap="eager"))
+    with pytest.raises(ConfigError, match="multiple"):  # adaptive rounds count H steps of the fastest: H/P whole
+        DiLoCo(model, opt, swarm=None, adaptive=True, inner_steps=99, streaming=StreamingConfig(fragments=2))
 
 
 def test_the_command_line_refuses_rounds_by_time_with_an_h_schedule_naming_both(monkeypatch):
@@ -157,6 +198,48 @@ def test_a_wait_for_a_rounds_result_is_not_training_time():
     pace.pause(0.1, 0.6)  # waited half a second for the result
     assert not pace.due(0.7, lambda decide: told.append(decide()) or told[-1])  # step 2 took 0.1 s of training
     assert pace.step_seconds == pytest.approx(0.1) and told == [10]  # 0.2 s trained of 1.0: 8 more steps of 0.1 s
+
+
+@pytest.mark.parametrize(("own", "others", "expected"), [
+    (0.1, [], 2.0),             # alone: H of our own steps
+    (0.1, [0.4, 0.05], 1.0),    # the fastest of the swarm sets the pace
+    (0.4, [0.1, 0.2], 2.0),     # a slow worker trains H steps of the fastest's time, not its own
+    (0.4, [0.001], 1.0),        # a claim of a machine 400x as fast counts as 8x (the weight bound): 20 * 0.05
+])
+def test_adaptive_seconds(own, others, expected):
+    assert adaptive_seconds(20, own, others, bound=8) == pytest.approx(expected)
+
+
+def test_an_adaptive_pace_follows_the_fastest_step_time_the_records_show():
+    """A lone worker at 0.4 s a step, H = 10: before anyone else's step time is known its span is H of its own steps
+    (4 s); once a record shows 0.1 s a step, 1 s; the records change between its steps, its span follows."""
+    others: list[float] = []
+    pace = Pace(None, 1, planned=False, now=0.0, adaptive_steps=10, others=lambda: others, bound=8)
+    told = lambda decide: decide()  # noqa: E731
+    pace.restart(0.0)  # training begins (the engine's `restart_clock` at attach)
+    assert not pace.due(0.4, told) and pace.slot_seconds == pytest.approx(4.0)
+    others.append(0.1)
+    assert not pace.due(0.8, told) and pace.slot_seconds == pytest.approx(1.0)
+    assert pace.due(1.2, told)
+    with pytest.raises(ValueError, match="one of them"):
+        Pace(1.0, 1, planned=False, now=0.0, adaptive_steps=10)
+
+
+def test_a_sites_leader_plans_an_adaptive_span_from_the_fastest_step_time():
+    """A site at 0.3 s a step, H = 20 over 2 fragments, the swarm's fastest at 0.1 s: the leader plans 1 s of
+    training a slot (10 steps of the fastest, not 10 of its own): 2 steps taken in 0.6 s, 0.4 s left, one more step,
+    3 in all (every rank takes the count)."""
+    leader = Pace(None, 2, planned=True, now=0.0, adaptive_steps=20, others=lambda: [0.1], bound=8)
+    leader.restart(0.0)
+    told: list[int] = []
+    tell = lambda decide: told.append(decide()) or told[-1]  # noqa: E731
+    t, steps = 0.0, 0
+    while True:
+        t += 0.3
+        steps += 1
+        if leader.due(t, tell):
+            break
+    assert leader.slot_seconds == pytest.approx(1.0) and told == [3] and steps == 3
 
 
 @pytest.mark.parametrize(("taken", "elapsed", "step", "expected"), [

@@ -109,7 +109,7 @@ def test_loss_caps_tcp_throughput_by_the_mathis_bound():
     assert link.throughput_mbit == pytest.approx(mathis)
     assert Link(bandwidth_mbit=1, latency_ms=50, loss=0.01).throughput_mbit == 1  # the link is the tighter cap
     assert Link(bandwidth_mbit=10, latency_ms=0, loss=0.01).throughput_mbit == 10
-    assert link.seconds(1_000_000, 0) == pytest.approx(0.2 + 8 / mathis)
+    assert link.seconds(1_000_000, 0) == pytest.approx(0.3 + 8 / mathis)  # 6 latencies of 50 ms
 
 
 def test_the_slowest_link_of_a_round_sets_its_exchange_time():

@@ -24,17 +24,17 @@ TINY = JobConfig(rounds=2, inner_steps=4, d_model=32, n_layer=1, batch_size=4, e
 
 def test_projection_is_the_closed_form_on_a_synthetic_run():
     """4 rounds of 10 steps at 0.1 s, 1 MB out and 0.5 MB in per round on 8 Mbit/s, 10 ms links:
-    an exchange takes 4 × 10 ms + 1 MB × 8 / 8 Mbit/s = 1.04 s."""
+    a round takes 6 × 10 ms (three round trips) + 1 MB × 8 / 8 Mbit/s = 1.06 s."""
     net = NetworkModel(bandwidth_mbit=8, latency_ms=10, step_seconds=0.1)
     rounds = [(1_000_000, 500_000)] * 4
     plain = project(rounds, steps_per_round=10, overlap=0, workers=2, net=net, step_seconds=99.0)
-    assert plain.comm_seconds == pytest.approx(4 * 1.04)
-    assert plain.blocked_seconds == pytest.approx(4 * 1.04)  # nothing overlaps: every exchange blocks
-    assert plain.wall_seconds == pytest.approx(4 * (1.0 + 1.04))
-    assert plain.utilization == pytest.approx((4.0 / 8.16, 4.0 / 8.16))
+    assert plain.comm_seconds == pytest.approx(4 * 1.06)
+    assert plain.blocked_seconds == pytest.approx(4 * 1.06)  # nothing overlaps: every exchange blocks
+    assert plain.wall_seconds == pytest.approx(4 * (1.0 + 1.06))
+    assert plain.utilization == pytest.approx((4.0 / 8.24, 4.0 / 8.24))
     # τ = 5 steps (0.5 s) hide half of each exchange; τ = 11 steps hide all of it
     assert project(rounds, steps_per_round=10, overlap=5, workers=2, net=net, step_seconds=1).blocked_seconds == \
-        pytest.approx(4 * 0.54)
+        pytest.approx(4 * 0.56)
     hidden = project(rounds, steps_per_round=10, overlap=11, workers=2, net=net, step_seconds=1)
     assert hidden.blocked_seconds == 0 and hidden.utilization == pytest.approx((1.0, 1.0))
 
@@ -171,7 +171,7 @@ def test_the_projection_takes_each_rounds_own_steps_under_an_h_schedule():
     net = NetworkModel(bandwidth_mbit=8, latency_ms=10, step_seconds=0.1)
     rounds = [(1_000_000, 500_000)] * 3
     varied = project(rounds, steps_per_round=[10, 10, 2], overlap=0, workers=2, net=net, step_seconds=1)
-    assert varied.compute_seconds == pytest.approx((2.2, 2.2)) and varied.wall_seconds == pytest.approx(2.2 + 3 * 1.04)
+    assert varied.compute_seconds == pytest.approx((2.2, 2.2)) and varied.wall_seconds == pytest.approx(2.2 + 3 * 1.06)
 
 
 def test_the_projection_of_rounds_by_time_takes_each_workers_own_steps():
@@ -183,11 +183,11 @@ def test_the_projection_of_rounds_by_time_takes_each_workers_own_steps():
     assert by_time.wall_seconds == pytest.approx(8.0) and by_time.utilization == pytest.approx((1.0, 1.0, 1.0))
     fixed = project([(0, 0)] * 2, steps_per_round=40, overlap=0, workers=3, net=net, step_seconds=1)
     assert fixed.wall_seconds == pytest.approx(32.0) and fixed.utilization == pytest.approx((0.25, 0.5, 1.0))
-    # τ = 5 steps hide the exchange at the fastest worker's pace by time (it needs the result first): 0.5 s of 1.04 s
+    # τ = 5 steps hide the exchange at the fastest worker's pace by time (it needs the result first): 0.5 s of 1.06 s
     slow_link = NetworkModel(bandwidth_mbit=8, latency_ms=10, step_seconds=0.1, speeds=(1.0, 0.5, 0.25))
     hidden = project([(1_000_000, 500_000)], steps_per_round=[{0: 40, 1: 20, 2: 10}], overlap=5, workers=3,
                      net=slow_link, step_seconds=1)
-    assert hidden.blocked_seconds == pytest.approx(1.04 - 0.5)
+    assert hidden.blocked_seconds == pytest.approx(1.06 - 0.5)
 
 
 @pytest.mark.swarm

@@ -243,6 +243,9 @@ class JobOptions(Group):
                                             "-H: train for this many seconds a round, however many inner steps that is "
                                             "on this machine; each worker's Δ counts by its steps (machines of unequal "
                                             "speed, docs/USAGE.md).")
+    adaptive: bool = option(_JOB.adaptive, "--adaptive", help="Rounds by time whose length follows the machines: a "
+                            "round lasts -H inner steps of the swarm's fastest worker, the others train as many as "
+                            "they manage meanwhile and their Δ counts by them (docs/USAGE.md).")
     slowdown: float = option(_JOB.slowdown, help="Benchmarks: every inner step takes this many times as long (it "
                              "sleeps the rest), playing a slower machine.", hidden=True)
     h_schedule: str = option("", "--h-schedule", help="Change H during the run: 'R:H' pairs, e.g. '80:10' (after 80 "

@@ -97,6 +97,9 @@ class JobConfig:
     round_seconds: float | None = None
     """Rounds by time instead of H: train inner steps for this many seconds a round, however many that is on this
     machine; each worker's pseudo-gradient counts by the steps it covers (`DiLoCo(round_seconds=...)`)."""
+    adaptive: bool = False
+    """Adaptive rounds by time: a round lasts `inner_steps` steps of the swarm's fastest worker, however many the
+    others manage meanwhile (`DiLoCo(adaptive=True)`)."""
     slowdown: float = 1.0
     """Benchmarks: every inner step takes this many times as long (it sleeps (F − 1) × its forward and backward
     time), playing a slower machine (`diloco bench hetero`)."""
@@ -192,8 +195,9 @@ class JobConfig:
                                   "--overlap and --h-schedule unset")
         if not 1 <= self.slowdown < float("inf"):
             raise ConfigError(f"--slowdown must be a factor >= 1 (1: full speed), got {self.slowdown}")
-        if self.round_seconds is not None and self.data_parallel:
-            raise ConfigError("--round-seconds and --data-parallel do not go together: data-parallel rounds are steps")
+        if (self.round_seconds is not None or self.adaptive) and self.data_parallel:
+            raise ConfigError("--round-seconds or --adaptive and --data-parallel do not go together: data-parallel "
+                              "rounds are steps")
         if self.d_model % 4:
             raise ConfigError(f"d_model ({self.d_model}) must be divisible by the 4 attention heads")
         if self.streaming.fragments is None:
@@ -203,7 +207,7 @@ class JobConfig:
             if self.round_seconds is None:  # by time, the slots do not count inner steps
                 check_schedule(self.inner_steps, self.fragments, self.streaming)
             check_h_schedule(self.h_schedule, self.fragments, self.streaming)
-            check_round_seconds(self.round_seconds, self.fragments, self.streaming, self.h_schedule)
+            check_round_seconds(self.round_seconds, self.fragments, self.streaming, self.h_schedule, self.adaptive)
         except FragmentError as e:
             raise ConfigError(str(e)) from e
         if self.resume and not self.checkpoint_dir:
@@ -377,7 +381,7 @@ def run_job(cfg: JobConfig, swarm: Swarm | None, *, metrics: MetricsWriter | Non
                on_round=on_round, outer_optimizer=outer,
                outer_warmup=cfg.outer_warmup, outer_lr_schedule=schedule,
                streaming=cfg.streaming, checkpoint_dir=cfg.checkpoint_dir, checkpoint_every=cfg.checkpoint_every,
-               round_seconds=cfg.round_seconds)
+               round_seconds=cfg.round_seconds, adaptive=cfg.adaptive)
     if round_clock is not None:
         d.engine.clock = partial(round_clock, d)
     if cfg.resume and not d.resume():
@@ -390,7 +394,8 @@ def run_job(cfg: JobConfig, swarm: Swarm | None, *, metrics: MetricsWriter | Non
             log.info("event=peers_present count=%d wanted=%d", seen, cfg.wait_for)
             d.engine.restart_clock()  # rounds by time: the first span counts from here, not from the wait
         clock["start"] = time.monotonic()
-        # a safety net if the swarm never commits: four times the run's steps, or with rounds by time its seconds
+        # a safety net if the swarm never commits: four times the run's steps (adaptive: the fastest worker's), or
+        # with rounds by time its seconds
         max_steps = total_steps * 4 if cfg.round_seconds is None else None
         time_limit = clock["start"] + 4 * target * (cfg.round_seconds or 0) + 60
 

@@ -11,9 +11,10 @@ order derived from their bytes.
 Projection. Nothing here takes real network time, so the cost on a given link is projected from what
 each round really put on the wire (`project`, a pure function): a round's exchange takes
 
-    comm = 4 · latency + max(bytes sent, bytes received by a worker) · 8 / bandwidth
+    comm = 6 · latency + max(bytes sent, bytes received by a worker) · 8 / bandwidth
 
-(a ready and its reply, contributions to span owners, results back; full-duplex links), computed
+(three round trips: a ready and its reply, contributions to span owners and results back, the votes and their
+replies; full-duplex links), computed
 with the round's busiest worker. Between two rounds every worker takes H/P inner steps; the swarm
 moves at the pace of its slowest worker (a round waits for all), and a result needed τ steps after
 its round started blocks the loop for max(0, comm − τ · step) seconds. Projected wall clock is the
@@ -50,6 +51,9 @@ log = logging.getLogger(__name__)
 
 
 MSS_BYTES = 1460  # TCP segment payload on a 1500-byte MTU path
+LATENCIES = 6
+"""One-way latencies on a round's critical path: the gather (a ready and its reply), the exchange (contributions to
+the span owners, results back) and the decide step (a vote and its reply), docs/PROTOCOL.md."""
 
 
 @dataclass(frozen=True)
@@ -78,8 +82,8 @@ class Link:
         return min(self.bandwidth_mbit, MSS_BYTES * 8 / rtt * 1.22 / math.sqrt(self.loss) / 1e6)
 
     def seconds(self, sent: int, received: int) -> float:
-        """One round's exchange: 4 one-way latencies, then the larger direction at the TCP throughput."""
-        return 4 * self.latency_ms / 1e3 + max(sent, received) * 8 / (self.throughput_mbit * 1e6)
+        """One round on this link: `LATENCIES` one-way latencies, and the larger direction at the TCP throughput."""
+        return LATENCIES * self.latency_ms / 1e3 + max(sent, received) * 8 / (self.throughput_mbit * 1e6)
 
 
 def _keyed_link(text: str, key_ok: Callable[[str], bool], flag: str, form: str) -> tuple[str, Link]:
@@ -368,13 +372,14 @@ def simulate(job: JobConfig, workers: int, *, swarm: SwarmConfig | None = None, 
     late = [f for f in faults if f.round >= target]
     if late:
         raise ConfigError(f"{late[0]}: the run ends at round {target} (--rounds × fragments); move it earlier")
-    if job.round_seconds is not None:
+    by_time = job.round_seconds is not None or job.adaptive
+    if by_time:
         if net.step_seconds is None:
             raise ConfigError("rounds by time in a simulation count simulated seconds: give --step-seconds (an inner "
                               "step's time at speed 1; each worker's is that over its --speeds)")
         if faults or regions or gossip:
-            raise ConfigError("the simulator runs rounds by time (--round-seconds) in a flat swarm without faults for "
-                              "now: leave out --faults, --regions and --topology gossip")
+            raise ConfigError("the simulator runs rounds by time (--round-seconds, --adaptive) in a flat swarm without "
+                              "faults for now: leave out --faults, --regions and --topology gossip")
     if faults and job.streaming.outer_overlap != "none":
         raise ConfigError("fault plans need outer_overlap none: a worker killed with a whole outer step in flight "
                           "would hold the others until their deadlines")
@@ -428,7 +433,7 @@ def simulate(job: JobConfig, workers: int, *, swarm: SwarmConfig | None = None, 
 
         # rounds by time count simulated seconds: worker i's steps take step_seconds / its speed
         clock = partial(_simulated_seconds, step=net.step_seconds / speed[i]) \
-            if job.round_seconds is not None and net.step_seconds is not None else None
+            if by_time and net.step_seconds is not None else None
         try:
             finals[i] = run_job(job_i, s, metrics=out, corpus=corpus, on_step=hook, round_clock=clock)
             s.close()  # done: it leaves, as `diloco join` does after its job, so peers still training (a region
@@ -477,7 +482,7 @@ def simulate(job: JobConfig, workers: int, *, swarm: SwarmConfig | None = None, 
     wall = time.monotonic() - started
     fired = runner.fired if runner is not None else []
     summary = summarize(job, [finals[i] for i in sorted(finals)], rows, net, wall, workers,
-                        [f for _, f in fired], regions, slots if job.round_seconds is not None else None)
+                        [f for _, f in fired], regions, slots if by_time else None)
     summary["faults_fired"] = [dict(f.as_dict(), plan_index=k) for k, f in fired]
     return summary
 
