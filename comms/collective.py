@@ -118,7 +118,7 @@ class Collective:
         self._floor = RoundKey(0, 0)  # frames for earlier keys are stale
         self._committed_through = -1  # the highest round number this peer committed (or downloaded past)
         self._decided: dict[int, tuple[str, str]] = {}  # (ballot's view id, value id) of the last rounds we committed
-        self._background: set[asyncio.Task[Any]] = set()  # votes still on their way after we decided
+        self._background: set[asyncio.Task[Any]] = set()  # votes still on their way after we decided (`settle`)
         self._accepted: Accepted | None = None
         """The value we accepted in the latest attempt of the current round, until the round is over."""
         self._ran: dict[str, Exchange] = {}
@@ -156,6 +156,12 @@ class Collective:
             self._floor = key
             self._forget_before(key)
         self._committed_through = max(self._committed_through, key.round - 1)
+
+    async def settle(self, timeout: float) -> None:
+        """Let the votes still on their way after we decided arrive (at most `timeout` seconds): before we leave, a
+        member may still need ours to commit."""
+        if self._background:
+            await asyncio.wait(set(self._background), timeout=timeout)
 
     # ---------------------------------------------------------------- the round, from our side
 
@@ -359,10 +365,11 @@ class Collective:
         try:
             self.faults.hit("decide", key.round)
             await self._wait(rs, settled, deadline)
-            if quorum(votes) and tasks:  # a member still waiting for our vote needs it to decide: let it arrive
-                await asyncio.wait(tasks, timeout=min(self.cfg.call_timeout, self.cfg.gather_timeout / 10))
         finally:
-            for t in tasks:  # past the bound, a vote still on its way goes on in the background
+            # A quorum decides: we commit without waiting for the replies to our own votes (a round trip), and a
+            # vote still on its way goes on in the background: a member waiting for it needs it to decide. A peer
+            # that leaves lets them arrive first (`settle`), and lingers while a peer is behind.
+            for t in tasks:
                 if quorum(votes) and not t.done():
                     self._background.add(t)
                     t.add_done_callback(self._background.discard)

@@ -195,7 +195,8 @@ class Member:
         records (no network I/O; none for a lone worker or before the first read)."""
         if self.swarm is None:
             return []
-        return [r.step_seconds for r in self.swarm.others_seen() if r.step_seconds is not None and r.status == "training"]
+        return [r.step_seconds for r in self.swarm.others_seen()
+                if r.step_seconds is not None and r.status == "training"]
 
     def bytes_on_wire(self) -> tuple[int, int]:
         """(sent, received) bytes of this peer so far, every message included."""

@@ -30,8 +30,8 @@ and workers that leave a round together reach the next slot together.
   applies a round τ/k of its own steps after its slot, so every worker applies it about the same time after the
   slot, as long as the exchange takes on the link.
 
-The pace decides only where the slots fall (and when a round applies); what a worker's pseudo-gradient weighs (the inner steps it covers)
-is the engine's (`RoundEngine`).
+The pace decides only where the slots fall (and when a round applies); what a worker's pseudo-gradient weighs (the
+inner steps it covers) is the engine's (`RoundEngine`).
 """
 
 from __future__ import annotations
@@ -40,6 +40,9 @@ from typing import Callable, Sequence
 
 PLAN_AT = 2
 """The step of a span at which a site's leader plans the span's length: by then it has timed one whole step."""
+
+TOLERANCE = 1e-9
+"""Seconds a slot may be short by: a clock that counts whole steps (the simulator's) lands on it up to rounding."""
 
 SMOOTHING = 0.2
 """Weight of the latest step's duration in the moving average of a step's seconds."""
@@ -94,7 +97,9 @@ class Pace:
         self.slot_seconds = round_seconds / fragments if round_seconds is not None else 0.0
         """Seconds of training between two slots (each fragment syncs after every `round_seconds` of it); adaptive,
         as last computed."""
-        self._others, self.bound = others, bound
+        self.others, self.bound = others, bound
+        """`others()`: the other workers' step times (their records'); `bound`: how many times as fast as ours one
+        may count (the weight bound; 0: no bound)."""
         self.planned = planned
         self.plan_at = max(PLAN_AT, plan_at)
         """A site: the step of each span at which the leader plans it."""
@@ -126,20 +131,21 @@ class Pace:
                 if self.step_seconds is None:
                     return False
                 self._adapt(self.step_seconds)
-            return now - self._start >= self.slot_seconds
+            return now - self._start >= self.slot_seconds - TOLERANCE
         if self.span == self.plan_at:
             self.plan = agree(lambda: self._plan(now))
         return self.plan is not None and self.span >= self.plan
 
     def _adapt(self, own: float) -> None:
         assert self.adaptive is not None
-        self.slot_seconds = adaptive_seconds(self.adaptive, own, self._others(), self.bound)
+        self.slot_seconds = adaptive_seconds(self.adaptive, own, self.others(), self.bound)
 
     def _plan(self, now: float) -> int:
         """The leader's decision: how many steps this span has in all."""
         if self.adaptive is not None and self.step_seconds is not None:
             self._adapt(self.step_seconds)
-        return max(self.plan_at, planned_steps(self.span, now - self._start, self.slot_seconds, self.step_seconds or 0.0))
+        taken = planned_steps(self.span, now - self._start, self.slot_seconds, self.step_seconds or 0.0)
+        return max(self.plan_at, taken)
 
     def align(self, closed: float) -> None:
         """The last round's view closed at `closed` (a moment every member shares): the span counts from there if that

@@ -680,6 +680,10 @@ class Swarm:
                 self.loop.run(self._publish(), timeout=5)
             except Exception:  # noqa: BLE001 - leaving must never fail
                 pass
+        try:  # our last votes first: a member may need them to commit our last round
+            self.loop.run(self.collective.settle(self.cfg.call_timeout), timeout=self.cfg.call_timeout + 1)
+        except Exception:  # noqa: BLE001 - leaving must never fail
+            pass
         self._closed = True
         self._heartbeat.cancel()
         if self._on_close is not None:

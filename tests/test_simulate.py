@@ -209,6 +209,19 @@ def test_simulate_runs_rounds_by_time_each_worker_stepping_at_its_speed():
         simulate(job, 2, net=NetworkModel())
 
 
+def test_simulate_runs_adaptive_rounds_h_steps_of_the_fastest_worker():
+    """`diloco simulate --adaptive -H 8 --step-seconds 0.1 --speeds 1,0.5,0.25`: a round lasts 8 steps of the fastest
+    worker (0.8 simulated seconds), so the workers take 8, 4 and 2 steps a round from the first round on (the
+    simulated records are always fresh), one digest."""
+    job = JobConfig(**{**TINY.__dict__, "adaptive": True, "inner_steps": 8, "rounds": 3})
+    net = NetworkModel(bandwidth_mbit=1000, latency_ms=1, step_seconds=0.1, speeds=(1.0, 0.5, 0.25))
+    out = simulate(job, 3, swarm=SwarmConfig(run_id="sima", compression="fp32"), net=net)
+    assert len(out["digests"]) == 1 and out["round"] == 3
+    assert out["projection"]["steps_per_round"] == {"0": 8.0, "1": 4.0, "2": 2.0}
+    with pytest.raises(ConfigError, match="--step-seconds"):
+        simulate(job, 2, net=NetworkModel())
+
+
 # ---------------------------------------------------------------------- regions (docs/REGIONS.md)
 
 MB = 1_000_000

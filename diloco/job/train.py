@@ -17,7 +17,7 @@ import threading
 import time
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -310,14 +310,16 @@ def run_job(cfg: JobConfig, swarm: Swarm | None, *, metrics: MetricsWriter | Non
             status_path: str | os.PathLike[str] | None = None, stop: threading.Event | None = None,
             corpus: Corpus | None = None, on_step: Callable[[DiLoCo], None] | None = None,
             progress: Callable[[float, float | None, str | None], None] | None = None,
-            round_clock: Callable[[DiLoCo], float] | None = None) -> dict[str, Any]:
+            round_clock: Callable[[DiLoCo], float] | None = None,
+            others_steps: Sequence[float] | None = None) -> dict[str, Any]:
     """Train until the global round reaches cfg.rounds (or `stop` is set); returns the final summary.
     `corpus`: `load_corpus(cfg)` already loaded (workers in one process share it, read-only).
     `on_step(d)`: called after every inner step (the simulator's fault plans act there).
     `progress(done, total, status)`: outer rounds done (fractional between rounds) of `cfg.rounds`
     after every inner step, with a new status (`round_status`) after every round. `round_clock(d)`: the seconds rounds by
     time count instead of the wall clock's (the simulator's workers count simulated time: their steps at their
-    speed), and then no time limit."""
+    speed), and then no time limit; `others_steps`: the other workers' step times in those seconds, which an adaptive
+    round and τ by time read instead of the records (the simulator's: deterministic, not the heartbeat's timing)."""
     stop = stop or threading.Event()
     metrics = metrics or MetricsWriter(None)
     torch.set_num_threads(cfg.threads)
@@ -384,6 +386,8 @@ def run_job(cfg: JobConfig, swarm: Swarm | None, *, metrics: MetricsWriter | Non
                round_seconds=cfg.round_seconds, adaptive=cfg.adaptive)
     if round_clock is not None:
         d.engine.clock = partial(round_clock, d)
+    if others_steps is not None and d.engine.pace is not None:
+        d.engine.pace.others = lambda: others_steps
     if cfg.resume and not d.resume():
         log.info("event=resume_skipped reason=no verified checkpoint in %s", cfg.checkpoint_dir)
     target = cfg.rounds * len(d.fragments)  # a round synchronizes one fragment

@@ -434,8 +434,12 @@ def simulate(job: JobConfig, workers: int, *, swarm: SwarmConfig | None = None, 
         # rounds by time count simulated seconds: worker i's steps take step_seconds / its speed
         clock = partial(_simulated_seconds, step=net.step_seconds / speed[i]) \
             if by_time and net.step_seconds is not None else None
+        # what the others' records would say of their steps, always fresh: adaptive rounds and τ by time read it
+        others = [net.step_seconds / speed[j] for j in range(workers) if j != i] \
+            if clock is not None and net.step_seconds is not None else None
         try:
-            finals[i] = run_job(job_i, s, metrics=out, corpus=corpus, on_step=hook, round_clock=clock)
+            finals[i] = run_job(job_i, s, metrics=out, corpus=corpus, on_step=hook, round_clock=clock,
+                                others_steps=others)
             s.close()  # done: it leaves, as `diloco join` does after its job, so peers still training (a region
             # whose merges drifted behind) do not wait for it in their rounds
         except Killed:
