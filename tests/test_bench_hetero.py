@@ -32,13 +32,16 @@ def test_a_workers_useful_steps_are_those_its_committed_rounds_covered():
 
 
 def test_the_variants_share_the_model_and_differ_in_how_a_round_ends():
-    fixed, without, by_time, overlapped = variants(HeteroSetup(rounds=6, grace=1.5, overlap=20), round_seconds=0.75)
+    fixed, without, by_time, overlapped, adaptive = variants(HeteroSetup(rounds=6, grace=1.5, overlap=20),
+                                                             round_seconds=0.75)
     assert fixed.flags[fixed.flags.index("--rounds") + 1] == "6" and "--round-seconds" not in fixed.flags
     assert float(fixed.flags[fixed.flags.index("--gather-timeout") + 1]) >= 600  # waits for the slowest
     assert without.flags[without.flags.index("--gather-timeout") + 1] == "1.5"
     assert without.flags[without.flags.index("--rounds") + 1] == "24"  # 4x as many rounds: 4x as slow at most
     assert by_time.flags[by_time.flags.index("--round-seconds") + 1] == "0.750" and "-H" not in by_time.flags
     assert overlapped.flags[overlapped.flags.index("--overlap") + 1] == "20" and "--round-seconds" in overlapped.flags
+    assert "--adaptive" in adaptive.flags and adaptive.flags[adaptive.flags.index("-H") + 1] == "500"
+    assert "--round-seconds" not in adaptive.flags
     assert HeteroSetup(inner_steps=500).seconds_of_a_round(0.014) == pytest.approx(7.0)  # the fastest: H steps a round
     assert HeteroSetup(round_seconds=3.0).seconds_of_a_round(0.014) == 3.0
 
@@ -50,6 +53,7 @@ def test_the_variants_share_the_model_and_differ_in_how_a_round_ends():
     (dict(grace=0), "grace"),
     (dict(overlap=0), "overlap"),
     (dict(round_seconds=0), "round_seconds"),
+    (dict(adaptive_steps=0), "adaptive_steps"),
 ])
 def test_a_setup_that_cannot_run_is_refused_saying_why(bad, says):
     with pytest.raises(ValueError, match=says):
@@ -60,20 +64,23 @@ def test_a_setup_that_cannot_run_is_refused_saying_why(bad, says):
 @pytest.mark.timeout(300)
 def test_fixed_h_and_rounds_by_time_run_with_throttled_peers_across_an_emulated_link(tmp_path):
     """Two real peers, the second throttled 3×: fixed H waiting for it, fixed H going on without it, rounds by time
-    plain and overlapped. Every variant ends on one digest (among the workers at its last round); waiting, the fast
-    worker's steps a round are H; by time, the fast worker covers more steps a round than the throttled one."""
+    plain and overlapped, adaptive rounds. Every variant ends on one digest (among the workers at its last round);
+    waiting, the fast worker's steps a round are H; by time and adaptive, the fast worker covers more steps a round
+    than the throttled one (adaptive: the slow one read the fast one's step time from its record, over the DHT)."""
     # rounds by time of 0.5 s (by default H × the fast step: a few ms at this size, too short to tell the workers apart)
     setup = HeteroSetup(slowdowns=(1.0, 3.0), rate_mbit=50.0, delay_ms=5.0, inner_steps=8, rounds=2, grace=1.0,
-                        overlap=1, round_seconds=0.5, d_model=32, layers=1, context=32, batch_size=2, warmup=2,
+                        overlap=1, round_seconds=0.5, adaptive_steps=100, d_model=32, layers=1, context=32,
+                        batch_size=2, warmup=2,
                         timeout_s=150, straggle_s=5)
     lines: list[str] = []
     report = run(setup, workdir=tmp_path, progress=lines.append, measure=False)
-    fixed, without, by_time, overlapped = report["results"]
+    fixed, without, by_time, overlapped, adaptive = report["results"]
     assert all(r["digests_agree"] for r in report["results"]), report["results"]
     assert fixed["rounds"] == 2 and [w["steps_per_round"] for w in fixed["workers"]] == [8.0, 8.0]
-    assert without["rounds"] == 6 and by_time["rounds"] == 6 and overlapped["rounds"] == 6
-    fast, slow = by_time["workers"]
-    assert fast["steps_per_round"] > 1.5 * slow["steps_per_round"], by_time["workers"]
+    assert without["rounds"] == 6 and by_time["rounds"] == 6 and overlapped["rounds"] == 6 and adaptive["rounds"] == 6
+    for variant in (by_time, adaptive):
+        fast, slow = variant["workers"]
+        assert fast["steps_per_round"] > 1.5 * slow["steps_per_round"], variant
     assert report["round_seconds"] == 0.5 and "rounds by time (0.50 s)" in by_time["name"]
     assert report["standings"][0]["target"] == fixed["eval_loss"]
     text = markdown_table(report)

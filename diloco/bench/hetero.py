@@ -16,7 +16,10 @@ time), 1×, 2× and 4× by default:
   × the fastest worker's step time measured in the first run, so the fastest runs about H steps a round;
 - **rounds by time, overlapped**: the same with `--overlap τ`: each round's exchange runs while the next τ inner
   steps train, and its result is applied then (streaming DiLoCo's overlap on the whole model, α = 0), so the
-  protocol's time on the link is hidden where τ steps outlast it.
+  protocol's time on the link is hidden where τ steps outlast it;
+- **adaptive rounds**: `--adaptive -H H`: nobody gives a time; a round lasts H steps of the fastest worker, read
+  from the step times the workers publish in their records (by default the same H as the fixed-H runs, so its
+  rounds are as long as the rounds by time).
 
 The first variant runs `rounds` rounds; its final held-out loss is the finish line. The others may run for
 `rounds` × the largest slowdown rounds (their rounds are that much shorter) to get there. A variant's clock is its
@@ -61,6 +64,8 @@ class HeteroSetup(LabModel):
     2× worker is late, shorter than the 4× one: the swarm goes on without the slowest)."""
     round_seconds: float | None = None
     """Seconds of a round by time (default: H × the fastest worker's step time in the first run)."""
+    adaptive_steps: int | None = None
+    """H of the adaptive rounds: steps of the fastest worker a round (default: `inner_steps`)."""
     timeout_s: float = 3600.0
     """Per variant."""
     straggle_s: float = 30.0
@@ -80,6 +85,8 @@ class HeteroSetup(LabModel):
                              f"{self.rounds}, {self.overlap}, {self.grace}")
         if self.round_seconds is not None and self.round_seconds <= 0:
             raise ValueError(f"round_seconds must be > 0, got {self.round_seconds}")
+        if self.adaptive_steps is not None and self.adaptive_steps < 1:
+            raise ValueError(f"adaptive_steps must be >= 1, got {self.adaptive_steps}")
 
     def seconds_of_a_round(self, fastest_step: float) -> float:
         """The rounds by time's S: `round_seconds`, else H × the fastest worker's step (`fastest_step` seconds), so that
@@ -100,8 +107,9 @@ class Variant:
 
 def variants(setup: HeteroSetup, round_seconds: float) -> list[Variant]:
     """Fixed H waiting for the slowest first (its final loss is the finish line), then fixed H going on without the
-    slow workers, then rounds by time, plain and overlapped."""
+    slow workers, then rounds by time, plain and overlapped, then adaptive rounds."""
     h, more = str(setup.inner_steps), str(setup.rounds * setup.longer)
+    adaptive = str(setup.adaptive_steps or setup.inner_steps)
     patient = str(max(600.0, 20 * setup.inner_steps))  # seconds: far beyond the slowest worker's round
     return [
         Variant(f"fixed H={h}, waiting for the slowest", ("-H", h, "--rounds", str(setup.rounds),
@@ -116,6 +124,9 @@ def variants(setup: HeteroSetup, round_seconds: float) -> list[Variant]:
         Variant(f"rounds by time ({round_seconds:.2f} s), overlap τ={setup.overlap}",
                 ("--round-seconds", f"{round_seconds:.3f}", "--overlap", str(setup.overlap), "--alpha", "0",
                  "--rounds", more, "--gather-timeout", "60", "--round-timeout", "60", "--eval-every", "1")),
+        Variant(f"adaptive (H={adaptive} of the fastest)",
+                ("-H", adaptive, "--adaptive", "--rounds", more, "--gather-timeout", "60", "--round-timeout", "60",
+                 "--eval-every", "1")),
     ]
 
 
