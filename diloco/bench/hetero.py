@@ -57,8 +57,8 @@ class HeteroSetup(LabModel):
     rounds: int = 4
     """Rounds of the fixed-H run that waits for the slowest worker: its final held-out loss is the finish line."""
     overlap: int = 50
-    """τ of the overlapped rounds by time, inner steps (below the slowest worker's steps a round, or its round is
-    applied at its next slot instead)."""
+    """τ of the overlapped rounds by time, inner steps of the fastest worker (a worker k times as slow applies a round
+    τ/k of its own steps after its slot; below the fastest worker's steps a round)."""
     grace: float = 1.0
     """Gather timeout of the fixed-H run that goes on without the slow workers, seconds (by default longer than the
     2× worker is late, shorter than the 4× one: the swarm goes on without the slowest)."""

@@ -843,7 +843,7 @@ def bench_hetero_cmd(
     inner_steps: int = typer.Option(500, "--inner-steps", "-H", help="H of the fixed-H variants."),
     rounds: int = typer.Option(4, help="Rounds of the fixed-H run that waits for the slowest (the finish line)."),
     grace: float = typer.Option(1.0, help="Gather timeout of the fixed-H run that goes on without the slow, s."),
-    overlap: int = typer.Option(50, help="τ of the overlapped rounds by time, inner steps."),
+    overlap: int = typer.Option(50, help="τ of the overlapped rounds by time, inner steps of the fastest worker."),
     round_seconds: Optional[float] = typer.Option(None, help="A round by time, s (default: H × the fastest "
                                                              "worker's step time in the first run)."),
     lr: float = LabLr,

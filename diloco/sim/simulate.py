@@ -13,8 +13,8 @@ each round really put on the wire (`project`, a pure function): a round's exchan
 
     comm = 6 · latency + max(bytes sent, bytes received by a worker) · 8 / bandwidth
 
-(three round trips: a ready and its reply, contributions to span owners and results back, the votes and their
-replies; full-duplex links), computed
+(three round trips: a ready and its reply, contributions to span owners and results back, a vote and, at most,
+its reply; full-duplex links), computed
 with the round's busiest worker. Between two rounds every worker takes H/P inner steps; the swarm
 moves at the pace of its slowest worker (a round waits for all), and a result needed τ steps after
 its round started blocks the loop for max(0, comm − τ · step) seconds. Projected wall clock is the
@@ -53,7 +53,8 @@ log = logging.getLogger(__name__)
 MSS_BYTES = 1460  # TCP segment payload on a 1500-byte MTU path
 LATENCIES = 6
 """One-way latencies on a round's critical path: the gather (a ready and its reply), the exchange (contributions to
-the span owners, results back) and the decide step (a vote and its reply), docs/PROTOCOL.md."""
+the span owners, results back) and the decide step (a vote, and its reply when the others' votes did not cross it:
+up to a round trip), docs/PROTOCOL.md."""
 
 
 @dataclass(frozen=True)
