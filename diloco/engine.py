@@ -188,7 +188,8 @@ class RoundEngine:
         due = self.pace.due(self.clock(), self.link.agree)
         if self.pace.step_seconds is not None and (due or self.standing.step_seconds is None):
             first = self.standing.step_seconds is None
-            self.standing.step_seconds = self.pace.step_seconds  # published with our record (adaptive rounds read it)
+            # published with our record (adaptive rounds read it, ours included: `Pace.published`)
+            self.standing.step_seconds = self.pace.published = self.pace.step_seconds
             if first and self.member.swarm is not None:
                 self.member.publish("training", now=False)  # the first: with the next heartbeat, not after a round
         return due

@@ -100,6 +100,10 @@ class Pace:
         self.others, self.bound = others, bound
         """`others()`: the other workers' step times (their records'); `bound`: how many times as fast as ours one
         may count (the weight bound; 0: no bound)."""
+        self.published: float | None = None
+        """Our step time as our record tells the others (the engine sets it when it publishes: the first measurement,
+        then at every slot). An adaptive span reads ours from here rather than from the live average, so that the
+        fastest worker and those reading its record compute the same span and reach the slot together."""
         self.planned = planned
         self.plan_at = max(PLAN_AT, plan_at)
         """A site: the step of each span at which the leader plans it."""
@@ -138,7 +142,7 @@ class Pace:
 
     def _adapt(self, own: float) -> None:
         assert self.adaptive is not None
-        self.slot_seconds = adaptive_seconds(self.adaptive, own, self.others(), self.bound)
+        self.slot_seconds = adaptive_seconds(self.adaptive, self.published or own, self.others(), self.bound)
 
     def _plan(self, now: float) -> int:
         """The leader's decision: how many steps this span has in all."""

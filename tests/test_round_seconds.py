@@ -225,6 +225,21 @@ def test_an_adaptive_pace_follows_the_fastest_step_time_the_records_show():
         Pace(1.0, 1, planned=False, now=0.0, adaptive_steps=10)
 
 
+def test_the_fastest_worker_paces_an_adaptive_span_by_the_step_time_its_record_shows():
+    """The fastest worker's steps drift from 0.1 s to 0.12 s within a round; the others read 0.1 s in its record until
+    its next slot. It counts its own span from that same 0.1 s, not from its live average, so every worker's span is
+    H × 0.1 s and they reach the slot together."""
+    pace = Pace(None, 1, planned=False, now=0.0, adaptive_steps=10, others=lambda: [0.4], bound=8)
+    told = lambda decide: decide()  # noqa: E731
+    pace.restart(0.0)
+    pace.published = 0.1  # what the engine published at the last slot
+    t = 0.0
+    for _ in range(5):
+        t += 0.12
+        pace.due(t, told)
+    assert pace.step_seconds > 0.11 and pace.slot_seconds == pytest.approx(1.0)
+
+
 def test_a_sites_leader_plans_an_adaptive_span_from_the_fastest_step_time():
     """A site at 0.3 s a step, H = 20 over 2 fragments, the swarm's fastest at 0.1 s: the leader plans 1 s of
     training a slot (10 steps of the fastest, not 10 of its own): 2 steps taken in 0.6 s, 0.4 s left, one more step,
