@@ -63,12 +63,13 @@ def test_watch_rates_stand_until_the_next_heartbeat():
 def test_plain_lines_and_json_show_every_column():
     row = summarize([], [PeerRecord(peer="12D3KooWx", status="training", round=2, step=40, loss=2.5, beat=99.0,
                                     bytes_sent=2_000_000, bytes_received=1_000_000, utilization=0.875,
-                                    round_steps=37)], 1.0, 100.0)[0]
+                                    round_steps=37, step_seconds=0.0125)], 1.0, 100.0)[0]
     head, line = statusview.lines([row], "r", 100.0)
     assert "swarm 'r': 1 training" in head
     assert all(f"{k} " in line for k in statusview.COLUMNS)
     assert "util 87.5%" in line and "sent 2.0 MB" in line and "loss 2.500" in line
     assert "steps/round 37" in line  # what its last Δ covered: its weight with rounds by time
+    assert "ms/step 12.5" in line  # its published step time: adaptive rounds read it
     parsed = json.loads(statusview.json_line([row], 100.0))
     assert parsed["peers"][0]["utilization"] == 0.875 and parsed["peers"][0]["bytes_sent"] == 2_000_000
     assert parsed["peers"][0]["round_steps"] == 37

@@ -12,8 +12,8 @@ from rich.table import Table
 from ..peers.records import PeerRecord
 from .status import PeerStatus
 
-COLUMNS = ("peer", "status", "round", "attempt", "step", "steps/s", "steps/round", "loss", "Mbit/s", "sent", "recv",
-           "util",
+COLUMNS = ("peer", "status", "round", "attempt", "step", "steps/s", "steps/round", "ms/step", "loss", "Mbit/s", "sent",
+           "recv", "util",
            "data path", "digest", "heartbeat")
 
 
@@ -36,6 +36,7 @@ def cells(row: PeerStatus) -> tuple[str, ...]:
     return (rec.peer, status, str(rec.round), str(rec.attempt), str(rec.step),
             "-" if row.steps_per_second is None else f"{row.steps_per_second:.2f}",
             "-" if rec.round_steps is None else str(rec.round_steps),
+            "-" if rec.step_seconds is None else f"{1000 * rec.step_seconds:.1f}",
             "-" if rec.loss is None else f"{rec.loss:.3f}",
             "-" if row.bytes_per_second is None else f"{row.bytes_per_second * 8 / 1e6:.2f}",
             _mb(rec.bytes_sent), _mb(rec.bytes_received),
