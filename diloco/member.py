@@ -195,8 +195,9 @@ class Member:
         records (no network I/O; none for a lone worker or before the first read)."""
         if self.swarm is None:
             return []
+        banned = self.swarm.collective.banned
         return [r.step_seconds for r in self.swarm.others_seen()
-                if r.step_seconds is not None and r.status == "training"]
+                if r.step_seconds is not None and r.status == "training" and r.peer not in banned]
 
     def bytes_on_wire(self) -> tuple[int, int]:
         """(sent, received) bytes of this peer so far, every message included."""

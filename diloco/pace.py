@@ -118,8 +118,10 @@ class Pace:
         self._last: float | None = None
 
     def restart(self, now: float) -> None:
-        """The worker's span of inner steps begins now: it joined, or took another peer's state."""
-        self._start, self._last = now, now
+        """The worker's span of inner steps begins now: it joined, or took another peer's state. The step that
+        follows is not timed: it holds whatever came between (the script's own set-up, a barrier, a first
+        compilation), which would size a whole adaptive span (the pace is timed from the second step on)."""
+        self._start, self._last = now, None
 
     def due(self, now: float, agree: Callable[[Callable[[], int]], int]) -> bool:
         """After an inner step ended at `now`: whether this step is a slot. `agree(decide)` gives every rank of a
@@ -142,7 +144,10 @@ class Pace:
 
     def _adapt(self, own: float) -> None:
         assert self.adaptive is not None
-        self.slot_seconds = adaptive_seconds(self.adaptive, self.published or own, self.others(), self.bound)
+        # ours as our record shows it (what the others read), but never more than our live pace: a published time
+        # taken while the steps were still warming up does not stretch the span
+        mine = min(self.published, own) if self.published else own
+        self.slot_seconds = adaptive_seconds(self.adaptive, mine, self.others(), self.bound)
 
     def _plan(self, now: float) -> int:
         """The leader's decision: how many steps this span has in all."""

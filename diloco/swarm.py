@@ -326,6 +326,16 @@ class Swarm:
         paths = self.transport.paths if isinstance(self.transport, DirectTransport) else {}
         return {how: sorted(p for p, used in paths.items() if used == how) for how in sorted(set(paths.values()))}
 
+    def settle_votes(self) -> None:
+        """Let the votes we still have on their way arrive (at most `call_timeout`): a member may need ours to commit
+        our last round (`Collective.settle`). Before leaving, and when a wrapper detaches."""
+        if self._closed:
+            return
+        try:
+            self.loop.run(self.collective.settle(self.cfg.call_timeout), timeout=self.cfg.call_timeout + 1)
+        except Exception:  # noqa: BLE001 - leaving must never fail
+            pass
+
     def others_seen(self) -> list[PeerRecord]:
         """The other peers' records as the heartbeat last read them (no network I/O; none before its first read)."""
         return [r for r in self._seen or () if r.peer != self.peer_id]
@@ -680,10 +690,7 @@ class Swarm:
                 self.loop.run(self._publish(), timeout=5)
             except Exception:  # noqa: BLE001 - leaving must never fail
                 pass
-        try:  # our last votes first: a member may need them to commit our last round
-            self.loop.run(self.collective.settle(self.cfg.call_timeout), timeout=self.cfg.call_timeout + 1)
-        except Exception:  # noqa: BLE001 - leaving must never fail
-            pass
+        self.settle_votes()
         self._closed = True
         self._heartbeat.cancel()
         if self._on_close is not None:

@@ -526,6 +526,8 @@ class DiLoCo:
                 self.member.maybe_resync(time.monotonic())
         finally:
             self.member.holding.settle()  # a checkpoint written beside training is on disk when we return
+            if self.member.swarm is not None:  # our last votes reach the members that may need them to commit
+                self.member.swarm.settle_votes()
             self._stop.restore()
             if self.launch is not None:
                 self._finish_launched(completed)

@@ -58,7 +58,7 @@ def test_adaptive_rounds_last_h_steps_of_the_fastest_worker_and_the_others_train
     ds, covered, _ = _train_unequal(ROUNDS * fragments, streaming=streaming, adaptive=True, inner_steps=h_steps)
     later = {i: cs[fragments:] for i, cs in covered.items()}  # a worker's first span may be paced by its own steps
     fast, slow = sum(later[0]) / len(later[0]), sum(later[2]) / len(later[2])
-    assert 0.5 * h_steps <= fast <= 1.5 * h_steps, covered
+    assert 0.3 * h_steps <= fast <= 2 * h_steps, covered
     assert slow < 0.5 * fast, covered  # not H of its own: the round did not wait for it
     seconds = [d.engine.pace.slot_seconds for d in ds]  # every worker's span: H/P steps of the fastest
     assert max(seconds) < 2 * min(seconds), seconds
@@ -212,15 +212,16 @@ def test_adaptive_seconds(own, others, expected):
 
 def test_an_adaptive_pace_follows_the_fastest_step_time_the_records_show():
     """A lone worker at 0.4 s a step, H = 10: before anyone else's step time is known its span is H of its own steps
-    (4 s); once a record shows 0.1 s a step, 1 s; the records change between its steps, its span follows."""
+    (4 s; its first step, with 0.1 s of set-up, is not timed); once a record shows 0.1 s a step, 1 s; the records
+    change between its steps, its span follows."""
     others: list[float] = []
     pace = Pace(None, 1, planned=False, now=0.0, adaptive_steps=10, others=lambda: others, bound=8)
     told = lambda decide: decide()  # noqa: E731
     pace.restart(0.0)  # training begins (the engine's `restart_clock` at attach)
-    assert not pace.due(0.4, told) and pace.slot_seconds == pytest.approx(4.0)
+    assert not pace.due(0.5, told) and pace.step_seconds is None  # the first step holds the set-up: not timed
+    assert not pace.due(0.9, told) and pace.slot_seconds == pytest.approx(4.0)
     others.append(0.1)
-    assert not pace.due(0.8, told) and pace.slot_seconds == pytest.approx(1.0)
-    assert pace.due(1.2, told)
+    assert pace.due(1.3, told) and pace.slot_seconds == pytest.approx(1.0)  # 1.3 s since the span began
     with pytest.raises(ValueError, match="one of them"):
         Pace(1.0, 1, planned=False, now=0.0, adaptive_steps=10)
 
@@ -238,6 +239,9 @@ def test_the_fastest_worker_paces_an_adaptive_span_by_the_step_time_its_record_s
         t += 0.12
         pace.due(t, told)
     assert pace.step_seconds > 0.11 and pace.slot_seconds == pytest.approx(1.0)
+    pace.published = 1.0  # published while its steps were still warming up: its live pace caps it
+    pace.due(t + 0.12, told)
+    assert pace.slot_seconds == pytest.approx(10 * pace.step_seconds) and pace.slot_seconds < 1.3
 
 
 def test_a_sites_leader_plans_an_adaptive_span_from_the_fastest_step_time():
