@@ -80,6 +80,10 @@ class _FragmentState:
     """A lone worker's Δ of this fragment, formed in the same memory every slot (`RoundEngine._buffer`)."""
 
 
+FIRST_PUBLISHED = 4
+"""Inner steps into its first span after which a worker publishes its step time (adaptive rounds read it)."""
+
+
 class RoundEngine:
     """The rounds of one worker (see the module docstring). `swarm` is None for a lone worker (no network)."""
 
@@ -186,7 +190,9 @@ class RoundEngine:
         if self.pace is None:
             return self.standing.position >= self.period
         due = self.pace.due(self.clock(), self.link.agree)
-        if self.pace.step_seconds is not None and (due or self.standing.step_seconds is None):
+        # the first time we publish: once a few steps are timed (the first ones warm up), or at the slot
+        settled = due or (self.standing.step_seconds is None and self.pace.span > FIRST_PUBLISHED)
+        if self.pace.step_seconds is not None and settled:
             first = self.standing.step_seconds is None
             # published with our record (adaptive rounds read it, ours included: `Pace.published`)
             self.standing.step_seconds = self.pace.published = self.pace.step_seconds

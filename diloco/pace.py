@@ -144,10 +144,8 @@ class Pace:
 
     def _adapt(self, own: float) -> None:
         assert self.adaptive is not None
-        # ours as our record shows it (what the others read), but never more than our live pace: a published time
-        # taken while the steps were still warming up does not stretch the span
-        mine = min(self.published, own) if self.published else own
-        self.slot_seconds = adaptive_seconds(self.adaptive, mine, self.others(), self.bound)
+        # ours as our record shows it (what the others read), so that every worker computes the same span
+        self.slot_seconds = adaptive_seconds(self.adaptive, self.published or own, self.others(), self.bound)
 
     def _plan(self, now: float) -> int:
         """The leader's decision: how many steps this span has in all."""
