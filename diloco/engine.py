@@ -109,16 +109,14 @@ class RoundEngine:
         self.pending: _Pending | None = None
         self.start: list[torch.Tensor] | None = None  # eager: where this phase started (≠ θ)
         self.last_view = 1
-        self.round_seconds = round_seconds
-        """Rounds by time: each fragment syncs every this many seconds (however many inner steps that took), and
-        our Δ counts in the round's means by the steps it covers. None: every H inner steps."""
-        self.by_time = round_seconds is not None or adaptive
-        """Rounds by time, a fixed S or adaptive (H steps of the swarm's fastest worker): our Δ counts by its steps."""
+        by_time = round_seconds is not None or adaptive
         self.pace = Pace(round_seconds, len(self.fragments), planned=self.link.site is not None, now=time.monotonic(),
                          plan_at=streaming.overlap + 1, adaptive_steps=inner_steps if adaptive else None,
                          others=member.step_seconds_of_others, bound=RobustConfig().max_weight) \
-            if self.by_time else None
-        """Rounds by time: when our slots come (`diloco.pace`)."""
+            if by_time else None
+        """Rounds by time (each fragment syncs every `round_seconds`, or adaptive: H steps of the swarm's fastest
+        worker): when our slots come (`diloco.pace`), and our Δ counts in the round's means by the steps it covers.
+        None: every H inner steps."""
         self.clock: Callable[[], float] = time.monotonic
         """The seconds rounds by time count (the simulator gives each worker a clock of its simulated steps)."""
 
@@ -397,7 +395,7 @@ class RoundEngine:
                   ) -> concurrent.futures.Future[RoundOutcome]:
         swarm, s = self.member.swarm, self.standing
         assert swarm is not None
-        weight = s.covered if self.by_time else 1
+        weight = s.covered if self.pace is not None else 1
         return swarm.exchange_async(self.holding.round, s.attempt, self.holding.digest, delta, fragment=frag.index,
                                     previous=s.members, skip=s.stragglers, weight=weight)
 

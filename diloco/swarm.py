@@ -344,7 +344,7 @@ class Swarm:
         """Everyone's current record (ours included), as the directory shows them now; with `cached`,
         as the last heartbeat read them (at most `heartbeat_interval` old, no network I/O)."""
         if cached and self._seen is not None:
-            return [self._record, *(r for r in self._seen if r.peer != self.peer_id)]
+            return [self._record, *self.others_seen()]
         return self.loop.run(self._read_records(), timeout=self.cfg.call_timeout + 1)
 
     def check_standing(self, members: Sequence[PeerId] | None) -> None:

@@ -855,8 +855,8 @@ def bench_hetero_cmd(
     quiet: bool = Quiet,
 ) -> None:
     """Workers of unequal speed on an emulated WAN (needs root): fixed H waiting for the slowest, fixed H going on
-    without it, and rounds by time (--round-seconds), plain and overlapped, timed until each reaches the first one's
-    final held-out loss."""
+    without it, rounds by time (--round-seconds), plain and overlapped, and adaptive rounds (--adaptive), timed until
+    each reaches the first one's final held-out loss."""
     from ..bench import hetero
 
     def setup() -> hetero.HeteroSetup:
