@@ -44,8 +44,12 @@ def test_variants_against_data_parallel_on_equal_tokens(tmp_path):
     assert [c["step"] for c in plain["curve"]] == [4, 8] and [c["step"] for c in sparse["curve"]] == [8]
     for r in rows:
         assert r["curve"][-1]["eval_loss"] == pytest.approx(r["eval_loss"])
-        # the rounds' bytes so far; the total also counts what moved outside rounds (~150 bytes here)
-        assert 0.9 * r["bytes_sent"] <= r["curve"][-1]["bytes_sent"] <= r["bytes_sent"]
+        # the rounds' bytes so far; the total also counts what moved outside a round's span: the decide's votes
+        # still on their way when a worker committed (`Collective.settle`), a few hundred bytes per worker and
+        # round here (515-666 measured), whichever worker reached the quorum first; a round's payload is more
+        # (sparse: ~2.3 KB a worker, fp32: ~300 KB), so a round missing from the curve fails this
+        outside = r["bytes_sent"] - r["curve"][-1]["bytes_sent"]
+        assert 0 <= outside <= 1024 * 2 * r["syncs"] if r is not dp else outside == 0
     # fp32: every round moves the same payload; replies differ by a few dozen bytes with who reached the
     # round first (a ready answered before or after the answerer's own gather began names its peers or not)
     assert plain["curve"][1]["bytes_sent"] == pytest.approx(2 * plain["curve"][0]["bytes_sent"], abs=400)
