@@ -50,9 +50,10 @@ def test_variants_against_data_parallel_on_equal_tokens(tmp_path):
         # (sparse: ~2.3 KB a worker, fp32: ~300 KB), so a round missing from the curve fails this
         outside = r["bytes_sent"] - r["curve"][-1]["bytes_sent"]
         assert 0 <= outside <= 1024 * 2 * r["syncs"] if r is not dp else outside == 0
-    # fp32: every round moves the same payload; replies differ by a few dozen bytes with who reached the
-    # round first (a ready answered before or after the answerer's own gather began names its peers or not)
-    assert plain["curve"][1]["bytes_sent"] == pytest.approx(2 * plain["curve"][0]["bytes_sent"], abs=400)
+    # fp32: every round moves the same payload (~300 KB a worker); the control bytes around it differ by a few
+    # hundred with who reached the round and its quorum first (a ready answered before or after the answerer's own
+    # gather began names its peers or not; votes on their way at commit count in no round: 0-151 measured idle)
+    assert plain["curve"][1]["bytes_sent"] == pytest.approx(2 * plain["curve"][0]["bytes_sent"], abs=2 * 1024)
     written = plots(rows, tmp_path, tokens_per_worker_step=4 * job.context)
     assert [p.name for p in written] == ["b1-loss-vs-tokens.png", "b1-loss-vs-bytes.png"]
     assert all(p.read_bytes()[:4] == b"\x89PNG" for p in written)
