@@ -69,6 +69,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import secrets
 import time
 from collections import Counter
 from functools import partial
@@ -84,7 +85,7 @@ from .faults import NO_FAULTS, Faults
 from . import robust
 from .reduce import canonical_order, order_key, summation_order, uneven
 from .rounds import Accepted, CollectiveConfig, Contribution, Exchange, Handoff, RoundOutcome, RoundState, Value
-from .spans import MAX_SPANS, RoundKey, make_view, span_bounds, spans_for, view_id
+from .spans import MAX_SPANS, RoundKey, make_view, member_token, parse_member, span_bounds, spans_for, view_id
 from .transport import CallTimedOut, PeerId, Transport, TransportError
 
 log = logging.getLogger(__name__)
@@ -107,6 +108,9 @@ class Collective:
         self.schema = ""
         """Digest of the model schema and compression spec; frames with another schema are rejected."""
         self.me = transport.peer_id
+        self.incarnation = secrets.randbits(62) | 1
+        """This process's number among the processes that ever ran under our peer id (drawn at start): views name
+        it, so a peer that restarted mid-round is another member than the one its old process joined as."""
         self.rejections: Counter[str] = Counter()
         self.robust_events: Counter[str] = Counter()
         """clipped (contributions scaled down), strikes, banned (peers)."""
@@ -304,7 +308,8 @@ class Collective:
             return None
         spans = range(len(r.bounds))
         return Value(r.key, rs.vid, r.view, [rs.frames[(rs.vid, i)] for i in spans],
-                     [rs.results[(rs.vid, i)] for i in spans], [rs.marked.get((rs.vid, i), ()) for i in spans])
+                     [rs.results[(rs.vid, i)] for i in spans], [rs.marked.get((rs.vid, i), ()) for i in spans],
+                     {p: rs.incarnations.get(p, 0) for p in r.view})
 
     async def _carry(self, r: Exchange, carried: tuple[int, str], numel: int) -> Value | None:
         """The value our view carries: ours if we accepted it, else fetched from a member that did."""
@@ -360,16 +365,22 @@ class Collective:
         def settled() -> bool:
             return quorum(votes) or bool(elsewhere) or not quorum(set(r.view) - past)
 
-        tasks = [asyncio.create_task(vote(p)) for p in r.view if p != self.me]
+        tasks = {p: asyncio.create_task(vote(p)) for p in r.view if p != self.me}
         deadline = max(r.closed_at + self.cfg.result_timeout, time.monotonic()) + self.cfg.call_timeout
         try:
             self.faults.hit("decide", key.round)
-            await self._wait(rs, settled, deadline)
+            # A member that answered "not accepted (yet)" may give the attempt up later (a result it never gets):
+            # ask again an answer window apart, so that we hear it moved past, rather than wait out the deadline.
+            while not await self._wait(rs, settled, min(deadline, time.monotonic() + self.cfg.answer_timeout)) \
+                    and time.monotonic() < deadline:
+                for p, t in tasks.items():
+                    if t.done() and p not in votes and p not in past and p not in elsewhere:
+                        tasks[p] = asyncio.create_task(vote(p))
         finally:
             # A quorum decides: we commit without waiting for the replies to our own votes (a round trip), and a
             # vote still on its way goes on in the background: a member waiting for it needs it to decide. A peer
             # that leaves lets them arrive first (`settle`), and lingers while a peer is behind.
-            for t in tasks:
+            for t in tasks.values():
                 if quorum(votes) and not t.done():
                     self._background.add(t)
                     t.add_done_callback(self._background.discard)
@@ -397,6 +408,7 @@ class Collective:
         (the receiver was still catching up and refused it) cannot leave one side waiting. Each ready
         carries whom its sender expects; we ask and wait for those too (`RoundState.named`)."""
         rs.ready[self.me] = digest
+        rs.incarnations[self.me] = self.incarnation
         rs.banned = frozenset(self.banned)
         rs.expected = tuple(others)
         rs.wait_for = frozenset(wait_for) if wait_for is not None else None
@@ -404,7 +416,8 @@ class Collective:
 
         async def ask(p: PeerId) -> None:
             frame = msg.encode(msg.READY, run=self.run_id, sender=self.me, schema=self.schema, key=key,
-                               fragment=rs.fragment, meta={"digest": digest, **self._accepted_meta(key)},
+                               fragment=rs.fragment,
+                               meta={"digest": digest, "inc": self.incarnation, **self._accepted_meta(key)},
                                body=msg.pack_names(rs.named(self.me), rs.waited(self.me)))
             r = await self._call(p, "diloco.ready", frame)
             if r is not None and (r.get("reason") == Reason.BANNED.value or r.get("abstains") is True):
@@ -415,10 +428,12 @@ class Collective:
                 ready = digest
             if isinstance(ready, str) and 0 < len(ready) <= 128:
                 try:
-                    accepted = _accepted_of(r or {}, key)
+                    accepted, inc = _accepted_of(r or {}, key), _incarnation_of(r or {})
                 except PayloadRejected as e:
                     log.info("event=ready_reply_ignored peer=%s reason=%s", p, e.detail)
                     return
+                if p not in rs.ready:
+                    rs.incarnations[p] = inc
                 rs.ready.setdefault(p, ready)
                 rs.lists.setdefault(p, r.get("expect", frozenset()) if r else frozenset())
                 rs.waits.setdefault(p, r.get("waits", frozenset()) if r else frozenset())
@@ -510,7 +525,7 @@ class Collective:
         reports = [rs.accepted[p] for p in view if p in rs.accepted and p != self.me]
         own = self._accepted_by_us(key)
         rs.carried = max([*reports, *([own] if own else [])], default=None)
-        rs.view, rs.vid = view, view_id(key, view, rs.fragment, rs.carried[1] if rs.carried else "")
+        rs.view, rs.vid = view, view_id(key, view, rs.fragment, rs.carried[1] if rs.carried else "", rs.incarnations)
         return None
 
     def _accepted_by_us(self, key: RoundKey) -> tuple[int, str] | None:
@@ -630,13 +645,18 @@ class Collective:
             why = f"its reply to our probe was refused: {e.detail}"
         else:
             self._silent.pop(peer, None)
-            if meta.get("ok", False) and meta.get("running") is True:
+            inc, joined = meta.get("inc"), rs.incarnations.get(peer, 0)
+            if meta.get("ok", False) and joined and type(inc) is int and inc != joined:
+                why = "restarted since it joined this attempt (another process under its peer id)"
+            elif meta.get("ok", False) and meta.get("running") is True:
                 if meta.get("undelivered") is True and peer not in rs.owes_nothing:  # our span: reduce without it
                     rs.owes_nothing.add(peer)
                     rs.changed.set()
                     log.info("event=contribution_undeliverable round=%s peer=%s", r.key, peer)
                 return
-            why = "no longer runs this attempt" if meta.get("ok", False) else f"refused our probe ({meta.get('reason')})"
+            else:
+                why = "no longer runs this attempt" if meta.get("ok", False) else \
+                    f"refused our probe ({meta.get('reason')})"
         if peer not in rs.gone and rs.vid:
             rs.gone[peer] = why
             rs.changed.set()
@@ -834,29 +854,32 @@ class Collective:
             digest = header.meta.get("digest")
             if not isinstance(digest, str) or len(digest) > 128:
                 raise PayloadRejected(Reason.BAD_HEADER, "ready needs a string meta.digest")
+            inc = _incarnation_of(dict(header.meta))
+            me = self.incarnation
             if key.round <= self._committed_through:  # we committed this round: the sender must catch up, not fork
-                return msg.ack(run=self.run_id, sender=self.me, closed=True, in_view=False, committed=True)
+                return msg.ack(run=self.run_id, sender=self.me, closed=True, in_view=False, committed=True, inc=me)
             if key < self._floor:  # a round we already finished: tell the late peer at once
-                return msg.ack(run=self.run_id, sender=self.me, closed=True, in_view=False)
+                return msg.ack(run=self.run_id, sender=self.me, closed=True, in_view=False, inc=me)
             if self.abstaining:  # not bad input: the sender's records were a moment behind ours
-                return msg.ack(run=self.run_id, sender=self.me, closed=False, in_view=False, abstains=True)
+                return msg.ack(run=self.run_id, sender=self.me, closed=False, in_view=False, abstains=True, inc=me)
             expects, waits = msg.unpack_names(body)
             accepted = _accepted_of(dict(header.meta), key)
             rs = self._accepting(key)
             names = rs.named(self.me) if rs.expected is not None else set()
             waited = rs.waited(self.me) if rs.expected is not None else set()
             ours = self._accepted_meta(key)
-            if rs.view is not None:
-                return msg.ack(run=self.run_id, sender=self.me, closed=True, in_view=caller in rs.view, names=names,
-                               waited=waited, **ours)
-            rs.ready[caller] = digest
+            if rs.view is not None:  # in it only as the process that was ready: a restarted one is late
+                in_view = caller in rs.view and rs.incarnations.get(caller, 0) in (0, inc)
+                return msg.ack(run=self.run_id, sender=self.me, closed=True, in_view=in_view, names=names,
+                               waited=waited, inc=me, **ours)
+            rs.ready[caller], rs.incarnations[caller] = digest, inc  # a restart's ready replaces its old process's
             rs.lists[caller], rs.waits[caller] = expects, waits
             if accepted is not None:
                 rs.accepted[caller] = accepted
             rs.changed.set()
             # whether we are ready for this key too (see _gather); "" when not yet: the reply is the same size
             # either way, so a round's bytes do not depend on who asked first
-            mine: dict[str, Any] = {"ready": rs.ready.get(self.me, "")}
+            mine: dict[str, Any] = {"ready": rs.ready.get(self.me, ""), "inc": me}
             return msg.ack(run=self.run_id, sender=self.me, closed=False, in_view=False, names=names, waited=waited,
                            **mine, **ours)
         except PayloadRejected as e:
@@ -977,7 +1000,7 @@ class Collective:
                 (rs.view is None or rs.vid == header.view)
             extra: dict[str, Any] = {"undelivered": True} if running and rs is not None and caller in rs.undeliverable \
                 else {}
-            return msg.ack(run=self.run_id, sender=self.me, running=running, **extra)
+            return msg.ack(run=self.run_id, sender=self.me, running=running, inc=self.incarnation, **extra)
         except PayloadRejected as e:
             return self._reject(caller, e)
 
@@ -994,7 +1017,8 @@ class Collective:
         if acc is None or acc.ballot.round != key.round or acc.value.vid != header.view:  # committed, or moved on
             return msg.ack(run=self.run_id, sender=self.me, ok=False, reason="value not held")
         v = acc.value
-        body = msg.pack_bundle([(0, "\n".join(v.view).encode()), *((i + 1, f) for i, f in enumerate(v.frames))])
+        members = "\n".join(member_token(p, v.incarnations.get(p, 0)) for p in v.view)
+        body = msg.pack_bundle([(0, members.encode()), *((i + 1, f) for i, f in enumerate(v.frames))])
         return msg.encode(msg.VALUE, run=self.run_id, sender=self.me, schema=self.schema, key=v.key, view=v.vid,
                           body=body)
 
@@ -1028,10 +1052,11 @@ class Collective:
                 [i for i, _ in items[1:]] != list(range(1, len(items))):
             raise PayloadRejected(Reason.WRONG_VIEW, f"served value is not {value_id} of round {rnd}")
         try:
-            members = tuple(PeerId(p) for p in bytes(items[0][1]).decode().split("\n"))
-        except UnicodeDecodeError:
-            raise PayloadRejected(Reason.BAD_HEADER, "value members are not UTF-8") from None
-        if view_id(key, members, fragment) != value_id:
+            parsed = [parse_member(t) for t in bytes(items[0][1]).decode().split("\n")]
+        except (UnicodeDecodeError, ValueError) as e:
+            raise PayloadRejected(Reason.BAD_HEADER, f"value members are not peer ids: {e}") from None
+        members, incarnations = tuple(p for p, _ in parsed), {p: inc for p, inc in parsed if inc}
+        if view_id(key, members, fragment, incarnations=incarnations) != value_id:
             raise PayloadRejected(Reason.WRONG_VIEW, f"served members do not hash to value {value_id}")
         bounds = self._bounds(numel, len(members))
         if len(bounds) != len(items) - 1:
@@ -1048,7 +1073,7 @@ class Collective:
             frames.append(frame)
             results.append((members[i % len(members)], _placeholder(tensor.numel()) if lean else tensor, idx))
             marked.append(mk)
-        return Value(key, value_id, members, frames, results, marked)
+        return Value(key, value_id, members, frames, results, marked, incarnations)
 
     # ---------------------------------------------------------------- checks and plumbing
 
@@ -1182,6 +1207,15 @@ def _accepted_of(meta: dict[str, Any], key: RoundKey) -> tuple[int, str] | None:
             or not isinstance(value, str) or not 0 < len(value) <= 64:
         raise PayloadRejected(Reason.BAD_HEADER, f"accepted report ({attempt!r}, {value!r}) does not fit attempt {key}")
     return attempt, value
+
+
+def _incarnation_of(meta: dict[str, Any]) -> int:
+    """The sender's incarnation a ready message or its reply carries (0: none said). Raises PayloadRejected when
+    it is not a number in [1, 2⁶³)."""
+    inc = meta.get("inc", 0)
+    if type(inc) is not int or not 0 <= inc < 1 << 63:
+        raise PayloadRejected(Reason.BAD_HEADER, f"meta.inc must be an incarnation number, got {inc!r}")
+    return inc
 
 
 def _weight_ok(w: object) -> TypeGuard[int]:

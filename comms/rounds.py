@@ -121,6 +121,10 @@ class RoundState:
     """Everything received for one round key; created by whichever message arrives first."""
 
     ready: dict[PeerId, str] = field(default_factory=dict)
+    incarnations: dict[PeerId, int] = field(default_factory=dict)
+    """The incarnation (`Collective.incarnation`) of each ready peer, ours included, from the message that told us it
+    is ready: views name them (`view_id`), so a peer restarted under its id is not the member its earlier process
+    was."""
     lists: dict[PeerId, frozenset[PeerId]] = field(default_factory=dict)
     """Whom each ready peer told us it expects in this round."""
     waits: dict[PeerId, frozenset[PeerId]] = field(default_factory=dict)
@@ -354,6 +358,8 @@ class Value:
     """Each span's result frame as its owner sent it, so a peer that missed some can be given them."""
     results: list[tuple[PeerId, torch.Tensor, tuple[int, ...]]]
     marked: list[tuple[int, ...]]
+    incarnations: dict[PeerId, int] = field(default_factory=dict)
+    """The members' incarnations, as that attempt's view id names them."""
 
     @property
     def numel(self) -> int:

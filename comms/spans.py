@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Mapping, Sequence
 
 from .transport import PeerId
 
@@ -69,11 +69,29 @@ def make_view(members: Sequence[PeerId]) -> tuple[PeerId, ...]:
     return tuple(sorted(set(members)))
 
 
-def view_id(key: RoundKey, view: Sequence[PeerId], fragment: int = 0, carried: str = "") -> str:
-    """A short SHA-256 digest naming (round key, model fragment, members, and the value an earlier
-    attempt accepted that this one carries, if any); equal only for identical views that agree on
-    what they carry."""
-    text = f"{key.round}.{key.attempt}|" + ("" if fragment == 0 else f"f{fragment}|") + ",".join(view)
+def member_token(peer: PeerId, incarnation: int = 0) -> str:
+    """A view's member as its view id names it: the peer id and the incarnation that was ready (the number the
+    member's process drew at start, `Collective.incarnation`; 0 where unknown). A peer restarted under the same id
+    is another member: it holds nothing the one before it received."""
+    return peer if not incarnation else f"{peer}#{incarnation:x}"
+
+
+def parse_member(token: str) -> tuple[PeerId, int]:
+    """`member_token` reversed; ValueError when `token` is not one."""
+    peer, sep, inc = token.partition("#")
+    if not peer or (sep and not (inc and len(inc) <= 16 and all(c in "0123456789abcdef" for c in inc))):
+        raise ValueError(f"not a view member: {token[:80]!r}")
+    return PeerId(peer), int(inc, 16) if sep else 0
+
+
+def view_id(key: RoundKey, view: Sequence[PeerId], fragment: int = 0, carried: str = "",
+            incarnations: Mapping[PeerId, int] | None = None) -> str:
+    """A short SHA-256 digest naming (round key, model fragment, members with their incarnations, and the value an
+    earlier attempt accepted that this one carries, if any); equal only for identical views that agree on what
+    they carry."""
+    incs = incarnations or {}
+    members = ",".join(member_token(p, incs.get(p, 0)) for p in view)
+    text = f"{key.round}.{key.attempt}|" + ("" if fragment == 0 else f"f{fragment}|") + members
     if carried:
         text += f"|carry:{carried}"
     return hashlib.sha256(text.encode()).hexdigest()[:16]

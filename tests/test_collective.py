@@ -17,7 +17,7 @@ import torch
 
 from diloco.comms import Collective, CollectiveConfig, InProcNetwork, RoundKey, span_bounds, view_id
 from diloco.comms import messages as msg
-from diloco.comms.spans import make_view
+from diloco.comms.spans import make_view, member_token
 from diloco.compression import Reason, get_codec
 
 pytestmark = pytest.mark.swarm
@@ -749,6 +749,8 @@ def test_rejected_frames_are_counted_and_never_reach_the_aggregate():
         net = InProcNetwork()
         a = (await _collectives(net, ["a"], CollectiveConfig(gather_timeout=3, reduce_timeout=2,
                                                              result_timeout=3, call_timeout=1)))["a"]
+        nonlocal vid  # the view names a's incarnation; the puppet b tells none (0: unknown)
+        vid = view_id(key, view, incarnations={"a": a.incarnation})
         b, c = net.transport("b"), net.transport("c")
         got_from_a: dict[str, list] = {"contrib": [], "result": []}
         a_closed = asyncio.Event()
@@ -1028,16 +1030,20 @@ def test_a_served_value_that_does_not_hash_to_its_id_is_refused():
             net.lookup(x).handlers["diloco.result"] = keep
         deltas = _deltas(members, 20, seed=11)
         await _round(cs, RoundKey(1), members, deltas)  # a value to take apart
-        vid = view_id(RoundKey(1), tuple(members))
+        incs = {p: cs[p].incarnation for p in members}
+        vid = view_id(RoundKey(1), tuple(members), incarnations=incs)
+        named = "\n".join(member_token(p, incs[p]) for p in members).encode()
         frames = [seen["a"], seen["b"]]
-        good = msg.pack_bundle([(0, "\n".join(members).encode()), (1, frames[0]), (2, frames[1])])
-        swapped = msg.pack_bundle([(0, "\n".join(members).encode()), (1, frames[1]), (2, frames[0])])
+        good = msg.pack_bundle([(0, named), (1, frames[0]), (2, frames[1])])
+        swapped = msg.pack_bundle([(0, named), (1, frames[1]), (2, frames[0])])
         other = msg.pack_bundle([(0, b"a\nc"), (1, frames[0]), (2, frames[1])])
+        # the same peer ids, but not the processes that were ready (a restart's): another view
+        restarted = msg.pack_bundle([(0, "\n".join(members).encode()), (1, frames[0]), (2, frames[1])])
         served = lambda body: msg.encode(msg.VALUE, run=RUN, sender="b", key=RoundKey(1), view=vid,  # noqa: E731
                                          body=body)
         ok = cs["a"]._read_value("b", served(good), 1, vid, 20, 0)
         refused = []
-        for body in (swapped, other):
+        for body in (swapped, other, restarted):
             try:
                 cs["a"]._read_value("b", served(body), 1, vid, 20, 0)
             except Exception as e:  # noqa: BLE001
@@ -1046,7 +1052,7 @@ def test_a_served_value_that_does_not_hash_to_its_id_is_refused():
 
     ok, refused = asyncio.run(main())
     assert ok.view == ("a", "b") and len(ok.results) == 2
-    assert len(refused) == 2 and all(r.startswith("PayloadRejected") for r in refused), refused
+    assert len(refused) == 3 and all(r.startswith("PayloadRejected") for r in refused), refused
 
 
 # ---------------------------------------------------------------------- frames at size
@@ -1084,3 +1090,67 @@ def test_a_large_share_is_cut_into_several_spans_per_member(monkeypatch):
         assert torch.equal(o.aggregate, first)
     assert torch.allclose(first, _mean(deltas, ids), rtol=0, atol=1e-6)
     assert max(sizes) <= 100 and len(sizes) == 3 * 8  # each member sends the 8 spans it does not own
+
+
+def test_an_owner_restarted_under_its_peer_id_mid_round_is_a_new_member_not_the_one_in_the_view():
+    """p2 owns a span; it sends its result to p0, then dies (SIGKILL) before p1 and p3 got theirs, and comes back at
+    once under the same peer id (`--identity`, `--resume`) from the state the round started from. The new process
+    joins the same attempt, but it is a new incarnation: it never received the contributions sent to the old one,
+    and a result it computed now would differ from the one p0 holds. Views name each member's incarnation, so the
+    survivors give the attempt up within a probe window of the restart (not at the reduce deadline, after which the
+    new process would send p1 and p3 another result for p2's span than p0's: two states for one round), and the
+    next attempt commits with all four on one value."""
+    victim, survivors = "p2", ["p0", "p1", "p3"]
+    key = RoundKey(5, 0)
+    patient = replace(FAST, reduce_timeout=8.0, result_timeout=10.0)  # deadlines the probes must beat by far
+
+    async def main():
+        net = InProcNetwork()
+        cs = await _collectives(net, PEERS, patient)
+        p0_has_it, dead = asyncio.Event(), asyncio.Event()
+
+        def result_gate(p):
+            inner = net.lookup(p).handlers["diloco.result"]
+
+            async def handler(caller, data):
+                if caller == victim and not dead.is_set():
+                    if p == "p0":
+                        reply = await inner(caller, data)
+                        p0_has_it.set()
+                        return reply
+                    await asyncio.wait_for(p0_has_it.wait(), 5)
+                    dead.set()
+                    net.kill(victim)  # between two of its result sends
+                    raise ConnectionResetError("the victim died mid-call")
+                return await inner(caller, data)
+            return handler
+
+        for p in survivors:
+            net.lookup(p).handlers["diloco.result"] = result_gate(p)
+        deltas = _deltas(PEERS, 203, seed=5)
+        started = time.monotonic()
+        first = {p: asyncio.create_task(cs[p].run_round(key, DIGEST, PEERS, deltas[p])) for p in PEERS}
+        await asyncio.wait_for(dead.wait(), 5)
+        first[victim].cancel()
+        # the restart: a new process with the same peer id and the round's starting state, another Δ
+        reborn = await Collective.create(net.transport(victim), RUN, patient)
+        again = asyncio.create_task(reborn.run_round(key, DIGEST, PEERS, _deltas([victim], 203, seed=9)[victim]))
+        outs = {p: await first[p] for p in survivors}
+        took = time.monotonic() - started
+        reborn_out = await again
+        # the next attempt, with the restarted process in it
+        cs[victim] = reborn
+        deltas2 = _deltas(PEERS, 203, seed=6)
+        outs2 = await _round(cs, RoundKey(5, 1), PEERS, deltas2)
+        return outs, reborn_out, took, outs2
+
+    outs, reborn_out, took, outs2 = asyncio.run(main())
+    values = {tuple(o.aggregate.tolist()) for o in [*outs.values(), reborn_out] if o.committed}
+    assert len(values) <= 1, "two values committed for one round"
+    assert not any(o.committed for o in [*outs.values(), reborn_out]), \
+        {p: o.reason for p, o in [*outs.items(), ("p2 restarted", reborn_out)]}
+    assert all("restarted since it joined this attempt" in outs[p].reason for p in ("p1", "p3")), outs
+    assert outs["p0"].reason.startswith("abandoned"), outs["p0"].reason  # it held every result: it asked again
+    assert took < patient.reduce_timeout / 2, took  # a window or two of probes (1 s each), not the deadlines
+    assert all(o.committed and o.view == tuple(PEERS) for o in outs2.values()), {p: o.reason for p, o in outs2.items()}
+    assert len({tuple(o.aggregate.tolist()) for o in outs2.values()}) == 1
