@@ -614,16 +614,18 @@ class Collective:
                 t.cancel()
 
     async def _watch(self, r: Exchange) -> None:
-        """While we wait on members of our view (their results, their contributions to our spans), ask them an
-        answer window apart whether they still run it (`diloco.probe`). One that cannot be reached (killed),
-        stays silent through the window while nothing else came from it (frozen), or no longer runs this attempt
-        (restarted, or gave it up) is `gone`: its contributions are not waited for, and a span it owns gets no
-        result, so every member of the view gives the attempt up within a window of each other instead of at
-        the result deadline. Giving an attempt up is always safe: we accepted nothing in it. One that answers that
-        its contribution to us could not be delivered is not waited for as a contributor (`owes_nothing`)."""
+        """While we wait on members of our view (their results, their contributions to our spans), ask them every
+        third of an answer window (at least 1 s) whether they still run it (`diloco.probe`). One that cannot be
+        reached (killed), stays silent through the window while nothing else came from it (frozen), no longer runs
+        this attempt (gave it up), or answers from another process (restarted) is `gone`: its contributions are not
+        waited for, and a span it owns gets no result, so every member of the view gives the attempt up within a
+        probe interval of each other instead of at the result deadline (a killed member: ~2 s with the default
+        timeouts, a frozen one a window more). Giving an attempt up is always safe: we accepted nothing in it. One
+        that answers that its contribution to us could not be delivered is not waited for as a contributor
+        (`owes_nothing`)."""
         window = self.cfg.answer_timeout
         while True:
-            await asyncio.sleep(window)
+            await asyncio.sleep(max(1.0, window / 3))
             awaited = r.awaited() - r.rs.gone.keys() - r.rs.elsewhere
             await asyncio.gather(*(self._probe(r, p, window) for p in awaited))
 
