@@ -499,6 +499,11 @@ class Collective:
                     later[p] = task
                     self._mark_silent(p)
                     log.info("event=peer_silent round=%s peer=%s", key, p)
+            # nor does a straggler found silent lately get the stragglers' grace (it froze: every round its record
+            # outlives it would wait the grace for it); its answer, if it comes, counts as anyone's
+            for p, task in later.items():
+                if p not in asking and not task.done() and self._silent.get(p, 0) > now:
+                    replies[p] = None
             await asyncio.gather(*(t for p, t in asking.items() if p not in later))
             self.faults.hit("gather", key.round)
             deadline = time.monotonic() + self.cfg.gather_timeout

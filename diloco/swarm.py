@@ -101,6 +101,7 @@ class Swarm:
         self._unserved: dict[PeerId, float] = {}  # with wait_unserved off: who asked for state we did not hold
         self._seen: list[PeerRecord] | None = None  # the directory as the last read showed it
         self._seen_at = 0.0
+        self._reads: set[asyncio.Task[list[PeerRecord]]] = set()  # fresh reads a round did not wait for (`_round_records`)
         self._closed = False
         self._exchanges: set[concurrent.futures.Future[RoundOutcome]] = set()  # rounds in flight (`crash`)
         self._addresses_file: str | None = None
@@ -377,6 +378,20 @@ class Swarm:
             others = [r for r in self._seen or [] if r.peer != self.peer_id]
         return [self._record, *others]
 
+    async def _round_records(self) -> list[PeerRecord]:
+        """The records a round starts from: a fresh read, or the heartbeat's last one when the fresh read takes longer
+        than a heartbeat interval and that one is under a quarter of `heartbeat_ttl` old (the read goes on and
+        refreshes it). A DHT node that froze (SIGSTOP, a swapped-out VM) holds each lookup that asks it for the DHT's
+        RPC timeout (3 s): without this every round while its record lives paid that before its gather."""
+        read = asyncio.ensure_future(self._read_records())
+        done, _ = await asyncio.wait({read}, timeout=self.cfg.heartbeat_interval)
+        if read in done or self._seen is None or time.monotonic() - self._seen_at > self.cfg.heartbeat_ttl / 4:
+            return await read
+        self._reads.add(read)
+        read.add_done_callback(self._reads.discard)
+        log.info("event=directory_read_slow reason=using the view read %.1fs ago", time.monotonic() - self._seen_at)
+        return [self._record, *self.others_seen()]
+
     def _seen_others(self, now: float) -> bool:
         return bool(self._seen) and any(r.peer != self.peer_id for r in self._seen or []) \
             and now - self._seen_at < self.cfg.heartbeat_ttl
@@ -450,7 +465,7 @@ class Swarm:
 
         async def go() -> RoundOutcome:
             self.check_standing(previous)
-            records = await self._read_records()
+            records = await self._round_records()
             self.collective.adopt_bans(banned_by_majority(records, self.peer_id), "banned by a majority of the "
                                        "peers' records")
             key = round_key_for(records, rnd, attempt)

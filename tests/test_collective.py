@@ -485,6 +485,39 @@ def test_a_member_frozen_mid_round_is_given_up_within_a_probe_window_and_the_nex
     assert took2 < cfg.answer_timeout / 2, took2  # a twentieth of the window, and the round
 
 
+def test_a_frozen_straggler_gets_no_grace_once_found_silent():
+    """p3 freezes between rounds. The first round after waits an answer window for its ready and commits without
+    it; from then on p3 is a straggler (the engine asks it, but waits only for the last round's members), and a
+    straggler found silent lately is not given the stragglers' grace either: the rounds go on at once rather than a
+    grace apart for as long as its record lives (a 20 s SIGSTOP in a real swarm cost a grace every round)."""
+    present = PEERS[:3]
+    cfg = replace(FAST, gather_timeout=20.0, reduce_timeout=10.0, result_timeout=12.0, call_timeout=8.0)
+    assert cfg.answer_timeout == 2.0 and cfg.gather_timeout / 10 == 2.0  # the window, and the stragglers' grace
+
+    async def main():
+        net = InProcNetwork()
+        cs = await _collectives(net, PEERS, cfg)
+        deltas = _deltas(PEERS, 99, seed=12)
+        warm = await _round(cs, RoundKey(1), PEERS, deltas)  # everyone heard from p3
+        freezer = _Freezer(net, "p3")
+        freezer.frozen = True
+        took = []
+        outs = []
+        for rnd, wait_for in ((2, PEERS), (3, present), (4, present)):
+            started = time.monotonic()
+            outs += await asyncio.gather(*(cs[p].run_round(RoundKey(rnd), DIGEST, PEERS, deltas[p], wait_for=wait_for)
+                                           for p in present))
+            took.append(time.monotonic() - started)
+        freezer.thaw()
+        return warm, outs, took
+
+    warm, outs, took = asyncio.run(main())
+    assert all(o.committed for o in warm.values())
+    assert all(o.committed and o.view == tuple(present) for o in outs), [(o.reason, o.view) for o in outs]
+    assert 1.5 < took[0] < 4, took  # the window, once
+    assert took[1] < 1 and took[2] < 1, took  # no grace (2 s) for the silent straggler
+
+
 # ---------------------------------------------------------------------- late peers
 
 

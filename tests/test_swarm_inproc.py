@@ -413,6 +413,28 @@ def test_an_empty_directory_read_falls_back_to_the_recent_view(harness, monkeypa
     assert [r.peer for r in a.records()] == ["a"]  # by now b's record would have expired: believe it
 
 
+def test_a_round_does_not_wait_for_a_slow_directory_read_when_the_heartbeat_read_it_lately(harness, monkeypatch):
+    """A DHT node that froze holds every lookup that asks it for the DHT's RPC timeout (3 s): a round starts from the
+    heartbeat's recent view instead of waiting that long before its gather, and the slow read still refreshes it."""
+    a, b = harness.swarm("a"), harness.swarm("b")
+    a.update(status="training")
+    b.update(status="training")
+    _until(lambda: "b" in [r.peer for r in a.records()])
+    fast = harness.board.read
+
+    async def slow():
+        await asyncio.sleep(3)
+        return await fast()
+
+    monkeypatch.setattr(harness.board, "read", slow)
+    started = time.monotonic()
+    seen = a.loop.run(a._round_records(), timeout=10)
+    took = time.monotonic() - started
+    assert [r.peer for r in seen] == ["a", "b"] and took < CFG.call_timeout / 2, took  # not the read's deadline (1 s)
+    monkeypatch.setattr(harness.board, "read", fast)
+    assert [r.peer for r in a.loop.run(a._round_records(), timeout=10)] == ["a", "b"]  # a fresh read, at once
+
+
 def test_a_peer_most_members_refuse_as_banned_learns_it_and_gets_no_state(harness):
     """A banned peer must not train on through rounds nobody takes. Its peers tell it in their own
     authenticated replies (a ready refused as `banned`, a state request refused); once most members of
