@@ -46,8 +46,8 @@ class CollectiveConfig:
     @property
     def answer_timeout(self) -> float:
         """Seconds a small control call (a ready, a probe) may go unanswered before its peer counts as silent for
-        this attempt: a twentieth of the gather timeout (half the stragglers' grace: 3 s by default, a hundred round
-        trips of a long link), at least 2 s, at most call_timeout. A live peer too busy to answer that soon is not
+        this attempt: a twentieth of the gather timeout (half the stragglers' grace: 3 s by default, ten round trips
+        of a 300 ms link), at least 2 s, at most call_timeout. A live peer too busy to answer that soon is not
         waited for in that attempt; its answer still counts if it comes before the view closes."""
         return min(self.call_timeout, max(2.0, self.gather_timeout / 20))
 
