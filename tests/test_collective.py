@@ -28,6 +28,7 @@ PEERS = ["p0", "p1", "p2", "p3"]
 # Everyone shows up at once in these tests, so the gather never waits; only tests that are about a
 # missing peer wait for gather_timeout, and only the dead-owner test waits for result_timeout.
 FAST = CollectiveConfig(gather_timeout=0.5, reduce_timeout=0.5, result_timeout=1.0, call_timeout=1.0)
+PATIENT = replace(FAST, reduce_timeout=8.0, result_timeout=10.0)  # deadlines a dead member's probes must beat by far
 
 
 async def _collectives(net: InProcNetwork, ids, cfg: CollectiveConfig = FAST) -> dict[str, Collective]:
@@ -357,11 +358,10 @@ def test_owner_killed_after_gather_nobody_commits_then_next_attempt_commits():
     result deadline, give the attempt up together, and commit the next one among themselves."""
     victim, survivors = "p2", ["p0", "p1", "p3"]
     key = RoundKey(5, 0)
-    patient = replace(FAST, reduce_timeout=8.0, result_timeout=10.0)  # deadlines the probes must beat by far
 
     async def main():
         net = InProcNetwork()
-        cs = await _collectives(net, PEERS, patient)
+        cs = await _collectives(net, PEERS, PATIENT)
         # Contributions are sent only after a peer closed its gather. Hold every contribution until
         # all 4 peers sent all of theirs (12: every gather closed, with a view of 4), then kill the
         # victim, as if SIGKILLed between gather and reduce, and let the contributions through.
@@ -397,7 +397,7 @@ def test_owner_killed_after_gather_nobody_commits_then_next_attempt_commits():
 
     sent, outs, took, deltas2, outs2 = asyncio.run(main())
     assert sent == {p: 3 for p in PEERS}  # every peer closed its gather with all 4 in view
-    assert took < patient.reduce_timeout / 2, took  # a window or two of probes (1 s each), not the deadlines
+    assert took < PATIENT.reduce_timeout / 2, took  # a window or two of probes (1 s each), not the deadlines
     survivor_outcomes = {(o.committed, o.reason, o.view, o.key) for p, o in outs.items() if p != victim}
     assert len(survivor_outcomes) == 1, survivor_outcomes  # all survivors report the same outcome
     committed, reason, view, k = survivor_outcomes.pop()
@@ -1135,11 +1135,10 @@ def test_an_owner_restarted_under_its_peer_id_mid_round_is_a_new_member_not_the_
     next attempt commits with all four on one value."""
     victim, survivors = "p2", ["p0", "p1", "p3"]
     key = RoundKey(5, 0)
-    patient = replace(FAST, reduce_timeout=8.0, result_timeout=10.0)  # deadlines the probes must beat by far
 
     async def main():
         net = InProcNetwork()
-        cs = await _collectives(net, PEERS, patient)
+        cs = await _collectives(net, PEERS, PATIENT)
         p0_has_it, dead = asyncio.Event(), asyncio.Event()
 
         def result_gate(p):
@@ -1166,7 +1165,7 @@ def test_an_owner_restarted_under_its_peer_id_mid_round_is_a_new_member_not_the_
         await asyncio.wait_for(dead.wait(), 5)
         first[victim].cancel()
         # the restart: a new process with the same peer id and the round's starting state, another Δ
-        reborn = await Collective.create(net.transport(victim), RUN, patient)
+        reborn = await Collective.create(net.transport(victim), RUN, PATIENT)
         again = asyncio.create_task(reborn.run_round(key, DIGEST, PEERS, _deltas([victim], 203, seed=9)[victim]))
         outs = {p: await first[p] for p in survivors}
         took = time.monotonic() - started
@@ -1184,6 +1183,6 @@ def test_an_owner_restarted_under_its_peer_id_mid_round_is_a_new_member_not_the_
         {p: o.reason for p, o in [*outs.items(), ("p2 restarted", reborn_out)]}
     assert all("restarted since it joined this attempt" in outs[p].reason for p in ("p1", "p3")), outs
     assert outs["p0"].reason.startswith("abandoned"), outs["p0"].reason  # it held every result: it asked again
-    assert took < patient.reduce_timeout / 2, took  # a window or two of probes (1 s each), not the deadlines
+    assert took < PATIENT.reduce_timeout / 2, took  # a window or two of probes (1 s each), not the deadlines
     assert all(o.committed and o.view == tuple(PEERS) for o in outs2.values()), {p: o.reason for p, o in outs2.items()}
     assert len({tuple(o.aggregate.tolist()) for o in outs2.values()}) == 1
