@@ -27,6 +27,7 @@ import torch
 
 from . import progress
 from .checkpoint import CheckpointError, Loaded, load_latest, require_safetensors, save
+from .comms.transport import PeerId
 from .compression.errors import ConfigError
 from .outer import OuterFactory
 from .state import GlobalState, StateError
@@ -235,9 +236,13 @@ class Checkpoints:
             swarm_step = loaded.meta.get("swarm_step")
             if isinstance(swarm_step, int) and not isinstance(swarm_step, bool) and 0 <= swarm_step < 1 << 62:
                 s.offset = swarm_step - steps  # negative too: we had trained more steps than the state we took
-        # The saved membership is not restored: a restarted peer has a new peer id, so it could never be a
-        # majority of its old round. A running swarm's state (and members) arrive with the catch-up.
-        s.members = None
+        # The saved membership is the quorum base of our next round (a strict majority of it must commit with us), as
+        # it was before the restart, when we come back under the same peer id (`--identity`): without it, two
+        # restarted members that cannot see each other each committed the next round alone (a fork the chaos soak
+        # found). A restart under a new peer id was never a member: it gets the swarm's members with the catch-up.
+        saved = tuple(PeerId(p) for p in str(loaded.meta.get("members", "")).split(",") if p)
+        me = member.swarm.peer_id if member.swarm is not None else None
+        s.members = saved if me is not None and me in saved else None
         s.attempt = 0
         if member.swarm is not None:
             member.swarm.moved_to(state.round)

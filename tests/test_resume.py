@@ -59,6 +59,22 @@ def test_a_resumed_joiner_keeps_the_swarms_step(tmp_path):
     assert e.resume() and (e.steps, e.swarm_step) == (7, 1007)
 
 
+def test_a_peer_restarted_under_its_peer_id_keeps_its_last_rounds_members_as_its_quorum_base(tmp_path):
+    """Resumed under the same peer id (`--identity`), a peer needs a strict majority of its last committed round's
+    members to commit again, as before the restart; without them two restarted members that could not see each
+    other each committed the next round alone (two states for one round, found by `diloco bench chaos`). Under
+    another peer id it was never a member of that round: no quorum base until it catches up."""
+    from types import SimpleNamespace
+
+    d = _fresh(tmp_path)
+    d.member.standing.members = ("peer-a", "peer-b", "peer-c")
+    d.save_checkpoint()
+    for me, members in (("peer-b", ("peer-a", "peer-b", "peer-c")), ("peer-z", None)):
+        e = _fresh(tmp_path)
+        e.member.swarm = SimpleNamespace(peer_id=me, moved_to=lambda rnd: None)  # what resume reads of a swarm
+        assert e.resume() and e.member.standing.members == members, me
+
+
 def test_resume_falls_back_past_a_damaged_checkpoint(tmp_path, caplog):
     d = _train(tmp_path, rounds=3)
     newest = list_checkpoints(tmp_path)[0]
