@@ -309,7 +309,7 @@ class Collective:
         spans = range(len(r.bounds))
         return Value(r.key, rs.vid, r.view, [rs.frames[(rs.vid, i)] for i in spans],
                      [rs.results[(rs.vid, i)] for i in spans], [rs.marked.get((rs.vid, i), ()) for i in spans],
-                     {p: rs.incarnations.get(p, 0) for p in r.view})
+                     {p: rs.incarnations[p] for p in r.view if p in rs.incarnations})
 
     async def _carry(self, r: Exchange, carried: tuple[int, str], numel: int) -> Value | None:
         """The value our view carries: ours if we accepted it, else fetched from a member that did."""
@@ -624,8 +624,8 @@ class Collective:
         reached (killed), stays silent through the window while nothing else came from it (frozen), no longer runs
         this attempt (gave it up), or answers from another process (restarted) is `gone`: its contributions are not
         waited for, and a span it owns gets no result, so every member of the view gives the attempt up within a
-        probe interval of each other instead of at the result deadline (a killed member: ~2 s with the default
-        timeouts, a frozen one a window more). Giving an attempt up is always safe: we accepted nothing in it. One
+        probe interval of each other instead of at the result deadline (with the default timeouts a killed member
+        is found ~1 s into the exchange, a frozen one ~4 s). Giving an attempt up is always safe: we accepted nothing in it. One
         that answers that its contribution to us could not be delivered is not waited for as a contributor
         (`owes_nothing`)."""
         window = self.cfg.answer_timeout
@@ -1217,8 +1217,8 @@ def _accepted_of(meta: dict[str, Any], key: RoundKey) -> tuple[int, str] | None:
 
 
 def _incarnation_of(meta: dict[str, Any]) -> int:
-    """The sender's incarnation a ready message or its reply carries (0: none said). Raises PayloadRejected when
-    it is not a number in [1, 2⁶³)."""
+    """The sender's incarnation a ready message or its reply carries (0: none said, as a peer without one, e.g. a
+    test's puppet, says). Raises PayloadRejected when it is not a number in [0, 2⁶³)."""
     inc = meta.get("inc", 0)
     if type(inc) is not int or not 0 <= inc < 1 << 63:
         raise PayloadRejected(Reason.BAD_HEADER, f"meta.inc must be an incarnation number, got {inc!r}")
