@@ -107,6 +107,34 @@ def test_zero_delay_rtt_is_small_through_the_tun_forwarder():
     assert lab.switch_stats is not None and lab.switch_stats["packets"] > 600  # 1 MB went through the delay line
 
 
+def test_partitions_loss_and_extra_delay_through_the_forwarder():
+    """`cut` splits the hosts in two sides (each side still reaches its own), `heal` ends it; `loss 1.0` silences
+    a host, `slow` adds its one-way delay to the RTT; the forwarder counts what it dropped for each."""
+    with WanLab(hosts=3, rate_mbit=40.0, delay_ms=5.0, backend="tun") as lab:
+        def rtt(a: int, b: int) -> float:
+            return lab.measure(a, b, nbytes=20_000, pings=5, timeout=3.0).rtt_ms
+
+        before = rtt(0, 1)
+        lab.cut([0])
+        with pytest.raises(WanError):
+            rtt(1, 0)  # across the cut: the connection never opens
+        inside = rtt(1, 2)  # the other side still talks
+        lab.heal()
+        healed = rtt(1, 0)
+        lab.loss(2, 1.0)
+        with pytest.raises(WanError):
+            rtt(0, 2)
+        lab.loss(2, 0.0)
+        lab.slow(1, 100.0)
+        slowed = rtt(0, 1)
+        lab.slow(1, 0.0)
+        with pytest.raises(ValueError):
+            lab.loss(0, 1.5)
+    assert before < 20 and inside < 20 and healed < 20, (before, inside, healed)
+    assert 100 <= slowed <= 140, slowed  # 2 × 5 ms plus 100 ms on the way back from host 1
+    assert lab.switch_stats is not None and lab.switch_stats["cut"] > 0 and lab.switch_stats["lost"] > 0
+
+
 def test_veth_backend_plumbing_without_delay():
     """The netem backend's veth + bridge plumbing (tbf alone when there is no delay, so any kernel runs it)."""
     with WanLab(hosts=2, rate_mbit=40.0, delay_ms=0.0, backend="netem") as lab:

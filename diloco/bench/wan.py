@@ -63,6 +63,7 @@ import atexit
 import fcntl
 import json
 import os
+import random
 import select
 import shutil
 import signal
@@ -339,7 +340,12 @@ def _switch(delay_ms: float, addresses: list[str], groups: Sequence[int] = (), c
     closes (the owner closed it, or died) and print counters as one JSON line. With `groups` (a group per
     host: regions), a packet between two groups leaves its sender through that sender's own link between
     regions, `cross_rate_mbit` (a token bucket in here, dropping what would queue longer than
-    `cross_queue_ms`), and takes `cross_delay_ms` instead of `delay_ms`."""
+    `cross_queue_ms`), and takes `cross_delay_ms` instead of `delay_ms`.
+
+    Faults, from the owner as lines on stdin (`_control`; each applies from the next packet on): `cut I,J,..`
+    (a partition: packets between those hosts and the others are dropped; `cut` alone, or `heal`, ends it),
+    `loss I P` (drop each packet from or to host I with probability P; 0 ends it) and `slow I MS` (host I's
+    packets take MS more milliseconds one way; 0 ends it)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the owner, which stops us in order
     try:
         os.nice(-10)  # like the kernel's own packet processing, forwarding preempts the benchmark's compute
@@ -360,6 +366,10 @@ def _switch(delay_ms: float, addresses: list[str], groups: Sequence[int] = (), c
     byte_s = 8.0 / (cross_rate_mbit * 1e6) if cross_rate_mbit > 0 else 0.0
     free_at: dict[bytes, float] = {}  # per sender: when its link between regions is free again
     print("ready " + ",".join(names), flush=True)
+    index = {socket.inet_aton(a): i for i, a in enumerate(addresses)}
+    ctl = _Faults(len(addresses))
+    pending = b""
+    rnd = random.random
 
     poller = select.poll()
     for fd in fds:
@@ -367,7 +377,7 @@ def _switch(delay_ms: float, addresses: list[str], groups: Sequence[int] = (), c
     poller.register(0, select.POLLIN)
     line: list[tuple[float, int, int, bytes]] = []  # a heap by due time (two delays: not FIFO)
     seq = 0
-    forwarded = fwd_bytes = dropped = max_queue = wakeups = 0
+    forwarded = fwd_bytes = dropped = max_queue = wakeups = cut = lost = 0
     read, write, monotonic = os.read, os.write, time.monotonic
     get = route.get
     while True:
@@ -378,13 +388,19 @@ def _switch(delay_ms: float, addresses: list[str], groups: Sequence[int] = (), c
         due = now + delay
         for fd, ev in events:
             if fd == 0:
-                if not read(0, 4096):
+                data = read(0, 4096)
+                if not data:
                     try:
                         print(json.dumps({"packets": forwarded, "bytes": fwd_bytes, "dropped": dropped,
-                                          "max_queue": max_queue, "wakeups": wakeups}), flush=True)
+                                          "max_queue": max_queue, "wakeups": wakeups, "cut": cut, "lost": lost}),
+                              flush=True)
                     except OSError:  # the owner is gone
                         pass
                     return 0
+                pending += data
+                *cmds, pending = pending.split(b"\n")
+                for cmd in cmds:
+                    ctl.apply(cmd.decode(errors="replace"))
                 continue
             if ev & (select.POLLERR | select.POLLHUP | select.POLLNVAL):
                 poller.unregister(fd)  # its device is gone (namespace deleted under us): stop polling it
@@ -405,6 +421,16 @@ def _switch(delay_ms: float, addresses: list[str], groups: Sequence[int] = (), c
                     continue
                 when = due
                 src = pkt[12:16]
+                if ctl.active:
+                    a, b = index.get(src, -1), index.get(pkt[16:20], -1)
+                    if ctl.side[a] != ctl.side[b]:
+                        cut += 1
+                        continue
+                    p = max(ctl.loss[a], ctl.loss[b])
+                    if p and rnd() < p:
+                        lost += 1
+                        continue
+                    when += ctl.extra[a]
                 if group and group.get(src) != group.get(pkt[16:20]):  # between regions
                     start = max(now, free_at.get(src, 0.0))
                     if byte_s and start - now > cross_queue:
@@ -425,6 +451,40 @@ def _switch(delay_ms: float, addresses: list[str], groups: Sequence[int] = (), c
                 fwd_bytes += len(pkt)
             except OSError:
                 dropped += 1
+
+
+class _Faults:
+    """The forwarder's injected faults by host index (index -1, the last entry: a sender outside the lab)."""
+
+    def __init__(self, hosts: int) -> None:
+        self.side = [0] * (hosts + 1)
+        self.loss = [0.0] * (hosts + 1)
+        self.extra = [0.0] * (hosts + 1)
+        self.active = False
+
+    def apply(self, line: str) -> None:
+        """One command (see `_switch`); a malformed one is reported on stderr and ignored."""
+        words = line.split()
+        try:
+            if not words:
+                return
+            n = len(self.side) - 1
+            if words[0] in ("cut", "heal") and len(words) <= 2:
+                cut = {int(x) for x in words[1].split(",")} if len(words) == 2 and words[0] == "cut" else set()
+                if cut - set(range(n)):
+                    raise ValueError(f"hosts {sorted(cut - set(range(n)))} out of range")
+                self.side = [int(i in cut) for i in range(n)] + [0]
+            elif words[0] in ("loss", "slow") and len(words) == 3:
+                i, x = int(words[1]), float(words[2])
+                if not 0 <= i < n or x < 0 or (words[0] == "loss" and x > 1):
+                    raise ValueError("host out of range or value out of range")
+                (self.loss if words[0] == "loss" else self.extra)[i] = x if words[0] == "loss" else x / 1000.0
+            else:
+                raise ValueError("unknown command")
+        except ValueError as e:
+            print(f"wan forwarder: ignored command {line!r}: {e}", file=sys.stderr, flush=True)
+            return
+        self.active = any(self.side) or any(self.loss) or any(self.extra)
 
 
 # ---------------------------------------------------------------------------------------- the lab
@@ -479,7 +539,8 @@ class WanLab:
         self._procs: list[subprocess.Popen[Any]] = []
         self._switch: subprocess.Popen[str] | None = None
         self.switch_stats: dict[str, Any] | None = None
-        """The forwarder's counters (packets, bytes, dropped, max_queue, wakeups) after close(), TUN backend."""
+        """The forwarder's counters (packets, bytes, dropped, max_queue, wakeups; cut and lost: the
+        packets the injected faults dropped) after close(), TUN backend."""
         self._started = self._closed = self._closing = False
         self._prev_sigterm: Any = None
         self._sigterm_installed = False
@@ -818,6 +879,44 @@ class WanLab:
                     p.wait()
                 if p in self._procs:
                     self._procs.remove(p)
+
+    # ---- faults (tun backend: the forwarder applies them from its next packet on)
+
+    def _control(self, line: str) -> None:
+        self._check_running()
+        sw = self._switch
+        if sw is None or sw.stdin is None:
+            raise WanError("partitions, loss and extra delay are the forwarder's: build the lab with "
+                           "backend='tun' (or 'auto' on a kernel without netem)")
+        with self._lock:
+            sw.stdin.write(line + "\n")
+            sw.stdin.flush()
+
+    def cut(self, hosts: Sequence[int]) -> None:
+        """A partition: `hosts` reach each other, the others reach each other, nothing crosses between the two
+        sides (packets dropped, as on a dead path: TCP sees silence, not a reset) until `heal()`. Replaces the
+        cut in force; an empty `hosts` heals."""
+        for i in hosts:
+            self._check_host(i)
+        self._control("cut " + ",".join(str(i) for i in sorted(set(hosts))) if hosts else "heal")
+
+    def heal(self) -> None:
+        """End the partition in force (if any)."""
+        self._control("heal")
+
+    def loss(self, host: int, p: float) -> None:
+        """Drop each packet from or to `host` with probability `p` (0 ends it)."""
+        self._check_host(host)
+        if not 0.0 <= p <= 1.0:
+            raise ValueError(f"p must be between 0 and 1, got {p}")
+        self._control(f"loss {host} {p!r}")
+
+    def slow(self, host: int, extra_ms: float) -> None:
+        """`host`'s packets take `extra_ms` more one way (0 ends it): a congested or rerouted path."""
+        self._check_host(host)
+        if extra_ms < 0:
+            raise ValueError(f"extra_ms must be >= 0, got {extra_ms}")
+        self._control(f"slow {host} {extra_ms!r}")
 
     @property
     def forwarder_pid(self) -> int | None:
