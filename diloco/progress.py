@@ -102,8 +102,9 @@ def amount(done: float, total: float | None, unit: str) -> str:
 
 
 def rate(done: float, elapsed: float, unit: str) -> str | None:
-    """'12.3 MB/s', '4.2 steps/s', or '2.5 s/round' when slower than one a second."""
-    if done <= 0 or elapsed <= 0:
+    """'12.3 MB/s', '4.2 steps/s', or '2.5 s/round' when slower than one a second; none for a task counted in
+    seconds (a clock runs at one second a second, whatever came before it started)."""
+    if done <= 0 or elapsed <= 0 or unit == "s":
         return None
     r = done / elapsed
     if unit == "bytes":
@@ -132,6 +133,8 @@ class TaskView:
 
     @property
     def left(self) -> float | None:
+        if self.unit == "s" and self.total:  # counted in seconds: what is left of them
+            return max(0.0, self.total - self.done - self.since_update)
         eta = eta_seconds(self.done, self.total, self.rate_elapsed)
         return None if eta is None else max(0.0, eta - self.since_update)
 

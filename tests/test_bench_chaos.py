@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from diloco.bench.chaos import ChaosSetup, Hit, commits, forks, plan, quantile, recovery, stalls
+from diloco.bench.chaos import KINDS, ChaosSetup, Hit, commits, forks, plan, quantile, recovery, sides, stalls
 
 
 def _round(t: float, rnd: int, digest: str, committed: bool = True, **kw: object) -> dict:
@@ -26,6 +26,29 @@ def test_the_plan_comes_from_the_seed_alone_and_spaces_its_faults_around_every()
     assert all(5 <= g <= 15 for g in gaps) and 40 <= len(a) <= 80 and a[-1].at < 600
     assert {f.kind for f in a} == set(setup.kinds)
     assert all(1 <= f.seconds <= 20 for f in a if f.kind == "stop") and all(f.seconds == 0 for f in a if f.kind != "stop")
+
+
+@pytest.mark.unit
+def test_outages_draw_a_length_and_a_severity_and_old_seeds_keep_their_plans():
+    setup = ChaosSetup(seconds=900, every=5, seed=5, kinds=KINDS, outage_seconds=(5.0, 30.0))
+    faults = plan(setup)
+    assert {f.kind for f in faults} == set(KINDS)
+    outages = [f for f in faults if f.kind in ("partition", "lossy", "slow", "readonly", "full")]
+    assert all(5 <= f.seconds <= 30 and 0 <= f.amount < 1 for f in outages)
+    assert all(1 <= f.seconds <= 3 for f in faults if f.kind == "flap")
+    assert all(f.seconds == 0 and f.amount == 0 for f in faults if f.kind in ("kill", "leave", "join"))
+    # the first kinds draw as they always did: seed 0's plan is the one docs/BENCHMARKS.md's figures came from
+    old = plan(ChaosSetup(seconds=240, every=10, seed=0))
+    assert len(old) == 21 and [(f.kind, round(f.at, 3), round(f.seconds, 3)) for f in old[:4]] == [
+        ("stop", 13.444, 19.344), ("stop", 23.303, 7.803), ("kill", 37.22, 0.0), ("kill", 45.038, 0.0)]
+
+
+@pytest.mark.unit
+def test_cuts_compose_into_one_label_per_host():
+    assert sides(4, []) == [0, 0, 0, 0]
+    assert sides(4, [frozenset({1})]) == [0, 1, 0, 0]
+    assert sides(5, [frozenset({1, 2}), frozenset({2})]) == [0, 1, 2, 0, 0]  # 2's link down inside the minority
+    assert sides(3, [frozenset({0}), frozenset({0})]) == [0, 1, 1]
 
 
 @pytest.mark.unit

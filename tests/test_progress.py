@@ -134,6 +134,14 @@ def test_time_left_counts_down_between_updates():
     assert "2.5 steps/s" in plain_line(v)
 
 
+def test_a_task_counted_in_seconds_has_no_rate_and_the_rest_of_its_seconds_left():
+    """A timed phase (`bench chaos`: 90 s of faults) that starts after a setup: 0.0 s done after 20 s elapsed is
+    no rate of 0 (nor 'left: forever'), 30 s done of 90 leaves 60 s whatever the setup took."""
+    v = TaskView("chaos", done=0.0, total=90.0, unit="s", status="", elapsed=20.0)
+    assert plain_line(v) == "chaos - 0/90 s (0%), 1m30s left"
+    assert TaskView("chaos", done=30.0, total=90.0, unit="s", status="", elapsed=55.0, since_update=1.0).left == 59.0
+
+
 def test_a_long_status_loses_its_trailing_details_before_the_bar_and_time_left():
     v = TaskView("training", done=1.5, total=3, unit="rounds", elapsed=10.0,
                  status="round 1/3, loss 4.992, 4 peers, 0.85 Mbit/s, sent 12.3 MB, recv 12.1 MB")

@@ -119,6 +119,10 @@ def test_partitions_loss_and_extra_delay_through_the_forwarder():
         with pytest.raises(WanError):
             rtt(1, 0)  # across the cut: the connection never opens
         inside = rtt(1, 2)  # the other side still talks
+        lab.sides([0, 0, 1])  # a new partition replaces the old one
+        rejoined = rtt(1, 0)
+        with pytest.raises(WanError):
+            rtt(0, 2)
         lab.heal()
         healed = rtt(1, 0)
         lab.loss(2, 1.0)
@@ -130,7 +134,7 @@ def test_partitions_loss_and_extra_delay_through_the_forwarder():
         lab.slow(1, 0.0)
         with pytest.raises(ValueError):
             lab.loss(0, 1.5)
-    assert before < 20 and inside < 20 and healed < 20, (before, inside, healed)
+    assert before < 20 and inside < 20 and rejoined < 20 and healed < 20, (before, inside, rejoined, healed)
     assert 100 <= slowed <= 140, slowed  # 2 × 5 ms plus 100 ms on the way back from host 1
     assert lab.switch_stats is not None and lab.switch_stats["cut"] > 0 and lab.switch_stats["lost"] > 0
 

@@ -9,9 +9,22 @@ injector seeded with `seed` picks a fault about every `every` seconds (`plan`) a
   checkpoint (`--resume`), joining through the live workers' addresses, as a supervisor would restart it;
 - `stop`: SIGSTOP a running worker for `stop_seconds` (drawn between the two bounds), then SIGCONT;
 - `leave`: Ctrl-C (SIGINT) a worker, which leaves for good (the swarm shrinks);
-- `join`: a new worker (a new identity) joins the swarm.
+- `join`: a new worker (a new identity) joins the swarm;
+- `readonly`: a worker's checkpoint directory becomes read-only (a read-only bind mount over it, in the
+  worker's mount namespace) for `outage_seconds`; `full`: it fills up (a tmpfs holding a copy of what is there,
+  with a few KiB to spare) for as long.
 
-A fault that finds no worker to hit (every one down or stopped) is skipped and counted as such. When the time is
+With `wan` every worker runs on a host of its own in a WAN lab (diloco.bench.wan, TUN backend: `rate_mbit` per
+host link, `delay_ms` one way), and four more kinds apply to the links:
+
+- `partition`: a random minority of the workers (at least one, fewer than half) is cut off from the others for
+  `outage_seconds` (each side still reaches its own);
+- `flap`: a worker's link goes down and up three times, 1–3 s each way;
+- `lossy`: a worker's link drops 2–20% of its packets for `outage_seconds`;
+- `slow`: a worker's packets take 100–500 ms more one way for `outage_seconds`.
+
+Cuts compose: two workers talk when no partition or link that is down separates them. A fault that finds no
+worker to hit (every one down or stopped; fewer than three up for a partition) is skipped and counted as such. When the time is
 up, every stopped worker is continued, every killed one restarted, the swarm gets `heal` seconds, and every
 worker is stopped with SIGTERM (each finishes its round and leaves). Then the same number of workers runs as long
 without faults, the baseline.
@@ -25,6 +38,7 @@ workers end on against the baseline's.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import random
@@ -36,12 +50,18 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 from ..metrics import read_jsonl
+from .wan import WanLab
 
-KINDS = ("kill", "stop", "leave", "join")
+LINK_KINDS = ("partition", "flap", "lossy", "slow")
+"""Faults of the links: they need the WAN lab (`wan`)."""
+DISK_KINDS = ("readonly", "full")
+"""Faults of a checkpoint directory: they need root (mounts)."""
+KINDS = ("kill", "stop", "leave", "join", *DISK_KINDS, *LINK_KINDS)
 DEFAULT_KINDS = ("kill", "stop")
+_FLAPS = 3
 TINY_JOB = ("--d-model", "64", "--layers", "2", "--batch-size", "8", "-H", "10")
 """The bundled model at width 64 with H = 10: rounds of about half a second on this machine's CPUs."""
 
@@ -58,6 +78,12 @@ class ChaosSetup:
     restart_after: float = 2.0
     """Seconds a killed worker stays down before it is restarted."""
     stop_seconds: tuple[float, float] = (1.0, 20.0)
+    outage_seconds: tuple[float, float] = (5.0, 60.0)
+    """How long a partition, a lossy or slow link, or a read-only or full disk lasts."""
+    wan: bool = False
+    """Every worker on a host of its own in a WAN lab (needs root); the link faults need it."""
+    rate_mbit: float = 100.0
+    delay_ms: float = 25.0
     heal: float = 15.0
     """Seconds the swarm gets after the last fault, everyone back, before it is stopped."""
     stall: float = 3.0
@@ -76,7 +102,10 @@ class Fault:
     """Which worker, as a fraction of those the fault can hit at that moment (drawn in advance: the plan does
     not depend on how the run goes)."""
     seconds: float = 0.0
-    """How long a `stop` lasts."""
+    """How long a `stop` lasts, or an outage (a partition, a lossy or slow link, a disk fault); a flap's half
+    period."""
+    amount: float = 0.0
+    """How bad, as a fraction of the kind's range: a partition's size, a link's loss or extra delay."""
 
 
 def plan(setup: ChaosSetup) -> list[Fault]:
@@ -89,7 +118,15 @@ def plan(setup: ChaosSetup) -> list[Fault]:
         if at >= setup.seconds:
             return faults
         kind = rng.choice(setup.kinds)
-        faults.append(Fault(at, kind, rng.random(), rng.uniform(*setup.stop_seconds) if kind == "stop" else 0.0))
+        pick = rng.random()
+        if kind == "stop":
+            faults.append(Fault(at, kind, pick, rng.uniform(*setup.stop_seconds)))
+        elif kind == "flap":
+            faults.append(Fault(at, kind, pick, rng.uniform(1.0, 3.0)))
+        elif kind in ("partition", "lossy", "slow", *DISK_KINDS):
+            faults.append(Fault(at, kind, pick, rng.uniform(*setup.outage_seconds), rng.random()))
+        else:
+            faults.append(Fault(at, kind, pick))
 
 
 # ---------------------------------------------------------------------------------------------- what the lines say
@@ -141,6 +178,8 @@ class Hit:
     at: float
     ended: float | None = None
     skipped: bool = False
+    detail: str = ""
+    """What exactly (a partition's workers, a link's loss), for the progress lines."""
 
 
 def recovery(hits: Sequence[Hit], commit_times: Sequence[float], lines: Sequence[Lines],
@@ -154,7 +193,7 @@ def recovery(hits: Sequence[Hit], commit_times: Sequence[float], lines: Sequence
             continue
         nxt = next((t for t in commit_times if t > h.at), None)
         back = None
-        if h.kind in ("kill", "stop", "join") and h.worker < len(lines):
+        if h.kind != "leave" and h.worker < len(lines):
             since = h.ended if h.ended is not None else h.at
             back = next((ln["time"] for ln in lines[h.worker] if ln.get("event") == "round" and ln.get("committed")
                          and ln["time"] > since), None)
@@ -203,6 +242,15 @@ def summary(setup: ChaosSetup, hits: Sequence[Hit], lines: Sequence[Lines], wind
 # ---------------------------------------------------------------------------------------------- running it
 
 
+def sides(hosts: int, cuts: Iterable[frozenset[int]]) -> list[int]:
+    """One label per host for the forwarder: two hosts share a label when no cut separates them (each cut: hosts
+    cut off from the others)."""
+    cuts = list(cuts)
+    keys = [tuple(h in c for c in cuts) for h in range(hosts)]
+    labels = {k: n for n, k in enumerate(dict.fromkeys(keys))}
+    return [labels[k] for k in keys]
+
+
 @dataclass
 class _Worker:
     index: int
@@ -214,10 +262,17 @@ class _Worker:
 
 
 class _Swarm:
-    """The workers' processes: started, faulted, restarted and stopped, each writing its metrics lines."""
+    """The workers' processes: started, faulted, restarted and stopped, each writing its metrics lines; with a
+    WAN lab (`lab`), worker i runs on host i."""
 
-    def __init__(self, setup: ChaosSetup, workdir: Path, tag: str) -> None:
-        self.setup, self.workdir, self.tag = setup, workdir, tag
+    def __init__(self, setup: ChaosSetup, workdir: Path, tag: str, lab: WanLab | None = None) -> None:
+        self.setup, self.workdir, self.tag, self.lab = setup, workdir, tag, lab
+        self.timers: list[tuple[float, int, Callable[[], None]]] = []
+        """Faults' next steps and ends, by due time (monotonic)."""
+        self.cuts: dict[int, frozenset[int]] = {}
+        """The cuts in force (partitions, a flapping link while down), by id: hosts cut off from the others. Two
+        cuts compose: hosts reach each other when they are on the same side of every one."""
+        self._seq = itertools.count()
         self.run_id = f"chaos-{tag}-{secrets.token_hex(3)}"
         self.env = {**os.environ, "DILOCO_SECRET": secrets.token_urlsafe(32), "OMP_NUM_THREADS": "1"}
         self.workers: list[_Worker] = []
@@ -229,22 +284,23 @@ class _Swarm:
         return self.workdir / f"{self.tag}-w{i}.{what}"
 
     def addresses(self, but: int) -> list[str]:
-        """Addresses of the workers that are up (the others' last known, if none is)."""
-        live = [w.index for w in self.workers if w.index != but and w.state == "up"]
-        known = live or [w.index for w in self.workers if w.index != but]
+        """Addresses of the workers that are up and wrote one (a worker still starting has none yet)."""
         out: list[str] = []
-        for i in known:
-            p = self.path(i, "addr")
-            if p.exists():
+        for w in self.workers:
+            p = self.path(w.index, "addr")
+            if w.index != but and w.state == "up" and p.exists():
                 out += p.read_text().split()[:1]
         return out
 
-    def spawn(self, i: int, *, resume: bool, wait: bool = False, together: int = 1) -> subprocess.Popen[bytes]:
-        """Start worker `i` (the first one starts the swarm; the others join the workers that are up); with
-        `wait`, return once it wrote its address; `together`: peers it waits for before its first step."""
-        first = i == 0 and not resume and not self.workers
+    def spawn(self, i: int, *, resume: bool, wait: bool = False, together: int = 1,
+              seed: bool = False) -> subprocess.Popen[bytes]:
+        """Start worker `i` (the first one, or a `seed` when nobody else is up, starts the swarm; the others join
+        the workers that are up); with `wait`, return once it wrote its address; `together`: peers it waits for
+        before its first step."""
+        first = seed or (i == 0 and not resume and not self.workers)
         verb = ["start"] if first else ["join", *self.addresses(i)]
-        cmd = [sys.executable, "-m", "diloco", *verb, "--run-id", self.run_id, "--host", "127.0.0.1", "--port", "0",
+        host = self.lab.address(i) if self.lab is not None else "127.0.0.1"
+        cmd = [sys.executable, "-m", "diloco", *verb, "--run-id", self.run_id, "--host", host, "--port", "0",
                *self.setup.job, "--rounds", "1000000", "--shard", str(i), "--identity", str(self.path(i, "key")),
                "--checkpoint-dir", str(self.path(i, "ckpt")), "--checkpoint-every", "1",
                "--metrics", str(self.path(i, "jsonl")), "--address-file", str(self.path(i, "addr"))]
@@ -255,7 +311,8 @@ class _Swarm:
         self.path(i, "addr").unlink(missing_ok=True)
         log = open(self.path(i, "log"), "ab")
         self.logs.append(log)
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=self.env)
+        kw: dict[str, Any] = dict(stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=self.env)
+        proc = self.lab.popen(i, cmd, **kw) if self.lab is not None else subprocess.Popen(cmd, **kw)
         deadline = time.monotonic() + 120
         while wait and not self.path(i, "addr").exists():  # the first worker: the others join its address
             if proc.poll() is not None or time.monotonic() > deadline:
@@ -276,15 +333,111 @@ class _Swarm:
             hit.ended = time.time()
 
     def tick(self, now: float) -> None:
-        """Bring back what is due: continue stopped workers, restart killed ones."""
+        """Bring back what is due: continue stopped workers, restart killed ones (through the workers that are up:
+        while none is, a restart waits for one, unless every other worker is down too, when the first of them
+        starts the swarm again from its checkpoint), run the faults' due steps and ends."""
         for w in self.workers:
             if w.state == "stopped" and now >= w.until:
                 w.proc.send_signal(signal.SIGCONT)
                 self.back(w)
             elif w.state == "down" and now >= w.until:
-                w.proc = self.spawn(w.index, resume=True)
+                seed = False
+                if not self.addresses(w.index):
+                    others = [v for v in self.workers if v.index != w.index and v.state != "gone"]
+                    if any(v.state != "down" for v in others) or any(v.index < w.index for v in others):
+                        continue  # a worker still starting or stopped comes back first; or a lower one seeds
+                    seed = True
+                w.proc = self.spawn(w.index, resume=True, seed=seed)
                 w.restarts += 1
                 self.back(w)
+        self.timers.sort(key=lambda t: (t[0], t[1]))
+        while self.timers and self.timers[0][0] <= now:
+            self.timers.pop(0)[2]()
+
+    def later(self, seconds: float, step: Callable[[], None]) -> None:
+        self.timers.append((time.monotonic() + seconds, next(self._seq), step))
+
+    def finish_faults(self) -> None:
+        """Every fault's remaining steps now (the run is over): links healed, disks back."""
+        for _, _, step in sorted(self.timers, key=lambda t: (t[0], t[1])):
+            step()
+        self.timers.clear()
+
+    # ---- link faults (the WAN lab's forwarder)
+
+    def _link_fault(self, fault: Fault, hit: Hit, up: list[_Worker]) -> None:
+        assert self.lab is not None
+        lab, now = self.lab, time.monotonic()
+        w = up[min(len(up) - 1, int(fault.pick * len(up)))]
+        hit.worker = w.index
+
+        def ended() -> None:
+            hit.ended = time.time()
+
+        cut_id = next(self._seq)
+
+        def cut(hosts: frozenset[int] | None) -> None:
+            if hosts is None:
+                self.cuts.pop(cut_id, None)
+            else:
+                self.cuts[cut_id] = hosts
+            lab.sides(sides(lab.hosts, self.cuts.values()))
+
+        if fault.kind == "partition":
+            size = 1 + int(fault.amount * ((len(up) - 1) // 2))
+            if (len(up) - 1) // 2 < 1:
+                hit.skipped, hit.detail = True, "too few workers up for a minority"
+                return
+            first = up.index(w)
+            side = frozenset(up[(first + k) % len(up)].index for k in range(size))
+            cut(side)
+            hit.detail = f"workers {sorted(side)} cut off for {fault.seconds:.0f} s"
+            self.later(fault.seconds, lambda: (cut(None), ended()))
+        elif fault.kind == "flap":
+            half = fault.seconds
+            hit.detail = f"down/up {_FLAPS} times, {half:.1f} s each way"
+            mine = frozenset([w.index])
+            cut(mine)
+            for k in range(1, 2 * _FLAPS):
+                self.later(k * half, lambda k=k: cut(None if k % 2 else mine))
+            self.later(2 * _FLAPS * half - half, ended)
+        elif fault.kind == "lossy":
+            p = 0.02 + 0.18 * fault.amount
+            lab.loss(w.index, p)
+            hit.detail = f"{100 * p:.0f}% loss for {fault.seconds:.0f} s"
+            self.later(fault.seconds, lambda i=w.index: (lab.loss(i, 0.0), ended()))
+        elif fault.kind == "slow":
+            ms = 100 + 400 * fault.amount
+            lab.slow(w.index, ms)
+            hit.detail = f"+{ms:.0f} ms one way for {fault.seconds:.0f} s"
+            self.later(fault.seconds, lambda i=w.index: (lab.slow(i, 0.0), ended()))
+
+    # ---- disk faults (mounts over the checkpoint directory, in the worker's mount namespace)
+
+    def _disk_fault(self, fault: Fault, hit: Hit, w: _Worker) -> None:
+        pid, ckpt = w.proc.pid, self.path(w.index, "ckpt")
+        ckpt.mkdir(parents=True, exist_ok=True)
+        ns = ["nsenter", "-t", str(pid), "-m", "--"]
+        if fault.kind == "readonly":
+            script = f"mount --bind {ckpt} {ckpt} && mount -o remount,bind,ro {ckpt}"
+        else:
+            used_kib = sum(p.stat().st_size for p in ckpt.rglob("*") if p.is_file()) // 1024
+            script = (f"s=$(mktemp -d) && cp -a {ckpt}/. $s/ && mount -t tmpfs -o size={used_kib + 64}k tmpfs {ckpt} "
+                      f"&& cp -a $s/. {ckpt}/; rm -rf $s")
+        res = subprocess.run([*ns, "sh", "-c", script], capture_output=True, text=True)
+        if res.returncode != 0:
+            hit.skipped, hit.detail = True, f"mount failed: {res.stderr.strip()[-200:]}"
+            return
+        hit.detail = f"{fault.kind} for {fault.seconds:.0f} s"
+
+        def undo() -> None:
+            # the worker's namespace, if its process still runs; else, when that namespace was ours, our own
+            target = ns if w.proc.pid == pid and w.proc.poll() is None else [] if not self.lab else None
+            if target is not None:
+                subprocess.run([*target, "umount", "-l", str(ckpt)], capture_output=True)
+            hit.ended = time.time()
+
+        self.later(fault.seconds, undo)
 
     def apply(self, fault: Fault, hit: Hit) -> None:
         """Apply `fault` (its target among the workers it can hit now); `hit` records what happened."""
@@ -301,8 +454,14 @@ class _Swarm:
         if not up:
             hit.skipped = True
             return
+        if fault.kind in LINK_KINDS:
+            self._link_fault(fault, hit, up)
+            return
         w = up[min(len(up) - 1, int(fault.pick * len(up)))]
         hit.worker = w.index
+        if fault.kind in DISK_KINDS:
+            self._disk_fault(fault, hit, w)
+            return
         if fault.kind in ("kill", "stop"):
             self.open[w.index] = hit
         if fault.kind == "kill":
@@ -352,7 +511,12 @@ class _Swarm:
 
 def _one(setup: ChaosSetup, workdir: Path, tag: str, faults: Sequence[Fault], baseline: dict[str, Any] | None,
          progress: Callable[[str], None], tick: Callable[[float, float | None, str | None], None]) -> dict[str, Any]:
-    swarm = _Swarm(setup, workdir, tag)
+    lab = None
+    if setup.wan:
+        joins = sum(f.kind == "join" for f in faults)
+        lab = WanLab(setup.workers + joins, rate_mbit=setup.rate_mbit, delay_ms=setup.delay_ms, backend="tun").start()
+        progress(f"{tag}: {lab.describe()}")
+    swarm = _Swarm(setup, workdir, tag, lab)
     hits: list[Hit] = []
     try:
         for _ in range(setup.workers):
@@ -372,17 +536,26 @@ def _one(setup: ChaosSetup, workdir: Path, tag: str, faults: Sequence[Fault], ba
                 swarm.apply(fault, hit)
                 hits.append(hit)
                 progress(f"{tag} {now - begun:5.1f}s {fault.kind} worker {hit.worker}"
-                         + (" (skipped: nobody to hit)" if hit.skipped else ""))
+                         + (f" (skipped: {hit.detail or 'nobody to hit'})" if hit.skipped
+                            else f" ({hit.detail})" if hit.detail else ""))
             tick(now - begun, setup.seconds, tag)
             time.sleep(0.1)
         end = time.time()
+        swarm.finish_faults()
         for w in swarm.workers:  # everyone back, then a while to heal before the end
             w.until = 0.0
-        swarm.tick(time.monotonic())
-        time.sleep(setup.heal)
+        heal_until = time.monotonic() + setup.heal
+        while (now := time.monotonic()) < heal_until or any(w.state == "down" for w in swarm.workers):
+            if now > heal_until + 120:
+                raise RuntimeError(f"the {tag} swarm could not restart every worker; see the logs in {workdir}")
+            swarm.tick(now)
+            time.sleep(0.1)
         exits = swarm.end()
     finally:
+        swarm.finish_faults()
         swarm.kill_all()
+        if lab is not None:
+            lab.close(raise_errors=False)
     return summary(setup, hits, swarm.lines(), (start, end), exits, baseline)
 
 

@@ -342,8 +342,9 @@ def _switch(delay_ms: float, addresses: list[str], groups: Sequence[int] = (), c
     regions, `cross_rate_mbit` (a token bucket in here, dropping what would queue longer than
     `cross_queue_ms`), and takes `cross_delay_ms` instead of `delay_ms`.
 
-    Faults, from the owner as lines on stdin (`_control`; each applies from the next packet on): `cut I,J,..`
-    (a partition: packets between those hosts and the others are dropped; `cut` alone, or `heal`, ends it),
+    Faults, from the owner as lines on stdin (`_control`; each applies from the next packet on): `sides A,B,..`
+    (a partition: one label per host, packets between hosts of different labels are dropped), `cut I,J,..`
+    (those hosts on one side, the others on the other; `cut` alone, or `heal`, ends any partition),
     `loss I P` (drop each packet from or to host I with probability P; 0 ends it) and `slow I MS` (host I's
     packets take MS more milliseconds one way; 0 ends it)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the owner, which stops us in order
@@ -474,6 +475,11 @@ class _Faults:
                 if cut - set(range(n)):
                     raise ValueError(f"hosts {sorted(cut - set(range(n)))} out of range")
                 self.side = [int(i in cut) for i in range(n)] + [0]
+            elif words[0] == "sides" and len(words) == 2:
+                side = [int(x) for x in words[1].split(",")]
+                if len(side) != n:
+                    raise ValueError(f"{len(side)} labels for {n} hosts")
+                self.side = side + [0]
             elif words[0] in ("loss", "slow") and len(words) == 3:
                 i, x = int(words[1]), float(words[2])
                 if not 0 <= i < n or x < 0 or (words[0] == "loss" and x > 1):
@@ -903,6 +909,13 @@ class WanLab:
     def heal(self) -> None:
         """End the partition in force (if any)."""
         self._control("heal")
+
+    def sides(self, labels: Sequence[int]) -> None:
+        """The general partition: one label per host; hosts of one label reach each other, nothing crosses
+        between labels (all labels equal: no partition). Replaces the partition in force."""
+        if len(labels) != self.hosts:
+            raise ValueError(f"sides needs one label per host ({self.hosts}), got {len(labels)}")
+        self._control("sides " + ",".join(str(int(x)) for x in labels))
 
     def loss(self, host: int, p: float) -> None:
         """Drop each packet from or to `host` with probability `p` (0 ends it)."""

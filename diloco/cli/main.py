@@ -992,9 +992,17 @@ def bench_chaos_cmd(
     seed: int = typer.Option(_CHAOS.seed, help="Seed of the fault plan (kinds, targets, times, durations)."),
     faults: str = typer.Option(",".join(_CHAOS.kinds), help="Kinds of faults, comma-separated: kill (SIGKILL, "
                                "restarted from its checkpoint under the same identity), stop (SIGSTOP for a while), "
-                               "leave (Ctrl-C, for good), join (a new worker)."),
+                               "leave (Ctrl-C, for good), join (a new worker), readonly and full (the checkpoint "
+                               "directory; root), and with --wan: partition (a minority cut off), flap, lossy, slow "
+                               "(a worker's link)."),
     restart_after: float = typer.Option(_CHAOS.restart_after, help="Seconds a killed worker stays down."),
     stop_max: float = typer.Option(_CHAOS.stop_seconds[1], help="Longest SIGSTOP, seconds (the shortest is 1)."),
+    outage_max: float = typer.Option(_CHAOS.outage_seconds[1], help="Longest partition, lossy or slow link, "
+                                     "read-only or full disk, seconds (the shortest is 5)."),
+    wan: bool = typer.Option(_CHAOS.wan, help="Every worker on a host of its own in a WAN lab (root; the link "
+                                              "faults need it)."),
+    rate: float = typer.Option(_CHAOS.rate_mbit, help="With --wan: each host's link, Mbit/s."),
+    delay: float = typer.Option(_CHAOS.delay_ms, help="With --wan: one-way delay of each link, ms."),
     heal: float = typer.Option(_CHAOS.heal, help="Seconds after the last fault, everyone back, before the swarm "
                                                  "stops."),
     job: str = typer.Option(" ".join(_CHAOS.job), help="Flags of the bundled job every worker runs (model, H, "
@@ -1010,16 +1018,23 @@ def bench_chaos_cmd(
     import shlex
     import tempfile
 
-    from ..bench.chaos import KINDS, markdown, run, write_json
+    from ..bench.chaos import DISK_KINDS, KINDS, LINK_KINDS, markdown, run, write_json
     from ..progress import Reporter
 
     kinds = tuple(k.strip() for k in faults.split(",") if k.strip())
     if not kinds or set(kinds) - set(KINDS):
         _fail(f"--faults {faults!r}: name kinds among {', '.join(KINDS)}, comma-separated")
-    if workers < 2 or seconds <= 0 or every <= 0 or restart_after < 0 or stop_max < 1 or heal < 0:
-        _fail("--workers must be >= 2; --seconds and --every > 0; --restart-after and --heal >= 0; --stop-max >= 1")
+    if workers < 2 or seconds <= 0 or every <= 0 or restart_after < 0 or stop_max < 1 or heal < 0 or outage_max < 5:
+        _fail("--workers must be >= 2; --seconds and --every > 0; --restart-after and --heal >= 0; --stop-max >= 1; "
+              "--outage-max >= 5")
+    if set(kinds) & set(LINK_KINDS) and not wan:
+        _fail(f"--faults {faults!r}: {', '.join(LINK_KINDS)} are faults of the WAN lab's links: add --wan (root)")
+    if (wan or set(kinds) & set(DISK_KINDS)) and os.geteuid() != 0:
+        _fail("--wan and the disk faults (readonly, full) need root (network namespaces, mounts): run as root, or "
+              "leave them out")
     setup = ChaosSetup(workers=workers, seconds=seconds, every=every, seed=seed, kinds=kinds,
                        restart_after=restart_after, stop_seconds=(1.0, stop_max), heal=heal,
+                       outage_seconds=(5.0, outage_max), wan=wan, rate_mbit=rate, delay_ms=delay,
                        job=tuple(shlex.split(job)), baseline=baseline)
     where = workdir or Path(tempfile.mkdtemp(prefix="diloco-chaos-"))
     with Reporter.for_command(quiet=quiet) as rep, rep.task("chaos", unit="s") as task:
