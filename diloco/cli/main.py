@@ -984,8 +984,8 @@ _CHAOS = ChaosSetup()  # the defaults of `bench chaos`, declared once there
 
 @bench_app.command("chaos")
 def bench_chaos_cmd(
-    workers: int = typer.Option(_CHAOS.workers, help="Workers of the swarm (bundled-job peers on 127.0.0.1, one "
-                                                     "secret)."),
+    workers: int = typer.Option(_CHAOS.workers, help="Workers of the swarm (bundled-job peers on 127.0.0.1, or "
+                                                     "with --wan on hosts of a WAN lab; one secret)."),
     seconds: float = typer.Option(_CHAOS.seconds, help="How long the faults go on (and the undisturbed baseline "
                                                        "runs)."),
     every: float = typer.Option(_CHAOS.every, help="Mean seconds between two faults."),
@@ -1013,8 +1013,9 @@ def bench_chaos_cmd(
     json_path: Optional[Path] = ReportJson,
     quiet: bool = Quiet,
 ) -> None:
-    """A real swarm under random faults (SIGKILL and restart, SIGSTOP, leaving, joining) against the same swarm
-    undisturbed: goodput, time to the next commit and to each worker's return, stalls, forks."""
+    """A real swarm under random faults (SIGKILL and restart, SIGSTOP, leaving, joining, a read-only or full disk;
+    with --wan partitions, flapping, lossy and slow links) against the same swarm undisturbed: goodput, time to
+    the next commit and to each worker's return, stalls, forks."""
     import shlex
     import tempfile
 
