@@ -419,9 +419,20 @@ class Collective:
                                fragment=rs.fragment,
                                meta={"digest": digest, "inc": self.incarnation, **self._accepted_meta(key)},
                                body=msg.pack_names(rs.named(self.me), rs.waited(self.me)))
+            held = rs.incarnations.get(p) if p in rs.ready else None  # its ready, already here as we ask
             r = await self._call(p, "diloco.ready", frame)
+            refused = r is not None and not r.get("ok", False)
             if r is not None and (r.get("reason") == Reason.BANNED.value or r.get("abstains") is True):
                 r = None  # it banned us, or takes no part in rounds now: we do not wait for it
+            if (rs.view is None and held is not None and rs.incarnations.get(p) == held
+                    and (r is None or refused or not _same_process(r, held))):
+                # the ready we held as we asked (it came before we began) is of a process that cannot take part
+                # now: gone, refusing us (a restart still building its model), or restarted since. Its answer was
+                # made after it sent that ready, so it is news, not a reordering: no member of our view.
+                del rs.ready[p]
+                rs.incarnations.pop(p, None)
+                log.info("event=ready_withdrawn round=%s peer=%s reason=%s", key, p,
+                         "unreachable" if r is None else r.get("reason") if refused else "restarted")
             replies[p] = r
             ready = r.get("ready") if r else None
             if r and r.get("closed") and r.get("in_view"):
@@ -1223,6 +1234,15 @@ def _incarnation_of(meta: dict[str, Any]) -> int:
     if type(inc) is not int or not 0 <= inc < 1 << 63:
         raise PayloadRejected(Reason.BAD_HEADER, f"meta.inc must be an incarnation number, got {inc!r}")
     return inc
+
+
+def _same_process(reply: dict[str, Any], held: int) -> bool:
+    """Whether `reply` came from incarnation `held` (unknown on either side: yes)."""
+    try:
+        inc = _incarnation_of(reply)
+    except PayloadRejected:
+        return True  # a malformed number is not news of a restart; the reply is judged where it is read
+    return inc == 0 or held in (0, inc)
 
 
 def _weight_ok(w: object) -> TypeGuard[int]:

@@ -320,6 +320,45 @@ def test_a_peer_that_answered_not_yet_and_then_went_away_or_froze_costs_a_grace_
     assert took < (gather / 3 if fate == "went_away" else gather / 2), took
 
 
+@pytest.mark.parametrize("fate", ["killed", "restarted"])
+def test_a_peer_whose_ready_came_early_and_that_then_died_is_not_in_the_view(fate):
+    """x started round 1 first: its ready reached p0 and p1 before they began the round. Then x was SIGKILLed
+    (found in a WAN chaos soak) or killed and restarted, its new process not yet able to take part (it refuses
+    frames as `wrong_schema` until its model is built). p0 and p1 ask x when they begin: the call fails, or is
+    refused. A ready we hold from a process we cannot reach now is no member: they close (p0, p1) and commit,
+    rather than closing a view with x in it and losing the attempt to its probes."""
+
+    async def main():
+        net = InProcNetwork()
+        cs = await _collectives(net, ["p0", "p1", "x"])
+        heard: set[str] = set()
+        got = asyncio.Event()
+        for p in ("p0", "p1"):
+            on_ready = net.lookup(p).handlers["diloco.ready"]
+
+            async def note(caller, data, p=p, on_ready=on_ready):
+                reply = await on_ready(caller, data)
+                if caller == "x":
+                    heard.add(p)
+                    if len(heard) == 2:
+                        got.set()
+                return reply
+            net.lookup(p).handlers["diloco.ready"] = note
+        deltas = _deltas(["p0", "p1", "x"], 30, seed=5)
+        early = asyncio.create_task(cs["x"].run_round(RoundKey(1), DIGEST, ["p0", "p1", "x"], deltas["x"]))
+        await asyncio.wait_for(got.wait(), 2)
+        early.cancel()
+        net.kill("x")
+        if fate == "restarted":  # a new process under the same peer id, its schema not set yet
+            await Collective.create(net.transport("x"), RUN, FAST)
+        outs = await asyncio.gather(*(cs[p].run_round(RoundKey(1), DIGEST, ["p0", "p1", "x"], deltas[p])
+                                      for p in ("p0", "p1")))
+        return outs
+
+    outs = asyncio.run(main())
+    assert all(o.committed and o.view == ("p0", "p1") for o in outs), [(o.reason, o.view) for o in outs]
+
+
 def test_a_hung_straggler_costs_the_grace_not_a_call_timeout():
     """p3 is a straggler (the others go on without waiting for it) whose record is still live, and it
     is frozen: its ready handler never answers. The others ask it, but do not wait out their call to
@@ -803,6 +842,10 @@ def test_rejected_frames_are_counted_and_never_reach_the_aggregate():
         async def b_vote(caller, data):  # b holds every result too: it accepted the value
             return msg.ack(run=RUN, sender="b", accepted=True)
 
+        async def b_ready(caller, data):  # b is ready too (a peer a cannot ask is no member of its view)
+            return msg.ack(run=RUN, sender="b", closed=False, in_view=False, ready=DIGEST)
+
+        await b.register("diloco.ready", b_ready)
         await b.register("diloco.contrib", b_contrib)
         await b.register("diloco.result", b_result)
         await b.register("diloco.vote", b_vote)
