@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from diloco.bench.chaos import KINDS, ChaosSetup, Hit, commits, forks, plan, quantile, recovery, sides, stalls
+from diloco.bench.chaos import KINDS, ChaosSetup, Hit, commits, commits_cut_off, forks, plan, quantile, recovery, sides, stalls
 
 
 def _round(t: float, rnd: int, digest: str, committed: bool = True, **kw: object) -> dict:
@@ -41,6 +41,16 @@ def test_outages_draw_a_length_and_a_severity_and_old_seeds_keep_their_plans():
     old = plan(ChaosSetup(seconds=240, every=10, seed=0))
     assert len(old) == 21 and [(f.kind, round(f.at, 3), round(f.seconds, 3)) for f in old[:4]] == [
         ("stop", 13.444, 19.344), ("stop", 23.303, 7.803), ("kill", 37.22, 0.0), ("kill", 45.038, 0.0)]
+
+
+@pytest.mark.unit
+def test_a_cut_off_minority_committing_is_reported():
+    hits = [Hit("partition", 1, at=10.0, ended=20.0, side=(1, 2)), Hit("stop", 0, at=11.0, ended=12.0)]
+    lines = [[_round(15.0, 4, "a")],  # the majority side commits: fine
+             [_round(10.5, 3, "z"), _round(15.0, 4, "b"), _round(21.0, 5, "c")],  # 10.5: decided before the cut
+             [_round(14.0, 4, "b", committed=False)]]
+    assert commits_cut_off(hits, lines) == [{"worker": 1, "round": 4, "side": [1, 2]}]
+    assert commits_cut_off(hits, [lines[0], lines[1][:1] + lines[1][2:], lines[2]]) == []
 
 
 @pytest.mark.unit
@@ -92,7 +102,7 @@ def test_a_short_chaos_run_of_real_workers_ends_without_a_fork(tmp_path):
                           capture_output=True, text=True, timeout=380)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads(out.read_text())
-    assert report["forks"] == {}, report["forks"]
+    assert report["forks"] == {} and report["commits_cut_off"] == [], (report["forks"], report["commits_cut_off"])
     assert report["exits"] == [0, 0, 0], (report["exits"], proc.stdout)
     applied = {k: f["applied"] for k, f in report["faults"].items()}
     assert sum(applied.values()) == report["faults_applied"] >= 5, applied
@@ -117,7 +127,7 @@ def test_five_minutes_of_every_kind_of_fault_end_without_a_fork(tmp_path):
                           capture_output=True, text=True, timeout=1150)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads(out.read_text())
-    assert report["forks"] == {}, report["forks"]
+    assert report["forks"] == {} and report["commits_cut_off"] == [], (report["forks"], report["commits_cut_off"])
     assert report["faults_applied"] >= 35 and set(report["faults"]) == set(KINDS), report
     assert all(code == 0 for code in report["exits"]), report["exits"]
     assert report["rounds_committed"] >= 10, report

@@ -32,7 +32,8 @@ without faults, the baseline.
 From the workers' metrics lines (`report`): faults by kind; rounds committed against the baseline (goodput);
 per fault, the time from the fault to the swarm's next commit and to the faulty worker's next committed round
 (its return), p50 and p99 by kind; stalls (gaps between commits longer than `stall` seconds); forks (a round
-committed, or downloaded, with two digests: must be 0); every worker's exit status; the held-out loss the
+committed, or downloaded, with two digests: must be 0); rounds a partition's cut-off minority committed while cut off
+(it has no quorum: must be 0); every worker's exit status; the held-out loss the
 workers end on against the baseline's.
 """
 
@@ -180,6 +181,8 @@ class Hit:
     skipped: bool = False
     detail: str = ""
     """What exactly (a partition's workers, a link's loss), for the progress lines."""
+    side: tuple[int, ...] = ()
+    """A partition's cut-off workers."""
 
 
 def recovery(hits: Sequence[Hit], commit_times: Sequence[float], lines: Sequence[Lines],
@@ -199,7 +202,29 @@ def recovery(hits: Sequence[Hit], commit_times: Sequence[float], lines: Sequence
                          and ln["time"] > since), None)
         out.append({"kind": h.kind, "worker": h.worker, "at": round(h.at - start, 2),
                     "to_next_commit": None if nxt is None else nxt - h.at,
-                    "to_return": None if back is None else back - h.at})
+                    "to_return": None if back is None else back - h.at,
+                    **({"detail": h.detail} if h.detail else {})})
+    return out
+
+
+CUT_MARGIN = 1.0
+"""Seconds after a cut begins during which a commit of the cut-off side still counts as decided before it (the
+votes were in; the line is written a moment later)."""
+
+
+def commits_cut_off(hits: Sequence[Hit], lines: Sequence[Lines]) -> list[dict[str, Any]]:
+    """Rounds a partition's cut-off minority committed while cut off (from `CUT_MARGIN` after the cut until it
+    healed): a minority has no quorum, so this must be empty."""
+    out = []
+    for h in hits:
+        if h.kind != "partition" or h.skipped or not h.side:
+            continue
+        until = h.ended if h.ended is not None else float("inf")
+        for w in h.side:
+            for ln in lines[w] if w < len(lines) else []:
+                if (ln.get("event") == "round" and ln.get("committed") and not ln.get("merge")
+                        and h.at + CUT_MARGIN < ln["time"] < until):
+                    out.append({"worker": w, "round": ln["round"], "side": list(h.side)})
     return out
 
 
@@ -227,7 +252,8 @@ def summary(setup: ChaosSetup, hits: Sequence[Hit], lines: Sequence[Lines], wind
         "faults": by_kind, "faults_applied": sum(not h.skipped for h in hits),
         "rounds_committed": len(inside), "rounds_per_minute": 60 * len(inside) / max(1e-9, end - start),
         "stalls": len(gaps), "stalled_seconds": round(sum(gaps), 2), "longest_stall": max(gaps, default=0.0),
-        "forks": forks(lines), "workers": len(lines), "exits": list(exits),
+        "forks": forks(lines), "commits_cut_off": commits_cut_off(hits, lines), "workers": len(lines),
+        "exits": list(exits), "window": [start, end],
         "final_rounds": [f["round"] if f else None for f in finals],
         "eval_loss_mean": statistics.fmean(losses) if losses else None,
         "recovery": rec,
@@ -391,6 +417,7 @@ class _Swarm:
             first = up.index(w)
             side = frozenset(up[(first + k) % len(up)].index for k in range(size))
             cut(side)
+            hit.side = tuple(sorted(side))
             hit.detail = f"workers {sorted(side)} cut off for {fault.seconds:.0f} s"
             self.later(fault.seconds, lambda: (cut(None), ended()))
         elif fault.kind == "flap":
@@ -591,7 +618,8 @@ def markdown(report: dict[str, Any]) -> str:
              + (f" against {base['rounds_committed']} undisturbed: goodput **{100 * report['goodput']:.0f}%**"
                 if base else "")
              + f"; {report['stalls']} stalls over {s['stall']:g} s ({report['stalled_seconds']:.0f} s in all, the "
-               f"longest {report['longest_stall']:.1f} s); forks: **{len(report['forks'])}**; exit statuses "
+               f"longest {report['longest_stall']:.1f} s); forks: **{len(report['forks'])}**; rounds a cut-off "
+               f"minority committed: **{len(report['commits_cut_off'])}**; exit statuses "
                f"{report['exits']}; held-out loss {loss(report['eval_loss_mean'])}"
              + (f" (undisturbed {loss(base['eval_loss_mean'])})" if base else "") + "."]
     return "\n".join(lines)
