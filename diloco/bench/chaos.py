@@ -44,6 +44,7 @@ import json
 import os
 import random
 import secrets
+import shlex
 import signal
 import statistics
 import subprocess
@@ -445,12 +446,13 @@ class _Swarm:
         pid, ckpt = w.proc.pid, self.path(w.index, "ckpt")
         ckpt.mkdir(parents=True, exist_ok=True)
         ns = ["nsenter", "-t", str(pid), "-m", "--"]
+        d = shlex.quote(str(ckpt))
         if fault.kind == "readonly":
-            script = f"mount --bind {ckpt} {ckpt} && mount -o remount,bind,ro {ckpt}"
-        else:
-            used_kib = sum(p.stat().st_size for p in ckpt.rglob("*") if p.is_file()) // 1024
-            script = (f"s=$(mktemp -d) && cp -a {ckpt}/. $s/ && mount -t tmpfs -o size={used_kib + 64}k tmpfs {ckpt} "
-                      f"&& cp -a $s/. {ckpt}/; rm -rf $s")
+            script = f"mount --bind {d} {d} && mount -o remount,bind,ro {d}"
+        else:  # room for what is there (tmpfs counts whole pages) and 64 KiB: the next checkpoint does not fit
+            used_kib = sum(-(-p.stat().st_size // 4096) * 4 for p in ckpt.rglob("*") if p.is_file())
+            script = (f"s=$(mktemp -d) || exit 1; cp -a {d}/. $s/ && mount -t tmpfs -o size={used_kib + 64}k tmpfs {d}; "
+                      f"r=$?; [ $r -eq 0 ] && cp -a $s/. {d}/; rm -rf $s; exit $r")
         res = subprocess.run([*ns, "sh", "-c", script], capture_output=True, text=True)
         if res.returncode != 0:
             hit.skipped, hit.detail = True, f"mount failed: {res.stderr.strip()[-200:]}"
