@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from diloco.bench.chaos import KINDS, ChaosSetup, Hit, commits, commits_cut_off, forks, plan, quantile, recovery, sides, stalls
+from diloco.bench.chaos import KINDS, ChaosSetup, Hit, commits, commits_cut_off, final_states, forks, plan, quantile, recovery, sides, stalls
 
 
 def _round(t: float, rnd: int, digest: str, committed: bool = True, **kw: object) -> dict:
@@ -70,6 +70,12 @@ def test_commits_forks_and_stalls_from_the_lines():
     assert forks([w0, w1]) == {}
     assert forks([w0, w1 + [_round(30.0, 3, "d")]]) == {3: ["c", "d"]}  # committed otherwise: a fork
     assert forks([w0, [_round(21.0, 2, "e", committed=False, resynced=True)]]) == {2: ["b", "e"]}  # downloaded
+    # regions count their own rounds: one round number in two regions is two rounds, a fork only inside one
+    r0, r1 = [_round(10.0, 1, "a")], [_round(10.5, 1, "x")]
+    assert forks([r0, r1], ["eu", "us"]) == {} and commits([r0, r1], ["eu", "us"]) == [(10.0, "eu/1"), (10.5, "us/1")]
+    assert forks([r0, r1, [_round(11.0, 1, "y")]], ["eu", "us", "us"]) == {"us/1": ["x", "y"]}
+    final = {"event": "final", "round": 3, "digest": "c", "final_digest": "F"}
+    assert final_states([[final], [{**final, "final_digest": "G"}], [final]], [True, False, True]) == {"F": 2}
     assert stalls([10.0, 10.9, 20.0, 20.5], 3.0) == [pytest.approx(9.1)]
     assert quantile([], 0.5) is None and quantile([3.0, 1.0, 2.0], 0.5) == 2.0 and quantile([1.0, 9.0], 0.99) == 9.0
 

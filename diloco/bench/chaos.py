@@ -86,6 +86,8 @@ class ChaosSetup:
     """Every worker on a host of its own in a WAN lab (needs root); the link faults need it."""
     rate_mbit: float = 100.0
     delay_ms: float = 25.0
+    regions: int = 0
+    """Regions of the swarm (worker i in region `r{i mod regions}`, the bundled job's `--region`); 0: flat."""
     heal: float = 15.0
     """Seconds the swarm gets after the last fault, everyone back, before it is stopped."""
     stall: float = 3.0
@@ -136,26 +138,46 @@ def plan(setup: ChaosSetup) -> list[Fault]:
 Lines = list[dict[str, Any]]
 
 
-def commits(lines: Sequence[Lines]) -> list[tuple[float, int]]:
-    """(time, round) of every round the swarm committed, at the first worker that wrote it, in order."""
-    first: dict[int, float] = {}
-    for worker in lines:
+def _key(rnd: int, region: str) -> int | str:
+    """A round's key: its number in a flat swarm, "region/number" with regions (each region counts its own)."""
+    return f"{region}/{rnd}" if region else rnd
+
+
+def commits(lines: Sequence[Lines], regions: Sequence[str] = ()) -> list[tuple[float, int | str]]:
+    """(time, round) of every round the swarm committed, at the first worker that wrote it, in order (with
+    `regions`, a region per worker: every region's rounds, keyed "region/round")."""
+    first: dict[int | str, float] = {}
+    for i, worker in enumerate(lines):
         for ln in worker:
             if ln.get("event") == "round" and ln.get("committed") and not ln.get("merge"):
-                first[ln["round"]] = min(first.get(ln["round"], ln["time"]), ln["time"])
-    return sorted((t, r) for r, t in first.items())
+                k = _key(ln["round"], regions[i] if regions else "")
+                first[k] = min(first.get(k, ln["time"]), ln["time"])
+    return sorted(((t, r) for r, t in first.items()), key=lambda x: x[0])
 
 
-def forks(lines: Sequence[Lines]) -> dict[int, list[str]]:
+def forks(lines: Sequence[Lines], regions: Sequence[str] = ()) -> dict[int | str, list[str]]:
     """Rounds held with more than one digest: committed by two workers on different states, or a state
-    downloaded for a round that another worker committed otherwise (and the final lines' rounds). Must be empty."""
-    held: dict[int, set[str]] = {}
-    for worker in lines:
+    downloaded for a round that another worker committed otherwise (and the final lines' rounds). With `regions`,
+    per region (a merge is the region round its representative's merge made). Must be empty."""
+    held: dict[int | str, set[str]] = {}
+    for i, worker in enumerate(lines):
         for ln in worker:
             if ln.get("digest") and ((ln.get("event") == "round" and (ln.get("committed") or ln.get("resynced")))
                                      or ln.get("event") == "final"):
-                held.setdefault(ln["round"], set()).add(ln["digest"])
-    return {r: sorted(d) for r, d in sorted(held.items()) if len(d) > 1}
+                held.setdefault(_key(ln["round"], regions[i] if regions else ""), set()).add(ln["digest"])
+    return {r: sorted(d) for r, d in sorted(held.items(), key=lambda x: str(x[0])) if len(d) > 1}
+
+
+def final_states(lines: Sequence[Lines], together: Sequence[bool]) -> dict[str, int]:
+    """How many of the workers still in the swarm at the end (`together`) ended on each model (the final lines'
+    `final_digest`: the parameters each ends on; with regions, after the final merge). One entry: every worker ends
+    on the global state."""
+    out: dict[str, int] = {}
+    for worker, there in zip(lines, together):
+        final = next((ln for ln in reversed(worker) if ln.get("event") == "final"), None)
+        if there and final is not None and final.get("final_digest"):
+            out[final["final_digest"]] = out.get(final["final_digest"], 0) + 1
+    return out
 
 
 def stalls(times: Sequence[float], longer_than: float) -> list[float]:
@@ -229,11 +251,19 @@ def commits_cut_off(hits: Sequence[Hit], lines: Sequence[Lines]) -> list[dict[st
     return out
 
 
+def region_names(setup: ChaosSetup, workers: int) -> list[str]:
+    """Each worker's region (worker i in region i mod `setup.regions`); none in a flat swarm."""
+    return [f"r{i % setup.regions}" for i in range(workers)] if setup.regions else []
+
+
 def summary(setup: ChaosSetup, hits: Sequence[Hit], lines: Sequence[Lines], window: tuple[float, float],
-            exits: Sequence[int | None], baseline: dict[str, Any] | None) -> dict[str, Any]:
-    """The report of one run (`baseline`: the undisturbed run's own summary, or None)."""
+            exits: Sequence[int | None], baseline: dict[str, Any] | None,
+            together: Sequence[bool] | None = None) -> dict[str, Any]:
+    """The report of one run (`baseline`: the undisturbed run's own summary, or None; `together`: which workers
+    were still in the swarm at the end, default all)."""
     start, end = window
-    times = [t for t, _ in commits(lines)]
+    regions = region_names(setup, len(lines))
+    times = [t for t, _ in commits(lines, regions)]
     inside = [t for t in times if start <= t <= end]
     rec = recovery(hits, times, lines, start)
     by_kind: dict[str, dict[str, Any]] = {}
@@ -253,7 +283,8 @@ def summary(setup: ChaosSetup, hits: Sequence[Hit], lines: Sequence[Lines], wind
         "faults": by_kind, "faults_applied": sum(not h.skipped for h in hits),
         "rounds_committed": len(inside), "rounds_per_minute": 60 * len(inside) / max(1e-9, end - start),
         "stalls": len(gaps), "stalled_seconds": round(sum(gaps), 2), "longest_stall": max(gaps, default=0.0),
-        "forks": forks(lines), "commits_cut_off": commits_cut_off(hits, lines), "workers": len(lines),
+        "forks": forks(lines, regions), "commits_cut_off": commits_cut_off(hits, lines), "workers": len(lines),
+        "final_states": final_states(lines, [True] * len(lines) if together is None else together),
         "exits": list(exits), "window": [start, end],
         "final_rounds": [f["round"] if f else None for f in finals],
         "eval_loss_mean": statistics.fmean(losses) if losses else None,
@@ -261,7 +292,8 @@ def summary(setup: ChaosSetup, hits: Sequence[Hit], lines: Sequence[Lines], wind
     }
     if baseline is not None:
         report["baseline"] = {k: baseline[k] for k in ("rounds_committed", "rounds_per_minute", "eval_loss_mean",
-                                                       "stalls", "stalled_seconds", "forks", "exits")}
+                                                       "stalls", "stalled_seconds", "forks", "exits",
+                                                       "final_states")}
         report["goodput"] = report["rounds_per_minute"] / max(1e-9, baseline["rounds_per_minute"])
     return report
 
@@ -331,6 +363,8 @@ class _Swarm:
                *self.setup.job, "--rounds", "1000000", "--shard", str(i), "--identity", str(self.path(i, "key")),
                "--checkpoint-dir", str(self.path(i, "ckpt")), "--checkpoint-every", "1",
                "--metrics", str(self.path(i, "jsonl")), "--address-file", str(self.path(i, "addr"))]
+        if self.setup.regions:
+            cmd += ["--region", region_names(self.setup, i + 1)[i]]
         if resume:
             cmd.append("--resume")
         if together > 1:
@@ -551,7 +585,7 @@ def _one(setup: ChaosSetup, workdir: Path, tag: str, faults: Sequence[Fault], ba
         for _ in range(setup.workers):
             swarm.add(together=setup.workers)  # the first round has everyone: its members are the swarm
         deadline = time.monotonic() + 180
-        while not commits(swarm.lines()):  # the swarm trains: the clock starts
+        while not commits(swarm.lines(), region_names(setup, len(swarm.workers))):  # it trains: the clock starts
             if time.monotonic() > deadline:
                 raise RuntimeError(f"the {tag} swarm committed no round in 180 s; see the logs in {workdir}")
             time.sleep(0.2)
@@ -579,13 +613,14 @@ def _one(setup: ChaosSetup, workdir: Path, tag: str, faults: Sequence[Fault], ba
                 raise RuntimeError(f"the {tag} swarm could not restart every worker; see the logs in {workdir}")
             swarm.tick(now)
             time.sleep(0.1)
+        together = [w.state != "gone" for w in swarm.workers]
         exits = swarm.end()
     finally:
         swarm.finish_faults()
         swarm.kill_all()
         if lab is not None:
             lab.close(raise_errors=False)
-    return summary(setup, hits, swarm.lines(), (start, end), exits, baseline)
+    return summary(setup, hits, swarm.lines(), (start, end), exits, baseline, together)
 
 
 def run(setup: ChaosSetup, workdir: Path, progress: Callable[[str], None] = print,
@@ -621,7 +656,8 @@ def markdown(report: dict[str, Any]) -> str:
                 if base else "")
              + f"; {report['stalls']} stalls over {s['stall']:g} s ({report['stalled_seconds']:.0f} s in all, the "
                f"longest {report['longest_stall']:.1f} s); forks: **{len(report['forks'])}**; rounds a cut-off "
-               f"minority committed: **{len(report['commits_cut_off'])}**; exit statuses "
+               f"minority committed: **{len(report['commits_cut_off'])}**; the workers there at the end ended on "
+               f"**{len(report['final_states'])}** model(s); exit statuses "
                f"{report['exits']}; held-out loss {loss(report['eval_loss_mean'])}"
              + (f" (undisturbed {loss(base['eval_loss_mean'])})" if base else "") + "."]
     return "\n".join(lines)

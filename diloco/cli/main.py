@@ -1003,6 +1003,8 @@ def bench_chaos_cmd(
                                               "faults need it)."),
     rate: float = typer.Option(_CHAOS.rate_mbit, help="With --wan: each host's link, Mbit/s."),
     delay: float = typer.Option(_CHAOS.delay_ms, help="With --wan: one-way delay of each link, ms."),
+    regions: int = typer.Option(_CHAOS.regions, help="Regions of the swarm (worker i in region r<i mod N>, "
+                                                     "docs/REGIONS.md); 0: a flat swarm."),
     heal: float = typer.Option(_CHAOS.heal, help="Seconds after the last fault, everyone back, before the swarm "
                                                  "stops."),
     job: str = typer.Option(" ".join(_CHAOS.job), help="Flags of the bundled job every worker runs (model, H, "
@@ -1025,6 +1027,8 @@ def bench_chaos_cmd(
     kinds = tuple(k.strip() for k in faults.split(",") if k.strip())
     if not kinds or set(kinds) - set(KINDS):
         _fail(f"--faults {faults!r}: name kinds among {', '.join(KINDS)}, comma-separated")
+    if regions < 0 or regions == 1:
+        _fail(f"--regions {regions}: give 2 or more regions, or 0 for a flat swarm")
     if workers < 2 or seconds <= 0 or every <= 0 or restart_after < 0 or stop_max < 1 or heal < 0 or outage_max < 5:
         _fail("--workers must be >= 2; --seconds and --every > 0; --restart-after and --heal >= 0; --stop-max >= 1; "
               "--outage-max >= 5")
@@ -1035,7 +1039,7 @@ def bench_chaos_cmd(
               "leave them out")
     setup = ChaosSetup(workers=workers, seconds=seconds, every=every, seed=seed, kinds=kinds,
                        restart_after=restart_after, stop_seconds=(1.0, stop_max), heal=heal,
-                       outage_seconds=(5.0, outage_max), wan=wan, rate_mbit=rate, delay_ms=delay,
+                       outage_seconds=(5.0, outage_max), wan=wan, rate_mbit=rate, delay_ms=delay, regions=regions,
                        job=tuple(shlex.split(job)), baseline=baseline)
     where = workdir or Path(tempfile.mkdtemp(prefix="diloco-chaos-"))
     with Reporter.for_command(quiet=quiet) as rep, rep.task("chaos", unit="s") as task:
