@@ -461,6 +461,7 @@ class Collective:
         grace = self.cfg.gather_timeout / 10
 
         since: dict[PeerId, float] = {}  # when each ask still on its way was sent
+        muted: set[PeerId] = set()  # left a question unanswered through the answer window
 
         def ask_again(peers: Collection[PeerId]) -> None:
             """Those of `peers` we wait for that answered "not yet" may have died, left, gone on standby or
@@ -474,6 +475,7 @@ class Collective:
                     later[p], since[p] = asyncio.create_task(ask(p)), now
                 elif now - since.get(p, now) > self.cfg.answer_timeout:
                     replies[p] = None
+                    muted.add(p)
                     self._mark_silent(p)
                     log.info("event=peer_silent round=%s peer=%s", key, p)
 
@@ -508,6 +510,7 @@ class Collective:
                 if not task.done() and self.transport.counter.per_peer.get(p, [0, 0])[1] > 0:
                     replies[p] = None
                     later[p] = task
+                    muted.add(p)
                     self._mark_silent(p)
                     log.info("event=peer_silent round=%s peer=%s", key, p)
             # nor does a straggler found silent lately get the stragglers' grace (it froze: every round its record
@@ -536,7 +539,11 @@ class Collective:
             rs.view = ()
             return late
         named = rs.named(self.me)
-        view = make_view([p for p, d in rs.ready.items() if d == digest and (p == self.me or p in named)])
+        # a peer whose ready we hold (it may have come before we began) but that has left our question unanswered
+        # through the answer window, still unanswered now, is cut off or frozen: it would fail the attempt
+        mute = {p for p in muted if replies.get(p) is None and p in later and not later[p].done()}
+        view = make_view([p for p, d in rs.ready.items()
+                          if d == digest and (p == self.me or p in named) and p not in mute])
         # what the view carries: the value accepted in the highest earlier attempt any member reports
         reports = [rs.accepted[p] for p in view if p in rs.accepted and p != self.me]
         own = self._accepted_by_us(key)

@@ -320,17 +320,19 @@ def test_a_peer_that_answered_not_yet_and_then_went_away_or_froze_costs_a_grace_
     assert took < (gather / 3 if fate == "went_away" else gather / 2), took
 
 
-@pytest.mark.parametrize("fate", ["killed", "restarted"])
+@pytest.mark.parametrize("fate", ["killed", "restarted", "cut_off"])
 def test_a_peer_whose_ready_came_early_and_that_then_died_is_not_in_the_view(fate):
     """x started round 1 first: its ready reached p0 and p1 before they began the round. Then x was SIGKILLed
-    (found in a WAN chaos soak) or killed and restarted, its new process not yet able to take part (it refuses
-    frames as `wrong_schema` until its model is built). p0 and p1 ask x when they begin: the call fails, or is
-    refused. A ready we hold from a process we cannot reach now is no member: they close (p0, p1) and commit,
-    rather than closing a view with x in it and losing the attempt to its probes."""
+    (found in a WAN chaos soak), or killed and restarted (a new process under its peer id), or cut off by a
+    partition (or frozen: its calls hang; also found in a soak). p0 and p1 ask x when they begin: the call fails,
+    is answered by another process, or goes unanswered through the answer window. A ready we hold from a process
+    that cannot take part now is no member: they close (p0, p1) and commit, rather than closing a view with x in it
+    and losing the attempt to its probes."""
 
     async def main():
         net = InProcNetwork()
-        cs = await _collectives(net, ["p0", "p1", "x"])
+        # cut off: a call to x hangs for the call timeout, which (as by default) is longer than the answer window
+        cs = await _collectives(net, ["p0", "p1", "x"], replace(FAST, call_timeout=8.0) if fate == "cut_off" else FAST)
         heard: set[str] = set()
         got = asyncio.Event()
         for p in ("p0", "p1"):
@@ -348,15 +350,21 @@ def test_a_peer_whose_ready_came_early_and_that_then_died_is_not_in_the_view(fat
         early = asyncio.create_task(cs["x"].run_round(RoundKey(1), DIGEST, ["p0", "p1", "x"], deltas["x"]))
         await asyncio.wait_for(got.wait(), 2)
         early.cancel()
-        net.kill("x")
-        if fate == "restarted":  # a new process under the same peer id, its schema not set yet
+        if fate == "cut_off":
+            freezer = _Freezer(net, "x")
+            freezer.frozen = True
+        else:
+            net.kill("x")
+        if fate == "restarted":  # a new process under the same peer id
             await Collective.create(net.transport("x"), RUN, FAST)
         outs = await asyncio.gather(*(cs[p].run_round(RoundKey(1), DIGEST, ["p0", "p1", "x"], deltas[p])
                                       for p in ("p0", "p1")))
         return outs
 
+    started = time.monotonic()
     outs = asyncio.run(main())
     assert all(o.committed and o.view == ("p0", "p1") for o in outs), [(o.reason, o.view) for o in outs]
+    assert time.monotonic() - started < 6.0  # an answer window (2 s) and the round, not a call timeout (8 s)
 
 
 def test_a_hung_straggler_costs_the_grace_not_a_call_timeout():
