@@ -1171,6 +1171,11 @@ class Collective:
                 self.banned_by.add(peer)  # its own sealed reply: nobody else can say this for it
         return meta
 
+    def gathering(self, peer: PeerId, rnd: int) -> bool:
+        """Whether `peer` sent us a `ready` for an attempt at round `rnd` (it is gathering that round). Called on
+        our loop."""
+        return any(key.round == rnd and peer in rs.ready for key, rs in self._rounds.items())
+
     def recheck(self, peers: Collection[PeerId]) -> None:
         """`peers` say in their records that they take no part in rounds now (standby, left): the gather we are
         running asks those it waits for again at once (they answer so, and are not waited for), rather than a

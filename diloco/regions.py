@@ -227,6 +227,10 @@ class Regions(Topology):
         deadline = time.monotonic() + limit
         while True:
             decision = follow_decision(next((r for r in self.scope.records() if r.peer == rep), None), region_round)
+            if decision == "wait" and self.scope.gathering(rep, region_round):
+                # it asks us into region round `region_round` again: it is not merging (it restarted, and lost or
+                # never made the merge), and waits for us as we wait for it
+                decision = "skip"
             if decision == "download":
                 report = worker.maybe_resync(time.monotonic(), merge=True)
                 if report is not None and report.resynced:
@@ -236,7 +240,8 @@ class Regions(Topology):
             if decision == "skip" or time.monotonic() >= deadline:
                 self.skipped += 1
                 log.warning("event=merge_skipped region=%s role=member representative=%s reason=%s", self.name, rep,
-                            "its merge failed or it left" if decision == "skip" else f"no merge within {limit:.0f}s")
+                            "its merge failed, it left, or it runs our region round again" if decision == "skip"
+                            else f"no merge within {limit:.0f}s")
                 return
             time.sleep(0.1)
 

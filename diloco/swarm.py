@@ -341,6 +341,12 @@ class Swarm:
         """The other peers' records as the heartbeat last read them (no network I/O; none before its first read)."""
         return [r for r in self._seen or () if r.peer != self.peer_id]
 
+    def gathering(self, peer: PeerId, rnd: int) -> bool:
+        """Whether `peer` asked us to take part in an attempt at round `rnd` (its `ready` is here)."""
+        async def ask() -> bool:
+            return self.collective.gathering(peer, rnd)
+        return self.loop.run(ask(), timeout=self.cfg.call_timeout + 1)
+
     def records(self, *, cached: bool = False) -> list[PeerRecord]:
         """Everyone's current record (ours included), as the directory shows them now; with `cached`,
         as the last heartbeat read them (at most `heartbeat_interval` old, no network I/O)."""

@@ -254,6 +254,60 @@ def test_a_crashed_representative_is_replaced_by_the_next_lowest_peer_of_its_reg
     assert w["a2"].round != w["a3"].round or w["a2"].digest == w["a3"].digest
 
 
+def test_a_representative_restarted_before_its_merge_is_not_waited_for_by_its_members(monkeypatch):
+    """eu's representative a1 dies as its merge begins and comes back at once under its peer id (a supervisor's
+    restart; found by `diloco bench chaos --regions 2`, where a region stood still for 80 s): it holds no merge and
+    runs eu's region round again, waiting for a2, while a2 waited for a1's merge (until a1's record showed a failed
+    attempt, a whole gather timeout later, or its own wait ran out). a2 now sees that a1 asks it into the region
+    round it is at, and takes part: eu commits again within seconds, not a gather timeout (8 s)."""
+    lab = _Lab({"a1": "eu", "a2": "eu", "b1": "us"}, merge_every=2, gather_timeout=8.0)
+    barrier = threading.Barrier(4, timeout=20)  # the conductor waits too
+    stop, dying = threading.Event(), threading.Event()
+    lead = diloco.regions.Regions._lead
+
+    class Died(Exception):
+        """The old a1's thread ends here, as its process would: nothing of it runs after the crash."""
+
+    def die_as_the_merge_begins(self):
+        if self.scope.peer_id == "a1" and not dying.is_set():
+            lab.swarms["a1"].crash()
+            dying.set()
+            raise Died
+        lead(self)
+
+    def old_a1() -> None:
+        try:
+            lab.worker("a1", 1000, barrier, stop=stop)()
+        except Died:
+            pass
+    monkeypatch.setattr(diloco.regions.Regions, "_lead", die_as_the_merge_begins)
+    took: list[float] = []
+
+    def conductor() -> None:
+        barrier.wait()
+        assert dying.wait(30)
+        time.sleep(0.3)  # the crashed transport is gone from the network
+        a2 = lab.workers["a2"]
+        before = a2.round
+        restarted = time.monotonic()
+        lab.swarms["a1"] = diloco.Swarm.in_process(lab.net, lab.board, "a1", replace(lab.cfg, region="eu"), lab.loop)
+        again = threading.Thread(target=lab.worker("a1", 1000, stop=stop), daemon=True)
+        again.start()
+        deadline = restarted + 12
+        while time.monotonic() < deadline and a2.round <= before:
+            time.sleep(0.05)
+        took.append(time.monotonic() - restarted)
+        stop.set()
+        again.join(10)
+
+    targets = [old_a1, *(lab.worker(p, 1000, barrier, stop=stop) for p in ("a2", "b1")), conductor]
+    try:
+        _run_threads(targets, [barrier])
+    finally:
+        lab.close()
+    assert took and took[0] < 5.0, took  # a catch-up and a region round; was a gather timeout (8 s) and more
+
+
 def test_a_region_whose_last_peer_left_stops_counting_and_a_new_peer_there_starts_from_the_global_state():
     lab = _Lab({"a1": "eu", "a2": "eu", "b1": "us"}, merge_every=2)
     barrier = threading.Barrier(3, timeout=20)
