@@ -51,6 +51,7 @@ import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
@@ -435,6 +436,12 @@ class _Swarm:
         def ended() -> None:
             hit.ended = time.time()
 
+        def undo(step: Callable[[], None]) -> Callable[[], None]:
+            def run() -> None:
+                step()
+                ended()
+            return run
+
         cut_id = next(self._seq)
 
         def cut(hosts: frozenset[int] | None) -> None:
@@ -454,25 +461,25 @@ class _Swarm:
             cut(side)
             hit.side = tuple(sorted(side))
             hit.detail = f"workers {sorted(side)} cut off for {fault.seconds:.0f} s"
-            self.later(fault.seconds, lambda: (cut(None), ended()))
+            self.later(fault.seconds, undo(partial(cut, None)))
         elif fault.kind == "flap":
             half = fault.seconds
             hit.detail = f"down/up {_FLAPS} times, {half:.1f} s each way"
             mine = frozenset([w.index])
             cut(mine)
             for k in range(1, 2 * _FLAPS):
-                self.later(k * half, lambda k=k: cut(None if k % 2 else mine))
+                self.later(k * half, partial(cut, None if k % 2 else mine))
             self.later(2 * _FLAPS * half - half, ended)
         elif fault.kind == "lossy":
             p = 0.02 + 0.18 * fault.amount
             lab.loss(w.index, p)
             hit.detail = f"{100 * p:.0f}% loss for {fault.seconds:.0f} s"
-            self.later(fault.seconds, lambda i=w.index: (lab.loss(i, 0.0), ended()))
+            self.later(fault.seconds, undo(partial(lab.loss, w.index, 0.0)))
         elif fault.kind == "slow":
             ms = 100 + 400 * fault.amount
             lab.slow(w.index, ms)
             hit.detail = f"+{ms:.0f} ms one way for {fault.seconds:.0f} s"
-            self.later(fault.seconds, lambda i=w.index: (lab.slow(i, 0.0), ended()))
+            self.later(fault.seconds, undo(partial(lab.slow, w.index, 0.0)))
 
     # ---- disk faults (mounts over the checkpoint directory, in the worker's mount namespace)
 
