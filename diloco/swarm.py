@@ -111,6 +111,10 @@ class Swarm:
         between the regions' representatives (`diloco.regions`; a region's own rounds run in a `scope`); the
         region of each peer is the last one its record named."""
         self._regions: dict[PeerId, str] = {}
+        self._left: dict[PeerId, PeerRecord] = {}
+        """The goodbye record of every peer we saw leave (and not come back since): it counts as departed in a
+        round's quorum after its record expired, so a swarm that committed nothing while two of its last members
+        left is not stuck waiting for them for good."""
         self._scopes: list[Swarm] = []  # namespaces on our connections (`scope`): they die with us
         loop.run(transport.register("diloco.manifest", self._on_manifest))
         loop.run(transport.register("diloco.chunk", self._on_chunk))
@@ -377,6 +381,11 @@ class Swarm:
             found = None
         others = [r for r in found or [] if r.peer != self.peer_id]
         self._regions.update({r.peer: r.region for r in [*others, self._record] if r.region})  # kept when one expires
+        for r in others:
+            if r.status == "left":
+                self._left[r.peer] = r
+            else:
+                self._left.pop(r.peer, None)  # it came back
         if others or (found is not None and not self._seen_others(now)):
             self._seen, self._seen_at = found, now
         elif self._seen_others(now):
@@ -480,7 +489,8 @@ class Swarm:
             # too (a ready from a peer nobody asked is left out), but give it only the stragglers' grace
             known = set(skip) | set(previous or ())
             resyncing = [r.peer for r in records if r.status == "joining" and r.peer in known and r.peer != self.peer_id]
-            left = departed(records, rnd)
+            present = {r.peer for r in records}
+            left = departed([*records, *(r for p, r in self._left.items() if p not in present)], rnd)
             fetching = self._catching_up(records) - set(skip)  # a straggler that downloads our state keeps the grace
             prev = previous if self.cfg.majority else None
 

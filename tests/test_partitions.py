@@ -59,6 +59,61 @@ def test_only_peers_that_left_at_or_behind_our_round_stop_counting():
     assert quorum(("c",), ("a", "b", "c"), departed(recs, 12), 1)[0]
 
 
+def test_peers_that_left_still_count_as_gone_after_their_goodbye_expired():
+    """a, b and c commit rounds together; then b and c leave (Ctrl-C: a goodbye record), while a does not step (a
+    slow step, a pause) for longer than a record lives. Their goodbyes have expired when a tries its next round: a
+    remembers them, so the last round's members are a alone and a goes on. Before, a waited for them for good ("no
+    quorum: 1 of the last round's 3 members are here"): `diloco bench chaos` stood still 200 s that way."""
+    from test_swarm_inproc import Harness
+
+    h = Harness()
+    base = _mlp(4)
+    together = threading.Barrier(3, timeout=20)
+    left = threading.Event()
+    rounds: dict[str, int] = {}
+
+    def worker(name: str, leave_at: int | None) -> None:
+        model = copy.deepcopy(base)
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        data = _batches(hash(name) % 100, 8)
+        swarm = h.swarm(name)
+        with DiLoCo(model, opt, swarm=swarm, inner_steps=H) as d:
+            together.wait()
+            k, target = 0, leave_at if leave_at is not None else 6
+            deadline = time.monotonic() + 40
+            while d.round < target and time.monotonic() < deadline:
+                if leave_at is None and d.round == 3 and not left.is_set():  # a pauses at round 3
+                    assert left.wait(20)
+                    # b's and c's goodbye records expire meanwhile, and so does the last view that held them (an
+                    # empty read falls back to a view under `heartbeat_ttl` old)
+                    time.sleep(2 * CFG.heartbeat_ttl + 2.0)
+                x, y = data[k % len(data)]
+                torch.nn.functional.mse_loss(model(x), y).backward()
+                opt.step()
+                opt.zero_grad()
+                k += 1
+            rounds[name] = d.round
+        if leave_at is not None:
+            swarm.close()  # says goodbye: status "left"
+
+    def leaver(name: str) -> None:
+        worker(name, 3)
+
+    def conductor() -> None:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and not ("b" in rounds and "c" in rounds):
+            time.sleep(0.05)
+        time.sleep(0.5)  # their goodbyes are published
+        left.set()
+
+    try:
+        _run_threads([lambda: worker("a", None), lambda: leaver("b"), lambda: leaver("c"), conductor], [together])
+    finally:
+        h.close()
+    assert rounds["b"] == rounds["c"] == 3
+    assert rounds["a"] == 6, rounds  # a went on alone after b and c left
+
+
 def test_min_peers_and_a_fresh_peer():
     assert not quorum(("a",), None, (), 2)[0]
     assert quorum(("a",), None, (), 1) == (True, "no previous membership")
