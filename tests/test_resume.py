@@ -71,7 +71,8 @@ def test_a_peer_restarted_under_its_peer_id_keeps_its_last_rounds_members_as_its
     d.save_checkpoint()
     for me, members in (("peer-b", ("peer-a", "peer-b", "peer-c")), ("peer-z", None)):
         e = _fresh(tmp_path)
-        e.member.swarm = SimpleNamespace(peer_id=me, moved_to=lambda rnd: None)  # what resume reads of a swarm
+        # what resume reads of a swarm, and the record update its state's digest publishes (on a thread)
+        e.member.swarm = SimpleNamespace(peer_id=me, moved_to=lambda rnd: None, update=lambda **fields: None)
         assert e.resume() and e.member.standing.members == members, me
 
 
