@@ -520,7 +520,8 @@ class _Swarm:
         # imports (it dies of SIGINT), which is not what these faults measure
         up = [w for w in self.workers if w.state == "up" and self.path(w.index, "addr").exists()]
         if fault.kind == "leave" and len(up) <= 2:
-            up = []  # the last two stay: a swarm of one measures nothing
+            hit.skipped, hit.detail = True, f"{len(up)} worker(s) up: the last two stay"  # one measures nothing
+            return
         if not up:
             hit.skipped = True
             return
