@@ -461,7 +461,7 @@ class Collective:
         grace = self.cfg.gather_timeout / 10
 
         since: dict[PeerId, float] = {}  # when each ask still on its way was sent
-        muted: set[PeerId] = set()  # left a question unanswered through the answer window
+        muted: dict[PeerId, float] = {}  # left a question unanswered through the answer window, since when
 
         def ask_again(peers: Collection[PeerId]) -> None:
             """Those of `peers` we wait for that answered "not yet" may have died, left, gone on standby or
@@ -475,7 +475,7 @@ class Collective:
                     later[p], since[p] = asyncio.create_task(ask(p)), now
                 elif now - since.get(p, now) > self.cfg.answer_timeout:
                     replies[p] = None
-                    muted.add(p)
+                    muted[p] = now
                     self._mark_silent(p)
                     log.info("event=peer_silent round=%s peer=%s", key, p)
 
@@ -510,7 +510,7 @@ class Collective:
                 if not task.done() and self.transport.counter.per_peer.get(p, [0, 0])[1] > 0:
                     replies[p] = None
                     later[p] = task
-                    muted.add(p)
+                    muted[p] = time.monotonic()
                     self._mark_silent(p)
                     log.info("event=peer_silent round=%s peer=%s", key, p)
             # nor does a straggler found silent lately get the stragglers' grace (it froze: every round its record
@@ -540,8 +540,10 @@ class Collective:
             return late
         named = rs.named(self.me)
         # a peer whose ready we hold (it may have come before we began) but that has left our question unanswered
-        # through the answer window, still unanswered now, is cut off or frozen: it would fail the attempt
-        mute = {p for p in muted if replies.get(p) is None and p in later and not later[p].done()}
+        # through the answer window, still unanswered now and with no ready of its own since, is cut off or frozen:
+        # it would fail the attempt
+        mute = {p for p, since in muted.items() if replies.get(p) is None and p in later and not later[p].done()
+                and rs.heard.get(p, 0.0) <= since}
         view = make_view([p for p, d in rs.ready.items()
                           if d == digest and (p == self.me or p in named) and p not in mute])
         # what the view carries: the value accepted in the highest earlier attempt any member reports
@@ -898,6 +900,7 @@ class Collective:
                 return msg.ack(run=self.run_id, sender=self.me, closed=True, in_view=in_view, names=names,
                                waited=waited, inc=me, **ours)
             rs.ready[caller], rs.incarnations[caller] = digest, inc  # a restart's ready replaces its old process's
+            rs.heard[caller] = time.monotonic()
             rs.lists[caller], rs.waits[caller] = expects, waits
             if accepted is not None:
                 rs.accepted[caller] = accepted

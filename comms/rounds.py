@@ -127,6 +127,8 @@ class RoundState:
     """The incarnation (`Collective.incarnation`) of each ready peer, ours included, from the message that told us it
     is ready: views name them (`view_id`), so a peer restarted under its id is not the member its earlier process
     was."""
+    heard: dict[PeerId, float] = field(default_factory=dict)
+    """When each peer's own `ready` last reached us (monotonic): news that it is alive."""
     lists: dict[PeerId, frozenset[PeerId]] = field(default_factory=dict)
     """Whom each ready peer told us it expects in this round."""
     waits: dict[PeerId, frozenset[PeerId]] = field(default_factory=dict)
