@@ -542,8 +542,7 @@ class Collective:
         # a peer whose ready we hold (it may have come before we began) but that has left our question unanswered
         # through the answer window, still unanswered now and with no ready of its own since, is cut off or frozen:
         # it would fail the attempt
-        mute = {p for p, since in muted.items() if replies.get(p) is None and p in later and not later[p].done()
-                and rs.heard.get(p, 0.0) <= since}
+        mute = {p for p, since in muted.items() if not later[p].done() and rs.heard.get(p, 0.0) <= since}
         view = make_view([p for p, d in rs.ready.items()
                           if d == digest and (p == self.me or p in named) and p not in mute])
         # what the view carries: the value accepted in the highest earlier attempt any member reports

@@ -16,7 +16,7 @@ from dataclasses import replace
 
 import pytest
 import torch
-from test_swarm_inproc import CFG, _batches, _mlp, _run_threads
+from test_swarm_inproc import CFG, Harness, _batches, _mlp, _run_threads, _train
 
 import diloco
 from diloco import DiLoCo, RoundReport
@@ -64,8 +64,6 @@ def test_peers_that_left_still_count_as_gone_after_their_goodbye_expired():
     slow step, a pause) for longer than a record lives. Their goodbyes have expired when a tries its next round: a
     remembers them, so the last round's members are a alone and a goes on. Before, a waited for them for good ("no
     quorum: 1 of the last round's 3 members are here"): `diloco bench chaos` stood still 200 s that way."""
-    from test_swarm_inproc import Harness
-
     h = Harness()
     base = _mlp(4)
     together = threading.Barrier(3, timeout=20)
@@ -87,10 +85,7 @@ def test_peers_that_left_still_count_as_gone_after_their_goodbye_expired():
                     # b's and c's goodbye records expire meanwhile, and so does the last view that held them (an
                     # empty read falls back to a view under `heartbeat_ttl` old)
                     time.sleep(2 * CFG.heartbeat_ttl + 2.0)
-                x, y = data[k % len(data)]
-                torch.nn.functional.mse_loss(model(x), y).backward()
-                opt.step()
-                opt.zero_grad()
+                _train(model, opt, [data[k % len(data)]])
                 k += 1
             rounds[name] = d.round
         if leave_at is not None:

@@ -39,6 +39,7 @@ workers end on against the baseline's.
 
 from __future__ import annotations
 
+import heapq
 import itertools
 import json
 import os
@@ -252,9 +253,14 @@ def commits_cut_off(hits: Sequence[Hit], lines: Sequence[Lines]) -> list[dict[st
     return out
 
 
+def region_of(setup: ChaosSetup, worker: int) -> str:
+    """Worker `worker`'s region: `r<worker mod setup.regions>` ("" in a flat swarm)."""
+    return f"r{worker % setup.regions}" if setup.regions else ""
+
+
 def region_names(setup: ChaosSetup, workers: int) -> list[str]:
-    """Each worker's region (worker i in region i mod `setup.regions`); none in a flat swarm."""
-    return [f"r{i % setup.regions}" for i in range(workers)] if setup.regions else []
+    """Each worker's region; none in a flat swarm."""
+    return [region_of(setup, i) for i in range(workers)] if setup.regions else []
 
 
 def summary(setup: ChaosSetup, hits: Sequence[Hit], lines: Sequence[Lines], window: tuple[float, float],
@@ -328,7 +334,7 @@ class _Swarm:
     def __init__(self, setup: ChaosSetup, workdir: Path, tag: str, lab: WanLab | None = None) -> None:
         self.setup, self.workdir, self.tag, self.lab = setup, workdir, tag, lab
         self.timers: list[tuple[float, int, Callable[[], None]]] = []
-        """Faults' next steps and ends, by due time (monotonic)."""
+        """Faults' next steps and ends: a heap by due time (monotonic)."""
         self.cuts: dict[int, frozenset[int]] = {}
         """The cuts in force (partitions, a flapping link while down), by id: hosts cut off from the others. Two
         cuts compose: hosts reach each other when they are on the same side of every one."""
@@ -365,7 +371,7 @@ class _Swarm:
                "--checkpoint-dir", str(self.path(i, "ckpt")), "--checkpoint-every", "1",
                "--metrics", str(self.path(i, "jsonl")), "--address-file", str(self.path(i, "addr"))]
         if self.setup.regions:
-            cmd += ["--region", region_names(self.setup, i + 1)[i]]
+            cmd += ["--region", region_of(self.setup, i)]
         if resume:
             cmd.append("--resume")
         if together > 1:
@@ -412,18 +418,16 @@ class _Swarm:
                 w.proc = self.spawn(w.index, resume=True, seed=seed)
                 w.restarts += 1
                 self.back(w)
-        self.timers.sort(key=lambda t: (t[0], t[1]))
         while self.timers and self.timers[0][0] <= now:
-            self.timers.pop(0)[2]()
+            heapq.heappop(self.timers)[2]()
 
     def later(self, seconds: float, step: Callable[[], None]) -> None:
-        self.timers.append((time.monotonic() + seconds, next(self._seq), step))
+        heapq.heappush(self.timers, (time.monotonic() + seconds, next(self._seq), step))
 
     def finish_faults(self) -> None:
         """Every fault's remaining steps now (the run is over): links healed, disks back."""
-        for _, _, step in sorted(self.timers, key=lambda t: (t[0], t[1])):
-            step()
-        self.timers.clear()
+        while self.timers:
+            heapq.heappop(self.timers)[2]()
 
     # ---- link faults (the WAN lab's forwarder)
 
@@ -501,10 +505,11 @@ class _Swarm:
         hit.detail = f"{fault.kind} for {fault.seconds:.0f} s"
 
         def undo() -> None:
-            # the worker's namespace, if its process still runs; else, when that namespace was ours, our own
-            target = ns if w.proc.pid == pid and w.proc.poll() is None else [] if not self.lab else None
-            if target is not None:
-                subprocess.run([*target, "umount", "-l", str(ckpt)], capture_output=True)
+            if w.proc.pid == pid and w.proc.poll() is None:  # in the worker's namespace, while its process runs
+                subprocess.run([*ns, "umount", "-l", str(ckpt)], capture_output=True)
+            elif self.lab is None:  # it ran in ours (a restart finds the mount there): unmount it here
+                subprocess.run(["umount", "-l", str(ckpt)], capture_output=True)
+            # else its namespace died with it (`ip netns exec` gives each process its own)
             hit.ended = time.time()
 
         self.later(fault.seconds, undo)
@@ -593,7 +598,7 @@ def _one(setup: ChaosSetup, workdir: Path, tag: str, faults: Sequence[Fault], ba
         for _ in range(setup.workers):
             swarm.add(together=setup.workers)  # the first round has everyone: its members are the swarm
         deadline = time.monotonic() + 180
-        while not commits(swarm.lines(), region_names(setup, len(swarm.workers))):  # it trains: the clock starts
+        while not commits(swarm.lines()):  # the swarm trains: the clock starts
             if time.monotonic() > deadline:
                 raise RuntimeError(f"the {tag} swarm committed no round in 180 s; see the logs in {workdir}")
             time.sleep(0.2)

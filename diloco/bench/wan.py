@@ -343,8 +343,7 @@ def _switch(delay_ms: float, addresses: list[str], groups: Sequence[int] = (), c
     `cross_queue_ms`), and takes `cross_delay_ms` instead of `delay_ms`.
 
     Faults, from the owner as lines on stdin (`_control`; each applies from the next packet on): `sides A,B,..`
-    (a partition: one label per host, packets between hosts of different labels are dropped), `cut I,J,..`
-    (those hosts on one side, the others on the other; `cut` alone, or `heal`, ends any partition),
+    (a partition: one label per host, packets between hosts of different labels are dropped; all equal: none),
     `loss I P` (drop each packet from or to host I with probability P; 0 ends it) and `slow I MS` (host I's
     packets take MS more milliseconds one way; 0 ends it)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the owner, which stops us in order
@@ -470,12 +469,7 @@ class _Faults:
             if not words:
                 return
             n = len(self.side) - 1
-            if words[0] in ("cut", "heal") and len(words) <= 2:
-                cut = {int(x) for x in words[1].split(",")} if len(words) == 2 and words[0] == "cut" else set()
-                if cut - set(range(n)):
-                    raise ValueError(f"hosts {sorted(cut - set(range(n)))} out of range")
-                self.side = [int(i in cut) for i in range(n)] + [0]
-            elif words[0] == "sides" and len(words) == 2:
+            if words[0] == "sides" and len(words) == 2:
                 side = [int(x) for x in words[1].split(",")]
                 if len(side) != n:
                     raise ValueError(f"{len(side)} labels for {n} hosts")
@@ -484,7 +478,10 @@ class _Faults:
                 i, x = int(words[1]), float(words[2])
                 if not 0 <= i < n or x < 0 or (words[0] == "loss" and x > 1):
                     raise ValueError("host out of range or value out of range")
-                (self.loss if words[0] == "loss" else self.extra)[i] = x if words[0] == "loss" else x / 1000.0
+                if words[0] == "loss":
+                    self.loss[i] = x
+                else:
+                    self.extra[i] = x / 1000.0  # ms
             else:
                 raise ValueError("unknown command")
         except ValueError as e:
@@ -904,11 +901,11 @@ class WanLab:
         cut in force; an empty `hosts` heals."""
         for i in hosts:
             self._check_host(i)
-        self._control("cut " + ",".join(str(i) for i in sorted(set(hosts))) if hosts else "heal")
+        self.sides([int(i in hosts) for i in range(self.hosts)])
 
     def heal(self) -> None:
         """End the partition in force (if any)."""
-        self._control("heal")
+        self.sides([0] * self.hosts)
 
     def sides(self, labels: Sequence[int]) -> None:
         """The general partition: one label per host; hosts of one label reach each other, nothing crosses
