@@ -62,7 +62,7 @@ run() {
     python3 -m diloco bench wrapper "${big[@]}" --global-device cuda -H 50 --steps 300 \
         --profile "$out/profile-85m-cuda.txt" --json "$out/wrapper-85m-cuda.json" || rc=$?
     python3 -m diloco bench codecs --device cuda --quiet --size 16777216 --input demo \
-        --json "$out/codecs.json" > "$out/codecs.md" || rc=$?
+        --json "$out/codecs.json" --profile "$out/profile-codecs.txt" > "$out/codecs.md" || rc=$?
     cat "$out/codecs.md"
     return "$rc"
 }

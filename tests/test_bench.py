@@ -29,14 +29,20 @@ def test_bench_measures_size_and_error_of_each_pipeline():
 
 @pytest.mark.multiproc
 def test_bench_cli_writes_json(tmp_path):
-    out = tmp_path / "codecs.json"
+    out, profile = tmp_path / "codecs.json", tmp_path / "profile.txt"
     proc = subprocess.run([sys.executable, "-m", "diloco", "bench", "codecs", "--spec", "q8+zstd", "--spec", "e3m0",
-                           "--size", "65536", "--input", "gaussian", "--repeats", "1", "--json", str(out)],
-                          capture_output=True, text=True, timeout=120)
+                           "--size", "65536", "--input", "gaussian", "--repeats", "1", "--json", str(out),
+                           "--profile", str(profile)], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     rows = json.loads(out.read_text())["results"]
     assert [r["spec"] for r in rows] == ["q8:256+zstd:3", "e3m0:0"]
     assert rows[0]["bits_per_param"] < 8.2 and rows[1]["bits_per_param"] == pytest.approx(4, abs=0.01)
+    # one encode and one decode of each pipeline: torch's operators and the host's Python functions
+    text = profile.read_text()
+    for heading in ("q8:256+zstd:3 on gaussian-65536: encode", "q8:256+zstd:3 on gaussian-65536: decode",
+                    "e3m0:0 on gaussian-65536: encode", "e3m0:0 on gaussian-65536: decode"):
+        assert f"# {heading}\n" in text
+    assert text.count("Self CPU time total") == 4 and text.count("tottime") == 4 and "aten::" in text
 
 
 def test_bench_cli_names_an_unknown_stage(monkeypatch):

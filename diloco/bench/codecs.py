@@ -16,8 +16,9 @@ median of `repeats` runs.
 `device="cuda"` puts the inputs on the GPU: the codecs encode there and their encoded bytes cross to the host
 (`Pipeline.encode`), then decode back onto the GPU from those bytes (`Pipeline.decode(..., device)`); the clone
 baseline is a copy on the GPU, and every timing waits for the GPU (`torch.cuda.synchronize`). Beside each, the
-time a plain copy of the encoded bytes to the host takes (`to_host_s`): the part of encoding that the bus, not the
-codec, sets.
+time a plain copy of the encoded bytes to the host takes (`to_host_s`) and back onto the GPU (`to_device_s`): the
+part of encoding and decoding that the bus, not the codec, sets. `profile` writes, for each pipeline, the
+`torch.profiler` and `cProfile` tables of one encode and one decode after the timed ones.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ import torch
 
 from diloco.compression.pipeline import Pipeline
 
-from .devices import median_time, waiter
+from .devices import median_time, profile_tables, waiter
 
 DEFAULT_SPECS = (
     "fp32", "fp16", "bf16", "fp16+zstd", "q8", "q8+zstd", "q4", "q2", "s4", "s2", "fp8", "e3m0",
@@ -55,6 +56,9 @@ class CodecResult:
     device: str = "cpu"
     to_host_s: float = 0.0
     """A plain copy of the encoded bytes from the device to the host (0 on the host)."""
+    to_device_s: float = 0.0
+    """A plain copy of the encoded bytes from the host (a `bytes` object, as they arrive) to the device (0 on the
+    host)."""
 
     @property
     def encode_x(self) -> float:
@@ -74,9 +78,15 @@ class CodecResult:
         """Encoding less the plain copy of its bytes to the host, as a ratio to the clone: the codec's own work."""
         return max(0.0, self.encode_s - self.to_host_s) / self.clone_s
 
+    @property
+    def decode_on_device_x(self) -> float:
+        """Decoding less the plain copy of its bytes to the device, as a ratio to the clone: the codec's own work."""
+        return max(0.0, self.decode_s - self.to_device_s) / self.clone_s
+
     def row(self) -> dict[str, Any]:
         return {**asdict(self), "encode_x_clone": round(self.encode_x, 2), "decode_x_clone": round(self.decode_x, 2),
                 "encode_less_copy_x_clone": round(self.on_device_x, 2),
+                "decode_less_copy_x_clone": round(self.decode_on_device_x, 2),
                 "roundtrip_x_clone": round(self.encode_x + self.decode_x, 2), "encode_gbps": round(self.encode_gbps, 3)}
 
 
@@ -117,10 +127,12 @@ def _size_name(n: int) -> str:
 
 
 def bench_codecs(specs: list[str], inputs: dict[str, torch.Tensor], repeats: int = 3,
-                 progress: Callable[[CodecResult], None] | None = None, device: str = "cpu") -> list[CodecResult]:
+                 progress: Callable[[CodecResult], None] | None = None, device: str = "cpu",
+                 profile: Path | None = None) -> list[CodecResult]:
     dev = torch.device(device)
     finish = waiter(dev)
     results = []
+    profiles: list[str] = []
     for name, host in inputs.items():
         x = host.to(dev)
         clone_s, _ = median_time(lambda: x.clone(), repeats, finish)
@@ -133,15 +145,24 @@ def bench_codecs(specs: list[str], inputs: dict[str, torch.Tensor], repeats: int
                                             finish)
             assert isinstance(decoded, torch.Tensor)
             err = float((host - decoded.cpu()).norm() / host.norm().clamp(min=1e-30))
-            to_host_s = 0.0
+            to_host_s = to_device_s = 0.0
             if onto is not None:
                 staged = torch.empty(len(payload), dtype=torch.uint8, device=dev)
                 to_host_s, _ = median_time(lambda: staged.cpu(), repeats, finish)
+                arrived = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+                to_device_s, _ = median_time(lambda: arrived.to(dev), repeats, finish)
             r = CodecResult(pipe.name, name, x.numel(), 8 * len(payload) / x.numel(), err, encode_s, decode_s, clone_s,
-                            str(dev), to_host_s)
+                            str(dev), to_host_s, to_device_s)
             results.append(r)
+            if profile is not None:
+                profiles.append(f"# {pipe.name} on {name}: encode\n\n" + profile_tables(lambda: pipe.encode(x), dev))
+                profiles.append(f"# {pipe.name} on {name}: decode\n\n" + profile_tables(
+                    lambda: pipe.decode(payload, x.numel(), onto).dense(x.numel()), dev))
             if progress is not None:
                 progress(r)
+    if profile is not None:
+        profile.parent.mkdir(parents=True, exist_ok=True)
+        profile.write_text("\n\n".join(profiles))
     return results
 
 
@@ -151,11 +172,13 @@ def write_json(results: list[CodecResult], path: str | Path, meta: dict[str, Any
 
 def markdown_table(results: list[CodecResult]) -> str:
     device = any(r.to_host_s for r in results)
-    extra = " its bytes to host ×clone | encode less that ×clone |" if device else ""
+    extra = (" its bytes to host ×clone | encode less that ×clone | its bytes to device ×clone | decode less that "
+             "×clone |") if device else ""
     lines = ["| pipeline | input | bits/param | rel. L2 error | encode ×clone | decode ×clone | encode GB/s |" + extra,
-             "|---|---|---|---|---|---|---|" + ("---|---|" if device else "")]
+             "|---|---|---|---|---|---|---|" + ("---|---|---|---|" if device else "")]
     for r in results:
-        more = f" {r.to_host_s / r.clone_s:.1f} | {r.on_device_x:.1f} |" if device else ""
+        more = (f" {r.to_host_s / r.clone_s:.1f} | {r.on_device_x:.1f} | {r.to_device_s / r.clone_s:.1f} | "
+                f"{r.decode_on_device_x:.1f} |") if device else ""
         lines.append(f"| `{r.spec}` | {r.input} | {r.bits_per_param:.4f} | {r.rel_l2_error:.4f} | "
                      f"{r.encode_x:.1f} | {r.decode_x:.1f} | {r.encode_gbps:.2f} |" + more)
     return "\n".join(lines)

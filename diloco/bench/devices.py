@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
+import cProfile
+import io
+import pstats
 import statistics
 import time
-from typing import Callable
+from pathlib import Path
+from typing import Callable, Iterator
 
 import torch
 
@@ -42,3 +47,45 @@ def median_time(fn: Callable[[], object], repeats: int, finish: Callable[[], Non
         if k >= warmup:
             times.append(time.perf_counter() - started)
     return statistics.median(times), out
+
+
+def profile_tables(fn: Callable[[], object], device: torch.device, rows: int = 25) -> str:
+    """Run `fn()` once under `torch.profiler` (the GPU's kernels too on a GPU) and `cProfile` (the host's Python,
+    where numpy copies and waits for the GPU show), ended by `waiter(device)`: their tables, operators by their own
+    time on the host, then on the GPU, then Python functions by their own time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    finish = waiter(device)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    python = cProfile.Profile()
+    with profile(activities=activities) as prof:
+        python.enable()
+        fn()
+        finish()
+        python.disable()
+    tables = [prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=rows)]
+    if device.type == "cuda":
+        tables.append(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=rows))
+    text = io.StringIO()
+    pstats.Stats(python, stream=text).sort_stats("tottime").print_stats(rows)
+    tables.append(text.getvalue().strip())
+    return "\n\n".join(tables) + "\n"
+
+
+@contextlib.contextmanager
+def profiled(path: Path | None, device: torch.device) -> Iterator[None]:
+    """Profile the block with `torch.profiler` (the GPU's kernels too on a GPU) and write its operators, by their
+    own time on the host, into `path`; nothing when `path` is None."""
+    if path is None:
+        yield
+        return
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        yield
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tables = [prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=40)]
+    if device.type == "cuda":
+        tables.append(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=25))
+    path.write_text("\n\n".join(tables) + "\n")

@@ -16,13 +16,12 @@ steps. Without a swarm the synchronization moves nothing: the network's share is
 
 from __future__ import annotations
 
-import contextlib
 import json
 import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import torch
 
@@ -31,7 +30,7 @@ from ..job.model import GPTConfig, build_model
 from ..job.train import ADAMW_BETAS, WEIGHT_DECAY, JobConfig, load_corpus
 from ..outer import wait_for_gpus
 from ..wrapper import DiLoCo, subnormals_flushed
-from .devices import median_time, waiter
+from .devices import median_time, profiled, waiter
 
 Tick = Callable[[float, float, str], None]
 
@@ -241,32 +240,13 @@ def sync_cost(setup: WrapperSetup, inner_steps: int = 32, syncs: int = 5) -> dic
 
     opt = torch.optim.SGD(params, lr=1e-3)
     with DiLoCo(model, opt, swarm=None, inner_steps=inner_steps, compression=setup.compression,
-                global_device=setup.global_device) as d, _profiled(setup.profile, device):
+                global_device=setup.global_device) as d, profiled(setup.profile, device):
         t = _timed_rounds(d, opt, params, grads, finish, inner_steps, syncs)
     return {"params": sum(p.numel() for p in params), "floor_ms": floor * 1e3, "sync_ms": t["sync"] * 1e3,
             "ratio": t["sync"] / floor, "waited_ms": t["waited"] * 1e3,
             "own_ratio": max(0.0, t["sync"] - t["waited"]) / floor, "round_extra_ms": t["round_extra"] * 1e3,
             "round_ratio": t["round_extra"] / floor, "plain_step_ms": t["plain"] * 1e3, "inner_steps": inner_steps,
             "syncs": t["syncs"]}
-
-
-@contextlib.contextmanager
-def _profiled(path: Path | None, device: torch.device) -> Iterator[None]:
-    """Profile the block with `torch.profiler` (the GPU's kernels too on a GPU) and write its operators, by their
-    own time on the host, into `path`; nothing when `path` is None."""
-    if path is None:
-        yield
-        return
-    from torch.profiler import ProfilerActivity, profile
-
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    with profile(activities=activities) as prof:
-        yield
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tables = [prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=40)]
-    if device.type == "cuda":
-        tables.append(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=25))
-    path.write_text("\n\n".join(tables) + "\n")
 
 
 def checkpoint_cost(setup: WrapperSetup, inner_steps: int = 256, syncs: int = 3) -> dict[str, Any]:

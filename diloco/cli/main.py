@@ -518,6 +518,8 @@ def bench_codecs_cmd(
     device: str = typer.Option("cpu", help="Where the inputs are: cpu, or cuda (encoding then includes what "
                                            "crosses to the host; auto: cuda if there is one)."),
     json_path: Optional[Path] = typer.Option(None, "--json", help="Write the results as JSON here."),
+    profile: Optional[Path] = typer.Option(None, "--profile", help="Write torch.profiler and cProfile tables of one "
+                                                                   "encode and one decode of each pipeline here."),
     quiet: bool = Quiet,
 ) -> None:
     """Encode/decode speed (as a ratio to torch.clone), bits/param and error of each pipeline."""
@@ -556,7 +558,7 @@ def bench_codecs_cmd(
                     f"encode {r.encode_x:6.1f}× clone  decode {r.decode_x:6.1f}× clone")
             task.advance()
 
-        results = bench_codecs(specs, data, repeats, progress=measured, device=str(where))
+        results = bench_codecs(specs, data, repeats, progress=measured, device=str(where), profile=profile)
     console.print(markdown_table(results), markup=False, soft_wrap=True)
     if json_path:
         write_json(results, json_path, {"machine": platform.machine(), "threads": threads, "repeats": repeats,
