@@ -49,7 +49,6 @@ import math
 import os
 import re
 import threading
-import warnings
 from collections.abc import Callable, Iterator
 from typing import Final
 
@@ -57,7 +56,7 @@ import numpy as np
 import torch
 
 from .bits import packed_size, padding_bits_clear, unpack_codes
-from .codecs import Codec, byte_view, expect_size, whole
+from .codecs import Codec, byte_view, expect_size, payload_buffer, whole, wire_bytes
 from .errors import PayloadRejected, Reason
 
 __all__ = ["CHUNK", "BLOCK_MIN", "BLOCK_MAX", "FLT_MAX", "BlockScaledCodec"]
@@ -298,15 +297,6 @@ def take_bytes(table: np.ndarray, packed: np.ndarray, out: np.ndarray) -> None:
         out[full * per_byte :] = table[packed[full], : out.size - full * per_byte]
 
 
-def wire_bytes(view: memoryview, offset: int, count: int, device: torch.device) -> torch.Tensor:
-    """``count`` bytes of ``view`` at ``offset`` as a new uint8 tensor on ``device`` (only these bytes cross)."""
-    with warnings.catch_warnings():  # the payload is read-only; the tensor is only read, then copied
-        warnings.simplefilter("ignore", UserWarning)
-        host = torch.frombuffer(view, dtype=torch.uint8, count=count, offset=offset) if count else \
-            torch.empty(0, dtype=torch.uint8)
-    return host.to(device, copy=True)
-
-
 def decode_table(codec: Codec, view: memoryview, numel: int, head: int, bits: int, table: np.ndarray,
                   scales: torch.Tensor | None, block: int, reason: Reason, what: str,
                   device: torch.device | None = None) -> torch.Tensor:
@@ -394,10 +384,11 @@ class BlockScaledCodec(Codec):
         return np.asarray(np.minimum(np.divide(absmax, np.float32(top), dtype=np.float32),
                                      np.float32(self._max_scale)), dtype=np.float32)
 
-    def _new_payload(self, scales: np.ndarray, numel: int) -> tuple[np.ndarray, torch.Tensor]:
-        """(payload with ``scales`` written, writable view of its code bytes)."""
+    def _new_payload(self, scales: np.ndarray, numel: int, device: torch.device) -> tuple[np.ndarray, torch.Tensor]:
+        """(payload with ``scales`` written, writable view of its code bytes), in host memory that codes encoded on
+        ``device`` land in (:func:`.codecs.payload_buffer`)."""
         head = 4 * scales.size
-        out = np.empty(self.encoded_size(numel), dtype=np.uint8)
+        out = payload_buffer(self.encoded_size(numel), device)
         out[:head].view(F32)[:] = scales
         return out, torch.from_numpy(out[head:])
 

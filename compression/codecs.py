@@ -41,6 +41,7 @@ Available codecs (:data:`CODECS`):
 from __future__ import annotations
 
 import abc
+import warnings
 from typing import Final
 
 import numpy as np
@@ -96,6 +97,35 @@ class Codec(abc.ABC):
         return f"<codec {self.name}: {self.bits_per_value:g} bits/value>"
 
 
+def payload_buffer(size: int, device: torch.device) -> np.ndarray:
+    """A new uint8 host array of ``size`` bytes for an encoder on ``device`` to fill: from a CUDA GPU, pinned memory
+    (torch's cache of it), so that the codes cross at the bus's rate into memory that is mapped already, instead of
+    through the driver's bounce buffer into fresh pages; plain host memory otherwise."""
+    if device.type == "cuda":
+        return torch.empty(size, dtype=torch.uint8, pin_memory=True).numpy()
+    return np.empty(size, dtype=np.uint8)
+
+
+def host_bytes(t: torch.Tensor) -> bytes:
+    """The little-endian bytes of the values of a contiguous tensor, as a new ``bytes`` (from a GPU: one crossing
+    into a :func:`payload_buffer`)."""
+    if t.device.type == "cpu":
+        array = t.numpy()
+        return array.astype(array.dtype.newbyteorder("<"), copy=False).tobytes()
+    out = payload_buffer(t.numel() * t.element_size(), t.device)
+    torch.from_numpy(out).copy_(t.reshape(-1).view(torch.uint8))
+    return out.tobytes()
+
+
+def wire_bytes(view: memoryview, offset: int, count: int, device: torch.device) -> torch.Tensor:
+    """``count`` bytes of ``view`` at ``offset`` as a new uint8 tensor on ``device`` (only these bytes cross)."""
+    with warnings.catch_warnings():  # the payload is read-only; the tensor is only read, then copied
+        warnings.simplefilter("ignore", UserWarning)
+        host = torch.frombuffer(view, dtype=torch.uint8, count=count, offset=offset) if count else \
+            torch.empty(0, dtype=torch.uint8)
+    return host.to(device, copy=True)
+
+
 def check_vector(t: torch.Tensor) -> None:
     """Raise TypeError/ValueError unless ``t`` is a 1-D float32 tensor (what every stage takes)."""
     if not isinstance(t, torch.Tensor):
@@ -149,13 +179,14 @@ class Fp32Codec(FixedWidthCodec):
     bits_per_value = 32.0
 
     def encode(self, t: torch.Tensor) -> bytes:
-        array = check_input(t).cpu().numpy()
-        return array.astype("<f4", copy=False).tobytes()
+        return host_bytes(check_input(t))
 
     def decode(self, payload: bytes | bytearray | memoryview, numel: int,
                device: torch.device | None = None) -> torch.Tensor:
         view = byte_view(payload)
         expect_size(self, view, numel)
+        if device is not None and whole(device):  # the bytes cross and are the values there: no copy on the host
+            return wire_bytes(view, 0, 4 * numel, device).view(torch.float32)
         wire = np.frombuffer(view, dtype="<f4", count=numel)
         native = wire.astype(np.float32, copy=True)  # copy: never alias the payload
         return torch.from_numpy(native) if device is None else torch.from_numpy(native).to(device)
@@ -171,16 +202,14 @@ class Fp16Codec(FixedWidthCodec):
         source = check_input(t)
         clamped = source.clamp(-FP16_MAX, FP16_MAX)
         clamped = torch.where(torch.isinf(source), source, clamped)  # keep +-inf visible
-        array = clamped.to(torch.float16).cpu().numpy()
-        return array.astype("<f2", copy=False).tobytes()
+        return host_bytes(clamped.to(torch.float16))
 
     def decode(self, payload: bytes | bytearray | memoryview, numel: int,
                device: torch.device | None = None) -> torch.Tensor:
         view = byte_view(payload)
         expect_size(self, view, numel)
         if device is not None and whole(device):  # the halves cross, and widen there
-            half = np.frombuffer(view, dtype="<f2", count=numel).astype(np.float16, copy=True)
-            wide = torch.from_numpy(half).to(device).float()
+            wide = wire_bytes(view, 0, 2 * numel, device).view(torch.float16).float()
             return torch.where(torch.isnan(wide), torch.tensor(float(_CANONICAL_NAN), device=device), wide)
         wire = np.frombuffer(view, dtype="<f2", count=numel)
         native = wire.astype(np.float32)  # exact for every non-NaN half; a new array

@@ -40,9 +40,8 @@ from .blockscale import (
     scale_limit,
     scratch,
     staging,
-    wire_bytes,
 )
-from .codecs import FixedWidthCodec, byte_view, check_input, expect_size, whole
+from .codecs import FixedWidthCodec, byte_view, check_input, expect_size, host_bytes, whole, wire_bytes
 from .errors import Reason
 
 __all__ = ["BF16_MAX", "FP8_MAX", "Bf16Codec", "Fp8Codec", "E3M0Codec"]
@@ -82,17 +81,15 @@ class Bf16Codec(FixedWidthCodec):
             raise ValueError("cannot quantize non-finite values (NaN or inf in the input)")
         if max(-low_f, high_f) > BF16_MAX:
             x = x.clamp(-BF16_MAX, BF16_MAX)
-        half = x.to(torch.bfloat16).view(torch.int16).cpu().numpy()
-        return half.astype("<i2", copy=False).tobytes()
+        return host_bytes(x.to(torch.bfloat16).view(torch.int16))
 
     def decode(self, payload: bytes | bytearray | memoryview, numel: int,
                device: torch.device | None = None) -> torch.Tensor:
         view = byte_view(payload)
         expect_size(self, view, numel)
-        if device is not None and whole(device):  # each word becomes the high half of an fp32: a copy of bytes
-            quads = torch.zeros(numel, 4, dtype=torch.uint8, device=device)
-            quads[:, 2:] = wire_bytes(view, 0, 2 * numel, device).view(numel, 2)
-            values = quads.view(torch.float32).view(numel)
+        if device is not None and whole(device):  # each word becomes the high half of an fp32 (the shift drops the
+            words = wire_bytes(view, 0, 2 * numel, device).view(torch.int16)  # sign extension's bits)
+            values = words.to(torch.int32).bitwise_left_shift_(16).view(torch.float32)
             require_finite_output(self, values, Reason.NON_FINITE, "inf or NaN value")
             return values
         words = np.frombuffer(view, dtype="<u2", count=numel)
@@ -155,7 +152,7 @@ class Fp8Codec(BlockScaledCodec):
             return b""
         scales = self._clamped_scales(x, FP8_MAX)
         divisors = safe(scales, x.device)
-        out, body = self._new_payload(scales, n)
+        out, body = self._new_payload(scales, n, x.device)
         codes = staging(body, x.device)
         work = scratch(n, torch.float32, x.device)
         for start, stop in chunks(n, x.device):
@@ -229,7 +226,7 @@ class E3M0Codec(BlockScaledCodec):
             return b""
         scales = block_absmax(x, self.block or n)
         block, divisors = self._chunk_scales(safe(scales, x.device), n)
-        out, body = self._new_payload(scales, n)
+        out, body = self._new_payload(scales, n, x.device)
         codes = staging(body, x.device)
         ratio = scratch(n, torch.float32, x.device)
         exponent = scratch(n, torch.int32, x.device)

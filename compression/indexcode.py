@@ -29,8 +29,10 @@ header carries. Two codecs are provided (:data:`INDEX_CODECS`):
 Rice bit layout. The payload is one bit stream, **LSB-first**: stream bit
 ``i`` is bit ``i % 8`` of byte ``i // 8``, and every multi-bit field is
 written least-significant bit first. It has three sections, one after the
-other, so that both directions are vectorised numpy (cumulative sums give
-every field's position; no per-index or per-chunk Python loop)::
+other, so that both directions are vectorised (cumulative sums give every
+field's position; no per-index or per-chunk Python loop): the encoder in tensor
+operations where the indices are (a GPU's selection is coded there), the
+decoder in numpy on the host::
 
     section      bits                    content
     parameters   4 * n_chunks            r of chunk 0, chunk 1, ... (4 bits each)
@@ -75,7 +77,7 @@ from typing import Final, Protocol, runtime_checkable
 import numpy as np
 import torch
 
-from .codecs import byte_view
+from .codecs import byte_view, host_bytes
 from .errors import PayloadRejected, Reason
 from .sparse import ChunkSpec
 
@@ -151,8 +153,8 @@ class _Layout:
         return np.repeat(per_chunk, self.counts)
 
 
-def _local_indices(name: str, indices: torch.Tensor, numel: int, spec: ChunkSpec) -> tuple[np.ndarray, _Layout]:
-    """Validate an encode() argument; return its chunk-local indices and the layout."""
+def _local_indices(name: str, indices: torch.Tensor, numel: int, spec: ChunkSpec) -> torch.Tensor:
+    """Validate an encode() argument; return its chunk-local indices, on its device (two waits for a GPU)."""
     if not isinstance(indices, torch.Tensor):
         raise TypeError(f"{name}: expected a torch.Tensor, got {type(indices).__name__}")
     if indices.dtype != torch.int64 or indices.dim() != 1:
@@ -161,16 +163,18 @@ def _local_indices(name: str, indices: torch.Tensor, numel: int, spec: ChunkSpec
     kept = spec.kept(numel)  # also checks numel
     if indices.numel() != kept:
         raise ValueError(f"{name}: {spec} over {numel} elements keeps {kept} indices, got {indices.numel()}")
-    layout = _Layout(numel, spec)
-    idx = indices.detach().cpu().contiguous().numpy()
+    idx = indices.detach()
     if kept == 0:
-        return idx.copy(), layout
-    if idx[0] < 0 or idx[-1] >= numel or bool((np.diff(idx) <= 0).any()):
+        return idx.clone()
+    bad = (idx[0] < 0) | (idx[-1] >= numel)
+    if kept > 1:
+        bad |= (idx[1:] <= idx[:-1]).any()
+    if bool(bad):
         raise ValueError(f"{name}: indices must be strictly ascending within [0, {numel})")
     chunk_of = idx // spec.chunk
-    if not np.array_equal(np.bincount(chunk_of, minlength=len(layout.counts)), layout.counts):
+    if not torch.equal(torch.bincount(chunk_of, minlength=spec.n_chunks(numel)).cpu(), spec.counts(numel)):
         raise ValueError(f"{name}: indices must hold exactly {spec.k} per chunk (fewer only in a short last chunk)")
-    return idx - chunk_of * spec.chunk, layout
+    return idx - chunk_of * spec.chunk
 
 
 def _to_global(local: np.ndarray, layout: _Layout) -> torch.Tensor:
@@ -197,7 +201,7 @@ class Packed12:
         _check_spec(spec)
         if spec.chunk > PACKED12_MAX_CHUNK:
             raise ValueError(f"idx12 needs spec.chunk <= {PACKED12_MAX_CHUNK}, got {spec.chunk}; use 'rice'")
-        local, _ = _local_indices(self.name, indices, numel, spec)
+        local = _local_indices(self.name, indices, numel, spec).cpu().numpy()
         if len(local) % 2:
             local = np.append(local, 0)
         word = local[0::2] | (local[1::2] << 12)
@@ -263,35 +267,44 @@ class RiceGaps:
         return (_rice_max_bits(numel, spec) + 7) // 8
 
     def encode(self, indices: torch.Tensor, numel: int, spec: ChunkSpec) -> bytes:
-        local, layout = _local_indices(self.name, indices, numel, spec)
-        kept, n = len(local), len(layout.counts)
+        """The stream, built where the indices are (on a GPU only the packed bytes cross to the host): a bit a byte,
+        then packed; three waits for a GPU (two validating the indices, one for the stream's length)."""
+        local = _local_indices(self.name, indices, numel, spec)
+        kept, n = local.numel(), spec.n_chunks(numel)
         if kept == 0:
             return b""
-        gaps = np.empty_like(local)
+        device = local.device
+        counts = spec.counts(numel).to(device)
+        starts = torch.cumsum(counts, 0) - counts
+        gaps = torch.empty_like(local)
         gaps[0] = local[0]
         gaps[1:] = local[1:] - local[:-1] - 1
-        gaps[layout.starts] = local[layout.starts]
+        gaps[starts] = local[starts]
 
-        # Exact cost of every parameter for every chunk; argmin keeps the smallest r on ties.
-        cost = np.empty((RICE_MAX_PARAMETER + 1, n), dtype=np.int64)
-        for r in range(RICE_MAX_PARAMETER + 1):
-            cost[r] = np.add.reduceat(gaps >> r, layout.starts) + layout.counts * (1 + r)
-        r_chunk = cost.argmin(axis=0).astype(np.int64)
-        r_idx = layout.per_index(r_chunk)
+        # Exact cost of every parameter for every chunk; argmin keeps the smallest r on ties. Chunk c's gaps are
+        # row c: every chunk but a short last one keeps spec.k, so the rows are padded (with zero gaps) at the end.
+        rows = torch.zeros(n * spec.k, dtype=torch.int64, device=device)
+        rows[:kept] = gaps
+        rows = rows.view(n, spec.k)
+        parameters = torch.arange(RICE_MAX_PARAMETER + 1, device=device)
+        cost = torch.stack([(rows >> r).sum(1) for r in range(RICE_MAX_PARAMETER + 1)])
+        r_chunk = (cost + counts * (1 + parameters[:, None])).argmin(0)
+        r_idx = torch.repeat_interleave(r_chunk, counts, output_size=kept)
         quotient = gaps >> r_idx
-        remainder = gaps & ((1 << r_idx) - 1)
+        remainder = gaps & ((torch.ones_like(r_idx) << r_idx) - 1)
+        sum_r, sum_q, max_r = torch.stack([r_idx.sum(), quotient.sum(), r_chunk.max()]).tolist()
 
         rem_start = 4 * n
-        unary_start = rem_start + int(r_idx.sum())
-        total = unary_start + int(quotient.sum()) + kept
-        bits = np.zeros(-(-total // 8) * 8, dtype=np.uint8)
-        bits[:rem_start] = ((r_chunk[:, None] >> np.arange(4)) & 1).ravel()
-        position = rem_start + np.cumsum(r_idx) - r_idx
-        for j in range(int(r_chunk.max())):
-            has = r_idx > j
-            bits[position[has] + j] = (remainder[has] >> j) & 1
-        bits[unary_start + np.cumsum(quotient + 1) - 1] = 1
-        return np.packbits(bits, bitorder="little").tobytes()
+        unary_start = rem_start + sum_r
+        size = -(-(unary_start + sum_q + kept) // 8) * 8
+        bits = torch.zeros(size + 1, dtype=torch.uint8, device=device)  # bits[size]: where absent remainder bits go
+        bits[:rem_start] = ((r_chunk[:, None] >> torch.arange(4, device=device)) & 1).reshape(-1)
+        position = rem_start + torch.cumsum(r_idx, 0) - r_idx
+        for j in range(max_r):
+            bits[torch.where(r_idx > j, position + j, size)] = ((remainder >> j) & 1).to(torch.uint8)
+        bits[unary_start + torch.cumsum(quotient + 1, 0) - 1] = 1
+        weights = torch.tensor([1 << b for b in range(8)], dtype=torch.uint8, device=device)
+        return host_bytes((bits[:size].view(-1, 8) * weights).sum(1, dtype=torch.uint8))
 
     def decode(self, payload: bytes | bytearray | memoryview, numel: int, spec: ChunkSpec) -> torch.Tensor:
         view = byte_view(payload)

@@ -50,7 +50,7 @@ from .blockscale import (
     staging,
     take_bytes,
 )
-from .codecs import Codec, byte_view, check_input, expect_size, whole
+from .codecs import Codec, byte_view, check_input, expect_size, payload_buffer, whole
 from .errors import PayloadRejected, Reason
 
 __all__ = ["BlockQuantCodec", "StatCodec"]
@@ -113,7 +113,7 @@ class BlockQuantCodec(BlockScaledCodec):
             return b""
         scales = self._clamped_scales(x, self.qmax)
         divisors = safe(scales, x.device)
-        out, body = self._new_payload(scales, n)
+        out, body = self._new_payload(scales, n, x.device)
         staged = staging(body, x.device)
         work = scratch(n, torch.float32, x.device)
         codes = scratch(n, torch.int8, x.device)
@@ -243,7 +243,7 @@ class StatCodec(Codec):
         counts = torch.zeros(self.levels, dtype=torch.int64, device=x.device)
         sums = torch.zeros(self.levels, dtype=torch.float64, device=x.device)
         head = 4 * self.levels
-        out = np.empty(self.encoded_size(n), dtype=np.uint8)
+        out = payload_buffer(self.encoded_size(n), x.device)
         body = torch.from_numpy(out[head:])
         staged = staging(body, x.device)
         work = scratch(n, torch.float32, x.device)

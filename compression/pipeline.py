@@ -204,7 +204,7 @@ class Pipeline:
             assert self.spec.chunk is not None and self.index is not None
             idx = topk_select(t, self.spec.chunk)
             kept = t[idx].contiguous()
-            index_bytes = self.index.encode(idx.cpu(), t.numel(), self.spec.chunk)
+            index_bytes = self.index.encode(idx, t.numel(), self.spec.chunk)
             raw = _U32.pack(len(index_bytes)) + index_bytes + self.value.encode(kept)
         elif self.spec.sparsifier is None:
             raw = self.value.encode(t.contiguous())

@@ -32,7 +32,7 @@ import torch
 
 from diloco.compression.pipeline import Pipeline
 
-from .devices import median_time, profile_tables, waiter
+from .devices import kernel_seconds, median_time, profile_tables, waiter
 
 DEFAULT_SPECS = (
     "fp32", "fp16", "bf16", "fp16+zstd", "q8", "q8+zstd", "q4", "q2", "s4", "s2", "fp8", "e3m0",
@@ -59,6 +59,17 @@ class CodecResult:
     to_device_s: float = 0.0
     """A plain copy of the encoded bytes from the host (a `bytes` object, as they arrive) to the device (0 on the
     host)."""
+    encode_kernels_s: float = 0.0
+    """The GPU's kernels in one encode, summed (`torch.profiler`; copies to and from the host left out): the codec's
+    own work on the device (0 on the host)."""
+    decode_kernels_s: float = 0.0
+    """The same for one decode."""
+    clone_kernels_s: float = 0.0
+    """The same for the clone."""
+
+    def kernels_x(self, seconds: float) -> float:
+        """Kernel time as a ratio to the clone's kernel (0 on the host)."""
+        return seconds / self.clone_kernels_s if self.clone_kernels_s else 0.0
 
     @property
     def encode_x(self) -> float:
@@ -87,6 +98,8 @@ class CodecResult:
         return {**asdict(self), "encode_x_clone": round(self.encode_x, 2), "decode_x_clone": round(self.decode_x, 2),
                 "encode_less_copy_x_clone": round(self.on_device_x, 2),
                 "decode_less_copy_x_clone": round(self.decode_on_device_x, 2),
+                "encode_kernels_x_clone": round(self.kernels_x(self.encode_kernels_s), 2),
+                "decode_kernels_x_clone": round(self.kernels_x(self.decode_kernels_s), 2),
                 "roundtrip_x_clone": round(self.encode_x + self.decode_x, 2), "encode_gbps": round(self.encode_gbps, 3)}
 
 
@@ -136,6 +149,7 @@ def bench_codecs(specs: list[str], inputs: dict[str, torch.Tensor], repeats: int
     for name, host in inputs.items():
         x = host.to(dev)
         clone_s, _ = median_time(lambda: x.clone(), repeats, finish)
+        clone_kernels_s = kernel_seconds(lambda: x.clone(), dev)
         onto = dev if dev.type != "cpu" else None
         for spec in specs:
             pipe = Pipeline(spec)
@@ -152,7 +166,8 @@ def bench_codecs(specs: list[str], inputs: dict[str, torch.Tensor], repeats: int
                 arrived = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
                 to_device_s, _ = median_time(lambda: arrived.to(dev), repeats, finish)
             r = CodecResult(pipe.name, name, x.numel(), 8 * len(payload) / x.numel(), err, encode_s, decode_s, clone_s,
-                            str(dev), to_host_s, to_device_s)
+                            str(dev), to_host_s, to_device_s, kernel_seconds(lambda: pipe.encode(x), dev),
+                            kernel_seconds(lambda: pipe.decode(payload, x.numel(), onto), dev), clone_kernels_s)
             results.append(r)
             if profile is not None:
                 profiles.append(f"# {pipe.name} on {name}: encode\n\n" + profile_tables(lambda: pipe.encode(x), dev))
@@ -173,12 +188,13 @@ def write_json(results: list[CodecResult], path: str | Path, meta: dict[str, Any
 def markdown_table(results: list[CodecResult]) -> str:
     device = any(r.to_host_s for r in results)
     extra = (" its bytes to host ×clone | encode less that ×clone | its bytes to device ×clone | decode less that "
-             "×clone |") if device else ""
+             "×clone | encode's kernels ×clone's | decode's kernels ×clone's |") if device else ""
     lines = ["| pipeline | input | bits/param | rel. L2 error | encode ×clone | decode ×clone | encode GB/s |" + extra,
-             "|---|---|---|---|---|---|---|" + ("---|---|---|---|" if device else "")]
+             "|---|---|---|---|---|---|---|" + ("---|---|---|---|---|---|" if device else "")]
     for r in results:
         more = (f" {r.to_host_s / r.clone_s:.1f} | {r.on_device_x:.1f} | {r.to_device_s / r.clone_s:.1f} | "
-                f"{r.decode_on_device_x:.1f} |") if device else ""
+                f"{r.decode_on_device_x:.1f} | {r.kernels_x(r.encode_kernels_s):.1f} | "
+                f"{r.kernels_x(r.decode_kernels_s):.1f} |") if device else ""
         lines.append(f"| `{r.spec}` | {r.input} | {r.bits_per_param:.4f} | {r.rel_l2_error:.4f} | "
                      f"{r.encode_x:.1f} | {r.decode_x:.1f} | {r.encode_gbps:.2f} |" + more)
     return "\n".join(lines)

@@ -49,6 +49,26 @@ def median_time(fn: Callable[[], object], repeats: int, finish: Callable[[], Non
     return statistics.median(times), out
 
 
+def kernel_seconds(fn: Callable[[], object], device: torch.device) -> float:
+    """The GPU's own work in one run of `fn()`: the summed time of the kernels it ran there (`torch.profiler`), less
+    its copies between host and GPU, which the bus sets. 0 on the CPU."""
+    if device.type != "cuda":
+        return 0.0
+    from torch._C._autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()  # warm: the profiler then sees the steady state
+    finish = waiter(device)
+    finish()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        finish()
+    # the events on the GPU itself (as the profiler's own "Self CUDA time total" counts them), but the copies
+    return sum(float(event.self_device_time_total) for event in prof.events()
+               if event.device_type == DeviceType.CUDA and not event.is_user_annotation
+               and not event.name.startswith("Memcpy")) / 1e6
+
+
 def profile_tables(fn: Callable[[], object], device: torch.device, rows: int = 25) -> str:
     """Run `fn()` once under `torch.profiler` (the GPU's kernels too on a GPU) and `cProfile` (the host's Python,
     where numpy copies and waits for the GPU show), ended by `waiter(device)`: their tables, operators by their own
