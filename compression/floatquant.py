@@ -88,8 +88,8 @@ class Bf16Codec(FixedWidthCodec):
         view = byte_view(payload)
         expect_size(self, view, numel)
         if device is not None and whole(device):  # each word becomes the high half of an fp32 (the shift drops the
-            words = wire_bytes(view, 0, 2 * numel, device).view(torch.int16)  # sign extension's bits)
-            values = words.to(torch.int32).bitwise_left_shift_(16).view(torch.float32)
+            halves = wire_bytes(view, 0, 2 * numel, device).view(torch.int16)  # sign extension's bits)
+            values = halves.to(torch.int32).bitwise_left_shift_(16).view(torch.float32)
             require_finite_output(self, values, Reason.NON_FINITE, "inf or NaN value")
             return values
         words = np.frombuffer(view, dtype="<u2", count=numel)
