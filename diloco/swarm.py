@@ -49,7 +49,8 @@ from diloco.compression import PayloadRejected, Reason
 from diloco.compression.errors import DiLoCoError
 from diloco.peers import (Directory, PeerRecord, banned_by_majority, departed, expected_peers, quorum,
                           round_key_for, started_without, voted_out)
-from diloco.peers.membership import FINAL_TAG, group_of, group_tag, regions_of, round_to_run, serving
+from diloco.peers.membership import (FINAL_TAG, group_of, group_tag, regions_of, round_to_run, serving,
+                                     unseen_members)
 from diloco.peers.records import MAX_BANNED
 
 from .config import SwarmConfig
@@ -115,6 +116,10 @@ class Swarm:
         """The goodbye record of every peer we saw leave (and not come back since): it counts as departed in a
         round's quorum after its record expired, so a swarm that committed nothing while two of its last members
         left is not stuck waiting for them for good."""
+        self._members: tuple[PeerId, ...] = ()  # of the last round we committed (as our latest exchange named them)
+        self._last_seen: dict[PeerId, PeerRecord] = {}  # every peer's last record a read found: where to reach it
+        self._tried: dict[PeerId, float] = {}  # when we last pinged a missing member (`_reach_unseen`)
+        self._reaching: asyncio.Future[int] | None = None
         self._scopes: list[Swarm] = []  # namespaces on our connections (`scope`): they die with us
         loop.run(transport.register("diloco.manifest", self._on_manifest))
         loop.run(transport.register("diloco.chunk", self._on_chunk))
@@ -380,6 +385,8 @@ class Swarm:
             log.warning("event=directory_read_failed reason=%s", e)
             found = None
         others = [r for r in found or [] if r.peer != self.peer_id]
+        if found is not None:
+            self._reach_unseen(others, now)
         self._regions.update({r.peer: r.region for r in [*others, self._record] if r.region})  # kept when one expires
         for r in others:
             if r.status == "left":
@@ -392,6 +399,29 @@ class Swarm:
             log.info("event=directory_read_empty reason=using the view read %.1fs ago", now - self._seen_at)
             others = [r for r in self._seen or [] if r.peer != self.peer_id]
         return [self._record, *others]
+
+    def _reach_unseen(self, others: list[PeerRecord], now: float) -> None:
+        """Ping, in the background, the members of our last round that this fresh read misses (`Directory.reach`): one
+        that answers was across a DHT island from us, and the next heartbeat's records span both sides."""
+        self._last_seen.update({r.peer: r for r in others})
+        if len(self._last_seen) > 4 * len(self._members) + 64:  # forget peers that are neither here nor members
+            keep = {*self._members, *(r.peer for r in others)}
+            self._last_seen = {p: r for p, r in self._last_seen.items() if p in keep}
+        if self._reaching is not None and not self._reaching.done():
+            return
+        unseen = unseen_members(self._members, self.peer_id, {r.peer for r in others}, self._left, self._last_seen,
+                                self._tried, now, self.cfg.heartbeat_ttl)
+        if not unseen:
+            return
+        self._tried.update({r.peer: now for r in unseen})
+
+        async def reach() -> int:
+            answered = await self.directory.reach(unseen)
+            log.info("event=directory_reach reason=members of our last round missing from the directory "
+                     "peers=%s answered=%d", ",".join(sorted(r.peer for r in unseen)), answered)
+            return answered
+
+        self._reaching = asyncio.ensure_future(reach())
 
     async def _round_records(self) -> list[PeerRecord]:
         """The records a round starts from: a fresh read, or the heartbeat's last one when the fresh read takes longer
@@ -477,6 +507,8 @@ class Swarm:
         else:
             handoff = Handoff(delta)
         del delta  # the round lets go of Δ once encoded: nothing here may keep it
+        if previous:
+            self._members = tuple(previous)
 
         async def go() -> RoundOutcome:
             self.check_standing(previous)

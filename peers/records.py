@@ -18,6 +18,7 @@ counted, never trusted. In the DHT, each record is signed by its writer, and rec
 
 from __future__ import annotations
 
+import asyncio
 import math
 import re
 import time
@@ -186,6 +187,8 @@ class Directory(Protocol):
 
     async def read(self) -> list[PeerRecord]: ...
 
+    async def reach(self, records: list[PeerRecord]) -> int: ...
+
     async def close(self) -> None: ...
 
 
@@ -213,6 +216,10 @@ class InProcBoard:
             if rec is not None:
                 out.append(rec)
         return out
+
+    async def reach(self, records: list[PeerRecord]) -> int:
+        """Nothing to join: every in-process peer reads the one board."""
+        return 0
 
     async def close(self) -> None:
         pass
@@ -286,6 +293,35 @@ class DHTDirectory:
         if self.introducer is not None:
             self.introducer.meet(out)
         return out
+
+    async def reach(self, records: list[PeerRecord], timeout: float = 5.0) -> int:
+        """Ping the DHT nodes of peers we read about before and miss now (their last records: where to dial them)
+        into our node's routing table, and ours into theirs; returns how many answered.
+
+        A DHT node only meets the nodes its lookups and callers lead it to. One whose routing table ended up holding
+        only peers of its own group (woken from a freeze after the others dropped it, restarted through peers that
+        then left, and whoever bootstrapped through it) stores and reads records within that group alone: an
+        island that never sees the rest of the swarm, nor they it. One answered ping joins the two tables, and the
+        next heartbeat's store and read span both."""
+        from hivemind.p2p import PeerID
+
+        from diloco.comms.introduce import connect
+
+        p2p = self.node.protocol.p2p
+
+        async def ping(record: PeerRecord) -> bool:
+            try:
+                await connect(p2p, record.peer, record.addrs, timeout)  # our daemon may have forgotten where it is
+            except Exception:  # noqa: BLE001 - the ping says whether it can be reached
+                pass
+            try:
+                return await asyncio.wait_for(self.node.protocol.call_ping(PeerID.from_base58(record.peer)),
+                                              timeout) is not None
+            except Exception:  # noqa: BLE001 - an unreachable peer is no error here
+                return False
+
+        answered = await asyncio.gather(*(ping(r) for r in records if r.addrs))
+        return sum(answered)
 
     def scoped(self, scope: str) -> DHTDirectory:
         """Records of another namespace of the same run (a region's: key `diloco/<run_id>/<scope>/peers`) on

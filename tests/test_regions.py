@@ -389,6 +389,9 @@ def test_a_partition_between_regions_stops_merges_on_the_minority_side_only_and_
         async def read(self) -> list[PeerRecord]:
             return [r for r in await self.board.read() if not cut.is_set() or side[r.peer] == side[self.me]]
 
+        async def reach(self, records: list[PeerRecord]) -> int:
+            return 0  # nobody answers across the cut
+
         async def close(self) -> None:
             pass
 

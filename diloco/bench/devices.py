@@ -60,13 +60,13 @@ def kernel_seconds(fn: Callable[[], object], device: torch.device) -> float:
     fn()  # warm: the profiler then sees the steady state
     finish = waiter(device)
     finish()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         fn()
         finish()
-    # the events on the GPU itself (as the profiler's own "Self CUDA time total" counts them), but the copies
-    return sum(float(event.self_device_time_total) for event in prof.events()
+    # the events on the GPU itself, as the profiler's own table sums them ("Self CUDA time total"), but the copies
+    return sum(float(event.self_device_time_total) for event in prof.key_averages()
                if event.device_type == DeviceType.CUDA and not event.is_user_annotation
-               and not event.name.startswith("Memcpy")) / 1e6
+               and not event.key.startswith("Memcpy")) / 1e6
 
 
 def profile_tables(fn: Callable[[], object], device: torch.device, rows: int = 25) -> str:

@@ -315,6 +315,10 @@ class _SideOfBoard:
         found = await self.board.read()
         return found if self.runner is None else [r for r in found if self.runner.visible(self.me, str(r.peer))]
 
+    async def reach(self, records: list[PeerRecord]) -> int:
+        """A partition's other side cannot be pinged across it."""
+        return await self.board.reach(records)
+
     async def close(self) -> None:
         pass
 

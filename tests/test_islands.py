@@ -1,0 +1,147 @@
+"""DHT islands: a group of peers whose DHT nodes know only each other stores and reads records among
+themselves alone. One answered ping between the groups (`DHTDirectory.reach`) joins them, and the swarm
+pings the members of its last round that its reads miss."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from diloco.comms.identity import Identity
+from diloco.peers import PeerRecord
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(120)
+def test_two_dht_islands_are_joined_by_one_reach():
+    """A and B bootstrap through each other, C and D through each other, all in one run: each pair reads only
+    its own records. A reaches C (its last record: what A read of it before), and after one more heartbeat
+    (every peer publishes, then reads) every peer reads all four."""
+    from diloco.comms.p2p import P2PTransport
+    from diloco.peers import DHTDirectory
+
+    run = "islands"
+
+    async def main():
+        transports, dirs = [], []
+        try:
+            for bootstrap in (None, 0, None, 2):  # A, B through A, C, D through C
+                identity = Identity.generate()
+                addrs = [] if bootstrap is None else [str(m) for m in await transports[bootstrap].visible_addresses()]
+                t = await P2PTransport.create(identity=identity, initial_peers=addrs)
+                transports.append(t)
+                dirs.append(await DHTDirectory.create(t.p2p, run, addrs, identity=identity))
+            ids = [t.peer_id for t in transports]
+            records = [PeerRecord(peer=p, status="training", round=3,
+                                  addrs=tuple(str(m) for m in await t.visible_addresses()))
+                       for p, t in zip(ids, transports)]
+
+            async def heartbeat():
+                for d, r in zip(dirs, records):
+                    await d.publish(r, 30)
+                return [sorted(r.peer for r in await d.read()) for d in dirs]
+
+            before = await heartbeat()
+            answered = await dirs[0].reach([records[2]])
+            after = await heartbeat()
+            return ids, before, answered, after
+        finally:
+            for d in dirs:
+                await d.close()
+            for t in transports:
+                await t.close()
+
+    ids, before, answered, after = asyncio.run(main())
+    a, b, c, d = ids
+    assert before == [sorted([a, b])] * 2 + [sorted([c, d])] * 2, before  # two islands
+    assert answered == 1
+    assert after == [sorted(ids)] * 4, after
+
+
+# ---------------------------------------------------------------------- the swarm reaches its missing members
+
+
+@pytest.mark.unit
+def test_the_members_to_reach_are_those_a_read_misses_that_did_not_leave_once_a_period():
+    from diloco.peers.membership import unseen_members
+
+    last = {p: PeerRecord(peer=p, status="training", round=3) for p in "abcde"}
+    members = ("a", "b", "c", "d", "c")
+    # a is me, b is here, c is missing, d said goodbye, e is missing but no member
+    assert unseen_members(members, "a", {"b"}, {"d"}, last, {}, 10.0, 2.0) == [last["c"]]
+    assert unseen_members(members, "a", {"b"}, {"d"}, last, {"c": 9.0}, 10.0, 2.0) == []  # tried a second ago
+    assert unseen_members(members, "a", {"b"}, {"d"}, last, {"c": 8.0}, 10.0, 2.0) == [last["c"]]
+    assert unseen_members(("a", "f"), "a", set(), (), last, {}, 10.0, 2.0) == []  # no record of f: nowhere to dial
+
+
+class _Island:
+    """Peer a's view of the shared board: the others' records are hidden from its reads (a DHT island of its own)
+    until it reaches one of them, as `DHTDirectory.reach` joins two islands; every reach is recorded."""
+
+    def __init__(self, board, hidden: set[str]) -> None:
+        self.board, self.hidden, self.reached = board, set(), []
+        self.dropped = board.dropped
+        self.later = hidden
+
+    def isolate(self) -> None:
+        self.hidden = set(self.later)
+
+    async def publish(self, record, ttl):
+        await self.board.publish(record, ttl)
+
+    async def read(self):
+        return [r for r in await self.board.read() if r.peer not in self.hidden]
+
+    async def reach(self, records):
+        self.reached.append(sorted(r.peer for r in records))
+        self.hidden.clear()
+        return len(records)
+
+    async def close(self):
+        pass
+
+
+def test_a_peer_whose_reads_lose_its_last_rounds_members_reaches_them_and_commits_again():
+    """a, b and c commit rounds; then a's directory shows a alone (its DHT node an island), so a's rounds have no
+    quorum (1 of the last round's 3 members). a's heartbeat reaches b and c, its next read sees them again, and
+    all three commit further rounds together."""
+    import copy
+    import threading
+    import time
+
+    from test_swarm_inproc import Harness, _batches, _mlp, _run_threads, _train
+
+    import diloco
+    from diloco import DiLoCo
+
+    h = Harness()
+    island = _Island(h.board, {"b", "c"})
+    base = _mlp(5)
+    together = threading.Barrier(3, timeout=20)
+    rounds: dict[str, int] = {}
+
+    def worker(name: str) -> None:
+        model = copy.deepcopy(base)
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        data = _batches(hash(name) % 100, 8)
+        board = island if name == "a" else h.board
+        swarm = diloco.Swarm.in_process(h.net, board, name, h.cfg, h.loop)
+        h.swarms.append(swarm)
+        with DiLoCo(model, opt, swarm=swarm, inner_steps=3) as d:
+            together.wait()
+            k, deadline = 0, time.monotonic() + 40
+            while d.round < 6 and time.monotonic() < deadline:
+                if name == "a" and d.round == 2 and not island.reached and not island.hidden:
+                    island.isolate()
+                _train(model, opt, [data[k % len(data)]])
+                k += 1
+            rounds[name] = d.round
+
+    try:
+        _run_threads([lambda: worker("a"), lambda: worker("b"), lambda: worker("c")], [together])
+    finally:
+        h.close()
+    assert island.reached and island.reached[0] == ["b", "c"], island.reached
+    assert rounds == {"a": 6, "b": 6, "c": 6}, rounds
