@@ -50,7 +50,7 @@ from diloco.compression.errors import DiLoCoError
 from diloco.peers import (Directory, PeerRecord, banned_by_majority, departed, expected_peers, quorum,
                           round_key_for, started_without, voted_out)
 from diloco.peers.membership import (FINAL_TAG, group_of, group_tag, regions_of, round_to_run, serving,
-                                     unseen_members)
+                                     unseen_peers)
 from diloco.peers.records import MAX_BANNED
 
 from .config import SwarmConfig
@@ -118,7 +118,8 @@ class Swarm:
         left is not stuck waiting for them for good."""
         self._members: tuple[PeerId, ...] = ()  # of the last round we committed (as our latest exchange named them)
         self._last_seen: dict[PeerId, PeerRecord] = {}  # every peer's last record a read found: where to reach it
-        self._tried: dict[PeerId, float] = {}  # when we last pinged a missing member (`_reach_unseen`)
+        self._tried: dict[PeerId, float] = {}  # when we last pinged a missing peer (`_reach_unseen`)
+        self._heard: dict[PeerId, int] = {}  # bytes received from each peer as of the last read
         self._reaching: asyncio.Future[int] | None = None
         self._scopes: list[Swarm] = []  # namespaces on our connections (`scope`): they die with us
         loop.run(transport.register("diloco.manifest", self._on_manifest))
@@ -401,24 +402,30 @@ class Swarm:
         return [self._record, *others]
 
     def _reach_unseen(self, others: list[PeerRecord], now: float) -> None:
-        """Ping, in the background, the members of our last round that this fresh read misses (`Directory.reach`): one
-        that answers was across a DHT island from us, and the next heartbeat's records span both sides."""
+        """Ping, in the background, the members of our last round and the peers that called us since the last read
+        that this fresh read misses (`Directory.reach`): one that answers was across a DHT island from us, and the
+        next heartbeat's records span both sides."""
         self._last_seen.update({r.peer: r for r in others})
         if len(self._last_seen) > 4 * len(self._members) + 64:  # forget peers that are neither here nor members
             keep = {*self._members, *(r.peer for r in others)}
             self._last_seen = {p: r for p, r in self._last_seen.items() if p in keep}
+        received = {p: row[1] for p, row in self.transport.counter.per_peer.items()}
+        heard = [p for p, n in received.items() if n > self._heard.get(p, 0)]
+        self._heard = received
         if self._reaching is not None and not self._reaching.done():
             return
-        unseen = unseen_members(self._members, self.peer_id, {r.peer for r in others}, self._left, self._last_seen,
-                                self._tried, now, self.cfg.heartbeat_ttl)
-        if not unseen:
+        peers = unseen_peers(self._members, heard, self.peer_id, {r.peer for r in others}, self._left,
+                             self._last_seen, self._tried, now, self.cfg.heartbeat_ttl)
+        if not peers:
             return
-        self._tried.update({r.peer: now for r in unseen})
+        self._tried.update({p: now for p in peers})
+        # a caller we hold no record of: its id alone (the connection it called us on reaches it)
+        unseen = [self._last_seen.get(p) or PeerRecord(peer=p, status="training", round=0) for p in peers]
 
         async def reach() -> int:
             answered = await self.directory.reach(unseen)
-            log.info("event=directory_reach reason=members of our last round missing from the directory "
-                     "peers=%s answered=%d", ",".join(sorted(r.peer for r in unseen)), answered)
+            log.info("event=directory_reach reason=peers of our last round or calling us are missing from the "
+                     "directory peers=%s answered=%d", ",".join(sorted(r.peer for r in unseen)), answered)
             return answered
 
         self._reaching = asyncio.ensure_future(reach())

@@ -214,15 +214,16 @@ def quorum(view: Sequence[PeerId], previous: Sequence[PeerId] | None, left: Sequ
 # ------------------------------------------------------------------ gossip (diloco.gossip)
 
 
-def unseen_members(members: Sequence[PeerId], me: PeerId, present: Collection[PeerId], left: Collection[PeerId],
-                   last_seen: Mapping[PeerId, PeerRecord], tried: Mapping[PeerId, float], now: float,
-                   every: float) -> list[PeerRecord]:
-    """The last records of the members of our last round that a fresh directory read misses, that did not say
-    goodbye, and that we did not try to reach in the last `every` seconds: whom `Directory.reach` should ping (a
-    member that is alive but missing from our reads is across a DHT island from us, or was until it reached us)."""
-    return [last_seen[p] for p in dict.fromkeys(members)
-            if p != me and p not in present and p not in left and p in last_seen
-            and now - tried.get(p, float("-inf")) >= every]
+def unseen_peers(members: Sequence[PeerId], heard: Sequence[PeerId], me: PeerId, present: Collection[PeerId],
+                 left: Collection[PeerId], last_seen: Mapping[PeerId, PeerRecord], tried: Mapping[PeerId, float],
+                 now: float, every: float) -> list[PeerId]:
+    """Whom `Directory.reach` should ping: the members of our last round we hold a record of (where to dial them),
+    and the peers we heard from since the last read (a connection to them exists), that a fresh directory read
+    misses, that did not say goodbye, and that we did not try to reach in the last `every` seconds. A peer that is
+    alive but missing from our reads is across a DHT island from us."""
+    candidates = [p for p in members if p in last_seen] + list(heard)
+    return [p for p in dict.fromkeys(candidates)
+            if p != me and p not in present and p not in left and now - tried.get(p, float("-inf")) >= every]
 
 
 def groups(peers: Sequence[PeerId], rnd: int, run_id: str, size: int) -> list[tuple[PeerId, ...]]:

@@ -295,8 +295,9 @@ class DHTDirectory:
         return out
 
     async def reach(self, records: list[PeerRecord], timeout: float = 5.0) -> int:
-        """Ping the DHT nodes of peers we read about before and miss now (their last records: where to dial them)
-        into our node's routing table, and ours into theirs; returns how many answered.
+        """Ping the DHT nodes of peers we miss in our reads into our node's routing table, and ours into theirs;
+        returns how many answered. A record's addresses are dialed first (a record without any: a peer our daemon
+        has a connection to, which called us).
 
         A DHT node only meets the nodes its lookups and callers lead it to. One whose routing table ended up holding
         only peers of its own group (woken from a freeze after the others dropped it, restarted through peers that
@@ -310,17 +311,18 @@ class DHTDirectory:
         p2p = self.node.protocol.p2p
 
         async def ping(record: PeerRecord) -> bool:
-            try:
-                await connect(p2p, record.peer, record.addrs, timeout)  # our daemon may have forgotten where it is
-            except Exception:  # noqa: BLE001 - the ping says whether it can be reached
-                pass
+            if record.addrs:
+                try:
+                    await connect(p2p, record.peer, record.addrs, timeout)  # our daemon may have forgotten where
+                except Exception:  # noqa: BLE001 - the ping says whether it can be reached
+                    pass
             try:
                 return await asyncio.wait_for(self.node.protocol.call_ping(PeerID.from_base58(record.peer)),
                                               timeout) is not None
             except Exception:  # noqa: BLE001 - an unreachable peer is no error here
                 return False
 
-        answered = await asyncio.gather(*(ping(r) for r in records if r.addrs))
+        answered = await asyncio.gather(*(ping(r) for r in records))
         return sum(answered)
 
     def scoped(self, scope: str) -> DHTDirectory:

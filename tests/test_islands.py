@@ -13,16 +13,12 @@ from diloco.comms.identity import Identity
 from diloco.peers import PeerRecord
 
 
-@pytest.mark.multiproc
-@pytest.mark.timeout(120)
-def test_two_dht_islands_are_joined_by_one_reach():
-    """A and B bootstrap through each other, C and D through each other, all in one run: each pair reads only
-    its own records. A reaches C (its last record: what A read of it before), and after one more heartbeat
-    (every peer publishes, then reads) every peer reads all four."""
+def _islands(join):
+    """A and B bootstrap through each other, C and D through each other, all in one run; each pair reads only its
+    own records. `join(transports, dirs, records)` joins them; then one more heartbeat (every peer publishes, then
+    reads). Returns (ids, reads before, what join returned, reads after)."""
     from diloco.comms.p2p import P2PTransport
     from diloco.peers import DHTDirectory
-
-    run = "islands"
 
     async def main():
         transports, dirs = [], []
@@ -32,7 +28,7 @@ def test_two_dht_islands_are_joined_by_one_reach():
                 addrs = [] if bootstrap is None else [str(m) for m in await transports[bootstrap].visible_addresses()]
                 t = await P2PTransport.create(identity=identity, initial_peers=addrs)
                 transports.append(t)
-                dirs.append(await DHTDirectory.create(t.p2p, run, addrs, identity=identity))
+                dirs.append(await DHTDirectory.create(t.p2p, "islands", addrs, identity=identity))
             ids = [t.peer_id for t in transports]
             records = [PeerRecord(peer=p, status="training", round=3,
                                   addrs=tuple(str(m) for m in await t.visible_addresses()))
@@ -44,19 +40,47 @@ def test_two_dht_islands_are_joined_by_one_reach():
                 return [sorted(r.peer for r in await d.read()) for d in dirs]
 
             before = await heartbeat()
-            answered = await dirs[0].reach([records[2]])
+            joined = await join(transports, dirs, records)
             after = await heartbeat()
-            return ids, before, answered, after
+            return ids, before, joined, after
         finally:
             for d in dirs:
                 await d.close()
             for t in transports:
                 await t.close()
 
-    ids, before, answered, after = asyncio.run(main())
+    ids, before, joined, after = asyncio.run(main())
     a, b, c, d = ids
     assert before == [sorted([a, b])] * 2 + [sorted([c, d])] * 2, before  # two islands
+    return ids, joined, after
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(120)
+def test_two_dht_islands_are_joined_by_reaching_a_peer_at_the_addresses_of_its_last_record():
+    async def join(transports, dirs, records):
+        return await dirs[0].reach([records[2]])  # A dials C where C's last record says
+
+    ids, answered, after = _islands(join)
     assert answered == 1
+    assert after == [sorted(ids)] * 4, after
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(120)
+def test_two_dht_islands_are_joined_by_reaching_a_caller_by_its_id_alone():
+    """C's daemon called A (a round's frames), so A reaches C without any record of it: by id, over that
+    connection. Without the reach the call alone joins nothing (the DHT nodes never met)."""
+    from diloco.comms.introduce import connect
+
+    async def join(transports, dirs, records):
+        await connect(transports[2].p2p, records[0].peer, records[0].addrs, 10)  # C dials A
+        alone = sorted(r.peer for r in await dirs[0].read())
+        answered = await dirs[0].reach([PeerRecord(peer=records[2].peer, status="training", round=0)])
+        return alone, answered
+
+    ids, (alone, answered), after = _islands(join)
+    assert alone == sorted(ids[:2]) and answered == 1
     assert after == [sorted(ids)] * 4, after
 
 
@@ -64,16 +88,19 @@ def test_two_dht_islands_are_joined_by_one_reach():
 
 
 @pytest.mark.unit
-def test_the_members_to_reach_are_those_a_read_misses_that_did_not_leave_once_a_period():
-    from diloco.peers.membership import unseen_members
+def test_the_peers_to_reach_are_members_and_callers_a_read_misses_that_did_not_leave_once_a_period():
+    from diloco.peers.membership import unseen_peers
 
     last = {p: PeerRecord(peer=p, status="training", round=3) for p in "abcde"}
     members = ("a", "b", "c", "d", "c")
-    # a is me, b is here, c is missing, d said goodbye, e is missing but no member
-    assert unseen_members(members, "a", {"b"}, {"d"}, last, {}, 10.0, 2.0) == [last["c"]]
-    assert unseen_members(members, "a", {"b"}, {"d"}, last, {"c": 9.0}, 10.0, 2.0) == []  # tried a second ago
-    assert unseen_members(members, "a", {"b"}, {"d"}, last, {"c": 8.0}, 10.0, 2.0) == [last["c"]]
-    assert unseen_members(("a", "f"), "a", set(), (), last, {}, 10.0, 2.0) == []  # no record of f: nowhere to dial
+    # a is me, b is here, c is missing, d said goodbye, e is missing but no member and did not call
+    assert unseen_peers(members, (), "a", {"b"}, {"d"}, last, {}, 10.0, 2.0) == ["c"]
+    assert unseen_peers(members, (), "a", {"b"}, {"d"}, last, {"c": 9.0}, 10.0, 2.0) == []  # tried a second ago
+    assert unseen_peers(members, (), "a", {"b"}, {"d"}, last, {"c": 8.0}, 10.0, 2.0) == ["c"]
+    assert unseen_peers(("a", "f"), (), "a", set(), (), last, {}, 10.0, 2.0) == []  # no record of f: nowhere to dial
+    # callers since the last read: reached by id (we hold a connection), whether members or not, once
+    assert unseen_peers(("a", "f"), ("f", "g", "b", "c"), "a", {"b"}, (), last, {}, 10.0, 2.0) == ["f", "g", "c"]
+    assert unseen_peers(members, ("d", "a"), "a", {"b"}, {"d"}, last, {}, 10.0, 2.0) == ["c"]
 
 
 class _Island:

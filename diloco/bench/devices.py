@@ -50,8 +50,8 @@ def median_time(fn: Callable[[], object], repeats: int, finish: Callable[[], Non
 
 
 def kernel_seconds(fn: Callable[[], object], device: torch.device) -> float:
-    """The GPU's own work in one run of `fn()`: the summed time of the kernels it ran there (`torch.profiler`), less
-    its copies between host and GPU, which the bus sets. 0 on the CPU."""
+    """The GPU's own work in one run of `fn()`: the summed time of what it ran there (`torch.profiler`: kernels,
+    copies within the GPU), less its copies between host and GPU, which the bus sets. 0 on the CPU."""
     if device.type != "cuda":
         return 0.0
     from torch._C._autograd import DeviceType
@@ -64,9 +64,10 @@ def kernel_seconds(fn: Callable[[], object], device: torch.device) -> float:
         fn()
         finish()
     # the events on the GPU itself, as the profiler's own table sums them ("Self CUDA time total"), but the copies
+    # across the bus ("Memcpy DtoH (Device -> Pinned)", "Memcpy HtoD (...)"); a clone is "Memcpy DtoD" and counts
     return sum(float(event.self_device_time_total) for event in prof.key_averages()
                if event.device_type == DeviceType.CUDA and not event.is_user_annotation
-               and not event.key.startswith("Memcpy")) / 1e6
+               and not event.key.startswith(("Memcpy DtoH", "Memcpy HtoD"))) / 1e6
 
 
 def profile_tables(fn: Callable[[], object], device: torch.device, rows: int = 25) -> str:
