@@ -402,9 +402,9 @@ class Swarm:
         return [self._record, *others]
 
     def _reach_unseen(self, others: list[PeerRecord], now: float) -> None:
-        """Ping, in the background, the members of our last round and the peers that called us since the last read
-        that this fresh read misses (`Directory.reach`): one that answers was across a DHT island from us, and the
-        next heartbeat's records span both sides."""
+        """Ping, in the background, the members of our last round that this fresh read misses (`Directory.reach`; by
+        their last record's addresses, or by id when they called us since the last read): one that answers was
+        across a DHT island from us, and the next heartbeat's records span both sides."""
         self._last_seen.update({r.peer: r for r in others})
         if len(self._last_seen) > 4 * len(self._members) + 64:  # forget peers that are neither here nor members
             keep = {*self._members, *(r.peer for r in others)}
@@ -419,13 +419,13 @@ class Swarm:
         if not peers:
             return
         self._tried.update({p: now for p in peers})
-        # a caller we hold no record of: its id alone (the connection it called us on reaches it)
+        # a member we hold no record of (restarted, we read none since) that called us: its id alone
         unseen = [self._last_seen.get(p) or PeerRecord(peer=p, status="training", round=0) for p in peers]
 
         async def reach() -> int:
             answered = await self.directory.reach(unseen)
-            log.info("event=directory_reach reason=peers of our last round or calling us are missing from the "
-                     "directory peers=%s answered=%d", ",".join(sorted(r.peer for r in unseen)), answered)
+            log.info("event=directory_reach reason=members of our last round are missing from the directory "
+                     "peers=%s answered=%d", ",".join(sorted(r.peer for r in unseen)), answered)
             return answered
 
         self._reaching = asyncio.ensure_future(reach())

@@ -217,11 +217,13 @@ def quorum(view: Sequence[PeerId], previous: Sequence[PeerId] | None, left: Sequ
 def unseen_peers(members: Sequence[PeerId], heard: Sequence[PeerId], me: PeerId, present: Collection[PeerId],
                  left: Collection[PeerId], last_seen: Mapping[PeerId, PeerRecord], tried: Mapping[PeerId, float],
                  now: float, every: float) -> list[PeerId]:
-    """Whom `Directory.reach` should ping: the members of our last round we hold a record of (where to dial them),
-    and the peers we heard from since the last read (a connection to them exists), that a fresh directory read
-    misses, that did not say goodbye, and that we did not try to reach in the last `every` seconds. A peer that is
-    alive but missing from our reads is across a DHT island from us."""
-    candidates = [p for p in members if p in last_seen] + list(heard)
+    """Whom `Directory.reach` should ping: the members of our last round that we hold a record of (where to dial
+    them) or heard from since the last read (a connection to them exists), that a fresh directory read misses, that
+    did not say goodbye, and that we did not try to reach in the last `every` seconds. A member that is alive but
+    missing from our reads is across a DHT island from us. Other callers are not pinged: bytes are counted before a
+    caller is authorized, and a flood of strangers must not become a flood of our pings."""
+    called = set(heard)
+    candidates = [p for p in members if p in last_seen or p in called]
     return [p for p in dict.fromkeys(candidates)
             if p != me and p not in present and p not in left and now - tried.get(p, float("-inf")) >= every]
 

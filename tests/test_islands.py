@@ -98,8 +98,9 @@ def test_the_peers_to_reach_are_members_and_callers_a_read_misses_that_did_not_l
     assert unseen_peers(members, (), "a", {"b"}, {"d"}, last, {"c": 9.0}, 10.0, 2.0) == []  # tried a second ago
     assert unseen_peers(members, (), "a", {"b"}, {"d"}, last, {"c": 8.0}, 10.0, 2.0) == ["c"]
     assert unseen_peers(("a", "f"), (), "a", set(), (), last, {}, 10.0, 2.0) == []  # no record of f: nowhere to dial
-    # callers since the last read: reached by id (we hold a connection), whether members or not, once
-    assert unseen_peers(("a", "f"), ("f", "g", "b", "c"), "a", {"b"}, (), last, {}, 10.0, 2.0) == ["f", "g", "c"]
+    # members we hold no record of but that called us since the last read: reached by id (over that connection);
+    # a caller that is no member is not (a stranger's bytes are counted before its call is refused)
+    assert unseen_peers(("a", "f", "c"), ("f", "g", "b"), "a", {"b"}, (), last, {}, 10.0, 2.0) == ["f", "c"]
     assert unseen_peers(members, ("d", "a"), "a", {"b"}, {"d"}, last, {}, 10.0, 2.0) == ["c"]
 
 
