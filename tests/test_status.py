@@ -76,7 +76,7 @@ def test_plain_lines_and_json_show_every_column():
 
 
 @pytest.mark.multiproc
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(200)  # above the sum of its own deadlines (60 s to train, 90 s for status): those report
 def test_status_shows_a_running_peer(tmp_path):
     group = Peers(tmp_path, f"st-{secrets.token_hex(3)}")
     try:

@@ -556,6 +556,13 @@ class _Swarm:
         for w in self.workers:
             if w.state == "stopped":
                 w.proc.send_signal(signal.SIGCONT)
+        # a worker still starting (restarted or new near the end) finishes starting first, for up to 60 s: until its
+        # address file is written its stop handlers may not be in place, and a SIGTERM would end it where it stands
+        deadline = time.monotonic() + 60
+        for w in self.workers:
+            while (w.state == "up" and w.proc.poll() is None and not self.path(w.index, "addr").exists()
+                   and time.monotonic() < deadline):
+                time.sleep(0.1)
         for w in self.workers:
             if w.state != "down" and w.proc.poll() is None:
                 w.proc.send_signal(signal.SIGTERM)

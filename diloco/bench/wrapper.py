@@ -3,7 +3,9 @@
 The bundled GPT trains one process, with no network, in runs that alternate between the bare loop
 (forward, backward, AdamW step) and the same loop inside `DiLoCo(model, optimizer, inner_steps=H)`
 for each H asked; each run is timed step by step after a warm-up, and the median run of each kind is
-reported. The wrapper's cost is split in two: what every step pays (the post-step hook, accounting,
+reported. A wrapped run's warm-up starts with one synchronization (`DiLoCo.sync()`): the first one of a process
+allocates (and on a GPU pins) the buffers every later one reuses, a cost a run pays once, and with H as long as the
+timed steps it would be the only synchronization timed. The wrapper's cost is split in two: what every step pays (the post-step hook, accounting,
 the schedule's check), measured on the steps that do not synchronize, and what a synchronization
 costs (pseudo-gradient, the local encode and decode, the outer step, loading θ), spread over its H
 steps. Without a swarm the synchronization moves nothing: the network's share is what
@@ -99,6 +101,7 @@ def _run(setup: WrapperSetup, h: int | None, corpus: Any) -> dict[str, Any]:
     else:
         with DiLoCo(model, opt, swarm=None, inner_steps=h, compression=setup.compression,
                     global_device=setup.global_device) as d:
+            d.sync()  # the first synchronization is the cold one: in the warm-up
             for k in range(total):
                 step(k, d)
     return {"times": times[setup.warmup:], "synced": synced[setup.warmup:],
