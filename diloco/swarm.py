@@ -49,8 +49,8 @@ from diloco.compression import PayloadRejected, Reason
 from diloco.compression.errors import DiLoCoError
 from diloco.peers import (Directory, PeerRecord, banned_by_majority, departed, expected_peers, quorum,
                           round_key_for, started_without, voted_out)
-from diloco.peers.membership import (FINAL_TAG, group_of, group_tag, regions_of, round_to_run, serving,
-                                     unseen_peers)
+from diloco.peers.membership import FINAL_TAG, group_of, group_tag, regions_of, round_to_run, serving
+from diloco.peers.reach import Missing
 from diloco.peers.records import MAX_BANNED
 
 from .config import SwarmConfig
@@ -117,9 +117,7 @@ class Swarm:
         round's quorum after its record expired, so a swarm that committed nothing while two of its last members
         left is not stuck waiting for them for good."""
         self._members: tuple[PeerId, ...] = ()  # of the last round we committed (as our latest exchange named them)
-        self._last_seen: dict[PeerId, PeerRecord] = {}  # every peer's last record a read found: where to reach it
-        self._tried: dict[PeerId, float] = {}  # when we last pinged a missing peer (`_reach_unseen`)
-        self._heard: dict[PeerId, int] = {}  # bytes received from each peer as of the last read
+        self._missing = Missing(self.peer_id, cfg.heartbeat_ttl)  # whom `_reach_unseen` pings back into our DHT node
         self._reaching: asyncio.Future[int] | None = None
         self._scopes: list[Swarm] = []  # namespaces on our connections (`scope`): they die with us
         loop.run(transport.register("diloco.manifest", self._on_manifest))
@@ -405,22 +403,11 @@ class Swarm:
         """Ping, in the background, the members of our last round that this fresh read misses (`Directory.reach`; by
         their last record's addresses, or by id when they called us since the last read): one that answers was
         across a DHT island from us, and the next heartbeat's records span both sides."""
-        self._last_seen.update({r.peer: r for r in others})
-        if len(self._last_seen) > 4 * len(self._members) + 64:  # forget peers that are neither here nor members
-            keep = {*self._members, *(r.peer for r in others)}
-            self._last_seen = {p: r for p, r in self._last_seen.items() if p in keep}
         received = {p: row[1] for p, row in self.transport.counter.per_peer.items()}
-        heard = [p for p, n in received.items() if n > self._heard.get(p, 0)]
-        self._heard = received
-        if self._reaching is not None and not self._reaching.done():
+        busy = self._reaching is not None and not self._reaching.done()
+        unseen = self._missing.due(self._members, others, received, self._left, now, busy=busy)
+        if not unseen:
             return
-        peers = unseen_peers(self._members, heard, self.peer_id, {r.peer for r in others}, self._left,
-                             self._last_seen, self._tried, now, self.cfg.heartbeat_ttl)
-        if not peers:
-            return
-        self._tried.update({p: now for p in peers})
-        # a member we hold no record of (restarted, we read none since) that called us: its id alone
-        unseen = [self._last_seen.get(p) or PeerRecord(peer=p, status="training", round=0) for p in peers]
 
         async def reach() -> int:
             answered = await self.directory.reach(unseen)

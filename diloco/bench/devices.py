@@ -9,7 +9,7 @@ import pstats
 import statistics
 import time
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -49,18 +49,33 @@ def median_time(fn: Callable[[], object], repeats: int, finish: Callable[[], Non
     return statistics.median(times), out
 
 
+def _activities(device: torch.device) -> list[Any]:
+    """What `torch.profiler` records on `device`: the host's operators, and on a GPU its kernels and copies."""
+    from torch.profiler import ProfilerActivity
+
+    return [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+
+
+def _operator_tables(prof: Any, device: torch.device, host_rows: int, gpu_rows: int) -> list[str]:
+    """A profile's operators by their own time on the host, and on a GPU by their own time there."""
+    tables = [prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=host_rows)]
+    if device.type == "cuda":
+        tables.append(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=gpu_rows))
+    return tables
+
+
 def kernel_seconds(fn: Callable[[], object], device: torch.device) -> float:
     """The GPU's own work in one run of `fn()`: the summed time of what it ran there (`torch.profiler`: kernels,
     copies within the GPU), less its copies between host and GPU, which the bus sets. 0 on the CPU."""
     if device.type != "cuda":
         return 0.0
     from torch._C._autograd import DeviceType
-    from torch.profiler import ProfilerActivity, profile
+    from torch.profiler import profile
 
     fn()  # warm: the profiler then sees the steady state
     finish = waiter(device)
     finish()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    with profile(activities=_activities(device)) as prof:
         fn()
         finish()
     # the events on the GPU itself, as the profiler's own table sums them ("Self CUDA time total"), but the copies
@@ -74,19 +89,16 @@ def profile_tables(fn: Callable[[], object], device: torch.device, rows: int = 2
     """Run `fn()` once under `torch.profiler` (the GPU's kernels too on a GPU) and `cProfile` (the host's Python,
     where numpy copies and waits for the GPU show), ended by `waiter(device)`: their tables, operators by their own
     time on the host, then on the GPU, then Python functions by their own time."""
-    from torch.profiler import ProfilerActivity, profile
+    from torch.profiler import profile
 
     finish = waiter(device)
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     python = cProfile.Profile()
-    with profile(activities=activities) as prof:
+    with profile(activities=_activities(device)) as prof:
         python.enable()
         fn()
         finish()
         python.disable()
-    tables = [prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=rows)]
-    if device.type == "cuda":
-        tables.append(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=rows))
+    tables = _operator_tables(prof, device, rows, rows)
     text = io.StringIO()
     pstats.Stats(python, stream=text).sort_stats("tottime").print_stats(rows)
     tables.append(text.getvalue().strip())
@@ -100,13 +112,9 @@ def profiled(path: Path | None, device: torch.device) -> Iterator[None]:
     if path is None:
         yield
         return
-    from torch.profiler import ProfilerActivity, profile
+    from torch.profiler import profile
 
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    with profile(activities=activities) as prof:
+    with profile(activities=_activities(device)) as prof:
         yield
     path.parent.mkdir(parents=True, exist_ok=True)
-    tables = [prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=40)]
-    if device.type == "cuda":
-        tables.append(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=25))
-    path.write_text("\n\n".join(tables) + "\n")
+    path.write_text("\n\n".join(_operator_tables(prof, device, 40, 25)) + "\n")
