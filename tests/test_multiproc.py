@@ -441,6 +441,7 @@ def _logged_at(line: str) -> float:
 
 
 @pytest.mark.multiproc
+@pytest.mark.timeout(240)  # above its own deadline (the demo's 180 s): that one reports; the suite's 120 s did not
 def test_demo_reports_agreement_memory_and_round_time(tmp_path):
     """`diloco demo` (B6's real-swarm half uses it at 8 peers): the summary says the peers agree, and
     carries each peer's peak resident memory (process and daemon) and the median round time. Every peer
