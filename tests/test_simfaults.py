@@ -171,6 +171,7 @@ def test_simulate_refuses_a_fault_after_the_last_round():
         simulate(JOB, 3, swarm=SWARM, faults=[Fault(8, "kill", 1)])
 
 
+@pytest.mark.timeout(240)  # above its own deadline (the command's 180 s): that one reports
 def test_the_cli_reads_a_plan_and_says_what_fired(tmp_path, monkeypatch):
     plan = tmp_path / "plan.json"
     plan.write_text(json.dumps({"faults": [{"round": 1, "action": "kill", "peer": 2}]}))
