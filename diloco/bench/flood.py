@@ -338,7 +338,8 @@ async def _flood(concurrency: int, body_kib: int, patience: float, addrs: list[s
 
 async def _stall(streams: int, addrs: list[str], stop: asyncio.Event) -> dict[str, Any]:
     """Open `streams` streams to each peer's contribution handler, send nothing, hold them until `stop`.
-    Prints one line once they are open; returns how many opened and how many the peers closed."""
+    Prints one line once they are open, then `{"cut": N}` each time the count of streams the peers
+    closed changes; returns how many opened and how many the peers closed."""
     from hivemind.p2p import PeerID
 
     from diloco.comms.p2p import P2PTransport
@@ -369,8 +370,15 @@ async def _stall(streams: int, addrs: list[str], stop: asyncio.Event) -> dict[st
         await asyncio.gather(*(open_one(p) for p in targets for _ in range(streams)))
         print(json.dumps({"opened": len(held), "failed": failed,
                           "seconds_to_open": round(time.monotonic() - started, 2)}), flush=True)
-        await stop.wait()
-        cut = sum(reader.at_eof() for reader, _ in held)
+        cut = 0
+        while not stop.is_set():
+            try:
+                await asyncio.wait_for(stop.wait(), 0.5)
+            except asyncio.TimeoutError:
+                pass
+            if (now := sum(reader.at_eof() for reader, _ in held)) != cut:
+                cut = now
+                print(json.dumps({"cut": cut}), flush=True)
         return {"opened": len(held), "failed": failed, "cut": cut, "seconds": time.monotonic() - started}
     finally:
         for _, writer in held:
