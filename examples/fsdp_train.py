@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import time
 
 import torch
 import torch.distributed as dist
@@ -33,6 +34,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=10, help="train until the global round reaches this")
     ap.add_argument("--inner-steps", type=int, default=20, help="H: inner steps per round")
+    ap.add_argument("--step-delay", type=float, default=0.0,
+                    help="sleep this long in every inner step: play a slower machine")
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--seed", type=int, default=None, help="data seed (default: from the site's data shard)")
     ap.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
@@ -60,6 +63,7 @@ def main() -> None:
             x, y = (t.to(device, non_blocking=True) for t in next(data))
             loss = torch.nn.functional.mse_loss(model(x), y)
             loss.backward()
+            time.sleep(args.step_delay)
             opt.step()
             opt.zero_grad()
     if rank == 0:

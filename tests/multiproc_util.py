@@ -12,7 +12,10 @@ import sys
 import time
 from pathlib import Path
 
-TINY = ["--d-model", "32", "--layers", "1", "--batch-size", "4", "--gather-timeout", "20", "--round-timeout", "6"]
+# A tiny model, and a peer that sleeps twice its compute after each step: tests wait on events (a join, a crash, a
+# round), not on how fast a peer trains, and the CPU a peer leaves goes to the processes starting beside it.
+TINY = ["--d-model", "32", "--layers", "1", "--batch-size", "4", "--gather-timeout", "20", "--round-timeout", "6",
+        "--slowdown", "3"]
 
 
 class Peers:

@@ -32,6 +32,9 @@ from diloco.launcher import PORTS_FROM, ephemeral_ports, free_port
 
 SCRIPT = str(Path(__file__).resolve().parent.parent / "examples" / "ddp_train.py")
 FSDP_SCRIPT = str(Path(SCRIPT).with_name("fsdp_train.py"))  # the same model, sharded by FSDP2 under torchrun
+# A site that trains until it is stopped, each step 20 ms longer: the tests wait on events (a join, a crash, a
+# round), and the CPU its ranks leave goes to the processes starting beside them.
+ENDLESS = ["--rounds", "100000", "--inner-steps", "5", "--step-delay", "0.02"]
 FAST = ["--gather-timeout", "20", "--round-timeout", "6"]
 
 
@@ -162,7 +165,7 @@ def test_a_killed_rank_takes_its_site_down_the_launcher_restarts_it_and_it_catch
     goodbye (it does when its gloo group breaks under it), or waits for it: a member of a two-member swarm
     that vanished without a word keeps counting (docs/PROTOCOL.md, quorum), so the lone site's rounds fail
     "no quorum" until the site is back. Which happens is a timing: where rank 0 was when rank 1 died."""
-    run = ["--rounds", "100000", "--inner-steps", "5"]
+    run = ENDLESS
     sites.launch(0, ["start", "--wait-for", "2"], [sys.executable, SCRIPT, *run])
     addr = sites.address(0)
     sites.launch(1, ["join", addr, "--wait-for", "2", "--max-restarts", "1"], [*_torchrun(2), SCRIPT, *run])
@@ -219,7 +222,7 @@ def test_an_fsdp2_site_serves_a_late_joiner_and_catches_up_after_a_rank_dies(sit
     that joins later downloads it from the site (whose leader gathers a snapshot from its ranks once asked).
     Then SIGKILL rank 1: the launcher restarts the site, which downloads the swarm's state from the lone
     process into its shards and commits with it again; every rank ends on a state the swarm committed."""
-    run = ["--rounds", "100000", "--inner-steps", "5"]
+    run = ENDLESS
     sites.launch(0, ["start", "--max-restarts", "1"], [*_torchrun(2), FSDP_SCRIPT, *run])
     addr = sites.address(0)
     deadline = time.monotonic() + 120
@@ -270,7 +273,7 @@ def test_an_fsdp2_site_serves_a_late_joiner_and_catches_up_after_a_rank_dies(sit
 def test_sigkill_of_a_launcher_leaves_no_process_behind(sites):
     """The launcher's command (torchrun, its ranks, their p2pd daemons) dies with the launcher, even
     when the launcher is SIGKILLed and cannot clean up."""
-    sites.launch(0, ["start"], [*_torchrun(2), SCRIPT, "--rounds", "100000", "--inner-steps", "5"])
+    sites.launch(0, ["start"], [*_torchrun(2), SCRIPT, *ENDLESS])
     sites.address(0)
     token = sites.token(0)
     before = _tagged(token)
@@ -344,7 +347,7 @@ def test_a_restarted_lone_site_resumes_from_its_checkpoint(sites, tmp_path):
     state)."""
     ckpt = tmp_path / "ckpt"
     sites.launch(0, ["start", "--max-restarts", "1", "--checkpoint-dir", str(ckpt), "--checkpoint-every", "1"],
-                 [sys.executable, SCRIPT, "--rounds", "100000", "--inner-steps", "5"])
+                 [sys.executable, SCRIPT, *ENDLESS])
     deadline = time.monotonic() + 90
     while max((r["round"] for r in sites.lines(0, "round") if r["committed"]), default=0) < 4:
         assert time.monotonic() < deadline and sites.procs[0].poll() is None, sites.log(0)
@@ -461,7 +464,7 @@ def test_your_script_under_the_launcher_gossips(sites):
 def test_a_script_refused_at_the_handshake_says_why_in_one_line_not_a_traceback(sites):
     """`diloco join ADDR --run-id other -- python train.py`: the script's `DiLoCo(...)` is refused (another run id);
     it says so in one `error:` line, as the bundled job does, and the launcher exits with its status, 1."""
-    sites.launch(0, ["start"], [sys.executable, SCRIPT, "--rounds", "100000", "--inner-steps", "5"])
+    sites.launch(0, ["start"], [sys.executable, SCRIPT, *ENDLESS])
     addr = sites.address(0)
     joiner = sites.launch(1, ["join", addr], [sys.executable, SCRIPT, "--rounds", "2", "--inner-steps", "5"],
                           "--run-id", f"{sites.run_id}-other")

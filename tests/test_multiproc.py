@@ -258,10 +258,11 @@ def test_bad_cli_input_exits_2_naming_the_fix(args, needle, monkeypatch, tmp_pat
 
 
 @pytest.mark.multiproc
+@pytest.mark.timeout(240)  # above the sum of its own deadlines (60 + 30 + 120 s): those report
 def test_sigterm_leaves_cleanly_and_the_swarm_goes_on(peers):
     """SIGTERM: the peer finishes its round, announces that it leaves, writes its final line, exits 0;
     the remaining peer keeps committing rounds without waiting for it."""
-    common = ["--rounds", "40", "-H", "20", "--wait-for", "2", *TINY, "--gather-timeout", "30"]
+    common = ["--rounds", "12", "-H", "20", "--wait-for", "2", *TINY, "--gather-timeout", "30"]
     first = peers.spawn(0, ["start", *common])
     leaver = peers.spawn(1, ["join", peers.address(0), *common])
     deadline = time.monotonic() + 60
