@@ -215,11 +215,12 @@ def test_watch_shows_each_peers_round_loss_bandwidth_and_utilization_live(tmp_pa
         assert addr.endswith(next(iter(sorted(last, key=lambda p: not addr.endswith(p)))))
         for p in last.values():
             assert p["status"] == "training" and p["round"] >= 1 and p["loss"] > 0 and p["bytes_sent"] > 0
-            assert 0 < p["utilization"] <= 1 and p["steps_per_second"] > 0
-        # a rate of the last seconds: a refresh between two rounds' transfers may show 0 (or none yet); each peer's
-        # showed more
-        assert all(any((p["bytes_per_second"] or 0) > 0 for r in refreshes for p in r["peers"] if p["peer"] == peer)
-                   for peer in last)
+            assert 0 < p["utilization"] <= 1
+        # rates between a peer's last two heartbeats: one spent in a round's transfer or wait may show no steps, one
+        # between two rounds' transfers no bytes (or none yet); each peer showed both in some refresh
+        for rate in ("bytes_per_second", "steps_per_second"):
+            assert all(any((p[rate] or 0) > 0 for r in refreshes for p in r["peers"] if p["peer"] == peer)
+                       for peer in last), rate
 
         plain = _popen(status, stdout=subprocess.PIPE, text=True, env=env)
         try:
