@@ -233,8 +233,10 @@ class RoundEngine:
         background (it is applied τ steps later, or at once when τ = 0)."""
         started = time.monotonic()
         topology = self.member.topology
-        if topology is not None and (own := topology.slot(started)) is not None:
-            return own  # gossip: a round of its own
+        if topology is not None and topology.own_slots:  # gossip: a round of its own (on a site, the leader's)
+            own = self.link.settle(self.member, lambda: topology.slot(started))
+            assert own is not None
+            return own if self.link.talks else self.member.report(own)
         resync = self.member.maybe_resync(started, cached=True)
         if resync is not None:
             return resync
@@ -419,7 +421,10 @@ class RoundEngine:
         report = self._apply(pending, outcome)
         members, topology = self.standing.members, self.member.topology
         if outcome.committed and topology is not None and members:
-            topology.after_commit(members)
+            if topology.reshapes:  # a region's merge: on a site the leader's, and every rank takes its state
+                self.link.settle(self.member, lambda: topology.after_commit(members))
+            else:
+                topology.after_commit(members)
         if not outcome.committed and self.member.in_swarm:
             resync = self.member.maybe_resync(pending.started)  # maybe the others committed without us: now
             if resync is not None:

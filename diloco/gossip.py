@@ -30,6 +30,7 @@ can vouch for it, since every peer's differs).
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections import deque
 from statistics import median
@@ -41,9 +42,10 @@ from diloco.comms import PeerId, RoundKey
 from diloco.compression.errors import ConfigError
 from diloco.peers.membership import group_of, group_tag, groups, round_to_run  # noqa: F401  (the round's arithmetic)
 
+from .fragments import Fragment, StreamingConfig, fragment_of_round
+from .holding import views
 from .outer import flatten, unflatten
 from .report import RoundReport
-from .state import params_digest
 from .topology import Topology
 
 if TYPE_CHECKING:
@@ -73,20 +75,36 @@ def history_scale(norm: float, recent: Sequence[float], clip: float, least: int 
     return min(1.0, clip * median(recent) / norm)
 
 
+def whole_norms(recent: Sequence[Sequence[float]]) -> list[float]:
+    """The whole model's recent outer gradient norms, from each fragment's (`recent[f]`): the i-th of them is the
+    norm of the fragments' i-th newest together (√Σ of squares), as many as every fragment has. With one fragment,
+    its own."""
+    depth = min((len(r) for r in recent), default=0)
+    return [math.sqrt(sum(r[len(r) - 1 - i] ** 2 for r in recent)) for i in range(depth)]
+
+
 class Gossip(Topology):
-    """One worker's gossip rounds: groups, the exchange of local parameters, the step of its own state."""
+    """One worker's gossip rounds: groups, the exchange of local parameters, the step of its own state. With
+    streaming fragments each round is one fragment's, in turn (round r: fragment r mod P, as in a flat swarm): the
+    group averages that fragment's local parameters and each member steps that fragment of its own θ."""
 
     one_state = False
+    own_slots = True
+    reshapes = True
+    params_final = True
 
-    def __init__(self, member: Member, outer_lr_schedule: Callable[[int], float], *, streams: bool) -> None:
-        if streams:
-            raise ConfigError("streaming and overlap need one round per fragment for the whole swarm; gossip has "
-                              "none (docs/GOSSIP.md): drop --fragments/--overlap or use a flat swarm")
-        if member.link.site is not None:
-            raise ConfigError("a multi-process site cannot gossip yet (its ranks follow a leader's swarm rounds); "
-                              "run one process per worker or use a flat swarm")
+    def __init__(self, member: Member, outer_lr_schedule: Callable[[int], float],
+                 fragments: Sequence[Fragment], streaming: StreamingConfig) -> None:
+        if streaming.overlap or streaming.outer_overlap != "none":
+            raise ConfigError("a gossip round is applied at once (each peer steps its own state with its group's "
+                              "mean): --overlap and --outer-overlap do not work with gossip; --fragments does")
+        if member.link.shards is not None:
+            raise ConfigError("an FSDP2 site (its ranks hold pieces of the model) cannot gossip yet: use DDP for "
+                              "the site, or a flat swarm")
         self.member = member
         self.outer_lr_schedule = outer_lr_schedule
+        self.fragments = list(fragments)
+        self.alpha = streaming.alpha
         member.catch_up.gossip = True  # a joiner takes one peer's state: no majority vouches for any
         self.met = 0
         """Rounds whose group met: we stepped with the group's mean."""
@@ -98,7 +116,8 @@ class Gossip(Topology):
         """Every peer we averaged with."""
         self.clipped = 0
         """Rounds whose outer gradient we scaled down, far above our recent ones (`history_scale`)."""
-        self._norms: deque[float] = deque(maxlen=HISTORY)
+        self._norms: dict[int, deque[float]] = {f.index: deque(maxlen=HISTORY) for f in self.fragments}
+        """Each fragment's recent outer gradient norms (`history_scale`)."""
         self.final = 0
         """Peers of the run's final average we took part in (0: none, or it is still to come)."""
 
@@ -106,9 +125,12 @@ class Gossip(Topology):
         """One synchronization slot: draw our group, average local parameters with it, step our own θ."""
         m = self.member
         assert m.swarm is not None
-        local = flatten(m.local()).to(m.holding.device)  # where θ and its outer step live
+        frag = self.fragments[fragment_of_round(m.round, len(self.fragments))]
+        whole = len(self.fragments) == 1
+        local = flatten(m.local() if whole else views(m.local(), frag.params)).to(m.holding.device)  # where θ lives
         numel = local.numel()
-        outcome = m.swarm.finish_exchange(m.swarm.gossip_async(m.round, local), RoundKey(m.round))
+        outcome = m.swarm.finish_exchange(m.swarm.gossip_async(m.round, local, fragments=len(self.fragments)),
+                                          RoundKey(m.round))
         rnd = outcome.key.round  # ours, or later if we were behind (`round_to_run`)
         if rnd > m.round:
             self.jumped += 1
@@ -116,14 +138,15 @@ class Gossip(Topology):
         met = outcome.committed
         mean_local = outcome.aggregate if met else local
         assert mean_local is not None  # a committed round of a whole `Handoff` holds its mean
-        gradient = gossip_gradient(flatten(m.holding.params), mean_local.to(m.holding.device))
+        theta = m.holding.params if whole else views(m.holding.params, frag.params)
+        gradient = gossip_gradient(flatten(theta), mean_local.to(m.holding.device))
         del mean_local, local
         # a partner's influence is what the history guards against: a solo round (our own Δ alone) is neither judged
         # nor remembered, since its norm lacks the consensus term and would drag the median of met rounds down
-        scale = self._judged(gradient, rnd + 1, outcome.view) if met else 1.0
+        scale = self._judged(gradient, rnd + 1, outcome.view, frag.index) if met else 1.0
         if scale < 1.0:
             gradient.mul_(scale)
-        m.step_to(gradient, rnd + 1, self.outer_lr_schedule(rnd + 1))
+        m.step_to(gradient, rnd + 1, self.outer_lr_schedule(rnd + 1), None if whole else frag.params, self.alpha)
         del gradient
         if met:
             self.met += 1
@@ -135,7 +158,7 @@ class Gossip(Topology):
         report = RoundReport(m.round, met, "gossip" if met else f"solo: {outcome.reason}",
                              max(1, len(outcome.view)), outcome.bytes_sent, outcome.bytes_received,
                              time.monotonic() - started, m.standing.steps, payload_bytes=outcome.payload_bytes,
-                             numel=numel, phases=outcome.phases)
+                             numel=numel, fragment=frag.index, phases=outcome.phases)
         return m.close_round(report, outcome.seconds)
 
     def finish(self, worker: Member) -> None:
@@ -155,30 +178,28 @@ class Gossip(Topology):
         # as in any gossip round: a partner's absurd parameters move us at most `clip` times a usual round
         theta, mean = theta.to(m.holding.device), outcome.aggregate.to(m.holding.device)
         gradient = theta - mean
-        scale = self._judged(gradient, "final", outcome.view)
+        scale = self._judged(gradient, "final", outcome.view, None)
         if scale < 1.0:
             mean = theta - scale * gradient
         m.take_params(unflatten(mean, m.holding.params), bump=False)  # the mean itself, bit for bit, when unclipped
         self.final = len(outcome.view)
         log.info("event=gossip_final_average round=%d peers=%d", m.round, self.final)
 
-    def _judged(self, gradient: torch.Tensor, rnd: int | str, view: Sequence[PeerId]) -> float:
-        """The factor our outer `gradient` of round `rnd`, from averaging with `view`, is to be scaled by
-        (`history_scale` against our recent met rounds'); counted and logged when below 1, and remembered."""
+    def _judged(self, gradient: torch.Tensor, rnd: int | str, view: Sequence[PeerId], fragment: int | None) -> float:
+        """The factor our outer `gradient` of round `rnd` (of `fragment`, or None: the whole model's, the final
+        average), from averaging with `view`, is to be scaled by (`history_scale` against our recent met rounds' of
+        that fragment, or the whole model's `whole_norms`); counted and logged when below 1, and remembered."""
         assert self.member.swarm is not None
         norm = float(gradient.norm())
-        scale = history_scale(norm, self._norms, self.member.swarm.cfg.clip)
+        recent = list(self._norms[fragment]) if fragment is not None else whole_norms(list(self._norms.values()))
+        scale = history_scale(norm, recent, self.member.swarm.cfg.clip)
         if scale < 1.0:
             self.clipped += 1
             log.warning("event=gossip_clipped round=%s norm=%.4g scale=%.3g group=%s reason=outer gradient far above "
                         "our recent rounds' (a partner sent parameters far from ours)", rnd, norm, scale, ",".join(view))
-        self._norms.append(norm * scale)
+        if fragment is not None:
+            self._norms[fragment].append(norm * scale)
         return scale
-
-    def final_digest(self, worker: Member) -> str:
-        """The final model's parameters alone: the peers of the final average hold the same, each with its own
-        outer optimizer's state (so `digest`, which covers it, differs)."""
-        return params_digest(worker.holding.params)
 
     def summary(self) -> dict[str, object]:
         """What the final metrics line says of our gossip."""

@@ -97,6 +97,8 @@ class Holding:
         """Guards `_manifest`, `_failed` and `recent`, and wakes whoever waits for the hash."""
         self._manifest: Manifest | None = None
         self._failed: BaseException | None = None
+        self.changes = 0
+        """How many times the state changed: whether some work changed it (`SiteLink.settle`)."""
         self._hasher: threading.Thread | None = None
         self._readers: list[threading.Thread] = []
         """Other work that reads the state in place beside training (`beside`: a periodic checkpoint)."""
@@ -164,6 +166,7 @@ class Holding:
         changed, when the change was one fragment's, else all may have): hash it (beside training, or here), then
         the new manifest and digest hold, and `recent` one state per round (a state replaced at its round is not
         ours any more)."""
+        self.changes += 1
         with self._settled:
             previous = self._manifest if touched is not None and self._incremental() else None
             self._manifest, self._failed, self._later = None, None, Later()

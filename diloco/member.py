@@ -17,21 +17,21 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Callable, Sequence
 
+import torch
+
 from diloco.comms import PeerId
 from diloco.peers.records import PeerRecord
 
 from .accounting import Accounting
 from .catchup import CatchUp
-from .holding import Holding
-from .outer import copy_into, outer_step
+from .holding import Holding, views
+from .outer import copy_into, mix_into, outer_step
 from .report import RoundReport
 from .serving import SnapshotServer
 from .sitelink import SiteLink
 from .state import GlobalState, pinned
 
 if TYPE_CHECKING:
-    import torch
-
     from .swarm import Swarm
     from .topology import Topology
 
@@ -321,13 +321,30 @@ class Member:
             self.swarm.moved_to(self.holding.round)  # our rounds' frames for the round we skipped are stale
         self.publish("training")
 
-    def step_to(self, gradient: torch.Tensor, rnd: int, lr_scale: float) -> None:
+    def step_to(self, gradient: torch.Tensor, rnd: int, lr_scale: float, params: Sequence[int] | None = None,
+                alpha: float = 0.0) -> None:
         """Step θ with `gradient` (flat fp32) as the outer step that makes round `rnd` (its lr `lr_scale` of the
-        outer lr), and continue the local model from the new θ (a gossip round: our own state's step)."""
-        with self.holding.changing() as state:
-            outer_step(state.outer, state.params, gradient, lr_scale)
+        outer lr), and continue the local model from the new θ (a gossip round: our own state's step). `params`:
+        the parameters of one fragment, when the round was that fragment's (the others stay as they are); `alpha`:
+        the streaming mix of the local model with the new θ (0: take θ)."""
+        with self.holding.changing(touched=params) as state:
+            moved = state.params if params is None else views(state.params, params)
+            outer_step(state.outer, moved, gradient, lr_scale)
             state.round = rnd
-        copy_into(self.local(), self.holding.params)
+        local = self.local() if params is None else views(self.local(), params)
+        mix_into(local, self.holding.params if params is None else views(self.holding.params, params), alpha)
+
+    def progress(self) -> list[torch.Tensor]:
+        """The local model's way from θ (local − θ): with streamed rounds, the inner steps taken since each
+        fragment's last round (`keep_progress`)."""
+        return [t.detach() - p.to(t.device) for t, p in zip(self.local(), self.holding.params)]
+
+    def keep_progress(self, progress: Sequence[torch.Tensor]) -> None:
+        """We just took a new θ (the local model holds it): go on from θ + `progress`, the inner steps we had
+        taken beyond the θ we held before (a region's merge of streamed rounds)."""
+        with torch.no_grad():
+            for t, d in zip(self.local(), progress):
+                t.add_(d)
 
     def close_round(self, report: RoundReport, moved_seconds: float) -> RoundReport:
         """Account and report a round that `step_to` applied (`moved_seconds`: its time on the network), after the

@@ -53,7 +53,7 @@ from .lifecycle import linger
 from .member import Member
 from .outer import OuterFactory, copy_into, nesterov
 from .sitelink import SiteLink
-from .state import GlobalState, params_digest, schema_digest
+from .state import GlobalState, schema_digest
 from .topology import Topology
 
 if TYPE_CHECKING:
@@ -92,15 +92,21 @@ class Regions(Topology):
     level (`upper`: a member of the peer's swarm holding θ_G, and `merger`, its rounds). The wrapper makes one
     when its swarm names a region."""
 
-    def __init__(self, worker: Member, swarm: Swarm, *, streams: bool) -> None:
+    reshapes = True
+    params_final = True
+
+    def __init__(self, worker: Member, swarm: Swarm, streaming: StreamingConfig, *, shift: bool) -> None:
+        """`shift`: the worker's rounds are streamed (fragments, τ): at a merge its local model keeps the inner
+        steps it took since each fragment's last round (`_merge`)."""
         cfg = swarm.cfg
-        if streams:
-            raise ConfigError("regions run plain DiLoCo rounds: give no --fragments/--overlap/--outer-overlap "
-                              "with --region (streaming inside a region is not supported yet)")
-        if worker.link.site is not None:
-            raise ConfigError("a torch.distributed site cannot be a region's member yet: run one process per "
-                              "peer with --region, or drop --region to make the site one worker of a flat swarm")
+        if streaming.outer_overlap != "none":
+            raise ConfigError("a region's merge needs the region round before it applied: --outer-overlap does not "
+                              "work with --region (fragments and --overlap do)")
+        if worker.link.shards is not None:
+            raise ConfigError("an FSDP2 site (its ranks hold pieces of the model) cannot be a region's member yet: "
+                              "use DDP for the site, or drop --region to make it one worker of a flat swarm")
         self.name = cfg.region
+        self.shift = shift
         self.worker = worker
         self.swarm = swarm
         """The peer's swarm: the global rounds (one representative per region) and the global state."""
@@ -170,14 +176,20 @@ class Regions(Topology):
         # later), so regions whose schedules drifted apart (one slowed by a crash, a late start) meet again.
         self._merge(rep)
 
-    def _merge(self, rep: PeerId) -> None:
+    def _merge(self, rep: PeerId, final: bool = False) -> None:
         """Merge as the representative `rep` of our last region round, or follow its merge. The merge makes the next
-        region round R + 1: frames for it may come before we are done merging."""
+        region round R + 1: frames for it may come before we are done merging. With streamed rounds the local model
+        is ahead of θ_R by the inner steps since each fragment's last round; it keeps them on top of θ_G′
+        (local ← θ_G′ + (local − θ_R)), except at the run's end (`final`), which ends on θ_G′ itself."""
         self.scope.moved_to(self.worker.round)
+        progress = self.worker.progress() if self.shift and not final else None
+        merges = self.merges
         if rep == self.scope.peer_id:
             self._lead()
         else:
             self._follow(rep)
+        if progress is not None and self.merges > merges:
+            self.worker.keep_progress(progress)
 
     def finish(self, worker: Member) -> None:
         """The run ends on one model: a last merge if region rounds ran since the previous one (every region's
@@ -188,14 +200,10 @@ class Regions(Topology):
         same everywhere; where the final merge failed, each region's differs."""
         upper, members = self.upper, worker.standing.members
         if upper.standing.position > 0 and members:
-            self._merge(representative(members))
+            self._merge(representative(members), final=True)
         upper.maybe_resync(time.monotonic())
         if not upper.standby:  # the representatives serve θ_G′ to the swarm's peers that do not hold it yet
             linger(upper, self.swarm.cfg.gather_timeout)
-
-    def final_digest(self, worker: Member) -> str:
-        """The parameters this peer ends on (θ_G′'s after the final merge), whatever region momentum goes with them."""
-        return params_digest(worker.holding.params)
 
     def _lead(self) -> None:
         worker, upper = self.worker, self.upper

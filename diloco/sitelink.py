@@ -42,6 +42,7 @@ class SiteLink:
         self.incoming: GlobalState | None = None
         """An FSDP2 leader's downloaded or resumed state, held whole until every rank took its pieces."""
         self._value: Value | None = None  # an FSDP2 leader's committed Δ̄ (result frames), to hand out
+        self._alone = False  # the leader runs a step of its own (`settle`): its decisions are its own
 
     @property
     def talks(self) -> bool:
@@ -55,8 +56,32 @@ class SiteLink:
         return self.talks or self.shards is not None
 
     def agree(self, decide: Callable[[], T]) -> T:
-        """`decide()` here, or on a site: the leader's result on every rank (see `diloco.site`)."""
-        return decide() if self.site is None else self.site.agree(decide)
+        """`decide()` here, or on a site: the leader's result on every rank (see `diloco.site`). Inside `settle`'s
+        step the leader decides alone (the other ranks wait for the step's outcome)."""
+        return decide() if self.site is None or self._alone else self.site.agree(decide)
+
+    def settle(self, member: Member, step: Callable[[], T]) -> T:
+        """`step()`, a topology's step that may change the worker's state outside the engine's rounds (a region's
+        merge, a gossip round, the run's final model); on a site the leader runs it alone and every rank gets its
+        result, and if it changed the state, the leader's state and local model (a DDP site's ranks hold one local
+        model: they go on from exactly the leader's)."""
+        if self.site is None:
+            return step()
+
+        def lead() -> tuple[T, dict[str, Any]]:
+            before = member.holding.changes
+            self._alone = True
+            try:
+                value = step()
+            finally:
+                self._alone = False
+            moved = member.holding.changes != before
+            return value, self.handed_out(member, state=moved, local=moved)
+
+        value, taken = self.site.agree(lead)
+        if not self.talks:
+            self.take(member, taken)
+        return value
 
     def all_true(self, flag: bool) -> bool:
         """Whether `flag` holds for the whole worker (on an FSDP2 site each rank judges its own piece)."""
@@ -96,13 +121,18 @@ class SiteLink:
 
     # ------------------------------------------------------------------ a new state for every rank
 
-    def handed_out(self, member: Member) -> dict[str, Any]:
+    def handed_out(self, member: Member, *, state: bool = True, local: bool = False) -> dict[str, Any]:
         """What a site leader hands its other ranks with a new state: the state itself (an FSDP2 site's comes
-        next, piece by piece: `adopt_incoming`) and the place in the schedule."""
-        state: dict[str, object] = {"incoming": self.incoming is not None} if self.shards is not None else \
-            {"state": member.holding.state.to_bytes()}
+        next, piece by piece: `adopt_incoming`), with `local` the local model (else they start it from θ), and
+        the place in the schedule (alone when not `state`)."""
+        held: dict[str, object] = {}
+        if state:
+            held = {"incoming": self.incoming is not None} if self.shards is not None else \
+                {"state": member.holding.state.to_bytes()}
+        if local and self.shards is None:
+            held["local"] = [t.detach().cpu() for t in member.local()]
         s = member.standing
-        return {**state, "steps": s.steps, "last_slot": s.last_slot, "attempt": s.attempt, "members": s.members,
+        return {**held, "steps": s.steps, "last_slot": s.last_slot, "attempt": s.attempt, "members": s.members,
                 "offset": s.offset}
 
     def take(self, member: Member, taken: dict[str, Any]) -> None:
@@ -111,7 +141,7 @@ class SiteLink:
             fresh = member.holding.empty_like()
             fresh.load_bytes(taken["state"])
             member.holding.replace(fresh)
-            copy_into(member.local(), member.holding.params)
+            copy_into(member.local(), taken.get("local", member.holding.params))
         s = member.standing
         s.steps, s.last_slot = int(taken["steps"]), int(taken["last_slot"])
         s.attempt, s.members, s.offset = int(taken["attempt"]), taken["members"], int(taken["offset"])

@@ -544,7 +544,7 @@ class Swarm:
 
         return self._track(go())
 
-    def gossip_async(self, my_round: int, local: torch.Tensor, *, everyone: bool = False,
+    def gossip_async(self, my_round: int, local: torch.Tensor, *, everyone: bool = False, fragments: int = 1,
                      ) -> concurrent.futures.Future[RoundOutcome]:
         """Start our next gossip round (`diloco.gossip`) in the background: from fresh records, the round to run
         (ours, or the newest a live peer shows: `round_to_run`) and our group (`group_of`); then one round of the
@@ -552,7 +552,9 @@ class Swarm:
         `local` (fp32, 1-D). It commits with two members or more (its `aggregate` is the group's mean, its key
         the round it ran); nothing is retried. `finish_exchange` collects the outcome. With `everyone`, the run's
         final average instead: at the newest round a live peer shows (ours at least), every live peer of the swarm
-        expected, one view among those that came to it (`membership.FINAL_TAG`)."""
+        expected, one view among those that came to it (`membership.FINAL_TAG`). With `fragments` P > 1, `local` is
+        the fragment of `my_round` (round r is fragment r mod P's): a round to run of another fragment is not run
+        (the outcome says so; our next round is that round's successor, of our next fragment or near it)."""
         handoff = Handoff(local)
         del local
 
@@ -567,6 +569,8 @@ class Swarm:
                 group_of(self.peer_id, peers, rnd, self.cfg.run_id, self.cfg.gossip_group)
             if len(group) < 2:
                 return RoundOutcome(RoundKey(rnd), False, "no other peer to gossip with")
+            if not everyone and rnd % fragments != my_round % fragments:
+                return RoundOutcome(RoundKey(rnd), False, f"behind: the others are at round {rnd}, another fragment's")
 
             def admit(view: tuple[PeerId, ...]) -> tuple[bool, str]:
                 return len(view) >= 2, f"nobody of our group ({','.join(group)}) met us in time"

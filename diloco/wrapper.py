@@ -76,7 +76,7 @@ from .site import Site
 from .sitelink import SiteLink
 from .state import GlobalState, schema_digest
 from .swarm import Swarm
-from .topology import Topology
+from .topology import Followed, Topology
 
 __all__ = ["DiLoCo", "RoundReport"]
 
@@ -297,9 +297,9 @@ class DiLoCo:
         """Take `swarm`'s topology (its settings name it), and the swarm our rounds run on."""
         member = self.member
         if swarm.cfg.region:
-            self.topology = Regions(member, swarm, streams=self.streams)
+            self.topology = Regions(member, swarm, self.streaming, shift=self.streams)
         elif swarm.cfg.topology == "gossip":
-            self.topology = Gossip(member, self.outer_lr_schedule, streams=self.streams)
+            self.topology = Gossip(member, self.outer_lr_schedule, self.fragments, self.streaming)
         member.topology = self.topology
         member.swarm = self.topology.rounds(swarm)
 
@@ -475,6 +475,9 @@ class DiLoCo:
         self._data_shard = shard
         if self.site is not None and not self.site.leader:
             self.link.follows = bool(taken.pop("swarm"))
+            flags = taken.pop("topology")
+            assert isinstance(flags, dict)
+            self.topology = self.member.topology = Followed(flags)
             self.link.take(self.member, taken)
         if self.shards is not None and taken.get("incoming"):
             self.link.adopt_incoming(self.member)
@@ -510,7 +513,8 @@ class DiLoCo:
                            self.launch.shard if self.launch else None)
         if self.site is None:
             return {"shard": shard}
-        return {"swarm": member.swarm is not None, "shard": shard, **self.link.handed_out(member)}
+        return {"swarm": member.swarm is not None, "shard": shard, "topology": self.topology.flags(),
+                **self.link.handed_out(member)}
 
     def detach(self, *, completed: bool = True) -> None:
         """Unhook the optimizer after applying the exchange still in flight, if any (`flush`). When the loop
@@ -642,8 +646,8 @@ class DiLoCo:
             return
         self._finished = True
         self.flush()  # on every rank of a site: completing an exchange is a step they take together
-        if self.member.swarm is not None:
-            self.topology.finish(self.member)
+        if self.member.in_swarm and self.topology.reshapes:  # on a site the leader's, and every rank takes it
+            self.link.settle(self.member, lambda: self.topology.finish(self.member))
 
     def linger(self, timeout: float) -> int:
         """At the end of a run, before leaving: keep serving our state while a peer that is still in the swarm

@@ -23,7 +23,8 @@ from diloco.comms import InProcNetwork, PeerId
 from diloco.comms.loop import LoopThread
 from diloco.config import ConfigError
 from diloco.comms.faults import FaultPlan
-from diloco.gossip import gossip_gradient, group_of, group_tag, groups, history_scale, round_to_run
+from diloco.gossip import gossip_gradient, group_of, group_tag, groups, history_scale, round_to_run, whole_norms
+from diloco.member import Member
 from diloco.peers import InProcBoard, PeerRecord
 from diloco.peers.membership import gossip_source
 
@@ -83,6 +84,13 @@ def test_an_outer_gradient_far_above_our_recent_ones_is_scaled_down_to_clip_time
     assert history_scale(100.0, [1.0, 2.0, 3.0], clip=0.0) == 1.0  # off
 
 
+def test_the_whole_models_recent_norms_are_the_fragments_newest_together():
+    # fragment 0's norms 3, 4 (newest last) and fragment 1's 4, 3: the newest whole-model norm is √(4² + 3²) = 5
+    assert whole_norms([[1.0, 3.0, 4.0], [4.0, 3.0]]) == [5.0, 5.0]
+    assert whole_norms([[2.0, 7.0]]) == [7.0, 2.0]
+    assert whole_norms([[1.0], []]) == []
+
+
 def _rec(peer: str, rnd: int, status: str = "training") -> PeerRecord:
     return PeerRecord(peer=PeerId(peer), status=status, round=rnd, digest=f"d-{peer}")
 
@@ -108,8 +116,8 @@ def test_gossip_settings_are_checked_with_reasons():
         diloco.SwarmConfig(topology="gossip", gossip_group=1)
     with pytest.raises(ConfigError, match="topology"):
         diloco.SwarmConfig(topology="ring")
-    with pytest.raises(ConfigError, match="streaming and overlap"):
-        _worker_on(GOSSIP, streaming=diloco.StreamingConfig(fragments=2))
+    with pytest.raises(ConfigError, match="--overlap and --outer-overlap do not work with gossip"):
+        _worker_on(GOSSIP, streaming=diloco.StreamingConfig(fragments=2, overlap=1))
 
 
 # ---------------------------------------------------------------------------------------------- in-process swarms
@@ -134,12 +142,12 @@ class _Lab:
                                                     bootstrapped=True)
 
     def worker(self, peer: str, rounds: int, barrier: threading.Barrier | None = None, *,
-               stop: threading.Event | None = None, finish: bool = False):
+               stop: threading.Event | None = None, finish: bool = False, **settings: object):
         def run() -> None:
             model = copy.deepcopy(self.base)
             opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
             data = _batches(int(peer[1:]) + 100, 16)
-            with DiLoCo(model, opt, swarm=self.swarms.get(peer), inner_steps=H) as d:
+            with DiLoCo(model, opt, swarm=self.swarms.get(peer), **{"inner_steps": H, **settings}) as d:
                 self.workers[peer] = d
                 self.joined_at[peer] = d.round
                 if barrier is not None:
@@ -167,10 +175,10 @@ class _Lab:
         return max(float((flat[a] - flat[b]).norm()) for a, b in combinations(sorted(flat), 2))
 
 
-def _run(lab: _Lab, rounds: int, finish: bool = False) -> None:
+def _run(lab: _Lab, rounds: int, finish: bool = False, **settings: object) -> None:
     barrier = threading.Barrier(len(lab.peers), timeout=20)
     try:
-        _run_threads([lab.worker(p, rounds, barrier, finish=finish) for p in lab.peers], [barrier])
+        _run_threads([lab.worker(p, rounds, barrier, finish=finish, **settings) for p in lab.peers], [barrier])
     finally:
         lab.close()
 
@@ -220,6 +228,40 @@ def test_the_run_ends_on_one_model_the_average_of_every_peers_state():
         assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(d.state.params, mean))
         assert all(torch.equal(p.detach(), t) for p, t in zip(d.model.parameters(), d.state.params))
     assert len({d.digest for d in w.values()}) == 4  # the outer optimizers' states stay each peer's own
+
+
+def test_streaming_fragments_gossip_one_fragment_a_round_in_turn_and_the_run_ends_on_one_model():
+    """Gossip with two fragments (each round one fragment's, in turn, a slot every H/2 steps): a round moves only its
+    fragment of θ, the two fragments take turns, most rounds meet their pair, and the run still ends on one model."""
+    peers = ["p1", "p2", "p3", "p4"]
+    lab = _Lab(peers)
+    moved: dict[str, list[tuple[int, int, list[bool]]]] = {p: [] for p in peers}
+    real_step_to = Member.step_to
+
+    def step_to(m, gradient, rnd, lr_scale, params=None, alpha=0.0):  # which parameters each round's step moved
+        before = [t.clone() for t in m.holding.params]
+        real_step_to(m, gradient, rnd, lr_scale, params, alpha)
+        moved[m.swarm.peer_id].append((rnd, -1 if params is None else params[0],
+                                       [not torch.equal(a, b) for a, b in zip(before, m.holding.params)]))
+
+    Member.step_to = step_to  # type: ignore[method-assign]
+    try:
+        _run(lab, 8, finish=True, inner_steps=4, streaming=diloco.StreamingConfig(fragments=2))
+    finally:
+        Member.step_to = real_step_to  # type: ignore[method-assign]
+    w = lab.workers
+    assert all(len(d.fragments) == 2 and d.round >= 8 for d in w.values())
+    fragments = {f.params[0]: set(f.params) for f in next(iter(w.values())).fragments}
+    for p, steps in moved.items():
+        assert {first for _, first, _ in steps} == set(fragments), steps  # both fragments took rounds
+        for rnd, first, changed in steps:  # round r is fragment r − 1 mod 2's (r: the round its step makes)
+            assert fragments[first] == {i for i, c in enumerate(changed) if c}, (p, rnd, first, changed)
+            assert sorted(fragments)[(rnd - 1) % 2] == first, (p, rnd, first)
+    met = {p: [r for r in d.reports if r.committed] for p, d in w.items()}
+    assert all(len(m) >= 5 and {r.fragment for r in m} == {0, 1} for m in met.values()), \
+        {p: [(r.round, r.fragment, r.reason) for r in d.reports] for p, d in w.items()}
+    assert all(d.gossip.final == 4 and d.gossip.clipped == 0 for d in w.values())
+    assert len({d.topology.final_digest(d.member) for d in w.values()}) == 1
 
 
 def test_a_crashed_partner_costs_a_solo_round_and_the_others_go_on_and_a_joiner_takes_a_peers_state():

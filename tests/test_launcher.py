@@ -421,40 +421,50 @@ def test_a_two_rank_site_and_a_lone_process_of_unequal_speed_sync_by_time_on_one
 
 @pytest.mark.multiproc
 @pytest.mark.timeout(300)
-def test_your_script_under_the_launcher_trains_in_regions(sites):
-    """`diloco start/join --region R -- python train.py`: the script's one line (`DiLoCo(model, opt)`) finds its
-    region in the launcher's environment; two regions of one site each merge into one global state, each merge
-    is a row of the site's metrics (docs/REGIONS.md), and the run ends on one model in both (`final_digest`)."""
+def test_your_script_under_the_launcher_trains_in_regions_one_region_a_two_rank_site(sites):
+    """`diloco start/join --region R -- CMD`: the script's one line (`DiLoCo(model, opt)`) finds its region in the
+    launcher's environment; region "eu" is a lone process, region "us" a 2-rank torchrun site (DDP) whose leader
+    merges for it while its other rank takes each merge's state. The regions merge into one global state, each
+    merge is a row of the metrics (docs/REGIONS.md), and the run ends on one model in every rank (`final_digest`)."""
     rounds = ["--rounds", "6", "--inner-steps", "5"]
     sites.launch(0, ["start", "--wait-for", "2", "--region", "eu", "--merge-every", "2"], [sys.executable, SCRIPT, *rounds])
     addr = sites.address(0)
     sites.launch(1, ["join", addr, "--wait-for", "2", "--region", "us", "--merge-every", "2"],
-                 [sys.executable, SCRIPT, *rounds])
+                 [*_torchrun(2), SCRIPT, *rounds])
     for i, proc in sites.procs.items():
         assert proc.wait(timeout=240) == 0, sites.log(i)
-    finals = [sites.lines(i, "final")[-1] for i in range(2)]
-    assert [f["region"] for f in finals] == ["eu", "us"]
-    assert finals[0]["global_digest"] == finals[1]["global_digest"] and finals[0]["global_round"] >= 1, finals
-    assert finals[0]["final_digest"] == finals[1]["final_digest"], finals  # the parameters of θ_G′ in both
+    finals = {i: sites.lines(i, "final") for i in range(2)}
+    assert [sorted(f["rank"] for f in finals[i]) for i in range(2)] == [[0], [0, 1]], finals
+    leaders = [next(f for f in finals[i] if f["rank"] == 0) for i in range(2)]
+    assert [f["region"] for f in leaders] == ["eu", "us"]
+    assert leaders[0]["global_digest"] == leaders[1]["global_digest"] and leaders[0]["global_round"] >= 1, leaders
+    assert len({f["final_digest"] for i in range(2) for f in finals[i]}) == 1, finals  # θ_G′'s parameters, everywhere
+    assert finals[1][0]["digest"] == finals[1][1]["digest"], finals[1]  # the site's ranks hold one state
     merges = [r for i in range(2) for r in sites.lines(i, "round") if r["merge"]]
     assert merges and all(r["committed"] and r["peers"] == 2 for r in merges), merges
 
 
 @pytest.mark.multiproc
 @pytest.mark.timeout(300)
-def test_your_script_under_the_launcher_gossips(sites):
-    """`diloco start/join --topology gossip -- python train.py`: the script's one line finds the topology in the
-    launcher's environment and its rounds average with its partner (docs/GOSSIP.md). Two peers are one group
-    every round, so each round that met gives both the same mean; the run ends on one model, their average."""
+def test_your_script_under_the_launcher_gossips_with_a_two_rank_site(sites):
+    """`diloco start/join --topology gossip -- CMD`: the script's one line finds the topology in the launcher's
+    environment and its rounds average with its partner (docs/GOSSIP.md): a lone process and a 2-rank torchrun
+    site (DDP), whose leader gossips for it while its other rank takes the leader's state after each round. Two
+    peers are one group every round, so each round that met gives both the same mean; the run ends on one model,
+    their average, in every rank."""
     rounds = ["--rounds", "6", "--inner-steps", "5"]
     flags = ["--wait-for", "2", "--topology", "gossip", "--compression", "fp32"]
     sites.launch(0, ["start", *flags], [sys.executable, SCRIPT, *rounds])
-    sites.launch(1, ["join", sites.address(0), *flags], [sys.executable, SCRIPT, *rounds])
+    sites.launch(1, ["join", sites.address(0), *flags], [*_torchrun(2), SCRIPT, *rounds])
     for i, proc in sites.procs.items():
         assert proc.wait(timeout=240) == 0, sites.log(i)
-    finals = [sites.lines(i, "final")[-1] for i in range(2)]
-    assert all(f["topology"] == "gossip" and f["round"] >= 6 and f["gossip_met"] >= 4 for f in finals), finals
-    assert all(f["gossip_final"] == 2 for f in finals) and finals[0]["final_digest"] == finals[1]["final_digest"]
+    finals = {i: sites.lines(i, "final") for i in range(2)}
+    assert [sorted(f["rank"] for f in finals[i]) for i in range(2)] == [[0], [0, 1]], finals
+    leaders = [next(f for f in finals[i] if f["rank"] == 0) for i in range(2)]
+    assert all(f["topology"] == "gossip" and f["round"] >= 6 and f["gossip_met"] >= 4 for f in leaders), leaders
+    assert all(f["gossip_final"] == 2 for f in leaders), leaders
+    assert len({f["final_digest"] for i in range(2) for f in finals[i]}) == 1, finals  # the average, everywhere
+    assert finals[1][0]["digest"] == finals[1][1]["digest"], finals[1]  # the site's ranks hold one state
     rows = [r for i in range(2) for r in sites.lines(i, "round")]
     assert all(r["peers"] == 2 for r in rows if r["committed"]), rows
 

@@ -23,7 +23,7 @@ from diloco.comms.loop import LoopThread
 from diloco.config import ConfigError
 from diloco.peers import InProcBoard, PeerRecord, quorum
 from diloco.peers.membership import regions_of, resync_source
-from diloco.regions import follow_decision, representative
+from diloco.regions import Regions, follow_decision, representative
 
 H = 3
 
@@ -76,9 +76,9 @@ def test_a_bad_region_name_says_what_a_region_name_is():
         diloco.SwarmConfig(region="eu", merge_every=0)
 
 
-def test_regions_refuse_streaming_with_a_reason():
-    with pytest.raises(ConfigError, match="streaming inside a region"):
-        _worker_on(replace(CFG, region="eu"), streaming=diloco.StreamingConfig(fragments=2))
+def test_regions_refuse_a_whole_outer_step_overlapped_with_a_reason():
+    with pytest.raises(ConfigError, match="--outer-overlap does not work with --region"):
+        _worker_on(replace(CFG, region="eu"), streaming=diloco.StreamingConfig(outer_overlap="eager"))
 
 
 # ---------------------------------------------------------------------------------------------- in-process swarms
@@ -97,12 +97,13 @@ class _Lab:
 
     def worker(self, peer: str, rounds: int, barrier: threading.Barrier | None = None, *,
                pace: float = 0.01, stop: threading.Event | None = None, leave: bool = False, finish: bool = False,
-               round_seconds: float | None = None):
+               round_seconds: float | None = None, **settings: object):
         def run() -> None:
             model = copy.deepcopy(self.base)
             opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
             data = _batches(hash(peer) % 1000, 16)
-            with DiLoCo(model, opt, swarm=self.swarms[peer], inner_steps=H, round_seconds=round_seconds) as d:
+            with DiLoCo(model, opt, swarm=self.swarms[peer], round_seconds=round_seconds,
+                        **{"inner_steps": H, **settings}) as d:
                 self.workers[peer] = d
                 if barrier is not None:
                     barrier.wait()
@@ -172,6 +173,46 @@ def test_regions_of_unequal_workers_run_their_rounds_by_time_and_merge_into_one_
     # paces 4x and 3x apart; each step's own compute, the same for both, narrows that on a loaded machine (20 against
     # 10 seen with two cores busy), so the margin asked is 1.5x
     assert covered["a1"] > 1.5 * covered["a2"] and covered["b2"] > 1.5 * covered["b1"], covered
+
+
+def test_streamed_rounds_inside_regions_merge_and_keep_each_workers_inner_steps_since_its_fragments_rounds():
+    """Streaming inside regions: two fragments, each region round one fragment's with τ = 1 step of overlap; a
+    merge every 2 region rounds. Both fragments take region rounds, every region holds one state, every peer one
+    global state, the run ends on one model; and at each merge a worker's local model keeps the inner steps it took
+    beyond θ_R (local − θ is the same before and after the merge, as θ_R becomes θ_G′)."""
+    lab = _Lab({"a1": "eu", "a2": "eu", "b1": "us", "b2": "us"}, merge_every=2)
+    kept: list[tuple[str, float, float]] = []
+    real_merge = Regions._merge
+
+    def merge(self: Regions, rep: PeerId, final: bool = False) -> None:
+        before = [t.clone() for t in self.worker.progress()]
+        merges = self.merges
+        real_merge(self, rep, final)
+        if self.merges > merges and not final:
+            after = self.worker.progress()
+            kept.append((self.scope.peer_id, max(float(b.abs().max()) for b in before),
+                         max(float((a - b).abs().max()) for a, b in zip(after, before))))
+
+    Regions._merge = merge  # type: ignore[method-assign]
+    barrier = threading.Barrier(4, timeout=20)
+    try:
+        _run_threads([lab.worker(p, 8, barrier, finish=True, inner_steps=4,
+                                 streaming=diloco.StreamingConfig(fragments=2, overlap=1)) for p in lab.regions],
+                     [barrier])
+    finally:
+        Regions._merge = real_merge  # type: ignore[method-assign]
+        lab.close()
+    w = lab.workers
+    assert all(len(d.fragments) == 2 for d in w.values())
+    committed = {p: {r.fragment for r in d.reports if r.committed and not r.merge} for p, d in w.items()}
+    assert all(c == {0, 1} for c in committed.values()), committed
+    assert w["a1"].digest == w["a2"].digest and w["b1"].digest == w["b2"].digest
+    uppers = {p: d.regions.upper for p, d in w.items()}
+    assert len({u.digest for u in uppers.values()}) == 1 and uppers["a1"].round >= 2
+    assert all(d.regions.merges >= 2 and d.regions.skipped == 0 for d in w.values())
+    assert len({d.topology.final_digest(d.member) for d in w.values()}) == 1
+    # the progress kept across merges was real (a fragment's inner steps since its round) and kept to float error
+    assert {p for p, _, _ in kept} == set(w) and all(size > 0 and err < 1e-5 for _, size, err in kept), kept
 
 
 @pytest.mark.parametrize("rounds, merges", [(4, 2), (3, 1)])
