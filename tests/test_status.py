@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import pty
 import secrets
@@ -15,6 +16,7 @@ from pathlib import Path
 import time
 
 import pytest
+from cli_util import invoke
 from multiproc_util import TINY, Peers
 
 from diloco.peers import PeerRecord
@@ -75,46 +77,6 @@ def test_plain_lines_and_json_show_every_column():
     assert parsed["peers"][0]["round_steps"] == 37
 
 
-@pytest.mark.multiproc
-@pytest.mark.timeout(200)  # above the sum of its own deadlines (60 s to train, 90 s for status): those report
-def test_status_shows_a_running_peer(tmp_path):
-    group = Peers(tmp_path, f"st-{secrets.token_hex(3)}")
-    try:
-        group.spawn(0, ["start", "--rounds", "1000", "-H", "10", *TINY])
-        addr = group.address(0)
-        deadline = time.monotonic() + 60
-        while not group.lines(0, "round") and time.monotonic() < deadline:  # it is training
-            time.sleep(0.2)
-        env = {**os.environ, "DILOCO_SECRET": group.secret}
-        out = subprocess.run([sys.executable, "-m", "diloco", "status", addr, "--run-id", group.run_id, "--json",
-                              "--interval", "1"], capture_output=True, text=True, timeout=90, env=env)
-        assert out.returncode == 0, out.stderr
-        rows = json.loads(out.stdout)
-        assert len(rows) == 1 and rows[0]["peer"] in addr and rows[0]["status"] == "training"
-        # a rate between its last two heartbeats, measured (0 when it spent them in a round's wait: --watch's test
-        # sees it move)
-        assert rows[0]["round"] >= 1 and rows[0]["steps_per_second"] is not None and rows[0]["steps_per_second"] >= 0
-        assert 0 <= rows[0]["heartbeat_age"] < 10
-        dead = subprocess.run([sys.executable, "-m", "diloco", "status", "/ip4/127.0.0.1/tcp/9/p2p/" + addr.split("/p2p/")[1],
-                               "--run-id", group.run_id], capture_output=True, text=True, timeout=90, env=env)
-        assert dead.returncode == 1 and "no address answered" in dead.stderr
-        # the swarm's DHT answers only holders of its secret: a stranger reads nothing
-        stranger = subprocess.run([sys.executable, "-m", "diloco", "status", addr, "--run-id", group.run_id],
-                                  capture_output=True, text=True, timeout=90,
-                                  env={**os.environ, "DILOCO_SECRET": "w" * 32})
-        assert stranger.returncode == 1 and "no address answered" in stranger.stderr, stranger.stdout
-        for said in (stranger, subprocess.run([sys.executable, "-m", "diloco", "status", addr, "--run-id", "another"],
-                                              capture_output=True, text=True, timeout=90, env=env)):
-            assert said.returncode == 1 and "a wrong --run-id or swarm secret" in said.stderr, said.stderr
-            assert "ensure_bootstrap_success" not in said.stderr  # hivemind's option, nothing a user can set
-        nothing = subprocess.run([sys.executable, "-m", "diloco", "status", addr, "--run-id", group.run_id],
-                                 capture_output=True, text=True, timeout=90,
-                                 env={k: v for k, v in os.environ.items() if k != "DILOCO_SECRET"})
-        assert nothing.returncode == 2 and "--secret-file" in nothing.stderr
-    finally:
-        group.kill_all()
-
-
 def _refreshes(proc: subprocess.Popen, until, timeout: float) -> list[str]:
     """Lines `proc` prints until `until(lines)` holds (or `timeout` passes: an assertion error)."""
     lines: list[str] = []
@@ -171,11 +133,13 @@ def _popen(args: list[str], **kw) -> subprocess.Popen:
 
 @pytest.mark.multiproc
 @pytest.mark.timeout(300)
-def test_watch_shows_each_peers_round_loss_bandwidth_and_utilization_live(tmp_path):
+def test_status_and_watch_show_each_peers_round_loss_bandwidth_and_utilization(tmp_path, monkeypatch):
     """Two real peers train; `diloco status ADDR --watch` follows them: every refresh has both peers, their
     rounds advance between refreshes, their bandwidth and utilization are measured, and Ctrl-C ends it
-    with status 0: as JSON lines, as plain lines into a pipe, and as a live table on a terminal. The first
-    peer also logs to TensorBoard and W&B (`diloco start --tensorboard --wandb`, WANDB_MODE=offline)."""
+    with status 0: as JSON lines, as plain lines into a pipe, and as a live table on a terminal. One read
+    (`diloco status ADDR --json`) lists both; a dead address, a stranger's secret, another run id and no secret
+    at all are each refused with what to check (these run the real command in this process: `cli_util.invoke`).
+    The first peer also logs to TensorBoard and W&B (`diloco start --tensorboard --wandb`, WANDB_MODE=offline)."""
     from test_sinks import tensorboard_scalars
     from wandb_offline import history
 
@@ -248,6 +212,27 @@ def test_watch_shows_each_peers_round_loss_bandwidth_and_utilization_live(tmp_pa
             os.close(master)
         assert code == 0, _stderr(live)
         assert f"swarm '{group.run_id}': 2 training".encode() in shown and "Mbit/s".encode() in shown
+
+        for noisy in ("hivemind", "asyncio"):  # the command quiets them for its own run: restored after the test
+            monkeypatch.setattr(logging.getLogger(noisy), "level", logging.getLogger(noisy).level)
+        one = invoke(["status", addr, "--run-id", group.run_id, "--json", "--interval", "1"], env=env)
+        assert one.exit_code == 0, one.stderr
+        rows = json.loads(one.stdout)
+        assert sorted(r["peer"] for r in rows) == sorted(last) and all(r["status"] == "training" for r in rows)
+        # a rate between its last two heartbeats, measured (0 when it spent them in a round's wait)
+        assert all(r["round"] >= 1 and r["steps_per_second"] is not None and r["steps_per_second"] >= 0 for r in rows)
+        assert all(0 <= r["heartbeat_age"] < 10 for r in rows), rows
+        dead = invoke(["status", "/ip4/127.0.0.1/tcp/9/p2p/" + addr.split("/p2p/")[1], "--run-id", group.run_id],
+                      env=env)
+        assert dead.exit_code == 1 and "no address answered" in dead.stderr
+        # the swarm's DHT answers only holders of its secret: a stranger reads nothing
+        stranger = invoke(["status", addr, "--run-id", group.run_id], env={**env, "DILOCO_SECRET": "w" * 32})
+        assert stranger.exit_code == 1 and "no address answered" in stranger.stderr, stranger.stdout
+        for said in (stranger, invoke(["status", addr, "--run-id", "another"], env=env)):
+            assert said.exit_code == 1 and "a wrong --run-id or swarm secret" in said.stderr, said.stderr
+            assert "ensure_bootstrap_success" not in said.stderr  # hivemind's option, nothing a user can set
+        nothing = invoke(["status", addr, "--run-id", group.run_id], env={**env, "DILOCO_SECRET": None})
+        assert nothing.exit_code == 2 and "--secret-file" in nothing.stderr
 
         group.procs[0].send_signal(signal.SIGTERM)  # the first peer leaves: its sinks are closed
         assert group.procs[0].wait(timeout=60) == 0, group.log(0)
