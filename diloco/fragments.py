@@ -46,7 +46,8 @@ class Fragment:
 @dataclass(frozen=True, kw_only=True)
 class StreamingConfig:
     fragments: int | None = None
-    """P: how many fragments (default 1, or derived from `blocks_per_fragment`)."""
+    """P: synchronize the model in this many fragments of blocks, one after another, each every H inner steps
+    (Streaming DiLoCo; default 1, or derived from `blocks_per_fragment`)."""
     blocks_per_fragment: int | None = None
     """Alternative to `fragments`: blocks per fragment (the paper uses 3); P = ceil(blocks / this)."""
     pattern: str = "strided"
@@ -57,7 +58,7 @@ class StreamingConfig:
     alpha: float = 0.0
     """α: on arrival θ_local ← α·θ_local + (1−α)·θ_global (0: adopt the global value; paper: 0.5)."""
     outer_overlap: str = "none"
-    """Overlap a whole outer step (P = 1): 'eager' (Kale et al., arXiv 2502.12996) or 'delayed'."""
+    """Overlap a whole outer step (P = 1): 'none', 'eager' (Kale et al., arXiv 2502.12996) or 'delayed'."""
 
     def __post_init__(self) -> None:
         if self.fragments is not None and self.blocks_per_fragment is not None:

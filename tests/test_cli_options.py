@@ -3,6 +3,7 @@ taken from the configurations they feed, and the flags the demo hands its peers 
 
 from __future__ import annotations
 
+import difflib
 import logging
 from dataclasses import fields
 from typing import Any
@@ -13,10 +14,11 @@ from typer.testing import CliRunner
 
 from diloco.cli import main
 from diloco.cli.demo import DEMO_JOB, DemoConfig, peer_command, peer_device
-from diloco.cli.options import (AggregationOptions, JobOptions, ModelOptions, PeerJobOptions, RunOptions,
-                                SwarmOptions, command, flags, option)
+from diloco.cli.options import (AggregationOptions, JobOptions, ModelOptions, PeerJobOptions, PeerOptions, RunOptions,
+                                StreamingOptions, SwarmOptions, command, flags, help_of, option)
 from diloco.comms import CollectiveConfig
 from diloco.config import SwarmConfig
+from diloco.fielddocs import field_docs
 from diloco.fragments import StreamingConfig
 from diloco.job.train import JobConfig
 
@@ -48,6 +50,56 @@ def test_a_default_is_declared_once_in_the_configuration_the_option_feeds(monkey
         (CollectiveConfig().gather_timeout, CollectiveConfig().result_timeout, CollectiveConfig().reduce_timeout)
     assert swarm == SwarmConfig(secret=swarm.secret)  # every swarm default is the config's own
     assert job == JobConfig()
+
+
+GROUPS = (AggregationOptions, SwarmOptions, PeerOptions, ModelOptions, JobOptions, RunOptions, PeerJobOptions,
+          StreamingOptions)
+
+
+def test_a_settings_help_is_written_once_the_docstring_of_its_configuration_field():
+    """An option without help of its own shows its configuration field's docstring (`diloco start --help` prints
+    it); an option with its own help does not repeat that docstring (a near copy fails here: write it once, in the
+    field's docstring, unless the command line needs other words)."""
+    own = 0
+    for group in GROUPS:
+        docs = field_docs(group.documented_by)
+        for f in fields(group):
+            if f.metadata["help"] is None:
+                assert help_of(group, f.name) == docs[f.name]
+            elif f.name in docs:
+                own += 1
+                ratio = difflib.SequenceMatcher(None, f.metadata["help"], docs[f.name]).ratio()
+                assert ratio < 0.8, (group.__name__, f.name, f.metadata["help"], docs[f.name])
+    assert own < 10  # the few that name other flags or a format of the command line's own
+    shown = " ".join(CliRunner().invoke(main.app, ["start", "--help"], env={"COLUMNS": "400"}).output.split())
+    assert field_docs(SwarmConfig)["gather_timeout"] in shown and field_docs(StreamingConfig)["alpha"] in shown
+    with pytest.raises(TypeError, match="needs a docstring on the field of the same name in SwarmConfig"):
+        help_of(_undocumented(), "nowhere")
+
+
+def _undocumented() -> type:
+    """A group whose option gives no help and names no documented field."""
+    from dataclasses import dataclass
+
+    @dataclass(frozen=True)
+    class Undocumented(SwarmOptions):
+        nowhere: int = option(0)
+    return Undocumented
+
+
+def test_field_docstrings_are_read_from_the_source():
+    from dataclasses import dataclass
+
+    @dataclass
+    class Settings:
+        a: int = 1
+        """The first
+        one."""
+        b: int = 2
+        c: int = 3
+        """The third."""
+
+    assert field_docs(Settings) == {"a": "The first one.", "c": "The third."}
 
 
 def test_start_and_join_take_the_same_options():

@@ -2,7 +2,9 @@
 
 A group is a frozen dataclass whose fields are options: the field's default is the option's default,
 taken from the configuration it feeds (`SwarmConfig`, `JobConfig`, its `StreamingConfig`), so a default
-lives in one place; its metadata holds the flag names and help. `command(*groups)` gives a typer
+lives in one place; its metadata holds the flag names, and the help where the command line needs its own
+words (it names other flags, or a format of its own). Elsewhere the help is the docstring of the configuration's
+field of the same name (`diloco.fielddocs`), so a setting is explained once. `command(*groups)` gives a typer
 command the groups' options next to its own and hands it one typed object per group:
 
     @app.command()
@@ -28,6 +30,7 @@ from typing import Any, Callable, Iterator, List, Optional, Sequence, TypeVar
 import typer
 
 from ..config import ConfigError, SwarmConfig
+from ..fielddocs import field_docs
 from ..fragments import FragmentError, StreamingConfig, format_h_schedule, parse_h_schedule
 from ..job.train import JobConfig
 
@@ -36,8 +39,9 @@ _SWARM, _JOB = SwarmConfig(), JobConfig()
 _STREAM = _JOB.streaming
 
 
-def option(default: Any, *flags: str, help: str, hidden: bool = False) -> Any:
-    """A group's field that is a command-line option (`flags`: its names when not derived from the field)."""
+def option(default: Any, *flags: str, help: str | None = None, hidden: bool = False) -> Any:
+    """A group's field that is a command-line option (`flags`: its names when not derived from the field; `help`:
+    when not the docstring of the group's configuration field of the same name)."""
     return field(default=default, metadata={"flags": flags, "help": help, "hidden": hidden})
 
 
@@ -45,6 +49,8 @@ class Group:
     """Base of the option groups."""
 
     _overrides: typing.ClassVar[dict[str, Any]] = {}
+    documented_by: typing.ClassVar[type | None] = None
+    """The configuration whose field docstrings are the help of this group's options that give none."""
 
     @classmethod
     def defaults(cls: type[_G], **overrides: Any) -> type[_G]:
@@ -74,12 +80,24 @@ BUNDLED_PANEL = "The bundled job (not passed to your command after --)"
 """Where `--help` lists the options of the bundled job, which a command of yours (`diloco start -- CMD`) never sees."""
 
 
+def help_of(group: type[Group], name: str) -> str:
+    """The help of `group`'s option `name`: its own, or its configuration field's docstring."""
+    f = next(f for f in fields(group) if f.name == name)  # type: ignore[arg-type]
+    if f.metadata["help"] is not None:
+        return str(f.metadata["help"])
+    doc = field_docs(group.documented_by).get(name) if group.documented_by is not None else None
+    if doc is None:
+        raise TypeError(f"{group.__name__}.{name}: an option without help needs a docstring on the field of the same "
+                        f"name in {getattr(group.documented_by, '__name__', 'its configuration')}")
+    return doc
+
+
 def typer_option(group: type[Group], name: str) -> Any:
     """The typer option of `group`'s field `name`, as a command's parameter default: also for a command
     that takes that one option rather than the whole group (`--quiet` of the benchmarks)."""
     f = next(f for f in fields(group) if f.name == name)  # type: ignore[arg-type]
     panel = BUNDLED_PANEL if name in bundled_only(group) else None
-    return typer.Option(group._overrides.get(name, f.default), *f.metadata["flags"], help=plain(f.metadata["help"]),
+    return typer.Option(group._overrides.get(name, f.default), *f.metadata["flags"], help=plain(help_of(group, name)),
                         hidden=f.metadata["hidden"], rich_help_panel=panel)
 
 
@@ -141,14 +159,12 @@ class AggregationOptions(Group):
     """How pseudo-gradients travel and are averaged (`SwarmConfig`: every peer of a swarm must agree on the
     compression)."""
 
-    compression: str = option(_SWARM.compression, help="Compression pipeline, e.g. fp16, e3m0, q8+zstd, "
-                                                        "topk:64/4096+s2+ef:0.95.")
-    clip: float = option(_SWARM.clip, help="Robust aggregation: clip each contribution to this multiple of the median "
-                                           "norm (0: off).")
-    trim: float = option(_SWARM.trim, help="Robust aggregation: trimmed mean, dropping this fraction at each end "
-                                           "(dense only).")
-    ban_after: int = option(_SWARM.ban_after, help="Ban a peer for the run after this many refused or far-outlying "
-                                                   "contributions (0: never).")
+    documented_by = SwarmConfig
+
+    compression: str = option(_SWARM.compression)
+    clip: float = option(_SWARM.clip)
+    trim: float = option(_SWARM.trim)
+    ban_after: int = option(_SWARM.ban_after)
 
     def config(self, **more: Any) -> SwarmConfig:
         """Raises ConfigError naming the field that is wrong."""
@@ -160,27 +176,23 @@ class AggregationOptions(Group):
 class SwarmOptions(Group):
     """A peer's swarm: its namespace, quorum and deadlines (`SwarmConfig`)."""
 
-    run_id: str = option(_SWARM.run_id, "--run-id", help="Swarm namespace; peers only see peers with the same run id.")
-    min_peers: int = option(_SWARM.min_peers, help="Fewest peers that may commit a round.")
-    gather_timeout: float = option(_SWARM.gather_timeout, help="Seconds to wait for slow peers before a round starts "
-                                                               "without them.")
+    documented_by = SwarmConfig
+
+    run_id: str = option(_SWARM.run_id, "--run-id")
+    min_peers: int = option(_SWARM.min_peers)
+    gather_timeout: float = option(_SWARM.gather_timeout)
     round_timeout: float = option(_SWARM.result_timeout, help="Seconds after a round starts by which it commits or is "
                                                               "abandoned (result_timeout; span owners reduce within "
                                                               "two thirds of it, reduce_timeout).")
-    heartbeat_ttl: float = option(_SWARM.heartbeat_ttl, help="Seconds a peer's record lives without a heartbeat "
-                                                             "(raise it on slow links).")
+    heartbeat_ttl: float = option(_SWARM.heartbeat_ttl)
     region: str = option(_SWARM.region, help="This peer's region (e.g. eu-west): rounds run among the peers of a "
                                              "region, and every --merge-every of them the regions merge "
                                              "(docs/REGIONS.md). Default: a flat swarm.")
-    merge_every: int = option(_SWARM.merge_every, help="With --region: region rounds between two merges of the "
-                                                       "regions.")
-    global_lr: float = option(_SWARM.global_lr, help="With --region: the merge's outer lr (1.0 without momentum: "
-                                                     "the mean of the regions' states).")
-    global_momentum: float = option(_SWARM.global_momentum, help="With --region: the merge's Nesterov momentum.")
-    topology: str = option(_SWARM.topology, help="flat: every round averages the whole swarm (one global state). "
-                                                 "gossip: every round averages within small groups, no all-reduce, "
-                                                 "a state per peer (docs/GOSSIP.md).")
-    gossip_group: int = option(_SWARM.gossip_group, help="With --topology gossip: peers per group.")
+    merge_every: int = option(_SWARM.merge_every)
+    global_lr: float = option(_SWARM.global_lr)
+    global_momentum: float = option(_SWARM.global_momentum)
+    topology: str = option(_SWARM.topology)
+    gossip_group: int = option(_SWARM.gossip_group)
 
     def config(self, aggregation: AggregationOptions, peer: PeerOptions) -> SwarmConfig:
         """Raises ConfigError naming the field that is wrong."""
@@ -197,6 +209,8 @@ class SwarmOptions(Group):
 @dataclass(frozen=True)
 class PeerOptions(Group):
     """A peer process on the network: where it listens, its credentials and identity, what it writes."""
+
+    documented_by = SwarmConfig
 
     host: str = option("127.0.0.1", help="Address to listen on; 0.0.0.0 to accept peers from other machines.")
     port: int = option(0, help="TCP port to listen on (0: any free port).")
@@ -215,7 +229,7 @@ class PeerOptions(Group):
     data_port: int = option(0, help="TCP port of the data plane (0: any free port).")
     data_announce: str = option("", help="host:port others should dial for the data port (behind NAT: the "
                                          "forwarded port); default: the --announce host, else where it listens.")
-    data_streams: int = option(4, help="Direct connections to one member at most (its calls in flight at once).")
+    data_streams: int = option(4)
     address_file: Optional[Path] = option(None, help="Write this peer's addresses to this file once up.")
     status_file: Optional[Path] = option(None, help="Keep this peer's status here (the demo reads it).", hidden=True)
     max_restarts: int = option(0, help="With `-- CMD`: start the command again this many times if it fails (it "
@@ -227,41 +241,34 @@ class PeerOptions(Group):
 class ModelOptions(Group):
     """The bundled model and its batches (`JobConfig`; the fields are its fields)."""
 
-    batch_size: int = option(_JOB.batch_size, help="Sequences per inner step (per worker).")
-    d_model: int = option(_JOB.d_model, help="Model width.")
-    n_layer: int = option(_JOB.n_layer, "--layers", help="Transformer blocks.")
-    context: int = option(_JOB.context, help="Bytes of context.")
+    documented_by = JobConfig
+
+    batch_size: int = option(_JOB.batch_size)
+    d_model: int = option(_JOB.d_model)
+    n_layer: int = option(_JOB.n_layer, "--layers")
+    context: int = option(_JOB.context)
 
 
 @dataclass(frozen=True)
 class JobOptions(Group):
     """The bundled job's training run (`JobConfig`; the fields are its fields)."""
 
-    rounds: int = option(_JOB.rounds, help="Train until the swarm has committed this many rounds.")
-    inner_steps: int = option(_JOB.inner_steps, "--inner-steps", "-H", help="Inner steps per round (H).")
-    round_seconds: Optional[float] = option(_JOB.round_seconds, "--round-seconds", help="Rounds by time instead of "
-                                            "-H: train for this many seconds a round, however many inner steps that is "
-                                            "on this machine; each worker's Δ counts by its steps (machines of unequal "
-                                            "speed, docs/USAGE.md).")
-    adaptive: bool = option(_JOB.adaptive, "--adaptive", help="Rounds by time whose length follows the machines: a "
-                            "round lasts -H inner steps of the swarm's fastest worker, the others train as many as "
-                            "they manage meanwhile and their Δ counts by them (docs/USAGE.md).")
-    slowdown: float = option(_JOB.slowdown, help="Benchmarks: every inner step takes this many times as long (it "
-                             "sleeps the rest), playing a slower machine.", hidden=True)
+    documented_by = JobConfig
+
+    rounds: int = option(_JOB.rounds)
+    inner_steps: int = option(_JOB.inner_steps, "--inner-steps", "-H")
+    round_seconds: Optional[float] = option(_JOB.round_seconds, "--round-seconds")
+    adaptive: bool = option(_JOB.adaptive, "--adaptive")
+    slowdown: float = option(_JOB.slowdown, hidden=True)
     h_schedule: str = option("", "--h-schedule", help="Change H during the run: 'R:H' pairs, e.g. '80:10' (after 80 "
                                                       "outer steps, H=10) or '80:10,95:5'.")
-    outer_lr: Optional[float] = option(_JOB.outer_lr, help="Outer SGD lr (default 0.7; 1.0 when the compression has "
-                                                           "error feedback).")
-    outer_momentum: Optional[float] = option(_JOB.outer_momentum, help="Outer Nesterov momentum (default 0.9; 0 with "
-                                                                       "error feedback).")
-    outer_warmup: int = option(_JOB.outer_warmup, help="Rounds of linear outer-lr warmup (0: none).")
-    lr: float = option(_JOB.lr, help="Inner AdamW lr (data-parallel: the AdamW lr).")
-    warmup: int = option(_JOB.warmup, help="Inner steps of linear lr warmup.")
-    schedule: str = option(_JOB.schedule, help="Inner lr after the warmup: constant, or cosine (down to lr/10 at the "
-                                               "run's last step).")
-    data_parallel: bool = option(_JOB.data_parallel, "--data-parallel", help="Train data-parallel through the swarm "
-                                 "instead (the baseline of `diloco bench race`): a round averages every step's "
-                                 "gradients; needs --inner-steps 1.")
+    outer_lr: Optional[float] = option(_JOB.outer_lr)
+    outer_momentum: Optional[float] = option(_JOB.outer_momentum)
+    outer_warmup: int = option(_JOB.outer_warmup)
+    lr: float = option(_JOB.lr)
+    warmup: int = option(_JOB.warmup)
+    schedule: str = option(_JOB.schedule)
+    data_parallel: bool = option(_JOB.data_parallel, "--data-parallel")
 
     def job_fields(self) -> dict[str, Any]:
         """JobConfig holds the H schedule as pairs. Raises ConfigError naming what is wrong."""
@@ -279,49 +286,41 @@ class JobOptions(Group):
 class RunOptions(Group):
     """How this process runs the bundled job (`JobConfig`): seed, threads, evaluation."""
 
-    seed: int = option(_JOB.seed, help="Model initialization seed (the same on every peer).")
-    init_from: Optional[Path] = option(None, "--init-from", help="Start from the model weights in this safetensors "
-                                       "file (`diloco.job.train.save_weights`; the same on every peer).")
-    first_step: int = option(_JOB.first_step, help="Continue the lr schedule and each peer's data from this inner "
-                                                   "step (a warm start with --init-from).")
-    threads: int = option(_JOB.threads, help="torch CPU threads (per worker).")
-    device: str = option(_JOB.device, help="Where the model trains: auto (the first CUDA GPU if torch sees one, else "
-                                           "the CPU), cpu, cuda or cuda:N.")
-    eval_every: int = option(_JOB.eval_every, help="Evaluate held-out loss every N rounds (0: only at the end).")
+    documented_by = JobConfig
+
+    seed: int = option(_JOB.seed)
+    init_from: Optional[Path] = option(None, "--init-from")
+    first_step: int = option(_JOB.first_step)
+    threads: int = option(_JOB.threads)
+    device: str = option(_JOB.device)
+    eval_every: int = option(_JOB.eval_every)
 
 
 @dataclass(frozen=True)
 class PeerJobOptions(Group):
     """A peer's own part of the job (`JobConfig`): its data shard, whom to wait for, its checkpoints."""
 
-    shard: Optional[int] = option(_JOB.shard, help="Data shard of this peer (default: from its peer id); a command "
-                                                   "reads it as DiLoCo.data_shard.")
-    wait_for: int = option(_JOB.wait_for, help="Wait (up to 120 s) until this many peers are in the swarm before "
-                                               "training.")
-    checkpoint_dir: Optional[Path] = option(None, help="Write atomic, verified checkpoints here (a final one on "
-                                                       "leaving).")
-    checkpoint_every: int = option(_JOB.checkpoint_every, help="Also checkpoint every N committed rounds (0: only the "
-                                                               "final one).")
-    resume: bool = option(_JOB.resume, "--resume", help="Start from the newest verified checkpoint in "
-                                                        "--checkpoint-dir.")
-    save_final: Optional[Path] = option(None, "--save-final", help="At the end, write the global model here (a "
-                                        "safetensors state dict, tied weights included).")
+    documented_by = JobConfig
+
+    shard: Optional[int] = option(_JOB.shard)
+    wait_for: int = option(_JOB.wait_for)
+    checkpoint_dir: Optional[Path] = option(None)
+    checkpoint_every: int = option(_JOB.checkpoint_every)
+    resume: bool = option(_JOB.resume, "--resume")
+    save_final: Optional[Path] = option(None, "--save-final")
 
 
 @dataclass(frozen=True)
 class StreamingOptions(Group):
     """Streaming DiLoCo (`StreamingConfig`, which `JobConfig.streaming` holds; the fields are its fields)."""
 
-    fragments: int = option(_STREAM.fragments, help="Streaming DiLoCo: sync the model in this many fragments of "
-                                                    "blocks, staggered.")
-    pattern: str = option(_STREAM.pattern, "--fragment-pattern", help="strided (block i -> fragment i mod P) or "
-                                                                      "sequential.")
-    overlap: int = option(_STREAM.overlap, "--overlap", help="tau: inner steps a fragment's exchange may overlap "
-                                                             "before it is applied.")
-    alpha: float = option(_STREAM.alpha, help="alpha: weight kept by the local copy when a fragment's global value "
-                                              "arrives.")
-    outer_overlap: str = option(_STREAM.outer_overlap, help="Overlap a whole outer step (one fragment): none, eager "
-                                                            "or delayed.")
+    documented_by = StreamingConfig
+
+    fragments: int = option(_STREAM.fragments)
+    pattern: str = option(_STREAM.pattern, "--fragment-pattern")
+    overlap: int = option(_STREAM.overlap, "--overlap")
+    alpha: float = option(_STREAM.alpha)
+    outer_overlap: str = option(_STREAM.outer_overlap)
 
     def config(self) -> StreamingConfig:
         """Raises FragmentError naming the knob that is wrong."""
@@ -420,9 +419,9 @@ def _convert(ctx: typer.Context, param: Any, value: Any) -> None:
 
 
 CONFIG = typer.Option(None, "--config", is_eager=True, callback=load_config, metavar="FILE.toml",
-                      help="Read settings from this TOML file: each key a long option without its dashes "
-                           "(gather-timeout = 30, compression = \"e3m0\"), at the top or in [tables] that group them; "
-                           "the command line overrides the file (docs/CLI.md, \"Settings files\").")
+                      help=plain("Read settings from this TOML file: each key a long option without its dashes "
+                                 "(gather-timeout = 30, compression = \"e3m0\"), at the top or in [tables] that group "
+                                 "them; the command line overrides the file (docs/CLI.md, \"Settings files\")."))
 """`--config FILE.toml` of the peer commands (`diloco start/join`)."""
 
 

@@ -134,7 +134,8 @@ class JobConfig:
     """Inner steps this run continues from (with init_from): the lr schedule goes on from there, and every peer
     skips the batches of its shard that those steps took."""
     shard: int | None = None
-    """Data shard of this peer (default: derived from its peer id)."""
+    """Data shard of this peer (default: derived from its peer id); a command under the launcher reads it as
+    `DiLoCo.data_shard`."""
     d_model: int = 192
     """Width of the GPT."""
     n_layer: int = 4
@@ -153,7 +154,7 @@ class JobConfig:
     """Where the model trains: auto (the first CUDA GPU when torch has one, else the CPU), cpu, cuda or cuda:N.
     The global state stays in host memory either way (`DiLoCo(global_device=...)`)."""
     wait_for: int = 1
-    """Peers (self included) to wait for before the first inner step."""
+    """Peers (self included) to wait for before the first inner step (for at most `wait_timeout`, 120 s)."""
     wait_timeout: float = 120.0
     """Seconds to wait for them; then train with whoever is there."""
     streaming: StreamingConfig = StreamingConfig(fragments=1)
