@@ -405,6 +405,31 @@ def test_flood_bench_reads_only_heads_from_flooders_and_nothing_reaches_the_roun
     assert report["daemon_rss_peak_mib"]["quiet"] > 1 and report["daemon_rss_peak_mib"]["flooded"] > 1  # read from /proc
 
 
+@pytest.mark.multiproc
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("stalled", [0, 40])
+def test_flood_bench_at_the_data_port_refuses_every_stranger_while_the_rounds_go_direct(stalled):
+    """`diloco bench flood --target data` in small: the rounds go on the direct data plane (none through libp2p),
+    and a flooder at the peers' data ports either makes calls (each a handshake proving another swarm's key, then
+    junk: every one refused as unauthorized, none reaching the round protocol) or holds silent connections (cut
+    at the handshake deadline); every round commits meanwhile."""
+    from diloco.bench.flood import FloodSetup, markdown, run
+
+    report = run(FloodSetup(peers=2, numel=4096, rounds=3, flooders=1, concurrency=2, body_kib=16, pin=False,
+                            stalled=stalled, target="data"), progress=lambda _: None)
+    assert report["flooded_rounds_failed"] == [] and report["rejections_reaching_collective"] == 0
+    assert report["rounds_via_libp2p"] == 0
+    if stalled:
+        assert report["stalled_opened"] == 2 * stalled
+        assert sum(report["streams_cut"].values()) > 0, report  # slow_head after HELLO_TIMEOUT, or the caps
+        assert "connections to the data port" in markdown(report)
+    else:
+        # a call still in flight when the flooder stopped may have been refused after it counted it, or not at all
+        assert report["flood_calls"] > 0 and abs(report["refused_unauthorized"] - report["flood_calls"]) <= 2 * 2
+        assert set(report["refused"]) == {"data_unauthorized"}, report["refused"]
+        assert "at the data port" in markdown(report)
+
+
 @pytest.mark.unit
 def test_the_clock_offset_is_bounded_by_the_round_trip_and_a_skewed_peer_is_named():
     # their clock read 1000.0 while ours went from 900.0 to 900.4: they are 99.8 s ahead, ± 0.2 s

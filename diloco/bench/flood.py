@@ -8,6 +8,10 @@ calls each in flight against every peer's contribution handler, each call a well
 declaring a `body_kib` KiB body. Reported: median round time per phase, the flooded median over
 the quiet ones, calls the flooders made and the peers refused, and bytes the peers read from them.
 
+With `target` "data" the swarm's rounds go on the direct data plane (`comms/dataplane.py`) and the flooders
+go there too: each call is a TCP connection whose handshake proves another swarm's key (a stranger's), then
+`body_kib` KiB of junk, until the peer closes it; with `stalled` N, N connections that send nothing.
+
 With `stalled` N, each flooder instead opens N streams to every peer's contribution handler and sends
 nothing on them, holding them until the flooded phase ends (the attack that once took a peer past its
 open-files limit: comms/streamgate.py). Reported then: streams opened, streams the peers cut
@@ -35,9 +39,13 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
+from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 
 from diloco.comms import Collective, CollectiveConfig, PeerId, RoundKey
+from diloco.comms import dataplane as dp
 from diloco.comms.auth import Guard, new_secret
+from diloco.comms.dataplane import REASONS, DataConfig, DirectTransport, parse_address
+from diloco.comms.identity import Identity
 from diloco.comms.introduce import connect
 from diloco.comms.tarpit import Tarpit, TarpitConfig
 from diloco.bench.procmem import open_fds, rss_mib
@@ -61,6 +69,17 @@ class FloodSetup:
     pin: bool = True
     stalled: int = 0
     """Streams each flooder opens to each peer and leaves silent (0: the flooders make calls instead)."""
+    target: str = "libp2p"
+    """Where the rounds go and the flood comes: "libp2p" (the daemons) or "data" (the direct data plane's port)."""
+
+    def __post_init__(self) -> None:
+        if self.target not in TARGETS:
+            raise ValueError(f"target must be one of {', '.join(TARGETS)}, got {self.target!r}")
+
+
+TARGETS = ("libp2p", "data")
+REFUSALS = ("unauthorized", *REASONS)
+"""What the swarm's guards count a refused caller as, at either port."""
 
 
 def _split_cores() -> tuple[set[int], set[int]]:
@@ -76,12 +95,20 @@ async def _swarm(setup: FloodSetup, secret: str) -> tuple[list[Any], list[Collec
 
     cfg = CollectiveConfig(gather_timeout=30, reduce_timeout=20, result_timeout=30, call_timeout=15,
                            compression=setup.compression)
-    first = await P2PTransport.create()
-    transports = [first] + [await P2PTransport.create(initial_peers=await first.visible_addresses())
-                            for _ in range(setup.peers - 1)]
+    identities = [Identity.generate() for _ in range(setup.peers)]
+    first = await P2PTransport.create(identity=identities[0])
+    transports: list[Any] = [first] + [await P2PTransport.create(initial_peers=await first.visible_addresses(),
+                                                                 identity=identity) for identity in identities[1:]]
     for i, t in enumerate(transports[1:], 1):  # all dialed the first; no directory introduces the rest
         for other in transports[i + 1:]:
             await connect(t.p2p, other.peer_id, await other.visible_addresses(), 10)
+    if setup.target == "data":  # the rounds on direct connections; members find each other's data port here
+        addresses: dict[PeerId, str] = {}
+        direct = [DirectTransport(t, identity, DataConfig(), t.max_message) for t, identity in zip(transports, identities)]
+        for d in direct:
+            addresses[d.peer_id] = await d.start()
+            d.address_of = lambda peer: addresses.get(peer, "")
+        transports = direct
     collectives = []
     for t in transports:
         t.guard = Guard(secret, RUN, t.peer_id)
@@ -89,6 +116,19 @@ async def _swarm(setup: FloodSetup, secret: str) -> tuple[list[Any], list[Collec
             t.guard.tarpit = Tarpit(TarpitConfig(hold=0.0))
         collectives.append(await Collective.create(t, RUN, cfg))
     return transports, collectives
+
+
+def _daemon_pid(t: Any) -> int | None:
+    pid = getattr(t, "inner", t).daemon_pid
+    return int(pid) if pid else None
+
+
+async def _target(t: Any) -> str:
+    """Where a flooder aims at peer `t`: its data port (host:port/peer id) or its libp2p address."""
+    if isinstance(t, DirectTransport):
+        return f"{t.address}/{t.peer_id}"
+    addr = f"{(await t.visible_addresses())[0]}"
+    return addr if "/p2p/" in addr else f"{addr}/p2p/{t.peer_id}"
 
 
 class _Peaks:
@@ -168,17 +208,17 @@ def run(setup: FloodSetup, progress: Callable[[str], None] = print,
         transports, cs = await _swarm(setup, secret)
         flooders: list[subprocess.Popen[str]] = []
         try:
-            addrs = [f"{(await t.visible_addresses())[0]}" for t in transports]
-            addrs = [a if "/p2p/" in a else f"{a}/p2p/{t.peer_id}" for a, t in zip(addrs, transports)]
+            addrs = [await _target(t) for t in transports]
             await _rounds(cs, 1, 3, setup.numel, done=phase("warm-up"))  # connections, allocator
-            peaks = _Peaks([t.daemon_pid for t in transports if t.daemon_pid])
+            peaks = _Peaks([pid for t in transports if (pid := _daemon_pid(t))])
             peaks.take()
             quiet = await _rounds(cs, 10, setup.rounds, setup.numel, done=phase("quiet"))
             peaks_quiet = peaks.take()
             progress(f"quiet: median round {statistics.median(quiet):.3f} s")
             read_before = [sum(row[1] for row in t.counter.per_peer.values()) for t in transports]
-            mode = ["stalled", str(setup.stalled)] if setup.stalled else \
-                ["calls", str(setup.concurrency), str(setup.body_kib), str(setup.patience)]
+            kind = ("stalled" if setup.stalled else "calls") + ("-data" if setup.target == "data" else "")
+            mode = [kind, str(setup.stalled)] if setup.stalled else \
+                [kind, str(setup.concurrency), str(setup.body_kib), str(setup.patience)]
             for _ in range(setup.flooders):
                 flooders.append(subprocess.Popen(
                     [sys.executable, "-m", "diloco.bench.flood", *mode, *addrs],
@@ -206,7 +246,8 @@ def run(setup: FloodSetup, progress: Callable[[str], None] = print,
                 counts.append(json.loads(out.strip().splitlines()[-1]))
             await asyncio.sleep(1)  # handlers of the last flooding calls finish
             guards = [t.guard for t in transports if t.guard is not None]
-            refused = sum(g.refused["unauthorized"] for g in guards)
+            refused = sum(g.refused["unauthorized" if setup.target == "libp2p" else "data_unauthorized"]
+                          for g in guards)
             swarm_ids = {t.peer_id for t in transports}
             from_flooders = sum(row[1] for t in transports for p, row in t.counter.per_peer.items()
                                 if p not in swarm_ids)
@@ -225,6 +266,9 @@ def run(setup: FloodSetup, progress: Callable[[str], None] = print,
                 "streams_cut": {reason: sum(g.refused[reason] for g in guards)
                                 for reason in ("slow_head", "too_many_streams")},
                 "refused_unauthorized": refused,
+                "refused": {reason: n for reason in REFUSALS if (n := sum(g.refused[reason] for g in guards))},
+                "rounds_via_libp2p": sum(sum(t.fallbacks.values()) for t in transports
+                                         if isinstance(t, DirectTransport)),
                 "refusals_held": sum(g.tarpit.held_total for g in guards),
                 "bytes_read_from_flooders": from_flooders,
                 "bytes_read_before_flood": sum(read_before),
@@ -256,16 +300,20 @@ def markdown(report: dict[str, Any]) -> str:
     m, s = report["median_round_s"], report["setup"]
     if s.get("stalled"):
         return _markdown_stalled(report)
+    data = s.get("target") == "data"
+    read = (f"each call a handshake proving another swarm's key, then {s['body_kib']} KiB" if data else
+            f"{report['bytes_read_from_flooders']} bytes read from them (their bodies declared {s['body_kib']} KiB "
+            f"each)")
     return "\n".join([
         "| phase | median round (s) |", "|---|---|",
         f"| quiet | {m['quiet']:.3f} |", f"| flooded | {m['flooded']:.3f} |", f"| quiet again | {m['quiet_again']:.3f} |",
         "",
         f"flooded / quiet: {report['flooded_over_quiet']:.3f}; {s['flooders']} flooders × {s['concurrency']} calls in "
-        f"flight, {report['flood_calls']} calls ({report['flood_calls_per_s']:.0f}/s), "
-        f"{report['refused_unauthorized']} refused as unauthorized ({report['refusals_held']} of them held by the "
-        f"tarpit{'' if s['tarpit'] else ', off'}; flooders gave up on a call after {s['patience']:g} s), "
-        f"{report['bytes_read_from_flooders']} bytes read from them "
-        f"(their bodies declared {s['body_kib']} KiB each); "
+        f"flight at the {'data' if data else 'libp2p'} port, {report['flood_calls']} calls "
+        f"({report['flood_calls_per_s']:.0f}/s), {report['refused_unauthorized']} refused as unauthorized ("
+        + ("the data port refuses at once" if data else
+           f"{report['refusals_held']} of them held by the tarpit{'' if s['tarpit'] else ', off'}")
+        + f"; flooders gave up on a call after {s['patience']:g} s), {read}; "
         f"{report['rejections_reaching_collective']} reached the round protocol. Peak resident memory of the "
         f"swarm's {s['peers']} daemons: {report['daemon_rss_peak_mib']['quiet']:.0f} MiB quiet, "
         f"{report['daemon_rss_peak_mib']['flooded']:.0f} MiB flooded."
@@ -286,7 +334,8 @@ def _markdown_stalled(report: dict[str, Any]) -> str:
         f"| quiet again | {m['quiet_again']:.3f} | | |",
         "",
         f"attacked / quiet: {report['flooded_over_quiet']:.3f}; {s['flooders']} flooder(s) opened "
-        f"{report['stalled_opened']} streams ({s['stalled']} to each of {s['peers']} peers each) and sent nothing; "
+        f"{report['stalled_opened']} {'connections to the data port' if s.get('target') == 'data' else 'streams'} "
+        f"({s['stalled']} to each of {s['peers']} peers each) and sent nothing; "
         f"the peers cut {cut['too_many_streams']} at once (too_many_streams) and {cut['slow_head']} after the "
         f"head deadline (slow_head); the flooders saw {report['stalled_cut_seen_by_flooders']} of theirs closed."
         + (f" {len(report['flooded_rounds_failed'])} of {s['rounds']} attacked rounds failed: "
@@ -334,6 +383,105 @@ async def _flood(concurrency: int, body_kib: int, patience: float, addrs: list[s
     finally:
         await t.close()
         reaper.close()
+
+
+async def _stranger_call(host: str, port: int, peer: str, me: Identity, key: bytes, body: bytes) -> None:
+    """One call of a stranger at a data port: a handshake proving `key` (another swarm's), sent whole even though
+    the server's own proof already failed for us (so the server does all its work), then `body`, until the server
+    closes the connection."""
+    reader, writer = await asyncio.open_connection(host, port, local_addr=_source(host))
+    try:
+        own = X25519PrivateKey.generate()
+        hello = dp.client_hello(dp._public(own), os.urandom(16), me.peer_id)
+        writer.write(hello)
+        head = await reader.readexactly(4 + 32 + 1)
+        named = await reader.readexactly(head[-1] + 96)
+        t = dp.transcript(hello, head[4:36], named[:head[-1]].decode(errors="replace"))
+        keys = dp.Keys.derive(own, head[4:36], key, t)
+        writer.write(me.sign(dp._signed("client", t)) + keys.proof(b"C", t) + body)
+        while await reader.read(1 << 16):
+            pass
+    finally:
+        writer.close()
+
+
+def _source(host: str) -> tuple[str, int] | None:
+    """Where a flooder's connections to `host` come from: on loopback another address than the swarm's own
+    (127.0.0.2), as an attacker's machine would have; the data port's caps count callers by address, and the
+    swarm's members call each other from 127.0.0.1."""
+    return ("127.0.0.2", 0) if host.startswith("127.") else None
+
+
+def _data_targets(addrs: list[str]) -> list[tuple[str, int, str]]:
+    """(host, port, peer id) of each `host:port/peer id`."""
+    out = []
+    for a in addrs:
+        where, peer = a.rsplit("/", 1)
+        address = parse_address(where)
+        assert address is not None, a
+        out.append((address[0], address[1], peer))
+    return out
+
+
+async def _flood_data(concurrency: int, body_kib: int, patience: float, addrs: list[str],
+                      stop: asyncio.Event) -> dict[str, Any]:
+    """`_flood` at the data ports: strangers' handshakes (`_stranger_call`), `concurrency` in flight a peer."""
+    me = Identity.generate()
+    key = Guard(new_secret(), RUN, PeerId(me.peer_id)).data_key  # another swarm's
+    body = os.urandom(body_kib << 10)
+    calls, started = 0, time.monotonic()
+
+    async def worker(host: str, port: int, peer: str) -> None:
+        nonlocal calls
+        while not stop.is_set():
+            try:
+                await asyncio.wait_for(_stranger_call(host, port, peer, me, key, body), patience)
+            except Exception:  # noqa: BLE001 - refusals and resets are the point
+                pass
+            calls += 1
+
+    tasks = [asyncio.create_task(worker(*target)) for target in _data_targets(addrs) for _ in range(concurrency)]
+    print(json.dumps({"flooding": len(tasks)}), flush=True)
+    await stop.wait()
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    return {"calls": calls, "seconds": time.monotonic() - started}
+
+
+async def _stall_data(connections: int, addrs: list[str], stop: asyncio.Event) -> dict[str, Any]:
+    """`_stall` at the data ports: `connections` TCP connections to each, nothing sent on them."""
+    held: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = []
+    failed, started = 0, time.monotonic()
+    limit = asyncio.Semaphore(64)
+
+    async def open_one(host: str, port: int) -> None:
+        nonlocal failed
+        async with limit:
+            try:
+                held.append(await asyncio.wait_for(asyncio.open_connection(host, port, local_addr=_source(host)),
+                                                   30))
+            except Exception:  # noqa: BLE001 - a connection the peer would not take is not held
+                failed += 1
+
+    try:
+        await asyncio.gather(*(open_one(host, port) for host, port, _ in _data_targets(addrs)
+                               for _ in range(connections)))
+        print(json.dumps({"opened": len(held), "failed": failed,
+                          "seconds_to_open": round(time.monotonic() - started, 2)}), flush=True)
+        cut = 0
+        while not stop.is_set():
+            try:
+                await asyncio.wait_for(stop.wait(), 0.5)
+            except asyncio.TimeoutError:
+                pass
+            if (now := sum(reader.at_eof() for reader, _ in held)) != cut:
+                cut = now
+                print(json.dumps({"cut": cut}), flush=True)
+        return {"opened": len(held), "failed": failed, "cut": cut, "seconds": time.monotonic() - started}
+    finally:
+        for _, writer in held:
+            writer.close()
 
 
 async def _stall(streams: int, addrs: list[str], stop: asyncio.Event) -> dict[str, Any]:
@@ -388,17 +536,19 @@ async def _stall(streams: int, addrs: list[str], stop: asyncio.Event) -> dict[st
 
 
 def _flooder_main(argv: list[str]) -> None:
-    """`calls CONCURRENCY BODY_KIB PATIENCE ADDR...` or `stalled STREAMS ADDR...`; the last line printed
+    """`calls CONCURRENCY BODY_KIB PATIENCE ADDR...` or `stalled STREAMS ADDR...` (libp2p addresses), or
+    `calls-data`/`stalled-data` with the same arguments and data ports (`host:port/peer id`); the last line printed
     (on SIGTERM) is a JSON summary."""
     mode, args = argv[0], argv[1:]
 
     async def main() -> None:
         stop = asyncio.Event()
         asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
-        if mode == "stalled":
-            result = await _stall(int(args[0]), args[1:], stop)
+        if mode.startswith("stalled"):
+            result = await (_stall_data if mode == "stalled-data" else _stall)(int(args[0]), args[1:], stop)
         else:
-            result = await _flood(int(args[0]), int(args[1]), float(args[2]), args[3:], stop)
+            result = await (_flood_data if mode == "calls-data" else _flood)(int(args[0]), int(args[1]),
+                                                                             float(args[2]), args[3:], stop)
         print(json.dumps(result), flush=True)
 
     asyncio.run(main())

@@ -960,21 +960,25 @@ def bench_flood_cmd(
                                         "attackers ran on their own machines)."),
     stalled: int = typer.Option(0, help="Instead of calls: each flooder opens this many streams to every peer and "
                                         "sends nothing on them (0: flood with calls)."),
+    target: str = typer.Option("libp2p", help="Where the rounds go and the flood comes: libp2p (the daemons' port) "
+                                              "or data (the direct data plane's port: a call is a handshake proving "
+                                              "another swarm's key, a stalled stream a silent TCP connection)."),
     json_path: Optional[Path] = ReportJson,
     quiet: bool = Quiet,
 ) -> None:
     """Round time of a swarm while processes without its secret flood it with calls,
-    or hold streams open without sending anything (--stalled)."""
+    or hold streams open without sending anything (--stalled), at the libp2p port or the data port (--target)."""
     from ..bench.flood import FloodSetup, markdown, run, write_json
     from ..progress import Reporter
 
     if peers < 2 or numel < 1 or rounds < 1 or flooders < 1 or concurrency < 1 or body_kib < 0 or patience <= 0 \
-            or stalled < 0:
+            or stalled < 0 or target not in ("libp2p", "data"):
         _fail("--peers must be >= 2; --numel, --rounds, --flooders and --concurrency >= 1; --body-kib and "
-              "--stalled >= 0; --patience > 0")
+              "--stalled >= 0; --patience > 0; --target libp2p or data")
     with Reporter.for_command(quiet=quiet) as rep, rep.task("flood", unit="rounds") as task:
         report = run(FloodSetup(peers=peers, numel=numel, rounds=rounds, flooders=flooders, concurrency=concurrency,
-                                body_kib=body_kib, patience=patience, tarpit=tarpit, pin=pin, stalled=stalled),
+                                body_kib=body_kib, patience=patience, tarpit=tarpit, pin=pin, stalled=stalled,
+                                target=target),
                      progress=rep.say, tick=task.update)
     typer.echo(markdown(report))
     if json_path:
