@@ -499,6 +499,8 @@ class DirectTransport:
                 await channel.send(REPLY, name, reply)
         except DataRefused as e:
             self._refused(e.reason, caller, str(e))
+            if e.reason == "data_unauthorized" and guard is not None:
+                await guard.tarpit.refused(caller)  # a caller that keeps trying waits, its connection unread
         except (Cut, OSError, asyncio.IncompleteReadError):
             pass  # the gate counted its cut; a connection reset or cut short has nothing more to tell
         except asyncio.CancelledError:

@@ -140,6 +140,26 @@ def test_a_caller_with_another_secret_or_run_is_refused_and_counted_and_reaches_
     run(main())
 
 
+def test_a_stranger_that_keeps_trying_waits_for_each_refusal_after_its_first() -> None:
+    """The tarpit at the data port (as at the libp2p port: comms/tarpit.py): a caller's first refusal closes its
+    connection at once, so a misconfigured peer learns at once; the next is held, unread, for the hold's seconds."""
+    from diloco.comms.tarpit import Tarpit, TarpitConfig
+
+    async def main() -> None:
+        async with Pair(secret_a="t" * 32) as p:
+            assert p.b.guard is not None
+            p.b.guard.tarpit = Tarpit(TarpitConfig(hold=1.5))
+            took = []
+            for _ in range(2):
+                started = asyncio.get_running_loop().time()
+                await _handshake(p)
+                took.append(asyncio.get_running_loop().time() - started)
+            assert took[0] < 1.0 <= 1.5 <= took[1] + 0.05, took
+            assert p.refused() == {"data_unauthorized": 2} and p.b.guard.tarpit.held_total == 1 and p.calls == []
+
+    run(main())
+
+
 def test_a_member_claiming_another_peer_id_or_not_on_the_allowlist_is_refused() -> None:
     async def main() -> None:
         async with Pair() as p:

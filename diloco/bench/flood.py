@@ -311,8 +311,7 @@ def markdown(report: dict[str, Any]) -> str:
         f"flooded / quiet: {report['flooded_over_quiet']:.3f}; {s['flooders']} flooders × {s['concurrency']} calls in "
         f"flight at the {'data' if data else 'libp2p'} port, {report['flood_calls']} calls "
         f"({report['flood_calls_per_s']:.0f}/s), {report['refused_unauthorized']} refused as unauthorized ("
-        + ("the data port refuses at once" if data else
-           f"{report['refusals_held']} of them held by the tarpit{'' if s['tarpit'] else ', off'}")
+        + f"{report['refusals_held']} of them held by the tarpit{'' if s['tarpit'] else ', off'}"
         + f"; flooders gave up on a call after {s['patience']:g} s), {read}; "
         f"{report['rejections_reaching_collective']} reached the round protocol. Peak resident memory of the "
         f"swarm's {s['peers']} daemons: {report['daemon_rss_peak_mib']['quiet']:.0f} MiB quiet, "
