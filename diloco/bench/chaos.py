@@ -90,6 +90,14 @@ class ChaosSetup:
     delay_ms: float = 25.0
     regions: int = 0
     """Regions of the swarm (worker i in region `r{i mod regions}`, the bundled job's `--region`); 0: flat."""
+    gossip: bool = False
+    """The swarm gossips (`--topology gossip --compression fp32`, docs/GOSSIP.md): each worker holds its own state,
+    so there are no forks to count and a cut-off minority may go on gossiping (both reported as not applying); a
+    round counts as committed for the swarm once one group met in it."""
+
+    def __post_init__(self) -> None:
+        if self.gossip and self.regions:
+            raise ValueError("gossip and regions are two topologies: give one of them")
     heal: float = 15.0
     """Seconds the swarm gets after the last fault, everyone back, before it is stopped."""
     stall: float = 3.0
@@ -290,7 +298,9 @@ def summary(setup: ChaosSetup, hits: Sequence[Hit], lines: Sequence[Lines], wind
         "faults": by_kind, "faults_applied": sum(not h.skipped for h in hits),
         "rounds_committed": len(inside), "rounds_per_minute": 60 * len(inside) / max(1e-9, end - start),
         "stalls": len(gaps), "stalled_seconds": round(sum(gaps), 2), "longest_stall": max(gaps, default=0.0),
-        "forks": forks(lines, regions), "commits_cut_off": commits_cut_off(hits, lines), "workers": len(lines),
+        # gossip: no global state (a round's digests differ by design) and no quorum (a cut-off side gossips on)
+        "forks": None if setup.gossip else forks(lines, regions),
+        "commits_cut_off": None if setup.gossip else commits_cut_off(hits, lines), "workers": len(lines),
         "final_states": final_states(lines, [True] * len(lines) if together is None else together),
         "exits": list(exits), "window": [start, end],
         "final_rounds": [f["round"] if f else None for f in finals],
@@ -372,6 +382,8 @@ class _Swarm:
                "--metrics", str(self.path(i, "jsonl")), "--address-file", str(self.path(i, "addr"))]
         if self.setup.regions:
             cmd += ["--region", region_of(self.setup, i)]
+        if self.setup.gossip:
+            cmd += ["--topology", "gossip", "--compression", "fp32"]
         if resume:
             cmd.append("--resume")
         if together > 1:
@@ -675,9 +687,12 @@ def markdown(report: dict[str, Any]) -> str:
              + (f" against {base['rounds_committed']} undisturbed: goodput **{100 * report['goodput']:.0f}%**"
                 if base else "")
              + f"; {report['stalls']} stalls over {s['stall']:g} s ({report['stalled_seconds']:.0f} s in all, the "
-               f"longest {report['longest_stall']:.1f} s); forks: **{len(report['forks'])}**; rounds a cut-off "
-               f"minority committed: **{len(report['commits_cut_off'])}**; the workers there at the end ended on "
-               f"**{len(report['final_states'])}** model(s); exit statuses "
+               f"longest {report['longest_stall']:.1f} s); "
+             + ("gossip: no global state, so no forks to count, and a cut-off side gossips on; "
+                if report["forks"] is None else
+                f"forks: **{len(report['forks'])}**; rounds a cut-off minority committed: "
+                f"**{len(report['commits_cut_off'])}**; ")
+             + f"the workers there at the end ended on **{len(report['final_states'])}** model(s); exit statuses "
                f"{report['exits']}; held-out loss {loss(report['eval_loss_mean'])}"
              + (f" (undisturbed {loss(base['eval_loss_mean'])})" if base else "") + "."]
     return "\n".join(lines)

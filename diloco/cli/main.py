@@ -1011,6 +1011,8 @@ def bench_chaos_cmd(
     delay: float = typer.Option(_CHAOS.delay_ms, help="With --wan: one-way delay of each link, ms."),
     regions: int = typer.Option(_CHAOS.regions, help="Regions of the swarm (worker i in region r<i mod N>, "
                                                      "docs/REGIONS.md); 0: a flat swarm."),
+    gossip: bool = typer.Option(_CHAOS.gossip, "--gossip", help="The swarm gossips (--topology gossip, fp32; "
+                                "docs/GOSSIP.md): no global state, so forks do not apply."),
     heal: float = typer.Option(_CHAOS.heal, help="Seconds after the last fault, everyone back, before the swarm "
                                                  "stops."),
     job: str = typer.Option(" ".join(_CHAOS.job), help="Flags of the bundled job every worker runs (model, H, "
@@ -1035,6 +1037,8 @@ def bench_chaos_cmd(
         _fail(f"--faults {faults!r}: name kinds among {', '.join(KINDS)}, comma-separated")
     if regions < 0 or regions == 1:
         _fail(f"--regions {regions}: give 2 or more regions, or 0 for a flat swarm")
+    if gossip and regions:
+        _fail("--gossip and --regions are two topologies: give one of them")
     if workers < 2 or seconds <= 0 or every <= 0 or restart_after < 0 or stop_max < 1 or heal < 0 or outage_max < 5:
         _fail("--workers must be >= 2; --seconds and --every > 0; --restart-after and --heal >= 0; --stop-max >= 1; "
               "--outage-max >= 5")
@@ -1046,6 +1050,7 @@ def bench_chaos_cmd(
     setup = ChaosSetup(workers=workers, seconds=seconds, every=every, seed=seed, kinds=kinds,
                        restart_after=restart_after, stop_seconds=(1.0, stop_max), heal=heal,
                        outage_seconds=(5.0, outage_max), wan=wan, rate_mbit=rate, delay_ms=delay, regions=regions,
+                       gossip=gossip,
                        job=tuple(shlex.split(job)), baseline=baseline)
     where = workdir or Path(tempfile.mkdtemp(prefix="diloco-chaos-"))
     with Reporter.for_command(quiet=quiet) as rep, rep.task("chaos", unit="s") as task:
