@@ -10,7 +10,10 @@ import sys
 
 import pytest
 
-from diloco.bench.chaos import KINDS, ChaosSetup, Hit, commits, commits_cut_off, final_states, forks, plan, quantile, recovery, sides, stalls
+from dataclasses import replace
+
+from diloco.bench.chaos import (KINDS, ChaosSetup, Hit, commits, commits_cut_off, final_states, forks, markdown, plan,
+                                quantile, recovery, sides, stalls, summary)
 
 
 def _round(t: float, rnd: int, digest: str, committed: bool = True, **kw: object) -> dict:
@@ -78,6 +81,22 @@ def test_commits_forks_and_stalls_from_the_lines():
     assert final_states([[final], [{**final, "final_digest": "G"}], [final]], [True, False, True]) == {"F": 2}
     assert stalls([10.0, 10.9, 20.0, 20.5], 3.0) == [pytest.approx(9.1)]
     assert quantile([], 0.5) is None and quantile([3.0, 1.0, 2.0], 0.5) == 2.0 and quantile([1.0, 9.0], 0.99) == 9.0
+
+
+@pytest.mark.unit
+def test_a_gossiping_swarm_reports_no_forks_to_count_and_its_groups_rounds_as_commits():
+    """With --gossip each worker holds its own state: two workers on different digests in one round are not a fork,
+    and a cut-off side may gossip on; a round commits for the swarm once one group met in it."""
+    setup = ChaosSetup(workers=2, gossip=True, kinds=("kill",))
+    lines = [[_round(10.0, 1, "a"), _round(11.0, 2, "b")], [_round(10.1, 1, "x"), _round(11.2, 2, "y")]]
+    report = summary(setup, [Hit("partition", 1, at=9.5, ended=12.0, side=(1,))], lines, (9.0, 12.0), [0, 0], None)
+    assert report["forks"] is None and report["commits_cut_off"] is None and report["rounds_committed"] == 2
+    assert "gossip: no global state, so no forks to count" in markdown(report) and "forks: **" not in markdown(report)
+    flat = summary(replace(setup, gossip=False), [Hit("partition", 1, at=9.5, ended=12.0, side=(1,))], lines,
+                   (9.0, 12.0), [0, 0], None)
+    assert set(flat["forks"]) == {1, 2} and flat["commits_cut_off"]  # the same lines in a flat swarm: forks
+    with pytest.raises(ValueError, match="two topologies"):
+        ChaosSetup(gossip=True, regions=2)
 
 
 @pytest.mark.unit
