@@ -13,7 +13,7 @@ import pytest
 from dataclasses import replace
 
 from diloco.bench.chaos import (KINDS, ChaosSetup, Hit, commits, commits_cut_off, final_states, forks, markdown, plan,
-                                quantile, recovery, sides, stalls, summary)
+                                quantile, recovery, sides, stalls, summary, useful_steps)
 
 
 def _round(t: float, rnd: int, digest: str, committed: bool = True, **kw: object) -> dict:
@@ -80,6 +80,10 @@ def test_commits_forks_and_stalls_from_the_lines():
     final = {"event": "final", "round": 3, "digest": "c", "final_digest": "F"}
     assert final_states([[final], [{**final, "final_digest": "G"}], [final]], [True, False, True]) == {"F": 2}
     assert stalls([10.0, 10.9, 20.0, 20.5], 3.0) == [pytest.approx(9.1)]
+    # inner steps that entered a committed round, in the window: a failed round's steps are in none
+    steps = [[_round(10.0, 1, "a", round_steps=10), _round(12.0, 2, "b", round_steps=20),
+              _round(13.0, 2, "b", committed=False, round_steps=7)], [_round(10.5, 1, "a", round_steps=5)]]
+    assert useful_steps(steps, 10.0, 12.5) == 35 and useful_steps(steps, 10.2, 11.0) == 5
     assert quantile([], 0.5) is None and quantile([3.0, 1.0, 2.0], 0.5) == 2.0 and quantile([1.0, 9.0], 0.99) == 9.0
 
 

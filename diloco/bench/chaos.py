@@ -190,6 +190,16 @@ def final_states(lines: Sequence[Lines], together: Sequence[bool]) -> dict[str, 
     return out
 
 
+def useful_steps(lines: Sequence[Lines], start: float, end: float) -> int:
+    """Inner steps that entered a committed round between `start` and `end`, all workers together: each committed
+    round line's `round_steps` (the steps its Δ covered, a failed attempt's included: they went with the next).
+    Steps a worker took and lost (killed before its round, a round the swarm went on without, a state downloaded
+    over its own) are in none."""
+    return sum(int(ln.get("round_steps") or 0) for worker in lines for ln in worker
+               if ln.get("event") == "round" and ln.get("committed") and not ln.get("merge")
+               and start <= ln["time"] <= end)
+
+
 def stalls(times: Sequence[float], longer_than: float) -> list[float]:
     """Gaps between consecutive times (commits, between the window's start and end) longer than `longer_than`
     seconds."""
@@ -297,6 +307,7 @@ def summary(setup: ChaosSetup, hits: Sequence[Hit], lines: Sequence[Lines], wind
         "setup": {**asdict(setup), "kinds": list(setup.kinds), "job": list(setup.job)},
         "faults": by_kind, "faults_applied": sum(not h.skipped for h in hits),
         "rounds_committed": len(inside), "rounds_per_minute": 60 * len(inside) / max(1e-9, end - start),
+        "useful_steps_per_minute": 60 * useful_steps(lines, start, end) / max(1e-9, end - start),
         "stalls": len(gaps), "stalled_seconds": round(sum(gaps), 2), "longest_stall": max(gaps, default=0.0),
         # gossip: no global state (a round's digests differ by design) and no quorum (a cut-off side gossips on)
         "forks": None if setup.gossip else forks(lines, regions),
@@ -310,8 +321,9 @@ def summary(setup: ChaosSetup, hits: Sequence[Hit], lines: Sequence[Lines], wind
     if baseline is not None:
         report["baseline"] = {k: baseline[k] for k in ("rounds_committed", "rounds_per_minute", "eval_loss_mean",
                                                        "stalls", "stalled_seconds", "forks", "exits",
-                                                       "final_states")}
+                                                       "final_states", "useful_steps_per_minute")}
         report["goodput"] = report["rounds_per_minute"] / max(1e-9, baseline["rounds_per_minute"])
+        report["step_goodput"] = report["useful_steps_per_minute"] / max(1e-9, baseline["useful_steps_per_minute"])
     return report
 
 
@@ -686,6 +698,8 @@ def markdown(report: dict[str, Any]) -> str:
              f"{report['rounds_committed']} rounds committed ({report['rounds_per_minute']:.1f}/min)"
              + (f" against {base['rounds_committed']} undisturbed: goodput **{100 * report['goodput']:.0f}%**"
                 if base else "")
+             + f"; inner steps that entered a committed round: {report['useful_steps_per_minute']:.0f}/min"
+             + (f" ({100 * report['step_goodput']:.0f}% of undisturbed)" if base else "")
              + f"; {report['stalls']} stalls over {s['stall']:g} s ({report['stalled_seconds']:.0f} s in all, the "
                f"longest {report['longest_stall']:.1f} s); "
              + ("gossip: no global state, so no forks to count, and a cut-off side gossips on; "
