@@ -69,6 +69,10 @@ RECORD = 1 << 20
 TAG = 16
 HELLO_TIMEOUT = 5.0
 """Seconds a connection has to finish its handshake."""
+CONNECT_TIMEOUT = 2.0
+"""Seconds a member's data port has to take our TCP connection (a few round trips of the longest link, and a SYN
+resent): past it the port counts as unreachable (behind a NAT or a firewall that only lets connections out) and the
+call goes through libp2p, within the round's deadlines, not after them."""
 REQUEST, REPLY = 1, 2
 _LEN = struct.Struct(">I")
 _START = struct.Struct(">BQH")  # kind, body length, name length: the first record of a message
@@ -248,7 +252,7 @@ async def connect(host: str, port: int, peer: PeerId, identity: Identity, data_k
                   max_message: int, timeout: float = HELLO_TIMEOUT) -> Channel:
     """A data connection to `peer` at host:port, its handshake done; raises `TransportError` (a `DataRefused` when
     the other side is not `peer` or does not hold the run's key, or refused ours)."""
-    reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), timeout)
+    reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), min(timeout, CONNECT_TIMEOUT))
     try:
         own = X25519PrivateKey.generate()
         hello = client_hello(_public(own), secrets.token_bytes(16), identity.peer_id)

@@ -92,6 +92,31 @@ def test_rounds_go_direct_and_a_peer_whose_data_port_is_blocked_is_called_throug
 
 
 @pytest.mark.multiproc
+@pytest.mark.timeout(300)
+def test_a_peer_that_takes_no_inbound_connection_trains_with_the_swarm_through_the_connections_it_opens(tmp_path):
+    """A WAN lab of 3 hosts where host 1 takes no new TCP connection (as behind a NAT or a firewall that lets
+    connections out only: the lab's forwarder drops every SYN to it). It joins and trains: the others' calls to it go
+    through libp2p over the connections it opened (its data port cannot be dialed), its own calls go direct, and all
+    three end on one digest. The others give up dialing its data port after `CONNECT_TIMEOUT` (2 s), within the first
+    round's deadlines: with the handshake's 5 s instead, the first two rounds went on without it."""
+    from diloco.bench.lab import run_swarm
+    from diloco.bench.wan import WanLab
+
+    with WanLab(3, rate_mbit=100, delay_ms=5, backend="tun") as lab:
+        lab.inbound(1, False)
+        lines = run_swarm(lab, 3, ["--rounds", "4", "-H", "5", "--wait-for", "3", *TINY], tmp_path, 240)
+    finals = [[ln for ln in w if ln.get("event") == "final"][-1] for w in lines]
+    assert {f["round"] for f in finals} == {4} and len({f["digest"] for f in finals}) == 1, finals
+    ids = [f["peer"] for f in finals]
+    assert finals[0]["data_paths"] == {"direct": [ids[2]], "libp2p": [ids[1]]}, finals[0]["data_paths"]
+    assert finals[2]["data_paths"] == {"direct": [ids[0]], "libp2p": [ids[1]]}, finals[2]["data_paths"]
+    assert finals[1]["data_paths"] == {"direct": sorted([ids[0], ids[2]])}, finals[1]["data_paths"]
+    # it took part in the rounds, not only downloaded their result (2 of 4 before the connect deadline)
+    assert finals[1]["committed_rounds"] >= 3, [(ln["round"], ln["committed"], ln.get("reason"))
+                                                 for ln in lines[1] if ln.get("event") == "round"]
+
+
+@pytest.mark.multiproc
 def test_strangers_at_a_data_port_are_refused_and_counted_while_the_swarm_commits(peers):
     """While 3 real peers train, a stranger at peer 0's data port tries a handshake with another secret and sends
     bytes that are no handshake: both are refused and counted in peer 0's final line, and every round commits

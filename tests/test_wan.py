@@ -56,6 +56,24 @@ def _gone(pid: int, timeout: float = 5.0) -> bool:
     return False
 
 
+def test_a_host_closed_to_inbound_connections_drops_only_the_syns_to_it():
+    syn, synack, ack = 0x02, 0x12, 0x10
+
+    def tcp(flags: int, ihl: int = 5) -> bytes:
+        return bytes([0x40 | ihl]) + bytes(8) + bytes([6]) + bytes(ihl * 4 - 10) + bytes(13) + bytes([flags]) + bytes(6)
+
+    assert wan._opens_tcp(tcp(syn)) and wan._opens_tcp(tcp(syn, ihl=6))
+    assert not wan._opens_tcp(tcp(synack)) and not wan._opens_tcp(tcp(ack))
+    assert not wan._opens_tcp(bytes([0x45]) + bytes(8) + bytes([17]) + bytes(30))  # UDP
+    faults = wan._Faults(3)
+    faults.apply("inbound 1 0")
+    assert faults.closed == [False, True, False, False] and faults.active
+    faults.apply("inbound 1 1")
+    assert not any(faults.closed) and not faults.active
+    faults.apply("inbound 7 0")  # out of range: ignored, said on stderr
+    assert not any(faults.closed)
+
+
 def test_privilege_check_is_a_pure_function():
     with pytest.raises(WanError) as e:
         check_privileges(euid=1000)

@@ -344,8 +344,10 @@ def _switch(delay_ms: float, addresses: list[str], groups: Sequence[int] = (), c
 
     Faults, from the owner as lines on stdin (`_control`; each applies from the next packet on): `sides A,B,..`
     (a partition: one label per host, packets between hosts of different labels are dropped; all equal: none),
-    `loss I P` (drop each packet from or to host I with probability P; 0 ends it) and `slow I MS` (host I's
-    packets take MS more milliseconds one way; 0 ends it)."""
+    `loss I P` (drop each packet from or to host I with probability P; 0 ends it), `slow I MS` (host I's
+    packets take MS more milliseconds one way; 0 ends it) and `inbound I 0|1` (0: host I takes no new TCP
+    connection, as behind a NAT or a firewall that only lets connections out: every SYN to it is dropped, while
+    the connections it opens work both ways; 1: it takes them again)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the owner, which stops us in order
     try:
         os.nice(-10)  # like the kernel's own packet processing, forwarding preempts the benchmark's compute
@@ -423,7 +425,7 @@ def _switch(delay_ms: float, addresses: list[str], groups: Sequence[int] = (), c
                 src = pkt[12:16]
                 if ctl.active:
                     a, b = index.get(src, -1), index.get(pkt[16:20], -1)
-                    if ctl.side[a] != ctl.side[b]:
+                    if ctl.side[a] != ctl.side[b] or (ctl.closed[b] and _opens_tcp(pkt)):
                         cut += 1
                         continue
                     p = max(ctl.loss[a], ctl.loss[b])
@@ -453,6 +455,12 @@ def _switch(delay_ms: float, addresses: list[str], groups: Sequence[int] = (), c
                 dropped += 1
 
 
+def _opens_tcp(pkt: bytes) -> bool:
+    """An IPv4 packet that opens a TCP connection: SYN set, ACK not (the first packet of a handshake)."""
+    head = (pkt[0] & 0x0F) * 4
+    return pkt[9] == 6 and len(pkt) > head + 13 and pkt[head + 13] & 0x12 == 0x02
+
+
 class _Faults:
     """The forwarder's injected faults by host index (index -1, the last entry: a sender outside the lab)."""
 
@@ -460,6 +468,8 @@ class _Faults:
         self.side = [0] * (hosts + 1)
         self.loss = [0.0] * (hosts + 1)
         self.extra = [0.0] * (hosts + 1)
+        self.closed = [False] * (hosts + 1)
+        """Hosts that take no new TCP connection (`inbound I 0`)."""
         self.active = False
 
     def apply(self, line: str) -> None:
@@ -474,6 +484,11 @@ class _Faults:
                 if len(side) != n:
                     raise ValueError(f"{len(side)} labels for {n} hosts")
                 self.side = side + [0]
+            elif words[0] == "inbound" and len(words) == 3 and words[2] in ("0", "1"):
+                i = int(words[1])
+                if not 0 <= i < n:
+                    raise ValueError("host out of range")
+                self.closed[i] = words[2] == "0"
             elif words[0] in ("loss", "slow") and len(words) == 3:
                 i, x = int(words[1]), float(words[2])
                 if not 0 <= i < n or x < 0 or (words[0] == "loss" and x > 1):
@@ -487,7 +502,7 @@ class _Faults:
         except ValueError as e:
             print(f"wan forwarder: ignored command {line!r}: {e}", file=sys.stderr, flush=True)
             return
-        self.active = any(self.side) or any(self.loss) or any(self.extra)
+        self.active = any(self.side) or any(self.loss) or any(self.extra) or any(self.closed)
 
 
 # ---------------------------------------------------------------------------------------- the lab
@@ -920,6 +935,12 @@ class WanLab:
         if not 0.0 <= p <= 1.0:
             raise ValueError(f"p must be between 0 and 1, got {p}")
         self._control(f"loss {host} {p!r}")
+
+    def inbound(self, host: int, allowed: bool) -> None:
+        """Whether `host` takes new TCP connections: not allowed, it is as behind a NAT or a firewall that only lets
+        connections out (the SYNs to it are dropped; those it opens work both ways)."""
+        self._check_host(host)
+        self._control(f"inbound {host} {int(allowed)}")
 
     def slow(self, host: int, extra_ms: float) -> None:
         """`host`'s packets take `extra_ms` more one way (0 ends it): a congested or rerouted path."""
