@@ -261,7 +261,7 @@ class Member:
         if source is None:
             return None
         ok = self.resync(source, why)
-        return ok, why, self.link.handed_out(self) if ok and self.link.site is not None else {}
+        return ok, why, self.link.handed_out(self) if ok and self.link.hands_out else {}
 
     def resync(self, source: PeerRecord, why: str) -> bool:
         """Download the state `source` advertises (`diloco.catchup`: vouched for, verified, from every peer that

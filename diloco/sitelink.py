@@ -50,6 +50,12 @@ class SiteLink:
         return self.site is None or self.site.leader
 
     @property
+    def hands_out(self) -> bool:
+        """A decision here goes to the site's other ranks: a site's leader, outside a step it runs alone (`settle`
+        hands out what that step changed once it is done)."""
+        return self.site is not None and not self._alone
+
+    @property
     def writes_checkpoints(self) -> bool:
         """This process takes part in writing checkpoints: the worker's voice, or every rank of an FSDP2 site
         (each holds a piece of the state)."""

@@ -109,9 +109,10 @@ def test_recovery_times_the_next_commit_and_the_workers_return():
              [_round(10.0, 1, "a"), _round(20.0, 3, "c")]]
     hits = [Hit("kill", 1, at=11.0, ended=13.0), Hit("stop", 0, at=15.0, skipped=True), Hit("leave", 0, at=16.0)]
     times = [t for t, _ in commits(lines)]
-    assert recovery(hits, times, lines, start=10.0) == [
-        {"kind": "kill", "worker": 1, "at": 1.0, "to_next_commit": 3.0, "to_return": 9.0},  # 14.0 by worker 0; 20.0 its own
-        {"kind": "leave", "worker": 0, "at": 6.0, "to_next_commit": 4.0, "to_return": None},  # skipped: not timed
+    assert recovery(hits, times, lines, start=10.0) == [  # 14.0 by worker 0; 20.0 its own; the skipped stop untimed
+        {"kind": "kill", "worker": 1, "at": 1.0, "to_next_commit": 3.0, "to_return": 9.0, "others_down": 0},
+        # worker 1, killed at 11.0, was not back (20.0) when worker 0 left at 16.0
+        {"kind": "leave", "worker": 0, "at": 6.0, "to_next_commit": 4.0, "to_return": None, "others_down": 1},
     ]
 
 

@@ -234,18 +234,22 @@ def recovery(hits: Sequence[Hit], commit_times: Sequence[float], lines: Sequence
     faulty worker's next committed round after the fault ended (None where that never came: a worker that left,
     or the run ended first)."""
     out = []
-    for h in hits:
-        if h.skipped:
-            continue
-        nxt = next((t for t in commit_times if t > h.at), None)
+    applied = [h for h in hits if not h.skipped]
+    returns: list[float] = []
+    for h in applied:
         back = None
         if h.kind != "leave" and h.worker < len(lines):
             since = h.ended if h.ended is not None else h.at
             back = next((ln["time"] for ln in lines[h.worker] if ln.get("event") == "round" and ln.get("committed")
                          and ln["time"] > since), None)
+        returns.append(float("inf") if back is None else back)
+    for h, back in zip(applied, returns):
+        nxt = next((t for t in commit_times if t > h.at), None)
+        # other faulty workers not back yet when this fault came: with them, a round may lack its majority
+        others = {g.worker for g, b in zip(applied, returns) if g is not h and g.at <= h.at < b and g.worker != h.worker}
         out.append({"kind": h.kind, "worker": h.worker, "at": round(h.at - start, 2),
                     "to_next_commit": None if nxt is None else nxt - h.at,
-                    "to_return": None if back is None else back - h.at,
+                    "to_return": None if back == float("inf") else back - h.at, "others_down": len(others),
                     **({"detail": h.detail} if h.detail else {})})
     return out
 
@@ -296,8 +300,10 @@ def summary(setup: ChaosSetup, hits: Sequence[Hit], lines: Sequence[Lines], wind
         mine = [r for r in rec if r["kind"] == kind]
         nxt = [r["to_next_commit"] for r in mine if r["to_next_commit"] is not None]
         back = [r["to_return"] for r in mine if r["to_return"] is not None]
+        alone = [r["to_next_commit"] for r in mine if r["to_next_commit"] is not None and not r["others_down"]]
         by_kind[kind] = {"applied": len(mine), "skipped": sum(h.skipped for h in hits if h.kind == kind),
                          "to_next_commit_p50": quantile(nxt, 0.5), "to_next_commit_p99": quantile(nxt, 0.99),
+                         "alone": len(alone), "alone_to_next_commit_p99": quantile(alone, 0.99),
                          "to_return_p50": quantile(back, 0.5), "to_return_p99": quantile(back, 0.99),
                          "returned": len(back)}
     gaps = stalls([start, *inside, end], setup.stall)  # a swarm that stopped committing stalls to the window's end
@@ -687,11 +693,12 @@ def markdown(report: dict[str, Any]) -> str:
     def loss(x: float | None) -> str:  # none when no worker wrote a final line (one had to be killed)
         return "–" if x is None else f"{x:.4f}"
 
-    rows = ["| fault | applied | skipped | to the next commit p50 / p99 (s) | to the worker's return p50 / p99 (s) |",
-            "|---|---|---|---|---|"]
+    rows = ["| fault | applied | skipped | to the next commit p50 / p99 (s) | p99 when no other worker was down (n) "
+            "| to the worker's return p50 / p99 (s) |", "|---|---|---|---|---|---|"]
     for kind, f in report["faults"].items():
         rows.append(f"| {kind} | {f['applied']} | {f['skipped']} | {sec(f['to_next_commit_p50'])} / "
-                    f"{sec(f['to_next_commit_p99'])} | {sec(f['to_return_p50'])} / {sec(f['to_return_p99'])} |")
+                    f"{sec(f['to_next_commit_p99'])} | {sec(f.get('alone_to_next_commit_p99'))} ({f.get('alone', 0)}) "
+                    f"| {sec(f['to_return_p50'])} / {sec(f['to_return_p99'])} |")
     base = report.get("baseline")
     lines = [*rows, "",
              f"{s['workers']} workers, {s['seconds']:g} s, a fault every ~{s['every']:g} s (seed {s['seed']}): "
