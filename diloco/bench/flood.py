@@ -36,7 +36,8 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Callable
+from functools import partial
+from typing import Any, Awaitable, Callable
 
 import torch
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
@@ -345,8 +346,70 @@ def _markdown_stalled(report: dict[str, Any]) -> str:
 # ---------------------------------------------------------------------- the flooder process
 
 
-async def _flood(concurrency: int, body_kib: int, patience: float, addrs: list[str],
-                 stop: asyncio.Event) -> dict[str, Any]:
+async def _keep_calling(calls: list[Callable[[], Awaitable[Any]]], patience: float,
+                        stop: asyncio.Event) -> dict[str, Any]:
+    """Each of `calls` made again and again, each given up after `patience` seconds, until `stop`: prints one line
+    once they run; returns how many were made."""
+    made, started = 0, time.monotonic()
+
+    async def worker(call: Callable[[], Awaitable[Any]]) -> None:
+        nonlocal made
+        while not stop.is_set():
+            try:
+                await asyncio.wait_for(call(), patience)
+            except Exception:  # noqa: BLE001 - refusals and resets are the point
+                pass
+            made += 1
+
+    tasks = [asyncio.create_task(worker(call)) for call in calls]
+    print(json.dumps({"flooding": len(tasks)}), flush=True)
+    await stop.wait()
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    return {"calls": made, "seconds": time.monotonic() - started}
+
+
+Stream = tuple[asyncio.StreamReader, asyncio.StreamWriter]
+
+
+async def _hold_open(opens: list[Callable[[], Awaitable[Stream]]], stop: asyncio.Event) -> dict[str, Any]:
+    """Open every one of `opens` (64 at a time), send nothing, hold them until `stop`. Prints one line once they are
+    open, then `{"cut": N}` each time the count the peers closed changes; returns how many opened and how many the
+    peers closed."""
+    held: list[Stream] = []
+    failed, started = 0, time.monotonic()
+    limit = asyncio.Semaphore(64)
+
+    async def open_one(open_: Callable[[], Awaitable[Stream]]) -> None:
+        nonlocal failed
+        async with limit:
+            try:
+                held.append(await asyncio.wait_for(open_(), 30))
+            except Exception:  # noqa: BLE001 - a stream the peer (or its daemon) would not open is not held
+                failed += 1
+
+    try:
+        await asyncio.gather(*(open_one(o) for o in opens))
+        print(json.dumps({"opened": len(held), "failed": failed,
+                          "seconds_to_open": round(time.monotonic() - started, 2)}), flush=True)
+        cut = 0
+        while not stop.is_set():
+            try:
+                await asyncio.wait_for(stop.wait(), 0.5)
+            except asyncio.TimeoutError:
+                pass
+            if (now := sum(reader.at_eof() for reader, _ in held)) != cut:
+                cut = now
+                print(json.dumps({"cut": cut}), flush=True)
+        return {"opened": len(held), "failed": failed, "cut": cut, "seconds": time.monotonic() - started}
+    finally:
+        for _, writer in held:
+            writer.close()
+
+
+async def _flooder_daemon(addrs: list[str]) -> tuple[Any, Any]:
+    """A flooder's own libp2p daemon, dialed into the swarm at `addrs`, and the reaper that ends it with us."""
     from diloco.comms.p2p import P2PTransport
     from diloco.peers.reaper import Reaper
 
@@ -356,29 +419,20 @@ async def _flood(concurrency: int, body_kib: int, patience: float, addrs: list[s
         reaper.watch_pid(t.daemon_pid)
     for path in t.socket_paths:
         reaper.watch_file(path)
+    return t, reaper
+
+
+async def _flood(concurrency: int, body_kib: int, patience: float, addrs: list[str],
+                 stop: asyncio.Event) -> dict[str, Any]:
+    """Calls with a wrong secret to every peer's contribution handler, `concurrency` in flight a peer."""
+    t, reaper = await _flooder_daemon(addrs)
     try:
         wrong = Guard(new_secret(), RUN, t.peer_id)
         targets = [PeerId(a.rsplit("/p2p/", 1)[1]) for a in addrs]
         body = os.urandom(body_kib << 10)
         frames = {p: wrong.seal_request("diloco.contrib", p, body).data for p in targets}  # one each, resent
-        calls, started = 0, time.monotonic()
-
-        async def worker(p: PeerId) -> None:
-            nonlocal calls
-            while not stop.is_set():
-                try:
-                    await t.call(p, "diloco.contrib", frames[p], patience)
-                except Exception:  # noqa: BLE001 - refusals and resets are the point
-                    pass
-                calls += 1
-
-        tasks = [asyncio.create_task(worker(p)) for p in targets for _ in range(concurrency)]
-        print(json.dumps({"flooding": len(tasks)}), flush=True)
-        await stop.wait()
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        return {"calls": calls, "seconds": time.monotonic() - started}
+        return await _keep_calling([partial(t.call, p, "diloco.contrib", frames[p], patience)
+                                    for p in targets for _ in range(concurrency)], patience, stop)
     finally:
         await t.close()
         reaper.close()
@@ -428,108 +482,31 @@ async def _flood_data(concurrency: int, body_kib: int, patience: float, addrs: l
     me = Identity.generate()
     key = Guard(new_secret(), RUN, PeerId(me.peer_id)).data_key  # another swarm's
     body = os.urandom(body_kib << 10)
-    calls, started = 0, time.monotonic()
-
-    async def worker(host: str, port: int, peer: str) -> None:
-        nonlocal calls
-        while not stop.is_set():
-            try:
-                await asyncio.wait_for(_stranger_call(host, port, peer, me, key, body), patience)
-            except Exception:  # noqa: BLE001 - refusals and resets are the point
-                pass
-            calls += 1
-
-    tasks = [asyncio.create_task(worker(*target)) for target in _data_targets(addrs) for _ in range(concurrency)]
-    print(json.dumps({"flooding": len(tasks)}), flush=True)
-    await stop.wait()
-    for task in tasks:
-        task.cancel()
-    await asyncio.gather(*tasks, return_exceptions=True)
-    return {"calls": calls, "seconds": time.monotonic() - started}
+    return await _keep_calling([partial(_stranger_call, host, port, peer, me, key, body)
+                                for host, port, peer in _data_targets(addrs) for _ in range(concurrency)],
+                               patience, stop)
 
 
 async def _stall_data(connections: int, addrs: list[str], stop: asyncio.Event) -> dict[str, Any]:
     """`_stall` at the data ports: `connections` TCP connections to each, nothing sent on them."""
-    held: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = []
-    failed, started = 0, time.monotonic()
-    limit = asyncio.Semaphore(64)
-
-    async def open_one(host: str, port: int) -> None:
-        nonlocal failed
-        async with limit:
-            try:
-                held.append(await asyncio.wait_for(asyncio.open_connection(host, port, local_addr=_source(host)),
-                                                   30))
-            except Exception:  # noqa: BLE001 - a connection the peer would not take is not held
-                failed += 1
-
-    try:
-        await asyncio.gather(*(open_one(host, port) for host, port, _ in _data_targets(addrs)
-                               for _ in range(connections)))
-        print(json.dumps({"opened": len(held), "failed": failed,
-                          "seconds_to_open": round(time.monotonic() - started, 2)}), flush=True)
-        cut = 0
-        while not stop.is_set():
-            try:
-                await asyncio.wait_for(stop.wait(), 0.5)
-            except asyncio.TimeoutError:
-                pass
-            if (now := sum(reader.at_eof() for reader, _ in held)) != cut:
-                cut = now
-                print(json.dumps({"cut": cut}), flush=True)
-        return {"opened": len(held), "failed": failed, "cut": cut, "seconds": time.monotonic() - started}
-    finally:
-        for _, writer in held:
-            writer.close()
+    return await _hold_open([partial(asyncio.open_connection, host, port, local_addr=_source(host))
+                             for host, port, _ in _data_targets(addrs) for _ in range(connections)], stop)
 
 
 async def _stall(streams: int, addrs: list[str], stop: asyncio.Event) -> dict[str, Any]:
-    """Open `streams` streams to each peer's contribution handler, send nothing, hold them until `stop`.
-    Prints one line once they are open, then `{"cut": N}` each time the count of streams the peers
-    closed changes; returns how many opened and how many the peers closed."""
+    """`streams` streams to each peer's contribution handler, nothing sent on them (`_hold_open`)."""
     from hivemind.p2p import PeerID
 
-    from diloco.comms.p2p import P2PTransport
-    from diloco.peers.reaper import Reaper
+    t, reaper = await _flooder_daemon(addrs)
 
-    t = await P2PTransport.create(initial_peers=addrs)
-    reaper = Reaper()  # our daemon dies with us, however we end
-    if t.daemon_pid:
-        reaper.watch_pid(t.daemon_pid)
-    for path in t.socket_paths:
-        reaper.watch_file(path)
-    held: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = []
-    failed, started = 0, time.monotonic()
-    limit = asyncio.Semaphore(64)
-
-    async def open_one(peer: str) -> None:
-        nonlocal failed
-        async with limit:
-            try:
-                _, reader, writer = await asyncio.wait_for(
-                    t.p2p.call_binary_stream_handler(PeerID.from_base58(peer), "diloco.contrib"), 30)
-                held.append((reader, writer))
-            except Exception:  # noqa: BLE001 - a stream the daemon would not open is not held
-                failed += 1
+    async def stream(peer: str) -> Stream:
+        _, reader, writer = await t.p2p.call_binary_stream_handler(PeerID.from_base58(peer), "diloco.contrib")
+        return reader, writer
 
     try:
-        targets = [a.rsplit("/p2p/", 1)[1] for a in addrs]
-        await asyncio.gather(*(open_one(p) for p in targets for _ in range(streams)))
-        print(json.dumps({"opened": len(held), "failed": failed,
-                          "seconds_to_open": round(time.monotonic() - started, 2)}), flush=True)
-        cut = 0
-        while not stop.is_set():
-            try:
-                await asyncio.wait_for(stop.wait(), 0.5)
-            except asyncio.TimeoutError:
-                pass
-            if (now := sum(reader.at_eof() for reader, _ in held)) != cut:
-                cut = now
-                print(json.dumps({"cut": cut}), flush=True)
-        return {"opened": len(held), "failed": failed, "cut": cut, "seconds": time.monotonic() - started}
+        return await _hold_open([partial(stream, a.rsplit("/p2p/", 1)[1]) for a in addrs for _ in range(streams)],
+                                stop)
     finally:
-        for _, writer in held:
-            writer.close()
         await t.close()
         reaper.close()
 
