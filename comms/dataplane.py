@@ -332,8 +332,11 @@ class DataConfig:
     """host:port to advertise, when others must dial another address than the one we listen on (NAT, a proxy)."""
     announce_host: str = ""
     """The host to advertise with the port we listen on ("": the listening host)."""
-    streams: int = 4
-    """Connections to one peer at most: calls to it in flight at once (a round's spans) use one each."""
+    streams: int = 8
+    """Connections to one peer at most: calls to it in flight at once (a round's spans) use one each. 8: on an
+    emulated 100 Mbit/s, 50 ms link a 2-peer round took 3.10 s with 1, 2.77 s with 4, 2.34 s with 8 and 2.33 s with
+    16 (each connection's window starts small again after the idle inner steps); on loopback 1 to 8 made no
+    difference (docs/BENCHMARKS.md, B3)."""
     retry_after: float = 30.0
     """Seconds a peer whose data port could not be reached is called through libp2p before it is tried again."""
 

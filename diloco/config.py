@@ -11,14 +11,14 @@ from dataclasses import dataclass, field
 
 from diloco.comms import CollectiveConfig, PeerId
 from diloco.comms.auth import Guard, check_secret
-from diloco.comms.dataplane import parse_address
+from diloco.comms.dataplane import DataConfig, parse_address
 from diloco.comms.identity import public_key_of
 from diloco.comms.robust import RobustConfig
 from diloco.compression.errors import ConfigError as ConfigError  # re-exported: settings errors are raised here
 from diloco.compression.pipeline import parse as parse_compression
 from diloco.peers.records import REGION
 
-_ROUND, _ROBUST = CollectiveConfig(), RobustConfig()  # the round's defaults are declared there, once
+_ROUND, _ROBUST, _DATA = CollectiveConfig(), RobustConfig(), DataConfig()  # the defaults are declared there, once
 
 _RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}(/[A-Za-z0-9_.-]{1,40})?$")
 """A run id; `run/scope` names a namespace inside a run (a region's rounds: `Swarm.scope`)."""
@@ -93,7 +93,7 @@ class SwarmConfig:
     """host:port to advertise for the data port when others must dial another address than the one it listens
     on (a NAT's forwarded port, a proxy); by default the listening address, or the host of the first
     announced multiaddress."""
-    data_streams: int = 4
+    data_streams: int = _DATA.streams
     """Direct connections to one member at most (calls to it in flight at once)."""
 
     def __post_init__(self) -> None:

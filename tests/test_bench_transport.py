@@ -9,7 +9,7 @@ import pytest
 
 from cli_util import invoke, refuse_to_start
 
-from diloco.bench.transport import TransportSetup, daemons_across, loopback, markdown, tcp_copy
+from diloco.bench.transport import TransportSetup, daemons_across, loopback, markdown, peer_flags, tcp_copy
 
 
 @pytest.mark.parametrize("peers", [2, 3, 5])
@@ -62,6 +62,7 @@ def test_a_loopback_point_times_rounds_of_real_peers_against_plain_tcp():
     (["--part", "wan", "--wan-peers", "1"], "every --peers/--wan-peers >= 2"),
     (["--part", "wan", "--wan-payload-mb", "0"], "every payload > 0"),
     (["--rate-mbit", "0"], "--rate-mbit must be > 0"),
+    (["--data-streams", "0"], "--data-streams >= 1"),
 ])
 def test_bad_options_exit_2_naming_the_fix(args, needle, monkeypatch):
     refuse_to_start(monkeypatch, "diloco.bench.transport.run")  # past its checks the benchmark would start peers
@@ -77,6 +78,17 @@ def test_options_of_a_part_that_does_not_run_are_not_checked(monkeypatch):
                    "--rate-mbit", "0", "--peers", "3"])
     assert done.exit_code == 0, (done.output, done.exception)
     assert [(s.peers, s.loopback, s.wan) for s in setups] == [((3,), True, False)]
+
+
+def test_the_peers_take_the_data_planes_settings_of_the_setup(monkeypatch):
+    setups = []
+    monkeypatch.setattr("diloco.bench.transport.run",
+                        lambda setup, say: setups.append(setup) or {"setup": {}, "loopback": [], "wan": []})
+    assert invoke(["bench", "transport", "--data-streams", "2"]).exit_code == 0
+    flags = peer_flags(3, setups[0])
+    assert flags[flags.index("--data-streams") + 1] == "2" and "--direct" in flags
+    assert flags[flags.index("--wait-for") + 1] == "3"
+    assert "--no-direct" in peer_flags(2, TransportSetup(direct=False))
 
 
 def test_the_wan_table_sets_each_round_against_the_rate_plain_tcp_and_the_daemons():

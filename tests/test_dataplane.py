@@ -92,10 +92,11 @@ def test_calls_in_flight_at_once_use_as_many_connections_up_to_the_cap() -> None
                 return data
 
             await p.b.register("slow", slow)
-            calls = [asyncio.ensure_future(p.a.call(PeerId(p.idb.peer_id), "slow", bytes([i]), 10)) for i in range(6)]
+            n = dp.DataConfig().streams + 2  # more calls at once than the cap
+            calls = [asyncio.ensure_future(p.a.call(PeerId(p.idb.peer_id), "slow", bytes([i]), 10)) for i in range(n)]
             await asyncio.sleep(0.3)
             gate.set()
-            assert await asyncio.gather(*calls) == [bytes([i]) for i in range(6)]
+            assert await asyncio.gather(*calls) == [bytes([i]) for i in range(n)]
             assert len(p.a._pools[PeerId(p.idb.peer_id)].idle) == dp.DataConfig().streams
 
     run(main())

@@ -38,6 +38,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+from ..comms.dataplane import DataConfig
 from ..launcher import terminate
 from .size import launch_peer, wait_file
 
@@ -61,6 +62,8 @@ class TransportSetup:
     loopback: bool = True
     direct: bool = True
     """Peers use the direct data plane (`--direct`); False: every byte through libp2p, as before it."""
+    data_streams: int = DataConfig().streams
+    """Direct connections a peer opens to one member at most (`--data-streams`: its calls in flight at once)."""
 
 
 def tcp_copy(peers: int, nbytes: int, host: str = "127.0.0.1") -> float:
@@ -255,6 +258,13 @@ def daemons_across(lab: Any, nbytes: int, repeats: int = 3) -> float:
             terminate(procs)
 
 
+def peer_flags(peers: int, setup: TransportSetup) -> list[str]:
+    """The swarm flags of every peer of a point: fp32, all `peers` waited for, deadlines far beyond a round, and the
+    data plane as `setup` says."""
+    return ["--compression", "fp32", "--wait-for", str(peers), "--gather-timeout", "120", "--round-timeout", "600",
+            "--direct" if setup.direct else "--no-direct", "--data-streams", str(setup.data_streams)]
+
+
 def _rounds(peers: int, params: int, setup: TransportSetup, lab: Any = None) -> dict[str, Any]:
     """N real peers (in `lab`'s hosts, or on loopback) taking rounds of `params` fp32 parameters: the median
     round time and bytes a peer sent, over the rounds all N took together."""
@@ -262,8 +272,7 @@ def _rounds(peers: int, params: int, setup: TransportSetup, lab: Any = None) -> 
 
     env = {**os.environ, "DILOCO_SECRET": secrets.token_urlsafe(32), "OMP_NUM_THREADS": "1"}
     run_id = f"transport-{secrets.token_hex(3)}"
-    timing = ["--compression", "fp32", "--wait-for", str(peers), "--gather-timeout", "120", "--round-timeout", "600",
-              "--direct" if setup.direct else "--no-direct"]
+    timing = peer_flags(peers, setup)
     # a peer may take a round or two before everyone is in; it trains until N peers took `rounds` together
     args = ["--params", str(params), "--rounds", str(setup.rounds + 2), "--inner-steps", str(setup.inner_steps)]
     with tempfile.TemporaryDirectory(prefix="diloco-bench-transport-") as tmp:

@@ -1112,6 +1112,8 @@ def bench_transport_cmd(
     delay_ms: float = typer.Option(25.0, help="Emulated WAN: one-way delay, ms."),
     direct: bool = typer.Option(True, "--direct/--no-direct", help="The peers' rounds on the direct data plane (the "
                                 "default), or every byte through libp2p (--no-direct)."),
+    data_streams: int = typer.Option(SwarmConfig().data_streams, help="Direct connections a peer opens to one member "
+                                     "at most (the peers' --data-streams)."),
     json_path: Optional[Path] = ReportJson,
 ) -> None:
     """A round's goodput over the swarm's transport: N real peers on loopback against a plain TCP copy of the
@@ -1125,13 +1127,13 @@ def bench_transport_cmd(
     loopback, wan = part != "wan", part != "loopback"  # the parts that run: only their options are checked
     sizes = [*(peers if loopback else []), *(wan_peers if wan else [])]
     payloads = [*(payload_mb if loopback else []), *([wan_payload_mb] if wan else [])]
-    if rounds < 1 or any(n < 2 for n in sizes) or any(mb <= 0 for mb in payloads):
-        _fail("--rounds must be >= 1, every --peers/--wan-peers >= 2 and every payload > 0")
+    if rounds < 1 or any(n < 2 for n in sizes) or any(mb <= 0 for mb in payloads) or data_streams < 1:
+        _fail("--rounds must be >= 1, every --peers/--wan-peers >= 2, every payload > 0 and --data-streams >= 1")
     if wan and (rate_mbit <= 0 or delay_ms < 0):
         _fail("--rate-mbit must be > 0 and --delay-ms >= 0")
     setup = TransportSetup(peers=tuple(peers), payload_mb=tuple(payload_mb), rounds=rounds, wan=wan,
                            loopback=loopback, wan_peers=tuple(wan_peers), wan_payload_mb=wan_payload_mb,
-                           rate_mbit=rate_mbit, delay_ms=delay_ms, direct=direct)
+                           rate_mbit=rate_mbit, delay_ms=delay_ms, direct=direct, data_streams=data_streams)
     result = run(setup, say=lambda text: typer.echo(text, err=True))
     typer.echo(markdown(result))
     if json_path:

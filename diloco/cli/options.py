@@ -229,7 +229,7 @@ class PeerOptions(Group):
     data_port: int = option(0, help="TCP port of the data plane (0: any free port).")
     data_announce: str = option("", help="host:port others should dial for the data port (behind NAT: the "
                                          "forwarded port); default: the --announce host, else where it listens.")
-    data_streams: int = option(4)
+    data_streams: int = option(_SWARM.data_streams)
     address_file: Optional[Path] = option(None, help="Write this peer's addresses to this file once up.")
     status_file: Optional[Path] = option(None, help="Keep this peer's status here (the demo reads it).", hidden=True)
     max_restarts: int = option(0, help="With `-- CMD`: start the command again this many times if it fails (it "
