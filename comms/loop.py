@@ -23,7 +23,14 @@ class LoopThread:
 
     def _main(self) -> None:
         asyncio.set_event_loop(self.loop)
-        self.loop.run_forever()
+        try:
+            self.loop.run_forever()
+        finally:  # stopped (`stop`): release the loop's selector and its self-pipe, as `asyncio.run` does
+            try:
+                self.loop.run_until_complete(self.loop.shutdown_asyncgens())
+            except Exception:  # noqa: BLE001 - closing must never fail
+                pass
+            self.loop.close()
 
     def run(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
         future: concurrent.futures.Future[T] = asyncio.run_coroutine_threadsafe(coro, self.loop)
