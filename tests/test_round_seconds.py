@@ -62,8 +62,10 @@ def test_adaptive_rounds_last_h_steps_of_the_fastest_worker_and_the_others_train
     assert slow < 0.5 * fast, covered  # not H of its own: the round did not wait for it
     seconds = [d.engine.pace.slot_seconds for d in ds]  # every worker's span: H/P steps of the fastest
     assert max(seconds) < 2 * min(seconds), seconds
-    step = ds[0].engine.pace.step_seconds
-    assert seconds[2] == pytest.approx(h_steps / fragments * step, rel=0.5), (seconds, step)
+    # against the fastest worker's step time as it published it (what the others' spans are planned from), not its
+    # estimate at the end: on a loaded machine that one moved 2x after the last plan (0.031 s against a span of 0.34 s)
+    step = ds[0].engine.pace.published
+    assert step is not None and seconds[2] == pytest.approx(h_steps / fragments * step, rel=0.5), (seconds, step)
 
 
 def _train_unequal(rounds: int, *, streaming: StreamingConfig | None = None, compression: str | None = None,
