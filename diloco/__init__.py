@@ -9,7 +9,11 @@ hivemind peer-to-peer swarm and apply them with an outer Nesterov optimizer. See
         ...  # your loop, unchanged
 """
 
-from . import credentials
+from .hivemind_lean import register as _lean_hivemind
+
+_lean_hivemind()  # first: before anything below imports a hivemind module
+
+from . import credentials  # noqa: E402
 from .accounting import Usage
 from .comms.hello import HandshakeError
 from .compression.errors import ConfigError, DiLoCoError, SpecError, UsageError
