@@ -87,8 +87,10 @@ def test_a_straggler_costs_one_deadline_then_rejoins_when_healthy():
     fast = out[0].reports
     assert last and {d.round for d in out.values()} == {last[0]}, (last, [d.round for d in out.values()])
     assert len({out[0].digest, out[1].digest, out[2].digest}) == 1
-    waited_out = [r for r in fast if r.committed and r.seconds >= GATHER * 0.9]
-    assert len(waited_out) <= 1, [(r.round, r.peers, round(r.seconds, 2)) for r in fast]  # one deadline at most
+    # one deadline at most: the rounds whose gather waited it out (a round can take that long on a starved machine
+    # without waiting for anyone: its encoding and exchange)
+    waited_out = [r for r in fast if r.committed and r.phases["gather"] >= GATHER * 0.9]
+    assert len(waited_out) <= 1, [(r.round, r.peers, round(r.seconds, 2), r.phases) for r in fast]
     sick_rounds = [r for r in fast if r.committed and 5 <= r.round <= 9]
     assert sick_rounds and all(r.peers == 2 for r in sick_rounds)  # they went on without it
     healed = [(r.round, r.committed, r.peers, r.reason[:60]) for r in out[2].reports if r.round > 10]
