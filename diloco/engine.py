@@ -352,7 +352,8 @@ class RoundEngine:
         tau, pace = self.streaming.overlap, self.pace
         if tau == 0 or pace is None or self.overlapped:
             return tau
-        return self.link.agree(lambda: scaled_overlap(tau, pace.step_seconds, pace.others(), pace.bound))
+        return self.link.agree(lambda: scaled_overlap(tau, pace.step_seconds, pace.others(), pace.bound,
+                                                      pace.slot_seconds))
 
     def start_exchange(self, frag: Fragment, delta: torch.Tensor | list[torch.Tensor], started: float) -> _Pending:
         """Send `delta` (Δ of `frag`) on its round, in the background; it is due τ steps later (or at the next

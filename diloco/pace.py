@@ -57,15 +57,24 @@ def adaptive_seconds(steps: float, own: float, others: Sequence[float], bound: f
     return steps * fastest
 
 
-def scaled_overlap(tau: int, own: float | None, others: Sequence[float], bound: float) -> int:
+def scaled_overlap(tau: int, own: float | None, others: Sequence[float], bound: float,
+                   span_seconds: float = 0.0) -> int:
     """τ in a worker's own steps with rounds by time: a round's exchange takes as long for every worker, so τ counts
     steps of the swarm's fastest worker, and a worker k times as slow applies the round τ/k of its own steps after its
     slot (at least one; τ itself while its pace is unknown). Counting τ in every worker's own steps instead, a slow
     worker would train past most of its span before applying the round, and with α = 0 drop those steps from its Δ:
     at 4× slower and τ near its steps a round, its weight fell to a tenth of the fastest's, under the weight bound's
-    floor (docs/BENCHMARKS.md, "Workers of unequal speed")."""
+    floor (docs/BENCHMARKS.md, "Workers of unequal speed").
+
+    Before any other worker's step time is known (their records not read yet: the first rounds, or every round when
+    rounds are short beside the heartbeat) we may be the slowest, so τ takes at most half of our span of
+    `span_seconds` (0: unknown): τ of our own steps took a slow worker's whole span, its Δ covered one step, and the
+    fastest worker's honest Δ was refused as overweight (tests/test_round_seconds.py,
+    `test_a_slow_worker_that_knows_no_other_pace_yet_keeps_half_its_span`)."""
     if tau <= 0 or own is None or not own > 0:
         return tau
+    if not others:
+        return max(1, min(tau, int(span_seconds / (2 * own)))) if span_seconds > 0 else tau
     fastest = adaptive_seconds(1, own, others, bound)
     return max(1, min(tau, round(tau * fastest / own)))
 

@@ -15,7 +15,8 @@ import torch
 from diloco import DiLoCo
 from diloco.compression.errors import ConfigError
 from diloco.fragments import StreamingConfig
-from diloco.pace import Pace, adaptive_seconds, planned_steps
+from diloco.member import Member
+from diloco.pace import Pace, adaptive_seconds, planned_steps, scaled_overlap
 
 from test_swarm_inproc import CFG, Harness, _batches, _mlp, _run_threads
 
@@ -43,6 +44,30 @@ def test_workers_of_unequal_speed_each_train_until_the_slot_and_end_on_one_diges
     assert [d.swarm.collective.robust_events["overweight"] for d in ds] == [0, 0, 0], covered
     assert sum(covered[0]) > 2 * sum(covered[2]), covered  # the fast worker's Δ counts more steps, and counts more
     assert shown[0]["w0"] == covered[0][-1] and all(n is not None and n >= 1 for n in shown[0].values()), shown
+
+
+@pytest.mark.timeout(120)
+def test_a_slow_worker_that_knows_no_other_pace_yet_keeps_half_its_span(monkeypatch):
+    """τ = 8 with no other worker's step time ever read (as in the first rounds, before the records arrive): the
+    slowest worker (40 ms a step, 0.5 s spans) may not spend τ of its own steps, most of its span, before applying
+    the round and (α = 0) dropping them from its Δ: its Δ covered 4 steps against the fastest's 34, and the fastest
+    worker's honest Δ was refused as overweight. It applies the round within half its span instead."""
+    monkeypatch.setattr(Member, "step_seconds_of_others", lambda self: [])
+    ds, covered, _ = _train_unequal(ROUNDS, streaming=StreamingConfig(overlap=8), round_seconds=0.5)
+    assert [d.swarm.collective.robust_events["overweight"] for d in ds] == [0, 0, 0], covered
+    assert all(c >= 5 for c in covered[2][1:]), covered  # about half a span of 40 ms steps: 6
+
+
+@pytest.mark.parametrize(("tau", "own", "others", "span", "expected"), [
+    (8, 0.04, [0.01], 0.5, 2),  # steps of the fastest worker: a quarter of ours
+    (8, 0.04, [], 0.5, 6),  # nobody else known: at most half of our span (0.25 s of 40 ms steps)
+    (8, 0.01, [], 0.5, 8),  # ... which τ fits in
+    (8, 0.04, [], 0.0, 8),  # the span unknown too: τ itself
+    (8, 0.5, [], 0.5, 1),  # at least one step
+    (8, None, [0.01], 0.5, 8),  # our own pace unknown
+])
+def test_scaled_overlap(tau, own, others, span, expected):
+    assert scaled_overlap(tau, own, others, 8.0, span) == expected
 
 
 @pytest.mark.timeout(120)
