@@ -1,8 +1,8 @@
 """Import hivemind's peer-to-peer and DHT layers without the rest of hivemind.
 
 hivemind's package ``__init__`` imports its averager, mixture-of-experts and optimizer, and with them scipy: about
-0.8 CPU-seconds of every process that imports any hivemind module (measured on the 2-core CI machine, docs/BENCHMARKS.md
-"The test suite"). diloco uses only ``hivemind.p2p``, ``hivemind.dht`` and ``hivemind.utils``.
+1 CPU-second of every process that imports any hivemind module (5.4 against 4.4 CPU-s for diloco's imports on the
+2-core CI machine, docs/BENCHMARKS.md "The test suite"). diloco uses only ``hivemind.p2p``, ``hivemind.dht`` and ``hivemind.utils``.
 
 ``register()`` puts the package in ``sys.modules`` without running its ``__init__``, so importing those submodules
 imports only what they need. The first attribute read from the package itself (``hivemind.DHT``,
