@@ -97,10 +97,20 @@ def _remove(paths: Iterable[str | None]) -> None:
                 os.remove(path)
 
 
+DAEMON_ENV = {"LIBP2P_TCP_REUSEPORT": "false"}
+"""The daemon dials from a port of its own for each connection, not from its listening port (libp2p's default, for
+NAT hole punching, which we do not do). With the listening port, a member dialing a peer that takes no inbound
+connection (its SYNs dropped: the socket waits in SYN_SENT, retrying) and that peer dialing the member back use the
+same address pair: TCP opens one connection both ways, both daemons act as its dialer, and the security handshake
+fails ("noise: message is too short"), again at every retry while the member's own dial waits. The peer behind the
+NAT stayed unreachable from that member, whose rounds then closed other views than the others'
+(tests/test_multiproc.py, `no_inbound`; tests/test_discovery.py checks the port)."""
+
+
 @contextmanager
 def _daemon_in_own_session() -> Iterator[list[tuple[asyncio.subprocess.Process, list[str]]]]:
-    """Start hivemind's p2pd in a session of its own. Ctrl-C in a terminal sends SIGINT to the whole
-    foreground process group, and p2pd installs its own SIGINT handler and exits at once, so the peer
+    """Start hivemind's p2pd in a session of its own, with `DAEMON_ENV`. Ctrl-C in a terminal sends SIGINT to the
+    whole foreground process group, and p2pd installs its own SIGINT handler and exits at once, so the peer
     could not announce that it leaves; in its own session only we stop it (and our reaper, if we die).
     hivemind offers no hook for this, so its subprocess call is wrapped while the daemon starts.
     Yields the list of daemons started, so a start that fails can clean up after them."""
@@ -108,7 +118,8 @@ def _daemon_in_own_session() -> Iterator[list[tuple[asyncio.subprocess.Process, 
     spawned: list[tuple[asyncio.subprocess.Process, list[str]]] = []
 
     async def spawn(*args: Any, **kwargs: Any) -> asyncio.subprocess.Process:
-        proc = await real(*args, **{**kwargs, "start_new_session": True})
+        env = {**(kwargs.get("env") or os.environ), **DAEMON_ENV}
+        proc = await real(*args, **{**kwargs, "start_new_session": True, "env": env})
         spawned.append((proc, [str(a) for a in args]))
         return proc
 

@@ -129,3 +129,29 @@ def test_a_stranger_dialing_a_member_learns_no_other_member_and_a_swarm_joined_i
         group.kill_all()
     assert seen & members == {group.address(0).rsplit("/p2p/", 1)[1]}, seen
     assert codes == [0, 0, 0]
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(120)
+def test_a_daemon_dials_from_a_port_of_its_own_not_from_the_one_it_listens_on():
+    """With libp2p's default (dialing from the listening port) a peer behind a NAT and a member dialing it at once
+    open one TCP connection both ways, and the security handshake fails on it (comms/p2p.py, `DAEMON_ENV`). The
+    connection A opens reaches B from another port than A's listening one."""
+    from diloco.comms.introduce import connect
+    from diloco.comms.p2p import P2PTransport
+
+    async def run() -> tuple[int, set[int]]:
+        a = await P2PTransport.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+        b = await P2PTransport.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+        try:
+            listening = {int(str(m).split("/tcp/")[1].split("/")[0]) for m in await a.p2p.get_visible_maddrs()}
+            await connect(a.p2p, b.p2p.peer_id.to_base58(), [str(m) for m in await b.p2p.get_visible_maddrs()], 10)
+            seen = [info for info in await b.p2p.list_peers() if info.peer_id == a.p2p.peer_id]
+            assert seen, "B does not list A's connection"
+            return listening.pop(), {int(str(m).split("/tcp/")[1].split("/")[0]) for m in seen[0].addrs}
+        finally:
+            await a.close()
+            await b.close()
+
+    listening, dialed_from = asyncio.run(run())
+    assert dialed_from and listening not in dialed_from, (listening, dialed_from)
