@@ -27,16 +27,26 @@ def register() -> None:
     if spec is None or spec.loader is None or spec.submodule_search_locations is None:
         return  # not installed (an import of it fails as it would have) or not a package
     package = importlib.util.module_from_spec(spec)
+    running: list[int] = []  # the thread running the package's __init__ (while it runs)
 
     def complete(name: str) -> object:
         submodule = sys.modules.get(f"hivemind.{name}")
         if submodule is not None:  # `import hivemind.p2p.x as y` inside hivemind.p2p, before p2p is bound to the package
             return submodule
-        with _lock:
+        with _lock:  # other threads wait here while one runs the __init__
+            if running and running[0] == threading.get_ident():
+                raise AttributeError(name)  # a read inside the __init__: the name is not there yet, as in any import
             if package.__dict__.get("__getattr__") is complete:
-                del package.__dict__["__getattr__"]  # before running it: a read inside the __init__ must not loop
-                spec.loader.exec_module(package)  # type: ignore[union-attr]
-        return getattr(package, name)
+                running.append(threading.get_ident())
+                try:
+                    spec.loader.exec_module(package)  # type: ignore[union-attr]
+                finally:
+                    running.clear()
+                del package.__dict__["__getattr__"]  # only once it ran: one that failed runs again at the next read
+        try:
+            return package.__dict__[name]
+        except KeyError:
+            raise AttributeError(f"module 'hivemind' has no attribute {name!r}") from None
 
     package.__getattr__ = complete  # type: ignore[method-assign]
     sys.modules["hivemind"] = package

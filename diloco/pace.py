@@ -28,7 +28,7 @@ and workers that leave a round together reach the next slot together.
 
 - **Overlap τ** (`--overlap`) counts steps of the fastest worker too (`scaled_overlap`): a worker k times as slow
   applies a round τ/k of its own steps after its slot, so every worker applies it about the same time after the
-  slot, as long as the exchange takes on the link.
+  slot, as long as the exchange takes on the link. While it knows no other worker's step time, at most half its span.
 
 The pace decides only where the slots fall (and when a round applies); what a worker's pseudo-gradient weighs (the
 inner steps it covers) is the engine's (`RoundEngine`).
@@ -66,8 +66,8 @@ def scaled_overlap(tau: int, own: float | None, others: Sequence[float], bound: 
     at 4× slower and τ near its steps a round, its weight fell to a tenth of the fastest's, under the weight bound's
     floor (docs/BENCHMARKS.md, "Workers of unequal speed").
 
-    Before any other worker's step time is known (their records not read yet: the first rounds, or every round when
-    rounds are short beside the heartbeat) we may be the slowest, so τ takes at most half of our span of
+    Whenever no other worker's step time is known (their records not read yet: the first rounds, or every round when
+    rounds are short beside the heartbeat; a worker alone) we may be the slowest, so τ takes at most half of our span of
     `span_seconds` (0: unknown): τ of our own steps took a slow worker's whole span, its Δ covered one step, and the
     fastest worker's honest Δ was refused as overweight (tests/test_round_seconds.py,
     `test_a_slow_worker_that_knows_no_other_pace_yet_keeps_half_its_span`)."""

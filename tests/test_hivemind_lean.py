@@ -32,3 +32,23 @@ def test_diloco_imports_hivemind_p2p_and_dht_without_its_averager_and_the_packag
 def test_hivemind_imported_before_diloco_is_left_as_it_is():
     out = run("import hivemind, diloco, sys\nprint('__getattr__' in vars(hivemind), 'scipy' in sys.modules)")
     assert out == "False True"
+
+
+def test_a_package_init_that_failed_runs_again_at_the_next_read_and_its_error_is_the_real_one():
+    """As a failed import would: the error reaches the reader, and the next read runs the package's __init__ again
+    (here it fails once: its first submodule import raises)."""
+    out = run("import sys, diloco, builtins\n"
+              "real, calls = builtins.__import__, []\n"
+              "def flaky(name, *a, **k):\n"
+              "    if name == 'hivemind.averaging' and not calls:\n"
+              "        calls.append(name)\n"
+              "        raise ImportError('averaging is broken once')\n"
+              "    return real(name, *a, **k)\n"
+              "builtins.__import__ = flaky\n"
+              "import hivemind\n"
+              "try:\n"
+              "    hivemind.DHT\n"
+              "except ImportError as e:\n"
+              "    print('first:', e)\n"
+              "print('second:', hivemind.DHT.__name__)\n")
+    assert out.splitlines() == ["first: averaging is broken once", "second: DHT"]
