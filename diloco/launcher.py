@@ -9,6 +9,8 @@ addresses), hands them to the command in its environment (`diloco.environment`),
 - a command that fails is started again, up to `--max-restarts` times. The new process keeps the
   site's peer id (an identity file) and listening port, rejoins through the members the old one
   last knew, and downloads the swarm's state (or resumes from `--checkpoint-dir`);
+- its command's processes get glibc's malloc asking for transparent huge pages for large buffers
+  (`diloco.hostmem`), so a round does not fault its buffers in 4 KiB at a time;
 - nothing outlives it, even when it is SIGKILLed: every process of the launch (torchrun, its ranks,
   their p2pd daemons) carries `DILOCO_LAUNCH_ID`, and a reaper process that the launcher's death
   wakes takes them all down (`diloco.peers.reaper`).
@@ -33,6 +35,7 @@ from typing import Any, Callable, Sequence
 
 from .compression.errors import DiLoCoError
 from .environment import LAUNCH_ID, Launch
+from .hostmem import with_huge_pages
 from .lines import read_lines
 from .peers.reaper import Reaper, kill_tagged
 
@@ -144,7 +147,7 @@ class Supervisor:
             reaper.close()  # sweeps whatever of the launch is still running
 
     def _run_once(self, launch: Launch) -> int:
-        env = {k: v for k, v in os.environ.items() if k != "DILOCO_SECRET"}  # the secret travels as a file
+        env = with_huge_pages({k: v for k, v in os.environ.items() if k != "DILOCO_SECRET"})  # the secret: a file
         env.update(launch.to_env())
         env[LAUNCH_ID] = self.token
         self._proc = subprocess.Popen(self.command, env=env, start_new_session=True)

@@ -28,6 +28,7 @@ from safetensors.torch import load_file
 from cli_util import invoke, refuse_to_start
 
 from diloco.environment import LAUNCH_ID
+from diloco.hostmem import TUNABLE, VARIABLE
 from diloco.launcher import PORTS_FROM, ephemeral_ports, free_port
 
 SCRIPT = str(Path(__file__).resolve().parent.parent / "examples" / "ddp_train.py")
@@ -282,6 +283,8 @@ def test_sigkill_of_a_launcher_leaves_no_process_behind(sites):
     for proc in before:  # the secret is in no process's command line or environment, only in a 600 file
         assert secret not in " ".join(proc.cmdline()) and secret not in "".join(proc.environ().values())
     secret_file = Path(before[0].environ()["DILOCO_SECRET_FILE"])
+    for proc in before:  # glibc's malloc asks for huge pages in every process of the launch (diloco/hostmem.py)
+        assert f"{TUNABLE}=1" in proc.environ().get(VARIABLE, "").split(":"), (proc.name(), proc.environ().get(VARIABLE))
     assert secret_file.stat().st_mode & 0o077 == 0 and secret_file.read_text().strip() == secret
     sites.procs[0].send_signal(signal.SIGKILL)
     deadline = time.monotonic() + 20

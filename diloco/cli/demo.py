@@ -27,6 +27,7 @@ from typing import Any
 
 from ..bench.procmem import family_rss_mib
 from ..config import ConfigError, SwarmConfig
+from ..hostmem import with_huge_pages
 from ..job.train import JobConfig
 from ..metrics import read_jsonl, read_status
 from ..progress import Reporter
@@ -92,7 +93,7 @@ def _spawn(cmd: list[str], log_path: Path, secret: str) -> subprocess.Popen[byte
     """A peer process; the swarm secret travels in its environment, never on its command line."""
     log = open(log_path, "wb")
     return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1", "DILOCO_SECRET": secret})
+                            env={**with_huge_pages(os.environ), "PYTHONUNBUFFERED": "1", "DILOCO_SECRET": secret})
 
 
 def _stop_all(procs: list[subprocess.Popen[bytes]], grace: float = 15.0) -> None:
