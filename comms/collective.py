@@ -332,8 +332,9 @@ class Collective:
         """Members of our view that closed another view of this round (see `RoundState.elsewhere`)."""
         return sorted(r.rs.elsewhere & set(r.view))
 
-    def _contribution(self, body: bytes | memoryview, decoded: Decoded, weight: int = 1) -> Contribution:
-        return Contribution(order_key(body), decoded, bytes(body) if self.pipeline.sparse else None, weight)
+    def _contribution(self, body: bytes | memoryview, decoded: Decoded, weight: int = 1,
+                      crc: int | None = None) -> Contribution:
+        return Contribution(order_key(body, crc), decoded, bytes(body) if self.pipeline.sparse else None, weight)
 
     def _encode(self, handoff: Handoff, bounds: list[tuple[int, int]], round_: int) -> list[bytes]:
         # after this, the round holds Δ only as its encoded spans (a poisoning plan scales each span first)
@@ -933,7 +934,7 @@ class Collective:
                 rs.refused.setdefault(header.span, set()).add(caller)
                 rs.changed.set()
                 raise
-            bucket[caller] = self._contribution(body, decoded, weight)
+            bucket[caller] = self._contribution(body, decoded, weight, crc=header.crc32)  # unpack verified it
             rs.changed.set()
             return msg.ack(run=self.run_id, sender=self.me)
         except PayloadRejected as e:
@@ -958,7 +959,7 @@ class Collective:
                 tensor = self._into_aggregate(rs, header.span, tensor)
             rs.results[(header.view, header.span)] = (caller, tensor, idx)
             rs.marked[(header.view, header.span)] = marked
-            rs.frames[(header.view, header.span)] = bytes(data)
+            rs.frames[(header.view, header.span)] = data  # ours to keep (`Handler`): no copy
             rs.changed.set()
             return msg.ack(run=self.run_id, sender=self.me)
         except PayloadRejected as e:

@@ -8,30 +8,35 @@
   Equal weights take the unweighted path, so a swarm of equal workers computes exactly what it did without.
 
 Every peer that holds the same inputs in the same order computes bit-identical outputs. The order
-is canonical: contributions are summed sorted by a hash of their encoded bytes, not by who sent
+is canonical: contributions are summed sorted by the CRC-32 of their encoded bytes (the checksum their
+frame carries and the receiver verified already: no pass of its own over the bytes), not by who sent
 them, so a run's numbers depend only on its data and seeds, not on the random peer ids that
-order a view (float addition is not associative).
+order a view (float addition is not associative). Equal keys (the same bytes, or a 1-in-2^32 collision)
+keep the view's order, which every member of the view shares: the order is the same on every peer even
+then. The key orders a sum; it guards nothing (the frame's CRC-32 and the transport's authentication do).
 """
 
 from __future__ import annotations
 
+import struct
+import zlib
 from typing import Sequence
-
-import hashlib
 
 import torch
 
 from diloco.compression.pipeline import Decoded
 
 
-def order_key(payload: bytes | memoryview) -> bytes:
-    """Where an encoded contribution goes in the summation order: the BLAKE2b digest of its bytes (an owner
-    keeps this, not the bytes, of a dense contribution once decoded)."""
-    return hashlib.blake2b(payload, digest_size=16).digest()
+def order_key(payload: bytes | memoryview, crc: int | None = None) -> bytes:
+    """Where an encoded contribution goes in the summation order: the CRC-32 of its bytes (`crc` when the frame's
+    verified checksum of them is at hand) and their length. An owner keeps this, not the bytes, of a dense
+    contribution once decoded."""
+    return struct.pack(">IQ", zlib.crc32(payload) if crc is None else crc, memoryview(payload).nbytes)
 
 
 def summation_order(keys: Sequence[bytes]) -> list[int]:
-    """Indices of contributions sorted by their `order_key`s `keys`: the summation order."""
+    """Indices of contributions sorted by their `order_key`s `keys`: the summation order (equal keys keep their
+    order in `keys`, the view's)."""
     return sorted(range(len(keys)), key=keys.__getitem__)
 
 

@@ -109,7 +109,7 @@ class Contribution:
     """One member's contribution to a span we own, as the reduce needs it."""
 
     order: bytes
-    """`reduce.order_key` of its encoded bytes: its place in the summation order."""
+    """`reduce.order_key` of its encoded bytes (their CRC-32 and length): its place in the summation order."""
     decoded: Decoded
     body: bytes | None
     """The encoded bytes, kept only where the result bundles them (sparse pipelines): a dense one would

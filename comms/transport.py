@@ -27,6 +27,8 @@ if TYPE_CHECKING:
 
 PeerId = NewType("PeerId", str)
 Handler = Callable[[PeerId, bytes], Awaitable[bytes]]
+"""A named call's handler: (caller, request) -> reply. The request is the handler's to keep (`bytes`, or a
+`bytearray` the transport filled for this call alone and holds no more)."""
 
 
 class TransportError(DiLoCoError):

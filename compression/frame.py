@@ -65,8 +65,9 @@ from .errors import PayloadRejected, Reason
 __all__ = ["MAGIC", "PROTOCOL_VERSION", "DEFAULT_MAX_HEADER", "MetaValue", "Header", "pack", "unpack"]
 
 MAGIC: Final[bytes] = b"DLC1"
-PROTOCOL_VERSION: Final[int] = 5  # 2: schema and fragment; 3: signed directory records; 4: rounds decide by quorum;
-# 5: views name their members' incarnations (a peer restarted mid-round is another member)
+PROTOCOL_VERSION: Final[int] = 6  # 2: schema and fragment; 3: signed directory records; 4: rounds decide by quorum;
+# 5: views name their members' incarnations (a peer restarted mid-round is another member); 6: contributions are
+# summed in the order of their CRC-32s (`diloco.comms.reduce`), not of their BLAKE2b digests
 DEFAULT_MAX_HEADER: Final[int] = 64 * 1024
 
 _PREFIX: Final[struct.Struct] = struct.Struct("<4sBI")  # magic, version, header length
