@@ -727,17 +727,23 @@ class Collective:
         outliers = self._judge([senders[i] for i in order], combined.norms, r.key)
         marked = tuple(sorted(r.view.index(p) for p in (outliers | refused) if p in r.view))
         r.rs.marked[(r.rs.vid, span)] = marked
+        exact = None  # the result's values as every member decodes them, when that is the mean itself
+        body: bytes | memoryview
         if self.pipeline.sparse:  # every member combines the bundle itself, the same way
             body = msg.pack_bundle([(i, got[p].body or b"") for i, p in zip(idx, senders)])
             kind = "bundle"
         else:
-            body = self.mean_pipeline.encode(combined.values)
+            # fp32: the mean's own bytes (the frame below copies them) decode to the mean, bit for bit
+            exact = combined.values if self.mean_pipeline.exact else None
+            body = self.mean_pipeline.encode_view(combined.values)
             kind = "mean"
         del combined, got  # the span's contributions are not needed past its result
         r.rs.contribs.pop((r.rs.vid, span), None)
         self.faults.hit("reduce", r.key.round)
-        result = self._into_aggregate(r.rs, span, self._decode_result(kind, memoryview(body), numel, idx,
-                                                                      weights if weighted else None))
+        if exact is not None:
+            self._admit(Decoded(None, exact), "result")
+        result = self._into_aggregate(r.rs, span, exact if exact is not None else self._decode_result(
+            kind, memoryview(body), numel, idx, weights if weighted else None))
         r.rs.results[(r.rs.vid, span)] = (self.me, result, idx)
         if self.pipeline.spec.ef is None:
             r.own.pop(span, None)  # our decoded contribution is needed past here only for error feedback
@@ -771,14 +777,16 @@ class Collective:
         return RoundOutcome(key, True, reason, value.view, aggregate, contributors, sent, offenders, spent,
                             value_id=value.vid, value=value if lean else None)
 
-    def value_spans(self, value: Value) -> Iterator[tuple[int, int, torch.Tensor]]:
+    def value_spans(self, value: Value, into: torch.Tensor | None = None) -> Iterator[tuple[int, int, torch.Tensor]]:
         """(lo, hi, Δ̄[lo:hi]) for every span of a committed `value`, decoded from its result frames one at a
-        time: the bytes every member applies (a lean round's `RoundOutcome.value`)."""
+        time: the bytes every member applies (a lean round's `RoundOutcome.value`). With `into` (Δ̄'s size), each
+        span is decoded into `into[lo:hi]`, which is what it yields."""
         for (lo, hi), frame, (owner, _, _) in zip(self._bounds(value.numel, len(value.view)), value.frames,
                                                   value.results):
             header, body, _ = msg.decode(frame, run=self.run_id, kind=msg.RESULT, caller=owner,
                                          max_body=self.cfg.max_payload, schema=self.schema)
-            yield lo, hi, self._parse_result(header, body, len(value.view))[2]
+            yield lo, hi, self._parse_result(header, body, len(value.view),
+                                             into[lo:hi] if into is not None else None)[2]
 
     def _frame(self, kind: str, key: RoundKey, **fields: Any) -> bytes:
         fragment = self._rounds[key].fragment if key in self._rounds else 0
@@ -812,11 +820,12 @@ class Collective:
         return torch.cat(tensors)
 
     def _decode_result(self, kind: str, body: memoryview, numel: int, idx: tuple[int, ...],
-                       weights: list[int] | None = None) -> torch.Tensor:
-        """The span's aggregate from a result body (a bundle's payloads weighed by `weights`, in `idx`'s order);
-        identical on every peer for identical bytes."""
+                       weights: list[int] | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The span's aggregate from a result body (a bundle's payloads weighed by `weights`, in `idx`'s order),
+        written into `out` when given (numel values); identical on every peer for identical bytes."""
         if kind == "mean" and not self.pipeline.sparse:
-            values = self.mean_pipeline.decode(body, numel).dense(numel)
+            values = self.mean_pipeline.decode(body, numel).dense(numel) if out is None or out.numel() != numel \
+                else self.mean_pipeline.decode_into(body, numel, out)
         elif kind == "bundle" and self.pipeline.sparse:
             items = msg.unpack_bundle(body, max_items=1 << 15)
             if tuple(i for i, _ in items) != idx:
@@ -828,6 +837,8 @@ class Collective:
                 self._admit(part, "a bundled contribution")
             values = robust.combine(parts, numel, self.cfg.robust,
                                     [weights[i] for i in order] if weights else None).values
+            if out is not None and out.numel() == numel:
+                values = out.copy_(values)
         else:
             raise PayloadRejected(Reason.BAD_DTYPE, f"result kind {kind!r} does not fit pipeline {self.pipeline.name}")
         self._admit(Decoded(None, values), "result")
@@ -965,10 +976,11 @@ class Collective:
         except PayloadRejected as e:
             return self._reject(caller, e)
 
-    def _parse_result(self, header: Header, body: memoryview, members: int | None
+    def _parse_result(self, header: Header, body: memoryview, members: int | None, out: torch.Tensor | None = None
                       ) -> tuple[tuple[int, ...], tuple[int, ...], torch.Tensor]:
         """(contributor indices, marked indices, the span's aggregate) of a result frame; raises
-        PayloadRejected for anything that does not fit a view of `members` (None: not known yet)."""
+        PayloadRejected for anything that does not fit a view of `members` (None: not known yet). With `out`, the
+        aggregate is decoded into it."""
         idx = header.meta.get("contributors")
         if not isinstance(idx, list) or not idx or not all(isinstance(i, int) and i >= 0 for i in idx):
             raise PayloadRejected(Reason.BAD_HEADER, "result needs a non-empty list of contributor indices")
@@ -985,7 +997,8 @@ class Collective:
                                     or not all(_weight_ok(w) for w in weights)):
             raise PayloadRejected(Reason.BAD_HEADER, f"result's weights {weights!r} are not one whole number >= 1 "
                                   "per contributor")
-        tensor = self._decode_result(kind if isinstance(kind, str) else "", body, header.numel, tuple(idx), weights)
+        tensor = self._decode_result(kind if isinstance(kind, str) else "", body, header.numel, tuple(idx), weights,
+                                     out)
         return tuple(idx), tuple(marked), tensor
 
     async def _on_vote(self, caller: PeerId, data: bytes) -> bytes:

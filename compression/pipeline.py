@@ -30,12 +30,15 @@ from __future__ import annotations
 import io
 import os
 import struct
+import sys
 from dataclasses import dataclass
+from typing import Any
 
+import numpy as np
 import torch
 import zstandard
 
-from .codecs import Codec, get_codec
+from .codecs import Codec, byte_view, expect_size, get_codec
 from .errors import PayloadRejected, Reason, SpecError
 from .indexcode import INDEX_CODECS
 from .quant import QUANTIZERS
@@ -186,6 +189,12 @@ class Pipeline:
     def sparse(self) -> bool:
         return self.spec.sparsifier is not None
 
+    @property
+    def exact(self) -> bool:
+        """Whether decoding gives back the very values encoded, bit for bit (finite ones): fp32 values, dense (zstd
+        is lossless)."""
+        return self.spec.value == "fp32" and self.spec.sparsifier is None
+
     def dense_only(self) -> Pipeline:
         """The same value codec and zstd stage without sparsifier or EF (for averaged results)."""
         parts = [self.spec.value] + ([f"zstd:{self.spec.zstd}"] if self.spec.zstd else [])
@@ -214,6 +223,15 @@ class Pipeline:
             idx = randk_select(t.numel(), self.spec.chunk, seed)
             raw = _U64.pack(seed) + self.value.encode(t[idx.to(t.device)].contiguous())
         return self._zc.compress(raw) if self._zc is not None else raw
+
+    def encode_view(self, t: torch.Tensor) -> bytes | memoryview:
+        """`encode(t)`, as a view of `t`'s own memory where the encoding is `t`'s bytes themselves (dense fp32 without
+        zstd, a contiguous fp32 tensor in host memory, a little-endian host): valid only while `t` is unchanged."""
+        if self.exact and not self.spec.zstd and sys.byteorder == "little" and t.device.type == "cpu" \
+                and t.dtype == torch.float32 and t.is_contiguous():
+            array: Any = t.detach().reshape(-1).numpy()  # shares the tensor's storage
+            return memoryview(array).cast("B")
+        return self.encode(t)
 
     # ---------------------------------------------------------------------- decode
 
@@ -252,6 +270,18 @@ class Pipeline:
             idx = randk_select(numel, self.spec.chunk, seed)
             values = self.value.decode(raw[8:], kept, device)
         return Decoded(idx if device is None else idx.to(device), values)
+
+
+    def decode_into(self, payload: bytes | memoryview, numel: int, out: torch.Tensor) -> torch.Tensor:
+        """`decode(payload, numel).dense(numel)` written into `out` (`numel` fp32 values) and returned: for dense fp32
+        without zstd into host memory, one pass from the payload's bytes and no tensor of its own."""
+        if self.exact and not self.spec.zstd and out.device.type == "cpu" and out.dtype == torch.float32 \
+                and out.is_contiguous() and out.numel() == numel:
+            view = byte_view(payload)
+            expect_size(self.value, view, numel)
+            np.copyto(out.numpy(), np.frombuffer(view, dtype="<f4", count=numel))
+            return out
+        return out.copy_(self.decode(payload, numel).dense(numel))
 
 
 def _decompress(data: memoryview, limit: int) -> bytes:

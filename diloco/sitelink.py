@@ -185,7 +185,6 @@ def decode_value(outcome: RoundOutcome, swarm: Swarm) -> torch.Tensor:
     assert outcome.value is not None
     value, outcome.value = outcome.value, None
     aggregate = torch.empty(value.numel, dtype=torch.float32)
-    for i, (lo, hi, span) in enumerate(swarm.value_spans(value)):
-        aggregate[lo:hi] = span
+    for i, _ in enumerate(swarm.value_spans(value, into=aggregate)):  # each span decoded in place
         value.frames[i] = b""
     return aggregate

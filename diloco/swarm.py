@@ -695,9 +695,10 @@ class Swarm:
         hook runs."""
         self.collective.faults.hit("applied", rnd)
 
-    def value_spans(self, value: Value) -> Iterator[tuple[int, int, torch.Tensor]]:
-        """A lean round's value (`RoundOutcome.value`) decoded span by span: (lo, hi, values)."""
-        return self.collective.value_spans(value)
+    def value_spans(self, value: Value, into: torch.Tensor | None = None) -> Iterator[tuple[int, int, torch.Tensor]]:
+        """A lean round's value (`RoundOutcome.value`) decoded span by span: (lo, hi, values), decoded into
+        `into[lo:hi]` when `into` is given."""
+        return self.collective.value_spans(value, into)
 
     def moved_to(self, rnd: int) -> None:
         """Our state jumped to round `rnd` (downloaded, or resumed from a checkpoint): frames of earlier

@@ -144,3 +144,30 @@ def test_decode_fuzz_rejects_or_returns_valid(spec, data):
     if d.indices is not None:
         assert d.indices.numel() == d.values.numel()
         assert bool((d.indices[1:] > d.indices[:-1]).all()) and (d.indices.numel() == 0 or int(d.indices.max()) < numel)
+
+
+def test_encode_view_is_the_encoding_in_the_tensors_own_memory_where_that_is_the_encoding():
+    t = torch.randn(1000)
+    fp32 = Pipeline("fp32")
+    view = fp32.encode_view(t)
+    assert fp32.exact and isinstance(view, memoryview) and bytes(view) == fp32.encode(t)
+    t[0] = 7.0  # the view is the tensor's memory: valid only while the tensor is unchanged
+    assert bytes(view[:4]) == torch.tensor([7.0]).numpy().tobytes()
+    assert torch.equal(fp32.decode(fp32.encode_view(t), 1000).values, t)  # exact: the very values back
+    for spec in ("q8", "fp32+zstd:3", "topk:8/64+fp32"):  # another encoding: encode's bytes, a copy
+        p = Pipeline(spec)
+        assert not isinstance(p.encode_view(t), memoryview)
+        assert p.exact == (spec == "fp32+zstd:3")
+    assert isinstance(fp32.encode_view(t[::2]), bytes)  # not contiguous: encoded as usual
+
+
+@pytest.mark.parametrize("spec", ["fp32", "q8", "fp32+zstd:3", "topk:8/64+fp32"])
+def test_decode_into_writes_what_decode_gives(spec):
+    t = torch.randn(640)
+    p = Pipeline(spec)
+    payload = p.encode(t)
+    out = torch.full((640,), 5.0)
+    assert p.decode_into(payload, 640, out) is out
+    assert torch.equal(out, p.decode(payload, 640).dense(640))
+    with pytest.raises(PayloadRejected):
+        p.decode_into(payload[:-4] if spec == "fp32" else b"\x00" * 7, 640, out)  # a payload that does not fit
