@@ -55,6 +55,7 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
 from .identity import Identity, verify
+from .pipe import Pipe, open_pipe, serve_pipes
 from .streamgate import Cut, GateConfig, StreamGate
 from .transport import ByteCounter, CallTimedOut, Handler, PeerId, Transport, TransportError
 
@@ -153,7 +154,7 @@ class Sealer:
         self.aead.encrypt_into(self._nonce(), plain, out[:_LEN.size], out[_LEN.size:_LEN.size + n])
         return _LEN.size + n
 
-    def open(self, head: bytes, sealed: bytes, into: memoryview | None = None) -> bytes:
+    def open(self, head: bytes, sealed: bytes | memoryview, into: memoryview | None = None) -> bytes:
         """The plaintext of a record (`head`: its length prefix), or with `into` written there (returns b"")."""
         try:
             if into is not None:
@@ -170,12 +171,13 @@ class Channel:
     """An established data connection to `peer`: one message out, one back, at a time."""
 
     peer: PeerId
-    reader: asyncio.StreamReader
-    writer: asyncio.StreamWriter
+    pipe: Pipe
     out: Sealer
     into: Sealer
     counter: ByteCounter
     max_message: int
+    _sealed: bytearray | None = field(default=None, repr=False)
+    """Where a message's records land sealed, one after the other (let go after a message of large records)."""
 
     async def send(self, kind: int, name: str, body: bytes | memoryview) -> None:
         view = memoryview(body).cast("B")
@@ -185,20 +187,21 @@ class Channel:
         scratch = memoryview(bytearray(_LEN.size + RECORD + TAG))  # each record sealed here, then queued (a copy)
         for lo in range(first, view.nbytes, RECORD):
             self._write(scratch[:self.out.seal_into(view[lo:lo + RECORD], scratch)])
-            if self.writer.transport.get_write_buffer_size() > 4 * RECORD:
-                await self.writer.drain()
-        await self.writer.drain()
+            if self.pipe.buffered() > 4 * RECORD:
+                await self.pipe.drain()
+        await self.pipe.drain()
 
     def _write(self, record: bytes | memoryview) -> None:
-        self.writer.write(record)  # asyncio sends it or copies what it could not send: `record` may be reused
+        self.pipe.write(record)  # sent, or what the socket did not take copied: `record` may be reused
         self.counter.add(self.peer, sent=len(record))
 
     async def _record(self, limit: int, first: bool = False, into: memoryview | None = None) -> bytes:
         """The next record's plaintext (with `into`: written there, of which it must fill all but `TAG` bytes,
         and b"" returned). A connection closed before a message's first byte raises `IncompleteReadError` (the
-        caller is done); closed anywhere else, the message was cut short."""
+        caller is done); closed anywhere else, the message was cut short. The sealed record lands in `sealed`
+        (the socket's bytes written there by the kernel, `Pipe.read_into`) and is opened from it."""
         try:
-            head = await self.reader.readexactly(_LEN.size)
+            head = await self.pipe.read_exactly(_LEN.size)
         except asyncio.IncompleteReadError as e:
             if first and not e.partial:
                 raise
@@ -209,8 +212,11 @@ class Channel:
                               f"a record of {length} bytes (at most {limit + TAG})")
         if into is not None and length != into.nbytes + TAG:
             raise DataRefused("data_malformed", f"a record of {length} bytes inside a message, not {into.nbytes + TAG}")
+        if self._sealed is None or len(self._sealed) < length:
+            self._sealed = bytearray(length if first else RECORD + TAG)
+        sealed = memoryview(self._sealed)[:length]
         try:
-            sealed = await self.reader.readexactly(length)
+            await self.pipe.read_into(sealed)
         except asyncio.IncompleteReadError:
             raise DataRefused("data_malformed", "a message cut short") from None
         self.counter.add(self.peer, received=_LEN.size + length)
@@ -242,27 +248,28 @@ class Channel:
             size = min(RECORD, length - filled)
             await self._record(size, into=into[filled:filled + size])
             filled += size
+        self._sealed = None  # a record's worth of memory: an idle connection does not keep it
         # the message's own buffer, nobody else's: its reader keeps it, no copy. Typed as bytes for the handlers and
         # callers (`Handler`), which read it as bytes do (through memoryviews, msgpack, hashlib)
         return name, cast(bytes, body)
 
     def close(self) -> None:
-        self.writer.close()
+        self.pipe.close()
 
 
 async def connect(host: str, port: int, peer: PeerId, identity: Identity, data_key: bytes, counter: ByteCounter,
                   max_message: int, timeout: float = HELLO_TIMEOUT) -> Channel:
     """A data connection to `peer` at host:port, its handshake done; raises `TransportError` (a `DataRefused` when
     the other side is not `peer` or does not hold the run's key, or refused ours)."""
-    reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), min(timeout, CONNECT_TIMEOUT))
+    pipe = await asyncio.wait_for(open_pipe(host, port), min(timeout, CONNECT_TIMEOUT))
     try:
         own = X25519PrivateKey.generate()
         hello = client_hello(_public(own), secrets.token_bytes(16), identity.peer_id)
-        writer.write(hello)
-        head = await asyncio.wait_for(reader.readexactly(len(MAGIC) + 32 + 1), timeout)
+        pipe.write(hello)
+        head = await asyncio.wait_for(pipe.read_exactly(len(MAGIC) + 32 + 1), timeout)
         if head[:4] != MAGIC:
             raise DataRefused("data_malformed", f"{host}:{port} does not speak the data protocol")
-        named = await asyncio.wait_for(reader.readexactly(head[-1] + 64 + 32), timeout)
+        named = await asyncio.wait_for(pipe.read_exactly(head[-1] + 64 + 32), timeout)
         server = named[:head[-1]].decode(errors="replace")
         if server != peer:
             raise DataRefused("data_wrong_peer", f"{host}:{port} is {server[:60]}, not {peer}")
@@ -272,22 +279,21 @@ async def connect(host: str, port: int, peer: PeerId, identity: Identity, data_k
         if not hmac.compare_digest(proof, keys.proof(b"S", t)) or not verify(server, _signed("server", t), sig):
             raise DataRefused("data_unauthorized", f"{peer} at {host}:{port} did not prove the run's key and its "
                                                    "identity (another swarm secret or run id?)")
-        writer.write(identity.sign(_signed("client", t)) + keys.proof(b"C", t))
+        pipe.write(identity.sign(_signed("client", t)) + keys.proof(b"C", t))
         counter.add(peer, sent=len(hello) + 96, received=len(head) + len(named))
-        return Channel(peer, reader, writer, Sealer(keys.client_to_server), Sealer(keys.server_to_client), counter,
+        return Channel(peer, pipe, Sealer(keys.client_to_server), Sealer(keys.server_to_client), counter,
                        max_message)
     except BaseException:
-        writer.close()
+        pipe.close()
         raise
 
 
-async def accept(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, identity: Identity, data_key: bytes,
-                 allow: frozenset[str] | None, counter: ByteCounter, max_message: int) -> Channel:
+async def accept(pipe: Pipe, identity: Identity, data_key: bytes, allow: frozenset[str] | None, counter: ByteCounter, max_message: int) -> Channel:
     """The server's side of the handshake (call under a deadline); raises `DataRefused` with the reason."""
-    head = await reader.readexactly(len(MAGIC) + 32 + 16 + 1)
+    head = await pipe.read_exactly(len(MAGIC) + 32 + 16 + 1)
     if head[:4] != MAGIC or head[-1] == 0:
         raise DataRefused("data_malformed", "not a data-protocol hello")
-    caller = (await reader.readexactly(head[-1])).decode(errors="replace")
+    caller = (await pipe.read_exactly(head[-1])).decode(errors="replace")
     hello = head + caller.encode()
     own = X25519PrivateKey.generate()
     me = identity.peer_id.encode()
@@ -296,9 +302,9 @@ async def accept(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, ide
         keys = Keys.derive(own, head[4:36], data_key, t)
     except ValueError:
         raise DataRefused("data_malformed", "an X25519 key that is not one") from None
-    writer.write(MAGIC + _public(own) + bytes([len(me)]) + me + identity.sign(_signed("server", t)) +
+    pipe.write(MAGIC + _public(own) + bytes([len(me)]) + me + identity.sign(_signed("server", t)) +
                  keys.proof(b"S", t))
-    finish = await reader.readexactly(96)
+    finish = await pipe.read_exactly(96)
     if not hmac.compare_digest(finish[64:], keys.proof(b"C", t)):
         raise DataRefused("data_unauthorized", "the caller did not prove the run's key (no key, another secret or "
                                                "run id)")
@@ -308,7 +314,7 @@ async def accept(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, ide
         raise DataRefused("data_not_allowed", f"{caller[:60]} is not on the allowlist")
     peer = PeerId(caller)
     counter.add(peer, received=len(hello) + 96, sent=4 + 32 + 1 + len(me) + 96)
-    return Channel(peer, reader, writer, Sealer(keys.server_to_client), Sealer(keys.client_to_server), counter,
+    return Channel(peer, pipe, Sealer(keys.server_to_client), Sealer(keys.client_to_server), counter,
                    max_message)
 
 
@@ -378,7 +384,7 @@ class DirectTransport:
         self._handlers: dict[str, Handler] = {}
         self._pools: dict[PeerId, _Pool] = {}
         self._unreachable: dict[PeerId, float] = {}
-        self._server: asyncio.AbstractServer | None = None
+        self._server: asyncio.Server | None = None
         self._logged: set[tuple[str, str]] = set()
         self._serving: set[asyncio.Task[None]] = set()
         self._gate = StreamGate(GateConfig(), refused=inner.guard.refused if inner.guard is not None else None)
@@ -396,7 +402,7 @@ class DirectTransport:
 
     async def start(self) -> str:
         """Listen on the data port; returns the address to advertise."""
-        self._server = await asyncio.start_server(self._serve, self.cfg.host, self.cfg.port, limit=1 << 16)
+        self._server = await serve_pipes(self._serve, self.cfg.host, self.cfg.port)
         host, port = self._server.sockets[0].getsockname()[:2]
         host = self.cfg.announce_host or host
         self.address = self.cfg.announce or (f"[{host}]:{port}" if ":" in host else f"{host}:{port}")
@@ -478,11 +484,11 @@ class DirectTransport:
 
     # ------------------------------------------------------------------ serving
 
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def _serve(self, pipe: Pipe) -> None:
         task = asyncio.current_task()
         assert task is not None
         self._serving.add(task)
-        where = writer.get_extra_info("peername")
+        where = pipe.peername()
         caller = f"data:{where[0] if where else '?'}"
         guard = self.guard
         try:
@@ -491,7 +497,7 @@ class DirectTransport:
             try:
                 with self._gate.opening(caller):
                     channel = await asyncio.wait_for(
-                        accept(reader, writer, self.identity, guard.data_key, guard.allow, self.counter,
+                        accept(pipe, self.identity, guard.data_key, guard.allow, self.counter,
                                self.max_message), HELLO_TIMEOUT)
             except asyncio.TimeoutError:
                 self._gate.cut("slow_head", caller, f"no handshake within {HELLO_TIMEOUT:g} s")
@@ -518,7 +524,7 @@ class DirectTransport:
             log.warning("event=data_call_failed peer=%s reason=%s: %s", caller, type(e).__name__, e)
         finally:
             self._serving.discard(task)
-            writer.close()
+            pipe.close()
 
     def _refused(self, reason: str, caller: str, detail: str) -> None:
         """Count a refusal; log it once per caller and reason (a flood logs one line per address)."""

@@ -196,10 +196,10 @@ def test_a_bad_record_from_a_member_is_refused_counted_and_never_reaches_the_han
                 "garbage": [struct.pack(">I", 100) + secrets.token_bytes(100)],
             }[attack]
             for record in records:
-                ch.writer.write(record)
-            await ch.writer.drain()
+                ch.pipe.write(record)
+            await ch.pipe.drain()
             if attack == "truncated":
-                ch.writer.close()
+                ch.pipe.close()
             reason = {"oversized": "data_oversized", "truncated": "data_malformed"}.get(attack, "data_bad_frame")
             for _ in range(50):
                 if p.refused():
