@@ -338,7 +338,8 @@ class Collective:
 
     def _encode(self, handoff: Handoff, bounds: list[tuple[int, int]], round_: int) -> list[bytes]:
         # after this, the round holds Δ only as its encoded spans (a poisoning plan scales each span first)
-        return [self.pipeline.encode(self.faults.outgoing(round_, span)) for span in handoff.spans(bounds)]
+        return [self.pipeline.encode_parts([self.faults.outgoing(round_, part) for part in parts])
+                for parts in handoff.span_parts(bounds)]
 
     async def _decide(self, r: Exchange, value: Value, numel: int, admit: Admit) -> RoundOutcome:
         """Step 4: vote, and commit once the members that accepted `value` form a quorum."""

@@ -311,6 +311,12 @@ class Handoff:
         for lo, hi in bounds:
             yield delta[lo:hi]
 
+    def span_parts(self, bounds: Sequence[tuple[int, int]]) -> Iterator[list[torch.Tensor]]:
+        """`spans`, each as consecutive parts that together are the span (one part here): an encoder may read them
+        without their concatenation (`Pipeline.encode_parts`)."""
+        for span in self.spans(bounds):
+            yield [span]
+
 
 class PiecewiseHandoff(Handoff):
     """A lone peer's Δ, held as consecutive pieces, each its own allocation (`diloco.outer.pseudo_gradient_pieces`):
@@ -329,6 +335,11 @@ class PiecewiseHandoff(Handoff):
         raise RuntimeError("a pseudo-gradient in pieces is read one span at a time (spans), never whole")
 
     def spans(self, bounds: Sequence[tuple[int, int]]) -> Iterator[torch.Tensor]:
+        for parts in self.span_parts(bounds):
+            yield parts[0] if len(parts) == 1 else torch.cat(parts) if parts else torch.empty(0)
+
+    def span_parts(self, bounds: Sequence[tuple[int, int]]) -> Iterator[list[torch.Tensor]]:
+        """Each span as the views of the pieces it covers: a span that crosses pieces is not copied here."""
         if self._pieces is None:
             raise RuntimeError("this pseudo-gradient was already taken by its round")
         pieces, self._pieces = self._pieces, None
@@ -342,7 +353,8 @@ class PiecewiseHandoff(Handoff):
                     break
                 parts.append(piece[max(lo - at, 0):min(hi - at, piece.numel())])
                 at += piece.numel()
-            yield parts[0] if len(parts) == 1 else torch.cat(parts) if parts else torch.empty(0)
+            yield parts
+            del parts  # the pieces a span read are freed as soon as no later span covers them
         pieces.clear()
 
 

@@ -32,7 +32,7 @@ import os
 import struct
 import sys
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 import torch
@@ -224,11 +224,22 @@ class Pipeline:
             raw = _U64.pack(seed) + self.value.encode(t[idx.to(t.device)].contiguous())
         return self._zc.compress(raw) if self._zc is not None else raw
 
+    def encode_parts(self, parts: Sequence[torch.Tensor]) -> bytes:
+        """`encode` of the concatenation of `parts` (1-D): for dense fp32 without zstd in host memory, their bytes
+        joined into the payload, one copy and no concatenated tensor."""
+        if len(parts) > 1 and all(self._is_own_bytes(p) for p in parts):
+            return b"".join(self.encode_view(p) for p in parts)
+        return self.encode(parts[0] if len(parts) == 1 else torch.cat(list(parts)) if parts else torch.empty(0))
+
+    def _is_own_bytes(self, t: torch.Tensor) -> bool:
+        """Whether `t`'s encoding is its own memory's bytes."""
+        return self.exact and not self.spec.zstd and sys.byteorder == "little" and t.device.type == "cpu" \
+            and t.dtype == torch.float32 and t.dim() == 1 and t.is_contiguous()
+
     def encode_view(self, t: torch.Tensor) -> bytes | memoryview:
         """`encode(t)`, as a view of `t`'s own memory where the encoding is `t`'s bytes themselves (dense fp32 without
         zstd, a contiguous fp32 tensor in host memory, a little-endian host): valid only while `t` is unchanged."""
-        if self.exact and not self.spec.zstd and sys.byteorder == "little" and t.device.type == "cpu" \
-                and t.dtype == torch.float32 and t.is_contiguous():
+        if self._is_own_bytes(t):
             array: Any = t.detach().reshape(-1).numpy()  # shares the tensor's storage
             return memoryview(array).cast("B")
         return self.encode(t)

@@ -355,12 +355,18 @@ def test_delta_in_pieces_reads_as_the_whole_delta_span_by_span_and_frees_pieces_
     bounds = list(zip(edges[:-1], edges[1:]))
     handoff = PiecewiseHandoff(pieces)
     del pieces
-    spans = handoff.spans(bounds)
+    spans = handoff.span_parts(bounds)  # each span as views of the pieces it covers, uncopied
     got = []
     for lo, hi in bounds:
-        got.append(next(spans).clone())
+        parts = next(spans)
+        assert sum(p.numel() for p in parts) == hi - lo
+        got.append(torch.cat(parts) if parts else torch.empty(0))
+        del parts
         held = [p for p in spans.gi_frame.f_locals["pieces"] if p is not None]
         assert sum(p.numel() for p in held) <= n - lo + 2 * piece  # the pieces before this span are gone
     assert torch.equal(torch.cat(got) if got else torch.empty(0), whole)
     with pytest.raises(RuntimeError):
         next(iter(handoff.spans(bounds)))  # the round took it
+    whole_spans = list(PiecewiseHandoff(pseudo_gradient_pieces(global_, local, piece)).spans(bounds))
+    assert [t.numel() for t in whole_spans] == [hi - lo for lo, hi in bounds]  # spans: the parts concatenated
+    assert torch.equal(torch.cat(whole_spans) if whole_spans else torch.empty(0), whole)

@@ -171,3 +171,12 @@ def test_decode_into_writes_what_decode_gives(spec):
     assert torch.equal(out, p.decode(payload, 640).dense(640))
     with pytest.raises(PayloadRejected):
         p.decode_into(payload[:-4] if spec == "fp32" else b"\x00" * 7, 640, out)  # a payload that does not fit
+
+
+@pytest.mark.parametrize("spec", ["fp32", "q8", "fp32+zstd:3"])
+def test_encode_parts_is_the_encoding_of_their_concatenation(spec):
+    p = Pipeline(spec)
+    t = torch.randn(1000)
+    parts = [t[:300], t[300:301], t[301:]]
+    assert p.encode_parts(parts) == p.encode(t)  # joined bytes (fp32), or the concatenation encoded
+    assert p.encode_parts([t]) == p.encode(t)
