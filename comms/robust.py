@@ -97,10 +97,11 @@ def rms(part: Decoded) -> float:
 
 
 def admit(part: Decoded, cfg: RobustConfig) -> tuple[bool, str]:
-    """Whether a decoded contribution may be combined at all, and why not."""
-    if not finite(part.values):
-        return False, "holds NaN or Inf"
+    """Whether a decoded contribution may be combined at all, and why not. One pass: the norm, summed in float64,
+    is finite exactly when every value is (a float32's square cannot overflow it; NaN and Inf carry through)."""
     r = rms(part)
+    if not math.isfinite(r):
+        return False, "holds NaN or Inf"
     if r > cfg.max_rms:
         return False, f"root-mean-square {r:.3g} exceeds max_rms={cfg.max_rms:g}"
     return True, ""

@@ -130,17 +130,23 @@ def pseudo_gradient_pieces(global_params: Sequence[torch.Tensor], local_params: 
     order: a round frees each once it has encoded it (`diloco.comms.rounds.PiecewiseHandoff`), so Δ and its
     whole encoding never coexist. From a GPU, as `pseudo_gradient`: pinned pieces, one wait."""
     crossing = bool(global_params) and _crosses(local_params, global_params[0].device)
-    pairs = []
+    pairs, pieces = [], []
     for g, p in zip(global_params, local_params):
         flat_g, flat_p = g.reshape(-1), p.detach().reshape(-1)
         for lo in range(0, flat_g.numel(), piece):
             hi = min(lo + piece, flat_g.numel())
+            if not crossing and flat_p.device == g.device and flat_p.dtype == torch.float32:
+                pieces.append(torch.sub(flat_g[lo:hi], flat_p[lo:hi]))  # one pass, into the piece's fresh memory
+                continue
             out = torch.empty(hi - lo, dtype=torch.float32, device=g.device, pin_memory=crossing)
             out.copy_(flat_p[lo:hi], non_blocking=crossing)
-            pairs.append((out, flat_g[lo:hi]))
+            pairs.append((len(pieces), out, flat_g[lo:hi]))
+            pieces.append(out)
     if crossing:
         wait_for_gpus(local_params)
-    return [torch.sub(g, out, out=out) for out, g in pairs]
+    for i, out, g in pairs:
+        pieces[i] = torch.sub(g, out, out=out)
+    return pieces
 
 
 @torch.no_grad()

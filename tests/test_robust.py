@@ -117,6 +117,12 @@ def test_admission_refuses_non_finite_and_absurd_values():
     assert not ok and "NaN" in why
     ok, why = robust.admit(_dense([100.0, 100.0]), cfg)
     assert not ok and "max_rms=10" in why
+    for bad in (float("inf"), float("-inf")):  # each non-finite value, wherever it sits among 2M
+        values = torch.zeros(2_000_000)
+        values[1_500_000] = bad
+        assert robust.admit(Decoded(None, values), cfg)[1] == "holds NaN or Inf"
+    huge = robust.admit(_dense([3.4e38, -3.4e38, 3.4e38]), RobustConfig(max_rms=float("inf")))
+    assert huge == (True, "")  # the largest float32s square to a finite float64: finite, and admitted
 
 
 @pytest.mark.unit
