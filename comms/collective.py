@@ -825,7 +825,7 @@ class Collective:
         """The span's aggregate from a result body (a bundle's payloads weighed by `weights`, in `idx`'s order),
         written into `out` when given (numel values); identical on every peer for identical bytes."""
         if kind == "mean" and not self.pipeline.sparse:
-            values = self.mean_pipeline.decode(body, numel).dense(numel) if out is None or out.numel() != numel \
+            values = self.mean_pipeline.decode(body, numel).dense(numel) if out is None \
                 else self.mean_pipeline.decode_into(body, numel, out)
         elif kind == "bundle" and self.pipeline.sparse:
             items = msg.unpack_bundle(body, max_items=1 << 15)
@@ -838,7 +838,7 @@ class Collective:
                 self._admit(part, "a bundled contribution")
             values = robust.combine(parts, numel, self.cfg.robust,
                                     [weights[i] for i in order] if weights else None).values
-            if out is not None and out.numel() == numel:
+            if out is not None:
                 values = out.copy_(values)
         else:
             raise PayloadRejected(Reason.BAD_DTYPE, f"result kind {kind!r} does not fit pipeline {self.pipeline.name}")

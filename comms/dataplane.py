@@ -184,15 +184,17 @@ class Channel:
         label = name.encode()
         first = RECORD - _START.size - len(label)
         self._write(self.out.seal(_START.pack(kind, view.nbytes, len(label)) + label + bytes(view[:first])))
-        scratch = memoryview(bytearray(_LEN.size + RECORD + TAG))  # each record sealed here, then queued (a copy)
-        for lo in range(first, view.nbytes, RECORD):
-            self._write(scratch[:self.out.seal_into(view[lo:lo + RECORD], scratch)])
+        for lo in range(first, view.nbytes, RECORD):  # each record sealed into memory of its own: the transport
+            piece = view[lo:lo + RECORD]  # may keep it queued as it is (`Pipe.write`)
+            record = bytearray(_LEN.size + piece.nbytes + TAG)
+            self.out.seal_into(piece, memoryview(record))
+            self._write(record)
             if self.pipe.buffered() > 4 * RECORD:
                 await self.pipe.drain()
         await self.pipe.drain()
 
-    def _write(self, record: bytes | memoryview) -> None:
-        self.pipe.write(record)  # sent, or what the socket did not take copied: `record` may be reused
+    def _write(self, record: bytes | bytearray) -> None:
+        self.pipe.write(record)  # sent, or kept queued: never written to again
         self.counter.add(self.peer, sent=len(record))
 
     async def _record(self, limit: int, first: bool = False, into: memoryview | None = None) -> bytes:
@@ -239,6 +241,8 @@ class Channel:
         if len(first) - start > length:
             raise DataRefused("data_malformed", "a message's first record holds more than its length")
         if len(first) - start == length:
+            if self._sealed is not None and len(self._sealed) > 1 << 16:
+                self._sealed = None  # an idle connection keeps only a small one
             return name, first[start:]
         body = bytearray(length)
         filled = len(first) - start
@@ -248,7 +252,7 @@ class Channel:
             size = min(RECORD, length - filled)
             await self._record(size, into=into[filled:filled + size])
             filled += size
-        self._sealed = None  # a record's worth of memory: an idle connection does not keep it
+        self._sealed = None  # a record's worth of memory: an idle connection keeps only a small one
         # the message's own buffer, nobody else's: its reader keeps it, no copy. Typed as bytes for the handlers and
         # callers (`Handler`), which read it as bytes do (through memoryviews, msgpack, hashlib)
         return name, cast(bytes, body)

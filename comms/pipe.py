@@ -18,8 +18,9 @@ from typing import Any, Callable
 
 SCRATCH = 1 << 16
 """Bytes one read takes when no `read_into` is waiting (allocated at the first byte that arrives)."""
-HIGH = 1 << 20
-"""Bytes held unread before the connection stops reading."""
+HIGH = 1 << 17
+"""Bytes held unread before the connection stops reading (what asyncio's streams held: a stranger's connection
+that is not read, one the tarpit holds, pins at most this and `SCRATCH`)."""
 
 
 class Pipe(asyncio.BufferedProtocol):
@@ -71,7 +72,7 @@ class Pipe(asyncio.BufferedProtocol):
     def eof_received(self) -> bool:
         self._eof = True
         self._wakeup()
-        return False  # the transport closes itself
+        return True  # a caller that shut its side down after its request still gets the reply
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._eof = True
@@ -135,7 +136,8 @@ class Pipe(asyncio.BufferedProtocol):
     # ------------------------------------------------------------------ writing
 
     def write(self, data: bytes | bytearray | memoryview) -> None:
-        """Send `data` (the transport sends what the socket takes now and copies the rest: `data` may be reused)."""
+        """Send `data`, which must not change afterwards: the transport sends what the socket takes now and keeps
+        the rest (Python 3.12 and later keep the caller's buffer itself, earlier ones a copy)."""
         assert self.transport is not None
         self.transport.write(data)
 
@@ -148,7 +150,7 @@ class Pipe(asyncio.BufferedProtocol):
         if self.transport is None or self.transport.is_closing():
             raise ConnectionResetError("the data connection is closed")
         if self._writable is not None and not self._writable.done():
-            await self._writable
+            await asyncio.shield(self._writable)  # a waiter cancelled does not cancel the others' wait
             if self.transport.is_closing():
                 raise ConnectionResetError("the data connection is closed")
 

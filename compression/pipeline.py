@@ -286,6 +286,8 @@ class Pipeline:
     def decode_into(self, payload: bytes | memoryview, numel: int, out: torch.Tensor) -> torch.Tensor:
         """`decode(payload, numel).dense(numel)` written into `out` (`numel` fp32 values) and returned: for dense fp32
         without zstd into host memory, one pass from the payload's bytes and no tensor of its own."""
+        if out.numel() != numel:
+            raise ValueError(f"decode_into: {numel} values into a tensor of {out.numel()}")
         if self.exact and not self.spec.zstd and out.device.type == "cpu" and out.dtype == torch.float32 \
                 and out.is_contiguous() and out.numel() == numel:
             view = byte_view(payload)
