@@ -158,7 +158,7 @@ def worker_rows(peers: Sequence[Lines]) -> list[dict[str, float]]:
         out.append(dict(steps=end["usage"]["steps"], utilization=end["usage"]["utilization"], useful_share=share,
                         useful_utilization=end["usage"]["utilization"] * share,
                         steps_per_round=sum(committed) / len(committed) if committed else 0.0,
-                        step_seconds=step_seconds(end)))
+                        steps_each_round=list(committed), step_seconds=step_seconds(end)))
     return out
 
 
