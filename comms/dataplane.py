@@ -176,8 +176,6 @@ class Channel:
     into: Sealer
     counter: ByteCounter
     max_message: int
-    _sealed: bytearray | None = field(default=None, repr=False)
-    """Where a message's records land sealed, one after the other (let go after a message of large records)."""
 
     async def send(self, kind: int, name: str, body: bytes | memoryview) -> None:
         view = memoryview(body).cast("B")
@@ -197,11 +195,13 @@ class Channel:
         self.pipe.write(record)  # sent, or kept queued: never written to again
         self.counter.add(self.peer, sent=len(record))
 
-    async def _record(self, limit: int, first: bool = False, into: memoryview | None = None) -> bytes:
+    async def _record(self, limit: int, first: bool = False, into: memoryview | None = None,
+                      sealed: bytearray | None = None) -> bytes:
         """The next record's plaintext (with `into`: written there, of which it must fill all but `TAG` bytes,
         and b"" returned). A connection closed before a message's first byte raises `IncompleteReadError` (the
-        caller is done); closed anywhere else, the message was cut short. The sealed record lands in `sealed`
-        (the socket's bytes written there by the kernel, `Pipe.read_into`) and is opened from it."""
+        caller is done); closed anywhere else, the message was cut short. The sealed record lands in `sealed` (a
+        message's buffer for its records, one after the other; else one of its own), the kernel writing it there
+        (`Pipe.read_into`), and is opened from it."""
         try:
             head = await self.pipe.read_exactly(_LEN.size)
         except asyncio.IncompleteReadError as e:
@@ -214,15 +214,13 @@ class Channel:
                               f"a record of {length} bytes (at most {limit + TAG})")
         if into is not None and length != into.nbytes + TAG:
             raise DataRefused("data_malformed", f"a record of {length} bytes inside a message, not {into.nbytes + TAG}")
-        if self._sealed is None or len(self._sealed) < length:
-            self._sealed = bytearray(length if first else RECORD + TAG)
-        sealed = memoryview(self._sealed)[:length]
+        view = memoryview(sealed if sealed is not None and len(sealed) >= length else bytearray(length))[:length]
         try:
-            await self.pipe.read_into(sealed)
+            await self.pipe.read_into(view)
         except asyncio.IncompleteReadError:
             raise DataRefused("data_malformed", "a message cut short") from None
         self.counter.add(self.peer, received=_LEN.size + length)
-        return self.into.open(head, sealed, into)
+        return self.into.open(head, view, into)
 
     async def receive(self, kind: int) -> tuple[str, bytes]:
         """The next message, which must be of `kind`: (handler name, body). Raises `DataRefused` for a record
@@ -241,18 +239,15 @@ class Channel:
         if len(first) - start > length:
             raise DataRefused("data_malformed", "a message's first record holds more than its length")
         if len(first) - start == length:
-            if self._sealed is not None and len(self._sealed) > 1 << 16:
-                self._sealed = None  # an idle connection keeps only a small one
             return name, first[start:]
         body = bytearray(length)
         filled = len(first) - start
         body[:filled] = memoryview(first)[start:]
-        into = memoryview(body)
+        into, sealed = memoryview(body), bytearray(RECORD + TAG)
         while filled < length:  # records of RECORD bytes, the last one the rest: each decrypted in place
             size = min(RECORD, length - filled)
-            await self._record(size, into=into[filled:filled + size])
+            await self._record(size, into=into[filled:filled + size], sealed=sealed)
             filled += size
-        self._sealed = None  # a record's worth of memory: an idle connection keeps only a small one
         # the message's own buffer, nobody else's: its reader keeps it, no copy. Typed as bytes for the handlers and
         # callers (`Handler`), which read it as bytes do (through memoryviews, msgpack, hashlib)
         return name, cast(bytes, body)
@@ -292,7 +287,8 @@ async def connect(host: str, port: int, peer: PeerId, identity: Identity, data_k
         raise
 
 
-async def accept(pipe: Pipe, identity: Identity, data_key: bytes, allow: frozenset[str] | None, counter: ByteCounter, max_message: int) -> Channel:
+async def accept(pipe: Pipe, identity: Identity, data_key: bytes, allow: frozenset[str] | None, counter: ByteCounter,
+                 max_message: int) -> Channel:
     """The server's side of the handshake (call under a deadline); raises `DataRefused` with the reason."""
     head = await pipe.read_exactly(len(MAGIC) + 32 + 16 + 1)
     if head[:4] != MAGIC or head[-1] == 0:

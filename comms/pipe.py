@@ -40,6 +40,7 @@ class Pipe(asyncio.BufferedProtocol):
         self._paused = False
         self._writable: asyncio.Future[None] | None = None  # set while the transport's buffer is over its mark
         self.task: asyncio.Task[Any] | None = None
+        """`on_open`'s task: held here, since the loop keeps only a weak reference to a task."""
 
     # ------------------------------------------------------------------ the protocol (asyncio calls these)
 

@@ -41,8 +41,9 @@ Available codecs (:data:`CODECS`):
 from __future__ import annotations
 
 import abc
+import sys
 import warnings
-from typing import Final
+from typing import Any, Final
 
 import numpy as np
 import torch
@@ -180,6 +181,24 @@ class Fp32Codec(FixedWidthCodec):
 
     def encode(self, t: torch.Tensor) -> bytes:
         return host_bytes(check_input(t))
+
+    def own_bytes(self, t: torch.Tensor) -> memoryview | None:
+        """`encode(t)` as a view of `t`'s own memory (a contiguous 1-D fp32 tensor in host memory, a little-endian
+        host; valid only while `t` is unchanged), else None."""
+        if sys.byteorder != "little" or t.device.type != "cpu" or t.dtype != torch.float32 or t.dim() != 1 \
+                or not t.is_contiguous():
+            return None
+        array: Any = t.detach().numpy()  # shares the tensor's storage
+        return memoryview(array).cast("B")
+
+    def decode_into(self, payload: bytes | bytearray | memoryview, numel: int, out: torch.Tensor) -> torch.Tensor:
+        """`decode(payload, numel)` written into `out` (in host memory: one pass from the payload's bytes)."""
+        view = byte_view(payload)
+        expect_size(self, view, numel)
+        if out.device.type != "cpu" or out.dtype != torch.float32 or not out.is_contiguous():
+            return out.copy_(self.decode(view, numel))
+        np.copyto(out.numpy(), np.frombuffer(view, dtype="<f4", count=numel))
+        return out
 
     def decode(self, payload: bytes | bytearray | memoryview, numel: int,
                device: torch.device | None = None) -> torch.Tensor:

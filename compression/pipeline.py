@@ -30,15 +30,13 @@ from __future__ import annotations
 import io
 import os
 import struct
-import sys
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Sequence
 
-import numpy as np
 import torch
 import zstandard
 
-from .codecs import Codec, byte_view, expect_size, get_codec
+from .codecs import Codec, Fp32Codec, get_codec
 from .errors import PayloadRejected, Reason, SpecError
 from .indexcode import INDEX_CODECS
 from .quant import QUANTIZERS
@@ -227,22 +225,23 @@ class Pipeline:
     def encode_parts(self, parts: Sequence[torch.Tensor]) -> bytes:
         """`encode` of the concatenation of `parts` (1-D): for dense fp32 without zstd in host memory, their bytes
         joined into the payload, one copy and no concatenated tensor."""
-        if len(parts) > 1 and all(self._is_own_bytes(p) for p in parts):
-            return b"".join(self.encode_view(p) for p in parts)
+        views = [self._own_bytes(p) for p in parts] if len(parts) > 1 else []
+        if views and all(v is not None for v in views):
+            return b"".join(v for v in views if v is not None)
         return self.encode(parts[0] if len(parts) == 1 else torch.cat(list(parts)) if parts else torch.empty(0))
 
-    def _is_own_bytes(self, t: torch.Tensor) -> bool:
-        """Whether `t`'s encoding is its own memory's bytes."""
-        return self.exact and not self.spec.zstd and sys.byteorder == "little" and t.device.type == "cpu" \
-            and t.dtype == torch.float32 and t.dim() == 1 and t.is_contiguous()
+    def _own_bytes(self, t: torch.Tensor) -> memoryview | None:
+        """`t`'s encoding as a view of its own memory where the value codec's bytes are `t`'s own (`own_bytes`) and
+        no other stage is on; else None."""
+        if not isinstance(self.value, Fp32Codec) or self.spec.sparsifier is not None or self.spec.zstd:
+            return None
+        return self.value.own_bytes(t)
 
     def encode_view(self, t: torch.Tensor) -> bytes | memoryview:
         """`encode(t)`, as a view of `t`'s own memory where the encoding is `t`'s bytes themselves (dense fp32 without
         zstd, a contiguous fp32 tensor in host memory, a little-endian host): valid only while `t` is unchanged."""
-        if self._is_own_bytes(t):
-            array: Any = t.detach().reshape(-1).numpy()  # shares the tensor's storage
-            return memoryview(array).cast("B")
-        return self.encode(t)
+        view = self._own_bytes(t)
+        return view if view is not None else self.encode(t)
 
     # ---------------------------------------------------------------------- decode
 
@@ -288,12 +287,8 @@ class Pipeline:
         without zstd into host memory, one pass from the payload's bytes and no tensor of its own."""
         if out.numel() != numel:
             raise ValueError(f"decode_into: {numel} values into a tensor of {out.numel()}")
-        if self.exact and not self.spec.zstd and out.device.type == "cpu" and out.dtype == torch.float32 \
-                and out.is_contiguous() and out.numel() == numel:
-            view = byte_view(payload)
-            expect_size(self.value, view, numel)
-            np.copyto(out.numpy(), np.frombuffer(view, dtype="<f4", count=numel))
-            return out
+        if isinstance(self.value, Fp32Codec) and self.spec.sparsifier is None and not self.spec.zstd:
+            return self.value.decode_into(payload, numel, out)
         return out.copy_(self.decode(payload, numel).dense(numel))
 
 
