@@ -110,8 +110,8 @@ class Pace:
         """`others()`: the other workers' step times (their records'); `bound`: how many times as fast as ours one
         may count (the weight bound; 0: no bound)."""
         self.published: float | None = None
-        """Our step time as our record tells the others (the engine sets it when it publishes: the first measurement,
-        then at every slot). An adaptive span reads ours from here rather than from the live average, so that the
+        """Our step time as our record tells the others (the engine sets it when it publishes, `span_step_seconds`: after the
+        first few steps, then at every slot). An adaptive span reads ours from here rather than from the live average, so that the
         fastest worker and those reading its record compute the same span and reach the slot together."""
         self.planned = planned
         self.plan_at = max(PLAN_AT, plan_at)
@@ -123,6 +123,8 @@ class Pace:
         """A site: the span's length the leader planned at its step `PLAN_AT` (None before)."""
         self.step_seconds: float | None = None
         """The leader's moving average of an inner step's duration (the slot's own work left out)."""
+        self._timed = (0.0, 0)
+        """Seconds and count of the timed steps of this span (`span_step_seconds`)."""
         self._start = now
         self._last: float | None = None
 
@@ -139,6 +141,7 @@ class Pace:
             took = now - self._last
             self.step_seconds = took if self.step_seconds is None else \
                 (1 - SMOOTHING) * self.step_seconds + SMOOTHING * took
+            self._timed = (self._timed[0] + took, self._timed[1] + 1)
         self._last = now
         self.span += 1
         if not self.planned:
@@ -150,6 +153,15 @@ class Pace:
         if self.span == self.plan_at:
             self.plan = agree(lambda: self._plan(now))
         return self.plan is not None and self.span >= self.plan
+
+    @property
+    def span_step_seconds(self) -> float | None:
+        """The mean duration of this span's timed steps (None before one is timed): the step time a worker publishes.
+        Not the moving average, which follows the last few steps: one step held up by the scheduler (a busy machine
+        preempts a process for tens of ms) would triple it, and with it the next adaptive span of every worker that
+        reads it, while the mean of a span's steps is the worker's rate over the span."""
+        seconds, count = self._timed
+        return seconds / count if count else None
 
     def _adapt(self, own: float) -> None:
         assert self.adaptive is not None
@@ -179,3 +191,4 @@ class Pace:
         """A slot's work ended at `ended`: the next span, and the next step's duration, count from then."""
         self.span, self.plan = 0, None
         self._start, self._last = ended, ended
+        self._timed = (0.0, 0)

@@ -269,6 +269,27 @@ def test_the_fastest_worker_paces_an_adaptive_span_by_the_step_time_its_record_s
     assert pace.step_seconds > 0.11 and pace.slot_seconds == pytest.approx(1.0)
 
 
+def test_a_worker_publishes_its_spans_mean_step_not_one_held_up_step():
+    """A span of 20 steps of 0.1 s whose last step the scheduler held up for a second: the moving average jumps to
+    0.28 s, but the step time a worker publishes (which sizes every worker's next adaptive span) is the span's mean,
+    0.145 s; the next span's mean starts afresh at the slot, and a wait for a round's result is not a step's time."""
+    pace = Pace(None, 1, planned=False, now=0.0, adaptive_steps=20)
+    told = lambda decide: decide()  # noqa: E731
+    assert not pace.due(0.5, told) and pace.span_step_seconds is None  # the first step (set-up) is not timed
+    t = 0.5
+    for _ in range(19):
+        t += 0.1
+        pace.due(t, told)
+    t += 1.0
+    pace.due(t, told)
+    assert pace.step_seconds == pytest.approx(0.28) and pace.span_step_seconds == pytest.approx(2.9 / 20)
+    pace.slot(t)
+    assert pace.span_step_seconds is None
+    pace.pause(t, t + 5.0)
+    pace.due(t + 5.2, told)
+    assert pace.span_step_seconds == pytest.approx(0.2)
+
+
 def test_a_sites_leader_plans_an_adaptive_span_from_the_fastest_step_time():
     """A site at 0.3 s a step, H = 20 over 2 fragments, the swarm's fastest at 0.1 s: the leader plans 1 s of
     training a slot (10 steps of the fastest, not 10 of its own): 2 steps taken in 0.6 s, 0.4 s left, one more step,
