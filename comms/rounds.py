@@ -1,6 +1,6 @@
 """The data of one round: its configuration, its outcome, and what a peer holds while it runs.
 
-`CollectiveConfig` bounds every wait of the round protocol (`collective.py`); `RoundOutcome` is what
+`CollectiveConfig` bounds every wait of the round protocol (`collective.py` and its steps); `RoundOutcome` is what
 a round produced for this peer; `RoundState` collects the frames received for one round key (they
 may arrive before we are ready ourselves); `Exchange` is our side of a round once its view closed;
 `Value` is what an attempt computed (every span's result) and `Accepted` the value a peer accepted
@@ -10,9 +10,10 @@ in an attempt, which later attempts of the same round carry instead of computing
 from __future__ import annotations
 
 import asyncio
+import time
 from collections import Counter, deque
 from dataclasses import dataclass, field
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence, TypeGuard
 
 import torch
 
@@ -183,7 +184,7 @@ class RoundState:
     """Members of our view that will send nothing more for it, and why: unreachable (killed), silent through a
     probe's answer window (frozen), or no longer running this attempt (restarted, gave it up). Their
     contributions are not waited for; a span one of them owns gets no result, so the attempt is given up at
-    once rather than at the result deadline (`Collective._watch`)."""
+    once rather than at the result deadline (`diloco.comms.watch`)."""
 
     def named(self, me: PeerId) -> set[PeerId]:
         """Whom this round may include: the peers we expect and, transitively, the peers that a peer so
@@ -208,6 +209,12 @@ class RoundState:
 
     def views_buffered(self) -> set[str]:
         return {v for v, _ in self.contribs} | {v for v, _ in self.results} | set(self.votes)
+
+    def mark_elsewhere(self, peer: PeerId) -> None:
+        """`peer` showed us it closed another view of this round key (see `elsewhere`)."""
+        if peer not in self.elsewhere:
+            self.elsewhere.add(peer)
+            self.changed.set()
 
 
 @dataclass
@@ -280,6 +287,10 @@ class Exchange:
     def delivered(self) -> bool:
         """Every frame we owe a member that is not gone has been delivered (or failed)."""
         return not any(n and p not in self.rs.gone for p, n in self.owed.items())
+
+    def closed_elsewhere(self) -> list[PeerId]:
+        """Members of our view that closed another view of this round (see `RoundState.elsewhere`)."""
+        return sorted(self.rs.elsewhere & set(self.view))
 
 
 class Handoff:
@@ -392,3 +403,43 @@ class Accepted:
     vid: str
     """The view id of attempt `ballot` (votes name it)."""
     value: Value
+
+
+MAX_VIEWS_PER_ROUND = 8
+"""Distinct views of one round key whose frames a peer buffers before its own view closes (bounded memory)."""
+
+
+async def wait_until(rs: RoundState, done: Callable[[], bool], deadline: float) -> bool:
+    """Wait until `done()` or the deadline; True if done. Handlers wake us through `rs.changed`."""
+    while not done():
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            return False
+        rs.changed.clear()
+        try:
+            await asyncio.wait_for(rs.changed.wait(), remaining)
+        except asyncio.TimeoutError:
+            pass
+    return True
+
+
+def lap(rs: RoundState, phase: str, since: float) -> float:
+    """Record the seconds since `since` as `phase` of the attempt; returns now."""
+    now = time.monotonic()
+    rs.phases[phase] = now - since
+    return now
+
+
+def placeholder(numel: int) -> torch.Tensor:
+    """A result's stand-in in a lean round: its size, no storage (the frame holds the values)."""
+    return torch.zeros(1).expand(numel)
+
+
+def weight_ok(w: object) -> TypeGuard[int]:
+    """A contribution's weight off the wire: a whole number of inner steps in [1, 10¹²]."""
+    return type(w) is int and 1 <= w <= 10**12
+
+
+def short(peers: list[PeerId]) -> str:
+    """Peer ids for a message: their last six characters."""
+    return ", ".join(p[-6:] for p in peers)

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from diloco.comms import Collective, CollectiveConfig, InProcNetwork, RoundKey, span_bounds, view_id
+from diloco.comms import decide
 from diloco.comms import messages as msg
 from diloco.comms.spans import make_view, member_token
 from diloco.compression import Reason, get_codec
@@ -401,7 +402,7 @@ def test_a_hung_straggler_costs_the_grace_not_a_call_timeout():
 
 
 def test_owner_killed_after_gather_nobody_commits_then_next_attempt_commits():
-    """The survivors learn that the victim is gone within a probe's answer window (`Collective._watch`), not at the
+    """The survivors learn that the victim is gone within a probe's answer window (`diloco.comms.watch`), not at the
     result deadline, give the attempt up together, and commit the next one among themselves."""
     victim, survivors = "p2", ["p0", "p1", "p3"]
     key = RoundKey(5, 0)
@@ -950,7 +951,7 @@ def test_frames_of_another_run_or_kind_are_rejected():
         replies["wrong_kind"] = await x.call("a", "diloco.probe", no_digest, 1)
         probe = msg.encode(msg.PROBE, run=RUN, sender="x", key=RoundKey(0), view="v")
         answered = msg.read_ack(await x.call("a", "diloco.probe", probe, 1), run=RUN, caller="a")
-        assert answered["ok"] and answered["running"] is False and not a._rounds  # a runs nothing, and keeps nothing
+        assert answered["ok"] and answered["running"] is False and not a.rounds  # a runs nothing, and keeps nothing
         return {k: msg.read_ack(v, run=RUN, caller="a") for k, v in replies.items()}, Counter(a.rejections)
 
     replies, rejections = asyncio.run(main())
@@ -1125,11 +1126,11 @@ def test_a_served_value_that_does_not_hash_to_its_id_is_refused():
         restarted = msg.pack_bundle([(0, "\n".join(members).encode()), (1, frames[0]), (2, frames[1])])
         served = lambda body: msg.encode(msg.VALUE, run=RUN, sender="b", key=RoundKey(1), view=vid,  # noqa: E731
                                          body=body)
-        ok = cs["a"]._read_value("b", served(good), 1, vid, 20, 0)
+        ok = decide.read_value(cs["a"], "b", served(good), 1, vid, 20, 0)
         refused = []
         for body in (swapped, other, restarted):
             try:
-                cs["a"]._read_value("b", served(body), 1, vid, 20, 0)
+                decide.read_value(cs["a"], "b", served(body), 1, vid, 20, 0)
             except Exception as e:  # noqa: BLE001
                 refused.append(type(e).__name__ + ": " + str(e))
         return ok, refused

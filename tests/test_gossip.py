@@ -294,8 +294,10 @@ def test_a_crashed_partner_costs_a_solo_round_and_the_others_go_on_and_a_joiner_
     # a peer drawn with the crashed one ran alone until its record expired, and while the peers' records disagreed
     # on who is there (the joiner) some groups did not meet; the others kept meeting throughout
     assert all(w[p].gossip.met >= 3 for p in peers[:3]), {p: (w[p].gossip.met, w[p].gossip.solo) for p in peers[:3]}
-    # the joiner started from one peer's state (a later round than 0), not its own initialization, and gossiped
-    assert lab.joined_at["p5"] >= 3 and w["p5"].catch_up.failures == 0
+    # the joiner started from one peer's state (a later round than 0), not its own initialization, and gossiped; its
+    # first pick may be the crashed p4 (its record outlives it, and it is at the newest round): that download fails
+    # once, and p4 is tried last from then on
+    assert lab.joined_at["p5"] >= 3 and w["p5"].catch_up.failures <= 1, w["p5"].catch_up.bad_sources
     assert w["p5"].gossip.met >= 2, [(r.round, r.reason) for r in w["p5"].reports]
 
 
