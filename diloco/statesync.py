@@ -27,8 +27,9 @@ from typing import Any, Awaitable, Callable, Sequence
 
 import torch
 
-from diloco.comms import PeerId, TransportError
+from diloco.comms import Collective, PeerId, TransportError
 from diloco.comms import messages as msg
+from diloco.peers import PeerRecord
 from diloco.compression import PayloadRejected, Reason
 
 from .state import GlobalState, Manifest, Receiver, StateError, byte_view, pieces_of
@@ -207,3 +208,66 @@ def serve_chunk(snapshot: Snapshot | None, index: int, *, run_id: str, me: PeerI
         return msg.encode(msg.STATE, run=run_id, sender=me, meta={"ok": False, "reason": reason or "chunk not held"})
     return msg.encode(msg.STATE, run=run_id, sender=me, view=snapshot.digest, span=index, meta={"ok": True},
                       body=snapshot.chunk(index))
+
+
+SnapshotProvider = Callable[[str], "Snapshot | None"]
+"""digest -> the snapshot of that state, if we hold it."""
+
+
+class StateServer:
+    """Our side of the peers catching up from us: the snapshots we serve, who asked for state lately (our next round
+    waits for them: `catching_up`), and who asked for a state we did not hold (`unserved`)."""
+
+    def __init__(self, run_id: str, me: PeerId, collective: Collective, call_timeout: float) -> None:
+        self.run_id, self.me, self.collective, self.call_timeout = run_id, me, collective, call_timeout
+        self.snapshot: SnapshotProvider | None = None
+        """The snapshot of a state we hold (`Swarm.serve_state`); None: we serve nothing yet."""
+        self.wait_unserved = True
+        """Whether a peer that asked for a state we did not hold is waited for too (see `Swarm.serve_state`)."""
+        self._fetchers: dict[PeerId, float] = {}  # peers that asked us for state, and when they last did
+        self._unserved: dict[PeerId, float] = {}  # with wait_unserved off: who asked for state we did not hold
+
+    async def on_manifest(self, caller: PeerId, data: bytes) -> bytes:
+        snapshot, _, reason = self._request(caller, data)
+        return serve_manifest(snapshot, run_id=self.run_id, me=self.me, reason=reason)
+
+    async def on_chunk(self, caller: PeerId, data: bytes) -> bytes:
+        snapshot, index, reason = self._request(caller, data)
+        return serve_chunk(snapshot, index, run_id=self.run_id, me=self.me, reason=reason)
+
+    def _request(self, caller: PeerId, data: bytes) -> tuple[Snapshot | None, int, str]:
+        """(the snapshot a manifest or chunk request names, the chunk index, why not when there is none)."""
+        try:
+            header, _, _ = msg.decode(data, run=self.run_id, kind=msg.STATE, caller=caller, max_body=0)
+            if caller in self.collective.banned:  # it takes nothing from the swarm, our state included
+                raise PayloadRejected(Reason.BANNED, f"{caller} is banned for this run")
+        except PayloadRejected as e:
+            self.collective.rejections[e.reason.value] += 1
+            return None, -1, e.reason.value
+        snapshot = self.snapshot(header.view) if self.snapshot is not None else None
+        if snapshot is not None or self.wait_unserved:
+            self._fetchers[caller] = time.monotonic()
+        else:
+            self._unserved[caller] = time.monotonic()
+        return snapshot, header.span, "" if snapshot is not None else NOT_HELD
+
+    def unserved(self) -> set[PeerId]:
+        """Peers that asked us for a state we did not hold within the last `call_timeout`."""
+        now = time.monotonic()
+        return {p for p, t in list(self._unserved.items()) if now - t < self.call_timeout}
+
+    def wait_for_unserved(self) -> None:
+        """We now hold the state the unserved peers want: our next round waits for them."""
+        now = time.monotonic()
+        for peer in self.unserved():
+            self._fetchers[peer] = now
+        self._unserved.clear()
+
+    def catching_up(self, records: Sequence[PeerRecord]) -> set[PeerId]:
+        """Peers that asked us for state (a manifest or a chunk, whether we still held it or not) within
+        the last `call_timeout`: they are catching up to us, and our next round waits for them, unless
+        `records` show that they said goodbye since."""
+        now = time.monotonic()
+        self._fetchers = {p: t for p, t in self._fetchers.items() if now - t < self.call_timeout}
+        gone = {r.peer for r in records if r.status == "left"} | self.collective.banned | {self.me}
+        return set(self._fetchers) - gone

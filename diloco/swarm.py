@@ -27,7 +27,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
-import threading
 import time
 from dataclasses import replace
 from typing import Any, Callable, Collection, Coroutine, Iterator, Sequence
@@ -38,29 +37,26 @@ from diloco.comms import Collective, PeerId, RoundKey, RoundOutcome, Transport
 from diloco.comms.faults import NO_FAULTS, Faults
 from diloco.comms.rounds import Handoff, PiecewiseHandoff, Value
 from diloco.comms import hello as hs
-from diloco.comms import messages as msg
 from diloco.comms.auth import HELLO, AuthRefused, new_secret
 from diloco.comms.dataplane import DataConfig, DirectTransport
 from diloco.comms.hello import HandshakeError
 from diloco.comms.identity import Identity, IdentityError
 from diloco.comms.loop import LoopThread
 from diloco.comms.transport import InProcNetwork, ScopedTransport
-from diloco.compression import PayloadRejected, Reason
+from diloco.compression import Reason
 from diloco.compression.errors import DiLoCoError
 from diloco.peers import (Directory, PeerRecord, banned_by_majority, departed, expected_peers, quorum,
                           round_key_for, started_without, voted_out)
 from diloco.peers.membership import FINAL_TAG, group_of, group_tag, regions_of, round_to_run, serving
-from diloco.peers.reach import Missing
 from diloco.peers.records import MAX_BANNED
 
 from .config import SwarmConfig
-from .lines import write_lines
+from .presence import Presence
 from .state import Manifest, Receiver, StateError
-from .statesync import NOT_HELD, NotHeld, Progress, Snapshot, download, serve_chunk, serve_manifest
+from .statesync import NotHeld, Progress, SnapshotProvider, StateServer, download
 
 log = logging.getLogger(__name__)
 
-SnapshotProvider = Callable[[str], "Snapshot | None"]  # digest -> the snapshot of that state, if held
 JOIN_PASSES, JOIN_PAUSE = 3, 2.0  # tries of every bootstrap address, and the growing pause between passes
 
 
@@ -91,37 +87,22 @@ class Swarm:
         self.addresses = addresses
         self._owns_loop = owns_loop
         self._on_close = on_close
-        self._record = PeerRecord(peer=self.peer_id, status="joining", round=0, addrs=tuple(addresses),
-                                  data=transport.address if isinstance(transport, DirectTransport) else "")
+        self.presence = Presence(directory, cfg, PeerRecord(
+            peer=self.peer_id, status="joining", round=0, addrs=tuple(addresses),
+            data=transport.address if isinstance(transport, DirectTransport) else ""), transport.counter)
+        """Our record and the others' as we last read them (`diloco.presence`)."""
         if isinstance(transport, DirectTransport):
-            transport.address_of = self._data_address_of
-        self._record_lock = threading.Lock()  # the training thread and the heartbeat both change our record
-        self._snapshot: SnapshotProvider | None = None
-        self._fetchers: dict[PeerId, float] = {}  # peers that asked us for state, and when they last did
-        self._wait_unserved = True  # see serve_state
-        self._unserved: dict[PeerId, float] = {}  # with wait_unserved off: who asked for state we did not hold
-        self._seen: list[PeerRecord] | None = None  # the directory as the last read showed it
-        self._seen_at = 0.0
-        self._reads: set[asyncio.Task[list[PeerRecord]]] = set()  # fresh reads a round did not wait for (`_round_records`)
+            transport.address_of = self.presence.data_address_of
+        self._server = StateServer(cfg.run_id, self.peer_id, collective, cfg.call_timeout)
         self._closed = False
         self._exchanges: set[concurrent.futures.Future[RoundOutcome]] = set()  # rounds in flight (`crash`)
-        self._addresses_file: str | None = None
-        self._kept: list[str] = []
         self.quorum_by_region = bool(cfg.region) and not scoped
         """Count a round's quorum in regions, not peers: the rounds of a swarm whose peers name regions are merges
         between the regions' representatives (`diloco.regions`; a region's own rounds run in a `scope`); the
         region of each peer is the last one its record named."""
-        self._regions: dict[PeerId, str] = {}
-        self._left: dict[PeerId, PeerRecord] = {}
-        """The goodbye record of every peer we saw leave (and not come back since): it counts as departed in a
-        round's quorum after its record expired, so a swarm that committed nothing while two of its last members
-        left is not stuck waiting for them for good."""
-        self._members: tuple[PeerId, ...] = ()  # of the last round we committed (as our latest exchange named them)
-        self._missing = Missing(self.peer_id, cfg.heartbeat_ttl)  # whom `_reach_unseen` pings back into our DHT node
-        self._reaching: asyncio.Future[int] | None = None
         self._scopes: list[Swarm] = []  # namespaces on our connections (`scope`): they die with us
-        loop.run(transport.register("diloco.manifest", self._on_manifest))
-        loop.run(transport.register("diloco.chunk", self._on_chunk))
+        loop.run(transport.register("diloco.manifest", self._server.on_manifest))
+        loop.run(transport.register("diloco.chunk", self._server.on_chunk))
         loop.run(transport.register(HELLO, self._on_hello))
         self._heartbeat = loop.submit(self._heartbeat_loop())
 
@@ -314,21 +295,10 @@ class Swarm:
     def update(self, *, now: bool = True, **fields: Any) -> None:
         """Change our record (status, round, attempt, digest, step, loss); publish it at once when
         `now`, else with the next heartbeat (progress between rounds needs no extra DHT traffic)."""
-        record = self._change_record(**fields)
+        record = self.presence.change(**fields)
         self.collective.abstaining = record.status == "standby"
         if now and not self._closed:  # (a digest hashed beside training may arrive after we left)
             self.loop.submit(self._publish())
-
-    def _change_record(self, **fields: Any) -> PeerRecord:
-        """Our record with `fields` changed, atomically (a change made at the same moment by another thread is
-        kept, not overwritten with the record as it was before it)."""
-        with self._record_lock:
-            self._record = PeerRecord(**{**self._record.__dict__, **fields})
-            return self._record
-
-    def _data_address_of(self, peer: PeerId) -> str:
-        """The data address `peer`'s record named when the heartbeat last read the directory ("" if none)."""
-        return next((r.data for r in self._seen or () if r.peer == peer), "")
 
     def data_paths(self) -> dict[str, list[PeerId]]:
         """The peers our last call reached on their data port ("direct") and through libp2p ("libp2p")."""
@@ -347,7 +317,7 @@ class Swarm:
 
     def others_seen(self) -> list[PeerRecord]:
         """The other peers' records as the heartbeat last read them (no network I/O; none before its first read)."""
-        return [r for r in self._seen or () if r.peer != self.peer_id]
+        return self.presence.others_seen()
 
     def gathering(self, peer: PeerId, rnd: int) -> bool:
         """Whether `peer` asked us to take part in an attempt at round `rnd` (its `ready` is here)."""
@@ -358,9 +328,9 @@ class Swarm:
     def records(self, *, cached: bool = False) -> list[PeerRecord]:
         """Everyone's current record (ours included), as the directory shows them now; with `cached`,
         as the last heartbeat read them (at most `heartbeat_interval` old, no network I/O)."""
-        if cached and self._seen is not None:
-            return [self._record, *self.others_seen()]
-        return self.loop.run(self._read_records(), timeout=self.cfg.call_timeout + 1)
+        if cached and self.presence.seen is not None:
+            return [self.presence.record, *self.others_seen()]
+        return self.loop.run(self.presence.read(), timeout=self.cfg.call_timeout + 1)
 
     def check_standing(self, members: Sequence[PeerId] | None) -> None:
         """Raise `Banned` if most of `members` (the view of our last committed round) refused us as
@@ -372,68 +342,6 @@ class Swarm:
                          "(too large or not finite; their logs say which: event=peer_banned), so none of its "
                          "rounds will be taken. Check this peer's data, learning rate and compression settings "
                          "against the others', then restart it (it joins under a new peer id)")
-
-    async def _read_records(self) -> list[PeerRecord]:
-        """A fresh read of the directory. A read that fails, or finds nobody else although a read less than
-        `heartbeat_ttl` ago found others (a DHT lookup that timed out on a slow link looks like that),
-        falls back to that last view: records live `heartbeat_ttl` anyway, and a peer that leaves says so."""
-        now = time.monotonic()
-        try:
-            found = await asyncio.wait_for(self.directory.read(), self.cfg.call_timeout)
-        except Exception as e:  # noqa: BLE001 - a failed read is an empty view, never a crash
-            log.warning("event=directory_read_failed reason=%s", e)
-            found = None
-        others = [r for r in found or [] if r.peer != self.peer_id]
-        if found is not None:
-            self._reach_unseen(others, now)
-        self._regions.update({r.peer: r.region for r in [*others, self._record] if r.region})  # kept when one expires
-        for r in others:
-            if r.status == "left":
-                self._left[r.peer] = r
-            else:
-                self._left.pop(r.peer, None)  # it came back
-        if others or (found is not None and not self._seen_others(now)):
-            self._seen, self._seen_at = found, now
-        elif self._seen_others(now):
-            log.info("event=directory_read_empty reason=using the view read %.1fs ago", now - self._seen_at)
-            others = [r for r in self._seen or [] if r.peer != self.peer_id]
-        return [self._record, *others]
-
-    def _reach_unseen(self, others: list[PeerRecord], now: float) -> None:
-        """Ping, in the background, the members of our last round that this fresh read misses (`Directory.reach`; by
-        their last record's addresses, or by id when they called us since the last read): one that answers was
-        across a DHT island from us, and the next heartbeat's records span both sides."""
-        received = {p: row[1] for p, row in self.transport.counter.per_peer.items()}
-        busy = self._reaching is not None and not self._reaching.done()
-        unseen = self._missing.due(self._members, others, received, self._left, now, busy=busy)
-        if not unseen:
-            return
-
-        async def reach() -> int:
-            answered = await self.directory.reach(unseen)
-            log.info("event=directory_reach reason=members of our last round are missing from the directory "
-                     "peers=%s answered=%d", ",".join(sorted(r.peer for r in unseen)), answered)
-            return answered
-
-        self._reaching = asyncio.ensure_future(reach())
-
-    async def _round_records(self) -> list[PeerRecord]:
-        """The records a round starts from: a fresh read, or the heartbeat's last one when the fresh read takes longer
-        than a heartbeat interval and that one is under a quarter of `heartbeat_ttl` old (the read goes on and
-        refreshes it). A DHT node that froze (SIGSTOP, a swapped-out VM) holds each lookup that asks it for the DHT's
-        RPC timeout (3 s): without this every round while its record lives paid that before its gather."""
-        read = asyncio.ensure_future(self._read_records())
-        done, _ = await asyncio.wait({read}, timeout=self.cfg.heartbeat_interval)
-        if read in done or self._seen is None or time.monotonic() - self._seen_at > self.cfg.heartbeat_ttl / 4:
-            return await read
-        self._reads.add(read)
-        read.add_done_callback(self._reads.discard)
-        log.info("event=directory_read_slow reason=using the view read %.1fs ago", time.monotonic() - self._seen_at)
-        return [self._record, *self.others_seen()]
-
-    def _seen_others(self, now: float) -> bool:
-        return bool(self._seen) and any(r.peer != self.peer_id for r in self._seen or []) \
-            and now - self._seen_at < self.cfg.heartbeat_ttl
 
     def wait_for_peers(self, count: int, timeout: float) -> int:
         """Block until `count` peers (self included) are training in the swarm, the swarm has visibly
@@ -450,33 +358,19 @@ class Swarm:
     async def _publish(self) -> None:
         if self.collective.crashed:  # a crashed peer says nothing more
             return
-        banned = tuple(sorted(self.collective.banned)[:MAX_BANNED])
-        libp2p = tuple(self.data_paths().get("libp2p", ())[:MAX_BANNED])
-        record = self._change_record(beat=time.time(), banned=banned, libp2p=libp2p)
-        try:
-            await self.directory.publish(record, self.cfg.heartbeat_ttl)
-        except Exception as e:  # noqa: BLE001
-            log.warning("event=heartbeat_failed reason=%s", e)
+        await self.presence.publish(banned=tuple(sorted(self.collective.banned)[:MAX_BANNED]),
+                                    libp2p=tuple(self.data_paths().get("libp2p", ())[:MAX_BANNED]))
 
     def keep_addresses(self, path: str) -> None:
         """Keep the addresses of the other members in `path` (one a line, refreshed with the heartbeat), so
         that a restarted process of this site can rejoin through them (the launcher reads the file)."""
-        self._addresses_file = path
-
-    def _write_addresses(self, records: list[PeerRecord]) -> None:
-        addrs = sorted({a for r in records if r.peer != self.peer_id and r.status != "left" for a in r.addrs})
-        if self._addresses_file and addrs and addrs != self._kept:
-            try:
-                write_lines(self._addresses_file, addrs)
-                self._kept = addrs
-            except OSError as e:
-                log.warning("event=addresses_not_kept path=%s reason=%s", self._addresses_file, e)
+        self.presence.keep_addresses(path)
 
     async def _heartbeat_loop(self) -> None:
         while not self._closed:
             await self._publish()
-            records = await self._read_records()  # also keeps records(cached=True) fresh
-            self._write_addresses(records)
+            records = await self.presence.read()  # also keeps records(cached=True) fresh
+            self.presence.write_addresses(records)
             # a peer our round waits for may have gone on standby or left since it began: it is asked again
             self.collective.recheck([r.peer for r in records if r.status in ("standby", "left")])
             await asyncio.sleep(self.cfg.heartbeat_interval)
@@ -502,11 +396,11 @@ class Swarm:
             handoff = Handoff(delta)
         del delta  # the round lets go of Δ once encoded: nothing here may keep it
         if previous:
-            self._members = tuple(previous)
+            self.presence.members = tuple(previous)
 
         async def go() -> RoundOutcome:
             self.check_standing(previous)
-            records = await self._round_records()
+            records = await self.presence.for_round()
             self.collective.adopt_bans(banned_by_majority(records, self.peer_id), "banned by a majority of the "
                                        "peers' records")
             key = round_key_for(records, rnd, attempt)
@@ -516,14 +410,15 @@ class Swarm:
             known = set(skip) | set(previous or ())
             resyncing = [r.peer for r in records if r.status == "joining" and r.peer in known and r.peer != self.peer_id]
             present = {r.peer for r in records}
-            left = departed([*records, *(r for p, r in self._left.items() if p not in present)], rnd)
-            fetching = self._catching_up(records) - set(skip)  # a straggler that downloads our state keeps the grace
+            left = departed([*records, *(r for p, r in self.presence.left.items() if p not in present)], rnd)
+            fetching = self._server.catching_up(records) - set(skip)  # a straggler that downloads our state keeps the grace
             prev = previous if self.cfg.majority else None
 
             def admit(view: tuple[PeerId, ...]) -> tuple[bool, str]:
                 if self.quorum_by_region:
-                    return quorum(regions_of(view, self._regions), prev and regions_of(prev, self._regions),
-                                  regions_of(left, self._regions), self.cfg.min_peers)
+                    regions = self.presence.regions
+                    return quorum(regions_of(view, regions), prev and regions_of(prev, regions),
+                                  regions_of(left, regions), self.cfg.min_peers)
                 return quorum(view, prev, left, self.cfg.min_peers)
 
             # Stragglers (members the last round went on without) are still asked, and taken in if they
@@ -559,7 +454,7 @@ class Swarm:
         del local
 
         async def go() -> RoundOutcome:
-            records = await self._read_records()
+            records = await self.presence.read()
             rnd = round_to_run(records, self.peer_id, my_round)
             if everyone:  # the final average: at the newest round a live peer shows, so peers that ended apart meet
                 rnd = max([my_round, *(r.round for r in serving(records) if r.peer != self.peer_id)])
@@ -605,11 +500,11 @@ class Swarm:
     def serve_state(self, snapshot: SnapshotProvider, wait_unserved: bool = True) -> None:
         """Let peers that are behind download our global state (`diloco.statesync`): `snapshot(digest)` is
         the `Snapshot` of the state named `digest` when we hold it, else None. A peer that asked is waited
-        for in our next round (`_catching_up`), also one we could not serve, unless `wait_unserved` is off:
-        an FSDP2 site takes its snapshot only at a synchronization slot, so its round would wait for a
+        for in our next round (`StateServer.catching_up`), also one we could not serve, unless `wait_unserved` is
+        off: an FSDP2 site takes its snapshot only at a synchronization slot, so its round would wait for a
         peer that cannot download anything until that round is over. Such a site reads `unserved()` at
         its slot, takes a snapshot, and then waits for them (`wait_for_unserved`)."""
-        self._snapshot, self._wait_unserved = snapshot, wait_unserved
+        self._server.snapshot, self._server.wait_unserved = snapshot, wait_unserved
 
     def fetch_state(self, digest: str, holders: Sequence[PeerId], receiver: Callable[[Manifest], Receiver],
                     on_progress: Callable[[Progress], None] = lambda p: None,
@@ -637,52 +532,15 @@ class Swarm:
         except StateError as e:
             raise SwarmError(f"state download failed: {e}") from e
 
-    async def _on_manifest(self, caller: PeerId, data: bytes) -> bytes:
-        snapshot, _, reason = self._state_request(caller, data)
-        return serve_manifest(snapshot, run_id=self.cfg.run_id, me=self.peer_id, reason=reason)
-
-    async def _on_chunk(self, caller: PeerId, data: bytes) -> bytes:
-        snapshot, index, reason = self._state_request(caller, data)
-        return serve_chunk(snapshot, index, run_id=self.cfg.run_id, me=self.peer_id, reason=reason)
-
-    def _state_request(self, caller: PeerId, data: bytes) -> tuple[Snapshot | None, int, str]:
-        """(the snapshot a manifest or chunk request names, the chunk index, why not when there is none)."""
-        try:
-            header, _, _ = msg.decode(data, run=self.cfg.run_id, kind=msg.STATE, caller=caller, max_body=0)
-            if caller in self.collective.banned:  # it takes nothing from the swarm, our state included
-                raise PayloadRejected(Reason.BANNED, f"{caller} is banned for this run")
-        except PayloadRejected as e:
-            self.collective.rejections[e.reason.value] += 1
-            return None, -1, e.reason.value
-        snapshot = self._snapshot(header.view) if self._snapshot is not None else None
-        if snapshot is not None or self._wait_unserved:
-            self._fetchers[caller] = time.monotonic()
-        else:
-            self._unserved[caller] = time.monotonic()
-        return snapshot, header.span, "" if snapshot is not None else NOT_HELD
-
     def unserved(self) -> set[PeerId]:
         """Peers that asked us for a state we did not hold within the last `call_timeout` (`serve_state` with
         `wait_unserved` off)."""
-        now = time.monotonic()
-        return {p for p, t in list(self._unserved.items()) if now - t < self.cfg.call_timeout}
+        return self._server.unserved()
 
     def wait_for_unserved(self) -> None:
         """We now hold the state those peers want (a snapshot just taken): our next round waits for them, so
         the state stays current while they download it."""
-        now = time.monotonic()
-        for peer in self.unserved():
-            self._fetchers[peer] = now
-        self._unserved.clear()
-
-    def _catching_up(self, records: Sequence[PeerRecord]) -> set[PeerId]:
-        """Peers that asked us for state (a manifest or a chunk, whether we still held it or not) within
-        the last `call_timeout`: they are catching up to us, and our next round waits for them, unless
-        `records` show that they said goodbye since."""
-        now = time.monotonic()
-        self._fetchers = {p: t for p, t in self._fetchers.items() if now - t < self.cfg.call_timeout}
-        gone = {r.peer for r in records if r.status == "left"} | self.collective.banned | {self.peer_id}
-        return set(self._fetchers) - gone
+        self._server.wait_for_unserved()
 
     def may_apply(self, rnd: int) -> bool:
         """A committed round `rnd` is about to be applied (the outer step): its `apply` fault hook runs,
@@ -747,7 +605,7 @@ class Swarm:
         for inner in self._scopes:  # our namespaces first: the region hears we left
             inner.close(announce=announce)
         if announce:
-            self._change_record(status="left")
+            self.presence.change(status="left")
             try:
                 self.loop.run(self._publish(), timeout=5)
             except Exception:  # noqa: BLE001 - leaving must never fail

@@ -428,11 +428,11 @@ def test_a_round_does_not_wait_for_a_slow_directory_read_when_the_heartbeat_read
 
     monkeypatch.setattr(harness.board, "read", slow)
     started = time.monotonic()
-    seen = a.loop.run(a._round_records(), timeout=10)
+    seen = a.loop.run(a.presence.for_round(), timeout=10)
     took = time.monotonic() - started
     assert [r.peer for r in seen] == ["a", "b"] and took < CFG.call_timeout / 2, took  # not the read's deadline (1 s)
     monkeypatch.setattr(harness.board, "read", fast)
-    assert [r.peer for r in a.loop.run(a._round_records(), timeout=10)] == ["a", "b"]  # a fresh read, at once
+    assert [r.peer for r in a.loop.run(a.presence.for_round(), timeout=10)] == ["a", "b"]  # a fresh read, at once
 
 
 def test_a_peer_most_members_refuse_as_banned_learns_it_and_gets_no_state(harness):
