@@ -29,6 +29,7 @@ import concurrent.futures
 import logging
 import time
 from dataclasses import replace
+from functools import partial
 from typing import Any, Callable, Collection, Coroutine, Iterator, Sequence
 
 import torch
@@ -36,33 +37,25 @@ import torch
 from diloco.comms import Collective, PeerId, RoundKey, RoundOutcome, Transport
 from diloco.comms.faults import NO_FAULTS, Faults
 from diloco.comms.rounds import Handoff, PiecewiseHandoff, Value
-from diloco.comms import hello as hs
-from diloco.comms.auth import HELLO, AuthRefused, new_secret
-from diloco.comms.dataplane import DataConfig, DirectTransport
-from diloco.comms.hello import HandshakeError
-from diloco.comms.identity import Identity, IdentityError
+from diloco.comms.auth import HELLO
+from diloco.comms.dataplane import DirectTransport
 from diloco.comms.loop import LoopThread
 from diloco.comms.transport import InProcNetwork, ScopedTransport
 from diloco.compression import Reason
-from diloco.compression.errors import DiLoCoError
-from diloco.peers import (Directory, PeerRecord, banned_by_majority, departed, expected_peers, quorum,
-                          round_key_for, started_without, voted_out)
+from diloco.peers import (Directory, PeerRecord, banned_by_majority, plan_round, quorum, started_without,
+                          voted_out)
 from diloco.peers.membership import FINAL_TAG, group_of, group_tag, regions_of, round_to_run, serving
 from diloco.peers.records import MAX_BANNED
 
+from . import connect
 from .config import SwarmConfig
+from .connect import Connection
+from .connect import SwarmError as SwarmError  # raised here too, and caught from here
 from .presence import Presence
 from .state import Manifest, Receiver, StateError
 from .statesync import NotHeld, Progress, SnapshotProvider, StateServer, download
 
 log = logging.getLogger(__name__)
-
-JOIN_PASSES, JOIN_PAUSE = 3, 2.0  # tries of every bootstrap address, and the growing pause between passes
-
-
-class SwarmError(DiLoCoError, RuntimeError):
-    """The swarm could not be started or joined; the message says what was tried and what to do."""
-
 
 class StateNotHeld(SwarmError):
     """No peer serves the state asked for right now (`diloco.statesync.NotHeld`): ask again later."""
@@ -80,7 +73,7 @@ class Swarm:
                  bootstrapped: bool = False, addresses_dialed: Collection[str] = (), scoped: bool = False) -> None:
         self.bootstrapped = bootstrapped
         """True when this peer joined through another peer's address (so a swarm should be visible)."""
-        self.bootstrap_peers: list[PeerId] = [_peer_of(a) for a in addresses_dialed]
+        self.bootstrap_peers: list[PeerId] = [connect.peer_of(a) for a in addresses_dialed]
         """The peers we dialed to join: the handshake compares settings with them."""
         self.loop, self.transport, self.directory, self.collective = loop, transport, directory, collective
         self.cfg = cfg
@@ -103,7 +96,7 @@ class Swarm:
         self._scopes: list[Swarm] = []  # namespaces on our connections (`scope`): they die with us
         loop.run(transport.register("diloco.manifest", self._server.on_manifest))
         loop.run(transport.register("diloco.chunk", self._server.on_chunk))
-        loop.run(transport.register(HELLO, self._on_hello))
+        loop.run(transport.register(HELLO, partial(connect.on_hello, cfg.run_id, collective)))
         self._heartbeat = loop.submit(self._heartbeat_loop())
 
     # ------------------------------------------------------------------ construction
@@ -113,12 +106,7 @@ class Swarm:
               announce: list[str] | None = None, faults: Faults = NO_FAULTS) -> Swarm:
         """Start a new swarm (or a peer no one has dialed yet) listening on host:port. `faults`: fault
         hooks for tests and chaos runs (`diloco.comms.faults`; by default none)."""
-        identity = _identity(cfg)
-        try:
-            return cls._create_p2p(cfg, [], host, port, announce, identity, faults)
-        except BaseException:
-            identity.release()
-            raise
+        return cls._over(connect.start(cfg, host=host, port=port, announce=announce, faults=faults))
 
     @classmethod
     def join(cls, initial_peers: list[str], cfg: SwarmConfig, *, host: str = "127.0.0.1", port: int = 0,
@@ -129,101 +117,13 @@ class Swarm:
             SwarmError: no address given, no secret in `cfg`, an address that is not a swarm multiaddress, or
                 none of them answered after a few tries each (the message lists each address and why).
             HandshakeError: the swarm answered and refused us (another run id or protocol version)."""
-        if not initial_peers:
-            raise SwarmError("join needs at least one address, e.g. /ip4/1.2.3.4/tcp/31337/p2p/12D3Koo…")
-        if cfg.secret is None:
-            raise SwarmError("joining needs the swarm's secret: SwarmConfig(secret=...); on the command line "
-                             "--secret-file PATH (the file `diloco start` wrote) or the DILOCO_SECRET variable")
-        tried, identity = [], _identity(cfg)
-        try:
-            # A dial can fail for a moment (a peer busy with a round, a loaded machine, a lost SYN): every
-            # address gets JOIN_PASSES tries, a few seconds apart, before the join gives up.
-            for attempt in range(JOIN_PASSES):
-                if attempt:
-                    time.sleep(JOIN_PAUSE * attempt)
-                for addr in initial_peers:
-                    try:
-                        return cls._create_p2p(cfg, [addr], host, port, announce, identity, faults)
-                    except HandshakeError:
-                        raise  # the swarm answered and said no: another address would say the same
-                    except Exception as e:  # noqa: BLE001 - any failure to bootstrap means "try the next address"
-                        tried.append(f"{addr} ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})")
-                        log.warning("event=bootstrap_failed addr=%s attempt=%d reason=%s", addr, attempt + 1, e)
-            raise SwarmError(f"could not join the swarm; no bootstrap address answered ({JOIN_PASSES} tries each):\n  "
-                             + "\n  ".join(tried) +
-                             "\nCheck the address (copy it from the `diloco start` output) and that the peer is up: a "
-                             "swarm whose peers all finished their run (a short one, started without --wait-for N) "
-                             "is gone, and its address answers nothing.")
-        except BaseException:
-            identity.release()  # only a swarm that started owns it (and releases it when it closes)
-            raise
+        return cls._over(connect.join(initial_peers, cfg, host=host, port=port, announce=announce, faults=faults))
 
     @classmethod
-    def _create_p2p(cls, cfg: SwarmConfig, initial: list[str], host: str, port: int,
-                    announce: list[str] | None, identity: Identity, faults: Faults) -> Swarm:
-        """A peer whose daemon runs under `identity` (its key also signs our directory records)."""
-        from diloco.comms.auth import HmacAuthorizer
-        from diloco.comms.p2p import P2PTransport
-        from diloco.peers import DHTDirectory
-        from diloco.peers.reaper import Reaper
-
-        validate_addrs(initial)
-        if cfg.secret is None:
-            cfg = replace(cfg, secret=new_secret())
-        loop = LoopThread()
-        reaper = Reaper()
-        proto = "ip6" if ":" in host else "ip4"
-
-        async def build() -> tuple[Transport, DHTDirectory, Collective, list[str]]:
-            p2p = await P2PTransport.create(initial_peers=initial, host_maddrs=[f"/{proto}/{host}/tcp/{port}"],
-                                            announce_maddrs=announce, max_message=cfg.max_payload + (1 << 20),
-                                            identity=identity)
-            if p2p.daemon_pid:
-                reaper.watch_pid(p2p.daemon_pid)
-            for path in p2p.socket_paths:
-                reaper.watch_file(path)
-            p2p.guard = cfg.guard(p2p.peer_id)
-            transport: Transport = p2p
-            try:
-                for addr in initial:  # before the DHT: a peer that must not join learns why at once
-                    await _hello(p2p, _peer_of(addr), cfg, "")
-                directory = await asyncio.wait_for(DHTDirectory.create(
-                    p2p.p2p, cfg.run_id, initial, authorizer=HmacAuthorizer(cfg.secret or "", cfg.run_id),
-                    identity=identity, allow=frozenset(cfg.allow_peers) or None), 30)
-                addresses = await p2p.visible_addresses()
-                if cfg.data_port is not None:
-                    direct = DirectTransport(p2p, identity, DataConfig(
-                        host=host, port=cfg.data_port, announce=cfg.data_announce,
-                        announce_host=_announce_host(host, announce, addresses), streams=cfg.data_streams),
-                        p2p.max_message, inner_only=frozenset({HELLO}))
-                    transport = direct
-                    await direct.start()
-                collective = await Collective.create(transport, cfg.run_id, cfg.collective(), faults)
-            except BaseException:
-                await transport.close()
-                raise
-            return transport, directory, collective, addresses
-
-        try:
-            transport, directory, collective, addresses = loop.run(build(), timeout=60)
-        except BaseException:
-            loop.stop()
-            reaper.close()
-            raise
-
-        def finish() -> None:  # leaving must never fail: bound every step, log what did not finish
-            for name, step, limit in (("dht", directory.close, 5), ("p2p", transport.close, 15)):
-                try:
-                    loop.run(step(), timeout=limit)
-                except Exception as e:  # noqa: BLE001
-                    log.warning("event=shutdown_step_failed step=%s reason=%s", name, e)
-            try:
-                reaper.close()  # kills the daemon if it is still there
-            finally:
-                identity.release()
-
-        return cls(loop, transport, directory, collective, cfg, owns_loop=True, addresses=addresses,
-                   on_close=finish, bootstrapped=bool(initial), addresses_dialed=initial)
+    def _over(cls, c: Connection) -> Swarm:
+        """The swarm handle of a peer brought up on the network (`diloco.connect`)."""
+        return cls(c.loop, c.transport, c.directory, c.collective, c.cfg, owns_loop=True, addresses=c.addresses,
+                   on_close=c.finish, bootstrapped=bool(c.initial), addresses_dialed=c.initial)
 
     @classmethod
     def in_process(cls, network: InProcNetwork, board: Directory, peer_id: str, cfg: SwarmConfig,
@@ -270,27 +170,8 @@ class Swarm:
         first differing field. Peers that do not answer are skipped (the frame checks still refuse a
         mismatched schema)."""
         self.collective.schema = schema
-        async def ask_all() -> None:
-            results = await asyncio.gather(*(_hello(self.transport, p, self.cfg, schema)
-                                              for p in self.bootstrap_peers), return_exceptions=True)
-            for r in results:
-                if isinstance(r, HandshakeError):
-                    raise r
-
-        self.loop.run(ask_all(), timeout=self.cfg.call_timeout + 5)
-
-    async def _on_hello(self, caller: PeerId, data: bytes) -> bytes:
-        ours = hs.hello(self.cfg.run_id, self.collective.schema)
-        try:
-            field = hs.mismatch(ours, hs.unpack(data))
-        except ValueError as e:
-            self.collective.rejections["bad_header"] += 1
-            log.warning("event=handshake_refused peer=%s reason=%s", caller, e)
-            field = "protocol"
-        if field is not None:
-            self.collective.rejections[hs.REASON[field]] += 1
-            log.warning("event=handshake_refused peer=%s field=%s", caller, field)
-        return hs.pack({**ours, "field": field or ""})
+        self.loop.run(connect.handshake(self.transport, self.bootstrap_peers, self.cfg, schema),
+                      timeout=self.cfg.call_timeout + 5)
 
     def update(self, *, now: bool = True, **fields: Any) -> None:
         """Change our record (status, round, attempt, digest, step, loss); publish it at once when
@@ -403,36 +284,20 @@ class Swarm:
             records = await self.presence.for_round()
             self.collective.adopt_bans(banned_by_majority(records, self.peer_id), "banned by a majority of the "
                                        "peers' records")
-            key = round_key_for(records, rnd, attempt)
-            expected = expected_peers(records, key, self.peer_id)
-            # a straggler or last-round member that is catching up shows as joining for a moment: ask it
-            # too (a ready from a peer nobody asked is left out), but give it only the stragglers' grace
-            known = set(skip) | set(previous or ())
-            resyncing = [r.peer for r in records if r.status == "joining" and r.peer in known and r.peer != self.peer_id]
-            present = {r.peer for r in records}
-            left = departed([*records, *(r for p, r in self.presence.left.items() if p not in present)], rnd)
-            fetching = self._server.catching_up(records) - set(skip)  # a straggler that downloads our state keeps the grace
+            plan = plan_round(records, self.peer_id, rnd, attempt, skip=skip, previous=previous,
+                              goodbyes=list(self.presence.left.values()),
+                              fetching=self._server.catching_up(records))
             prev = previous if self.cfg.majority else None
 
             def admit(view: tuple[PeerId, ...]) -> tuple[bool, str]:
                 if self.quorum_by_region:
                     regions = self.presence.regions
                     return quorum(regions_of(view, regions), prev and regions_of(prev, regions),
-                                  regions_of(left, regions), self.cfg.min_peers)
-                return quorum(view, prev, left, self.cfg.min_peers)
+                                  regions_of(plan.left, regions), self.cfg.min_peers)
+                return quorum(view, prev, plan.left, self.cfg.min_peers)
 
-            # Stragglers (members the last round went on without) are still asked, and taken in if they
-            # are ready in time, but not waited for: a slow peer costs the others one gather timeout, once.
-            # A peer downloading our state is waited for: without that, a swarm whose rounds are quicker
-            # than a download would move on under it each time and it would never get in. Not a straggler:
-            # one that stays slow would download at each of its slots and cost the others a timeout each
-            # time (test_straggler.py).
-            wait_for = None if not skip and not resyncing else {p for p in expected if p not in skip}
-            if fetching:
-                wait_for = {*(expected if wait_for is None else wait_for), *fetching}
-            outcome = await self.collective.run_round(key, digest, sorted({*expected, *resyncing, *fetching}),
-                                                      handoff, fragment=fragment, admit=admit, wait_for=wait_for,
-                                                      weight=weight)
+            outcome = await self.collective.run_round(plan.key, digest, plan.ask, handoff, fragment=fragment,
+                                                      admit=admit, wait_for=plan.wait_for, weight=weight)
             if not outcome.committed:
                 self.check_standing(previous)  # refused as banned by most of them: stop now, not next slot
             return outcome
@@ -625,71 +490,3 @@ class Swarm:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-async def _hello(transport: Transport, peer: PeerId, cfg: SwarmConfig, schema: str) -> None:
-    """One handshake with `peer`; raises HandshakeError on a mismatch or a refusal of our credential,
-    TransportError when the peer cannot be reached."""
-    ours = hs.hello(cfg.run_id, schema)
-    sent = time.time()
-    try:
-        reply = await transport.call(peer, HELLO, hs.pack(ours), min(cfg.call_timeout, 10.0))
-    except AuthRefused as e:
-        raise HandshakeError("secret" if e.reason == "unauthorized" else "allowlist", "(hidden)", "(hidden)",
-                             peer) from None
-    received = time.time()
-    try:
-        theirs = hs.unpack(reply)
-    except ValueError as e:
-        raise HandshakeError("protocol", ours["protocol"], f"unreadable ({e})", peer) from None
-    field = theirs.get("field") or hs.mismatch(ours, theirs)
-    if field:
-        field = field if field in hs.FIELDS else "protocol"
-        raise HandshakeError(field, ours[field], theirs[field], peer)
-    if theirs.get("time") is not None:
-        offset, bound = hs.clock_offset(sent, received, float(theirs["time"]))
-        limit = hs.max_clock_skew(cfg.heartbeat_ttl)
-        if abs(offset) - bound > limit:
-            raise hs.ClockSkew(offset, bound, limit, peer)
-
-
-def _identity(cfg: SwarmConfig) -> Identity:
-    """This process's libp2p identity: kept in `cfg.identity_file` (so its peer id survives restarts),
-    or a new one."""
-    if cfg.identity_file is None:
-        return Identity.generate()
-    try:
-        return Identity.load(cfg.identity_file)
-    except IdentityError as e:
-        raise SwarmError(str(e)) from None
-
-
-def _announce_host(host: str, announce: list[str] | None, visible: list[str]) -> str:
-    """The host our data address names (its port is the data port's): the first announced multiaddress's host
-    (`--announce`: others dial that), else for a wildcard listening host the first visible address's that is not
-    loopback, else "" (the listening host itself)."""
-    def host_of(maddr: str) -> str:
-        parts = maddr.split("/")
-        return parts[2] if len(parts) > 2 and parts[1] in ("ip4", "ip6", "dns", "dns4", "dns6") else ""
-
-    for maddr in announce or ():
-        if host_of(maddr):
-            return host_of(maddr)
-    if host in ("0.0.0.0", "::"):
-        return next((h for h in map(host_of, visible) if h and not h.startswith("127.") and h != "::1"), "")
-    return ""
-
-
-def _peer_of(addr: str) -> PeerId:
-    """The peer id at the end of a validated swarm address (…/p2p/12D3KooW…)."""
-    return PeerId(addr.rsplit("/p2p/", 1)[1])
-
-
-def validate_addrs(addrs: list[str]) -> None:
-    """Raises `SwarmError` naming the first of `addrs` that is not a swarm multiaddress (…/p2p/<peer id>)."""
-    for a in addrs:
-        if not a.startswith("/") or "/p2p/" not in a:
-            raise SwarmError(
-                f"{a!r} is not a swarm address; it looks like /ip4/1.2.3.4/tcp/31337/p2p/12D3KooW… "
-                "(copy it from the output of `diloco start`)"
-            )

@@ -5,6 +5,7 @@ is unit-tested deterministically.
 
 - `expected_peers`: whom a ready peer waits for in the gather of a round.
 - `round_key_for`: which attempt of our round to run, so that peers at the same round agree.
+- `plan_round`: that key, whom a round asks, and whom of them it waits for (stragglers, peers catching up).
 - `resync_source`: whether our global state is outdated or in the minority, and whom to copy.
 - `vouched`: whether a state another peer served us is the one the swarm advertises.
 - `holders`: who can serve a chunk of a given state.
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import hashlib
 from collections import Counter
+from dataclasses import dataclass
 from typing import Collection, Mapping, Sequence
 
 from diloco.comms import PeerId, RoundKey
@@ -78,6 +80,45 @@ def round_key_for(records: Sequence[PeerRecord], my_round: int, my_attempt: int)
     """Our next round key: peers at our round that already failed more attempts set the pace."""
     attempts = [r.attempt for r in training(records) if r.round == my_round]
     return RoundKey(my_round, max([my_attempt, *attempts]))
+
+
+@dataclass(frozen=True)
+class RoundPlan:
+    """What a round starts from (`plan_round`)."""
+
+    key: RoundKey
+    ask: list[PeerId]
+    """Whom the gather asks to be ready (sorted)."""
+    wait_for: set[PeerId] | None
+    """Whom of them it waits for (None: all); the others are taken in if ready in time."""
+    left: list[PeerId]
+    """Peers that left for good at or before our round: not counted by the quorum (`departed`)."""
+
+
+def plan_round(records: Sequence[PeerRecord], me: PeerId, my_round: int, my_attempt: int, *,
+               skip: Collection[PeerId] = (), previous: Sequence[PeerId] | None = None,
+               goodbyes: Sequence[PeerRecord] = (), fetching: Collection[PeerId] = ()) -> RoundPlan:
+    """Our next round from the `records` we read: its key (`round_key_for`), whom it asks and waits for.
+
+    The expected peers (`expected_peers`) are asked and waited for. Stragglers (`skip`: members the last round went
+    on without) are asked, and taken in if they are ready in time, but not waited for: a slow peer costs the others
+    one gather timeout, once. A straggler or member of `previous` that shows as joining (it is catching up) is
+    asked too, with only the stragglers' grace (a ready from a peer nobody asked is left out). A peer downloading
+    our state (`fetching`) is waited for, unless it is a straggler: without that, a swarm whose rounds are quicker
+    than a download would move on under it each time and it would never get in; one that stays slow would download
+    at each of its slots and cost the others a timeout each time (test_straggler.py). `goodbyes`: the goodbye
+    records of peers we saw leave, which still count as departed after their records expired."""
+    key = round_key_for(records, my_round, my_attempt)
+    expected = expected_peers(records, key, me)
+    known = set(skip) | set(previous or ())
+    resyncing = [r.peer for r in records if r.status == "joining" and r.peer in known and r.peer != me]
+    present = {r.peer for r in records}
+    left = departed([*records, *(r for r in goodbyes if r.peer not in present)], my_round)
+    catching_up = set(fetching) - set(skip)
+    wait_for = None if not skip and not resyncing else {p for p in expected if p not in skip}
+    if catching_up:
+        wait_for = {*(expected if wait_for is None else wait_for), *catching_up}
+    return RoundPlan(key, sorted({*expected, *resyncing, *catching_up}), wait_for, left)
 
 
 def resync_source(

@@ -24,6 +24,7 @@ from diloco.peers import (
     voted_out,
     vouched,
 )
+from diloco.peers import plan_round
 from diloco.peers import records as records_mod
 
 pytestmark = pytest.mark.unit
@@ -32,6 +33,27 @@ pytestmark = pytest.mark.unit
 def rec(peer: str, rnd: int = 0, *, status: str = "training", attempt: int = 0, digest: str = "d0",
         recent: tuple[tuple[int, str], ...] = ()) -> PeerRecord:
     return PeerRecord(peer=peer, status=status, round=rnd, attempt=attempt, digest=digest, recent=recent)
+
+
+# ---------------------------------------------------------------------- plan_round
+
+
+def test_a_round_asks_stragglers_and_catching_up_members_waits_for_downloaders_and_counts_goodbyes_as_left():
+    """At round 3: a, b train (waited for); s straggled last round (asked, not waited for); m, a member of the last
+    round, is catching up (joining: asked, not waited for); d downloads our state (waited for); a straggler that
+    downloads keeps its grace; g left at round 2 and its record expired (its goodbye still counts as departed); a
+    peer at round 1 is not expected; peers at our round that failed more attempts set the attempt."""
+    records = [rec("me", 3), rec("a", 3, attempt=2), rec("b", 2), rec("s", 3), rec("m", 3, status="joining"),
+               rec("old", 1)]
+    plan = plan_round(records, "me", 3, 0, skip={"s"}, previous=("me", "a", "m", "g"),
+                      goodbyes=[rec("g", 2, status="left")], fetching={"d", "s"})
+    assert plan.key == RoundKey(3, 2)
+    assert plan.ask == ["a", "b", "d", "m", "s"]
+    assert plan.wait_for == {"a", "b", "d"}
+    assert plan.left == ["g"]
+    # nobody straggling, catching up or downloading: everyone asked is waited for
+    calm = plan_round([rec("me", 3), rec("a", 3), rec("b", 3)], "me", 3, 0, previous=("me", "a", "b"))
+    assert calm.ask == ["a", "b"] and calm.wait_for is None and calm.left == []
 
 
 # ---------------------------------------------------------------------- started_without (--wait-for)

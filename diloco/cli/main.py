@@ -220,7 +220,7 @@ def join(swarm: SwarmOptions, aggregation: AggregationOptions, peer: PeerOptions
          config: Optional[Path] = CONFIG, ctx: typer.Context = typer.Option(None, hidden=True)) -> None:
     """Join a running swarm at ADDRESSES and train with it: the bundled model, or your own command as this
     site's worker: `diloco join ADDR [OPTIONS] -- CMD [ARGS...]`."""
-    from ..swarm import SwarmError, validate_addrs
+    from ..connect import SwarmError, validate_addrs
 
     try:
         validate_addrs(addresses)
@@ -386,7 +386,7 @@ def status(
 
     from . import statusview
     from .status import observe
-    from ..swarm import SwarmError, validate_addrs
+    from ..connect import SwarmError, validate_addrs
 
     try:
         validate_addrs(addresses)
