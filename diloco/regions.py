@@ -148,9 +148,13 @@ class Regions(Topology):
         worker = self.worker
         records = [r for r in self.scope.records() if r.status in ("training", "joining")]
         alone = not any(r.peer != self.scope.peer_id for r in records)
-        # our role until a region round says otherwise: the lowest peer id we see in the region represents it
-        # (published now, so the other regions' representatives expect us in the first merge)
-        self.upper.set_standby(representative([r.peer for r in records] + [self.scope.peer_id]) != self.scope.peer_id)
+        # our role until a region round says otherwise: the representative of the region round whose state we took
+        # (`take_info`), or in a region that ran none yet the lowest peer id we see there (published now, so the
+        # other regions' representatives expect us in the first merge)
+        members = worker.standing.members
+        rep = representative(members) if members else \
+            representative([r.peer for r in records] + [self.scope.peer_id])
+        self.upper.set_standby(rep != self.scope.peer_id)
         if alone and worker.round == 0 and worker.digest != self.upper.digest:
             worker.take_params(self.upper.holding.params, bump=False)
             log.info("event=region_opened region=%s global_round=%d", self.name, self.upper.round)
@@ -265,10 +269,16 @@ class Regions(Topology):
         return {"merge_position": self.upper.standing.position}
 
     def take_info(self, info: dict[str, object]) -> None:
-        """We downloaded the region state: merge when our region does."""
+        """We downloaded the region state: merge when our region does, and stand by unless we represent the region
+        round we took (its lowest member: `after_commit`'s rule). A member that was late for a region round and took
+        its state instead would otherwise still say `training` at the global level, and every merge, the run's final
+        one included, would wait its whole gather timeout for a peer that never runs it."""
         position = info.get("merge_position")
         if isinstance(position, int) and not isinstance(position, bool) and position >= 0:
             self.upper.place(position)
+        members = self.worker.standing.members
+        if members:
+            self.upper.set_standby(representative(members) != self.scope.peer_id)
 
 
 def _global_level(worker: Member, compression: str, merge_every: int, outer: OuterFactory,

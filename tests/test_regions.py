@@ -351,6 +351,27 @@ def test_a_representative_restarted_before_its_merge_is_not_waited_for_by_its_me
     assert took and took[0] < 5.0, took  # a catch-up and a region round; was a gather timeout (8 s) and more
 
 
+def test_a_peer_that_took_its_regions_state_stands_by_unless_it_represents_the_round_it_took():
+    """b2 trains two region rounds of us alone; b1 joins us then and takes that state. b1 has the lowest peer id in
+    the region, but b2 represents the round b1 took (its only member): b1 stands by at the global level until a
+    region round says otherwise. Were it to say `training` there, every merge would expect it and wait its whole
+    gather timeout for a peer that does not run merges (the run's final merge hung so, once a member was late for a
+    region round and took its state)."""
+    lab = _Lab({"a1": "eu", "b1": "us", "b2": "us"}, merge_every=50)
+    barrier = threading.Barrier(2, timeout=20)
+    try:
+        _run_threads([lab.worker("a1", 2, barrier), lab.worker("b2", 2, barrier)], [barrier])
+        model = _mlp(7)
+        d = DiLoCo(model, torch.optim.AdamW(model.parameters(), lr=1e-2), swarm=lab.swarms["b1"], inner_steps=H)
+        with d:
+            assert d.round == lab.workers["b2"].round and d.member.standing.members == ("b2",)
+            assert d.regions is not None and d.regions.upper.standby
+            mine = next(r for r in lab.swarms["b1"].records() if r.peer == "b1")
+            assert mine.status == "standby", mine
+    finally:
+        lab.close()
+
+
 def test_a_region_whose_last_peer_left_stops_counting_and_a_new_peer_there_starts_from_the_global_state():
     lab = _Lab({"a1": "eu", "a2": "eu", "b1": "us"}, merge_every=2)
     barrier = threading.Barrier(3, timeout=20)
