@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 
 import checkpoint_writer
+from fresh import fresh_python
 from diloco import checkpoint as ck
 from diloco.checkpoint import CheckpointError
 
@@ -472,8 +473,7 @@ def test_kill_9_during_writes_always_leaves_a_verified_checkpoint(tmp_path: Path
 
 def run_without_safetensors(code: str) -> subprocess.CompletedProcess[str]:
     """`code` in a fresh interpreter where `import safetensors` fails, as it does when it is not installed."""
-    prelude = "import sys; sys.modules['safetensors'] = None\n"
-    return subprocess.run([sys.executable, "-c", prelude + code], capture_output=True, text=True, timeout=60)
+    return fresh_python(code, without=["safetensors"])
 
 
 def test_without_safetensors_saving_and_loading_say_how_to_install_it(tmp_path: Path) -> None:

@@ -23,6 +23,7 @@ from hf_trainer import Counting, build  # noqa: E402
 
 from diloco import DiLoCo  # noqa: E402
 from diloco.hf import DiLoCoCallback  # noqa: E402
+from fresh import fresh_python
 
 SCRIPT = str(Path(__file__).resolve().parent.parent / "examples" / "hf_trainer.py")
 
@@ -154,7 +155,6 @@ def _address(path: Path, proc: subprocess.Popen, timeout: float = 120) -> str:
 
 
 def test_without_transformers_the_import_names_the_extra():
-    code = ("import sys; sys.modules['transformers'] = None\n"
-            "try:\n    import diloco.hf\nexcept ImportError as e:\n    print(e)\n")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    out = fresh_python("try:\n    import diloco.hf\nexcept ImportError as e:\n    print(e)\n", without=["transformers"],
+                       timeout=120)
     assert out.returncode == 0 and 'pip install "diloco[hf]"' in out.stdout, (out.stdout, out.stderr)

@@ -4,16 +4,15 @@ point."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
 
 import pytest
+from fresh import fresh_python
 
 pytestmark = pytest.mark.multiproc
 
 
 def run(code: str) -> str:
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=90)
+    done = fresh_python(code, timeout=90)
     assert done.returncode == 0, done.stderr
     return done.stdout.strip()
 

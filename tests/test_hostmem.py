@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from fresh import fresh_python
 from diloco.hostmem import TUNABLE, VARIABLE, with_huge_pages
 
 pytestmark = pytest.mark.unit
@@ -37,7 +36,7 @@ print(int(re.search(r"AnonHugePages:\\s+(\\d+) kB", rollup).group(1)))
 
 
 def _huge_kib(env: dict[str, str]) -> int:
-    out = subprocess.run([sys.executable, "-c", HUGE], env=env, capture_output=True, text=True, timeout=60, check=True)
+    out = fresh_python(HUGE, env=env, check=True)
     return int(out.stdout)
 
 

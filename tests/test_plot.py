@@ -5,8 +5,6 @@ a missing matplotlib is named with its install line."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import warnings
 from pathlib import Path
 
@@ -17,6 +15,7 @@ from typer.testing import CliRunner
 from diloco.cli.main import app
 from diloco.bench.curves import Run, check, series, token_axis
 from diloco.bench.plot import PlotError, Series, drawable, line_plot
+from fresh import fresh_python
 
 pytestmark = pytest.mark.unit
 
@@ -103,10 +102,8 @@ def test_diloco_plot_writes_three_pngs_and_names_bad_input(tmp_path: Path) -> No
 def test_without_matplotlib_the_install_line_is_named(tmp_path: Path) -> None:
     run = tmp_path / "run.jsonl"
     run.write_text(json.dumps(round_line("A", 1.0, 5, 3.0, 1, 1)) + "\n")
-    code = ("import sys; sys.modules['matplotlib'] = None\n"
-            "from diloco.cli.main import main\n"
-            f"main(['plot', {str(run)!r}, '--out', {str(tmp_path / 'p')!r}])")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    out = fresh_python("from diloco.cli.main import main\n"
+                       f"main(['plot', {str(run)!r}, '--out', {str(tmp_path / 'p')!r}])", without=["matplotlib"])
     assert out.returncode == 2, out.stderr
     assert 'matplotlib, which is not installed: pip install "diloco[plot]"' in out.stderr
     assert not (tmp_path / "p").exists()

@@ -6,8 +6,6 @@ named with its install line; a failing sink never stops the peer. The real-swarm
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any, Iterator, Mapping
 
@@ -17,6 +15,7 @@ import wandb_offline
 from diloco import metrics
 from diloco.metrics import MetricsWriter, read_jsonl
 from diloco.sinks import SinkConfig, scalars, wandb_mode
+from fresh import fresh_python
 
 
 def tensorboard_scalars(log_dir: Path) -> dict[str, list[tuple[int, float]]]:
@@ -128,10 +127,9 @@ def test_a_failing_sink_is_counted_and_the_json_lines_go_on(tmp_path: Path, monk
 
 @pytest.mark.parametrize("flag, value, extra", [("--tensorboard", "tb", "tensorboard"), ("--wandb", "proj", "wandb")])
 def test_a_missing_package_is_named_before_anything_starts(tmp_path: Path, flag: str, value: str, extra: str) -> None:
-    code = (f"import sys; sys.modules[{extra!r}] = None\n"
-            "from diloco.cli.main import main\n"
-            f"main(['start', {flag!r}, {value!r}, '--secret-file', {str(tmp_path / 's')!r}])")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    out = fresh_python("from diloco.cli.main import main\n"
+                       f"main(['start', {flag!r}, {value!r}, '--secret-file', {str(tmp_path / 's')!r}])",
+                       without=[extra], cwd=tmp_path)
     assert out.returncode == 2, out.stderr
     assert f'{flag} needs the {extra} package, which is not installed' in out.stderr
     assert f'pip install "diloco[{extra}]"' in out.stderr

@@ -4,11 +4,10 @@ tests/test_launcher.py and tests/test_shards.py."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import textwrap
 
 import pytest
+from fresh import fresh_python
 
 SCRIPT = textwrap.dedent("""
     import torch, torch.distributed as dist
@@ -34,6 +33,6 @@ def test_settle_returns_once_the_backend_let_go_of_the_tensors():
     """After `settle`, ours is the only reference to a tensor a collective moved: a rank may leave right
     after its last collective without gloo's worker thread dropping a Python tensor during interpreter
     shutdown (which aborts the process: SIGABRT, 'terminate called without an active exception')."""
-    done = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=50)
+    done = fresh_python(SCRIPT, timeout=50)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.split() == ["left", "0"], done.stdout
