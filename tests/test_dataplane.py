@@ -11,6 +11,7 @@ import struct
 
 import pytest
 
+from diloco.bench.flood import stranger_handshake
 from diloco.comms import dataplane as dp
 from diloco.comms.auth import Guard
 from diloco.comms.identity import Identity
@@ -233,20 +234,10 @@ def test_a_stranger_that_sends_nothing_is_cut_at_the_handshake_deadline(monkeypa
 async def _handshake(p: Pair, *, data_key: bytes | None = None, claim: str | None = None) -> None:
     """A client's side done by hand: A's key signs, `claim` is the id it says it has, `data_key` the run key it
     derives with; it sends its finish whatever the server proved."""
-    from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
-
     guard = p.a.guard
     assert guard is not None
     reader, writer = await asyncio.open_connection("127.0.0.1", p.port)
-    own = X25519PrivateKey.generate()
-    hello = dp.client_hello(dp._public(own), secrets.token_bytes(16), claim or p.ida.peer_id)
-    writer.write(hello)
-    head = await reader.readexactly(4 + 32 + 1)
-    named = await reader.readexactly(head[-1] + 96)
-    t = dp.transcript(hello, head[4:36], named[:head[-1]].decode())
-    keys = dp.Keys.derive(own, head[4:36], data_key or guard.data_key, t)
-    writer.write(p.ida.sign(dp._signed("client", t)) + keys.proof(b"C", t))
-    await writer.drain()
+    await stranger_handshake(reader, writer, p.ida, data_key or guard.data_key, claim=claim)
     assert await asyncio.wait_for(reader.read(), 5) == b""  # the server closes it
     writer.close()
 

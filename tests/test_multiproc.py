@@ -123,9 +123,7 @@ def test_strangers_at_a_data_port_are_refused_and_counted_while_the_swarm_commit
     with all three peers."""
     import asyncio
 
-    from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
-
-    from diloco.comms import dataplane as dp
+    from diloco.bench.flood import stranger_handshake
     from diloco.comms.auth import derive
     from diloco.comms.identity import Identity
 
@@ -138,15 +136,9 @@ def test_strangers_at_a_data_port_are_refused_and_counted_while_the_swarm_commit
     others = [peers.spawn(i, ["join", addr, *common]) for i in (1, 2)]
 
     async def stranger() -> None:
-        me, own = Identity.generate(), X25519PrivateKey.generate()
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
-        hello = dp.client_hello(dp._public(own), secrets.token_bytes(16), me.peer_id)
-        writer.write(hello)
-        head = await reader.readexactly(4 + 32 + 1)
-        named = await reader.readexactly(head[-1] + 96)
-        t = dp.transcript(hello, head[4:36], named[:head[-1]].decode())
-        keys = dp.Keys.derive(own, head[4:36], derive(b"another secret entirely", f"data/{peers.run_id}"), t)
-        writer.write(me.sign(dp._signed("client", t)) + keys.proof(b"C", t))
+        await stranger_handshake(reader, writer, Identity.generate(),
+                                 derive(b"another secret entirely", f"data/{peers.run_id}"))
         assert await asyncio.wait_for(reader.read(), 10) == b""  # refused: closed
         writer.close()
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
@@ -306,7 +298,7 @@ def test_sigterm_leaves_cleanly_and_the_swarm_goes_on(peers):
     assert alone[0]["seconds"] < 10, alone[0]
     # the first peer said how to join and how to watch the swarm it started (the secret from $DILOCO_SECRET)
     said = peers.log(0, whole=True)
-    assert f"watch the swarm with:\n  diloco status /ip4/127.0.0.1/" in said and f"--run-id {peers.run_id}\n" in said
+    assert "watch the swarm with:\n  diloco status /ip4/127.0.0.1/" in said and f"--run-id {peers.run_id}\n" in said
     assert "waiting for 2 peers (this one included, up to 120 s) before the first step" in said
 
 

@@ -444,18 +444,27 @@ async def _stranger_call(host: str, port: int, peer: str, me: Identity, key: byt
     closes the connection."""
     reader, writer = await asyncio.open_connection(host, port, local_addr=_source(host))
     try:
-        own = X25519PrivateKey.generate()
-        hello = dp.client_hello(dp._public(own), os.urandom(16), me.peer_id)
-        writer.write(hello)
-        head = await reader.readexactly(4 + 32 + 1)
-        named = await reader.readexactly(head[-1] + 96)
-        t = dp.transcript(hello, head[4:36], named[:head[-1]].decode(errors="replace"))
-        keys = dp.Keys.derive(own, head[4:36], key, t)
-        writer.write(me.sign(dp._signed("client", t)) + keys.proof(b"C", t) + body)
+        await stranger_handshake(reader, writer, me, key, body=body)
         while await reader.read(1 << 16):
             pass
     finally:
         writer.close()
+
+
+async def stranger_handshake(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, me: Identity, key: bytes, *,
+                             claim: str | None = None, body: bytes = b"") -> None:
+    """A client's side of the data port's handshake done by hand, as a stranger would: `me` signs, `claim` is the
+    peer id it says it has (default: `me`'s), `key` the run key it derives with (another swarm's, say); it sends
+    its finish, then `body`, whatever the server proved (so the server does all its work)."""
+    own = X25519PrivateKey.generate()
+    hello = dp.client_hello(dp._public(own), os.urandom(16), claim or me.peer_id)
+    writer.write(hello)
+    head = await reader.readexactly(4 + 32 + 1)
+    named = await reader.readexactly(head[-1] + 96)
+    t = dp.transcript(hello, head[4:36], named[:head[-1]].decode(errors="replace"))
+    keys = dp.Keys.derive(own, head[4:36], key, t)
+    writer.write(me.sign(dp._signed("client", t)) + keys.proof(b"C", t) + body)
+    await writer.drain()
 
 
 def _source(host: str) -> tuple[str, int] | None:
