@@ -25,6 +25,7 @@ process: `diloco.peers.reaper` makes sure it dies with us even when we are SIGKI
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 import os
 import tempfile
@@ -107,30 +108,44 @@ NAT stayed unreachable from that member, whose rounds then closed other views th
 (tests/test_multiproc.py, `no_inbound`; tests/test_discovery.py checks the port)."""
 
 
+Spawned = list[tuple[asyncio.subprocess.Process, list[str]]]
+_STARTING: contextvars.ContextVar[Spawned | None] = contextvars.ContextVar("diloco_p2pd_starting", default=None)
+_REAL_EXEC = asyncio.subprocess.create_subprocess_exec
+
+
+async def _exec(*args: Any, **kwargs: Any) -> asyncio.subprocess.Process:
+    """asyncio's `create_subprocess_exec`, except inside `_daemon_in_own_session` (in the context that entered it,
+    and the tasks that context starts): there the process gets a session of its own and `DAEMON_ENV`."""
+    spawned = _STARTING.get()
+    if spawned is None:
+        return await _REAL_EXEC(*args, **kwargs)
+    env = {**(kwargs.get("env") or os.environ), **DAEMON_ENV}
+    proc = await _REAL_EXEC(*args, **{**kwargs, "start_new_session": True, "env": env})
+    spawned.append((proc, [str(a) for a in args]))
+    return proc
+
+
 @contextmanager
-def _daemon_in_own_session() -> Iterator[list[tuple[asyncio.subprocess.Process, list[str]]]]:
+def _daemon_in_own_session() -> Iterator[Spawned]:
     """Start hivemind's p2pd in a session of its own, with `DAEMON_ENV`. Ctrl-C in a terminal sends SIGINT to the
     whole foreground process group, and p2pd installs its own SIGINT handler and exits at once, so the peer
     could not announce that it leaves; in its own session only we stop it (and our reaper, if we die).
-    hivemind offers no hook for this, so its subprocess call is wrapped while the daemon starts.
-    Yields the list of daemons started, so a start that fails can clean up after them."""
-    real = asyncio.subprocess.create_subprocess_exec
-    spawned: list[tuple[asyncio.subprocess.Process, list[str]]] = []
-
-    async def spawn(*args: Any, **kwargs: Any) -> asyncio.subprocess.Process:
-        env = {**(kwargs.get("env") or os.environ), **DAEMON_ENV}
-        proc = await real(*args, **{**kwargs, "start_new_session": True, "env": env})
-        spawned.append((proc, [str(a) for a in args]))
-        return proc
-
-    asyncio.subprocess.create_subprocess_exec = spawn
+    hivemind offers no hook for this: asyncio's subprocess call is wrapped (once, for good: `_exec`), and the
+    wrapper applies only in the context that entered this block. Swapping the function in and out around each
+    start instead raced between threads starting daemons at once (one could restore another's wrapper for good)
+    and changed every other subprocess started meanwhile. Yields the list of daemons started, so a start that
+    fails can clean up after them."""
+    if asyncio.subprocess.create_subprocess_exec is not _exec:
+        asyncio.subprocess.create_subprocess_exec = _exec
+    spawned: Spawned = []
+    token = _STARTING.set(spawned)
     try:
         yield spawned
     finally:
-        asyncio.subprocess.create_subprocess_exec = real
+        _STARTING.reset(token)
 
 
-async def _cleanup_failed_start(spawned: list[tuple[asyncio.subprocess.Process, list[str]]]) -> None:
+async def _cleanup_failed_start(spawned: Spawned) -> None:
     """hivemind's P2P.create leaves its daemon's control socket behind when the daemon exits during
     start-up (a bootstrap address that does not answer makes p2pd exit before Python is told), and a
     daemon behind if a later start-up step fails: stop what it started and remove the socket."""
