@@ -12,8 +12,9 @@ import pytest
 
 from dataclasses import replace
 
-from diloco.bench.chaos import (KINDS, ChaosSetup, Hit, commits, commits_cut_off, final_states, forks, markdown, plan,
-                                quantile, recovery, sides, stalls, summary, useful_steps)
+from cli_util import invoke, refuse_to_start
+from diloco.bench.chaos import (KINDS, ChaosSetup, Hit, commits, commits_cut_off, final_states, forks, markdown,
+                                merged_since, plan, quantile, recovery, sides, stalls, summary, useful_steps)
 
 
 def _round(t: float, rnd: int, digest: str, committed: bool = True, **kw: object) -> dict:
@@ -44,6 +45,30 @@ def test_outages_draw_a_length_and_a_severity_and_old_seeds_keep_their_plans():
     old = plan(ChaosSetup(seconds=240, every=10, seed=0))
     assert len(old) == 21 and [(f.kind, round(f.at, 3), round(f.seconds, 3)) for f in old[:4]] == [
         ("stop", 13.444, 19.344), ("stop", 23.303, 7.803), ("kill", 37.22, 0.0), ("kill", 45.038, 0.0)]
+
+
+@pytest.mark.unit
+def test_a_repkill_finds_the_representative_that_merged_last_since_it_was_armed():
+    """`repkill` hits the representative whose merge (its round line with `merge`) came last after the fault was
+    armed, among the workers up; region rounds, failed merges and merges before do not count. It needs regions."""
+    lines = [[_round(5.0, 3, "a", merge=True), _round(12.0, 4, "b")],
+             [_round(11.0, 4, "c", merge=True), _round(13.0, 5, "d", merge=True, committed=False)],
+             [_round(14.0, 6, "e", merge=True)]]
+    assert merged_since(lines, 10.0, up=[0, 1, 2]) == (2, 14.0)
+    assert merged_since(lines, 10.0, up=[0, 1]) == (1, 11.0)
+    assert merged_since(lines, 14.0, up=[0, 1, 2]) is None
+    with pytest.raises(ValueError, match="give regions"):
+        ChaosSetup(kinds=("kill", "repkill"))
+    assert {f.kind for f in plan(ChaosSetup(seconds=100, seed=1, regions=2, kinds=("repkill",)))} == {"repkill"}
+
+
+@pytest.mark.unit
+def test_the_command_refuses_a_repkill_without_regions_saying_what_to_add(monkeypatch):
+    refuse_to_start(monkeypatch, "diloco.bench.chaos.run")
+    out = invoke(["bench", "chaos", "--faults", "kill,repkill"])
+    assert out.exit_code == 2 and "repkill hits a region's representative: add --regions N" in out.stderr, out.output
+    out = invoke(["bench", "chaos", "--faults", "kill,nap"])
+    assert out.exit_code == 2 and "repkill" in out.stderr, out.output  # among the kinds it names
 
 
 @pytest.mark.unit

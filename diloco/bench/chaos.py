@@ -23,6 +23,12 @@ host link, `delay_ms` one way), and four more kinds apply to the links:
 - `lossy`: a worker's link drops 2–20% of its packets for `outage_seconds`;
 - `slow`: a worker's packets take 100–500 ms more one way for `outage_seconds`.
 
+With `regions` one more kind applies:
+
+- `repkill`: the next region representative to finish a merge is SIGKILLed right after it (within a tick of its
+  merge line; up to `REPKILL_WAIT` seconds for one, else the fault is skipped), then restarted as a `kill` is:
+  the representative takes the merged state with it, and its members must still end on one model.
+
 Cuts compose: two workers talk when no partition or link that is down separates them. A fault that finds no
 worker to hit (every one down or stopped; fewer than three up for a partition) is skipped and counted as such. When the time is
 up, every stopped worker is continued, every killed one restarted, the swarm gets `heal` seconds, and every
@@ -64,7 +70,11 @@ LINK_KINDS = ("partition", "flap", "lossy", "slow")
 DISK_KINDS = ("readonly", "full")
 """Faults of a checkpoint directory: they need root (mounts)."""
 KINDS = ("kill", "stop", "leave", "join", *DISK_KINDS, *LINK_KINDS)
+REGION_KINDS = ("repkill",)
+"""Faults of a region's representative: they need `regions`."""
 DEFAULT_KINDS = ("kill", "stop")
+REPKILL_WAIT = 60.0
+"""Seconds a `repkill` waits for a representative to finish a merge before it is skipped."""
 _FLAPS = 3
 TINY_JOB = ("--d-model", "64", "--layers", "2", "--batch-size", "8", "-H", "10")
 """The bundled model at width 64 with H = 10: rounds of about half a second on this machine's CPUs."""
@@ -98,6 +108,8 @@ class ChaosSetup:
     def __post_init__(self) -> None:
         if self.gossip and self.regions:
             raise ValueError("gossip and regions are two topologies: give one of them")
+        if set(self.kinds) & set(REGION_KINDS) and not self.regions:
+            raise ValueError(f"{', '.join(REGION_KINDS)} hit a region's representative: give regions")
     heal: float = 15.0
     """Seconds the swarm gets after the last fault, everyone back, before it is stopped."""
     stall: float = 3.0
@@ -275,6 +287,17 @@ def commits_cut_off(hits: Sequence[Hit], lines: Sequence[Lines]) -> list[dict[st
     return out
 
 
+def merged_since(lines: Sequence[Lines], since: float, up: Iterable[int]) -> tuple[int, float] | None:
+    """(worker, time) of the latest merge a representative among `up` committed after `since` (its round line with
+    `merge`), None when none did."""
+    found = [(ln["time"], w) for w in up if w < len(lines) for ln in lines[w]
+             if ln.get("event") == "round" and ln.get("merge") and ln.get("committed") and ln["time"] > since]
+    if not found:
+        return None
+    t, w = max(found)
+    return w, t
+
+
 def region_of(setup: ChaosSetup, worker: int) -> str:
     """Worker `worker`'s region: `r<worker mod setup.regions>` ("" in a flat swarm)."""
     return f"r{worker % setup.regions}" if setup.regions else ""
@@ -373,6 +396,8 @@ class _Swarm:
         self.logs: list[Any] = []
         self.open: dict[int, Hit] = {}
         """The fault each worker is under (killed or stopped), until it is back."""
+        self.armed: list[tuple[Hit, float, float]] = []
+        """`repkill` faults waiting for a merge: (hit, since when (wall clock), until when (monotonic))."""
 
     def path(self, i: int, what: str) -> Path:
         return self.workdir / f"{self.tag}-w{i}.{what}"
@@ -450,20 +475,52 @@ class _Swarm:
                 self.back(w)
         while self.timers and self.timers[0][0] <= now:
             heapq.heappop(self.timers)[2]()
+        if self.armed:
+            self._fire(now)
+
+    def _fire(self, now: float) -> None:
+        """Kill the representative that finished a merge since each `repkill` was armed, right after it."""
+        up = {w.index: w for w in self.workers if w.state == "up" and self.path(w.index, "addr").exists()}
+        lines = [read_jsonl(self.path(i, "jsonl")) if i in up and self.path(i, "jsonl").exists() else []
+                 for i in range(len(self.workers))]
+        for armed in list(self.armed):
+            hit, since, until = armed
+            merged = merged_since(lines, since, up)
+            if merged is None and now < until:
+                continue
+            self.armed.remove(armed)
+            if merged is None:
+                hit.skipped, hit.detail = True, f"no merge within {REPKILL_WAIT:g} s"
+                continue
+            worker, at = merged
+            hit.worker, hit.at = worker, time.time()
+            hit.detail = f"{hit.at - at:.1f} s after its merge"
+            self._kill(up[worker], hit, now)
+            up.pop(worker)
+
+    def _kill(self, w: _Worker, hit: Hit, now: float) -> None:
+        self.open[w.index] = hit
+        w.proc.kill()
+        w.exits.append(w.proc.wait())
+        w.state, w.until = "down", now + self.setup.restart_after
 
     def later(self, seconds: float, step: Callable[[], None]) -> None:
         heapq.heappush(self.timers, (time.monotonic() + seconds, next(self._seq), step))
 
     def finish_faults(self) -> None:
-        """Every fault's remaining steps now (the run is over): links healed, disks back."""
+        """Every fault's remaining steps now (the run is over): links healed, disks back; a `repkill` still waiting
+        for a merge is skipped."""
         while self.timers:
             heapq.heappop(self.timers)[2]()
+        for hit, _, _ in self.armed:
+            hit.skipped, hit.detail = True, "the run ended before the next merge"
+        self.armed.clear()
 
     # ---- link faults (the WAN lab's forwarder)
 
     def _link_fault(self, fault: Fault, hit: Hit, up: list[_Worker]) -> None:
         assert self.lab is not None
-        lab, now = self.lab, time.monotonic()
+        lab = self.lab
         w = up[min(len(up) - 1, int(fault.pick * len(up)))]
         hit.worker = w.index
 
@@ -563,18 +620,19 @@ class _Swarm:
         if fault.kind in LINK_KINDS:
             self._link_fault(fault, hit, up)
             return
+        if fault.kind == "repkill":  # at the next merge (`tick`)
+            self.armed.append((hit, time.time(), now + REPKILL_WAIT))
+            hit.detail = "at the next merge"
+            return
         w = up[min(len(up) - 1, int(fault.pick * len(up)))]
         hit.worker = w.index
         if fault.kind in DISK_KINDS:
             self._disk_fault(fault, hit, w)
             return
-        if fault.kind in ("kill", "stop"):
-            self.open[w.index] = hit
         if fault.kind == "kill":
-            w.proc.kill()
-            w.exits.append(w.proc.wait())
-            w.state, w.until = "down", now + self.setup.restart_after
+            self._kill(w, hit, now)
         elif fault.kind == "stop":
+            self.open[w.index] = hit
             w.proc.send_signal(signal.SIGSTOP)
             w.state, w.until = "stopped", now + fault.seconds
         elif fault.kind == "leave":

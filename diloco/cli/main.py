@@ -999,8 +999,9 @@ def bench_chaos_cmd(
     faults: str = typer.Option(",".join(_CHAOS.kinds), help="Kinds of faults, comma-separated: kill (SIGKILL, "
                                "restarted from its checkpoint under the same identity), stop (SIGSTOP for a while), "
                                "leave (Ctrl-C, for good), join (a new worker), readonly and full (the checkpoint "
-                               "directory; root), and with --wan: partition (a minority cut off), flap, lossy, slow "
-                               "(a worker's link)."),
+                               "directory; root), with --wan: partition (a minority cut off), flap, lossy, slow "
+                               "(a worker's link), and with --regions: repkill (the next representative to merge, "
+                               "right after its merge)."),
     restart_after: float = typer.Option(_CHAOS.restart_after, help="Seconds a killed worker stays down."),
     stop_max: float = typer.Option(_CHAOS.stop_seconds[1], help="Longest SIGSTOP, seconds (the shortest is 1)."),
     outage_max: float = typer.Option(_CHAOS.outage_seconds[1], help="Longest partition, lossy or slow link, "
@@ -1029,12 +1030,14 @@ def bench_chaos_cmd(
     import shlex
     import tempfile
 
-    from ..bench.chaos import DISK_KINDS, KINDS, LINK_KINDS, markdown, run, write_json
+    from ..bench.chaos import DISK_KINDS, KINDS, LINK_KINDS, REGION_KINDS, markdown, run, write_json
     from ..progress import Reporter
 
     kinds = tuple(k.strip() for k in faults.split(",") if k.strip())
-    if not kinds or set(kinds) - set(KINDS):
-        _fail(f"--faults {faults!r}: name kinds among {', '.join(KINDS)}, comma-separated")
+    if not kinds or set(kinds) - set(KINDS) - set(REGION_KINDS):
+        _fail(f"--faults {faults!r}: name kinds among {', '.join((*KINDS, *REGION_KINDS))}, comma-separated")
+    if set(kinds) & set(REGION_KINDS) and not regions:
+        _fail(f"--faults {faults!r}: {', '.join(REGION_KINDS)} hits a region's representative: add --regions N")
     if regions < 0 or regions == 1:
         _fail(f"--regions {regions}: give 2 or more regions, or 0 for a flat swarm")
     if gossip and regions:
