@@ -169,7 +169,7 @@ class Regions(Topology):
     def after_commit(self, members: Sequence[PeerId]) -> None:
         """A region round just committed with `members`: publish our role in the swarm's records, and merge if
         one is due (the region round's count since the last merge reached `merge_every`)."""
-        worker, upper = self.worker, self.upper
+        upper = self.upper
         rep = representative(members)
         me = self.scope.peer_id
         upper.standing.steps += 1  # the global level's inner step, shown in our swarm record: the swarm has started
@@ -224,7 +224,31 @@ class Regions(Topology):
         self.merges += 1
         log.info("event=region_merged region=%s role=representative global_round=%d peers=%d", self.name,
                  upper.round, report.peers)
+        if not self._copied(worker.round, worker.standing.members or ()):
+            log.warning("event=merge_held_alone region=%s region_round=%d reason=no member of the region took it "
+                        "within the wait", self.name, worker.round)
         worker.report_merge(report)
+
+    def _copied(self, rnd: int, members: Sequence[PeerId]) -> bool:
+        """After our merge made region round `rnd`: wait until another member of the region round we merged holds it
+        (its record in the region at `rnd` or later: it downloaded it), for as long as a member waits for our merge.
+        Until then the merged state is ours alone: were we to die, the members would run region round `rnd` again from
+        the round before, and a merge we had reported would be a second state of `rnd` (`diloco bench chaos --faults
+        repkill` found one per representative killed right after its merge). So the merge counts as the region's
+        round (reported: metrics, `on_round`) only once it is held twice; a region of one has nobody to wait for.
+        False when the wait ran out (the members are gone or cut off): then we report it held alone."""
+        others = set(members) - {self.scope.peer_id}
+        if not others:
+            return True
+        cfg = self.swarm.cfg
+        deadline = time.monotonic() + 1.2 * cfg.gather_timeout + cfg.result_timeout + 8 * cfg.call_timeout
+        while True:
+            if any(r.peer in others and r.round >= rnd and r.status in ("training", "standby")
+                   for r in self.scope.records()):
+                return True
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.25)
 
     def _follow(self, rep: PeerId) -> None:
         """Wait for the representative's merge, then download the region state it merged into (θ_G′ and the

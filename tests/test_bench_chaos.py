@@ -14,7 +14,7 @@ from dataclasses import replace
 
 from cli_util import invoke, refuse_to_start
 from diloco.bench.chaos import (KINDS, ChaosSetup, Hit, commits, commits_cut_off, final_states, forks, markdown,
-                                merged_since, plan, quantile, recovery, sides, stalls, summary, useful_steps)
+                                merged_in_log, plan, quantile, recovery, sides, stalls, summary, useful_steps)
 
 
 def _round(t: float, rnd: int, digest: str, committed: bool = True, **kw: object) -> dict:
@@ -48,15 +48,18 @@ def test_outages_draw_a_length_and_a_severity_and_old_seeds_keep_their_plans():
 
 
 @pytest.mark.unit
-def test_a_repkill_finds_the_representative_that_merged_last_since_it_was_armed():
-    """`repkill` hits the representative whose merge (its round line with `merge`) came last after the fault was
-    armed, among the workers up; region rounds, failed merges and merges before do not count. It needs regions."""
-    lines = [[_round(5.0, 3, "a", merge=True), _round(12.0, 4, "b")],
-             [_round(11.0, 4, "c", merge=True), _round(13.0, 5, "d", merge=True, committed=False)],
-             [_round(14.0, 6, "e", merge=True)]]
-    assert merged_since(lines, 10.0, up=[0, 1, 2]) == (2, 14.0)
-    assert merged_since(lines, 10.0, up=[0, 1]) == (1, 11.0)
-    assert merged_since(lines, 14.0, up=[0, 1, 2]) is None
+def test_a_repkill_waits_for_a_representatives_merge_line_past_where_it_was_armed(tmp_path):
+    """`repkill` hits the worker whose log shows a representative's merge after the fault was armed (a member's
+    merge, other lines and merges before do not count). It needs regions."""
+    log = tmp_path / "w.log"
+    log.write_bytes(b"x event=region_merged region=r0 role=representative global_round=1 peers=2\n")
+    armed = log.stat().st_size
+    with open(log, "ab") as f:
+        f.write(b"x event=region_merged region=r0 role=member region_round=5\ntraining: round 5\n")
+    assert merged_in_log(log, 0) and not merged_in_log(log, armed)
+    with open(log, "ab") as f:
+        f.write(b"x event=region_merged region=r0 role=representative global_round=2 peers=2\n")
+    assert merged_in_log(log, armed) and not merged_in_log(tmp_path / "none.log", 0)
     with pytest.raises(ValueError, match="give regions"):
         ChaosSetup(kinds=("kill", "repkill"))
     assert {f.kind for f in plan(ChaosSetup(seconds=100, seed=1, regions=2, kinds=("repkill",)))} == {"repkill"}

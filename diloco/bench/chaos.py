@@ -25,9 +25,10 @@ host link, `delay_ms` one way), and four more kinds apply to the links:
 
 With `regions` one more kind applies:
 
-- `repkill`: the next region representative to finish a merge is SIGKILLed right after it (within a tick of its
-  merge line; up to `REPKILL_WAIT` seconds for one, else the fault is skipped), then restarted as a `kill` is:
-  the representative takes the merged state with it, and its members must still end on one model.
+- `repkill`: the next region representative to merge is SIGKILLed right after its merge (within a tick of the
+  `event=region_merged role=representative` line of its log: the workers log with `--verbose`; up to
+  `REPKILL_WAIT` seconds for one, else the fault is skipped), then restarted as a `kill` is: it may take the merged
+  state with it, and no region round may then hold two states.
 
 Cuts compose: two workers talk when no partition or link that is down separates them. A fault that finds no
 worker to hit (every one down or stopped; fewer than three up for a partition) is skipped and counted as such. When the time is
@@ -287,15 +288,18 @@ def commits_cut_off(hits: Sequence[Hit], lines: Sequence[Lines]) -> list[dict[st
     return out
 
 
-def merged_since(lines: Sequence[Lines], since: float, up: Iterable[int]) -> tuple[int, float] | None:
-    """(worker, time) of the latest merge a representative among `up` committed after `since` (its round line with
-    `merge`), None when none did."""
-    found = [(ln["time"], w) for w in up if w < len(lines) for ln in lines[w]
-             if ln.get("event") == "round" and ln.get("merge") and ln.get("committed") and ln["time"] > since]
-    if not found:
-        return None
-    t, w = max(found)
-    return w, t
+MERGED = b"event=region_merged"
+"""A representative's log line as its merge commits (`--verbose`), before its members hold the merged state."""
+
+
+def merged_in_log(log: Path, offset: int) -> bool:
+    """Whether a representative's merge line is in `log` past `offset` bytes."""
+    try:
+        with open(log, "rb") as f:
+            f.seek(offset)
+            return any(MERGED in ln and b"role=representative" in ln for ln in f.read().splitlines())
+    except OSError:
+        return False
 
 
 def region_of(setup: ChaosSetup, worker: int) -> str:
@@ -396,8 +400,8 @@ class _Swarm:
         self.logs: list[Any] = []
         self.open: dict[int, Hit] = {}
         """The fault each worker is under (killed or stopped), until it is back."""
-        self.armed: list[tuple[Hit, float, float]] = []
-        """`repkill` faults waiting for a merge: (hit, since when (wall clock), until when (monotonic))."""
+        self.armed: list[tuple[Hit, dict[int, int], float]] = []
+        """`repkill` faults waiting for a merge: (hit, each worker's log size then, until when (monotonic))."""
 
     def path(self, i: int, what: str) -> Path:
         return self.workdir / f"{self.tag}-w{i}.{what}"
@@ -425,6 +429,8 @@ class _Swarm:
                "--metrics", str(self.path(i, "jsonl")), "--address-file", str(self.path(i, "addr"))]
         if self.setup.regions:
             cmd += ["--region", region_of(self.setup, i)]
+        if set(self.setup.kinds) & set(REGION_KINDS):
+            cmd.append("--verbose")  # a representative's merge shows in its log at once (`merged_in_log`)
         if self.setup.gossip:
             cmd += ["--topology", "gossip", "--compression", "fp32"]
         if resume:
@@ -478,25 +484,24 @@ class _Swarm:
         if self.armed:
             self._fire(now)
 
+    def log_sizes(self) -> dict[int, int]:
+        return {w.index: self.path(w.index, "log").stat().st_size if self.path(w.index, "log").exists() else 0
+                for w in self.workers}
+
     def _fire(self, now: float) -> None:
-        """Kill the representative that finished a merge since each `repkill` was armed, right after it."""
+        """Kill the representative that merged since each `repkill` was armed, right after its merge."""
         up = {w.index: w for w in self.workers if w.state == "up" and self.path(w.index, "addr").exists()}
-        lines = [read_jsonl(self.path(i, "jsonl")) if i in up and self.path(i, "jsonl").exists() else []
-                 for i in range(len(self.workers))]
         for armed in list(self.armed):
-            hit, since, until = armed
-            merged = merged_since(lines, since, up)
+            hit, sizes, until = armed
+            merged = next((i for i in up if merged_in_log(self.path(i, "log"), sizes.get(i, 0))), None)
             if merged is None and now < until:
                 continue
             self.armed.remove(armed)
             if merged is None:
                 hit.skipped, hit.detail = True, f"no merge within {REPKILL_WAIT:g} s"
                 continue
-            worker, at = merged
-            hit.worker, hit.at = worker, time.time()
-            hit.detail = f"{hit.at - at:.1f} s after its merge"
-            self._kill(up[worker], hit, now)
-            up.pop(worker)
+            hit.worker, hit.at, hit.detail = merged, time.time(), "right after its merge"
+            self._kill(up.pop(merged), hit, now)
 
     def _kill(self, w: _Worker, hit: Hit, now: float) -> None:
         self.open[w.index] = hit
@@ -621,7 +626,7 @@ class _Swarm:
             self._link_fault(fault, hit, up)
             return
         if fault.kind == "repkill":  # at the next merge (`tick`)
-            self.armed.append((hit, time.time(), now + REPKILL_WAIT))
+            self.armed.append((hit, self.log_sizes(), now + REPKILL_WAIT))
             hit.detail = "at the next merge"
             return
         w = up[min(len(up) - 1, int(fault.pick * len(up)))]
