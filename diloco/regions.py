@@ -235,18 +235,20 @@ class Regions(Topology):
         Until then the merged state is ours alone: were we to die, the members would run region round `rnd` again from
         the round before, and a merge we had reported would be a second state of `rnd` (`diloco bench chaos --faults
         repkill` found one per representative killed right after its merge). So the merge counts as the region's
-        round (reported: metrics, `on_round`) only once it is held twice; a region of one has nobody to wait for.
-        False when the wait ran out (the members are gone or cut off): then we report it held alone."""
+        round (reported: metrics, `on_round`) only once it is held twice (a member that took it and left since, at the
+        run's end, counts); a region of one has nobody to wait for. False when nobody took it: every other member
+        left or vanished from the region's records without it, or the wait ran out (cut off): then we report it
+        held alone."""
         others = set(members) - {self.scope.peer_id}
         if not others:
             return True
         cfg = self.swarm.cfg
         deadline = time.monotonic() + 1.2 * cfg.gather_timeout + cfg.result_timeout + 8 * cfg.call_timeout
         while True:
-            if any(r.peer in others and r.round >= rnd and r.status in ("training", "standby")
-                   for r in self.scope.records()):
+            records = [r for r in self.scope.records() if r.peer in others]
+            if any(r.round >= rnd for r in records):
                 return True
-            if time.monotonic() >= deadline:
+            if time.monotonic() >= deadline or all(r.status == "left" for r in records):
                 return False
             time.sleep(0.25)
 
