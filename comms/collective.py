@@ -82,7 +82,7 @@ from typing import Any, Collection, Iterator
 
 import torch
 
-from diloco.compression import PayloadRejected, Reason
+from diloco.compression import Header, PayloadRejected, Reason
 from diloco.compression.pipeline import Pipeline
 
 from . import decide, gather, reduction, results, watch
@@ -312,6 +312,17 @@ class Collective:
         if key.round > self.floor.round + 1:
             raise PayloadRejected(Reason.WRONG_ROUND, f"round {key} is too far ahead of {self.floor}")
         return self.state(key)
+
+    def span_frame(self, caller: PeerId, data: bytes, kind: str, *, owner: PeerId
+                   ) -> tuple[Header, memoryview, RoundState]:
+        """A contribution's or a result's frame from `caller` (`kind`), decoded and placed: its round's state, with its
+        view and span checked against ours (`owner`: who owns its span); raises PayloadRejected."""
+        self.check_banned(caller)
+        header, body, key = msg.decode(data, run=self.run_id, kind=kind, caller=caller, max_body=self.cfg.max_payload,
+                                       schema=self.schema)
+        rs = self.accepting(key)
+        self.check_view_slot(rs, header.view, caller, owner=owner, span=header.span)
+        return header, body, rs
 
     def check_view_slot(self, rs: RoundState, vid: str, sender: PeerId, *, owner: PeerId, span: int) -> None:
         if rs.view is None:  # our gather is still open: buffer, boundedly, and check later by view id

@@ -250,11 +250,7 @@ def into_aggregate(rs: RoundState, span: int, tensor: torch.Tensor) -> torch.Ten
 
 async def on_contrib(c: Collective, caller: PeerId, data: bytes) -> bytes:
     try:
-        c.check_banned(caller)
-        header, body, key = msg.decode(data, run=c.run_id, kind=msg.CONTRIB, caller=caller,
-                                       max_body=c.cfg.max_payload, schema=c.schema)
-        rs = c.accepting(key)
-        c.check_view_slot(rs, header.view, caller, owner=c.me, span=header.span)
+        header, body, rs = c.span_frame(caller, data, msg.CONTRIB, owner=c.me)
         results.check_codec(c, header)
         weight = header.meta.get("weight", 1)
         if not weight_ok(weight):
@@ -278,11 +274,7 @@ async def on_contrib(c: Collective, caller: PeerId, data: bytes) -> bytes:
 
 async def on_result(c: Collective, caller: PeerId, data: bytes) -> bytes:
     try:
-        c.check_banned(caller)
-        header, body, key = msg.decode(data, run=c.run_id, kind=msg.RESULT, caller=caller,
-                                       max_body=c.cfg.max_payload, schema=c.schema)
-        rs = c.accepting(key)
-        c.check_view_slot(rs, header.view, caller, owner=caller, span=header.span)
+        header, body, rs = c.span_frame(caller, data, msg.RESULT, owner=caller)
         if rs.bounds and header.view == rs.vid:
             lo, hi = rs.bounds[header.span]
             if header.numel != hi - lo:
