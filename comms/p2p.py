@@ -114,10 +114,11 @@ _REAL_EXEC = asyncio.subprocess.create_subprocess_exec
 
 
 async def _exec(*args: Any, **kwargs: Any) -> asyncio.subprocess.Process:
-    """asyncio's `create_subprocess_exec`, except inside `_daemon_in_own_session` (in the context that entered it,
-    and the tasks that context starts): there the process gets a session of its own and `DAEMON_ENV`."""
+    """asyncio's `create_subprocess_exec`, except for a p2pd started inside `_daemon_in_own_session` (in the context
+    that entered it, and the tasks that context starts, which keep it): that one gets a session of its own and
+    `DAEMON_ENV`."""
     spawned = _STARTING.get()
-    if spawned is None:
+    if spawned is None or not args or os.path.basename(str(args[0])) != "p2pd":
         return await _REAL_EXEC(*args, **kwargs)
     env = {**(kwargs.get("env") or os.environ), **DAEMON_ENV}
     proc = await _REAL_EXEC(*args, **{**kwargs, "start_new_session": True, "env": env})

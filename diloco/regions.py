@@ -224,21 +224,23 @@ class Regions(Topology):
         self.merges += 1
         log.info("event=region_merged region=%s role=representative global_round=%d peers=%d", self.name,
                  upper.round, report.peers)
-        if not self._copied(worker.round, worker.standing.members or ()):
+        if not self._copied(worker.round, worker.digest, worker.standing.members or ()):
             log.warning("event=merge_held_alone region=%s region_round=%d reason=no member of the region took it "
                         "within the wait", self.name, worker.round)
         worker.report_merge(report)
 
-    def _copied(self, rnd: int, members: Sequence[PeerId]) -> bool:
-        """After our merge made region round `rnd`: wait until another member of the region round we merged holds it
-        (its record in the region at `rnd` or later: it downloaded it), for as long as a member waits for our merge.
+    def _copied(self, rnd: int, digest: str, members: Sequence[PeerId]) -> bool:
+        """After our merge made region round `rnd` (our state's `digest`): wait until another member of the region
+        round we merged holds it (its record shows `rnd` with our digest: it downloaded it), for as long as a member
+        waits for our merge.
         Until then the merged state is ours alone: were we to die, the members would run region round `rnd` again from
         the round before, and a merge we had reported would be a second state of `rnd` (`diloco bench chaos --faults
         repkill` found one per representative killed right after its merge). So the merge counts as the region's
         round (reported: metrics, `on_round`) only once it is held twice (a member that took it and left since, at the
         run's end, counts); a region of one has nobody to wait for. False when nobody took it: every other member
-        left or vanished from the region's records without it, or the wait ran out (cut off): then we report it
-        held alone."""
+        left or vanished from the region's records without it, one shows another state at `rnd` (the members went
+        on without our merge: ours will give way to theirs), or the wait ran out (cut off): then we report it held
+        alone."""
         others = set(members) - {self.scope.peer_id}
         if not others:
             return True
@@ -246,9 +248,11 @@ class Regions(Topology):
         deadline = time.monotonic() + 1.2 * cfg.gather_timeout + cfg.result_timeout + 8 * cfg.call_timeout
         while True:
             records = [r for r in self.scope.records() if r.peer in others]
-            if any(r.round >= rnd for r in records):
+            held = [dict(r.recent).get(rnd, r.digest if r.round == rnd else None) for r in records]
+            if digest in held:
                 return True
-            if time.monotonic() >= deadline or all(r.status == "left" for r in records):
+            if time.monotonic() >= deadline or all(r.status == "left" for r in records) or \
+                    any(h not in (None, "", digest) for h in held):
                 return False
             time.sleep(0.25)
 

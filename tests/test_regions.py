@@ -69,6 +69,39 @@ def test_standby_peers_serve_state_but_are_not_expected_in_rounds():
     assert source is not None and source.peer == "b"
 
 
+def test_a_representative_counts_its_merge_as_held_twice_only_once_a_member_shows_its_state():
+    """After its merge made region round 5 (digest Y), the representative reports it only once another member of
+    the round holds Y (its record at round 5, or round 5 among its recent states); a member that shows another state
+    at 5 (it went on without the merge), or left without it, ends the wait at once; a member still at 4 is waited
+    for until the bound; a region of one has nobody to wait for."""
+    class Scope:
+        peer_id = "a1"
+
+        def records(self) -> list[PeerRecord]:
+            return list(shown)
+
+    rep = object.__new__(Regions)  # the wait alone: its records and its bound
+    rep.scope = Scope()  # type: ignore[assignment]
+    rep.swarm = type("S", (), {"cfg": replace(CFG, gather_timeout=0.5, result_timeout=0.6, reduce_timeout=0.3,
+                                              call_timeout=0.1)})()  # type: ignore[assignment]
+    members = ("a1", "a2")
+    shown = [PeerRecord(peer="a2", status="training", round=5, digest="Y")]
+    assert rep._copied(5, "Y", members)
+    shown = [PeerRecord(peer="a2", status="training", round=6, digest="Z", recent=((5, "Y"), (6, "Z")))]
+    assert rep._copied(5, "Y", members)
+    shown = [PeerRecord(peer="a2", status="left", round=5, digest="Y")]  # took it, then the run ended
+    assert rep._copied(5, "Y", members)
+    started = time.monotonic()
+    shown = [PeerRecord(peer="a2", status="training", round=5, digest="X")]
+    assert not rep._copied(5, "Y", members)
+    shown = [PeerRecord(peer="a2", status="left", round=4, digest="W")]
+    assert not rep._copied(5, "Y", members)
+    assert time.monotonic() - started < 1.0  # neither waited
+    shown = [PeerRecord(peer="a2", status="training", round=4, digest="W")]
+    assert not rep._copied(5, "Y", members) and time.monotonic() - started >= 1.2 * 0.5 + 0.6 + 8 * 0.1
+    assert rep._copied(5, "Y", ("a1",))
+
+
 def test_a_bad_region_name_says_what_a_region_name_is():
     with pytest.raises(ConfigError, match="region"):
         diloco.SwarmConfig(region="eu west")

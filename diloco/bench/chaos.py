@@ -502,6 +502,9 @@ class _Swarm:
                 continue
             hit.worker, hit.at, hit.detail = merged, time.time(), "right after its merge"
             self._kill(up.pop(merged), hit, now)
+            size = self.log_sizes()[merged]  # that merge is spent: another armed repkill waits for a later one
+            for _, sizes, _ in self.armed:
+                sizes[merged] = size
 
     def _kill(self, w: _Worker, hit: Hit, now: float) -> None:
         self.open[w.index] = hit
