@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Collection, Sequence
 
 from diloco.comms import PeerId
 from diloco.compression.errors import ConfigError
@@ -52,6 +52,7 @@ from .holding import Holding
 from .lifecycle import linger
 from .member import Member
 from .outer import OuterFactory, copy_into, nesterov
+from .report import RoundReport
 from .sitelink import SiteLink
 from .state import GlobalState, schema_digest
 from .topology import Topology
@@ -71,6 +72,20 @@ def representative(view: Sequence[PeerId]) -> PeerId:
     """Who merges for a region: the lowest peer id of the region round that just committed (its members all
     hold that view, so they agree without a message)."""
     return min(view)
+
+
+def merge_held(records: Sequence[PeerRecord], others: Collection[PeerId], rnd: int, digest: str) -> bool | None:
+    """Whether a member among `others` holds the state `digest` of region round `rnd` (a representative's merge)
+    as `records` show it: True when one shows it (at that round now, or among its recent states, whether it left
+    since or not); False when one shows another state at that round, or none of them is in the records but as
+    having left; None while nobody has it yet."""
+    mine = [r for r in records if r.peer in others]
+    held = [dict(r.recent).get(rnd, r.digest if r.round == rnd else None) for r in mine]
+    if digest in held:
+        return True
+    if any(h not in (None, "", digest) for h in held) or all(r.status == "left" for r in mine):
+        return False
+    return None
 
 
 def follow_decision(rep: PeerRecord | None, region_round: int) -> str:
@@ -121,6 +136,9 @@ class Regions(Topology):
         self.merges = 0
         """Merges this peer took part in (as the representative, or by downloading θ_G′)."""
         self.skipped = 0
+        self._unreported: tuple[RoundReport, int, str, int, frozenset[PeerId]] | None = None
+        """Our last merge until it is reported (`_report_merge`): its report, the region round it made, that
+        state's digest, our inner step then, and the other members of the region round we merged."""
         """Merges that did not happen for this peer: the swarm's round failed, or the wait ran out."""
 
     # ------------------------------------------------------------------ joining and leaving
@@ -161,6 +179,7 @@ class Regions(Topology):
 
     def close(self) -> None:
         """Leave the region's namespace and the global level (the worker leaves the swarm after this)."""
+        self._report_merge(last=True)
         self.scope.close()
         self.merger.flush()
 
@@ -169,6 +188,7 @@ class Regions(Topology):
     def after_commit(self, members: Sequence[PeerId]) -> None:
         """A region round just committed with `members`: publish our role in the swarm's records, and merge if
         one is due (the region round's count since the last merge reached `merge_every`)."""
+        self._report_merge(members)
         upper = self.upper
         rep = representative(members)
         me = self.scope.peer_id
@@ -185,6 +205,7 @@ class Regions(Topology):
         region round R + 1: frames for it may come before we are done merging. With streamed rounds the local model
         is ahead of θ_R by the inner steps since each fragment's last round; it keeps them on top of θ_G′
         (local ← θ_G′ + (local − θ_R)), except at the run's end (`final`), which ends on θ_G′ itself."""
+        self._report_merge(last=True)  # the one before, if still unreported
         self.scope.moved_to(self.worker.round)
         progress = self.worker.progress() if self.shift and not final else None
         merges = self.merges
@@ -208,6 +229,7 @@ class Regions(Topology):
         upper.maybe_resync(time.monotonic())
         if not upper.standby:  # the representatives serve θ_G′ to the swarm's peers that do not hold it yet
             linger(upper, self.swarm.cfg.gather_timeout)
+        self._report_merge(last=True)
 
     def _lead(self) -> None:
         worker, upper = self.worker, self.upper
@@ -224,37 +246,42 @@ class Regions(Topology):
         self.merges += 1
         log.info("event=region_merged region=%s role=representative global_round=%d peers=%d", self.name,
                  upper.round, report.peers)
-        if not self._copied(worker.round, worker.digest, worker.standing.members or ()):
-            log.warning("event=merge_held_alone region=%s region_round=%d reason=no member of the region took it "
-                        "within the wait", self.name, worker.round)
-        worker.report_merge(report)
+        others = frozenset(worker.standing.members or ()) - {self.scope.peer_id}
+        self._unreported = (report, worker.round, worker.digest, worker.standing.steps, others)
+        self._report_merge(last=not others)  # a region of one: nobody to copy it
 
-    def _copied(self, rnd: int, digest: str, members: Sequence[PeerId]) -> bool:
-        """After our merge made region round `rnd` (our state's `digest`): wait until another member of the region
-        round we merged holds it (its record shows `rnd` with our digest: it downloaded it), for as long as a member
-        waits for our merge.
-        Until then the merged state is ours alone: were we to die, the members would run region round `rnd` again from
-        the round before, and a merge we had reported would be a second state of `rnd` (`diloco bench chaos --faults
-        repkill` found one per representative killed right after its merge). So the merge counts as the region's
-        round (reported: metrics, `on_round`) only once it is held twice (a member that took it and left since, at the
-        run's end, counts); a region of one has nobody to wait for. False when nobody took it: every other member
-        left or vanished from the region's records without it, one shows another state at `rnd` (the members went
-        on without our merge: ours will give way to theirs), or the wait ran out (cut off): then we report it held
-        alone."""
-        others = set(members) - {self.scope.peer_id}
-        if not others:
-            return True
-        cfg = self.swarm.cfg
-        deadline = time.monotonic() + 1.2 * cfg.gather_timeout + cfg.result_timeout + 8 * cfg.call_timeout
-        while True:
-            records = [r for r in self.scope.records() if r.peer in others]
-            held = [dict(r.recent).get(rnd, r.digest if r.round == rnd else None) for r in records]
-            if digest in held:
-                return True
-            if time.monotonic() >= deadline or all(r.status == "left" for r in records) or \
-                    any(h not in (None, "", digest) for h in held):
-                return False
-            time.sleep(0.25)
+    def _report_merge(self, view: Sequence[PeerId] = (), *, last: bool = False) -> None:
+        """Report our last merge (metrics, `on_round`) as the region round it made, once that state is held twice.
+        Until then it is ours alone: were we to die, the members would run that region round again from the round
+        before, and a merge we had reported would be a second state of it (`diloco bench chaos --faults repkill`
+        found one per representative killed right after its merge). Held twice: a region round we committed since
+        with another member, from the merged state (`view`: its members); or a member's record shows the merged
+        state (`merge_held`). Checked where training passes anyway (a merge, a region round committed, the run's
+        end), never waited for. Not reported when our state at that round gave way to another (we took the members'
+        after they went on without our merge); reported held alone, with a warning, when `last` (a new merge, the
+        run's end) finds no copy and no other state."""
+        pending = self._unreported
+        if pending is None:
+            return
+        report, rnd, digest, step, others = pending
+        if (rnd, digest) not in self.worker.holding.recent and \
+                not (self.worker.round == rnd and self.worker.digest == digest):
+            self._unreported = None
+            log.warning("event=merge_given_way region=%s region_round=%d reason=our state at that round was replaced "
+                        "by the members'", self.name, rnd)
+            return
+        held = True if set(view) & others else merge_held(self.scope.records(), others, rnd, digest)
+        if held is None and not last:
+            return
+        self._unreported = None
+        if held is False and any(r.peer in others and r.status != "left" for r in self.scope.records()):
+            log.warning("event=merge_given_way region=%s region_round=%d reason=a member holds another state at "
+                        "that round", self.name, rnd)
+            return
+        if not held:
+            log.warning("event=merge_held_alone region=%s region_round=%d reason=no member of the region took it",
+                        self.name, rnd)
+        self.worker.report_merge(report, rnd, digest, step)
 
     def _follow(self, rep: PeerId) -> None:
         """Wait for the representative's merge, then download the region state it merged into (θ_G′ and the

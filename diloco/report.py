@@ -27,6 +27,9 @@ class RoundReport:
     merge: bool = False
     """A merge of the regions (`diloco.regions`): our representative's round of the swarm, or our download of
     the region state it merged into; `round` is the region round it made."""
+    digest: str = ""
+    """The digest of the state the report names when that is not the state held as it is written (a
+    representative's merge, reported once a member holds it: `Regions`); "" otherwise (the state held then)."""
 
     @property
     def bits_per_param(self) -> float:

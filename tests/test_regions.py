@@ -23,7 +23,7 @@ from diloco.comms.loop import LoopThread
 from diloco.config import ConfigError
 from diloco.peers import InProcBoard, PeerRecord, quorum
 from diloco.peers.membership import regions_of, resync_source
-from diloco.regions import Regions, follow_decision, representative
+from diloco.regions import Regions, follow_decision, merge_held, representative
 
 H = 3
 
@@ -69,37 +69,45 @@ def test_standby_peers_serve_state_but_are_not_expected_in_rounds():
     assert source is not None and source.peer == "b"
 
 
-def test_a_representative_counts_its_merge_as_held_twice_only_once_a_member_shows_its_state():
-    """After its merge made region round 5 (digest Y), the representative reports it only once another member of
-    the round holds Y (its record at round 5, or round 5 among its recent states); a member that shows another state
-    at 5 (it went on without the merge), or left without it, ends the wait at once; a member still at 4 is waited
-    for until the bound; a region of one has nobody to wait for."""
-    class Scope:
-        peer_id = "a1"
+def test_a_representatives_merge_is_held_twice_once_a_member_shows_its_very_state():
+    """After its merge made region round 5 (digest Y), a representative reports it once another member of the round
+    holds Y (its record at round 5, or round 5 among its recent states, also once it left); a member that shows
+    another state at 5 (it went on without the merge) or members that all left without it say no; a member still
+    at 4 says not yet (`diloco.regions.merge_held`)."""
+    others = {"a2", "a3"}
 
-        def records(self) -> list[PeerRecord]:
-            return list(shown)
+    def rec(peer: str, rnd: int, digest: str, status: str = "training", recent=()) -> PeerRecord:
+        return PeerRecord(peer=peer, status=status, round=rnd, digest=digest, recent=recent)
 
-    rep = object.__new__(Regions)  # the wait alone: its records and its bound
-    rep.scope = Scope()  # type: ignore[assignment]
-    rep.swarm = type("S", (), {"cfg": replace(CFG, gather_timeout=0.5, result_timeout=0.6, reduce_timeout=0.3,
-                                              call_timeout=0.1)})()  # type: ignore[assignment]
-    members = ("a1", "a2")
-    shown = [PeerRecord(peer="a2", status="training", round=5, digest="Y")]
-    assert rep._copied(5, "Y", members)
-    shown = [PeerRecord(peer="a2", status="training", round=6, digest="Z", recent=((5, "Y"), (6, "Z")))]
-    assert rep._copied(5, "Y", members)
-    shown = [PeerRecord(peer="a2", status="left", round=5, digest="Y")]  # took it, then the run ended
-    assert rep._copied(5, "Y", members)
-    started = time.monotonic()
-    shown = [PeerRecord(peer="a2", status="training", round=5, digest="X")]
-    assert not rep._copied(5, "Y", members)
-    shown = [PeerRecord(peer="a2", status="left", round=4, digest="W")]
-    assert not rep._copied(5, "Y", members)
-    assert time.monotonic() - started < 1.0  # neither waited
-    shown = [PeerRecord(peer="a2", status="training", round=4, digest="W")]
-    assert not rep._copied(5, "Y", members) and time.monotonic() - started >= 1.2 * 0.5 + 0.6 + 8 * 0.1
-    assert rep._copied(5, "Y", ("a1",))
+    assert merge_held([rec("a2", 5, "Y"), rec("a3", 4, "W")], others, 5, "Y") is True
+    assert merge_held([rec("a2", 6, "Z", recent=((5, "Y"), (6, "Z")))], others, 5, "Y") is True
+    assert merge_held([rec("a2", 5, "Y", status="left")], others, 5, "Y") is True
+    assert merge_held([rec("a2", 5, "X"), rec("a3", 4, "W")], others, 5, "Y") is False
+    assert merge_held([rec("a2", 6, "Z", recent=((5, "X"), (6, "Z")))], others, 5, "Y") is False
+    assert merge_held([rec("a2", 4, "W", status="left")], others, 5, "Y") is False
+    assert merge_held([rec("b1", 5, "Y")], others, 5, "Y") is False  # another region's peer does not count
+    assert merge_held([rec("a2", 4, "W"), rec("a3", 5, "")], others, 5, "Y") is None  # a3's hash still under way
+
+
+def test_a_representative_reports_its_merge_only_once_a_member_took_it():
+    """Two regions of two, a merge every 2 region rounds: every merge line a representative writes names a region
+    round whose state a member of its region held too (the same digest at that round in its own round lines), and
+    every peer ends on one model."""
+    lab = _Lab({"a1": "eu", "a2": "eu", "b1": "us", "b2": "us"}, merge_every=2)
+    barrier = threading.Barrier(4, timeout=20)
+    lines: dict[str, list] = {p: [] for p in lab.regions}
+    try:
+        _run_threads([lab.worker(p, 6, barrier, finish=True, on_round=lines[p].append) for p in lab.regions],
+                     [barrier])
+    finally:
+        lab.close()
+    merges = [(p, r) for p in ("a1", "b1") for r in lines[p] if r.merge and r.committed]
+    assert merges, {p: [(r.round, r.merge) for r in ls] for p, ls in lines.items()}
+    for rep, r in merges:
+        member = {"a1": "a2", "b1": "b2"}[rep]
+        held = dict(lab.workers[member].member.holding.recent)
+        assert r.digest and held.get(r.round) == r.digest, (rep, r.round, r.digest, held)
+    assert len({d.topology.final_digest(d.member) for d in lab.workers.values()}) == 1
 
 
 def test_a_bad_region_name_says_what_a_region_name_is():
