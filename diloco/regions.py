@@ -179,7 +179,10 @@ class Regions(Topology):
 
     def close(self) -> None:
         """Leave the region's namespace and the global level (the worker leaves the swarm after this)."""
-        self._report_merge(last=True)
+        try:
+            self._report_merge(last=True)
+        except Exception as e:  # noqa: BLE001 - leaving must never fail
+            log.warning("event=merge_not_reported region=%s reason=%s", self.name, e)
         self.scope.close()
         self.merger.flush()
 
