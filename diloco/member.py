@@ -353,10 +353,10 @@ class Member:
         self.accounting.round_moved(report.bytes_sent + report.bytes_received, moved_seconds)
         return self.report(report)
 
-    def report_merge(self, merged: RoundReport, rnd: int, digest: str, step: int) -> RoundReport:
-        """Report a merge of the regions as one of our rounds (metrics, `on_round`): region round `rnd`, which it made
-        with the state `digest` at inner step `step` (it may be reported later, once held twice: `Regions`)."""
-        return self.report(replace(merged, round=rnd, step=step, merge=True, digest=digest))
+    def merge_report(self, merged: RoundReport) -> RoundReport:
+        """A merge of the regions as one of our rounds: the region round it made, the state it made (its digest: the
+        report may go out later, once that state is held twice, `Regions`) and our inner step now."""
+        return replace(merged, round=self.holding.round, step=self.standing.steps, merge=True, digest=self.digest)
 
     def fail_attempt(self) -> None:
         """Count a failed attempt at our current round and say so in our record (a region's representative whose

@@ -136,9 +136,9 @@ class Regions(Topology):
         self.merges = 0
         """Merges this peer took part in (as the representative, or by downloading θ_G′)."""
         self.skipped = 0
-        self._unreported: tuple[RoundReport, int, str, int, frozenset[PeerId]] | None = None
-        """Our last merge until it is reported (`_report_merge`): its report, the region round it made, that
-        state's digest, our inner step then, and the other members of the region round we merged."""
+        self._unreported: tuple[RoundReport, frozenset[PeerId]] | None = None
+        """Our last merge until it is reported (`_report_merge`): its report (the region round it made, that state's
+        digest) and the other members of the region round we merged."""
         """Merges that did not happen for this peer: the swarm's round failed, or the wait ran out."""
 
     # ------------------------------------------------------------------ joining and leaving
@@ -169,10 +169,7 @@ class Regions(Topology):
         # our role until a region round says otherwise: the representative of the region round whose state we took
         # (`take_info`), or in a region that ran none yet the lowest peer id we see there (published now, so the
         # other regions' representatives expect us in the first merge)
-        members = worker.standing.members
-        rep = representative(members) if members else \
-            representative([r.peer for r in records] + [self.scope.peer_id])
-        self.upper.set_standby(rep != self.scope.peer_id)
+        self._stand_by_unless_representing(worker.standing.members or [r.peer for r in records] + [self.scope.peer_id])
         if alone and worker.round == 0 and worker.digest != self.upper.digest:
             worker.take_params(self.upper.holding.params, bump=False)
             log.info("event=region_opened region=%s global_round=%d", self.name, self.upper.round)
@@ -193,15 +190,18 @@ class Regions(Topology):
         one is due (the region round's count since the last merge reached `merge_every`)."""
         self._report_merge(members)
         upper = self.upper
-        rep = representative(members)
-        me = self.scope.peer_id
         upper.standing.steps += 1  # the global level's inner step, shown in our swarm record: the swarm has started
-        upper.set_standby(me != rep)
+        self._stand_by_unless_representing(members)
         if upper.standing.position < self.merger.inner_steps_now:
             return
         # Due. A merge that does not happen is tried again after the next region round (not `merge_every`
         # later), so regions whose schedules drifted apart (one slowed by a crash, a late start) meet again.
-        self._merge(rep)
+        self._merge(representative(members))
+
+    def _stand_by_unless_representing(self, members: Sequence[PeerId]) -> None:
+        """Our role at the global level after the region round whose members were `members` (the one we committed,
+        or whose state we took): its representative (its lowest member) merges, every other member stands by."""
+        self.upper.set_standby(representative(members) != self.scope.peer_id)
 
     def _merge(self, rep: PeerId, final: bool = False) -> None:
         """Merge as the representative `rep` of our last region round, or follow its merge. The merge makes the next
@@ -250,7 +250,7 @@ class Regions(Topology):
         log.info("event=region_merged region=%s role=representative global_round=%d peers=%d", self.name,
                  upper.round, report.peers)
         others = frozenset(worker.standing.members or ()) - {self.scope.peer_id}
-        self._unreported = (report, worker.round, worker.digest, worker.standing.steps, others)
+        self._unreported = (worker.merge_report(report), others)
         self._report_merge(last=not others)  # a region of one: nobody to copy it
 
     def _report_merge(self, view: Sequence[PeerId] = (), *, last: bool = False) -> None:
@@ -266,25 +266,28 @@ class Regions(Topology):
         pending = self._unreported
         if pending is None:
             return
-        report, rnd, digest, step, others = pending
+        report, others = pending
+        rnd, digest = report.round, report.digest
         if (rnd, digest) not in self.worker.holding.recent and \
                 not (self.worker.round == rnd and self.worker.digest == digest):
             self._unreported = None
             log.warning("event=merge_given_way region=%s region_round=%d reason=our state at that round was replaced "
                         "by the members'", self.name, rnd)
             return
-        held = True if set(view) & others else merge_held(self.scope.records(), others, rnd, digest)
+        committed_with = bool(set(view) & others)  # a region round since, with a member holding it
+        records = [] if committed_with else self.scope.records()
+        held = True if committed_with else merge_held(records, others, rnd, digest)
         if held is None and not last:
             return
         self._unreported = None
-        if held is False and any(r.peer in others and r.status != "left" for r in self.scope.records()):
+        if held is False and any(r.peer in others and r.status != "left" for r in records):
             log.warning("event=merge_given_way region=%s region_round=%d reason=a member holds another state at "
                         "that round", self.name, rnd)
             return
         if not held:
             log.warning("event=merge_held_alone region=%s region_round=%d reason=no member of the region took it",
                         self.name, rnd)
-        self.worker.report_merge(report, rnd, digest, step)
+        self.worker.report(report)
 
     def _follow(self, rep: PeerId) -> None:
         """Wait for the representative's merge, then download the region state it merged into (θ_G′ and the
@@ -336,9 +339,8 @@ class Regions(Topology):
         position = info.get("merge_position")
         if isinstance(position, int) and not isinstance(position, bool) and position >= 0:
             self.upper.place(position)
-        members = self.worker.standing.members
-        if members:
-            self.upper.set_standby(representative(members) != self.scope.peer_id)
+        if self.worker.standing.members:
+            self._stand_by_unless_representing(self.worker.standing.members)
 
 
 def _global_level(worker: Member, compression: str, merge_every: int, outer: OuterFactory,
