@@ -292,14 +292,15 @@ MERGED = b"event=region_merged"
 """A representative's log line as its merge commits (`--verbose`), before its members hold the merged state."""
 
 
-def merged_in_log(log: Path, offset: int) -> bool:
-    """Whether a representative's merge line is in `log` past `offset` bytes."""
+def merged_in_log(log: Path, offset: int, end: int | None = None) -> bool:
+    """Whether a representative's merge line is in `log` between `offset` and `end` bytes (default: its end)."""
     try:
         with open(log, "rb") as f:
             f.seek(offset)
-            return any(MERGED in ln and b"role=representative" in ln for ln in f.read().splitlines())
+            text = f.read() if end is None else f.read(max(0, end - offset))
     except OSError:
         return False
+    return any(MERGED in ln and b"role=representative" in ln for ln in text.splitlines())
 
 
 def region_of(setup: ChaosSetup, worker: int) -> str:
@@ -400,8 +401,10 @@ class _Swarm:
         self.logs: list[Any] = []
         self.open: dict[int, Hit] = {}
         """The fault each worker is under (killed or stopped), until it is back."""
-        self.armed: list[tuple[Hit, dict[int, int], float]] = []
-        """`repkill` faults waiting for a merge: (hit, each worker's log size then, until when (monotonic))."""
+        self.armed: list[tuple[Hit, float]] = []
+        """`repkill` faults waiting for a merge, first armed first: (hit, until when (monotonic))."""
+        self.log_read: dict[int, int] = {}
+        """How far each worker's log has been read for merges (while a `repkill` waits): each merge fires one."""
 
     def path(self, i: int, what: str) -> Path:
         return self.workdir / f"{self.tag}-w{i}.{what}"
@@ -484,27 +487,24 @@ class _Swarm:
         if self.armed:
             self._fire(now)
 
-    def log_sizes(self) -> dict[int, int]:
-        return {w.index: self.path(w.index, "log").stat().st_size if self.path(w.index, "log").exists() else 0
-                for w in self.workers}
+    def _log_size(self, i: int) -> int:
+        log = self.path(i, "log")
+        return log.stat().st_size if log.exists() else 0
 
     def _fire(self, now: float) -> None:
-        """Kill the representative that merged since each `repkill` was armed, right after its merge."""
+        """Each representative that merged since the logs were last read is killed right after its merge, by the
+        `repkill` armed first; one that waited `REPKILL_WAIT` for a merge is skipped."""
         up = {w.index: w for w in self.workers if w.state == "up" and self.path(w.index, "addr").exists()}
-        for armed in list(self.armed):
-            hit, sizes, until = armed
-            merged = next((i for i in up if merged_in_log(self.path(i, "log"), sizes.get(i, 0))), None)
-            if merged is None and now < until:
-                continue
+        for i in range(len(self.workers)):
+            read, size = self.log_read.get(i, 0), self._log_size(i)
+            self.log_read[i] = size
+            if i in up and self.armed and merged_in_log(self.path(i, "log"), read, size):
+                hit, _ = self.armed.pop(0)
+                hit.worker, hit.at, hit.detail = i, time.time(), "right after its merge"
+                self._kill(up[i], hit, now)
+        for armed in [a for a in self.armed if now >= a[1]]:
             self.armed.remove(armed)
-            if merged is None:
-                hit.skipped, hit.detail = True, f"no merge within {REPKILL_WAIT:g} s"
-                continue
-            hit.worker, hit.at, hit.detail = merged, time.time(), "right after its merge"
-            self._kill(up.pop(merged), hit, now)
-            size = self.log_sizes()[merged]  # that merge is spent: another armed repkill waits for a later one
-            for _, sizes, _ in self.armed:
-                sizes[merged] = size
+            armed[0].skipped, armed[0].detail = True, f"no merge within {REPKILL_WAIT:g} s"
 
     def _kill(self, w: _Worker, hit: Hit, now: float) -> None:
         self.open[w.index] = hit
@@ -520,7 +520,7 @@ class _Swarm:
         for a merge is skipped."""
         while self.timers:
             heapq.heappop(self.timers)[2]()
-        for hit, _, _ in self.armed:
+        for hit, _ in self.armed:
             hit.skipped, hit.detail = True, "the run ended before the next merge"
         self.armed.clear()
 
@@ -628,8 +628,10 @@ class _Swarm:
         if fault.kind in LINK_KINDS:
             self._link_fault(fault, hit, up)
             return
-        if fault.kind == "repkill":  # at the next merge (`tick`)
-            self.armed.append((hit, self.log_sizes(), now + REPKILL_WAIT))
+        if fault.kind == "repkill":  # at the next merge (`tick`): merges from now on count
+            if not self.armed:
+                self.log_read = {w.index: self._log_size(w.index) for w in self.workers}
+            self.armed.append((hit, now + REPKILL_WAIT))
             hit.detail = "at the next merge"
             return
         w = up[min(len(up) - 1, int(fault.pick * len(up)))]
