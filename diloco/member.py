@@ -24,7 +24,7 @@ from diloco.peers.records import PeerRecord
 
 from .accounting import Accounting
 from .catchup import CatchUp
-from .holding import Holding, views
+from .holding import Holding, Later, views
 from .outer import copy_into, mix_into, outer_step
 from .report import RoundReport
 from .serving import SnapshotServer
@@ -354,9 +354,14 @@ class Member:
         return self.report(report)
 
     def merge_report(self, merged: RoundReport) -> RoundReport:
-        """A merge of the regions as one of our rounds: the region round it made, the state it made (its digest: the
-        report may go out later, once that state is held twice, `Regions`) and our inner step now."""
-        return replace(merged, round=self.holding.round, step=self.standing.steps, merge=True, digest=self.digest)
+        """A merge of the regions as one of our rounds: the region round it made and our inner step now (`Regions`
+        reports it once the state it made is held twice, with that state's digest)."""
+        return replace(merged, round=self.holding.round, step=self.standing.steps, merge=True)
+
+    def report_digest(self, report: RoundReport) -> str | Later:
+        """The digest a report's metrics line names: the state it names (`RoundReport.digest`), else the state we
+        hold, written once hashed beside training (`diloco.metrics`)."""
+        return report.digest or self.holding.later()
 
     def fail_attempt(self) -> None:
         """Count a failed attempt at our current round and say so in our record (a region's representative whose

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import replace
 from typing import TYPE_CHECKING, Collection, Sequence
 
 from diloco.comms import PeerId
@@ -48,7 +49,7 @@ from diloco.peers.records import PeerRecord
 from .accounting import Accounting
 from .engine import RoundEngine
 from .fragments import StreamingConfig, partition
-from .holding import Holding
+from .holding import Holding, Later
 from .lifecycle import linger
 from .member import Member
 from .outer import OuterFactory, copy_into, nesterov
@@ -80,10 +81,10 @@ def merge_held(records: Sequence[PeerRecord], others: Collection[PeerId], rnd: i
     since or not); False when one shows another state at that round, or none of them is in the records but as
     having left; None while nobody has it yet."""
     mine = [r for r in records if r.peer in others]
-    held = [dict(r.recent).get(rnd, r.digest if r.round == rnd else None) for r in mine]
-    if digest in held:
+    held = [r.digests_at(rnd) for r in mine]
+    if any(digest in h for h in held):
         return True
-    if any(h not in (None, "", digest) for h in held) or all(r.status == "left" for r in mine):
+    if any(h - {digest} for h in held) or all(r.status == "left" for r in mine):
         return False
     return None
 
@@ -136,10 +137,10 @@ class Regions(Topology):
         self.merges = 0
         """Merges this peer took part in (as the representative, or by downloading θ_G′)."""
         self.skipped = 0
-        self._unreported: tuple[RoundReport, frozenset[PeerId]] | None = None
-        """Our last merge until it is reported (`_report_merge`): its report (the region round it made, that state's
-        digest) and the other members of the region round we merged."""
         """Merges that did not happen for this peer: the swarm's round failed, or the wait ran out."""
+        self._unreported: tuple[RoundReport, Later, frozenset[PeerId]] | None = None
+        """Our last merge until it is reported (`_report_merge`): its report (the region round it made), the digest of
+        the state it made (hashed beside training) and the other members of the region round we merged."""
 
     # ------------------------------------------------------------------ joining and leaving
 
@@ -250,8 +251,9 @@ class Regions(Topology):
         log.info("event=region_merged region=%s role=representative global_round=%d peers=%d", self.name,
                  upper.round, report.peers)
         others = frozenset(worker.standing.members or ()) - {self.scope.peer_id}
-        self._unreported = (worker.merge_report(report), others)
-        self._report_merge(last=not others)  # a region of one: nobody to copy it
+        self._unreported = (worker.merge_report(report), worker.holding.later(), others)
+        if not others:  # a region of one: nobody to copy it (otherwise nobody holds it yet: they download it now)
+            self._report_merge(last=True)
 
     def _report_merge(self, view: Sequence[PeerId] = (), *, last: bool = False) -> None:
         """Report our last merge (metrics, `on_round`) as the region round it made, once that state is held twice.
@@ -266,16 +268,17 @@ class Regions(Topology):
         pending = self._unreported
         if pending is None:
             return
-        report, others = pending
-        rnd, digest = report.round, report.digest
-        if (rnd, digest) not in self.worker.holding.recent and \
-                not (self.worker.round == rnd and self.worker.digest == digest):
+        report, later, others = pending
+        if not later.ready() and not last:
+            return
+        rnd, digest = report.round, later.get()
+        if (rnd, digest) not in self.worker.holding.recent:  # hashed: in `recent` unless replaced at its round
             self._unreported = None
             log.warning("event=merge_given_way region=%s region_round=%d reason=our state at that round was replaced "
                         "by the members'", self.name, rnd)
             return
         committed_with = bool(set(view) & others)  # a region round since, with a member holding it
-        records = [] if committed_with else self.scope.records()
+        records = [] if committed_with else self.scope.records(cached=True)
         held = True if committed_with else merge_held(records, others, rnd, digest)
         if held is None and not last:
             return
@@ -287,7 +290,7 @@ class Regions(Topology):
         if not held:
             log.warning("event=merge_held_alone region=%s region_round=%d reason=no member of the region took it",
                         self.name, rnd)
-        self.worker.report(report)
+        self.worker.report(replace(report, digest=digest))
 
     def _follow(self, rep: PeerId) -> None:
         """Wait for the representative's merge, then download the region state it merged into (θ_G′ and the

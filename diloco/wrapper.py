@@ -567,11 +567,9 @@ class DiLoCo:
         launch = self.launch
         if launch is not None and launch.records_metrics and self.link.talks:
             peer = self.member.swarm.peer_id if self.member.swarm else ""
-            # the state's digest, written once hashed, beside training (`diloco.metrics`)
-            digest = report.digest or self.member.holding.later()
             launch.metrics_writer(peer).write("round", peer=peer, loss=self.loss, restart=launch.restart,
                                               round_steps=self.member.standing.covered,
-                                              **{**report.as_dict(), "digest": digest})
+                                              **{**report.as_dict(), "digest": self.member.report_digest(report)})
         if self.on_round is not None:
             self.on_round(report)
 

@@ -186,7 +186,7 @@ def vouched(records: Sequence[PeerRecord], me: PeerId, rnd: int, digest: str) ->
     for r in records:
         if r.peer == me:
             continue
-        held = {d for n, d in ((r.round, r.digest), *r.recent) if n == rnd and d}
+        held = r.digests_at(rnd)
         votes.update(held)
     if not votes:
         return None, f"no peer advertises round {rnd} yet"
@@ -200,7 +200,7 @@ def vouched(records: Sequence[PeerRecord], me: PeerId, rnd: int, digest: str) ->
 def holders(records: Sequence[PeerRecord], me: PeerId, rnd: int, digest: str) -> list[PeerId]:
     """Training peers whose records show state (rnd, digest), now or among their recent states: any of
     them can serve a chunk of it (every peer that committed a round holds the same bytes)."""
-    return sorted(r.peer for r in serving(records) if r.peer != me and (rnd, digest) in ((r.round, r.digest), *r.recent))
+    return sorted(r.peer for r in serving(records) if r.peer != me and digest in r.digests_at(rnd))
 
 
 def started_without(records: Sequence[PeerRecord], me: PeerId) -> bool:

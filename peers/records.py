@@ -88,6 +88,10 @@ class PeerRecord:
     """Members this peer's last call reached through libp2p instead of their data port (unknown or unreachable):
     `diloco status` shows which pairs do not go direct."""
 
+    def digests_at(self, rnd: int) -> set[str]:
+        """The digests this record shows for round `rnd`: its state now, or among its `recent` states."""
+        return {d for n, d in ((self.round, self.digest), *self.recent) if n == rnd and d}
+
     def to_wire(self) -> dict[str, Any]:
         out = asdict(self)
         out["addrs"] = list(self.addrs)

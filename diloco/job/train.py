@@ -356,7 +356,7 @@ def run_job(cfg: JobConfig, swarm: Swarm | None, *, metrics: MetricsWriter | Non
                       loss=d.loss, bytes_sent=r.bytes_sent, bytes_received=r.bytes_received,
                       payload_bytes=r.payload_bytes, bits_per_param=round(r.bits_per_param, 5),
                       seconds=round(r.seconds, 3), step=r.step, tokens=r.step * cfg.batch_size * cfg.context,
-                      digest=r.digest or d.member.holding.later(), fragment=r.fragment, blocked=r.blocked, resynced=r.resynced, merge=r.merge,
+                      digest=d.member.report_digest(r), fragment=r.fragment, blocked=r.blocked, resynced=r.resynced, merge=r.merge,
                       round_steps=d.member.standing.covered,
                       phases={k: round(v, 3) for k, v in r.phases.items()}, **d.usage().as_dict())
         if cfg.eval_every and r.committed and r.round % cfg.eval_every == 0:
