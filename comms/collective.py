@@ -89,7 +89,7 @@ from . import decide, gather, reduction, results, watch
 from . import messages as msg
 from .decide import Admit
 from .faults import NO_FAULTS, Faults
-from .rounds import (MAX_VIEWS_PER_ROUND, Accepted, CollectiveConfig, Exchange, Handoff, RoundOutcome, RoundState,
+from .rounds import (Accepted, CollectiveConfig, Exchange, Handoff, RoundOutcome, RoundState,
                      Value, lap, short, weight_ok)
 from .spans import MAX_SPANS, RoundKey, span_bounds, spans_for
 from .transport import PeerId, Transport, TransportError
@@ -313,21 +313,24 @@ class Collective:
             raise PayloadRejected(Reason.WRONG_ROUND, f"round {key} is too far ahead of {self.floor}")
         return self.state(key)
 
+    def decode_from(self, caller: PeerId, data: bytes, kind: str, max_body: int) -> tuple[Header, memoryview, RoundKey]:
+        """A frame of `kind` from `caller` to one of our handlers, checked (run, kind, schema, size; a banned caller
+        refused); raises PayloadRejected."""
+        self.check_banned(caller)
+        return msg.decode(data, run=self.run_id, kind=kind, caller=caller, max_body=max_body, schema=self.schema)
+
     def span_frame(self, caller: PeerId, data: bytes, kind: str, *, owner: PeerId
                    ) -> tuple[Header, memoryview, RoundState]:
         """A contribution's or a result's frame from `caller` (`kind`), decoded and placed: its round's state, with its
         view and span checked against ours (`owner`: who owns its span); raises PayloadRejected."""
-        self.check_banned(caller)
-        header, body, key = msg.decode(data, run=self.run_id, kind=kind, caller=caller, max_body=self.cfg.max_payload,
-                                       schema=self.schema)
+        header, body, key = self.decode_from(caller, data, kind, self.cfg.max_payload)
         rs = self.accepting(key)
         self.check_view_slot(rs, header.view, caller, owner=owner, span=header.span)
         return header, body, rs
 
     def check_view_slot(self, rs: RoundState, vid: str, sender: PeerId, *, owner: PeerId, span: int) -> None:
         if rs.view is None:  # our gather is still open: buffer, boundedly, and check later by view id
-            if vid not in rs.views_buffered() and len(rs.views_buffered()) >= MAX_VIEWS_PER_ROUND:
-                raise PayloadRejected(Reason.WRONG_VIEW, "too many distinct views buffered for this round")
+            rs.check_buffered(vid)
             if not 0 <= span < MAX_SPANS:
                 raise PayloadRejected(Reason.WRONG_SPAN, f"span {span} out of range")
             return

@@ -20,7 +20,7 @@ from diloco.compression import PayloadRejected, Reason
 
 from . import messages as msg
 from .results import parse_result
-from .rounds import MAX_VIEWS_PER_ROUND, Exchange, RoundOutcome, Value, placeholder, short, wait_until
+from .rounds import Exchange, RoundOutcome, Value, placeholder, short, wait_until
 from .spans import RoundKey, make_view, member_token, parse_member, view_id
 from .transport import PeerId, TransportError
 
@@ -205,9 +205,7 @@ async def on_vote(c: Collective, caller: PeerId, data: bytes) -> bytes:
     """A member accepted the value of its view `header.view` in attempt `key`: count it, and say
     whether we accepted it too, committed the round already, or moved past that attempt."""
     try:
-        c.check_banned(caller)
-        header, _, key = msg.decode(data, run=c.run_id, kind=msg.VOTE, caller=caller, max_body=0,
-                                    schema=c.schema)
+        header, _, key = c.decode_from(caller, data, msg.VOTE, 0)
         if key.round <= c.committed_through:
             ballot, value = c.decided.get(key.round, ("", ""))
             if ballot == header.view:  # we accepted that very attempt's value, then committed it
@@ -219,8 +217,7 @@ async def on_vote(c: Collective, caller: PeerId, data: bytes) -> bytes:
             return msg.ack(run=c.run_id, sender=c.me, accepted=accepted, past=not accepted)
         rs = c.accepting(key)
         if rs.view is None:  # our gather is still open: keep the vote, boundedly, until our view closes
-            if header.view not in rs.views_buffered() and len(rs.views_buffered()) >= MAX_VIEWS_PER_ROUND:
-                raise PayloadRejected(Reason.WRONG_VIEW, "too many distinct views buffered for this round")
+            rs.check_buffered(header.view)
         elif rs.vid != header.view or caller not in rs.view:
             raise PayloadRejected(Reason.WRONG_VIEW, f"vote for view {header.view}, ours is {rs.vid or 'none'}")
         rs.votes.setdefault(header.view, set()).add(caller)
@@ -234,9 +231,7 @@ async def on_value(c: Collective, caller: PeerId, data: bytes) -> bytes:
     """Serve the value we accepted (its members and every span's result frame) to a member whose
     view carries it."""
     try:
-        c.check_banned(caller)
-        header, _, key = msg.decode(data, run=c.run_id, kind=msg.VALUE, caller=caller, max_body=0,
-                                    schema=c.schema)
+        header, _, key = c.decode_from(caller, data, msg.VALUE, 0)
     except PayloadRejected as e:
         return c.reject(caller, e)
     acc = c.accepted

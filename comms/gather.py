@@ -209,10 +209,7 @@ def accepted_meta(c: Collective, key: RoundKey) -> dict[str, Any]:
 
 async def on_ready(c: Collective, caller: PeerId, data: bytes) -> bytes:
     try:
-        c.check_banned(caller)
-        header, body, key = msg.decode(data, run=c.run_id, kind=msg.READY, caller=caller,
-                                       max_body=msg.MAX_NAMES_BYTES,
-                                       schema=c.schema)
+        header, body, key = c.decode_from(caller, data, msg.READY, msg.MAX_NAMES_BYTES)
         digest = header.meta.get("digest")
         if not isinstance(digest, str) or len(digest) > 128:
             raise PayloadRejected(Reason.BAD_HEADER, "ready needs a string meta.digest")

@@ -17,6 +17,7 @@ from typing import Callable, Iterator, Sequence, TypeGuard
 
 import torch
 
+from diloco.compression import PayloadRejected, Reason
 from diloco.compression.errors import ConfigError
 from diloco.compression.pipeline import Decoded, parse
 
@@ -209,6 +210,12 @@ class RoundState:
 
     def views_buffered(self) -> set[str]:
         return {v for v, _ in self.contribs} | {v for v, _ in self.results} | set(self.votes)
+
+    def check_buffered(self, vid: str) -> None:
+        """Frames of view `vid` may wait here until our view closes, unless `MAX_VIEWS_PER_ROUND` other views' frames
+        already do (bounded memory); raises PayloadRejected."""
+        if vid not in self.views_buffered() and len(self.views_buffered()) >= MAX_VIEWS_PER_ROUND:
+            raise PayloadRejected(Reason.WRONG_VIEW, "too many distinct views buffered for this round")
 
     def mark_elsewhere(self, peer: PeerId) -> None:
         """`peer` showed us it closed another view of this round key (see `elsewhere`)."""

@@ -80,9 +80,7 @@ async def on_probe(c: Collective, caller: PeerId, data: bytes) -> bytes:
     """A member of a view asks whether we still run it (`watch`): `running` is true while our attempt of that
     key is under way and either still gathering or closed on that view. No side effect."""
     try:
-        c.check_banned(caller)
-        header, _, key = msg.decode(data, run=c.run_id, kind=msg.PROBE, caller=caller, max_body=0,
-                                    schema=c.schema)
+        header, _, key = c.decode_from(caller, data, msg.PROBE, 0)
         rs = c.rounds.get(key)
         running = key == c.floor and rs is not None and rs.expected is not None and \
             (rs.view is None or rs.vid == header.view)

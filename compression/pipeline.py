@@ -230,12 +230,16 @@ class Pipeline:
             return b"".join(v for v in views if v is not None)
         return self.encode(parts[0] if len(parts) == 1 else torch.cat(list(parts)) if parts else torch.empty(0))
 
+    def _raw_fp32(self) -> Fp32Codec | None:
+        """The value codec when its bytes are the payload (dense fp32, no other stage on): a tensor's own bytes are
+        its encoding, and a payload decodes straight into a tensor; else None."""
+        return self.value if isinstance(self.value, Fp32Codec) and self.exact and not self.spec.zstd else None
+
     def _own_bytes(self, t: torch.Tensor) -> memoryview | None:
-        """`t`'s encoding as a view of its own memory where the value codec's bytes are `t`'s own (`own_bytes`) and
-        no other stage is on; else None."""
-        if not isinstance(self.value, Fp32Codec) or self.spec.sparsifier is not None or self.spec.zstd:
-            return None
-        return self.value.own_bytes(t)
+        """`t`'s encoding as a view of its own memory where the value codec's bytes are `t`'s own (`own_bytes`);
+        else None."""
+        raw = self._raw_fp32()
+        return raw.own_bytes(t) if raw is not None else None
 
     def encode_view(self, t: torch.Tensor) -> bytes | memoryview:
         """`encode(t)`, as a view of `t`'s own memory where the encoding is `t`'s bytes themselves (dense fp32 without
@@ -287,8 +291,8 @@ class Pipeline:
         without zstd into host memory, one pass from the payload's bytes and no tensor of its own."""
         if out.numel() != numel:
             raise ValueError(f"decode_into: {numel} values into a tensor of {out.numel()}")
-        if isinstance(self.value, Fp32Codec) and self.spec.sparsifier is None and not self.spec.zstd:
-            return self.value.decode_into(payload, numel, out)
+        if (raw := self._raw_fp32()) is not None:
+            return raw.decode_into(payload, numel, out)
         return out.copy_(self.decode(payload, numel).dense(numel))
 
 

@@ -25,7 +25,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from diloco.comms import PeerId, RoundKey, RoundOutcome
+from diloco.comms import RoundKey, RoundOutcome
 from diloco.comms.rounds import Handoff
 from diloco.comms.robust import RobustConfig, finite
 from diloco.compression.ef import ErrorFeedback
@@ -190,10 +190,10 @@ class RoundEngine:
         due = self.pace.due(self.clock(), self.link.agree)
         # the first time we publish: once a few steps are timed (the first ones warm up), or at the slot
         settled = due or (self.standing.step_seconds is None and self.pace.span > FIRST_PUBLISHED)
-        if self.pace.span_step_seconds is not None and settled:
+        if settled and (mean := self.pace.span_step_seconds) is not None:
             first = self.standing.step_seconds is None
             # published with our record (adaptive rounds read it, ours included: `Pace.published`): the span's mean
-            self.standing.step_seconds = self.pace.published = self.pace.span_step_seconds
+            self.standing.step_seconds = self.pace.published = mean
             if first and self.member.swarm is not None:
                 self.member.publish("training", now=False)  # the first: with the next heartbeat, not after a round
         return due

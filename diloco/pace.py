@@ -123,7 +123,7 @@ class Pace:
         """A site: the span's length the leader planned at its step `PLAN_AT` (None before)."""
         self.step_seconds: float | None = None
         """The leader's moving average of an inner step's duration (the slot's own work left out)."""
-        self._timed = (0.0, 0)
+        self._timed_seconds, self._timed_steps = 0.0, 0
         """Seconds and count of the timed steps of this span (`span_step_seconds`)."""
         self._start = now
         self._last: float | None = None
@@ -141,7 +141,8 @@ class Pace:
             took = now - self._last
             self.step_seconds = took if self.step_seconds is None else \
                 (1 - SMOOTHING) * self.step_seconds + SMOOTHING * took
-            self._timed = (self._timed[0] + took, self._timed[1] + 1)
+            self._timed_seconds += took
+            self._timed_steps += 1
         self._last = now
         self.span += 1
         if not self.planned:
@@ -160,8 +161,7 @@ class Pace:
         Not the moving average, which follows the last few steps: one step held up by the scheduler (a busy machine
         preempts a process for tens of ms) would triple it, and with it the next adaptive span of every worker that
         reads it, while the mean of a span's steps is the worker's rate over the span."""
-        seconds, count = self._timed
-        return seconds / count if count else None
+        return self._timed_seconds / self._timed_steps if self._timed_steps else None
 
     def _adapt(self, own: float) -> None:
         assert self.adaptive is not None
@@ -191,4 +191,4 @@ class Pace:
         """A slot's work ended at `ended`: the next span, and the next step's duration, count from then."""
         self.span, self.plan = 0, None
         self._start, self._last = ended, ended
-        self._timed = (0.0, 0)
+        self._timed_seconds, self._timed_steps = 0.0, 0

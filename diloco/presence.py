@@ -104,7 +104,7 @@ class Presence:
             self.seen, self.seen_at = found, now
         elif self._seen_others(now):
             log.info("event=directory_read_empty reason=using the view read %.1fs ago", now - self.seen_at)
-            others = [r for r in self.seen or [] if r.peer != self.peer_id]
+            others = self.others_seen()
         return [self.record, *others]
 
     def _reach_unseen(self, others: list[PeerRecord], now: float) -> None:
@@ -140,8 +140,7 @@ class Presence:
         return [self.record, *self.others_seen()]
 
     def _seen_others(self, now: float) -> bool:
-        return bool(self.seen) and any(r.peer != self.peer_id for r in self.seen or []) \
-            and now - self.seen_at < self.cfg.heartbeat_ttl
+        return bool(self.others_seen()) and now - self.seen_at < self.cfg.heartbeat_ttl
 
     def keep_addresses(self, path: str) -> None:
         """Keep the addresses of the other members in `path` (one a line, refreshed with the heartbeat), so

@@ -238,9 +238,8 @@ class StateServer:
     def _request(self, caller: PeerId, data: bytes) -> tuple[Snapshot | None, int, str]:
         """(the snapshot a manifest or chunk request names, the chunk index, why not when there is none)."""
         try:
+            self.collective.check_banned(caller)  # it takes nothing from the swarm, our state included
             header, _, _ = msg.decode(data, run=self.run_id, kind=msg.STATE, caller=caller, max_body=0)
-            if caller in self.collective.banned:  # it takes nothing from the swarm, our state included
-                raise PayloadRejected(Reason.BANNED, f"{caller} is banned for this run")
         except PayloadRejected as e:
             self.collective.rejections[e.reason.value] += 1
             return None, -1, e.reason.value

@@ -124,7 +124,8 @@ def _run_peer(initial: list[str], *, host: str, port: int, announce: Optional[Li
     from ..metrics import MetricsWriter
     from ..progress import Reporter
     from ..sinks import SinkError
-    from ..swarm import Banned, Swarm, SwarmError
+    from ..connect import SwarmError
+    from ..swarm import Banned, Swarm
     from ..job.train import run_job
     from ..wrapper import subnormals_flushed
 
