@@ -35,11 +35,13 @@ class CollectiveConfig:
     result_timeout: float = 30.0
     """Seconds after the gather closes that a peer waits for every span's result; > reduce_timeout."""
     call_timeout: float = 15.0
-    """Seconds any single message may take before its peer is treated as unreachable."""
+    """Seconds one message may take before its peer is treated as unreachable; also the deadline of each
+    4 MiB chunk of state a catching-up peer downloads (the whole download has none)."""
     min_peers: int = 1
     """Fewest members (self included) a round needs to commit."""
     compression: str = "fp32"
-    """Compression pipeline spec of contributions (see diloco.compression.pipeline)."""
+    """Compression pipeline of pseudo-gradients, e.g. fp16, e3m0, topk:64/4096+s2+ef:0.95 (docs/USAGE.md,
+    "Compression"); every peer of a swarm must use the same."""
     max_payload: int = 1 << 30
     """Largest frame body accepted from the network, in bytes."""
     robust: RobustConfig = field(default_factory=RobustConfig)

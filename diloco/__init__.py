@@ -15,7 +15,9 @@ _lean_hivemind()  # first: before anything below imports a hivemind module
 
 from . import credentials  # noqa: E402
 from .accounting import Usage
+from .comms import CollectiveConfig
 from .comms.hello import HandshakeError
+from .comms.robust import RobustConfig
 from .compression.errors import ConfigError, DiLoCoError, SpecError, UsageError
 from .config import SwarmConfig
 from .fragments import FragmentError, StreamingConfig
@@ -25,6 +27,6 @@ from .wrapper import DiLoCo, RoundReport
 
 __version__ = "0.1.0"
 
-__all__ = ["Banned", "ConfigError", "DiLoCo", "DiLoCoError", "FragmentError", "HandshakeError", "RoundReport", "SpecError",
-           "StreamingConfig", "Swarm", "SwarmConfig", "SwarmError", "Usage", "UsageError", "credentials", "nesterov",
+__all__ = ["Banned", "CollectiveConfig", "ConfigError", "DiLoCo", "DiLoCoError", "FragmentError", "HandshakeError",
+           "RobustConfig", "RoundReport", "SpecError", "StreamingConfig", "Swarm", "SwarmConfig", "SwarmError", "Usage", "UsageError", "credentials", "nesterov",
            "__version__"]

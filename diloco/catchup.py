@@ -145,7 +145,7 @@ class CatchUp:
     def _check_vouched(swarm: Swarm, rnd: int, digest: str) -> None:
         """Raise StateError unless the peers' records vouch for the state (`peers.vouched`); if no record
         shows that round yet, the others are about to publish it: read again for up to `call_timeout`."""
-        deadline = time.monotonic() + swarm.cfg.call_timeout
+        deadline = time.monotonic() + swarm.cfg.round.call_timeout
         while True:
             ok, why = vouched(swarm.records(), swarm.peer_id, rnd, digest)
             if ok:

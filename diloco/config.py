@@ -7,7 +7,8 @@ what is wrong and how to fix it, before any network I/O happens.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any, Mapping
 
 from diloco.comms import CollectiveConfig, PeerId
 from diloco.comms.auth import Guard, check_secret
@@ -18,7 +19,7 @@ from diloco.compression.errors import ConfigError as ConfigError  # re-exported:
 from diloco.compression.pipeline import parse as parse_compression
 from diloco.peers.records import REGION
 
-_ROUND, _ROBUST, _DATA = CollectiveConfig(), RobustConfig(), DataConfig()  # the defaults are declared there, once
+_DATA = DataConfig()  # the defaults are declared there, once
 
 _RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}(/[A-Za-z0-9_.-]{1,40})?$")
 """A run id; `run/scope` names a namespace inside a run (a region's rounds: `Swarm.scope`)."""
@@ -28,38 +29,18 @@ _RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}(/[A-Za-z0-9_.-]{1,40})?$
 class SwarmConfig:
     run_id: str = "diloco"
     """Namespace of the swarm: peers only see and talk to peers with the same run id."""
-    compression: str = _ROUND.compression
-    """Compression pipeline of pseudo-gradients, e.g. fp16, e3m0, topk:64/4096+s2+ef:0.95 (docs/USAGE.md, "Compression")."""
-    min_peers: int = _ROUND.min_peers
-    """Fewest peers (self included) that may commit a round."""
+    round: CollectiveConfig = field(default_factory=CollectiveConfig)
+    """The round protocol: compression, quorum (`min_peers`), deadlines, largest frame, and its `robust`
+    aggregation (`CollectiveConfig`, `RobustConfig`: each of those settings is declared there, once)."""
     majority: bool = True
     """A round also needs a strict majority of the last round's members (those that announced leaving
     excepted), so at most one side of a network partition trains on. Off: any min_peers may commit."""
-    gather_timeout: float = _ROUND.gather_timeout
-    """Seconds a ready peer waits for slower peers before starting the round without them."""
-    reduce_timeout: float = _ROUND.reduce_timeout
-    """Seconds after the gather closes that a span owner waits for contributions."""
-    result_timeout: float = _ROUND.result_timeout
-    """Seconds after the gather closes that a peer waits for all results (> reduce_timeout)."""
-    call_timeout: float = _ROUND.call_timeout
-    """Seconds one message may take before its peer is treated as unreachable; also the deadline of each
-    4 MiB chunk of state a catching-up peer downloads (the whole download has none)."""
     heartbeat_interval: float = 1.0
     """Seconds between refreshes of this peer's record in the DHT."""
     heartbeat_ttl: float = 30.0
     """Seconds a record lives without refresh: a crashed peer leaves others' view after this long. It must
     outlast a round's saturation of the link (DHT traffic queues behind the round's bytes on one
     connection); a dead peer is not waited for meanwhile, since calls to it fail."""
-    max_payload: int = _ROUND.max_payload
-    """Largest frame body accepted from the network, in bytes."""
-    clip: float = _ROBUST.clip
-    """Robust aggregation: clip each contribution to this multiple of the median norm (0: off)."""
-    trim: float = _ROBUST.trim
-    """Robust aggregation: trimmed mean dropping this fraction at each end per coordinate (dense only)."""
-    ban_after: int = _ROBUST.ban_after
-    """Ban a peer for the run after this many refused or far-outlying contributions (0: never)."""
-    max_update_rms: float = _ROBUST.max_rms
-    """Refuse contributions whose root-mean-square value exceeds this."""
     secret: str | None = field(default=None, repr=False)
     """The swarm's shared secret (≥ 16 characters); every call is authenticated with keys derived from it
     and the run id. `Swarm.start` creates one when None; `Swarm.join` requires it; in-process swarms
@@ -99,10 +80,9 @@ class SwarmConfig:
     def __post_init__(self) -> None:
         if not _RUN_ID.match(self.run_id):
             raise ConfigError(f"run_id {self.run_id!r} must be 1-64 characters of letters, digits, '_', '.', '-'")
-        try:
-            parse_compression(self.compression)
-        except ValueError as e:
-            raise ConfigError(f"compression: {e}") from e
+        if not isinstance(self.round, CollectiveConfig):
+            raise ConfigError(f"round must be a CollectiveConfig (e.g. CollectiveConfig(compression=\"e3m0\", "
+                              f"min_peers=2)), got {type(self.round).__name__}")
         if self.heartbeat_interval <= 0 or self.heartbeat_ttl <= 2 * self.heartbeat_interval:
             raise ConfigError(
                 f"heartbeat_ttl ({self.heartbeat_ttl}) must exceed twice heartbeat_interval "
@@ -117,10 +97,6 @@ class SwarmConfig:
         if bad:
             raise ConfigError(f"allow_peers must be Ed25519 libp2p peer ids (12D3KooW…, as a peer prints at start; "
                               f"with --identity FILE it stays the same), got {bad[:3]!r}")
-        try:
-            self.collective()
-        except ValueError as e:
-            raise ConfigError(str(e)) from e
         if self.region and not REGION.fullmatch(self.region):
             raise ConfigError(f"region {self.region!r} must be 1-32 letters, digits, '_', '.', '-' (e.g. eu-west)")
         if self.merge_every < 1:
@@ -142,10 +118,10 @@ class SwarmConfig:
                 raise ConfigError(f"gossip_group must be >= 2 peers, got {self.gossip_group}")
             if self.region:
                 raise ConfigError("gossip and regions are two topologies: pick --region or --topology gossip")
-            if parse_compression(self.compression).text != "fp32":
+            if parse_compression(self.round.compression).text != "fp32":
                 raise ConfigError(f"gossip averages the peers' parameters, not pseudo-gradients, so a lossy codec "
                                   f"would perturb the weights themselves: use --compression fp32 (got "
-                                  f"{self.compression!r})")
+                                  f"{self.round.compression!r})")
 
     def guard(self, me: str) -> Guard | None:
         """The credential of peer `me` in this swarm (None for an open, in-process swarm)."""
@@ -153,10 +129,24 @@ class SwarmConfig:
             return None
         return Guard(self.secret, self.run_id, PeerId(me), frozenset(self.allow_peers) or None)
 
-    def collective(self) -> CollectiveConfig:
-        return CollectiveConfig(
-            gather_timeout=self.gather_timeout, reduce_timeout=self.reduce_timeout,
-            result_timeout=self.result_timeout, call_timeout=self.call_timeout,
-            min_peers=self.min_peers, compression=self.compression, max_payload=self.max_payload,
-            robust=RobustConfig(clip=self.clip, trim=self.trim, ban_after=self.ban_after, max_rms=self.max_update_rms),
-        )
+    def with_round(self, **changes: Any) -> SwarmConfig:
+        """These settings with some of the round's changed: `cfg.with_round(gather_timeout=20, min_peers=2)`."""
+        return replace(self, round=replace(self.round, **changes))
+
+    def settings(self, *, identity: bool = False) -> dict[str, Any]:
+        """These settings as plain data (JSON, a run's config in metrics), never the secret; the identity file's
+        path only with `identity` (a launched command needs it, a run's config in metrics does not)."""
+        leave_out = ("secret",) if identity else ("secret", "identity_file")
+        return {k: v for k, v in asdict(self).items() if k not in leave_out}
+
+    @classmethod
+    def from_settings(cls, settings: Mapping[str, Any], **more: Any) -> SwarmConfig:
+        """`settings()` read back (lists as tuples). Raises ConfigError, or TypeError naming an unknown field."""
+        d = {**settings, **more}
+        if isinstance(d.get("round"), Mapping):
+            rnd = dict(d["round"])
+            if isinstance(rnd.get("robust"), Mapping):
+                rnd["robust"] = RobustConfig(**rnd["robust"])
+            d["round"] = CollectiveConfig(**rnd)
+        d["allow_peers"] = tuple(d.get("allow_peers") or ())
+        return cls(**d)

@@ -121,7 +121,7 @@ def _open(cfg: SwarmConfig, initial: list[str], host: str, port: int,
 
     async def build() -> tuple[Transport, DHTDirectory, Collective, list[str]]:
         p2p = await P2PTransport.create(initial_peers=initial, host_maddrs=[f"/{proto}/{host}/tcp/{port}"],
-                                        announce_maddrs=announce, max_message=cfg.max_payload + (1 << 20),
+                                        announce_maddrs=announce, max_message=cfg.round.max_payload + (1 << 20),
                                         identity=identity)
         if p2p.daemon_pid:
             reaper.watch_pid(p2p.daemon_pid)
@@ -143,7 +143,7 @@ def _open(cfg: SwarmConfig, initial: list[str], host: str, port: int,
                     p2p.max_message, inner_only=frozenset({HELLO}))
                 transport = direct
                 await direct.start()
-            collective = await Collective.create(transport, cfg.run_id, cfg.collective(), faults)
+            collective = await Collective.create(transport, cfg.run_id, cfg.round, faults)
         except BaseException:
             await transport.close()
             raise
@@ -177,7 +177,7 @@ async def hello(transport: Transport, peer: PeerId, cfg: SwarmConfig, schema: st
     ours = hs.hello(cfg.run_id, schema)
     sent = time.time()
     try:
-        reply = await transport.call(peer, HELLO, hs.pack(ours), min(cfg.call_timeout, 10.0))
+        reply = await transport.call(peer, HELLO, hs.pack(ours), min(cfg.round.call_timeout, 10.0))
     except AuthRefused as e:
         raise HandshakeError("secret" if e.reason == "unauthorized" else "allowlist", "(hidden)", "(hidden)",
                              peer) from None

@@ -88,7 +88,7 @@ class Launch:
     """Other variables to set (the launch id)."""
 
     def to_env(self) -> dict[str, str]:
-        settings = {k: v for k, v in dataclasses.asdict(self.swarm).items() if k != "secret"}
+        settings = self.swarm.settings(identity=True)
         settings.update(peers=list(self.peers), host=self.host, port=self.port, announce=list(self.announce),
                         wait_for=self.wait_for)
         env = {SWARM: json.dumps(settings, sort_keys=True), SECRET_FILE: self.secret_file, RESTART: str(self.restart),
@@ -112,8 +112,7 @@ class Launch:
         try:
             settings: dict[str, Any] = json.loads(env[SWARM])
             connect = {k: settings.pop(k) for k in ("peers", "host", "port", "announce", "wait_for")}
-            settings["allow_peers"] = tuple(settings.get("allow_peers") or ())
-            swarm = SwarmConfig(**settings)
+            swarm = SwarmConfig.from_settings(settings)
             every = int(env.get(CHECKPOINT_EVERY, "0"))
             restart = int(env.get(RESTART, "0"))
             shard = int(env[SHARD]) if env.get(SHARD) else None
@@ -138,9 +137,8 @@ class Launch:
         lines only, as for a site's ranks other than its leader). Closed by `metrics.close_launched`."""
         from .metrics import launched_writer
 
-        config = {k: v for k, v in dataclasses.asdict(self.swarm).items() if k not in ("secret", "identity_file")}
         return launched_writer(self.metrics, self.sinks if sinks else SinkConfig(), peer, self.swarm.run_id,
-                               {**config, "restart": self.restart})
+                               {**self.swarm.settings(), "restart": self.restart})
 
     def connect(self) -> Swarm:
         """Start or join the swarm as this launch says (reading the secret from its file), write our

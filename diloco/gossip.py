@@ -192,7 +192,7 @@ class Gossip(Topology):
         assert self.member.swarm is not None
         norm = float(gradient.norm())
         recent = list(self._norms[fragment]) if fragment is not None else whole_norms(list(self._norms.values()))
-        scale = history_scale(norm, recent, self.member.swarm.cfg.clip)
+        scale = history_scale(norm, recent, self.member.swarm.cfg.round.robust.clip)
         if scale < 1.0:
             self.clipped += 1
             log.warning("event=gossip_clipped round=%s norm=%.4g scale=%.3g group=%s reason=outer gradient far above "

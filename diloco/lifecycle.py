@@ -41,7 +41,7 @@ def end_run(d: DiLoCo, *, completed: bool) -> None:
     if completed and d.shards is not None and member.in_swarm:
         member.take_snapshot()
     if completed and member.swarm is not None and d.topology.one_state:  # nobody downloads a gossip peer's state
-        linger(member, member.swarm.cfg.gather_timeout)
+        linger(member, member.swarm.cfg.round.gather_timeout)
     if d.checkpoints.root is not None and d.link.writes_checkpoints:
         d.save_checkpoint()
 

@@ -87,7 +87,7 @@ class Presence:
         falls back to that last view: records live `heartbeat_ttl` anyway, and a peer that leaves says so."""
         now = time.monotonic()
         try:
-            found = await asyncio.wait_for(self.directory.read(), self.cfg.call_timeout)
+            found = await asyncio.wait_for(self.directory.read(), self.cfg.round.call_timeout)
         except Exception as e:  # noqa: BLE001 - a failed read is an empty view, never a crash
             log.warning("event=directory_read_failed reason=%s", e)
             found = None

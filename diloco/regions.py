@@ -129,7 +129,7 @@ class Regions(Topology):
         swarm.update(region=cfg.region)  # at once: the quorum of merges counts regions from these records
         self.scope = swarm.scope(scope_of(cfg.region))
         """The region's namespace: the worker's own rounds."""
-        self.upper, self.merger = _global_level(worker, cfg.compression, cfg.merge_every,
+        self.upper, self.merger = _global_level(worker, cfg.round.compression, cfg.merge_every,
                                                 nesterov(cfg.global_lr, cfg.global_momentum))
         """The global level: a member of the peer's swarm whose state is θ_G and whose inner step is one committed
         region round, and its rounds (the merges)."""
@@ -232,7 +232,7 @@ class Regions(Topology):
             self._merge(representative(members), final=True)
         upper.maybe_resync(time.monotonic())
         if not upper.standby:  # the representatives serve θ_G′ to the swarm's peers that do not hold it yet
-            linger(upper, self.swarm.cfg.gather_timeout)
+            linger(upper, self.swarm.cfg.round.gather_timeout)
         self._report_merge(last=True)
 
     def _lead(self) -> None:
@@ -301,7 +301,7 @@ class Regions(Topology):
         worker, cfg = self.worker, self.swarm.cfg
         region_round = worker.round
         # the representative's round under its own deadlines, and a few chunk deadlines for its download
-        limit = 1.2 * cfg.gather_timeout + cfg.result_timeout + 8 * cfg.call_timeout
+        limit = 1.2 * cfg.round.gather_timeout + cfg.round.result_timeout + 8 * cfg.round.call_timeout
         deadline = time.monotonic() + limit
         while True:
             decision = follow_decision(next((r for r in self.scope.records() if r.peer == rep), None), region_round)

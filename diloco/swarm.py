@@ -86,7 +86,7 @@ class Swarm:
         """Our record and the others' as we last read them (`diloco.presence`)."""
         if isinstance(transport, DirectTransport):
             transport.address_of = self.presence.data_address_of
-        self._server = StateServer(cfg.run_id, self.peer_id, collective, cfg.call_timeout)
+        self._server = StateServer(cfg.run_id, self.peer_id, collective, cfg.round.call_timeout)
         self._closed = False
         self._exchanges: set[concurrent.futures.Future[RoundOutcome]] = set()  # rounds in flight (`crash`)
         self.quorum_by_region = bool(cfg.region) and not scoped
@@ -133,7 +133,7 @@ class Swarm:
         handler)` True loses that outgoing call (fault injection: a partition); `faults` as in `start`."""
         transport = network.transport(peer_id, drop)
         transport.guard = cfg.guard(peer_id)
-        collective = loop.run(Collective.create(transport, cfg.run_id, cfg.collective(), faults))
+        collective = loop.run(Collective.create(transport, cfg.run_id, cfg.round, faults))
         return cls(loop, transport, board, collective, cfg, owns_loop=False, addresses=[f"inproc:{peer_id}"],
                    bootstrapped=bootstrapped)
 
@@ -147,7 +147,7 @@ class Swarm:
             raise SwarmError(f"this swarm's directory ({type(self.directory).__name__}) has no scopes")
         cfg = replace(self.cfg, run_id=f"{self.cfg.run_id}/{name}")
         transport = ScopedTransport(self.transport, name)
-        collective = self.loop.run(Collective.create(transport, cfg.run_id, cfg.collective(), self.collective.faults))
+        collective = self.loop.run(Collective.create(transport, cfg.run_id, cfg.round, self.collective.faults))
         inner = Swarm(self.loop, transport, scoped_dir(name), collective, cfg, owns_loop=False,
                       addresses=self.addresses, on_close=lambda: None, scoped=True)
         self._scopes.append(inner)
@@ -171,7 +171,7 @@ class Swarm:
         mismatched schema)."""
         self.collective.schema = schema
         self.loop.run(connect.handshake(self.transport, self.bootstrap_peers, self.cfg, schema),
-                      timeout=self.cfg.call_timeout + 5)
+                      timeout=self.cfg.round.call_timeout + 5)
 
     def update(self, *, now: bool = True, **fields: Any) -> None:
         """Change our record (status, round, attempt, digest, step, loss); publish it at once when
@@ -192,7 +192,7 @@ class Swarm:
         if self._closed:
             return
         try:
-            self.loop.run(self.collective.settle(self.cfg.call_timeout), timeout=self.cfg.call_timeout + 1)
+            self.loop.run(self.collective.settle(self.cfg.round.call_timeout), timeout=self.cfg.round.call_timeout + 1)
         except Exception:  # noqa: BLE001 - leaving must never fail
             pass
 
@@ -204,14 +204,14 @@ class Swarm:
         """Whether `peer` asked us to take part in an attempt at round `rnd` (its `ready` is here)."""
         async def ask() -> bool:
             return self.collective.gathering(peer, rnd)
-        return self.loop.run(ask(), timeout=self.cfg.call_timeout + 1)
+        return self.loop.run(ask(), timeout=self.cfg.round.call_timeout + 1)
 
     def records(self, *, cached: bool = False) -> list[PeerRecord]:
         """Everyone's current record (ours included), as the directory shows them now; with `cached`,
         as the last heartbeat read them (at most `heartbeat_interval` old, no network I/O)."""
         if cached and self.presence.seen is not None:
             return [self.presence.record, *self.others_seen()]
-        return self.loop.run(self.presence.read(), timeout=self.cfg.call_timeout + 1)
+        return self.loop.run(self.presence.read(), timeout=self.cfg.round.call_timeout + 1)
 
     def check_standing(self, members: Sequence[PeerId] | None) -> None:
         """Raise `Banned` if most of `members` (the view of our last committed round) refused us as
@@ -293,8 +293,8 @@ class Swarm:
                 if self.quorum_by_region:
                     regions = self.presence.regions
                     return quorum(regions_of(view, regions), prev and regions_of(prev, regions),
-                                  regions_of(plan.left, regions), self.cfg.min_peers)
-                return quorum(view, prev, plan.left, self.cfg.min_peers)
+                                  regions_of(plan.left, regions), self.cfg.round.min_peers)
+                return quorum(view, prev, plan.left, self.cfg.round.min_peers)
 
             outcome = await self.collective.run_round(plan.key, digest, plan.ask, handoff, fragment=fragment,
                                                       admit=admit, wait_for=plan.wait_for, weight=weight)
@@ -353,7 +353,7 @@ class Swarm:
         deadlines) if it is still running; a round that overruns them is cancelled and reported failed.
         Raises `Banned` if the round found most of the last round's members had banned us."""
         # gather (and the stragglers' two graces), results, sends, votes, and a call to spare
-        limit = 1.2 * self.cfg.gather_timeout + self.cfg.result_timeout + 4 * self.cfg.call_timeout
+        limit = 1.2 * self.cfg.round.gather_timeout + self.cfg.round.result_timeout + 4 * self.cfg.round.call_timeout
         try:
             return future.result(limit)
         except concurrent.futures.TimeoutError:
@@ -387,7 +387,7 @@ class Swarm:
 
         async def get() -> tuple[Receiver, dict[str, Any], Progress]:
             return await download(self.transport.call, run_id=self.cfg.run_id, me=self.peer_id, digest=digest,
-                                  holders=holders, receiver=receiver, chunk_timeout=self.cfg.call_timeout,
+                                  holders=holders, receiver=receiver, chunk_timeout=self.cfg.round.call_timeout,
                                   on_progress=on_progress, on_refused=refused)
 
         try:

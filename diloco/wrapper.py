@@ -30,7 +30,7 @@ background, its result is applied τ steps later and mixed into the local copy,
 instead. The defaults (P=1, τ=0, α=0) are plain DiLoCo. `flush()` (also on leaving the `with`)
 applies the exchange still in flight; `usage()` says where the time and bytes went.
 
-Compression (`SwarmConfig(compression=...)`, or `compression=` without a swarm) encodes Δ before
+Compression (`SwarmConfig(round=CollectiveConfig(compression=...))`, or `compression=` without a swarm) encodes Δ before
 it leaves; with an error-feedback stage (`ef:BETA`) the peer keeps what was not delivered in a
 residual and adds it to the next Δ: a span whose contribution the round left out (dead owner,
 missed deadline) stays in the residual whole. If a round commits for nobody the residual is not
@@ -255,10 +255,10 @@ class DiLoCo:
         # Compression is a property of the swarm (every peer must agree); locally, take it from the
         # argument. Error feedback (the spec's ef:BETA stage) keeps this peer's unsent residual.
         swarm_cfg = given.cfg if given is not None else self.launch.swarm if self.launch else None
-        spec = parse(swarm_cfg.compression if swarm_cfg is not None else compression or "fp32")
+        spec = parse(swarm_cfg.round.compression if swarm_cfg is not None else compression or "fp32")
         if swarm_cfg is not None and compression is not None and parse(compression).text != spec.text:
             raise ConfigError(f"compression={compression!r} differs from the swarm's {spec.text!r}; "
-                              "set it once, in SwarmConfig(compression=...)")
+                              "set it once, in SwarmConfig(round=CollectiveConfig(compression=...))")
         self.compression = spec.text
         self._outer_factory = outer_optimizer or default_outer(spec.ef is not None)
         state = GlobalState(self.local_params, self._outer_factory, self.global_device)

@@ -12,10 +12,12 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
+from diloco import RobustConfig
 from diloco.cli import main
 from diloco.cli.demo import DEMO_JOB, DemoConfig, peer_command, peer_device
 from diloco.cli.options import (AggregationOptions, JobOptions, ModelOptions, PeerJobOptions, PeerOptions, RunOptions,
-                                StreamingOptions, SwarmOptions, command, flags, help_of, option)
+                                StreamingOptions, SwarmOptions, command, docs_of, flags, help_of,
+                                option)
 from diloco.comms import CollectiveConfig
 from diloco.config import SwarmConfig
 from diloco.fielddocs import field_docs
@@ -46,7 +48,7 @@ def _configs_of(monkeypatch: pytest.MonkeyPatch, args: list[str]) -> tuple[Swarm
 
 def test_a_default_is_declared_once_in_the_configuration_the_option_feeds(monkeypatch):
     swarm, job = _configs_of(monkeypatch, ["start"])
-    assert (swarm.gather_timeout, swarm.result_timeout, swarm.reduce_timeout) == \
+    assert (swarm.round.gather_timeout, swarm.round.result_timeout, swarm.round.reduce_timeout) == \
         (CollectiveConfig().gather_timeout, CollectiveConfig().result_timeout, CollectiveConfig().reduce_timeout)
     assert swarm == SwarmConfig(secret=swarm.secret)  # every swarm default is the config's own
     assert job == JobConfig()
@@ -62,7 +64,7 @@ def test_a_settings_help_is_written_once_the_docstring_of_its_configuration_fiel
     field's docstring, unless the command line needs other words)."""
     own = 0
     for group in GROUPS:
-        docs = field_docs(group.documented_by)
+        docs = docs_of(group)
         for f in fields(group):
             if f.metadata["help"] is None:
                 assert help_of(group, f.name) == docs[f.name]
@@ -72,8 +74,8 @@ def test_a_settings_help_is_written_once_the_docstring_of_its_configuration_fiel
                 assert ratio < 0.8, (group.__name__, f.name, f.metadata["help"], docs[f.name])
     assert own < 10  # the few that name other flags or a format of the command line's own
     shown = " ".join(CliRunner().invoke(main.app, ["start", "--help"], env={"COLUMNS": "400"}).output.split())
-    assert field_docs(SwarmConfig)["gather_timeout"] in shown and field_docs(StreamingConfig)["alpha"] in shown
-    with pytest.raises(TypeError, match="needs a docstring on the field of the same name in SwarmConfig"):
+    assert field_docs(CollectiveConfig)["gather_timeout"] in shown and field_docs(StreamingConfig)["alpha"] in shown
+    with pytest.raises(TypeError, match="needs a docstring on the field of the same name in SwarmConfig or CollectiveConfig"):
         help_of(_undocumented(), "nowhere")
 
 
@@ -116,7 +118,8 @@ def test_the_demo_hands_its_peers_flags_that_read_back_to_its_job(monkeypatch, t
     job = JobConfig(rounds=3, inner_steps=12, batch_size=4, d_model=32, n_layer=2, outer_lr=0.5, outer_momentum=0.8,
                     outer_warmup=5, seed=7, threads=2, eval_every=2,
                     streaming=StreamingConfig(fragments=2, pattern="sequential", overlap=1, alpha=0.5))
-    cfg = DemoConfig(peers=3, job=job, swarm=SwarmConfig(compression="q8", clip=2.0, trim=0.1, ban_after=5))
+    cfg = DemoConfig(peers=3, job=job, swarm=SwarmConfig(round=CollectiveConfig(
+        compression="q8", robust=RobustConfig(clip=2.0, trim=0.1, ban_after=5))))
     argv = peer_command(cfg, 1, "demo-run", tmp_path, "/ip4/127.0.0.1/tcp/1/p2p/" + "12D3KooW" + "a" * 44)
     assert argv[3:5] == ["join", argv[4]]
     swarm, got = _configs_of(monkeypatch, ["start", *argv[5:]])
@@ -124,7 +127,7 @@ def test_the_demo_hands_its_peers_flags_that_read_back_to_its_job(monkeypatch, t
         assert getattr(got, f.name) == getattr(job, f.name), f.name
     assert got.streaming == job.streaming
     assert (got.shard, got.wait_for) == (1, 3)
-    assert (swarm.compression, swarm.clip, swarm.trim, swarm.ban_after, swarm.run_id) == ("q8", 2.0, 0.1, 5, "demo-run")
+    assert (swarm.round.compression, swarm.round.robust, swarm.run_id) == ("q8", cfg.swarm.round.robust, "demo-run")
     assert flags(DEMO_JOB, RunOptions, PeerJobOptions) == []  # at their defaults: nothing to say
     assert flags(JobConfig(resume=True, checkpoint_dir="c"), PeerJobOptions) == ["--checkpoint-dir", "c", "--resume"]
 

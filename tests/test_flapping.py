@@ -34,7 +34,7 @@ def _rss() -> int:
 def test_steady_peers_commit_every_round_while_a_peer_flaps():
     # The in-process deadlines (a 2 s result deadline) are for quick tests of slow paths; this one's rounds must all
     # commit on a loaded 2-core machine, where a round's reduce among threads once took longer than that.
-    h = Harness(replace(CFG, reduce_timeout=3, result_timeout=6))
+    h = Harness(CFG.with_round(reduce_timeout=3, result_timeout=6))
     base = _mlp(3)
     start = threading.Barrier(2, timeout=10)
     done = threading.Event()

@@ -109,7 +109,7 @@ def test_a_joiner_downloads_the_newest_peer_and_a_peer_behind_jumps_to_the_newes
 
 def test_gossip_settings_are_checked_with_reasons():
     with pytest.raises(ConfigError, match="fp32"):
-        diloco.SwarmConfig(topology="gossip", compression="int8")
+        diloco.SwarmConfig(topology="gossip", round=diloco.CollectiveConfig(compression="int8"))
     with pytest.raises(ConfigError, match="two topologies"):
         diloco.SwarmConfig(topology="gossip", region="eu")
     with pytest.raises(ConfigError, match="gossip_group"):
@@ -312,7 +312,7 @@ def test_a_partner_that_sends_absurd_parameters_moves_its_partners_only_as_far_a
     def run(clip: float) -> dict[str, DiLoCo]:
         plan = FaultPlan("poison@3")
         plan.poison_factor = 50.0
-        lab = _Lab(peers, faults={"p4": plan}, cfg=replace(GOSSIP, clip=clip))
+        lab = _Lab(peers, faults={"p4": plan}, cfg=GOSSIP.with_round(robust=diloco.RobustConfig(clip=clip)))
         _run(lab, 10, finish=True)
         return lab.workers
 

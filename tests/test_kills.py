@@ -86,7 +86,7 @@ def test_survivors_commit_without_a_peer_killed_at_each_phase(phase):
     for i in (0, 1):
         alone = [t for _, committed, _, peers, t in seen[i] if committed and peers == 2 and t > killed_at[0]]
         assert alone, seen[i]
-        bound = CFG.result_timeout + CFG.heartbeat_ttl + 1.0
+        bound = CFG.round.result_timeout + CFG.heartbeat_ttl + 1.0
         assert alone[0] - killed_at[0] < bound, (phase, alone[0] - killed_at[0], seen[i])
     if phase in ("gather", "encode", "reduce"):  # the victim's span had no result: that round failed
         assert not any(c and p == 3 and rnd == KILL_ROUND + 1 for rnd, c, _, p, _ in seen[0]), seen[0]

@@ -128,7 +128,7 @@ class _Lab:
     """Peers on one in-process network, each a `DiLoCo` worker in a thread, in the region it names."""
 
     def __init__(self, regions: dict[str, str], merge_every: int = 2, **cfg: object) -> None:
-        self.cfg = replace(CFG, merge_every=merge_every, **cfg)  # type: ignore[arg-type]
+        self.cfg = replace(CFG, merge_every=merge_every).with_round(**cfg)
         self.net, self.board, self.loop = InProcNetwork(), InProcBoard(), LoopThread()
         self.regions = regions
         self.swarms = {p: diloco.Swarm.in_process(self.net, self.board, p, replace(self.cfg, region=r), self.loop)
@@ -285,7 +285,7 @@ def test_a_merge_does_not_wait_for_a_peer_that_went_on_standby_after_it_began():
     standby), so the other regions' representatives may start a merge while the old one's record still says
     training: they expect it. Asked again once its record says standby, it answers that it takes no part, and the
     merge goes on without it at once: not a gather timeout (60 s here) later, nor a grace (6 s) later."""
-    cfg = replace(CFG, gather_timeout=60)
+    cfg = CFG.with_round(gather_timeout=60)
     h = Harness(cfg)
     s = {p: h.swarm(p, bootstrapped=p != "a") for p in ("a", "b", "c")}
     try:
@@ -298,7 +298,7 @@ def test_a_merge_does_not_wait_for_a_peer_that_went_on_standby_after_it_began():
         s["c"].update(status="standby")
         outcomes = {p: s[p].finish_exchange(f, RoundKey(0)) for p, f in rounds.items()}
         assert all(o.committed and o.view == ("a", "b") for o in outcomes.values()), outcomes
-        assert all(o.seconds < cfg.gather_timeout / 10 for o in outcomes.values()), [o.seconds for o in outcomes.values()]
+        assert all(o.seconds < cfg.round.gather_timeout / 10 for o in outcomes.values()), [o.seconds for o in outcomes.values()]
         assert s["c"].collective.rejections.total() == 0  # told, not refused: nothing counted as bad input
     finally:
         h.close()

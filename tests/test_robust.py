@@ -136,7 +136,7 @@ def test_bad_settings_say_what_to_fix():
     with pytest.raises(ValueError, match="needs a dense compression pipeline"):
         CollectiveConfig(compression="topk:64/4096+s2", robust=RobustConfig(trim=0.1))
     with pytest.raises(ConfigError, match="trim"):
-        SwarmConfig(trim=0.7)
+        SwarmConfig(round=CollectiveConfig(robust=RobustConfig(trim=0.7)))
 
 
 # ---------------------------------------------------------------------- a poisoning peer among eight

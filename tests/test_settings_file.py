@@ -34,9 +34,9 @@ def test_the_example_file_sets_every_group_and_the_command_line_overrides_it(set
                      "--config", str(EXAMPLE), "--rounds", "200", "--gather-timeout", "30"])
     assert result.exit_code == 0, result.output
     swarm, job, peer, out = settings["swarm"], settings["job"], settings["peer"], settings["out"]
-    assert (swarm.run_id, swarm.min_peers, swarm.result_timeout, swarm.heartbeat_ttl) == ("lab-run", 2, 180.0, 60.0)
-    assert swarm.gather_timeout == 30.0 and job.rounds == 200  # the command line wins
-    assert (swarm.compression, swarm.clip) == ("e3m0", 3.0)
+    assert (swarm.run_id, swarm.round.min_peers, swarm.round.result_timeout, swarm.heartbeat_ttl) == ("lab-run", 2, 180.0, 60.0)
+    assert swarm.round.gather_timeout == 30.0 and job.rounds == 200  # the command line wins
+    assert (swarm.round.compression, swarm.round.robust.clip) == ("e3m0", 3.0)
     assert (job.inner_steps, job.outer_warmup, job.streaming.fragments) == (100, 2, 2)
     assert (peer.host, peer.port, str(out.metrics)) == ("0.0.0.0", 31337, "run.jsonl")
     assert (job.checkpoint_dir, job.checkpoint_every) == ("checkpoints", 10)

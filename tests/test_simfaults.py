@@ -14,14 +14,15 @@ import pytest
 
 from cli_util import invoke, refuse_to_start
 
+from diloco import CollectiveConfig, RobustConfig
 from diloco.config import ConfigError, SwarmConfig
 from diloco.sim.faults import Fault, check_plan, load_plan, parse_fault, random_plan
 from diloco.sim.simulate import Link, NetworkModel, parse_link, project, simulate
 from diloco.job.train import JobConfig
 
 JOB = JobConfig(rounds=8, inner_steps=2, d_model=32, n_layer=1, batch_size=4, eval_batches=1, corpus_bytes=1 << 20)
-SWARM = SwarmConfig(run_id="simfaults", compression="e3m0", heartbeat_interval=0.1, heartbeat_ttl=5.0,
-                    call_timeout=2.0)
+SWARM = SwarmConfig(run_id="simfaults", round=CollectiveConfig(compression="e3m0", call_timeout=2.0),
+                    heartbeat_interval=0.1, heartbeat_ttl=5.0)
 
 EVERY_ACTION = [
     {"round": 1, "action": "kill", "peer": 3},
@@ -199,14 +200,14 @@ def test_one_of_eight_workers_poisoning_every_round_is_banned_and_training_goes_
     round 1 on. With robust aggregation (the default) it is clipped, then banned (and, seeing that in
     the others' records, stops), and worker 0's final loss is within 2% of the fault-free run's; with
     it off (the control) the model is wrecked."""
-    swarm = replace(SWARM, run_id="poison", compression="fp32")
+    swarm = replace(SWARM, run_id="poison").with_round(compression="fp32")
     clean = simulate(POISON_JOB, 8, swarm=swarm, timeout=500)
     defended = simulate(POISON_JOB, 8, swarm=swarm, faults=POISON, timeout=500)
     assert [f["action"] for f in defended["faults_fired"]] == ["poison"]
     assert defended["banned"] and defended["robust"].get("clipped", 0) >= 1
     assert defended["finished"] == 7 and len(defended["digests"]) == 1  # the poisoner learnt it was banned, stopped
     assert defended["eval_loss"] <= 1.02 * clean["eval_loss"], (defended["eval_loss"], clean["eval_loss"])
-    undefended = simulate(POISON_JOB, 8, swarm=replace(swarm, clip=0, ban_after=0), faults=POISON, timeout=500)
+    undefended = simulate(POISON_JOB, 8, swarm=swarm.with_round(robust=RobustConfig(clip=0, ban_after=0)), faults=POISON, timeout=500)
     assert not undefended["banned"]
     assert not math.isfinite(undefended["eval_loss"]) or undefended["eval_loss"] > 1.5 * clean["eval_loss"], \
         (undefended["eval_loss"], clean["eval_loss"])

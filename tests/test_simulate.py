@@ -10,6 +10,7 @@ import pytest
 
 from cli_util import invoke, refuse_to_start
 
+from diloco import CollectiveConfig
 from diloco.config import ConfigError, SwarmConfig
 from diloco.sim.faults import random_plan
 from diloco.sim.simulate import NetworkModel, project, simulate, step_seconds
@@ -59,7 +60,7 @@ def test_network_model_rejects_impossible_links():
 
 @pytest.mark.swarm
 def test_simulation_is_deterministic_under_its_seed():
-    cfg = SwarmConfig(run_id="sim", compression="e3m0")
+    cfg = SwarmConfig(run_id="sim", round=CollectiveConfig(compression="e3m0"))
     a = simulate(TINY, 3, swarm=cfg)
     b = simulate(TINY, 3, swarm=cfg)
     other = simulate(JobConfig(**{**TINY.__dict__, "seed": 1}), 3, swarm=cfg)
@@ -71,7 +72,7 @@ def test_simulation_is_deterministic_under_its_seed():
 @pytest.mark.swarm
 def test_one_simulated_worker_is_local_training():
     """M=1 through the whole round protocol (fp32) ends where the wrapper without a swarm does."""
-    sim = simulate(TINY, 1, swarm=SwarmConfig(run_id="sim1", compression="fp32"))
+    sim = simulate(TINY, 1, swarm=SwarmConfig(run_id="sim1", round=CollectiveConfig(compression="fp32")))
     local = run_job(JobConfig(**{**TINY.__dict__, "shard": 0}), None)
     assert sim["digests"] == [local["digest"]]
 
@@ -110,7 +111,7 @@ def test_simulate_runs_gossip_each_worker_meeting_its_group_every_round():
     pair that finished a later round and left while the other pair drew its groups would leave that pair to wait
     out the gather timeout, by design: docs/GOSSIP.md); two workers, one group, run two rounds below."""
     job = JobConfig(**{**TINY.__dict__, "rounds": 1})
-    sim = simulate(job, 4, swarm=SwarmConfig(run_id="simg", compression="fp32", topology="gossip"))
+    sim = simulate(job, 4, swarm=SwarmConfig(run_id="simg", round=CollectiveConfig(compression="fp32"), topology="gossip"))
     assert sim["topology"] == "gossip" and sim["finished"] == 4 and sim["round"] == 1
     assert sim["gossip_met"] == [1, 1, 1, 1], sim["workers_seen"]
     assert len(sim["digests"]) == 2  # a state per pair (same start, same mean), not one global state
@@ -118,7 +119,7 @@ def test_simulate_runs_gossip_each_worker_meeting_its_group_every_round():
                   "--batch-size", "2", "--topology", "gossip", "--compression", "fp32", "--quiet"])
     assert out.exit_code == 0 and "states (gossip: each worker steps its own)" in out.stdout, out.output
     with pytest.raises(ConfigError, match="not supported with gossip yet"):
-        simulate(job, 2, swarm=SwarmConfig(run_id="simg", compression="fp32", topology="gossip"),
+        simulate(job, 2, swarm=SwarmConfig(run_id="simg", round=CollectiveConfig(compression="fp32"), topology="gossip"),
                  faults=random_plan(0, 2, 3, 1))
 
 
@@ -148,7 +149,7 @@ def test_data_parallel_through_the_swarm_is_data_parallel_training():
     both workers' batches does (`diloco bench convergence`'s baseline)."""
     job = JobConfig(rounds=12, inner_steps=1, d_model=32, n_layer=1, batch_size=4, eval_batches=2,
                     corpus_bytes=1 << 20, data_parallel=True, lr=4e-3, warmup=3, schedule="cosine")
-    sim = simulate(job, 2, swarm=SwarmConfig(run_id="dp", compression="fp32"))
+    sim = simulate(job, 2, swarm=SwarmConfig(run_id="dp", round=CollectiveConfig(compression="fp32")))
     one_model = data_parallel(JobConfig(**{**job.__dict__, "data_parallel": False}), 2, 12)
     assert len(sim["digests"]) == 1 and sim["round"] == 12
     assert sim["eval_loss"] == pytest.approx(one_model["eval_loss"], rel=1e-5)
@@ -197,13 +198,13 @@ def test_simulate_runs_rounds_by_time_each_worker_stepping_at_its_speed():
     worker busy, where the same run with fixed H leaves the fast ones waiting for the slowest."""
     job = JobConfig(**{**TINY.__dict__, "round_seconds": 0.8, "rounds": 3})
     net = NetworkModel(bandwidth_mbit=1000, latency_ms=1, step_seconds=0.1, speeds=(1.0, 0.5, 0.25))
-    out = simulate(job, 3, swarm=SwarmConfig(run_id="simt", compression="fp32"), net=net)
+    out = simulate(job, 3, swarm=SwarmConfig(run_id="simt", round=CollectiveConfig(compression="fp32")), net=net)
     p = out["projection"]
     assert len(out["digests"]) == 1 and out["round"] == 3
     assert p["steps_per_round"] == {"0": 8.0, "1": 4.0, "2": 2.0}
     assert p["min_utilization"] > 0.9, p
     fixed = simulate(JobConfig(**{**TINY.__dict__, "inner_steps": 8, "rounds": 3}), 3,
-                     swarm=SwarmConfig(run_id="simf", compression="fp32"), net=net)["projection"]
+                     swarm=SwarmConfig(run_id="simf", round=CollectiveConfig(compression="fp32")), net=net)["projection"]
     assert fixed["min_utilization"] < 0.3 and fixed["wall_seconds"] > 3 * p["wall_seconds"], fixed
     with pytest.raises(ConfigError, match="--step-seconds"):
         simulate(job, 2, net=NetworkModel())
@@ -215,7 +216,7 @@ def test_simulate_runs_adaptive_rounds_h_steps_of_the_fastest_worker():
     simulated records are always fresh), one digest."""
     job = JobConfig(**{**TINY.__dict__, "adaptive": True, "inner_steps": 8, "rounds": 3})
     net = NetworkModel(bandwidth_mbit=1000, latency_ms=1, step_seconds=0.1, speeds=(1.0, 0.5, 0.25))
-    out = simulate(job, 3, swarm=SwarmConfig(run_id="sima", compression="fp32"), net=net)
+    out = simulate(job, 3, swarm=SwarmConfig(run_id="sima", round=CollectiveConfig(compression="fp32")), net=net)
     assert len(out["digests"]) == 1 and out["round"] == 3
     assert out["projection"]["steps_per_round"] == {"0": 8.0, "1": 4.0, "2": 2.0}
     with pytest.raises(ConfigError, match="--step-seconds"):

@@ -23,7 +23,8 @@ from diloco.statesync import Snapshot, download, serve_chunk, serve_manifest
 pytestmark = pytest.mark.swarm
 
 RUN = "sync"
-CFG = diloco.SwarmConfig(run_id=RUN, call_timeout=2.0, heartbeat_interval=0.1, heartbeat_ttl=2)
+CFG = diloco.SwarmConfig(run_id=RUN, round=diloco.CollectiveConfig(call_timeout=2.0), heartbeat_interval=0.1,
+                         heartbeat_ttl=2)
 
 
 def _state(numel: int, seed: int = 0) -> GlobalState:
@@ -120,7 +121,7 @@ def test_a_150m_parameter_state_moves_between_two_swarm_peers_with_default_setti
     state = GlobalState([torch.zeros(numel)], nesterov())
     state.params[0].normal_(generator=torch.Generator().manual_seed(0))
     outer_step(state.outer, state.params, torch.ones(numel) * 1e-3)
-    assert 8 * numel > diloco.SwarmConfig().max_payload
+    assert 8 * numel > diloco.SwarmConfig().round.max_payload
     net, board, loop = InProcNetwork(), InProcBoard(), LoopThread()
     cfg = diloco.SwarmConfig(run_id=RUN)  # defaults
     server = diloco.Swarm.in_process(net, board, "server", cfg, loop)

@@ -38,7 +38,7 @@ def test_a_straggler_stays_one_until_it_is_in_a_view_again_or_gone():
 
 
 def test_a_straggler_costs_one_deadline_then_rejoins_when_healthy():
-    cfg = replace(CFG, gather_timeout=GATHER)
+    cfg = CFG.with_round(gather_timeout=GATHER)
     net, board, loop = InProcNetwork(), InProcBoard(), LoopThread()
     swarms = [diloco.Swarm.in_process(net, board, f"peer{i}", cfg, loop) for i in range(3)]
     base = _mlp(21)

@@ -568,7 +568,7 @@ def test_a_joiner_after_an_h_schedule_change_takes_the_new_slots():
     # Every round must commit here, so no deadline may decide one: the in-process harness's 2 s for results was
     # once passed by a round of this test on a loaded machine (all three peers failed round 3, its results a
     # moment late), which this test is not about.
-    patient = Harness(replace(CFG, reduce_timeout=10, result_timeout=15, call_timeout=5))
+    patient = Harness(CFG.with_round(reduce_timeout=10, result_timeout=15, call_timeout=5))
     out = _pause_and_join(patient, base=_net(3), joiner_seed=99, data=[_batches(40 + i, 20) for i in range(3)],
                           steps=20, pause_at=11, on_attached=attached, h_schedule=((2, 4),),
                           streaming=StreamingConfig(fragments=2))

@@ -30,8 +30,8 @@ from diloco.statesync import Snapshot
 pytestmark = pytest.mark.swarm
 
 H = 3
-CFG = diloco.SwarmConfig(run_id="inproc", gather_timeout=3, reduce_timeout=1, result_timeout=2, call_timeout=1,
-                         heartbeat_interval=0.1, heartbeat_ttl=2)
+CFG = diloco.SwarmConfig(run_id="inproc", heartbeat_interval=0.1, heartbeat_ttl=2,
+                         round=diloco.CollectiveConfig(gather_timeout=3, reduce_timeout=1, result_timeout=2, call_timeout=1))
 
 
 def _mlp(seed: int) -> torch.nn.Module:
@@ -430,7 +430,7 @@ def test_a_round_does_not_wait_for_a_slow_directory_read_when_the_heartbeat_read
     started = time.monotonic()
     seen = a.loop.run(a.presence.for_round(), timeout=10)
     took = time.monotonic() - started
-    assert [r.peer for r in seen] == ["a", "b"] and took < CFG.call_timeout / 2, took  # not the read's deadline (1 s)
+    assert [r.peer for r in seen] == ["a", "b"] and took < CFG.round.call_timeout / 2, took  # not the read's deadline (1 s)
     monkeypatch.setattr(harness.board, "read", fast)
     assert [r.peer for r in a.loop.run(a.presence.for_round(), timeout=10)] == ["a", "b"]  # a fresh read, at once
 
@@ -462,7 +462,7 @@ def test_a_peer_most_members_refuse_as_banned_learns_it_and_gets_no_state(harnes
     started = time.monotonic()
     with pytest.raises(diloco.Banned, match=r"peer x was banned from run 'inproc' by 3 of the 3 other peers"):
         x.finish_exchange(x.exchange_async(0, 0, "d0", torch.zeros(4), previous=members), RoundKey(0))
-    assert time.monotonic() - started < CFG.gather_timeout
+    assert time.monotonic() - started < CFG.round.gather_timeout
     assert x.collective.banned_by == {"a", "b", "c"}
     with pytest.raises(diloco.Banned):  # at its next slot, too, without any call
         x.check_standing(members)

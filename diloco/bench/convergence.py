@@ -25,6 +25,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from .. import progress as progress_output
+from ..comms import CollectiveConfig
 from ..config import SwarmConfig
 from ..fragments import HSchedule, inner_steps_at, parse_h_schedule
 from ..job.corpus import BatchSampler, evaluate, heldout_batches
@@ -223,7 +224,8 @@ def _variant(job: JobConfig, workers: int, steps: int, v: Variant, curves: bool,
             warm = data_parallel(cfg, workers, v.warm_start, eval_every=50 if curves else 0, schedule_steps=steps,
                                  save_to=weights)
             cfg = replace(cfg, init_from=str(weights), first_step=v.warm_start)
-        out = simulate(cfg, workers, swarm=SwarmConfig(run_id="bench-convergence", compression=v.compression),
+        out = simulate(cfg, workers, swarm=SwarmConfig(run_id="bench-convergence",
+                                                          round=CollectiveConfig(compression=v.compression)),
                        net=net, progress=progress)
     diloco_curve = [dict(step=v.warm_start + c["step"], eval_loss=c["eval_loss"],
                          bytes_sent=warm["bytes_sent"] + c["bytes_sent"]) for c in out["curve"]]

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from ..bench.procmem import family_rss_mib
+from ..comms import CollectiveConfig
 from ..config import ConfigError, SwarmConfig
 from ..hostmem import with_huge_pages
 from ..job.train import JobConfig
@@ -50,7 +51,7 @@ class DemoConfig:
     """Peer processes to run."""
     job: JobConfig = DEMO_JOB
     """What every peer trains (its model, rounds, H, outer optimizer, streaming)."""
-    swarm: SwarmConfig = SwarmConfig(compression=DEMO_COMPRESSION)
+    swarm: SwarmConfig = SwarmConfig(round=CollectiveConfig(compression=DEMO_COMPRESSION))
     """Compression and robust aggregation of the swarm (the rest is each peer's own)."""
     timeout: float = 1800.0
     """Seconds before the demo gives up and stops every peer."""
@@ -73,7 +74,7 @@ def peer_command(cfg: DemoConfig, index: int, run_id: str, workdir: Path, bootst
     device = peer_device(cfg.job.device, index, gpus)
     cmd = [sys.executable, "-m", "diloco"]
     cmd += ["join", bootstrap] if bootstrap else ["start"]
-    cmd += ["--run-id", run_id, *flags(cfg.job, JobOptions, ModelOptions, RunOptions), *flags(cfg.job.streaming, StreamingOptions), *flags(cfg.swarm, AggregationOptions),
+    cmd += ["--run-id", run_id, *flags(cfg.job, JobOptions, ModelOptions, RunOptions), *flags(cfg.job.streaming, StreamingOptions), *flags(AggregationOptions.of(cfg.swarm), AggregationOptions),
             *(["--device", device] if device != cfg.job.device else []),
             "--shard", str(index), "--gather-timeout", "30", "--wait-for", str(cfg.peers),
             "--metrics", str(workdir / f"peer{index}.jsonl"), "--status-file", str(workdir / f"peer{index}.status.json"),
@@ -154,7 +155,7 @@ def summarize(cfg: DemoConfig, workdir: Path, wall: float) -> dict[str, Any]:
         "bytes_sent_total": total_sent,
         "bytes_received_total": sum(f["bytes_received"] for f in finals),
         "compression": finals[0].get("compression"),  # canonical, every default spelled out (e3m0:0)
-        "compression_spec": cfg.swarm.compression,  # as the user wrote it (e3m0)
+        "compression_spec": cfg.swarm.round.compression,  # as the user wrote it (e3m0)
         "bits_per_param_sync": finals[0].get("bits_per_param_sync"),
         "data_parallel_bytes": dp_bytes,
         "reduction_vs_data_parallel": round(dp_bytes / total_sent, 1) if total_sent else None,
@@ -190,7 +191,7 @@ def run_demo(cfg: DemoConfig, *, workdir: Path | None = None, metrics: Path | No
     rep = Reporter.for_command(quiet=quiet, live=live)
     gpus = _gpus() if cfg.job.device == "auto" else 0
     rep.say(f"diloco demo: {cfg.peers} peers, {cfg.job.rounds} rounds of H={cfg.job.inner_steps}, "
-            f"compression {cfg.swarm.compression}{streaming}; logs in {workdir}")
+            f"compression {cfg.swarm.round.compression}{streaming}; logs in {workdir}")
     try:
         procs.append(_spawn(peer_command(cfg, 0, run_id, workdir, None, sinks, gpus), workdir / "peer0.log", secret))
         addr_file = workdir / "peer0.addr"

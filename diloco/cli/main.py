@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any, Callable, List, NoReturn, Optional
 import typer
 
 from ..bench.chaos import ChaosSetup
+from ..comms import CollectiveConfig
 from ..config import ConfigError, SwarmConfig
 from ..job.train import JobConfig, training_device
 from ..sinks import SinkConfig
@@ -197,8 +198,7 @@ def _run_config(swarm_cfg: SwarmConfig, job: JobConfig) -> dict[str, Any]:
     """The settings of a run, for W&B's run config: the job's and the swarm's, never the secret."""
     from dataclasses import asdict
 
-    swarm = {k: v for k, v in asdict(swarm_cfg).items() if k not in ("secret", "identity_file")}
-    return {**asdict(job), **swarm}
+    return {**asdict(job), **swarm_cfg.settings()}
 
 
 @app.command(context_settings={"allow_extra_args": True})  # a command without `--` is refused in _command
@@ -705,7 +705,7 @@ def bench_wrapper_cmd(
                              repeats=repeats, compression=compression, device=str(where),
                              global_device=str(global_where), flush_denormal=flush_denormal,
                              checkpoints=checkpoints, autocast=autocast, profile=profile)
-        SwarmConfig(compression=compression)
+        CollectiveConfig(compression=compression)
     except ConfigError as e:
         _fail(str(e))
     with Reporter.for_command(quiet=quiet) as rep, rep.task("wrapper", unit="runs") as task:
@@ -785,7 +785,7 @@ def bench_overlap_cmd(
     try:
         check_privileges()
         check_schedule(inner_steps, fragments, StreamingConfig(fragments=fragments, overlap=tau))
-        SwarmConfig(compression=compression)
+        CollectiveConfig(compression=compression)
     except (WanError, FragmentError, ConfigError) as e:
         _fail(str(e))
     if peers < 2 or outer_steps < 1 or rate <= 0 or delay < 0:

@@ -29,6 +29,8 @@ from typing import Any, Callable, Iterator, List, Optional, Sequence, TypeVar
 
 import typer
 
+from ..comms import CollectiveConfig
+from ..comms.robust import RobustConfig
 from ..config import ConfigError, SwarmConfig
 from ..fielddocs import field_docs
 from ..fragments import FragmentError, StreamingConfig, format_h_schedule, parse_h_schedule
@@ -36,6 +38,7 @@ from ..job.train import JobConfig
 
 _G = TypeVar("_G")
 _SWARM, _JOB = SwarmConfig(), JobConfig()
+_ROUND = _SWARM.round
 _STREAM = _JOB.streaming
 
 
@@ -49,8 +52,8 @@ class Group:
     """Base of the option groups."""
 
     _overrides: typing.ClassVar[dict[str, Any]] = {}
-    documented_by: typing.ClassVar[type | None] = None
-    """The configuration whose field docstrings are the help of this group's options that give none."""
+    documented_by: typing.ClassVar[tuple[type, ...]] = ()
+    """The configurations whose field docstrings are the help of this group's options that give none."""
 
     @classmethod
     def defaults(cls: type[_G], **overrides: Any) -> type[_G]:
@@ -85,11 +88,20 @@ def help_of(group: type[Group], name: str) -> str:
     f = next(f for f in fields(group) if f.name == name)  # type: ignore[arg-type]
     if f.metadata["help"] is not None:
         return str(f.metadata["help"])
-    doc = field_docs(group.documented_by).get(name) if group.documented_by is not None else None
+    doc = docs_of(group).get(name)
     if doc is None:
+        where = " or ".join(c.__name__ for c in group.documented_by) or "its configuration"
         raise TypeError(f"{group.__name__}.{name}: an option without help needs a docstring on the field of the same "
-                        f"name in {getattr(group.documented_by, '__name__', 'its configuration')}")
+                        f"name in {where}")
     return doc
+
+
+def docs_of(group: type[Group]) -> dict[str, str]:
+    """The field docstrings of `group`'s configurations (the first that documents a name wins)."""
+    docs: dict[str, str] = {}
+    for cls in reversed(group.documented_by):
+        docs.update(field_docs(cls))
+    return docs
 
 
 def typer_option(group: type[Group], name: str) -> Any:
@@ -159,29 +171,39 @@ class AggregationOptions(Group):
     """How pseudo-gradients travel and are averaged (`SwarmConfig`: every peer of a swarm must agree on the
     compression)."""
 
-    documented_by = SwarmConfig
+    documented_by = (CollectiveConfig, RobustConfig)
 
-    compression: str = option(_SWARM.compression)
-    clip: float = option(_SWARM.clip)
-    trim: float = option(_SWARM.trim)
-    ban_after: int = option(_SWARM.ban_after)
+    compression: str = option(_ROUND.compression)
+    clip: float = option(_ROUND.robust.clip)
+    trim: float = option(_ROUND.robust.trim)
+    ban_after: int = option(_ROUND.robust.ban_after)
+
+    def round(self, **more: Any) -> CollectiveConfig:
+        """The round's settings these options give (`more`: the others). Raises ConfigError naming what is wrong."""
+        robust = RobustConfig(clip=self.clip, trim=self.trim, ban_after=self.ban_after)
+        return CollectiveConfig(compression=self.compression, robust=robust, **more)
 
     def config(self, **more: Any) -> SwarmConfig:
         """Raises ConfigError naming the field that is wrong."""
-        return SwarmConfig(compression=self.compression, clip=self.clip, trim=self.trim, ban_after=self.ban_after,
-                           **more)
+        return SwarmConfig(round=self.round(), **more)
+
+    @classmethod
+    def of(cls, cfg: SwarmConfig) -> AggregationOptions:
+        """The options that give `cfg`'s aggregation (`config` reversed)."""
+        robust = cfg.round.robust
+        return cls(compression=cfg.round.compression, clip=robust.clip, trim=robust.trim, ban_after=robust.ban_after)
 
 
 @dataclass(frozen=True)
 class SwarmOptions(Group):
     """A peer's swarm: its namespace, quorum and deadlines (`SwarmConfig`)."""
 
-    documented_by = SwarmConfig
+    documented_by = (SwarmConfig, CollectiveConfig)
 
     run_id: str = option(_SWARM.run_id, "--run-id")
-    min_peers: int = option(_SWARM.min_peers)
-    gather_timeout: float = option(_SWARM.gather_timeout)
-    round_timeout: float = option(_SWARM.result_timeout, help="Seconds after a round starts by which it commits or is "
+    min_peers: int = option(_ROUND.min_peers)
+    gather_timeout: float = option(_ROUND.gather_timeout)
+    round_timeout: float = option(_ROUND.result_timeout, help="Seconds after a round starts by which it commits or is "
                                                               "abandoned (result_timeout; span owners reduce within "
                                                               "two thirds of it, reduce_timeout).")
     heartbeat_ttl: float = option(_SWARM.heartbeat_ttl)
@@ -196,21 +218,22 @@ class SwarmOptions(Group):
 
     def config(self, aggregation: AggregationOptions, peer: PeerOptions) -> SwarmConfig:
         """Raises ConfigError naming the field that is wrong."""
-        return aggregation.config(run_id=self.run_id, min_peers=self.min_peers, gather_timeout=self.gather_timeout,
-                                  result_timeout=self.round_timeout, reduce_timeout=self.round_timeout * 2 / 3,
-                                  heartbeat_ttl=self.heartbeat_ttl, allow_peers=tuple(peer.allow_peer or ()),
-                                  identity_file=str(peer.identity) if peer.identity else None, region=self.region,
-                                  merge_every=self.merge_every, global_lr=self.global_lr,
-                                  global_momentum=self.global_momentum, topology=self.topology,
-                                  gossip_group=self.gossip_group, data_port=peer.data_port if peer.direct else None,
-                                  data_announce=peer.data_announce, data_streams=peer.data_streams)
+        rnd = aggregation.round(min_peers=self.min_peers, gather_timeout=self.gather_timeout,
+                                result_timeout=self.round_timeout, reduce_timeout=self.round_timeout * 2 / 3)
+        return SwarmConfig(round=rnd, run_id=self.run_id, heartbeat_ttl=self.heartbeat_ttl,
+                           allow_peers=tuple(peer.allow_peer or ()),
+                           identity_file=str(peer.identity) if peer.identity else None, region=self.region,
+                           merge_every=self.merge_every, global_lr=self.global_lr,
+                           global_momentum=self.global_momentum, topology=self.topology,
+                           gossip_group=self.gossip_group, data_port=peer.data_port if peer.direct else None,
+                           data_announce=peer.data_announce, data_streams=peer.data_streams)
 
 
 @dataclass(frozen=True)
 class PeerOptions(Group):
     """A peer process on the network: where it listens, its credentials and identity, what it writes."""
 
-    documented_by = SwarmConfig
+    documented_by = (SwarmConfig,)
 
     host: str = option("127.0.0.1", help="Address to listen on; 0.0.0.0 to accept peers from other machines.")
     port: int = option(0, help="TCP port to listen on (0: any free port).")
@@ -241,7 +264,7 @@ class PeerOptions(Group):
 class ModelOptions(Group):
     """The bundled model and its batches (`JobConfig`; the fields are its fields)."""
 
-    documented_by = JobConfig
+    documented_by = (JobConfig,)
 
     batch_size: int = option(_JOB.batch_size)
     d_model: int = option(_JOB.d_model)
@@ -253,7 +276,7 @@ class ModelOptions(Group):
 class JobOptions(Group):
     """The bundled job's training run (`JobConfig`; the fields are its fields)."""
 
-    documented_by = JobConfig
+    documented_by = (JobConfig,)
 
     rounds: int = option(_JOB.rounds)
     inner_steps: int = option(_JOB.inner_steps, "--inner-steps", "-H")
@@ -286,7 +309,7 @@ class JobOptions(Group):
 class RunOptions(Group):
     """How this process runs the bundled job (`JobConfig`): seed, threads, evaluation."""
 
-    documented_by = JobConfig
+    documented_by = (JobConfig,)
 
     seed: int = option(_JOB.seed)
     init_from: Optional[Path] = option(None, "--init-from")
@@ -300,7 +323,7 @@ class RunOptions(Group):
 class PeerJobOptions(Group):
     """A peer's own part of the job (`JobConfig`): its data shard, whom to wait for, its checkpoints."""
 
-    documented_by = JobConfig
+    documented_by = (JobConfig,)
 
     shard: Optional[int] = option(_JOB.shard)
     wait_for: int = option(_JOB.wait_for)
@@ -314,7 +337,7 @@ class PeerJobOptions(Group):
 class StreamingOptions(Group):
     """Streaming DiLoCo (`StreamingConfig`, which `JobConfig.streaming` holds; the fields are its fields)."""
 
-    documented_by = StreamingConfig
+    documented_by = (StreamingConfig,)
 
     fragments: int = option(_STREAM.fragments)
     pattern: str = option(_STREAM.pattern, "--fragment-pattern")

@@ -374,7 +374,7 @@ def run_job(cfg: JobConfig, swarm: Swarm | None, *, metrics: MetricsWriter | Non
                      round_status(r.round, cfg.rounds, frags, r.fragment, r.committed, r.reason, r.peers, d.loss,
                                   sent, recv, d.usage().mean_bytes_per_second))
 
-    error_feedback = swarm is not None and parse_compression(swarm.cfg.compression).ef is not None
+    error_feedback = swarm is not None and parse_compression(swarm.cfg.round.compression).ef is not None
     outer = (data_parallel_outer(cfg.lr, CLIP_NORM) if cfg.data_parallel else
              default_outer(error_feedback, cfg.outer_lr, cfg.outer_momentum))
     # data-parallel: the lr schedule moves to the outer AdamW; round r commits step r-1

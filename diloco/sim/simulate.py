@@ -394,8 +394,9 @@ def simulate(job: JobConfig, workers: int, *, swarm: SwarmConfig | None = None, 
     # With regions, a region's rounds and the merges have fewer members than the swarm: they wait for everyone
     # their records show (the workers wait for each other before the first step), with min_peers 1. A gossip
     # round waits for its group (docs/GOSSIP.md), which min_peers does not count.
-    scfg = replace(base, gather_timeout=max(base.gather_timeout, 600.0), reduce_timeout=max(base.reduce_timeout, 600.0),
-                   result_timeout=max(base.result_timeout, 900.0), min_peers=1 if faults or regions else workers)
+    rnd = base.round
+    scfg = base.with_round(gather_timeout=max(rnd.gather_timeout, 600.0), reduce_timeout=max(rnd.reduce_timeout, 600.0),
+                           result_timeout=max(rnd.result_timeout, 900.0), min_peers=1 if faults or regions else workers)
     network, board, loop = InProcNetwork(), InProcBoard(), LoopThread()
     corpus = load_corpus(job)  # one copy for all workers: they only read it
     finals: dict[int, dict[str, Any]] = {}
