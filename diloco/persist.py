@@ -97,6 +97,24 @@ def read(root: Path, params: Sequence[torch.Tensor], outer_factory: OuterFactory
     return state, residuals, loaded
 
 
+def save_model(model: torch.nn.Module, target: Path, round: int) -> Path:
+    """Write `model` as its user loads it: through its `save_pretrained(target)` (a directory `from_pretrained`
+    reads) when it has one (Hugging Face), else as a safetensors file of its whole state dict, a tied weight under
+    each of its names (copied: the format stores no shared memory), so that a plain `load_state_dict(strict=True)`
+    takes it."""
+    saver = getattr(model, "save_pretrained", None)
+    if callable(saver):
+        saver(str(target))
+        return target
+    require_safetensors()
+    from safetensors.torch import save_file
+
+    target.parent.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.detach().cpu().clone().contiguous() for k, v in model.state_dict().items()}, str(target),
+              metadata={"format": "pt", "diloco_round": str(round)})
+    return target
+
+
 def export(root: str | os.PathLike[str], out: str | os.PathLike[str]) -> tuple[Path, Loaded]:
     """Write the global parameters of the newest verified checkpoint under `root` as a plain safetensors state dict
     at `out`: each parameter under the model's own name, a tied one under each of its names, so that
@@ -164,7 +182,7 @@ class Checkpoints:
         """Write a checkpoint of the state we hold on a thread of its own, while training goes on: the state is read
         in place (its next change waits for the write: `Holding.beside`), the residuals are copied (the next round
         changes them), the digest is the one being hashed. A failure is logged, as `save`'s."""
-        target, member, holding = self._target(None), self.member, self.member.holding
+        target, holding = self._target(None), self.member.holding
         state, meta, digest = holding.state, self._meta(), holding.later()
         residuals = [r.clone() for r in self.engine.residuals or ()] or None
 

@@ -48,6 +48,8 @@ import torch.distributed as dist
 
 from diloco.comms.rounds import Handoff
 
+from .compression.errors import ConfigError
+from .fragments import StreamingConfig
 from .outer import OuterFactory
 from .site import Site, broadcast_object, settle
 from .state import CHUNK_BYTES, ChunkHasher, GlobalState, Manifest, Receiver, StateError, manifest_header
@@ -191,6 +193,24 @@ def _destroy(group: dist.ProcessGroup) -> None:
         dist.destroy_process_group(group)
     except ValueError:
         pass  # torch no longer knows it
+
+
+def site_shards(site: Site | None, named: Sequence[tuple[str, torch.Tensor]], *, error_feedback: bool,
+                streaming: StreamingConfig, global_device: torch.device) -> SiteShards | None:
+    """The site's shard transfers when FSDP2 shards the model over it (None otherwise); ConfigError for what a
+    sharded site does not support yet, naming what to use instead."""
+    if site is None or not any(is_sharded(p) for _, p in named):
+        return None  # FSDP2 over one rank: every piece is the whole parameter
+    why = []
+    if error_feedback:
+        why.append("error feedback (an ef:BETA compression stage): use a compression without it, e.g. e3m0")
+    if streaming.overlap or streaming.outer_overlap != "none":
+        why.append("overlapping communication (StreamingConfig overlap / outer_overlap): use overlap=0")
+    if global_device.type != "cpu":
+        why.append(f"global_device={global_device}: keep θ in host memory (the default)")
+    if why:
+        raise ConfigError("an FSDP2 site (sharded parameters) does not support " + "; ".join(why))
+    return SiteShards.build(site, named)
 
 
 class SiteShards:

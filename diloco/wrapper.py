@@ -42,13 +42,11 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import os
-import signal
-import threading
 import time
 from contextlib import contextmanager
 from functools import partial
 from pathlib import Path
-from typing import Callable, Iterator, Literal, Sequence
+from typing import Callable, Iterator, Literal
 
 import torch
 from torch.utils.hooks import RemovableHandle
@@ -60,18 +58,18 @@ from .accounting import Accounting, Usage
 from .catchup import CatchUp
 from .compression.errors import ConfigError, UsageError
 from .engine import RoundEngine
-from .environment import WAIT_TIMEOUT, Launch, data_shard
+from .environment import data_shard
 from .fragments import HSchedule, StreamingConfig, check_h_schedule, check_round_seconds, check_schedule, partition
 from .gossip import Gossip
 from .holding import Holding
-from .lifecycle import end_run, errors_as_lines, final_fields, linger
+from .launched import LaunchedRun
+from .lifecycle import linger
 from .member import Member
-from .metrics import close_launched
 from .outer import OuterFactory, copy_into, default_outer, warmup_scale
-from .persist import Checkpoints
+from .persist import Checkpoints, save_model
 from .regions import Regions
 from .report import RoundReport
-from .shards import SiteShards, is_sharded, local_view
+from .shards import local_view, site_shards
 from .site import Site
 from .sitelink import SiteLink
 from .state import GlobalState, schema_digest
@@ -81,35 +79,6 @@ from .topology import Followed, Topology
 __all__ = ["DiLoCo", "RoundReport"]
 
 log = logging.getLogger(__name__)
-
-
-class _StopOnSignal:
-    """SIGTERM / SIGINT for a worker the launcher started: leave at the next inner step (a site: at the
-    next synchronization slot, every rank at the same one), applying the exchange in flight and telling
-    the swarm, instead of dying mid-step. A second signal stops at once."""
-
-    def __init__(self) -> None:
-        self.signum: int | None = None
-        self._saved: dict[int, object] = {}
-
-    def install(self) -> None:
-        if threading.current_thread() is not threading.main_thread() or self._saved:
-            return
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            self._saved[sig] = signal.signal(sig, self._on_signal)
-
-    def _on_signal(self, signum: int, _frame: object) -> None:
-        if self.signum is not None:
-            self.restore()
-            raise KeyboardInterrupt
-        self.signum = signum
-        log.warning("event=stop_requested signal=%s reason=leaving the swarm at the next inner step",
-                    signal.Signals(signum).name)
-
-    def restore(self) -> None:
-        for sig, handler in self._saved.items():
-            signal.signal(sig, handler)  # type: ignore[arg-type]
-        self._saved.clear()
 
 
 def _innermost(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
@@ -230,16 +199,15 @@ class DiLoCo:
         self.streaming = streaming or StreamingConfig()
         # "auto": a command started by `diloco start/join -- CMD` finds its swarm in the environment
         # (connected when we attach); without the launcher's variables, a single worker, no network.
-        self.launch = Launch.from_env() if swarm == "auto" else None
-        if self.launch is not None:
-            errors_as_lines()  # a wrong secret, run id or model: one line, as from the bundled job
+        self.launched = LaunchedRun.from_env() if swarm == "auto" else None
+        """The run the launcher started this process for (`diloco.launched`); None otherwise."""
+        launch = self.launched.launch if self.launched is not None else None
         given = swarm if isinstance(swarm, Swarm) else None
         self.site = Site.detect() if site == "auto" else site
         """The torch.distributed group this worker spans (`diloco.site`); None for a lone process."""
-        self._owns_swarm = False
-        if self.launch is not None:
-            checkpoint_dir = checkpoint_dir if checkpoint_dir is not None else self.launch.checkpoint_dir
-            checkpoint_every = checkpoint_every or self.launch.checkpoint_every
+        if launch is not None:
+            checkpoint_dir = checkpoint_dir if checkpoint_dir is not None else launch.checkpoint_dir
+            checkpoint_every = checkpoint_every or launch.checkpoint_every
         self.model, self.optimizer = model, optimizer
         _tell_of_subnormals(model)
         self._inner = _innermost(optimizer)  # accelerate's AcceleratedOptimizer wraps the torch optimizer
@@ -254,7 +222,7 @@ class DiLoCo:
         check_h_schedule(self.h_schedule, len(self.fragments), self.streaming)
         # Compression is a property of the swarm (every peer must agree); locally, take it from the
         # argument. Error feedback (the spec's ef:BETA stage) keeps this peer's unsent residual.
-        swarm_cfg = given.cfg if given is not None else self.launch.swarm if self.launch else None
+        swarm_cfg = given.cfg if given is not None else launch.swarm if launch else None
         spec = parse(swarm_cfg.round.compression if swarm_cfg is not None else compression or "fp32")
         if swarm_cfg is not None and compression is not None and parse(compression).text != spec.text:
             raise ConfigError(f"compression={compression!r} differs from the swarm's {spec.text!r}; "
@@ -262,20 +230,20 @@ class DiLoCo:
         self.compression = spec.text
         self._outer_factory = outer_optimizer or default_outer(spec.ef is not None)
         state = GlobalState(self.local_params, self._outer_factory, self.global_device)
-        self.shards = self._shard(named, spec.ef is not None)
+        self.shards = site_shards(self.site, named, error_feedback=spec.ef is not None, streaming=self.streaming,
+                                  global_device=self.global_device)
         """An FSDP2 site's transfers (`diloco.shards`): θ, the outer state and Δ are this rank's pieces."""
         self.link = SiteLink(self.site, self.shards)
         holding = Holding(state, self._outer_factory, self.global_device,
                           self.shards.manifest if self.shards is not None else None)
         layout = f"fragments={len(self.fragments)}:{self.streaming.pattern}"
         self.accounting = Accounting()
-        self._stop = _StopOnSignal()
         self.on_round = on_round
         self.member = Member(holding, lambda: self.local_params, self.link, self.accounting,
                              schema=schema_digest(named, f"{spec.text}|{layout}"), period=lambda: self.engine.period,
                              join_timeout=join_timeout, on_report=self._reported,
                              on_download=self._downloaded, on_commit=lambda: self.checkpoints.if_due(),
-                             stop_requested=lambda: self._stop.signum)
+                             stop_requested=lambda: self.launched.stop.signum if self.launched else None)
         """What the worker holds (θ, the outer state, the round), how it stands in the swarm, its catching up."""
         self.engine = RoundEngine(self.member, fragments=self.fragments, streaming=self.streaming,
                                   inner_steps=inner_steps, h_schedule=self.h_schedule,
@@ -289,7 +257,7 @@ class DiLoCo:
         """Flat, regions or gossip: what differs between them (`diloco.topology`)."""
         self._hook: RemovableHandle | None = None
         self._finished = False
-        self._data_shard = data_shard("", self.launch.shard if self.launch else None)
+        self._data_shard = data_shard("", launch.shard if launch else None)
         if given is not None:
             self._enter(given)
 
@@ -302,22 +270,6 @@ class DiLoCo:
             self.topology = Gossip(member, self.outer_lr_schedule, self.fragments, self.streaming)
         member.topology = self.topology
         member.swarm = self.topology.rounds(swarm)
-
-    def _shard(self, named: Sequence[tuple[str, torch.Tensor]], error_feedback: bool) -> SiteShards | None:
-        """The site's shard transfers when FSDP2 shards the model over it (None otherwise); ConfigError for what
-        a sharded site does not support yet, naming what to use instead."""
-        if self.site is None or not any(is_sharded(p) for _, p in named):
-            return None  # FSDP2 over one rank: every piece is the whole parameter
-        why = []
-        if error_feedback:
-            why.append("error feedback (an ef:BETA compression stage): use a compression without it, e.g. e3m0")
-        if self.streaming.overlap or self.streaming.outer_overlap != "none":
-            why.append("overlapping communication (StreamingConfig overlap / outer_overlap): use overlap=0")
-        if self.global_device.type != "cpu":
-            why.append(f"global_device={self.global_device}: keep θ in host memory (the default)")
-        if why:
-            raise ConfigError("an FSDP2 site (sharded parameters) does not support " + "; ".join(why))
-        return SiteShards.build(self.site, named)
 
     # ------------------------------------------------------------------ what the worker is
 
@@ -481,8 +433,8 @@ class DiLoCo:
             self.link.take(self.member, taken)
         if self.shards is not None and taken.get("incoming"):
             self.link.adopt_incoming(self.member)
-        if self.launch is not None:
-            self._stop.install()
+        if self.launched is not None:
+            self.launched.stop.install()
         if self._hook is None:
             self._hook = self._inner.register_step_post_hook(lambda *_: self._after_step())
         self.engine.restart_clock()  # rounds by time: the first span of inner steps begins now
@@ -496,21 +448,17 @@ class DiLoCo:
     def _join(self) -> dict[str, object]:
         """The leader's side of `attach` (a lone process's, all of it); for a site, what the others take."""
         member = self.member
-        if self.launch is not None and member.swarm is None:
-            if self.checkpoints.root is not None:
-                self.checkpoints.read()  # the launcher restarted us: start from our last checkpoint, then catch up
-            swarm, self._owns_swarm = self.launch.connect(), True
-            self._enter(swarm)
+        if self.launched is not None and member.swarm is None:
+            self._enter(self.launched.connect(self))
         if member.swarm is not None:
             self.topology.attach()  # a region's global level first: a region of our own starts from θ_G
             member.join(member.swarm)
             self.topology.after_catch_up()
             member.publish("training")
-            if self.launch is not None and self.launch.wait_for > 1:  # `--wait-for N`: hold the first step
-                seen = self.topology.whole(member.swarm).wait_for_peers(self.launch.wait_for, WAIT_TIMEOUT)
-                log.info("event=peers_present count=%d wanted=%d", seen, self.launch.wait_for)
+            if self.launched is not None:
+                self.launched.hold_first_step(self.topology.whole(member.swarm))
         shard = data_shard(member.swarm.peer_id if member.swarm is not None else "",
-                           self.launch.shard if self.launch else None)
+                           self.launched.launch.shard if self.launched else None)
         if self.site is None:
             return {"shard": shard}
         return {"swarm": member.swarm is not None, "shard": shard, "topology": self.topology.flags(),
@@ -532,26 +480,8 @@ class DiLoCo:
             self.member.holding.settle()  # a checkpoint written beside training is on disk when we return
             if self.member.swarm is not None:  # our last votes reach the members that may need them to commit
                 self.member.swarm.settle_votes()
-            self._stop.restore()
-            if self.launch is not None:
-                self._finish_launched(completed)
-
-    def _finish_launched(self, completed: bool) -> None:
-        """The launched run's end (`diloco.lifecycle`, as the bundled job's): linger, the final checkpoint and
-        metrics line; then leave the swarm we joined."""
-        launch, member = self.launch, self.member
-        assert launch is not None
-        end_run(self, completed=completed)
-        if launch.records_metrics:
-            fields = final_fields(self)
-            launch.metrics_writer(str(fields["peer"]), sinks=self.link.talks).write(
-                "final", rank=self.site.rank if self.site else 0, site_size=self.site.size if self.site else 1,
-                restart=launch.restart, **fields)
-            close_launched()
-        if self._owns_swarm and member.swarm is not None:
-            self.topology.close()
-            self.topology.whole(member.swarm).close()
-            member.swarm, self._owns_swarm = None, False
+            if self.launched is not None:
+                self.launched.end(self, completed)
 
     def _after_step(self) -> None:
         now = time.monotonic()
@@ -564,12 +494,8 @@ class DiLoCo:
 
     def _reported(self, report: RoundReport) -> None:
         """A round report's way out of the worker: the launched run's metrics line, and `on_round`."""
-        launch = self.launch
-        if launch is not None and launch.records_metrics and self.link.talks:
-            peer = self.member.swarm.peer_id if self.member.swarm else ""
-            launch.metrics_writer(peer).write("round", peer=peer, loss=self.loss, restart=launch.restart,
-                                              round_steps=self.member.standing.covered,
-                                              **{**report.as_dict(), "digest": self.member.report_digest(report)})
+        if self.launched is not None:
+            self.launched.round_line(self, report)
         if self.on_round is not None:
             self.on_round(report)
 
@@ -615,24 +541,8 @@ class DiLoCo:
                              "(checkpoint_dir=...) and turn the newest into a model with `diloco export DIR OUT`")
         if not self.link.talks:
             return None
-        target = Path(path)
-        model = _unwrapped(self.model)  # the user's model, as they load it (not DDP's or torch.compile's wrapper)
-        with self.global_weights():
-            saver = getattr(model, "save_pretrained", None)
-            if callable(saver):
-                saver(str(target))
-            else:
-                from .checkpoint import require_safetensors
-
-                require_safetensors()
-                from safetensors.torch import save_file
-
-                target.parent.mkdir(parents=True, exist_ok=True)
-                # every name, a tied tensor under each (copied: the format stores no shared memory), so that a
-                # plain load_state_dict(strict=True) takes it
-                save_file({k: v.detach().cpu().clone().contiguous() for k, v in model.state_dict().items()},
-                          str(target), metadata={"format": "pt", "diloco_round": str(self.round)})
-        return target
+        with self.global_weights():  # the user's model, as they load it (not DDP's or torch.compile's wrapper)
+            return save_model(_unwrapped(self.model), Path(path), self.round)
 
     def finish(self) -> None:
         """End the run on one final model, every peer's: with regions a last merge (when region rounds ran since

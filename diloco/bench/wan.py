@@ -671,30 +671,7 @@ class WanLab:
             self._sigterm_installed = False
 
     def _stop_procs(self) -> None:
-        procs = [p for p in self._procs if p.poll() is None]
-        for p in procs:
-            try:
-                p.terminate()
-            except ProcessLookupError:
-                pass
-        deadline = time.monotonic() + self.grace_s
-        for p in procs:
-            try:
-                p.wait(timeout=max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                p.kill()
-        for p in procs:
-            try:
-                p.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                pass
-        for p in self._procs:
-            for stream in (p.stdin, p.stdout, p.stderr):
-                if stream is not None:
-                    try:
-                        stream.close()
-                    except OSError:
-                        pass
+        _stop_processes(self._procs, self.grace_s)
 
     def _stop_switch(self) -> None:
         sw = self._switch
@@ -850,53 +827,7 @@ class WanLab:
         for a, b in pairs:
             self._check_host(a)
             self._check_host(b)
-        if nbytes is None:
-            nbytes = max(4_000_000, int((self.rate_mbit or 400.0) * 1e6 / 8 * 2.0))
-        helper = [sys.executable, "-I", _THIS_FILE]
-        servers: list[subprocess.Popen[Any]] = []
-        clients: list[subprocess.Popen[Any]] = []
-        try:
-            for a, b in pairs:
-                srv = self.popen(b, [*helper, "_probe_server", "--timeout", str(timeout)],
-                                 stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-                servers.append(srv)
-            ports = []
-            for srv in servers:
-                line = srv.stdout.readline() if srv.stdout else ""
-                if not line.strip().isdigit():
-                    err = srv.communicate(timeout=5)[1] if srv.poll() is not None else ""
-                    raise WanError(f"measurement server did not start: {(err or line).strip()[-2000:]}")
-                ports.append(int(line))
-            for (a, b), port in zip(pairs, ports):
-                clients.append(self.popen(a, [*helper, "_probe_client", self.address(b), str(port), str(nbytes),
-                                              str(pings), "--timeout", str(timeout)],
-                                          stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                          text=True))
-            results = []
-            for (a, b), cli in zip(pairs, clients):
-                try:
-                    out, err = cli.communicate(timeout=timeout + 10)
-                except subprocess.TimeoutExpired:
-                    cli.kill()
-                    out, err = cli.communicate()
-                if cli.returncode != 0:
-                    raise WanError(f"measurement {a} -> {b} failed (exit {cli.returncode}): {err.strip()[-2000:]}")
-                d = json.loads(out.strip().splitlines()[-1])
-                results.append(LinkMeasurement(src=a, dst=b, **d))
-            for srv in servers:
-                try:
-                    srv.communicate(timeout=10)
-                except subprocess.TimeoutExpired:
-                    srv.kill()
-                    srv.communicate()
-            return results
-        finally:
-            for p in servers + clients:
-                if p.poll() is None:
-                    p.kill()
-                    p.wait()
-                if p in self._procs:
-                    self._procs.remove(p)
+        return _measure(self, pairs, nbytes, pings, timeout)
 
     # ---- faults (tun backend: the forwarder applies them from its next packet on)
 
@@ -988,6 +919,86 @@ class WanLab:
                        f"sends at {cross}, {self.cross_delay_ms:g} ms one way")
         return (f"{self.hosts} hosts in network namespaces, {rate}, {delay}, MTU {self.mtu}, "
                 f"TCP buffers up to {mib:g} MiB{regions}")
+
+
+def _stop_processes(started: Sequence[subprocess.Popen[Any]], grace_s: float) -> None:
+    """SIGTERM those of `started` still running, SIGKILL after `grace_s`, and close every pipe of all of them."""
+    procs = [p for p in started if p.poll() is None]
+    for p in procs:
+        try:
+            p.terminate()
+        except ProcessLookupError:
+            pass
+    deadline = time.monotonic() + grace_s
+    for p in procs:
+        try:
+            p.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+    for p in procs:
+        try:
+            p.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            pass
+    for p in started:
+        for stream in (p.stdin, p.stdout, p.stderr):
+            if stream is not None:
+                try:
+                    stream.close()
+                except OSError:
+                    pass
+
+
+def _measure(lab: WanLab, pairs: Sequence[tuple[int, int]], nbytes: int | None, pings: int,
+             timeout: float) -> list[LinkMeasurement]:
+    """`WanLab.measure_concurrent`: a probe server on each pair's destination, its client on the source, all at once."""
+    if nbytes is None:
+        nbytes = max(4_000_000, int((lab.rate_mbit or 400.0) * 1e6 / 8 * 2.0))
+    helper = [sys.executable, "-I", _THIS_FILE]
+    servers: list[subprocess.Popen[Any]] = []
+    clients: list[subprocess.Popen[Any]] = []
+    try:
+        for a, b in pairs:
+            srv = lab.popen(b, [*helper, "_probe_server", "--timeout", str(timeout)],
+                            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            servers.append(srv)
+        ports = []
+        for srv in servers:
+            line = srv.stdout.readline() if srv.stdout else ""
+            if not line.strip().isdigit():
+                err = srv.communicate(timeout=5)[1] if srv.poll() is not None else ""
+                raise WanError(f"measurement server did not start: {(err or line).strip()[-2000:]}")
+            ports.append(int(line))
+        for (a, b), port in zip(pairs, ports):
+            clients.append(lab.popen(a, [*helper, "_probe_client", lab.address(b), str(port), str(nbytes),
+                                         str(pings), "--timeout", str(timeout)],
+                                     stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                     text=True))
+        results = []
+        for (a, b), cli in zip(pairs, clients):
+            try:
+                out, err = cli.communicate(timeout=timeout + 10)
+            except subprocess.TimeoutExpired:
+                cli.kill()
+                out, err = cli.communicate()
+            if cli.returncode != 0:
+                raise WanError(f"measurement {a} -> {b} failed (exit {cli.returncode}): {err.strip()[-2000:]}")
+            d = json.loads(out.strip().splitlines()[-1])
+            results.append(LinkMeasurement(src=a, dst=b, **d))
+        for srv in servers:
+            try:
+                srv.communicate(timeout=10)
+            except subprocess.TimeoutExpired:
+                srv.kill()
+                srv.communicate()
+        return results
+    finally:
+        for p in servers + clients:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+            if p in lab._procs:
+                lab._procs.remove(p)
 
 
 # -------------------------------------------------------------------------------------------- CLI
