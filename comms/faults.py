@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 from typing import TYPE_CHECKING, Callable
 
 from diloco.compression.errors import ConfigError
@@ -60,6 +61,36 @@ class Faults:
 
 NO_FAULTS = Faults()
 
+CLOCK_STEP_FILE = "DILOCO_CLOCK_STEP_FILE"
+"""A file whose number is how many seconds this process's wall clock reads ahead (negative: behind): `step_clock`."""
+_REAL_TIME = time.time
+
+
+def step_clock(path: str) -> None:
+    """From now on this process's wall clock (`time.time`, whatever reads it: the swarm's directory, signed calls,
+    records, logs) reads the number of seconds in the file at `path` ahead of the machine's, as after an NTP step or
+    a VM resumed from a snapshot; a missing or unreadable file is 0. The file is read again at most every 0.2 s, so
+    a chaos run steps the clock of a running peer by writing it. The monotonic clock is not touched (no step moves
+    it)."""
+    read_at, offset = -1.0, 0.0
+
+    def now() -> float:
+        nonlocal read_at, offset
+        t = time.monotonic()
+        if t - read_at > 0.2:
+            read_at = t
+            try:
+                with open(path) as f:
+                    offset = float(f.read().strip() or 0.0)
+            except (OSError, ValueError):
+                offset = 0.0
+        return _REAL_TIME() + offset
+
+    time.time = now
+    from .clock import use_in_hivemind
+
+    use_in_hivemind(now)  # hivemind bound the machine's clock at import: it reads this one too
+
 
 class FaultPlan(Faults):
     """A plan of kills and poisoning (the module's docstring has the format)."""
@@ -84,8 +115,10 @@ class FaultPlan(Faults):
 
     @classmethod
     def from_env(cls) -> Faults:
-        """The plan in DILOCO_FAULTS, or `NO_FAULTS` when it is unset or empty. For entry points only.
-        Raises ValueError on a malformed plan."""
+        """The plan in DILOCO_FAULTS, or `NO_FAULTS` when it is unset or empty; and DILOCO_CLOCK_STEP_FILE's
+        stepped wall clock (`step_clock`). For entry points only. Raises ValueError on a malformed plan."""
+        if os.environ.get(CLOCK_STEP_FILE):
+            step_clock(os.environ[CLOCK_STEP_FILE])
         spec = os.environ.get("DILOCO_FAULTS", "")
         return cls(spec) if spec.strip() else NO_FAULTS
 

@@ -6,7 +6,9 @@ and its wall clock. The callee answers with its own and whether they match; a mi
 first differing field, so `diloco join` can exit at once saying what to fix instead of training
 into rejected frames. The caller also compares clocks (`clock_offset`): the swarm's directory
 records expire by wall clock, so a peer whose clock is off by about `heartbeat_ttl` would be
-invisible to the others (and they to it) without any error; such a peer is refused at once.
+invisible to the others (and they to it) without any error. The offset becomes the joiner's first
+sample of the swarm's time (`comms.clock`), which its directory reads from then on; a clock more
+than `MAX_CLOCK_SKEW` off is refused at once.
 The call is authenticated with the swarm key (the secret, not the run), so a peer with the right
 secret and the wrong run id learns that the run id differs; a peer without the secret learns
 nothing (`auth.py`).
@@ -57,8 +59,8 @@ class ClockSkew(HandshakeError):
         self.field = "clock"
         RuntimeError.__init__(self, (
             f"handshake with {peer} failed: its clock is {abs(offset):.1f} s {'ahead of' if offset > 0 else 'behind'} "
-            f"this machine's (±{bound:.2f} s); peers must agree within {limit:.0f} s, since the swarm's directory "
-            f"records expire by wall clock; {FIX['clock']}"))
+            f"this machine's (±{bound:.2f} s); a joining peer's clock must be within {limit:.0f} s of the swarm's "
+            f"(the directory's records expire by wall clock); {FIX['clock']}"))
 
 
 def hello(run_id: str, schema: str, now: float | None = None) -> dict[str, Any]:
@@ -73,11 +75,10 @@ def clock_offset(sent: float, received: float, theirs: float) -> tuple[float, fl
     return theirs - (sent + received) / 2, max(0.0, received - sent) / 2
 
 
-def max_clock_skew(heartbeat_ttl: float) -> float:
-    """How far two peers' clocks may be apart: a record stored for `heartbeat_ttl` seconds (by the
-    writer's clock) must stay visible for most of that time by the reader's, and the DHT's signed
-    requests allow 300 s."""
-    return min(heartbeat_ttl / 2, 150.0)
+MAX_CLOCK_SKEW = 300.0
+"""Seconds a joining peer's clock may be off the swarm's: within it, the joiner reads the swarm's time from then on
+(`comms.clock`: the handshake's offset is its first sample); beyond it, the machine's clock is wrong, not stepped,
+and the join is refused (the DHT's signed requests allow 300 s until the joiner has adopted the swarm's time)."""
 
 
 def pack(fields: dict[str, Any]) -> bytes:

@@ -16,6 +16,7 @@ from typing import Callable
 from diloco.comms import Collective, PeerId, Transport
 from diloco.comms import hello as hs
 from diloco.comms.auth import HELLO, AuthRefused, new_secret
+from diloco.comms.clock import SWARM_CLOCK, use_in_hivemind
 from diloco.comms.dataplane import DataConfig, DirectTransport
 from diloco.comms.faults import NO_FAULTS, Faults
 from diloco.comms.hello import HandshakeError
@@ -129,11 +130,13 @@ def _open(cfg: SwarmConfig, initial: list[str], host: str, port: int,
             reaper.watch_file(path)
         p2p.guard = cfg.guard(p2p.peer_id)
         transport: Transport = p2p
+        use_in_hivemind(SWARM_CLOCK.now)  # the directory reads the swarm's time (comms.clock)
         try:
             for addr in initial:  # before the DHT: a peer that must not join learns why at once
                 await hello(p2p, peer_of(addr), cfg, "")
             directory = await asyncio.wait_for(DHTDirectory.create(
-                p2p.p2p, cfg.run_id, initial, authorizer=HmacAuthorizer(cfg.secret or "", cfg.run_id),
+                p2p.p2p, cfg.run_id, initial,
+                authorizer=HmacAuthorizer(cfg.secret or "", cfg.run_id, clock=SWARM_CLOCK),
                 identity=identity, allow=frozenset(cfg.allow_peers) or None), 30)
             addresses = await p2p.visible_addresses()
             if cfg.data_port is not None:
@@ -174,14 +177,14 @@ def _open(cfg: SwarmConfig, initial: list[str], host: str, port: int,
 async def hello(transport: Transport, peer: PeerId, cfg: SwarmConfig, schema: str) -> None:
     """One handshake with `peer`; raises HandshakeError on a mismatch or a refusal of our credential,
     TransportError when the peer cannot be reached."""
-    ours = hs.hello(cfg.run_id, schema)
-    sent = time.time()
+    ours = hs.hello(cfg.run_id, schema, SWARM_CLOCK.now())
+    sent = SWARM_CLOCK.raw()
     try:
         reply = await transport.call(peer, HELLO, hs.pack(ours), min(cfg.round.call_timeout, 10.0))
     except AuthRefused as e:
         raise HandshakeError("secret" if e.reason == "unauthorized" else "allowlist", "(hidden)", "(hidden)",
                              peer) from None
-    received = time.time()
+    received = SWARM_CLOCK.raw()
     try:
         theirs = hs.unpack(reply)
     except ValueError as e:
@@ -190,11 +193,11 @@ async def hello(transport: Transport, peer: PeerId, cfg: SwarmConfig, schema: st
     if field:
         field = field if field in hs.FIELDS else "protocol"
         raise HandshakeError(field, ours[field], theirs[field], peer)
-    if theirs.get("time") is not None:
+    if theirs.get("time") is not None:  # their swarm time against this machine's clock
         offset, bound = hs.clock_offset(sent, received, float(theirs["time"]))
-        limit = hs.max_clock_skew(cfg.heartbeat_ttl)
-        if abs(offset) - bound > limit:
-            raise hs.ClockSkew(offset, bound, limit, peer)
+        if abs(offset) - bound > hs.MAX_CLOCK_SKEW:
+            raise hs.ClockSkew(offset, bound, hs.MAX_CLOCK_SKEW, peer)
+        SWARM_CLOCK.record(f"hello/{peer}".encode(), offset, provisional=True)  # until DHT requests tell
 
 
 async def handshake(transport: Transport, peers: list[PeerId], cfg: SwarmConfig, schema: str) -> None:
@@ -208,7 +211,7 @@ async def handshake(transport: Transport, peers: list[PeerId], cfg: SwarmConfig,
 
 async def on_hello(run_id: str, collective: Collective, caller: PeerId, data: bytes) -> bytes:
     """Answer a peer's `hello`: ours, and the first field that differs from its (counted and logged as a refusal)."""
-    ours = hs.hello(run_id, collective.schema)
+    ours = hs.hello(run_id, collective.schema, SWARM_CLOCK.now())
     try:
         field = hs.mismatch(ours, hs.unpack(data))
     except ValueError as e:

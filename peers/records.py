@@ -249,6 +249,8 @@ class DHTDirectory:
         self.key = f"diloco/{run_id}/peers"
         self.records = records if records is not None else SignedRecords(None)
         self.dropped: Counter[str] = self.records.rejected
+        self._expiration = 0.0
+        """Of the last record we published (`publish`)."""
         me = self.records.identity
         self.allow = None if allow is None else allow | ({me.peer_id} if me is not None else set())
 
@@ -276,9 +278,15 @@ class DHTDirectory:
         return cls(node, run_id, records, allow, introducer)
 
     async def publish(self, record: PeerRecord, ttl: float) -> None:
+        """Store our record for `ttl` seconds of the swarm's time. Its expiration is also its version (a node keeps
+        the entry that expires last), so it never goes back: after our clock stepped ahead and back (`comms.clock`:
+        the records of that moment expire late), a record expires just after the last one, or it would be ignored
+        until then, and the others would read our state of that moment."""
         from hivemind.utils import get_dht_time
 
-        await self.node.store(self.key, record.to_wire(), get_dht_time() + ttl, subkey=record.peer)
+        expiration = max(get_dht_time() + ttl, self._expiration + 1e-3)
+        self._expiration = expiration
+        await self.node.store(self.key, record.to_wire(), expiration, subkey=record.peer)
 
     async def read(self) -> list[PeerRecord]:
         found = await self.node.get(self.key, latest=True)

@@ -332,7 +332,7 @@ def test_p2p_refuses_an_unauthorized_caller_after_the_head_without_reading_its_b
 @pytest.mark.timeout(240)
 def test_cli_join_refused_at_handshake_exits_nonzero_naming_the_field(tmp_path, monkeypatch):
     """A running `diloco start`; `diloco join` with a wrong secret, run id or model, or from a machine
-    whose clock is 2 minutes off, exits 1 naming the field (and the secret is never printed); without
+    whose clock is 400 s off (beyond the 300 s a joiner may be off and adopt the swarm's time), exits 1 naming the field (and the secret is never printed); without
     any secret it exits 2 saying how to pass one.
     The running peer trains on, and counted the refusals."""
     import json
@@ -351,9 +351,9 @@ def test_cli_join_refused_at_handshake_exits_nonzero_naming_the_field(tmp_path, 
             ("secret", [*TINY, "--run-id", "hs-run"], {"DILOCO_SECRET": "w" * 32}, 1, "the swarm secret differs"),
             ("run_id", [*TINY, "--run-id", "hs-other"], {}, 1, "run_id differs"),
             ("schema", [*TINY[:1], "48", *TINY[2:], "--run-id", "hs-run"], {}, 1, "schema differs"),
-            ("clock", [*TINY, "--run-id", "hs-run"], {}, 1, "its clock is "),  # this machine runs 120 s fast
+            ("clock", [*TINY, "--run-id", "hs-run"], {}, 1, "its clock is "),  # this machine runs 400 s fast
         ]
-        skewed = [sys.executable, "-c", "import time; t = time.time; time.time = lambda: t() + 120; "
+        skewed = [sys.executable, "-c", "import time; t = time.time; time.time = lambda: t() + 400; "
                   "from diloco.cli.main import main; main()", *base[3:]]
         seconds = {}
         for name, args, env, code, needle in cases:
@@ -366,9 +366,9 @@ def test_cli_join_refused_at_handshake_exits_nonzero_naming_the_field(tmp_path, 
             seconds[name] = round(time.monotonic() - t0, 1)
             assert proc.returncode == code, (name, proc.stderr[-2000:])
             assert needle in proc.stderr, (name, proc.stderr[-2000:])
-            if name == "clock":  # 120 s, give or take half the handshake's round trip (long on a busy machine)
+            if name == "clock":  # 400 s, give or take half the handshake's round trip (long on a busy machine)
                 said = re.search(r"its clock is ([0-9.]+) s behind", proc.stderr)
-                assert said is not None and abs(float(said.group(1)) - 120) < 5, proc.stderr[-2000:]
+                assert said is not None and abs(float(said.group(1)) - 400) < 5, proc.stderr[-2000:]
             assert group.secret not in proc.stdout + proc.stderr and "w" * 32 not in proc.stderr
         print("seconds from launch to exit:", json.dumps(seconds))
         # no secret at all: refused before any network I/O (the real command, in this process: `cli_util.invoke`)
@@ -435,10 +435,9 @@ def test_the_clock_offset_is_bounded_by_the_round_trip_and_a_skewed_peer_is_name
     # their clock read 1000.0 while ours went from 900.0 to 900.4: they are 99.8 s ahead, ± 0.2 s
     assert hs.clock_offset(900.0, 900.4, 1000.0) == pytest.approx((99.8, 0.2))
     assert hs.clock_offset(900.0, 900.0, 880.0) == (-20.0, 0.0)
-    assert hs.max_clock_skew(30.0) == 15.0 and hs.max_clock_skew(3600.0) == 150.0  # DHT signing allows 300 s
-    err = hs.ClockSkew(-20.0, 0.05, 15.0, "12D3KooWpeer")
+    err = hs.ClockSkew(-400.0, 0.05, hs.MAX_CLOCK_SKEW, "12D3KooWpeer")
     assert err.field == "clock" and isinstance(err, hs.HandshakeError)
-    assert "its clock is 20.0 s behind this machine's (±0.05 s); peers must agree within 15 s" in str(err)
+    assert "its clock is 400.0 s behind this machine's (±0.05 s); a joining peer's clock must be within 300 s" in str(err)
     assert "NTP" in str(err)
 
 

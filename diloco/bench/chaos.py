@@ -12,7 +12,10 @@ injector seeded with `seed` picks a fault about every `every` seconds (`plan`) a
 - `join`: a new worker (a new identity) joins the swarm;
 - `readonly`: a worker's checkpoint directory becomes read-only (a read-only bind mount over it, in the
   worker's mount namespace) for `outage_seconds`; `full`: it fills up (a tmpfs holding a copy of what is there,
-  with a few KiB to spare) for as long.
+  with a few KiB to spare) for as long;
+- `clock`: a worker's wall clock steps `CLOCK_STEP` seconds ahead or behind (as an NTP correction or a VM resumed
+  from a snapshot steps it) for `outage_seconds`, then steps back (its process reads the step from a file:
+  `comms.faults.step_clock`).
 
 With `wan` every worker runs on a host of its own in a WAN lab (diloco.bench.wan, TUN backend: `rate_mbit` per
 host link, `delay_ms` one way), and four more kinds apply to the links:
@@ -63,6 +66,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
+from ..comms.faults import CLOCK_STEP_FILE
 from ..metrics import read_jsonl
 from .wan import WanLab
 
@@ -70,7 +74,9 @@ LINK_KINDS = ("partition", "flap", "lossy", "slow")
 """Faults of the links: they need the WAN lab (`wan`)."""
 DISK_KINDS = ("readonly", "full")
 """Faults of a checkpoint directory: they need root (mounts)."""
-KINDS = ("kill", "stop", "leave", "join", *DISK_KINDS, *LINK_KINDS)
+CLOCK_STEP = 30.0
+"""Seconds a `clock` fault steps a worker's wall clock by (ahead or behind)."""
+KINDS = ("kill", "stop", "leave", "join", "clock", *DISK_KINDS, *LINK_KINDS)
 REGION_KINDS = ("repkill",)
 """Faults of a region's representative: they need `regions`."""
 DEFAULT_KINDS = ("kill", "stop")
@@ -150,7 +156,7 @@ def plan(setup: ChaosSetup) -> list[Fault]:
             faults.append(Fault(at, kind, pick, rng.uniform(*setup.stop_seconds)))
         elif kind == "flap":
             faults.append(Fault(at, kind, pick, rng.uniform(1.0, 3.0)))
-        elif kind in ("partition", "lossy", "slow", *DISK_KINDS):
+        elif kind in ("partition", "lossy", "slow", "clock", *DISK_KINDS):
             faults.append(Fault(at, kind, pick, rng.uniform(*setup.outage_seconds), rng.random()))
         else:
             faults.append(Fault(at, kind, pick))
@@ -443,7 +449,8 @@ class _Swarm:
         self.path(i, "addr").unlink(missing_ok=True)
         log = open(self.path(i, "log"), "ab")
         self.logs.append(log)
-        kw: dict[str, Any] = dict(stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=self.env)
+        env = {**self.env, CLOCK_STEP_FILE: str(self.path(i, "clock"))} if "clock" in self.setup.kinds else self.env
+        kw: dict[str, Any] = dict(stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
         proc = self.lab.popen(i, cmd, **kw) if self.lab is not None else subprocess.Popen(cmd, **kw)
         deadline = time.monotonic() + 120
         while wait and not self.path(i, "addr").exists():  # the first worker: the others join its address
@@ -609,6 +616,19 @@ class _Swarm:
 
         self.later(fault.seconds, undo)
 
+    def _clock_fault(self, fault: Fault, hit: Hit, w: _Worker) -> None:
+        """Step worker `w`'s wall clock for `fault.seconds` (ahead when `amount` >= 0.5, else behind), then back."""
+        step = CLOCK_STEP if fault.amount >= 0.5 else -CLOCK_STEP
+        clock = self.path(w.index, "clock")
+        clock.write_text(f"{step}\n")
+        hit.detail = f"clock {step:+.0f} s for {fault.seconds:.0f} s"
+
+        def undo() -> None:
+            clock.write_text("0\n")
+            hit.ended = time.time()
+
+        self.later(fault.seconds, undo)
+
     def apply(self, fault: Fault, hit: Hit) -> None:
         """Apply `fault` (its target among the workers it can hit now); `hit` records what happened."""
         now = time.monotonic()
@@ -638,6 +658,9 @@ class _Swarm:
         hit.worker = w.index
         if fault.kind in DISK_KINDS:
             self._disk_fault(fault, hit, w)
+            return
+        if fault.kind == "clock":
+            self._clock_fault(fault, hit, w)
             return
         if fault.kind == "kill":
             self._kill(w, hit, now)

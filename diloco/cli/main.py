@@ -999,8 +999,9 @@ def bench_chaos_cmd(
     seed: int = typer.Option(_CHAOS.seed, help="Seed of the fault plan (kinds, targets, times, durations)."),
     faults: str = typer.Option(",".join(_CHAOS.kinds), help="Kinds of faults, comma-separated: kill (SIGKILL, "
                                "restarted from its checkpoint under the same identity), stop (SIGSTOP for a while), "
-                               "leave (Ctrl-C, for good), join (a new worker), readonly and full (the checkpoint "
-                               "directory; root), with --wan: partition (a minority cut off), flap, lossy, slow "
+                               "leave (Ctrl-C, for good), join (a new worker), clock (a worker's wall clock steps 30 s "
+                               "ahead or behind for a while), readonly and full (the checkpoint directory; root), "
+                               "with --wan: partition (a minority cut off), flap, lossy, slow "
                                "(a worker's link), and with --regions: repkill (the next representative to merge, "
                                "right after its merge)."),
     restart_after: float = typer.Option(_CHAOS.restart_after, help="Seconds a killed worker stays down."),
