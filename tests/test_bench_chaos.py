@@ -37,7 +37,7 @@ def test_outages_draw_a_length_and_a_severity_and_old_seeds_keep_their_plans():
     setup = ChaosSetup(seconds=900, every=5, seed=5, kinds=KINDS, outage_seconds=(5.0, 30.0))
     faults = plan(setup)
     assert {f.kind for f in faults} == set(KINDS)
-    outages = [f for f in faults if f.kind in ("partition", "lossy", "slow", "readonly", "full")]
+    outages = [f for f in faults if f.kind in ("partition", "lossy", "slow", "clock", "readonly", "full")]
     assert all(5 <= f.seconds <= 30 and 0 <= f.amount < 1 for f in outages)
     assert all(1 <= f.seconds <= 3 for f in faults if f.kind == "flap")
     assert all(f.seconds == 0 and f.amount == 0 for f in faults if f.kind in ("kill", "leave", "join"))

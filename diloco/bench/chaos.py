@@ -409,6 +409,8 @@ class _Swarm:
         """The fault each worker is under (killed or stopped), until it is back."""
         self.armed: list[tuple[Hit, float]] = []
         """`repkill` faults waiting for a merge, first armed first: (hit, until when (monotonic))."""
+        self.stepped: set[int] = set()
+        """Workers whose clock a `clock` fault has stepped, until it steps back."""
         self.log_read: dict[int, int] = {}
         """How far each worker's log has been read for merges (while a `repkill` waits): each merge fires one."""
 
@@ -621,10 +623,12 @@ class _Swarm:
         step = CLOCK_STEP if fault.amount >= 0.5 else -CLOCK_STEP
         clock = self.path(w.index, "clock")
         clock.write_text(f"{step}\n")
+        self.stepped.add(w.index)
         hit.detail = f"clock {step:+.0f} s for {fault.seconds:.0f} s"
 
         def undo() -> None:
             clock.write_text("0\n")
+            self.stepped.discard(w.index)
             hit.ended = time.time()
 
         self.later(fault.seconds, undo)
@@ -648,6 +652,11 @@ class _Swarm:
         if fault.kind in LINK_KINDS:
             self._link_fault(fault, hit, up)
             return
+        if fault.kind == "clock":  # a clock already stepped is not stepped again (its end would end both)
+            up = [w for w in up if w.index not in self.stepped]
+            if not up:
+                hit.skipped, hit.detail = True, "every worker up has its clock stepped already"
+                return
         if fault.kind == "repkill":  # at the next merge (`tick`): merges from now on count
             if not self.armed:
                 self.log_read = {w.index: self._log_size(w.index) for w in self.workers}
