@@ -89,9 +89,10 @@ class SwarmClock:
         offset = swarm_offset(self.offset, [o for o, _ in self._samples.values()], self.deadband,
                               joining=not self._settled)
         if abs(offset - self.offset) > self.deadband:
-            log.warning("event=swarm_clock offset=%.1f peers=%d reason=this machine's wall clock reads %.1f s %s the "
-                        "swarm's (it stepped?); the directory now reads the swarm's time", offset,
-                        len(self._samples), abs(offset), "behind" if offset > 0 else "ahead of")
+            how = (f"reads {abs(offset):.1f} s {'behind' if offset > 0 else 'ahead of'} the swarm's (it stepped?); the "
+                   "directory reads the swarm's time" if abs(offset) > self.deadband else "agrees with the swarm's again")
+            log.warning("event=swarm_clock offset=%.1f peers=%d reason=this machine's wall clock %s", offset,
+                        len(self._samples), how)
         self.offset = offset
 
 

@@ -29,6 +29,8 @@ from collections import Counter, deque
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Protocol, Sequence, runtime_checkable
 
+from .comms.clock import SWARM_CLOCK
+
 if TYPE_CHECKING:
     from .sinks import Sink, SinkConfig
 
@@ -76,7 +78,7 @@ class MetricsWriter:
     def write(self, event: str, **fields: Any) -> None:
         """Append one line and hand the event to each sink (a failure is counted and logged once: see the
         module's failure semantics); a line with a field still being computed is written once it is there."""
-        stamped = {"event": event, "time": round(time.time(), 3), **fields}
+        stamped = {"event": event, "time": round(SWARM_CLOCK.now(), 3), **fields}  # one timeline for all peers
         with self._lock:
             self._waiting.append(stamped)
             self._drain(wait=False)
