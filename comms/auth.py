@@ -45,7 +45,6 @@ from typing import Any, Awaitable, Callable
 
 from diloco.compression.errors import ConfigError, DiLoCoError
 
-from .clock import SwarmClock
 from .streamgate import StreamGate
 from .tarpit import Tarpit
 from .transport import PeerId, TransportError
@@ -306,11 +305,9 @@ class HmacAuthorizer:
     without the swarm secret gets no answers, and its requests are ignored. Requests carry a time and a
     random nonce; a request older than `max_age` seconds or seen before is refused."""
 
-    def __init__(self, secret: str, run_id: str, max_age: float = 300.0, clock: SwarmClock | None = None) -> None:
+    def __init__(self, secret: str, run_id: str, max_age: float = 300.0) -> None:
         from hivemind.utils.timed_storage import TimedStorage
 
-        self.clock = clock
-        """Told the time each authentic request was sent at, by its sender's swarm clock (`comms.clock`)."""
         self._key = derive(check_secret(secret), f"dht/{run_id}")
         self.max_age = max_age
         self._nonces: Any = TimedStorage()
@@ -347,9 +344,6 @@ class HmacAuthorizer:
         if abs(request.auth.time - now) > self.max_age or request.auth.nonce in self._nonces:
             self.refused["replay"] += 1
             return False
-        node = getattr(getattr(request, "peer", None), "node_id", b"")
-        if self.clock is not None and node:
-            self.clock.observe(bytes(node), request.auth.time)
         self._nonces.store(request.auth.nonce, None, now + 3 * self.max_age)
         return True
 

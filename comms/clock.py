@@ -1,99 +1,88 @@
-"""The swarm's clock: the wall clock this process's directory and signed DHT calls read.
+"""The swarm's clock: the wall clock this process's directory, signed DHT calls and metrics lines read.
 
 The swarm's directory (hivemind's DHT) keeps a record until its expiration, a wall-clock time set by its writer and
 checked by every node that stores or reads it; a signed DHT request carries its sender's time. Two peers whose
 clocks disagree by more than a record's lifetime (`heartbeat_ttl`, 30 s) cannot see each other: a peer whose clock
-reads 30 s behind publishes records that every other node holds expired on arrival, one 30 s ahead holds everyone
-else's expired. A clock can step while a peer trains (an NTP correction, a VM resumed from a snapshot, a laptop
-waking up), or be off when it joins.
+reads 30 s ahead holds every other record expired and sees nobody, while the others still read its last record and
+wait for it (the swarm stands still); one 30 s behind publishes records that expire on arrival. A clock can step
+while a peer trains (an NTP correction, a VM resumed from a snapshot), or be off when it joins.
 
-So the time the directory reads is the swarm's: this machine's clock plus `SwarmClock.offset`, the median of the
-swarm times this peer reads (its own, and the others' that their signed DHT requests carry), taken when it moves by
-more than `DEADBAND` seconds; a joining peer takes the time of the peers it shakes hands with. A peer whose clock stepped reads the others' clocks and follows them; the others,
-the majority, keep theirs. `use_in_hivemind` makes hivemind's DHT read it (hivemind reads `get_dht_time`, bound by
-name in several of its modules).
+So the time this process reads is its own timeline, not the machine's wall clock as it stands:
+- a step of the wall clock is seen locally and undone: the wall clock against `CLOCK_BOOTTIME` (which no step moves,
+  and which counts a suspend as the wall clock does) jumps by more than `DEADBAND` seconds, and `SwarmClock.offset`
+  takes the jump back, at the next read, whatever its size and whoever else is up;
+- a joining peer takes the time of the peers it shakes hands with (`adopt`: the median of their clocks against ours,
+  each measured over the handshake's round trip), when it is off by more than `DEADBAND`.
+No peer's time moves because of another's afterwards: network delays cannot drag it. `use_in_hivemind` makes
+hivemind's DHT read it (hivemind reads `get_dht_time`, bound by name in several of its modules).
 """
 
 from __future__ import annotations
 
 import importlib
 import logging
+import statistics
 import sys
+import threading
 import time
 from typing import Callable
 
 log = logging.getLogger(__name__)
 
 DEADBAND = 2.0
-"""Seconds of disagreement left alone: the delays of a sample (a request's way and queue) stay below it, and a record
-that lives 30 s does not notice it."""
-WINDOW = 60.0
-"""Seconds a sample counts: a peer not heard from for longer (gone, or cut off) no longer moves our clock."""
+"""Seconds of disagreement left alone: a step smaller than this, or a joiner this close to the swarm, is not worth a
+correction (a record that lives 30 s does not notice it)."""
 
 
-def swarm_offset(current: float, samples: list[float], deadband: float = DEADBAND, joining: bool = False) -> float:
-    """The offset to add to our clock so it reads the swarm's, from the one we add now (`current`: our vote) and the
-    other peers' swarm clocks against ours (`samples`: their swarm time − our clock): the lower median of them all,
-    kept at `current` when within `deadband` of it. A minority of peers whose clocks stepped moves nobody else's;
-    with one other peer, the one whose clock stepped ahead follows the other, and one stepped behind is followed
-    (both then read one time, which is what the directory needs). `joining`: we have no time of the swarm's yet
-    and take the others' (the handshakes' samples) without a vote."""
-    values = sorted(samples if joining and samples else [current, *samples])
-    median = values[(len(values) - 1) // 2]
-    return median if abs(median - current) > deadband else current
+def _boottime() -> float:
+    return time.clock_gettime(time.CLOCK_BOOTTIME)
 
 
 class SwarmClock:
-    """Offsets measured to the other peers, and the swarm's time from them (see the module docstring)."""
+    """This process's timeline (see the module docstring): the wall clock, its steps taken back, plus what a join
+    adopted."""
 
-    def __init__(self, raw: Callable[[], float] | None = None, window: float = WINDOW,
+    def __init__(self, raw: Callable[[], float] | None = None, boot: Callable[[], float] = _boottime,
                  deadband: float = DEADBAND) -> None:
-        self._raw = raw
-        self.window, self.deadband = window, deadband
-        self._samples: dict[bytes, tuple[float, float]] = {}
-        """By source: (its offset, until when it counts (monotonic))."""
-        self._provisional: set[bytes] = set()
-        self._settled = False
-        """A sample that is not provisional arrived: provisional ones no longer count."""
+        self._raw, self._boot, self.deadband = raw, boot, deadband
+        self._lock = threading.Lock()
+        self._base: float | None = None
+        """The wall clock minus the boot clock when last read: a step moves it at once."""
         self.offset = 0.0
-        """Seconds added to this machine's clock: the swarm's time minus ours."""
+        """Seconds added to this machine's wall clock: the swarm's time minus it."""
 
     def raw(self) -> float:
         """This machine's wall clock (read each time: a stepped clock is seen at once)."""
         return self._raw() if self._raw is not None else time.time()
 
     def now(self) -> float:
-        """The swarm's time."""
-        return self.raw() + self.offset
+        """The swarm's time (a step of the wall clock since the last read is taken back here)."""
+        with self._lock:
+            raw = self.raw()
+            base = raw - self._boot()
+            step = 0.0 if self._base is None else base - self._base
+            self._base = base  # what moves it slowly (NTP's slewing) is the clock's own; a jump is a step
+            if abs(step) > self.deadband:
+                self.offset -= step
+                log.warning("event=swarm_clock step=%+.1f offset=%.1f reason=this machine's wall clock stepped %.1f s "
+                            "%s; this peer keeps the swarm's time", step, self.offset, abs(step),
+                            "ahead" if step > 0 else "back")
+            return raw + self.offset
 
-    def observe(self, source: bytes, theirs: float) -> None:
-        """`source` (a DHT node) read `theirs` on its swarm clock when it sent what arrives now."""
-        self.record(source, theirs - self.raw())
-
-    def record(self, source: bytes, offset: float, provisional: bool = False) -> None:
-        """`source`'s swarm clock reads `offset` seconds ahead of this machine's (behind when negative). A
-        `provisional` sample (the join handshake's, before any DHT request arrived) counts until the first sample
-        that is not: the same peer's requests then speak for it, and must not be counted twice."""
-        mono = time.monotonic()
-        if provisional and self._settled:
-            return  # DHT requests arrive already: they tell
-        if provisional:
-            self._provisional.add(source)
-        elif not self._settled:
-            self._settled = True
-            for key in self._provisional:
-                self._samples.pop(key, None)
-        self._samples[source] = (offset, mono + self.window)
-        for key in [k for k, (_, until) in self._samples.items() if mono > until]:
-            del self._samples[key]
-        offset = swarm_offset(self.offset, [o for o, _ in self._samples.values()], self.deadband,
-                              joining=not self._settled)
-        if abs(offset - self.offset) > self.deadband:
-            how = (f"reads {abs(offset):.1f} s {'behind' if offset > 0 else 'ahead of'} the swarm's (it stepped?); the "
-                   "directory reads the swarm's time" if abs(offset) > self.deadband else "agrees with the swarm's again")
-            log.warning("event=swarm_clock offset=%.1f peers=%d reason=this machine's wall clock %s", offset,
-                        len(self._samples), how)
-        self.offset = offset
+    def adopt(self, offsets: list[float]) -> None:
+        """Joining: the swarm's clocks read `offsets` seconds ahead of this machine's (each peer we shook hands with,
+        measured against our wall clock): take their median, when it is more than `DEADBAND` from ours."""
+        if not offsets:
+            return
+        self.now()  # a step before this is taken back first
+        median = statistics.median_low(offsets)
+        with self._lock:
+            if abs(median - self.offset) <= self.deadband:
+                return
+            self.offset = median
+        log.warning("event=swarm_clock offset=%.1f peers=%d reason=this machine's wall clock reads %.1f s %s the "
+                    "swarm's; this peer reads the swarm's time", median, len(offsets), abs(median),
+                    "behind" if median > 0 else "ahead of")
 
 
 SWARM_CLOCK = SwarmClock()

@@ -132,11 +132,13 @@ def _open(cfg: SwarmConfig, initial: list[str], host: str, port: int,
         transport: Transport = p2p
         use_in_hivemind(SWARM_CLOCK.now)  # the directory reads the swarm's time (comms.clock)
         try:
+            offsets = []
             for addr in initial:  # before the DHT: a peer that must not join learns why at once
-                await hello(p2p, peer_of(addr), cfg, "")
+                offset = await hello(p2p, peer_of(addr), cfg, "")
+                offsets += [] if offset is None else [offset]
+            SWARM_CLOCK.adopt(offsets)  # a joiner whose clock is off takes the swarm's time
             directory = await asyncio.wait_for(DHTDirectory.create(
-                p2p.p2p, cfg.run_id, initial,
-                authorizer=HmacAuthorizer(cfg.secret or "", cfg.run_id, clock=SWARM_CLOCK),
+                p2p.p2p, cfg.run_id, initial, authorizer=HmacAuthorizer(cfg.secret or "", cfg.run_id),
                 identity=identity, allow=frozenset(cfg.allow_peers) or None), 30)
             addresses = await p2p.visible_addresses()
             if cfg.data_port is not None:
@@ -174,9 +176,10 @@ def _open(cfg: SwarmConfig, initial: list[str], host: str, port: int,
 
 
 
-async def hello(transport: Transport, peer: PeerId, cfg: SwarmConfig, schema: str) -> None:
-    """One handshake with `peer`; raises HandshakeError on a mismatch or a refusal of our credential,
-    TransportError when the peer cannot be reached."""
+async def hello(transport: Transport, peer: PeerId, cfg: SwarmConfig, schema: str) -> float | None:
+    """One handshake with `peer`: how far its swarm clock reads ahead of this machine's wall clock (None when it did
+    not say); raises HandshakeError on a mismatch, a refusal of our credential or a clock more than
+    `MAX_CLOCK_SKEW` off, TransportError when the peer cannot be reached."""
     ours = hs.hello(cfg.run_id, schema, SWARM_CLOCK.now())
     sent = SWARM_CLOCK.raw()
     try:
@@ -193,11 +196,12 @@ async def hello(transport: Transport, peer: PeerId, cfg: SwarmConfig, schema: st
     if field:
         field = field if field in hs.FIELDS else "protocol"
         raise HandshakeError(field, ours[field], theirs[field], peer)
-    if theirs.get("time") is not None:  # their swarm time against this machine's clock
-        offset, bound = hs.clock_offset(sent, received, float(theirs["time"]))
-        if abs(offset) - bound > hs.MAX_CLOCK_SKEW:
-            raise hs.ClockSkew(offset, bound, hs.MAX_CLOCK_SKEW, peer)
-        SWARM_CLOCK.record(f"hello/{peer}".encode(), offset, provisional=True)  # until DHT requests tell
+    if theirs.get("time") is None:
+        return None
+    offset, bound = hs.clock_offset(sent, received, float(theirs["time"]))  # their swarm time against our clock
+    if abs(offset) - bound > hs.MAX_CLOCK_SKEW:
+        raise hs.ClockSkew(offset, bound, hs.MAX_CLOCK_SKEW, peer)
+    return offset
 
 
 async def handshake(transport: Transport, peers: list[PeerId], cfg: SwarmConfig, schema: str) -> None:

@@ -17,6 +17,7 @@ import time
 from typing import Any
 
 from diloco.comms import PeerId
+from diloco.comms.clock import SWARM_CLOCK
 from diloco.comms.transport import ByteCounter
 from diloco.peers import Directory, PeerRecord
 from diloco.peers.reach import Missing
@@ -67,7 +68,7 @@ class Presence:
 
     async def publish(self, **fields: Any) -> None:
         """Our record, with `fields` changed and the time of this beat, into the directory (a failure is logged)."""
-        record = self.change(beat=time.time(), **fields)
+        record = self.change(beat=SWARM_CLOCK.now(), **fields)
         try:
             await self.directory.publish(record, self.cfg.heartbeat_ttl)
         except Exception as e:  # noqa: BLE001

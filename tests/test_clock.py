@@ -10,53 +10,39 @@ import time
 
 import pytest
 
-from diloco.comms.clock import SwarmClock, swarm_offset
+from diloco.comms.clock import SwarmClock
 from diloco.comms.faults import CLOCK_STEP_FILE
 from fresh import fresh_python
 from multiproc_util import TINY, Peers
 
 
 @pytest.mark.unit
-def test_the_swarm_offset_is_the_lower_median_of_ours_and_the_others():
-    assert swarm_offset(0.0, []) == 0.0  # alone: our clock
-    assert swarm_offset(0.0, [-30.0, -30.2]) == -30.0  # our clock stepped 30 s ahead: we follow the two others
-    assert swarm_offset(0.0, [0.1, 30.0]) == 0.0  # another peer's clock stepped: ours stays
-    assert swarm_offset(0.0, [-30.0]) == -30.0  # two peers, ours ahead: we follow the other
-    assert swarm_offset(0.0, [30.0]) == 0.0  # two peers, ours behind: the other follows us (one time for both)
-    assert swarm_offset(0.0, [1.5, 1.9]) == 0.0  # within the deadband: the delays of a sample, left alone
-    assert swarm_offset(0.0, [1.5, 1.9], deadband=1.0) == 1.5
-    assert swarm_offset(120.0, [120.3]) == 120.0  # we took the swarm's time: our vote holds it
-    assert swarm_offset(120.0, [-30.0, -30.0]) == -30.0  # and a step of ours is followed as before
-    assert swarm_offset(0.0, [120.0], joining=True) == 120.0  # a joiner takes the swarm's time, whoever is behind
+def test_a_step_of_the_wall_clock_is_taken_back_at_the_next_read():
+    wall, boot = [1000.0], [50.0]
+    clock = SwarmClock(raw=lambda: wall[0], boot=lambda: boot[0])
+    assert clock.now() == 1000.0
+    wall[0], boot[0] = 1031.0, 51.0  # one second later the wall clock reads 30 s ahead
+    assert clock.now() == 1001.0 and clock.offset == -30.0
+    wall[0], boot[0] = 1002.5, 52.5  # and it steps back
+    assert clock.now() == 1002.5 and clock.offset == 0.0
+    wall[0], boot[0] = 1004.0, 53.5  # half a second of drift: within the deadband, left alone
+    assert clock.now() == 1004.0
+    wall[0], boot[0] = 5000.0, 54.0  # a VM resumed from an old snapshot: any size
+    assert clock.now() == pytest.approx(1004.5)
 
 
 @pytest.mark.unit
-@pytest.mark.unit
-def test_the_handshakes_samples_count_until_the_first_dht_request():
-    raw = [1000.0]  # the swarm's time is 880
-    clock = SwarmClock(raw=lambda: raw[0])
-    clock.record(b"hello/a", -120.0, provisional=True)
-    clock.record(b"hello/b", -120.0, provisional=True)
-    assert clock.offset == -120.0  # joined with a clock 120 s fast: the swarm's time from the start
-    raw[0] = 850.0  # then our clock steps back by 150 s, to 30 s slow
-    clock.observe(b"node-a", 880.0)  # the first request says so (the handshakes' samples no longer count)
-    assert clock.offset == -120.0  # one against one: the lower time holds (node-a would follow it)
-    clock.observe(b"node-b", 880.0)
-    assert clock.offset == 30.0
-    clock.record(b"hello/c", -500.0, provisional=True)  # a handshake's after requests arrived: they tell
-    assert clock.offset == 30.0
-
-
-def test_a_clock_follows_fresh_samples_and_forgets_old_ones():
-    raw = [1000.0]
-    clock = SwarmClock(raw=lambda: raw[0], window=0.2)
-    clock.observe(b"a", 970.0)  # a's swarm time read 970 when it sent what we read at 1000
-    clock.observe(b"b", 970.5)
-    assert clock.offset == -30.0 and clock.now() == 970.0  # a's sample alone moves it; b's is within the deadband
-    time.sleep(0.3)
-    clock.observe(b"c", 1000.1)  # a and b not heard from within the window: their samples no longer count
-    clock.observe(b"d", 1000.1)
-    assert clock.offset == pytest.approx(0.1) and clock.now() == pytest.approx(1000.1)
+def test_a_joiner_adopts_the_median_of_the_swarm_clocks_it_shook_hands_with():
+    wall, boot = [1000.0], [50.0]
+    clock = SwarmClock(raw=lambda: wall[0], boot=lambda: boot[0])
+    clock.adopt([1.0, -0.5])  # an NTP-synchronized machine: nothing to take
+    assert clock.offset == 0.0
+    clock.adopt([120.2, 119.8, 119.9])  # joined with its clock 120 s slow
+    assert clock.offset == 119.9 and clock.now() == 1119.9
+    wall[0], boot[0] = 1151.0, 51.0  # then its clock steps to 30 s fast: taken back, the swarm's time kept
+    assert clock.now() == pytest.approx(1120.9)
+    clock.adopt([])
+    assert clock.offset == pytest.approx(-30.1)
 
 
 @pytest.mark.unit
@@ -113,7 +99,8 @@ def test_a_peer_that_joins_with_its_clock_off_and_whose_clock_steps_trains_on_wi
         while not any(r["committed"] and r["peers"] == 3 for r in peers.lines(0, "round")):
             assert time.monotonic() < deadline and procs[2].poll() is None, peers.log(2)
             time.sleep(0.2)
-        step.write_text("30")
+        (tmp_path / "peer2.clock.tmp").write_text("30")  # whole or not at all: the peer reads it any moment
+        os.replace(tmp_path / "peer2.clock.tmp", step)
         stepped_at = time.time()
         for i, p in enumerate(procs):
             assert peers.wait(p, 150) == 0, peers.log(i)

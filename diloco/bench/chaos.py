@@ -391,6 +391,12 @@ class _Worker:
     exits: list[int] = field(default_factory=list)
 
 
+def _replace_text(path: Path, text: str) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
 class _Swarm:
     """The workers' processes: started, faulted, restarted and stopped, each writing its metrics lines; with a
     WAN lab (`lab`), worker i runs on host i."""
@@ -624,12 +630,12 @@ class _Swarm:
         """Step worker `w`'s wall clock for `fault.seconds` (ahead when `amount` >= 0.5, else behind), then back."""
         step = CLOCK_STEP if fault.amount >= 0.5 else -CLOCK_STEP
         clock = self.path(w.index, "clock")
-        clock.write_text(f"{step}\n")
+        _replace_text(clock, f"{step}\n")  # whole or not at all: the worker reads it any moment
         self.stepped.add(w.index)
         hit.detail = f"clock {step:+.0f} s for {fault.seconds:.0f} s"
 
         def undo() -> None:
-            clock.write_text("0\n")
+            _replace_text(clock, "0\n")
             self.stepped.discard(w.index)
             hit.ended = time.time()
 
