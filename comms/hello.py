@@ -6,9 +6,9 @@ and its wall clock. The callee answers with its own and whether they match; a mi
 first differing field, so `diloco join` can exit at once saying what to fix instead of training
 into rejected frames. The caller also compares clocks (`clock_offset`): the swarm's directory
 records expire by wall clock, so a peer whose clock is off by about `heartbeat_ttl` would be
-invisible to the others (and they to it) without any error. The offset becomes the joiner's first
-sample of the swarm's time (`comms.clock`), which its directory reads from then on; a clock more
-than `MAX_CLOCK_SKEW` off is refused at once.
+invisible to the others (and they to it) without any error. A joiner takes the median of these offsets
+as the swarm's time (`comms.clock`), which its directory reads from then on; a clock more than
+`MAX_CLOCK_SKEW` off is refused at once.
 The call is authenticated with the swarm key (the secret, not the run), so a peer with the right
 secret and the wrong run id learns that the run id differs; a peer without the secret learns
 nothing (`auth.py`).
@@ -77,8 +77,8 @@ def clock_offset(sent: float, received: float, theirs: float) -> tuple[float, fl
 
 MAX_CLOCK_SKEW = 300.0
 """Seconds a joining peer's clock may be off the swarm's: within it, the joiner reads the swarm's time from then on
-(`comms.clock`: the handshake's offset is its first sample); beyond it, the machine's clock is wrong, not stepped,
-and the join is refused (the DHT's signed requests allow 300 s until the joiner has adopted the swarm's time)."""
+(`comms.clock.SwarmClock.adopt`); beyond it, the machine's clock is wrong, and the join is refused (the DHT's signed
+requests allow 300 s)."""
 
 
 def pack(fields: dict[str, Any]) -> bytes:
