@@ -27,6 +27,6 @@ from .wrapper import DiLoCo, RoundReport
 
 __version__ = "0.1.0"
 
-__all__ = ["Banned", "CollectiveConfig", "ConfigError", "DiLoCo", "DiLoCoError", "FragmentError", "HandshakeError",
-           "RobustConfig", "RoundReport", "SpecError", "StreamingConfig", "Swarm", "SwarmConfig", "SwarmError", "Usage", "UsageError", "credentials", "nesterov",
-           "__version__"]
+__all__ = ["Banned", "CollectiveConfig", "ConfigError", "DiLoCo", "DiLoCoError", "FragmentError",
+           "HandshakeError", "RobustConfig", "RoundReport", "SpecError", "StreamingConfig", "Swarm", "SwarmConfig",
+           "SwarmError", "Usage", "UsageError", "credentials", "nesterov", "__version__"]

@@ -477,7 +477,8 @@ def job_config(*groups: Group, **more: Any) -> JobConfig:
 
 def flags(values: object, *groups: type[Group]) -> list[str]:
     """The command-line flags that set the options of `groups` to `values`' attributes of the same names
-    (a JobConfig, a SwarmConfig), leaving out those at the option's default: what the options read back.
+    (a JobConfig, a StreamingConfig, or a group's own values: `AggregationOptions.of(swarm_cfg)`), leaving out those
+    at the option's default: what the options read back.
     The demo starts its peers with them."""
     out: list[str] = []
     for group in groups:
