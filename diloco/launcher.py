@@ -189,13 +189,14 @@ class Supervisor:
 
 def terminate(procs: Sequence[subprocess.Popen[Any]], timeout: float = 60.0) -> None:
     """SIGTERM every process of `procs` still running (each leaves its swarm gracefully), then wait up to
-    `timeout` seconds for each and SIGKILL those still there (their reapers take their daemons down)."""
+    `timeout` seconds for them all and SIGKILL those still there (their reapers take their daemons down)."""
     for p in procs:
         if p.poll() is None:
             p.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + timeout
     for p in procs:
         try:
-            p.wait(timeout)
+            p.wait(max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             p.kill()
             p.wait()

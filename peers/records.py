@@ -279,9 +279,9 @@ class DHTDirectory:
 
     async def publish(self, record: PeerRecord, ttl: float) -> None:
         """Store our record for `ttl` seconds of the swarm's time. Its expiration is also its version (a node keeps
-        the entry that expires last), so it never goes back: after our clock stepped ahead and back (`comms.clock`:
-        the records of that moment expire late), a record expires just after the last one, or it would be ignored
-        until then, and the others would read our state of that moment."""
+        the entry that expires last), so it never goes back: after our clock stepped back by less than
+        `comms.clock.DEADBAND` (a step that the swarm's clock leaves alone), a record expires just after the last one,
+        or it would be ignored until then and the others would read our older state."""
         from hivemind.utils import get_dht_time
 
         expiration = max(get_dht_time() + ttl, self._expiration + 1e-3)

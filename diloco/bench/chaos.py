@@ -67,6 +67,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
 from ..comms.faults import CLOCK_STEP_FILE
+from ..lines import write_lines
 from ..metrics import read_jsonl
 from .wan import WanLab
 
@@ -391,12 +392,6 @@ class _Worker:
     exits: list[int] = field(default_factory=list)
 
 
-def _replace_text(path: Path, text: str) -> None:
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-
 class _Swarm:
     """The workers' processes: started, faulted, restarted and stopped, each writing its metrics lines; with a
     WAN lab (`lab`), worker i runs on host i."""
@@ -630,12 +625,12 @@ class _Swarm:
         """Step worker `w`'s wall clock for `fault.seconds` (ahead when `amount` >= 0.5, else behind), then back."""
         step = CLOCK_STEP if fault.amount >= 0.5 else -CLOCK_STEP
         clock = self.path(w.index, "clock")
-        _replace_text(clock, f"{step}\n")  # whole or not at all: the worker reads it any moment
+        write_lines(clock, [str(step)])  # whole or not at all: the worker reads it any moment
         self.stepped.add(w.index)
         hit.detail = f"clock {step:+.0f} s for {fault.seconds:.0f} s"
 
         def undo() -> None:
-            _replace_text(clock, "0\n")
+            write_lines(clock, ["0"])
             self.stepped.discard(w.index)
             hit.ended = time.time()
 

@@ -671,7 +671,16 @@ class WanLab:
             self._sigterm_installed = False
 
     def _stop_procs(self) -> None:
-        _stop_processes(self._procs, self.grace_s)
+        from diloco.launcher import terminate  # here: this file also runs alone, as the forwarder and the probes
+
+        terminate(self._procs, self.grace_s)
+        for p in self._procs:
+            for stream in (p.stdin, p.stdout, p.stderr):
+                if stream is not None:
+                    try:
+                        stream.close()
+                    except OSError:
+                        pass
 
     def _stop_switch(self) -> None:
         sw = self._switch
@@ -919,34 +928,6 @@ class WanLab:
                        f"sends at {cross}, {self.cross_delay_ms:g} ms one way")
         return (f"{self.hosts} hosts in network namespaces, {rate}, {delay}, MTU {self.mtu}, "
                 f"TCP buffers up to {mib:g} MiB{regions}")
-
-
-def _stop_processes(started: Sequence[subprocess.Popen[Any]], grace_s: float) -> None:
-    """SIGTERM those of `started` still running, SIGKILL after `grace_s`, and close every pipe of all of them."""
-    procs = [p for p in started if p.poll() is None]
-    for p in procs:
-        try:
-            p.terminate()
-        except ProcessLookupError:
-            pass
-    deadline = time.monotonic() + grace_s
-    for p in procs:
-        try:
-            p.wait(timeout=max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            p.kill()
-    for p in procs:
-        try:
-            p.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            pass
-    for p in started:
-        for stream in (p.stdin, p.stdout, p.stderr):
-            if stream is not None:
-                try:
-                    stream.close()
-                except OSError:
-                    pass
 
 
 def _measure(lab: WanLab, pairs: Sequence[tuple[int, int]], nbytes: int | None, pings: int,

@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import os
 import secrets
-import signal
 import statistics
 import subprocess
 import sys
@@ -26,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from ..bench.procmem import family_rss_mib
+from ..launcher import terminate
 from ..comms import CollectiveConfig
 from ..config import ConfigError, SwarmConfig
 from ..hostmem import with_huge_pages
@@ -95,19 +95,6 @@ def _spawn(cmd: list[str], log_path: Path, secret: str) -> subprocess.Popen[byte
     log = open(log_path, "wb")
     return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                             env={**with_huge_pages(os.environ), "PYTHONUNBUFFERED": "1", "DILOCO_SECRET": secret})
-
-
-def _stop_all(procs: list[subprocess.Popen[bytes]], grace: float = 15.0) -> None:
-    for p in procs:
-        if p.poll() is None:
-            p.send_signal(signal.SIGTERM)
-    deadline = time.monotonic() + grace
-    for p in procs:
-        try:
-            p.wait(timeout=max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
 
 
 def _views(procs: list[subprocess.Popen[bytes]], workdir: Path) -> list[PeerView]:
@@ -216,7 +203,7 @@ def run_demo(cfg: DemoConfig, *, workdir: Path | None = None, metrics: Path | No
     except KeyboardInterrupt:
         console.print("interrupted: asking every peer to leave")
     finally:
-        _stop_all(procs)
+        terminate(procs, 15.0)
     wall = time.monotonic() - started
     summary = summarize(cfg, workdir, wall)
     summary["peak_rss_mib_per_peer"] = [round(m, 1) for m in peak_rss]  # process + its p2pd daemon
