@@ -27,9 +27,12 @@ def backend(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> 
 
 @pytest.fixture
 def child() -> Iterator[subprocess.Popen[bytes]]:
-    """A child process holding 64 MiB it has touched, with a grandchild of its own."""
+    """A child process holding 64 MiB it has touched, with a grandchild of its own, which has started (its memory
+    stands still from then on: a grandchild still starting its interpreter grew by ~8 MiB between the test's two
+    readings of it on a busy machine)."""
     code = ("import subprocess, sys, time; b = bytearray(64 << 20); "
-            "g = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(30)']); "
+            "g = subprocess.Popen([sys.executable, '-c', 'import time; print(flush=True); time.sleep(30)'], "
+            "stdout=subprocess.PIPE); g.stdout.readline(); "
             "print(g.pid, flush=True); time.sleep(30)")
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE)
     try:
