@@ -61,6 +61,7 @@ from .transport import ByteCounter, CallTimedOut, Handler, PeerId, Transport, Tr
 
 if TYPE_CHECKING:
     from .auth import Guard
+    from .relay import Reach, RelayService
 
 log = logging.getLogger(__name__)
 
@@ -261,22 +262,29 @@ async def connect(host: str, port: int, peer: PeerId, identity: Identity, data_k
     """A data connection to `peer` at host:port, its handshake done; raises `TransportError` (a `DataRefused` when
     the other side is not `peer` or does not hold the run's key, or refused ours)."""
     pipe = await asyncio.wait_for(open_pipe(host, port), min(timeout, CONNECT_TIMEOUT))
+    return await handshake(pipe, f"{host}:{port}", peer, identity, data_key, counter, max_message, timeout)
+
+
+async def handshake(pipe: Pipe, where: str, peer: PeerId, identity: Identity, data_key: bytes, counter: ByteCounter,
+                    max_message: int, timeout: float = HELLO_TIMEOUT) -> Channel:
+    """The client's side of the handshake with `peer` on `pipe` (a connection to `where`: an address, or a relay's
+    circuit); closes the pipe if it fails."""
     try:
         own = X25519PrivateKey.generate()
         hello = client_hello(_public(own), secrets.token_bytes(16), identity.peer_id)
         pipe.write(hello)
         head = await asyncio.wait_for(pipe.read_exactly(len(MAGIC) + 32 + 1), timeout)
         if head[:4] != MAGIC:
-            raise DataRefused("data_malformed", f"{host}:{port} does not speak the data protocol")
+            raise DataRefused("data_malformed", f"{where} does not speak the data protocol")
         named = await asyncio.wait_for(pipe.read_exactly(head[-1] + 64 + 32), timeout)
         server = named[:head[-1]].decode(errors="replace")
         if server != peer:
-            raise DataRefused("data_wrong_peer", f"{host}:{port} is {server[:60]}, not {peer}")
+            raise DataRefused("data_wrong_peer", f"{where} is {server[:60]}, not {peer}")
         t = transcript(hello, head[4:36], server)
         keys = Keys.derive(own, head[4:36], data_key, t)
         sig, proof = named[-96:-32], named[-32:]
         if not hmac.compare_digest(proof, keys.proof(b"S", t)) or not verify(server, _signed("server", t), sig):
-            raise DataRefused("data_unauthorized", f"{peer} at {host}:{port} did not prove the run's key and its "
+            raise DataRefused("data_unauthorized", f"{peer} at {where} did not prove the run's key and its "
                                                    "identity (another swarm secret or run id?)")
         pipe.write(identity.sign(_signed("client", t)) + keys.proof(b"C", t))
         counter.add(peer, sent=len(hello) + 96, received=len(head) + len(named))
@@ -356,7 +364,8 @@ class _Pool:
 
     idle: list[Channel] = field(default_factory=list)
     slots: asyncio.Semaphore | None = None
-    address: tuple[str, int] | None = None
+    address: tuple[str, int] | tuple[str, str] | None = None
+    """host, port; or ("relay", its peer id) for connections through a relay."""
 
 
 class DirectTransport:
@@ -375,10 +384,17 @@ class DirectTransport:
         self.max_message = max_message
         self.inner_only = inner_only
         self.address_of: Callable[[PeerId], str] = lambda peer: ""
+        self.via_of: Callable[[PeerId], tuple[PeerId, ...]] = lambda peer: ()
+        """The relays a member's record says it waits at (`comms/relay.py`): it is called through them."""
+        self.relay: RelayService | None = None
+        """What we do for members that wait at us or call through us (`relay.attach`; refuses all when not a relay)."""
+        self.reach: Reach | None = None
+        """Whether members can dial us, and our connections waiting at relays when they cannot."""
         self.address = ""
         """host:port our record advertises ("" until `start`)."""
         self.paths: dict[PeerId, str] = {}
-        """How our last call to each peer went: direct, or libp2p (its data port unknown or unreachable)."""
+        """How our last call to each peer went: direct, relay (through a relay it waits at), or libp2p (its data
+        port unknown or unreachable, or its relays gone)."""
         self.fallbacks: Counter[str] = Counter()
         """Calls that went through libp2p because the data port could not be used, by why."""
         self._handlers: dict[str, Handler] = {}
@@ -416,39 +432,57 @@ class DirectTransport:
     # ------------------------------------------------------------------ calling
 
     async def call(self, peer: PeerId, name: str, payload: bytes, timeout: float) -> bytes:
-        address = None if name in self.inner_only else parse_address(self.address_of(peer))
-        why = "no_address" if address is None else "unreachable" if self._unreachable.get(peer, 0) > time.monotonic() \
-            else ""
-        if not why:
-            assert address is not None
+        via = () if name in self.inner_only else self.via_of(peer)
+        address = None if name in self.inner_only or via else parse_address(self.address_of(peer))
+        why = "" if via or address is not None else "no_address"
+        if address is not None and self._unreachable.get(peer, 0) > time.monotonic():
+            why = "unreachable"
+        elif via or address is not None:
+            path = "relay" if via else "direct"
             try:
+                if via:
+                    return await asyncio.wait_for(self._through(peer, via, name, payload), timeout)
+                assert address is not None
                 return await asyncio.wait_for(self._direct(peer, address, name, payload), timeout)
             except asyncio.TimeoutError:
                 raise CallTimedOut(f"call {name!r} to {peer} timed out after {timeout:.1f}s") from None
             except _NotConnected as e:
-                why = "unreachable"
-                self._unreachable[peer] = time.monotonic() + self.cfg.retry_after
+                why = "unreachable" if address is not None else "relay_failed"
+                if address is not None:
+                    self._unreachable[peer] = time.monotonic() + self.cfg.retry_after
                 if self.paths.get(peer) != "libp2p":
-                    log.warning("event=data_path peer=%s path=libp2p reason=%s", peer, e)
+                    log.warning("event=data_path peer=%s path=libp2p tried=%s reason=%s", peer, path, e)
         if name not in self.inner_only:
             self.fallbacks[why] += 1
             self.paths[peer] = "libp2p"
         return await self.inner.call(peer, name, payload, timeout)
 
-    async def _direct(self, peer: PeerId, address: tuple[str, int], name: str, payload: bytes) -> bytes:
+    async def _through(self, peer: PeerId, via: tuple[PeerId, ...], name: str, payload: bytes) -> bytes:
+        """A call to `peer` through the first of its relays that puts us through."""
+        failed: list[str] = []
+        for relay in via:
+            try:
+                return await self._direct(peer, ("relay", relay), name, payload, path="relay")
+            except _NotConnected as e:
+                failed.append(str(e))
+        raise _NotConnected("; ".join(failed) or "no relay")
+
+    async def _direct(self, peer: PeerId, address: tuple[str, int] | tuple[str, str], name: str, payload: bytes,
+                      path: str = "direct") -> bytes:
         pool = self._pools.setdefault(peer, _Pool())
         if pool.slots is None:
             pool.slots = asyncio.Semaphore(max(1, self.cfg.streams))
         async with pool.slots:
-            if pool.address != address:  # the member moved (restarted on another port): its old connections are gone
-                for stale in pool.idle:
+            if pool.address != address:  # the member moved (restarted on another port, or to another relay): its
+                for stale in pool.idle:  # old connections are gone
                     stale.close()
                 pool.idle, pool.address = [], address
             channel = pool.idle.pop() if pool.idle else None
             while True:
                 kept = channel is not None
                 if channel is None:
-                    channel = await self._connect(peer, address)
+                    channel = await (self._connect_via(peer, PeerId(str(address[1]))) if address[0] == "relay"
+                                     else self._connect(peer, (address[0], int(address[1]))))
                 try:
                     reply = await self._exchange(channel, name, payload)
                     break
@@ -463,7 +497,7 @@ class DirectTransport:
                     channel.close()
                     raise
             pool.idle.append(channel)
-        self.paths[peer] = "direct"
+        self.paths[peer] = path
         return reply
 
     @staticmethod
@@ -482,14 +516,45 @@ class DirectTransport:
         except (OSError, asyncio.TimeoutError, asyncio.IncompleteReadError, TransportError) as e:
             raise _NotConnected(f"{address[0]}:{address[1]}: {type(e).__name__}: {e}") from None
 
+    async def _connect_via(self, peer: PeerId, relay: PeerId) -> Channel:
+        """A data connection to `peer` through `relay`, where it keeps connections waiting: the handshake is the two
+        ends' own, the relay copies it (`comms/relay.py`). Through ourselves when we are that relay."""
+        guard = self.guard
+        if guard is None or self.relay is None:
+            raise _NotConnected("no credential to open a data connection with, or no relays attached")
+        try:
+            if relay == self.peer_id:
+                pipe = await self.relay.take(peer, self.peer_id)
+                if pipe is None:
+                    raise _NotConnected(f"{peer} keeps no connection waiting at us")
+            else:
+                pipe = await self.relay.through(await self.dial(relay), peer)
+            return await handshake(pipe, f"relay {relay}", peer, self.identity, guard.data_key, self.counter,
+                                   self.max_message)
+        except (OSError, asyncio.TimeoutError, asyncio.IncompleteReadError, TransportError) as e:
+            raise _NotConnected(f"through relay {relay}: {type(e).__name__}: {e}") from None
+
+    async def dial(self, peer: PeerId) -> Channel:
+        """A data connection of our own to `peer` at the address its record names (a relay: `comms/relay.py`)."""
+        address = parse_address(self.address_of(peer))
+        if address is None:
+            raise _NotConnected(f"{peer} names no data address")
+        return await self._connect(peer, address)
+
     # ------------------------------------------------------------------ serving
 
-    async def _serve(self, pipe: Pipe) -> None:
+    async def serve(self, pipe: Pipe, caller: str) -> None:
+        """Serve a connection whose next bytes are a member's data handshake: one of ours a relay put a caller
+        through (`comms/relay.py`; `caller` names the relay in refusals)."""
+        await self._serve(pipe, caller)
+
+    async def _serve(self, pipe: Pipe, caller: str = "") -> None:
         task = asyncio.current_task()
         assert task is not None
         self._serving.add(task)
-        where = pipe.peername()
-        caller = f"data:{where[0] if where else '?'}"
+        if not caller:
+            where = pipe.peername()
+            caller = f"data:{where[0] if where else '?'}"
         guard = self.guard
         try:
             if guard is None:
@@ -507,6 +572,8 @@ class DirectTransport:
                     name, request = await channel.receive(REQUEST)
                 except asyncio.IncompleteReadError:
                     return  # the caller closed the connection
+                if self.relay is not None and name in self.relay.names:
+                    return await self.relay.serve(channel, name, request)  # the relay owns the connection now
                 handler = self._handlers.get(name)
                 if handler is None:
                     raise DataRefused("data_malformed", f"no handler {name[:60]!r}")
@@ -536,6 +603,8 @@ class DirectTransport:
             log.warning("event=call_refused reason=%s peer=%s detail=%s", reason, caller, detail)
 
     async def close(self) -> None:
+        if self.reach is not None:
+            self.reach.close()
         for pool in self._pools.values():
             for channel in pool.idle:
                 channel.close()

@@ -14,6 +14,7 @@ reading until a reader comes (a caller that sends while we do not read is held b
 from __future__ import annotations
 
 import asyncio
+import socket
 from typing import Any, Callable
 
 SCRATCH = 1 << 16
@@ -39,6 +40,7 @@ class Pipe(asyncio.BufferedProtocol):
         self._eof = False
         self._paused = False
         self._writable: asyncio.Future[None] | None = None  # set while the transport's buffer is over its mark
+        self._ended: asyncio.Future[None] | None = None  # `ended()`'s waiters
         self.task: asyncio.Task[Any] | None = None
         """`on_open`'s task: held here, since the loop keeps only a weak reference to a task."""
 
@@ -73,11 +75,13 @@ class Pipe(asyncio.BufferedProtocol):
     def eof_received(self) -> bool:
         self._eof = True
         self._wakeup()
+        self._end()
         return True  # a caller that shut its side down after its request still gets the reply
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._eof = True
         self._wakeup()
+        self._end()
         if self._writable is not None and not self._writable.done():
             self._writable.set_result(None)  # `drain` sees the closed transport and raises
 
@@ -88,6 +92,18 @@ class Pipe(asyncio.BufferedProtocol):
     def resume_writing(self) -> None:
         if self._writable is not None and not self._writable.done():
             self._writable.set_result(None)
+
+    def _end(self) -> None:
+        if self._ended is not None and not self._ended.done():
+            self._ended.set_result(None)
+
+    async def ended(self) -> None:
+        """Until the other side closed the connection (or it broke, or we closed it), without reading from it."""
+        if self._eof:
+            return
+        if self._ended is None:
+            self._ended = asyncio.get_running_loop().create_future()
+        await asyncio.shield(self._ended)
 
     # ------------------------------------------------------------------ reading
 
@@ -111,6 +127,17 @@ class Pipe(asyncio.BufferedProtocol):
         while len(self.pending) < n:
             if self._eof:
                 raise asyncio.IncompleteReadError(bytes(self.pending), n)
+            await self._wait()
+        out = bytes(self.pending[:n])
+        del self.pending[:n]
+        return out
+
+    async def read_some(self, n: int) -> bytes:
+        """What came, at most `n` bytes, as soon as anything did; b"" once the connection ended (a relay's copy of a
+        connection's bytes, `comms/relay.py`)."""
+        while not self.pending:
+            if self._eof:
+                return b""
             await self._wait()
         out = bytes(self.pending[:n])
         del self.pending[:n]
@@ -154,6 +181,17 @@ class Pipe(asyncio.BufferedProtocol):
             await asyncio.shield(self._writable)  # a waiter cancelled does not cancel the others' wait
             if self.transport.is_closing():
                 raise ConnectionResetError("the data connection is closed")
+
+    def keep_alive(self, idle: int = 20) -> None:
+        """TCP keepalive probes after `idle` quiet seconds: a connection that waits long with nothing to send (one kept
+        at a relay) stays in the NATs and firewalls on its way, and a dead other side is noticed."""
+        sock = self.transport.get_extra_info("socket") if self.transport is not None else None
+        if sock is None:
+            return
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        for name, value in (("TCP_KEEPIDLE", idle), ("TCP_KEEPINTVL", 5), ("TCP_KEEPCNT", 4)):
+            if hasattr(socket, name):
+                sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, name), value)
 
     def peername(self) -> Any:
         return self.transport.get_extra_info("peername") if self.transport is not None else None

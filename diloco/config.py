@@ -14,12 +14,14 @@ from diloco.comms import CollectiveConfig, PeerId
 from diloco.comms.auth import Guard, check_secret
 from diloco.comms.dataplane import DataConfig, parse_address
 from diloco.comms.identity import public_key_of
+from diloco.comms.relay import REACH, RelayConfig
 from diloco.comms.robust import RobustConfig
 from diloco.compression.errors import ConfigError as ConfigError  # re-exported: settings errors are raised here
 from diloco.compression.pipeline import parse as parse_compression
 from diloco.peers.records import REGION
 
 _DATA = DataConfig()  # the defaults are declared there, once
+_RELAY = RelayConfig()
 
 _RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}(/[A-Za-z0-9_.-]{1,40})?$")
 """A run id; `run/scope` names a namespace inside a run (a region's rounds: `Swarm.scope`)."""
@@ -76,6 +78,23 @@ class SwarmConfig:
     announced multiaddress."""
     data_streams: int = _DATA.streams
     """Direct connections to one member at most (calls to it in flight at once)."""
+    relay: bool = _RELAY.serve
+    """Serve as a relay on the data port for the members of this run that cannot be dialed (behind a NAT or a
+    firewall that lets connections out only; docs/USAGE.md, "Behind NAT"). Only a member others can dial is of use
+    as one."""
+    relay_circuits: int = _RELAY.circuits
+    """As a relay: circuits one member may have open through it at once (as caller or callee)."""
+    relay_rate: float = _RELAY.rate_mbit
+    """As a relay: Mbit/s one member may send through it (0: no cap); a member over it is slowed down."""
+    reach: str = _RELAY.reach
+    """How members reach this peer's data port: "auto" asks a relay to dial it once one is known and, if it
+    cannot, keeps connections waiting at relays (members call through them); "relay" always waits at relays;
+    "direct" never does."""
+
+    def relay_config(self) -> RelayConfig:
+        """The relay settings of the data plane (`diloco.comms.relay`)."""
+        return RelayConfig(serve=self.relay, circuits=self.relay_circuits, rate_mbit=self.relay_rate,
+                           reach=self.reach, slots=self.data_streams)
 
     def __post_init__(self) -> None:
         if not _RUN_ID.match(self.run_id):
@@ -111,6 +130,11 @@ class SwarmConfig:
             raise ConfigError(f"data_announce must be host:port (an IPv6 host in brackets), got {self.data_announce!r}")
         if self.data_streams < 1:
             raise ConfigError(f"data_streams must be >= 1 connection, got {self.data_streams}")
+        if self.reach not in REACH:
+            raise ConfigError(f"reach must be one of {', '.join(REACH)}, got {self.reach!r}")
+        if self.relay_circuits < 1 or not self.relay_rate >= 0:
+            raise ConfigError(f"relay_circuits must be >= 1 and relay_rate >= 0 Mbit/s (0: no cap), got "
+                              f"{self.relay_circuits} and {self.relay_rate}")
         if self.topology not in ("flat", "gossip"):
             raise ConfigError(f"topology must be 'flat' or 'gossip', got {self.topology!r}")
         if self.topology == "gossip":

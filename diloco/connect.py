@@ -19,6 +19,7 @@ from diloco.comms.auth import HELLO, AuthRefused, new_secret
 from diloco.comms.clock import SWARM_CLOCK, use_in_hivemind
 from diloco.comms.dataplane import DataConfig, DirectTransport
 from diloco.comms.faults import NO_FAULTS, Faults
+from diloco.comms.relay import attach as attach_relays
 from diloco.comms.hello import HandshakeError
 from diloco.comms.identity import Identity, IdentityError
 from diloco.comms.loop import LoopThread
@@ -148,6 +149,7 @@ def _open(cfg: SwarmConfig, initial: list[str], host: str, port: int,
                     p2p.max_message, inner_only=frozenset({HELLO}))
                 transport = direct
                 await direct.start()
+                attach_relays(direct, cfg.relay_config())
             collective = await Collective.create(transport, cfg.run_id, cfg.round, faults)
         except BaseException:
             await transport.close()

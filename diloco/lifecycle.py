@@ -52,7 +52,8 @@ def final_fields(d: DiLoCo) -> dict[str, object]:
     return dict(peer=swarm.peer_id if swarm is not None else "", round=d.round, digest=d.digest,
                 final_digest=d.topology.final_digest(d.member), steps=d.steps,
                 committed_rounds=sum(r.committed for r in d.reports), **d.topology_summary(),
-                data_paths=swarm.data_paths() if swarm is not None else {})
+                data_paths=swarm.data_paths() if swarm is not None else {},
+                relays=swarm.relay_stats() if swarm is not None else {})
 
 
 def linger(member: Member, timeout: float) -> int:

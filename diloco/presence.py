@@ -78,6 +78,10 @@ class Presence:
         """The data address `peer`'s record named when the heartbeat last read the directory ("" if none)."""
         return next((r.data for r in self.seen or () if r.peer == peer), "")
 
+    def via_of(self, peer: PeerId) -> tuple[PeerId, ...]:
+        """The relays `peer`'s record named when the heartbeat last read the directory (it is called through them)."""
+        return next((r.via for r in self.seen or () if r.peer == peer), ())
+
     def others_seen(self) -> list[PeerRecord]:
         """The other peers' records as the heartbeat last read them (no network I/O; none before its first read)."""
         return [r for r in self.seen or () if r.peer != self.peer_id]

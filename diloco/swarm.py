@@ -82,10 +82,12 @@ class Swarm:
         self._on_close = on_close
         self.presence = Presence(directory, cfg, PeerRecord(
             peer=self.peer_id, status="joining", round=0, addrs=tuple(addresses),
-            data=transport.address if isinstance(transport, DirectTransport) else ""), transport.counter)
+            data=transport.address if isinstance(transport, DirectTransport) else "",
+            relay=cfg.relay and isinstance(transport, DirectTransport)), transport.counter)
         """Our record and the others' as we last read them (`diloco.presence`)."""
         if isinstance(transport, DirectTransport):
             transport.address_of = self.presence.data_address_of
+            transport.via_of = self.presence.via_of
         self._server = StateServer(cfg.run_id, self.peer_id, collective, cfg.round.call_timeout)
         self._closed = False
         self._exchanges: set[concurrent.futures.Future[RoundOutcome]] = set()  # rounds in flight (`crash`)
@@ -182,9 +184,22 @@ class Swarm:
             self.loop.submit(self._publish())
 
     def data_paths(self) -> dict[str, list[PeerId]]:
-        """The peers our last call reached on their data port ("direct") and through libp2p ("libp2p")."""
+        """The peers our last call reached on their data port ("direct"), through a relay ("relay") and through
+        libp2p ("libp2p")."""
         paths = self.transport.paths if isinstance(self.transport, DirectTransport) else {}
         return {how: sorted(p for p, used in paths.items() if used == how) for how in sorted(set(paths.values()))}
+
+    def relay_stats(self) -> dict[str, object]:
+        """What this peer did as a relay (circuits put through, bytes each member sent through it, the seconds
+        its rate cap held each back) and where it waits itself; {} without a data plane."""
+        t = self.transport
+        if not isinstance(t, DirectTransport) or t.relay is None or t.reach is None:
+            return {}
+        out: dict[str, object] = {"via": list(t.reach.via), "reachable": t.reach.reachable,
+                                  "served_through": dict(t.reach.served)}
+        if t.relay.cfg.serve:
+            out.update(t.relay.stats())
+        return out
 
     def settle_votes(self) -> None:
         """Let the votes we still have on their way arrive (at most `call_timeout`): a member may need ours to commit
@@ -239,8 +254,12 @@ class Swarm:
     async def _publish(self) -> None:
         if self.collective.crashed:  # a crashed peer says nothing more
             return
+        paths = self.data_paths()
+        reach = self.transport.reach if isinstance(self.transport, DirectTransport) else None
         await self.presence.publish(banned=tuple(sorted(self.collective.banned)[:MAX_BANNED]),
-                                    libp2p=tuple(self.data_paths().get("libp2p", ())[:MAX_BANNED]))
+                                    libp2p=tuple(paths.get("libp2p", ())[:MAX_BANNED]),
+                                    relayed=tuple(paths.get("relay", ())[:MAX_BANNED]),
+                                    via=reach.via if reach is not None else ())
 
     def keep_addresses(self, path: str) -> None:
         """Keep the addresses of the other members in `path` (one a line, refreshed with the heartbeat), so
@@ -252,6 +271,8 @@ class Swarm:
             await self._publish()
             records = await self.presence.read()  # also keeps records(cached=True) fresh
             self.presence.write_addresses(records)
+            if isinstance(self.transport, DirectTransport) and self.transport.reach is not None:
+                self.transport.reach.update(sorted(r.peer for r in records if r.relay and r.status != "left"))
             # a peer our round waits for may have gone on standby or left since it began: it is asked again
             self.collective.recheck([r.peer for r in records if r.status in ("standby", "left")])
             await asyncio.sleep(self.cfg.heartbeat_interval)

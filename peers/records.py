@@ -87,6 +87,13 @@ class PeerRecord:
     libp2p: tuple[PeerId, ...] = ()
     """Members this peer's last call reached through libp2p instead of their data port (unknown or unreachable):
     `diloco status` shows which pairs do not go direct."""
+    relay: bool = False
+    """It serves as a relay for members that cannot be dialed (`--relay`, `diloco.comms.relay`)."""
+    via: tuple[PeerId, ...] = ()
+    """The relays where it keeps connections waiting (its data port cannot be dialed): members call it through
+    one of them."""
+    relayed: tuple[PeerId, ...] = ()
+    """Members this peer's last call reached through a relay (`diloco status`)."""
 
     def digests_at(self, rnd: int) -> set[str]:
         """The digests this record shows for round `rnd`: its state now, or among its `recent` states."""
@@ -98,6 +105,8 @@ class PeerRecord:
         out["recent"] = [list(x) for x in self.recent]
         out["banned"] = list(self.banned)
         out["libp2p"] = list(self.libp2p)
+        out["via"] = list(self.via)
+        out["relayed"] = list(self.relayed)
         return out
 
 
@@ -105,6 +114,7 @@ MAX_RECENT = 8  # longest `recent` accepted from the network
 MAX_BANNED = 64  # longest `banned` accepted from the network
 MAX_BYTES = 1 << 62  # largest byte counter accepted from the network (msgpack packs it in 9 bytes)
 MAX_STEP_SECONDS = 86400.0  # longest inner step accepted from the network
+MAX_VIA = 4  # relays read from a record at most
 
 
 def _display_fields(value: dict[str, Any]) -> dict[str, Any]:
@@ -165,6 +175,9 @@ def parse_record(peer: str, value: Any) -> PeerRecord | None:
         region = value.get("region", "")
         data = value.get("data", "")
         libp2p = _parse_peers(value.get("libp2p", [])) or ()  # peer ids, as a ban list is: malformed means none
+        relayed = _parse_peers(value.get("relayed", [])) or ()
+        via = _parse_peers(value.get("via", [])) or ()  # malformed: none (it is called on its data port, or libp2p)
+        relay = value.get("relay", False) is True
     except (KeyError, TypeError):
         return None
     ints_ok = all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in (rnd, attempt, step))
@@ -181,7 +194,8 @@ def parse_record(peer: str, value: Any) -> PeerRecord | None:
         data = ""  # a data address that is not one: the peer is called through libp2p, the record stays valid
     return PeerRecord(peer=PeerId(peer), status=status, round=rnd, attempt=attempt, digest=digest,
                       step=step, loss=None if loss is None else float(loss), addrs=tuple(addrs), beat=float(beat),
-                      recent=recent, banned=banned, region=region, data=data, libp2p=libp2p, **_display_fields(value))
+                      recent=recent, banned=banned, region=region, data=data, libp2p=libp2p, relay=relay,
+                      via=via[:MAX_VIA], relayed=relayed, **_display_fields(value))
 
 
 class Directory(Protocol):

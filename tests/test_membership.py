@@ -205,6 +205,17 @@ def test_a_record_names_its_data_port_and_the_members_it_reached_through_libp2p(
     assert parse_record("p1", {**VALID, "libp2p": "p7"}).libp2p == ()
 
 
+def test_a_record_names_the_relays_it_waits_at_and_whether_it_is_one():
+    r = parse_record("p1", {**VALID, "relay": True, "via": ["r1", "r2"], "relayed": ["p3"]})
+    assert (r.relay, r.via, r.relayed) == (True, ("r1", "r2"), ("p3",)) and parse_record("p1", r.to_wire()) == r
+    old = parse_record("p1", VALID)  # a peer of an older version: no relay, waits nowhere
+    assert (old.relay, old.via, old.relayed) == (False, (), ())
+    # malformed from the network: taken as none, the record stays valid (at most 4 relays are read)
+    assert parse_record("p1", {**VALID, "relay": "yes", "via": "r1", "relayed": [5]}).via == ()
+    assert parse_record("p1", {**VALID, "relay": 1}).relay is False
+    assert parse_record("p1", {**VALID, "via": [f"r{i}" for i in range(9)]}).via == ("r0", "r1", "r2", "r3")
+
+
 def test_parse_record_defaults_and_int_loss():
     r = parse_record("p2", {"status": "joining", "round": 0, "loss": 2})
     assert (r.peer, r.status, r.round, r.attempt, r.digest, r.step, r.addrs) == ("p2", "joining", 0, 0, "", 0, ())

@@ -268,3 +268,7 @@ def test_the_data_path_column_says_how_a_peers_calls_travel():
     assert data_path(PeerRecord(**{**base.__dict__, "data": "127.0.0.1:4000"})) == "direct"
     assert data_path(PeerRecord(**{**base.__dict__, "data": "127.0.0.1:4000", "libp2p": ("p2", "p3")})) == \
         "direct, 2 via libp2p"
+    # behind a NAT: called through one relay, it reached one member through a relay itself; and a relay
+    assert data_path(PeerRecord(**{**base.__dict__, "data": "10.0.0.2:4000", "via": ("r",), "relayed": ("p4",)})) == \
+        "direct, 1 via relay, called via 1 relay"
+    assert data_path(PeerRecord(**{**base.__dict__, "data": "127.0.0.1:4000", "relay": True})) == "direct, relay"

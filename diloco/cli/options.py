@@ -226,7 +226,8 @@ class SwarmOptions(Group):
                            merge_every=self.merge_every, global_lr=self.global_lr,
                            global_momentum=self.global_momentum, topology=self.topology,
                            gossip_group=self.gossip_group, data_port=peer.data_port if peer.direct else None,
-                           data_announce=peer.data_announce, data_streams=peer.data_streams)
+                           data_announce=peer.data_announce, data_streams=peer.data_streams, relay=peer.relay,
+                           relay_circuits=peer.relay_circuits, relay_rate=peer.relay_rate, reach=peer.reach)
 
 
 @dataclass(frozen=True)
@@ -253,6 +254,10 @@ class PeerOptions(Group):
     data_announce: str = option("", help="host:port others should dial for the data port (behind NAT: the "
                                          "forwarded port); default: the --announce host, else where it listens.")
     data_streams: int = option(_SWARM.data_streams)
+    relay: bool = option(_SWARM.relay, "--relay")
+    relay_circuits: int = option(_SWARM.relay_circuits)
+    relay_rate: float = option(_SWARM.relay_rate)
+    reach: str = option(_SWARM.reach)
     address_file: Optional[Path] = option(None, help="Write this peer's addresses to this file once up.")
     status_file: Optional[Path] = option(None, help="Keep this peer's status here (the demo reads it).", hidden=True)
     max_restarts: int = option(0, help="With `-- CMD`: start the command again this many times if it fails (it "

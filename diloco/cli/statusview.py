@@ -19,10 +19,17 @@ COLUMNS = ("peer", "status", "round", "attempt", "step", "steps/s", "steps/round
 
 def data_path(rec: PeerRecord) -> str:
     """How this peer's calls travel: "direct" (it has a data port: docs/PROTOCOL.md, "The data plane"), with how
-    many members it reached through libp2p instead; "libp2p" without a data port."""
+    many members it reached through a relay or libp2p instead; "libp2p" without a data port. A peer that cannot be
+    dialed shows where it waits ("called via 1 relay"), a relay says so."""
     if not rec.data:
         return "libp2p"
-    return f"direct, {len(rec.libp2p)} via libp2p" if rec.libp2p else "direct"
+    parts = ["direct"] + [f"{len(peers)} via {how}" for how, peers in (("relay", rec.relayed), ("libp2p", rec.libp2p))
+                          if peers]
+    if rec.via:
+        parts.append(f"called via {len(rec.via)} relay{'s' if len(rec.via) > 1 else ''}")
+    if rec.relay:
+        parts.append("relay")
+    return ", ".join(parts)
 
 
 def _mb(n: int) -> str:
