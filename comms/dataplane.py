@@ -399,7 +399,9 @@ class DirectTransport:
         """Calls that went through libp2p because the data port could not be used, by why."""
         self._handlers: dict[str, Handler] = {}
         self._pools: dict[PeerId, _Pool] = {}
-        self._unreachable: dict[PeerId, float] = {}
+        self._unreachable: dict[PeerId, tuple[tuple[str, int], float]] = {}
+        """Members whose data port could not be reached: at which address, and until when it is not tried again
+        (a member that restarted on another port is tried there at once)."""
         self._server: asyncio.Server | None = None
         self._logged: set[tuple[str, str]] = set()
         self._serving: set[asyncio.Task[None]] = set()
@@ -435,7 +437,8 @@ class DirectTransport:
         via = () if name in self.inner_only else self.via_of(peer)
         address = None if name in self.inner_only or via else parse_address(self.address_of(peer))
         why = "" if via or address is not None else "no_address"
-        if address is not None and self._unreachable.get(peer, 0) > time.monotonic():
+        marked, until = self._unreachable.get(peer, (None, 0.0))
+        if address is not None and marked == address and until > time.monotonic():
             why = "unreachable"
         elif via or address is not None:
             path = "relay" if via else "direct"
@@ -449,7 +452,7 @@ class DirectTransport:
             except _NotConnected as e:
                 why = "unreachable" if address is not None else "relay_failed"
                 if address is not None:
-                    self._unreachable[peer] = time.monotonic() + self.cfg.retry_after
+                    self._unreachable[peer] = (address, time.monotonic() + self.cfg.retry_after)
                 if self.paths.get(peer) != "libp2p":
                     log.warning("event=data_path peer=%s path=libp2p tried=%s reason=%s", peer, path, e)
         if name not in self.inner_only:

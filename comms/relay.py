@@ -278,7 +278,7 @@ class RelayService:
             dialed.close()
             reply = b"+"
         except (TransportError, OSError, asyncio.TimeoutError, asyncio.IncompleteReadError) as e:
-            reply = b"-" + f"{type(e).__name__}: {e}".encode()[:300]
+            reply = b"-" + f"{type(e).__name__}: {e or 'no answer in time'}".encode()[:300]
         finally:
             self._probing.discard(member)
         await channel.send(REPLY, PROBE, reply)

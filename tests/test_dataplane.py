@@ -115,6 +115,9 @@ def test_a_peer_whose_data_port_cannot_be_reached_is_called_through_the_fallback
             assert p.a.paths[b] == "libp2p" and p.a.fallbacks["unreachable"] == 1
             assert await p.a.call(b, "echo", b"abc", 5) == b"cba"  # not tried again for retry_after seconds
             assert p.a.fallbacks["unreachable"] == 2
+            # ...unless its record names another address (it restarted on another port): tried there at once
+            p.a.address_of = lambda peer: p.b.address
+            assert await p.a.call(b, "echo", b"abc", 5) == b"cba" and p.a.paths[b] == "direct"
             p.a.address_of = lambda peer: ""
             assert await p.a.call(b, "echo", b"x", 5) == b"x"
             assert p.a.fallbacks["no_address"] == 1

@@ -117,6 +117,75 @@ def test_a_peer_that_takes_no_inbound_connection_trains_with_the_swarm_through_t
 
 
 @pytest.mark.multiproc
+@pytest.mark.timeout(360)
+def test_two_peers_behind_nats_train_through_a_relay_and_through_its_restart(tmp_path):
+    """A WAN lab of 4 hosts: 0 starts the swarm, 1 joins with `--relay`, 2 and 3 take no inbound connection (the
+    lab's forwarder drops every SYN to them, as a NAT or a firewall that lets connections out only does; addresses
+    are not rewritten). Without relays 2 and 3 could not reach each other at all. Here each learns from the relay's
+    probe that it cannot be dialed, keeps connections waiting at the relay, and everyone calls them through it. The
+    relay is SIGKILLed at round 3: the two log that it is lost, their calls go through libp2p where the caller can
+    (to and from the members they dialed themselves), and when the relay is back (the same identity, another data
+    port) they wait there again and are called through it. All four end on one digest."""
+    from diloco.bench.wan import WanLab
+    from diloco.metrics import read_jsonl
+
+    env = {**os.environ, "DILOCO_SECRET": secrets.token_urlsafe(32)}
+    run_id = f"nat-{secrets.token_hex(3)}"
+    key = tmp_path / "relay.key"
+    procs: dict[str, subprocess.Popen[bytes]] = {}
+
+    def spawn(lab: WanLab, i: int, name: str, verb: list[str], extra: list[str]) -> None:
+        with open(tmp_path / f"{name}.log", "wb") as log:
+            procs[name] = lab.popen(i, [sys.executable, "-m", "diloco", *verb, "--host", lab.address(i), "--run-id",
+                                        run_id, "--rounds", "12", "-H", "5", "--wait-for", "4", *TINY, "--shard",
+                                        str(i), "--metrics", str(tmp_path / f"{name}.jsonl"), "--address-file",
+                                        str(tmp_path / f"{name}.addr"), *extra],
+                                    stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
+
+    def until(check, what: str, timeout: float = 120) -> None:  # type: ignore[no-untyped-def]
+        deadline = time.monotonic() + timeout
+        while not check():
+            dead = {n: p.returncode for n, p in procs.items() if p.poll() not in (None, 0) and n != "relay"}
+            assert not dead and time.monotonic() < deadline, (what, dead)
+            time.sleep(0.2)
+
+    def text(name: str) -> str:
+        return (tmp_path / f"{name}.log").read_text(errors="replace")
+
+    with WanLab(4, rate_mbit=100, delay_ms=5, backend="tun") as lab:
+        lab.inbound(2, False)
+        lab.inbound(3, False)
+        spawn(lab, 0, "first", ["start"], [])
+        until(lambda: (tmp_path / "first.addr").exists(), "the first peer's address")
+        addr = (tmp_path / "first.addr").read_text().split()[0]
+        relay = ["join", addr, "--relay", "--identity", str(key)]
+        spawn(lab, 1, "relay", relay, [])
+        spawn(lab, 2, "a", ["join", addr], [])
+        spawn(lab, 3, "b", ["join", addr], [])
+        rounds = lambda: [r for r in read_jsonl(tmp_path / "first.jsonl") if r.get("event") == "round"]  # noqa: E731
+        until(lambda: sum(r["committed"] for r in rounds()) >= 3, "3 rounds committed")
+        procs["relay"].kill()
+        procs["relay"].wait()
+        until(lambda: "event=relay_lost" in text("a") and "event=relay_lost" in text("b"), "the relay lost")
+        spawn(lab, 1, "relay2", relay, [])
+        for name, p in procs.items():
+            if name != "relay":
+                assert p.wait(timeout=240) == 0, text(name)[-3000:]
+    finals = {n: [ln for ln in read_jsonl(tmp_path / f"{n}.jsonl") if ln.get("event") == "final"][-1]
+              for n in ("first", "relay2", "a", "b")}
+    assert {f["round"] for f in finals.values()} == {12} and len({f["digest"] for f in finals.values()}) == 1, finals
+    ids = {n: f["peer"] for n, f in finals.items()}
+    for me, other in (("a", "b"), ("b", "a")):
+        assert "event=reach path=relay" in text(me) and "event=relay_back" in text(me), text(me)[-3000:]
+        assert finals[me]["relays"]["reachable"] is False and finals[me]["relays"]["via"] == [ids["relay2"]]
+        assert ids[other] in finals[me]["data_paths"]["relay"], finals[me]["data_paths"]
+        assert finals[me]["committed_rounds"] >= 6, finals[me]
+    assert sorted(finals["first"]["data_paths"]["relay"]) == sorted([ids["a"], ids["b"]]), finals["first"]
+    served = finals["relay2"]["relays"]
+    assert served["circuits"] > 0 and {ids["a"], ids["b"]} <= set(served["moved"]), served
+
+
+@pytest.mark.multiproc
 def test_strangers_at_a_data_port_are_refused_and_counted_while_the_swarm_commits(peers):
     """While 3 real peers train, a stranger at peer 0's data port tries a handshake with another secret and sends
     bytes that are no handshake: both are refused and counted in peer 0's final line, and every round commits
