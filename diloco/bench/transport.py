@@ -64,6 +64,9 @@ class TransportSetup:
     """Peers use the direct data plane (`--direct`); False: every byte through libp2p, as before it."""
     data_streams: int = DataConfig().streams
     """Direct connections a peer opens to one member at most (`--data-streams`: its calls in flight at once)."""
+    relay: bool = False
+    """Each point again through a relay: peer 0 serves as one (`--relay`), every other peer waits there
+    (`--reach relay`), so every call between two of them crosses peer 0 (3 peers at least)."""
 
 
 def tcp_copy(peers: int, nbytes: int, host: str = "127.0.0.1") -> float:
@@ -265,9 +268,10 @@ def peer_flags(peers: int, setup: TransportSetup) -> list[str]:
             "--direct" if setup.direct else "--no-direct", "--data-streams", str(setup.data_streams)]
 
 
-def _rounds(peers: int, params: int, setup: TransportSetup, lab: Any = None) -> dict[str, Any]:
+def _rounds(peers: int, params: int, setup: TransportSetup, lab: Any = None, relayed: bool = False) -> dict[str, Any]:
     """N real peers (in `lab`'s hosts, or on loopback) taking rounds of `params` fp32 parameters: the median
-    round time and bytes a peer sent, over the rounds all N took together."""
+    round time and bytes a peer sent, over the rounds all N took together. `relayed`: peer 0 a relay, the others
+    called through it (`TransportSetup.relay`)."""
     import json
 
     env = {**os.environ, "DILOCO_SECRET": secrets.token_urlsafe(32), "OMP_NUM_THREADS": "1"}
@@ -284,7 +288,9 @@ def _rounds(peers: int, params: int, setup: TransportSetup, lab: Any = None) -> 
                 verb = ["start"] if i == 0 else ["join", wait_file(workdir / "p0.addr", procs, 300)]
                 popen: Callable[..., subprocess.Popen[bytes]] = subprocess.Popen if lab is None else \
                     (lambda cmd, i=i, **kw: lab.popen(i, cmd, **kw))
-                procs.append(launch_peer(verb, run_id, [*timing, *where], args, workdir, f"p{i}", env, popen=popen))
+                relay = (["--relay"] if i == 0 else ["--reach", "relay"]) if relayed else []
+                procs.append(launch_peer(verb, run_id, [*timing, *where, *relay], args, workdir, f"p{i}", env,
+                                         popen=popen))
             deadline = time.monotonic() + 1800
             while any(p.poll() is None for p in procs):
                 if time.monotonic() > deadline:
@@ -361,7 +367,18 @@ def loopback(peers: int, payload_mb: float, setup: TransportSetup, say: Callable
     say(f"loopback, {peers} peers, {payload_mb:g} MB: round {row['round_s']:.3f} s, {row['goodput_mb_s']:.1f} MB/s "
         f"a peer; plain TCP {row['tcp_s']:.3f} s ({row['of_tcp']:.1%}); one daemon-to-daemon call {row['daemon_s']:.3f} s "
         f"({row['of_daemon']:.1%})")
+    if setup.relay:
+        row["relayed"] = relayed_row(row, _rounds(peers, row["params"], setup, relayed=True), say, "loopback")
     return row
+
+
+def relayed_row(direct: dict[str, Any], relayed: dict[str, Any], say: Callable[[str], None], link: str) -> dict[str, Any]:
+    """The same point through a relay, against the direct run of it."""
+    relayed["goodput_mb_s"] = relayed["bytes_sent"] / relayed["round_s"] / 1e6
+    relayed["of_direct"] = direct["round_s"] / relayed["round_s"]
+    say(f"{link}, {direct['peers']} peers through a relay: round {relayed['round_s']:.3f} s, "
+        f"{relayed['goodput_mb_s']:.1f} MB/s a peer, {relayed['of_direct']:.1%} of the direct round's speed")
+    return relayed
 
 
 def wan(peers: int, setup: TransportSetup, say: Callable[[str], None]) -> dict[str, Any]:
@@ -370,6 +387,8 @@ def wan(peers: int, setup: TransportSetup, say: Callable[[str], None]) -> dict[s
     with WanLab(hosts=peers, rate_mbit=setup.rate_mbit, delay_ms=setup.delay_ms) as lab:
         row = _rounds(peers, max(1, int(setup.wan_payload_mb * 1e6 / 4)), setup, lab=lab)
         row["backend"] = lab.backend
+        if setup.relay:
+            row["relayed"] = relayed_row(row, _rounds(peers, row["params"], setup, lab=lab, relayed=True), say, "WAN")
         # plain TCP across the same links, in the round's pattern: every host sends its share to every other at once
         pairs = [(i, j) for i in range(peers) for j in range(peers) if i != j]
         flows = lab.measure_concurrent(pairs, nbytes=int(row["bytes_sent"] / (peers - 1)), pings=3, timeout=600)
@@ -428,6 +447,17 @@ def markdown(result: dict[str, Any]) -> str:
                              f" of the rate) | {r['daemons_s'] / r['round_s']:.1%} |" if "daemons_s" in r else
                              "failed (`daemons_error` in the JSON) | – |"))
     rows = [("loopback", r) for r in result["loopback"]] + [("WAN", r) for r in result["wan"]]
+    if any("relayed" in r for _, r in rows):
+        lines += ["", "Through a relay (peer 0 `--relay`, the others `--reach relay`: a call between two of them crosses "
+                  "peer 0), against the same point direct:", "",
+                  "| link | peers | model | round, direct | round, relayed | relayed / direct speed | goodput a peer, "
+                  "relayed | paths |", "|---|---|---|---|---|---|---|---|"]
+        for link, r in rows:
+            if "relayed" in r:
+                x = r["relayed"]
+                lines.append(f"| {link} | {r['peers']} | {r['payload_bytes'] / 1e6:g} MB | {r['round_s']:.3f} s | "
+                             f"{x['round_s']:.3f} s | {x['of_direct']:.1%} | {x['goodput_mb_s']:.1f} MB/s | "
+                             f"{'+'.join(x.get('paths', []))} |")
     if any(r.get("phases_s") for _, r in rows):
         lines += ["", "Where a round's time goes (medians, seconds; the rest: Δ, the outer step, the wrapper):", "",
                   "| link | peers | model | round | " + " | ".join(PHASES) + " | rest |",

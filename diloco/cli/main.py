@@ -1119,6 +1119,9 @@ def bench_transport_cmd(
                                 "default), or every byte through libp2p (--no-direct)."),
     data_streams: int = typer.Option(SwarmConfig().data_streams, help="Direct connections a peer opens to one member "
                                      "at most (the peers' --data-streams)."),
+    relay: bool = typer.Option(False, "--relay", help="Each point again through a relay: peer 0 serves as one, the "
+                               "others wait there (--reach relay), so every call between two of them crosses peer 0 "
+                               "(3 peers at least; docs/USAGE.md, \"Behind NAT\")."),
     json_path: Optional[Path] = ReportJson,
 ) -> None:
     """A round's goodput over the swarm's transport: N real peers on loopback against a plain TCP copy of the
@@ -1134,11 +1137,15 @@ def bench_transport_cmd(
     payloads = [*(payload_mb if loopback else []), *([wan_payload_mb] if wan else [])]
     if rounds < 1 or any(n < 2 for n in sizes) or any(mb <= 0 for mb in payloads) or data_streams < 1:
         _fail("--rounds must be >= 1, every --peers/--wan-peers >= 2, every payload > 0 and --data-streams >= 1")
+    if relay and (any(n < 3 for n in sizes) or not direct):
+        _fail("--relay needs every --peers/--wan-peers >= 3 (a relayed pair besides the relay) and the data plane "
+              "(not --no-direct)")
     if wan and (rate_mbit <= 0 or delay_ms < 0):
         _fail("--rate-mbit must be > 0 and --delay-ms >= 0")
     setup = TransportSetup(peers=tuple(peers), payload_mb=tuple(payload_mb), rounds=rounds, wan=wan,
                            loopback=loopback, wan_peers=tuple(wan_peers), wan_payload_mb=wan_payload_mb,
-                           rate_mbit=rate_mbit, delay_ms=delay_ms, direct=direct, data_streams=data_streams)
+                           rate_mbit=rate_mbit, delay_ms=delay_ms, direct=direct, data_streams=data_streams,
+                           relay=relay)
     result = run(setup, say=lambda text: typer.echo(text, err=True))
     typer.echo(markdown(result))
     if json_path:
