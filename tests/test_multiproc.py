@@ -177,7 +177,8 @@ def test_two_peers_behind_nats_train_through_a_relay_and_through_its_restart(tmp
     ids = {n: f["peer"] for n, f in finals.items()}
     for me, other in (("a", "b"), ("b", "a")):
         assert "event=reach path=relay" in text(me) and "event=relay_back" in text(me), text(me)[-3000:]
-        assert finals[me]["relays"]["reachable"] is False and finals[me]["relays"]["via"] == [ids["relay2"]]
+        # (where it waits when its final line is written depends on whether the relay ended its run first)
+        assert finals[me]["relays"]["reachable"] is False and finals[me]["relays"]["served_through"][ids["relay2"]] > 0
         assert ids[other] in finals[me]["data_paths"]["relay"], finals[me]["data_paths"]
         assert finals[me]["committed_rounds"] >= 6, finals[me]
     assert sorted(finals["first"]["data_paths"]["relay"]) == sorted([ids["a"], ids["b"]]), finals["first"]
