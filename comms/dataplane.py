@@ -76,6 +76,8 @@ CONNECT_TIMEOUT = 2.0
 resent): past it the port counts as unreachable (behind a NAT or a firewall that only lets connections out) and the
 call goes through libp2p, within the round's deadlines, not after them."""
 REQUEST, REPLY = 1, 2
+RELAYED = ("relay", "")
+"""The pool key of a member's connections through relays (`comms/relay.py`)."""
 _LEN = struct.Struct(">I")
 _START = struct.Struct(">BQH")  # kind, body length, name length: the first record of a message
 REASONS = ("data_unauthorized", "data_not_allowed", "data_malformed", "data_bad_frame", "data_oversized",
@@ -281,7 +283,10 @@ async def handshake(pipe: Pipe, where: str, peer: PeerId, identity: Identity, da
         if server != peer:
             raise DataRefused("data_wrong_peer", f"{where} is {server[:60]}, not {peer}")
         t = transcript(hello, head[4:36], server)
-        keys = Keys.derive(own, head[4:36], data_key, t)
+        try:
+            keys = Keys.derive(own, head[4:36], data_key, t)
+        except ValueError:  # a low-order key: no peer sends one (a relay in the middle could)
+            raise DataRefused("data_malformed", f"{where} sent an X25519 key that is not one") from None
         sig, proof = named[-96:-32], named[-32:]
         if not hmac.compare_digest(proof, keys.proof(b"S", t)) or not verify(server, _signed("server", t), sig):
             raise DataRefused("data_unauthorized", f"{peer} at {where} did not prove the run's key and its "
@@ -461,17 +466,21 @@ class DirectTransport:
         return await self.inner.call(peer, name, payload, timeout)
 
     async def _through(self, peer: PeerId, via: tuple[PeerId, ...], name: str, payload: bytes) -> bytes:
-        """A call to `peer` through the first of its relays that puts us through."""
+        """A call to `peer` through the first of its relays that puts us through (ourselves first when we are one
+        of them: its waiting connections here, no second hop)."""
         failed: list[str] = []
-        for relay in via:
+        for relay in sorted(via, key=lambda r: r != self.peer_id):
             try:
-                return await self._direct(peer, ("relay", relay), name, payload, path="relay")
+                return await self._direct(peer, RELAYED, name, payload, path="relay", through=relay)
             except _NotConnected as e:
                 failed.append(str(e))
         raise _NotConnected("; ".join(failed) or "no relay")
 
     async def _direct(self, peer: PeerId, address: tuple[str, int] | tuple[str, str], name: str, payload: bytes,
-                      path: str = "direct") -> bytes:
+                      path: str = "direct", through: PeerId | None = None) -> bytes:
+        """A call on one of `peer`'s kept connections (to `address`, or `RELAYED` through the relay `through`: a
+        connection through any relay is the two ends' own, so those through one relay serve when another is asked),
+        else on a new one."""
         pool = self._pools.setdefault(peer, _Pool())
         if pool.slots is None:
             pool.slots = asyncio.Semaphore(max(1, self.cfg.streams))
@@ -484,7 +493,7 @@ class DirectTransport:
             while True:
                 kept = channel is not None
                 if channel is None:
-                    channel = await (self._connect_via(peer, PeerId(str(address[1]))) if address[0] == "relay"
+                    channel = await (self._connect_via(peer, through) if through is not None
                                      else self._connect(peer, (address[0], int(address[1]))))
                 try:
                     reply = await self._exchange(channel, name, payload)

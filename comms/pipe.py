@@ -200,6 +200,16 @@ class Pipe(asyncio.BufferedProtocol):
         if self.transport is not None:
             self.transport.close()
 
+    def abort(self) -> None:
+        """Close at once, dropping what is still queued to send (a relay's circuit that ended: nobody waits for it)."""
+        if self.transport is not None:
+            self.transport.abort()
+
+    @property
+    def ended_already(self) -> bool:
+        """Whether the other side closed the connection (or it broke, or we closed it)."""
+        return self._eof or self.transport is None or self.transport.is_closing()
+
 
 async def open_pipe(host: str, port: int) -> Pipe:
     """A connection to host:port."""

@@ -57,6 +57,8 @@ MAX_VIA = 2
 TAKE_TIMEOUT = 2.0
 """Seconds a call through a relay waits there for the callee's next waiting connection (all in use at once)."""
 REACH = ("auto", "relay", "direct")
+QUEUED = 1 << 17
+"""Bytes a circuit may hold queued for one end before it waits for that end to read them."""
 
 
 @dataclass(frozen=True)
@@ -148,6 +150,7 @@ class RelayService:
         self._buckets: dict[PeerId, Bucket] = {}
         self._arrived: dict[PeerId, asyncio.Event] = {}
         self._probing: set[PeerId] = set()
+        self._logged: set[tuple[PeerId, str]] = set()
 
     async def serve(self, channel: Channel, name: str, body: bytes) -> None:
         """A member's request on its data connection `channel`, which this takes over until it ends."""
@@ -163,7 +166,9 @@ class RelayService:
 
     async def _refuse(self, channel: Channel, name: str, reason: str, detail: str) -> None:
         self._refused()[reason] += 1
-        log.info("event=relay_refused reason=%s peer=%s detail=%s", reason, channel.peer, detail)
+        if (channel.peer, reason) not in self._logged and len(self._logged) < 10_000:  # once per member and reason
+            self._logged.add((channel.peer, reason))
+            log.info("event=relay_refused reason=%s peer=%s detail=%s", reason, channel.peer, detail)
         await channel.send(REPLY, name, refusal(reason, detail))
 
     async def _wait(self, channel: Channel) -> None:
@@ -188,7 +193,7 @@ class RelayService:
             queue = self.waiting.get(member, [])
             while queue:
                 channel = queue.pop(0)
-                if channel.pipe.transport is None or channel.pipe.transport.is_closing():
+                if channel.pipe.ended_already:
                     continue
                 try:
                     await channel.send(REPLY, WAIT, b"+" + caller.encode())
@@ -223,11 +228,11 @@ class RelayService:
         target = PeerId(bytes(body).decode(errors="replace"))
         if not 0 < len(target) <= 128 or target == caller:
             return await self._refuse(channel, TO, "relay_malformed", "no member named")
-        busy = [p for p in (caller, target) if self.circuits[p] >= self.cfg.circuits]
-        if busy:
-            return await self._refuse(channel, TO, "relay_busy", f"{busy[0]} has {self.cfg.circuits} circuits open")
+        if target not in self.waiting:
+            return await self._refuse(channel, TO, "relay_no_target", f"{target} never waited here")
+        if self.circuits[caller] >= self.cfg.circuits:  # the callee's side: bounded by the connections it keeps here
+            return await self._refuse(channel, TO, "relay_busy", f"{caller} has {self.cfg.circuits} circuits open")
         self.circuits[caller] += 1
-        self.circuits[target] += 1
         try:
             pipe = await self.take(target, caller)
             if pipe is None:
@@ -237,18 +242,20 @@ class RelayService:
             await self.splice(caller, channel.pipe, target, pipe)
         finally:
             self.circuits[caller] -= 1
-            self.circuits[target] -= 1
+            if not self.circuits[caller]:
+                del self.circuits[caller]
 
     async def splice(self, a: PeerId, pa: Pipe, b: PeerId, pb: Pipe) -> None:
-        """Copy bytes both ways between `a`'s connection and `b`'s until either ends; then close both."""
+        """Copy bytes both ways between `a`'s connection and `b`'s until either ends; then close both at once (what
+        is still queued for an end that stopped reading is dropped, not kept)."""
         pumps = [asyncio.ensure_future(self._pump(pa, pb, a)), asyncio.ensure_future(self._pump(pb, pa, b))]
         try:
             await asyncio.wait(pumps, return_when=asyncio.FIRST_COMPLETED)
         finally:
             for pump in pumps:
                 pump.cancel()
-            pa.close()
-            pb.close()
+            pa.abort()
+            pb.abort()
 
     async def _pump(self, src: Pipe, dst: Pipe, sender: PeerId) -> None:
         bucket = self._buckets.setdefault(sender, Bucket(self.cfg.rate_mbit * 1e6 / 8)) if self.cfg.rate_mbit else None
@@ -263,8 +270,8 @@ class RelayService:
                     await asyncio.sleep(wait)
             dst.write(chunk)
             self.moved[sender] += len(chunk)
-            if dst.buffered() > 4 * RECORD:
-                await dst.drain()
+            if dst.buffered() > QUEUED:
+                await dst.drain()  # an end that does not read holds its sender back, not the relay's memory
 
     async def _probe(self, channel: Channel, member: PeerId, body: bytes) -> None:
         address = parse_address(bytes(body).decode(errors="replace"))
@@ -277,7 +284,7 @@ class RelayService:
             dialed = await self._dial(member, address)
             dialed.close()
             reply = b"+"
-        except (TransportError, OSError, asyncio.TimeoutError, asyncio.IncompleteReadError) as e:
+        except (TransportError, OSError, ValueError, asyncio.TimeoutError, asyncio.IncompleteReadError) as e:
             reply = b"-" + f"{type(e).__name__}: {e or 'no answer in time'}".encode()[:300]
         finally:
             self._probing.discard(member)
@@ -340,7 +347,7 @@ class Reach:
                 finally:
                     channel.close()
                 body = reply[1:] if reply[:1] == b"-" else answer(reply, relay)  # "-": it could not; "!": refused
-            except (TransportError, OSError, asyncio.TimeoutError, asyncio.IncompleteReadError) as e:
+            except (TransportError, OSError, ValueError, asyncio.TimeoutError, asyncio.IncompleteReadError) as e:
                 log.info("event=relay_probe_failed relay=%s reason=%s", relay, e)
                 continue
             self.reachable = reply[:1] == b"+"
@@ -358,8 +365,8 @@ class Reach:
         while not self._closed:
             try:
                 channel = await self._dial(relay)
-            except (TransportError, OSError, asyncio.TimeoutError, asyncio.IncompleteReadError) as e:
-                self._lose(relay, e)
+            except (TransportError, OSError, ValueError, asyncio.TimeoutError, asyncio.IncompleteReadError) as e:
+                self._lose(relay, e)  # (ValueError: an address the resolver refuses)
                 await asyncio.sleep(backoff)
                 backoff = min(2 * backoff, 5.0)
                 continue
@@ -367,6 +374,10 @@ class Reach:
                 channel.pipe.keep_alive()
                 await channel.send(REQUEST, WAIT, b"")
                 self.live[relay] += 1
+                if relay in self._lost:
+                    self._lost.discard(relay)
+                    log.warning("event=relay_back relay=%s: members can call this peer through it again", relay)
+                backoff = 0.5
                 try:
                     _, reply = await channel.receive(REPLY)
                 finally:
@@ -381,10 +392,6 @@ class Reach:
             except BaseException:
                 channel.close()
                 raise
-            if relay in self._lost:
-                self._lost.discard(relay)
-                log.warning("event=relay_back relay=%s: members can call this peer through it again", relay)
-            backoff = 0.5
             self.served[relay] += 1
             log.debug("event=relay_call relay=%s caller=%s", relay, bytes(caller).decode(errors="replace"))
             asyncio.ensure_future(self._serve(channel.pipe, f"relay:{relay}"))

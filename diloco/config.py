@@ -94,7 +94,7 @@ class SwarmConfig:
     def relay_config(self) -> RelayConfig:
         """The relay settings of the data plane (`diloco.comms.relay`)."""
         return RelayConfig(serve=self.relay, circuits=self.relay_circuits, rate_mbit=self.relay_rate,
-                           reach=self.reach, slots=self.data_streams)
+                           reach=self.reach, slots=min(self.data_streams, _RELAY.waiting))
 
     def __post_init__(self) -> None:
         if not _RUN_ID.match(self.run_id):

@@ -194,7 +194,7 @@ def test_a_relay_serves_members_only_within_their_caps_and_refusals_are_counted(
                 return data
             await a.register("slow", slow)
             first = asyncio.ensure_future(b.call(a.peer_id, "slow", b"1", 10))
-            await s.until(lambda: sum(r.relay.circuits.values()) == 2)  # type: ignore[union-attr]
+            await s.until(lambda: sum(r.relay.circuits.values()) == 1)  # type: ignore[union-attr]  # the caller's
             second = asyncio.ensure_future(b.call(a.peer_id, "slow", b"2", 10))
             await s.until(lambda: refused["relay_busy"] == 1)
             gate.set()
@@ -230,6 +230,44 @@ def test_a_relay_that_goes_leaves_the_fallback_and_one_that_comes_back_is_used_a
             assert await b.call(a.peer_id, "echo", b"3", 10) == b"3" and b.paths[a.peer_id] == "relay"
         finally:
             await s.close()
+
+    run(main())
+
+
+def test_a_member_waiting_at_two_relays_is_called_by_each_over_its_own_waiting_connections() -> None:
+    async def main() -> None:
+        s = Swarmlet()
+        try:
+            r1 = await s.add("r1", RELAY)
+            r2 = await s.add("r2", RELAY)
+            a = await s.add("a", NAT, closed=True)
+            s.relays("r1", "r2")
+            await s.until(lambda: len(a.reach.via) == 2)  # type: ignore[union-attr]
+            for r in (r1, r2):  # no second hop: neither relay opens a circuit at the other
+                assert await r.call(a.peer_id, "echo", b"hi", 10) == b"ih" and r.paths[a.peer_id] == "relay"
+            assert r1.relay.opened == 0 and r2.relay.opened == 0  # type: ignore[union-attr]
+        finally:
+            await s.close()
+
+    run(main())
+
+
+def test_a_relay_sending_a_key_that_is_none_fails_the_callers_handshake_as_refused_not_with_a_crash() -> None:
+    async def main() -> None:
+        async def fake(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            await reader.readexactly(len(dp.MAGIC) + 32 + 16 + 1)
+            me = b"12D3KooWfake"
+            writer.write(dp.MAGIC + bytes(32) + bytes([len(me)]) + me + bytes(96))  # an all-zero X25519 key
+            await writer.drain()
+            await asyncio.sleep(1)
+            writer.close()
+
+        server = await asyncio.start_server(fake, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        ident = Identity.generate()
+        with pytest.raises(dp.DataRefused, match="X25519"):
+            await dp.connect("127.0.0.1", port, PeerId("12D3KooWfake"), ident, b"k" * 32, dp.ByteCounter(), 1 << 20)
+        server.close()
 
     run(main())
 
