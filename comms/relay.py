@@ -54,6 +54,8 @@ REASONS = ("relay_off", "relay_no_target", "relay_busy", "relay_malformed")
 """Why a relay refused a member's request (counted with the data port's refusals)."""
 MAX_VIA = 2
 """Relays a member that cannot be dialed waits at, at most."""
+GIVE_UP = 30.0
+"""Seconds a relay may stay lost before a member waits at another one the directory shows instead."""
 TAKE_TIMEOUT = 2.0
 """Seconds a call through a relay waits there for the callee's next waiting connection (all in use at once)."""
 REACH = ("auto", "relay", "direct")
@@ -68,9 +70,10 @@ class RelayConfig:
     serve: bool = False
     """Serve as a relay for the members of this run that cannot be dialed (`--relay`; a member whose own data
     port others can reach). Off: a member asking for it is refused (`relay_off`)."""
-    circuits: int = 64
-    """Circuits one member may have open through this relay at once, as caller or callee (a round's calls to one
-    member use up to `data_streams` each)."""
+    circuits: int = 256
+    """Circuits one member may have open through this relay at once as caller: it keeps up to `data_streams` (8)
+    open to each member it calls through the relay, so 256 serve calls to 32 members behind NATs; a callee's
+    circuits are bounded by the connections it keeps waiting."""
     waiting: int = 32
     """Connections one member may keep waiting here at once."""
     rate_mbit: float = 0.0
@@ -313,7 +316,8 @@ class Reach:
         """Calls that came to us through each relay."""
         self._tasks: dict[PeerId, list[asyncio.Task[None]]] = {}
         self._probe: asyncio.Task[None] | None = None
-        self._lost: set[PeerId] = set()
+        self._lost: dict[PeerId, float] = {}
+        """Relays our waiting connections lost, since when (until one waits there again)."""
         self._closed = False
 
     @property
@@ -328,7 +332,9 @@ class Reach:
         relays = [r for r in relays if r != self.me]
         if self.reachable is None and relays and (self._probe is None or self._probe.done()):
             self._probe = asyncio.ensure_future(self._ask(relays))
-        chosen = relays[:MAX_VIA] if self.reachable is False else []
+        now = time.monotonic()
+        working = [r for r in relays if now - self._lost.get(r, now) < GIVE_UP]  # a relay gone that long: the next
+        chosen = (working + [r for r in relays if r not in working])[:MAX_VIA] if self.reachable is False else []
         for relay in [r for r in self._tasks if r not in chosen]:
             for task in self._tasks.pop(relay):
                 task.cancel()
@@ -375,7 +381,7 @@ class Reach:
                 await channel.send(REQUEST, WAIT, b"")
                 self.live[relay] += 1
                 if relay in self._lost:
-                    self._lost.discard(relay)
+                    del self._lost[relay]
                     log.warning("event=relay_back relay=%s: members can call this peer through it again", relay)
                 backoff = 0.5
                 try:
@@ -398,7 +404,7 @@ class Reach:
 
     def _lose(self, relay: PeerId, e: BaseException) -> None:
         if relay not in self._lost:
-            self._lost.add(relay)
+            self._lost[relay] = time.monotonic()
             others = [r for r in self.via if r != relay]
             log.warning("event=relay_lost relay=%s reason=%s: %s", relay, f"{type(e).__name__}: {e}"[:200],
                         f"still reachable through {', '.join(others)}" if others else

@@ -272,6 +272,28 @@ def test_a_relay_sending_a_key_that_is_none_fails_the_callers_handshake_as_refus
     run(main())
 
 
+def test_a_relay_lost_for_long_is_replaced_by_the_next_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(rl, "GIVE_UP", 0.5)
+
+    async def main() -> None:
+        s = Swarmlet()
+        try:
+            r1, r2, r3 = [await s.add(n, RELAY) for n in ("r1", "r2", "r3")]
+            a = await s.add("a", NAT, closed=True)
+            s.relays("r1", "r2", "r3")
+            await s.until(lambda: set(a.reach.via) == {r1.peer_id, r2.peer_id})  # type: ignore[union-attr]
+            await r1.close()
+            await s.until(lambda: set(a.reach.via) == {r2.peer_id})  # type: ignore[union-attr]
+            await asyncio.sleep(0.6)
+            s.relays("r1", "r2", "r3")  # the next heartbeat: r1 still listed (its record not expired yet)
+            await s.until(lambda: set(a.reach.via) == {r2.peer_id, r3.peer_id})  # type: ignore[union-attr]
+            assert await r3.call(a.peer_id, "echo", b"x", 10) == b"x" and r3.paths[a.peer_id] == "relay"
+        finally:
+            await s.close()
+
+    run(main())
+
+
 def test_a_bucket_holds_a_sender_to_its_rate() -> None:
     bucket = rl.Bucket(rate=1e6, at=0.0)
     assert bucket.take(dp.RECORD, 0.0) == pytest.approx(dp.RECORD / 1e6)  # nothing in hand: wait for all of it
