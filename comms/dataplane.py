@@ -370,7 +370,7 @@ class _Pool:
     idle: list[Channel] = field(default_factory=list)
     slots: asyncio.Semaphore | None = None
     address: tuple[str, int] | tuple[str, str] | None = None
-    """host, port; or ("relay", its peer id) for connections through a relay."""
+    """host, port; or `RELAYED` for connections through relays."""
 
 
 class DirectTransport:
@@ -425,7 +425,7 @@ class DirectTransport:
 
     async def start(self) -> str:
         """Listen on the data port; returns the address to advertise."""
-        self._server = await serve_pipes(self._serve, self.cfg.host, self.cfg.port)
+        self._server = await serve_pipes(self.serve, self.cfg.host, self.cfg.port)
         host, port = self._server.sockets[0].getsockname()[:2]
         host = self.cfg.announce_host or host
         self.address = self.cfg.announce or (f"[{host}]:{port}" if ":" in host else f"{host}:{port}")
@@ -485,8 +485,8 @@ class DirectTransport:
         if pool.slots is None:
             pool.slots = asyncio.Semaphore(max(1, self.cfg.streams))
         async with pool.slots:
-            if pool.address != address:  # the member moved (restarted on another port, or to another relay): its
-                for stale in pool.idle:  # old connections are gone
+            if pool.address != address:  # the member moved (restarted on another port, or now waits at relays):
+                for stale in pool.idle:  # its old connections are gone
                     stale.close()
                 pool.idle, pool.address = [], address
             channel = pool.idle.pop() if pool.idle else None
@@ -494,7 +494,7 @@ class DirectTransport:
                 kept = channel is not None
                 if channel is None:
                     channel = await (self._connect_via(peer, through) if through is not None
-                                     else self._connect(peer, (address[0], int(address[1]))))
+                                     else self.connect_to(peer, (address[0], int(address[1]))))
                 try:
                     reply = await self._exchange(channel, name, payload)
                     break
@@ -518,7 +518,8 @@ class DirectTransport:
         _, reply = await channel.receive(REPLY)
         return reply
 
-    async def _connect(self, peer: PeerId, address: tuple[str, int]) -> Channel:
+    async def connect_to(self, peer: PeerId, address: tuple[str, int]) -> Channel:
+        """A data connection of our own to `peer` at `address` (`_NotConnected` when none could be made)."""
         guard = self.guard
         if guard is None:
             raise _NotConnected("no credential to open a data connection with")
@@ -551,16 +552,13 @@ class DirectTransport:
         address = parse_address(self.address_of(peer))
         if address is None:
             raise _NotConnected(f"{peer} names no data address")
-        return await self._connect(peer, address)
+        return await self.connect_to(peer, address)
 
     # ------------------------------------------------------------------ serving
 
-    async def serve(self, pipe: Pipe, caller: str) -> None:
-        """Serve a connection whose next bytes are a member's data handshake: one of ours a relay put a caller
-        through (`comms/relay.py`; `caller` names the relay in refusals)."""
-        await self._serve(pipe, caller)
-
-    async def _serve(self, pipe: Pipe, caller: str = "") -> None:
+    async def serve(self, pipe: Pipe, caller: str = "") -> None:
+        """Serve a connection whose next bytes are a member's data handshake: one that came to our data port, or one
+        of ours a relay put a caller through (`comms/relay.py`; `caller` then names the relay in refusals)."""
         task = asyncio.current_task()
         assert task is not None
         self._serving.add(task)
@@ -592,7 +590,7 @@ class DirectTransport:
                 reply = await handler(channel.peer, request)
                 await channel.send(REPLY, name, reply)
         except DataRefused as e:
-            self._refused(e.reason, caller, str(e))
+            self.refused(e.reason, caller, str(e))
             if e.reason == "data_unauthorized" and guard is not None:
                 await guard.tarpit.refused(caller)  # a caller that keeps trying waits, its connection unread
         except (Cut, OSError, asyncio.IncompleteReadError):
@@ -605,7 +603,7 @@ class DirectTransport:
             self._serving.discard(task)
             pipe.close()
 
-    def _refused(self, reason: str, caller: str, detail: str) -> None:
+    def refused(self, reason: str, caller: str, detail: str) -> None:
         """Count a refusal; log it once per caller and reason (a flood logs one line per address)."""
         guard = self.guard
         if guard is not None:

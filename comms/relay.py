@@ -90,10 +90,10 @@ class RelayConfig:
         if self.reach not in REACH:
             raise ValueError(f"reach must be one of {', '.join(REACH)}, got {self.reach!r}")
         if self.circuits < 1 or self.waiting < 1 or self.slots < 1:
-            raise ValueError(f"relay circuits, waiting and slots must be >= 1, got {self.circuits}, {self.waiting} "
+            raise ValueError(f"relay_circuits, waiting and slots must be >= 1, got {self.circuits}, {self.waiting} "
                              f"and {self.slots}")
         if not self.rate_mbit >= 0:
-            raise ValueError(f"relay rate must be >= 0 Mbit/s (0: no cap), got {self.rate_mbit}")
+            raise ValueError(f"relay_rate must be >= 0 Mbit/s (0: no cap), got {self.rate_mbit}")
 
 
 class Refused(TransportError):
@@ -134,16 +134,17 @@ class Bucket:
 
 class RelayService:
     """The relay's side: connections members keep waiting here, the circuits between them, and what each member
-    moved. `dial(peer, address)` opens a data connection to `peer` at `address` (a probe)."""
+    moved. `dial(peer, address)` opens a data connection to `peer` at `address` (a probe); `refused(reason, caller,
+    detail)` counts and logs a refusal as the data port does its own."""
 
     names = NAMES
 
-    def __init__(self, cfg: RelayConfig, me: PeerId, refused: Callable[[], Counter[str]],
+    def __init__(self, cfg: RelayConfig, refused: Callable[[str, str, str], None],
                  dial: Callable[[PeerId, tuple[str, int]], Awaitable[Channel]]) -> None:
-        self.cfg, self.me, self._refused, self._dial = cfg, me, refused, dial
+        self.cfg, self._refused, self._dial = cfg, refused, dial
         self.waiting: dict[PeerId, list[Channel]] = {}
         self.circuits: Counter[PeerId] = Counter()
-        """Circuits open now, by member (at either end)."""
+        """Circuits open now, by caller."""
         self.opened = 0
         """Circuits put through so far."""
         self.moved: Counter[PeerId] = Counter()
@@ -153,7 +154,6 @@ class RelayService:
         self._buckets: dict[PeerId, Bucket] = {}
         self._arrived: dict[PeerId, asyncio.Event] = {}
         self._probing: set[PeerId] = set()
-        self._logged: set[tuple[PeerId, str]] = set()
 
     async def serve(self, channel: Channel, name: str, body: bytes) -> None:
         """A member's request on its data connection `channel`, which this takes over until it ends."""
@@ -168,10 +168,7 @@ class RelayService:
             await self._probe(channel, member, body)
 
     async def _refuse(self, channel: Channel, name: str, reason: str, detail: str) -> None:
-        self._refused()[reason] += 1
-        if (channel.peer, reason) not in self._logged and len(self._logged) < 10_000:  # once per member and reason
-            self._logged.add((channel.peer, reason))
-            log.info("event=relay_refused reason=%s peer=%s detail=%s", reason, channel.peer, detail)
+        self._refused(reason, channel.peer, detail)
         await channel.send(REPLY, name, refusal(reason, detail))
 
     async def _wait(self, channel: Channel) -> None:
@@ -369,14 +366,9 @@ class Reach:
         """One connection waiting at `relay`, again and again: each one a member takes is served as a call."""
         backoff = 0.5
         while not self._closed:
+            channel: Channel | None = None
             try:
                 channel = await self._dial(relay)
-            except (TransportError, OSError, ValueError, asyncio.TimeoutError, asyncio.IncompleteReadError) as e:
-                self._lose(relay, e)  # (ValueError: an address the resolver refuses)
-                await asyncio.sleep(backoff)
-                backoff = min(2 * backoff, 5.0)
-                continue
-            try:
                 channel.pipe.keep_alive()
                 await channel.send(REQUEST, WAIT, b"")
                 self.live[relay] += 1
@@ -389,15 +381,17 @@ class Reach:
                 finally:
                     self.live[relay] -= 1
                 caller = answer(reply, relay)
-            except (TransportError, OSError, asyncio.IncompleteReadError) as e:
-                channel.close()
+            except BaseException as e:
+                if channel is not None:
+                    channel.close()
+                # (ValueError: an address the resolver refuses)
+                if not isinstance(e, (TransportError, OSError, ValueError, asyncio.TimeoutError,
+                                      asyncio.IncompleteReadError)):
+                    raise
                 self._lose(relay, e)
                 await asyncio.sleep(backoff)
                 backoff = min(2 * backoff, 5.0)
                 continue
-            except BaseException:
-                channel.close()
-                raise
             self.served[relay] += 1
             log.debug("event=relay_call relay=%s caller=%s", relay, bytes(caller).decode(errors="replace"))
             asyncio.ensure_future(self._serve(channel.pipe, f"relay:{relay}"))
@@ -421,26 +415,13 @@ class Reach:
             self._probe.cancel()
 
 
-__all__ = ["RelayConfig", "RelayService", "Reach", "Refused", "Bucket", "NAMES", "WAIT", "TO", "PROBE", "REASONS",
-           "MAX_VIA", "answer", "refusal", "attach"]
-
-
 def attach(transport: DirectTransport, cfg: RelayConfig) -> None:
     """Give a data plane its relay's side (serving, or refusing, members' relay requests) and its reach (probing,
     waiting at relays). Call on the transport's event loop, after `start` (the address to probe is known)."""
-    from .dataplane import connect
-
-    local: Counter[str] = Counter()
-
-    def refused() -> Counter[str]:
-        return transport.guard.refused if transport.guard is not None else local
-
-    async def dial(peer: PeerId, address: tuple[str, int]) -> Channel:
-        guard = transport.guard
-        if guard is None:
-            raise TransportError("no credential to open a data connection with")
-        return await connect(address[0], address[1], peer, transport.identity, guard.data_key, transport.counter,
-                             transport.max_message)
-
-    transport.relay = RelayService(cfg, transport.peer_id, refused, dial)
+    transport.relay = RelayService(cfg, transport.refused, transport.connect_to)
     transport.reach = Reach(cfg, transport.peer_id, lambda: transport.address, transport.dial, transport.serve)
+
+
+__all__ = ["RelayConfig", "RelayService", "Reach", "Refused", "Bucket", "NAMES", "WAIT", "TO", "PROBE", "REASONS",
+           "MAX_VIA", "answer", "refusal", "attach"]
+

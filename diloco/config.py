@@ -14,7 +14,7 @@ from diloco.comms import CollectiveConfig, PeerId
 from diloco.comms.auth import Guard, check_secret
 from diloco.comms.dataplane import DataConfig, parse_address
 from diloco.comms.identity import public_key_of
-from diloco.comms.relay import REACH, RelayConfig
+from diloco.comms.relay import RelayConfig
 from diloco.comms.robust import RobustConfig
 from diloco.compression.errors import ConfigError as ConfigError  # re-exported: settings errors are raised here
 from diloco.compression.pipeline import parse as parse_compression
@@ -83,7 +83,7 @@ class SwarmConfig:
     firewall that lets connections out only; docs/USAGE.md, "Behind NAT"). Only a member others can dial is of use
     as one."""
     relay_circuits: int = _RELAY.circuits
-    """As a relay: circuits one member may have open through it at once (as caller or callee)."""
+    """As a relay: circuits one member may have open through it at once as caller."""
     relay_rate: float = _RELAY.rate_mbit
     """As a relay: Mbit/s one member may send through it (0: no cap); a member over it is slowed down."""
     reach: str = _RELAY.reach
@@ -130,11 +130,10 @@ class SwarmConfig:
             raise ConfigError(f"data_announce must be host:port (an IPv6 host in brackets), got {self.data_announce!r}")
         if self.data_streams < 1:
             raise ConfigError(f"data_streams must be >= 1 connection, got {self.data_streams}")
-        if self.reach not in REACH:
-            raise ConfigError(f"reach must be one of {', '.join(REACH)}, got {self.reach!r}")
-        if self.relay_circuits < 1 or not self.relay_rate >= 0:
-            raise ConfigError(f"relay_circuits must be >= 1 and relay_rate >= 0 Mbit/s (0: no cap), got "
-                              f"{self.relay_circuits} and {self.relay_rate}")
+        try:
+            self.relay_config()  # its own checks (reach, circuits, rate), named as these fields are
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
         if self.topology not in ("flat", "gossip"):
             raise ConfigError(f"topology must be 'flat' or 'gossip', got {self.topology!r}")
         if self.topology == "gossip":
