@@ -89,9 +89,10 @@ class RelayConfig:
     def __post_init__(self) -> None:
         if self.reach not in REACH:
             raise ValueError(f"reach must be one of {', '.join(REACH)}, got {self.reach!r}")
-        if self.circuits < 1 or self.waiting < 1 or self.slots < 1:
-            raise ValueError(f"relay_circuits, waiting and slots must be >= 1, got {self.circuits}, {self.waiting} "
-                             f"and {self.slots}")
+        if self.circuits < 1:
+            raise ValueError(f"relay_circuits must be >= 1 circuit a member, got {self.circuits}")
+        if self.waiting < 1 or self.slots < 1:
+            raise ValueError(f"waiting and slots must be >= 1 connection, got {self.waiting} and {self.slots}")
         if not self.rate_mbit >= 0:
             raise ValueError(f"relay_rate must be >= 0 Mbit/s (0: no cap), got {self.rate_mbit}")
 
