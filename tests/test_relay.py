@@ -81,7 +81,10 @@ class Swarmlet:
             assert time.monotonic() < deadline, "timed out"
             await asyncio.sleep(0.02)
 
-    async def close(self) -> None:
+    async def __aenter__(self) -> Swarmlet:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
         for t in self.members.values():
             await t.close()
 
@@ -96,8 +99,7 @@ NAT = rl.RelayConfig(reach="relay")
 
 def test_a_member_that_cannot_be_dialed_is_called_through_a_relay_that_copies_only_ciphertext() -> None:
     async def main() -> None:
-        s = Swarmlet()
-        try:
+        async with Swarmlet() as s:
             r = await s.add("r", RELAY)
             a = await s.add("a", NAT, closed=True)
             b = await s.add("b", rl.RelayConfig(reach="direct"))
@@ -133,16 +135,13 @@ def test_a_member_that_cannot_be_dialed_is_called_through_a_relay_that_copies_on
             await s.until(lambda: a.reach.live[r.peer_id] == 8)  # type: ignore[union-attr]
             # the fallback: a relay's own record says b is reachable, so b is called on its data port
             assert await a.call(b.peer_id, "echo", b"ab", 10) == b"ba" and a.paths[b.peer_id] == "direct"
-        finally:
-            await s.close()
 
     run(main())
 
 
 def test_a_probe_tells_a_member_whether_it_can_be_dialed_and_only_one_that_cannot_waits_at_relays() -> None:
     async def main() -> None:
-        s = Swarmlet()
-        try:
+        async with Swarmlet() as s:
             r = await s.add("r", RELAY)
             open_ = await s.add("open", rl.RelayConfig())
             shut = await s.add("shut", rl.RelayConfig(), closed=True)
@@ -153,16 +152,13 @@ def test_a_probe_tells_a_member_whether_it_can_be_dialed_and_only_one_that_canno
             await s.until(lambda: shut.reach.via == (r.peer_id,))  # type: ignore[union-attr]
             assert open_.reach.via == () and not open_.reach._tasks  # type: ignore[union-attr]
             assert await open_.call(shut.peer_id, "echo", b"hi", 10) == b"ih" and open_.paths[shut.peer_id] == "relay"
-        finally:
-            await s.close()
 
     run(main())
 
 
 def test_a_relay_serves_members_only_within_their_caps_and_refusals_are_counted() -> None:
     async def main() -> None:
-        s = Swarmlet()
-        try:
+        async with Swarmlet() as s:
             r = await s.add("r", rl.RelayConfig(serve=True, reach="direct", circuits=1, rate_mbit=16))
             a = await s.add("a", NAT, closed=True)
             b = await s.add("b", rl.RelayConfig(reach="direct"))
@@ -205,16 +201,13 @@ def test_a_relay_serves_members_only_within_their_caps_and_refusals_are_counted(
             payload = secrets.token_bytes(4 << 20)
             assert await b.call(a.peer_id, "echo", payload, 30) == payload[::-1]
             assert time.monotonic() - started > 1.2 and r.relay.throttled[b.peer_id] > 1.0  # type: ignore[union-attr]
-        finally:
-            await s.close()
 
     run(main())
 
 
 def test_a_relay_that_goes_leaves_the_fallback_and_one_that_comes_back_is_used_again() -> None:
     async def main() -> None:
-        s = Swarmlet()
-        try:
+        async with Swarmlet() as s:
             ident = Identity.generate()
             r = await s.add("r", RELAY, identity=ident)
             a = await s.add("a", NAT, closed=True)
@@ -228,16 +221,13 @@ def test_a_relay_that_goes_leaves_the_fallback_and_one_that_comes_back_is_used_a
             await s.add("r", RELAY, identity=ident)  # back, on another port
             await s.until(lambda: a.reach.via == (r.peer_id,))  # type: ignore[union-attr]
             assert await b.call(a.peer_id, "echo", b"3", 10) == b"3" and b.paths[a.peer_id] == "relay"
-        finally:
-            await s.close()
 
     run(main())
 
 
 def test_a_member_waiting_at_two_relays_is_called_by_each_over_its_own_waiting_connections() -> None:
     async def main() -> None:
-        s = Swarmlet()
-        try:
+        async with Swarmlet() as s:
             r1 = await s.add("r1", RELAY)
             r2 = await s.add("r2", RELAY)
             a = await s.add("a", NAT, closed=True)
@@ -246,8 +236,6 @@ def test_a_member_waiting_at_two_relays_is_called_by_each_over_its_own_waiting_c
             for r in (r1, r2):  # no second hop: neither relay opens a circuit at the other
                 assert await r.call(a.peer_id, "echo", b"hi", 10) == b"ih" and r.paths[a.peer_id] == "relay"
             assert r1.relay.opened == 0 and r2.relay.opened == 0  # type: ignore[union-attr]
-        finally:
-            await s.close()
 
     run(main())
 
@@ -276,8 +264,7 @@ def test_a_relay_lost_for_long_is_replaced_by_the_next_one(monkeypatch: pytest.M
     monkeypatch.setattr(rl, "GIVE_UP", 0.5)
 
     async def main() -> None:
-        s = Swarmlet()
-        try:
+        async with Swarmlet() as s:
             r1, r2, r3 = [await s.add(n, RELAY) for n in ("r1", "r2", "r3")]
             a = await s.add("a", NAT, closed=True)
             s.relays("r1", "r2", "r3")
@@ -288,8 +275,6 @@ def test_a_relay_lost_for_long_is_replaced_by_the_next_one(monkeypatch: pytest.M
             s.relays("r1", "r2", "r3")  # the next heartbeat: r1 still listed (its record not expired yet)
             await s.until(lambda: set(a.reach.via) == {r2.peer_id, r3.peer_id})  # type: ignore[union-attr]
             assert await r3.call(a.peer_id, "echo", b"x", 10) == b"x" and r3.paths[a.peer_id] == "relay"
-        finally:
-            await s.close()
 
     run(main())
 
