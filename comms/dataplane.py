@@ -410,6 +410,7 @@ class DirectTransport:
         self._server: asyncio.Server | None = None
         self._logged: set[tuple[str, str]] = set()
         self._serving: set[asyncio.Task[None]] = set()
+        self._closed = False
         self._gate = StreamGate(GateConfig(), refused=inner.guard.refused if inner.guard is not None else None)
         """Handshakes in progress at the data port: the libp2p port's caps and deadline, counted with its cuts."""
 
@@ -567,8 +568,8 @@ class DirectTransport:
             caller = f"data:{where[0] if where else '?'}"
         guard = self.guard
         try:
-            if guard is None:
-                return
+            if guard is None or self._closed:  # (a connection accepted while we closed: its task began after
+                return  # close() cancelled those it found)
             try:
                 with self._gate.opening(caller):
                     channel = await asyncio.wait_for(
@@ -613,6 +614,7 @@ class DirectTransport:
             log.warning("event=call_refused reason=%s peer=%s detail=%s", reason, caller, detail)
 
     async def close(self) -> None:
+        self._closed = True
         if self.reach is not None:
             self.reach.close()
         for pool in self._pools.values():
