@@ -7,9 +7,15 @@ on one lab with the bench's throttle, not how fast this machine is.
 
 from __future__ import annotations
 
+import signal
+import subprocess
+import sys
+import time
+
 import pytest
 
 from diloco.bench.hetero import HeteroSetup, markdown_table, run, useful_share, variants, worker_rows
+from diloco.bench.lab import stop_stragglers
 
 
 def _round(steps, committed=True):
@@ -44,6 +50,11 @@ def test_the_variants_share_the_model_and_differ_in_how_a_round_ends():
     assert "--round-seconds" not in adaptive.flags
     assert HeteroSetup(inner_steps=500).seconds_of_a_round(0.014) == pytest.approx(7.0)  # the fastest: H steps a round
     assert HeteroSetup(round_seconds=3.0).seconds_of_a_round(0.014) == 3.0
+    # fixed H waiting always runs first (the finish line); `compared` picks the others, in the bench's order
+    picked = variants(HeteroSetup(compared=("adaptive", "without")), round_seconds=0.75)
+    every = {v.key: v for v in variants(HeteroSetup(), round_seconds=0.75)}
+    assert list(every) == ["waiting", "without", "time", "overlap", "adaptive"]
+    assert picked == [every["waiting"], every["without"], every["adaptive"]]
 
 
 @pytest.mark.parametrize("bad, says", [
@@ -54,41 +65,56 @@ def test_the_variants_share_the_model_and_differ_in_how_a_round_ends():
     (dict(overlap=0), "overlap"),
     (dict(round_seconds=0), "round_seconds"),
     (dict(adaptive_steps=0), "adaptive_steps"),
+    (dict(compared=("time", "bogus")), "among without, time, overlap, adaptive"),
+    (dict(compared=("time", "time")), "distinct"),
 ])
 def test_a_setup_that_cannot_run_is_refused_saying_why(bad, says):
     with pytest.raises(ValueError, match=says):
         HeteroSetup(**bad)
 
 
+def test_a_worker_still_running_after_the_grace_is_stopped_and_one_that_ended_is_left_alone():
+    """The bench's straggler rule (`straggle_s`, used by the going-on-without variant): once the fastest worker
+    ended, one still running after the grace gets SIGTERM (it ends its run as on Ctrl-C)."""
+    ended = subprocess.Popen([sys.executable, "-c", "pass"])
+    ended.wait()
+    running = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        started = time.monotonic()
+        stop_stragglers([ended, running], after=0.5)
+        assert running.wait(timeout=10) == -signal.SIGTERM and ended.returncode == 0
+        assert 0.4 < time.monotonic() - started < 5
+    finally:
+        running.kill()
+        running.wait()
+
+
 @pytest.mark.multiproc
 @pytest.mark.timeout(300)
 def test_fixed_h_and_rounds_by_time_run_with_throttled_peers_across_an_emulated_link(tmp_path):
-    """Two real peers, the second throttled 3×: fixed H waiting for it, fixed H going on without it, rounds by time
-    plain and overlapped, adaptive rounds. Every variant ends on one digest (among the workers at its last round);
-    waiting, the fast worker's steps a round are H; by time and adaptive, the fast worker covers more steps a round
-    than the throttled one (adaptive: the slow one read the fast one's step time from its record, over the DHT: a
-    heartbeat or two after the fast one published it, so the adaptive variant's rounds are long enough, H=400, for its
-    last round to come well after that)."""
+    """Two real peers, the second throttled 3×: fixed H waiting for it, then adaptive rounds (the harness is the same
+    for every variant; what each variant's flags do is tested where they are built: test_round_seconds,
+    test_straggler, the unit tests above). Both end on one digest (among the workers at the last round); waiting,
+    the fast worker's steps a round are H; adaptive, the fast worker covers more steps a round than the throttled one
+    (the slow one read the fast one's step time from its record, over the DHT: a heartbeat or two after the fast one
+    published it, so the adaptive variant's rounds are long enough, H=400, for its last round to come well after
+    that)."""
     # rounds by time of 0.5 s (by default H × the fast step: a few ms at this size, too short to tell the workers apart)
     setup = HeteroSetup(slowdowns=(1.0, 3.0), rate_mbit=50.0, delay_ms=5.0, inner_steps=8, rounds=2, grace=1.0,
                         overlap=1, round_seconds=0.5, adaptive_steps=400, d_model=32, layers=1, context=32,
-                        batch_size=2, warmup=2,
+                        batch_size=2, warmup=2, compared=("adaptive",),
                         timeout_s=150, straggle_s=5)
     lines: list[str] = []
     report = run(setup, workdir=tmp_path, progress=lines.append, measure=False)
-    fixed, without, by_time, overlapped, adaptive = report["results"]
+    fixed, adaptive = report["results"]
     assert all(r["digests_agree"] for r in report["results"]), report["results"]
     assert fixed["rounds"] == 2 and [w["steps_per_round"] for w in fixed["workers"]] == [8.0, 8.0]
-    assert without["rounds"] == 6 and by_time["rounds"] == 6 and overlapped["rounds"] == 6 and adaptive["rounds"] == 6
-    # (the throttle multiplies compute; at this size the rest of a step is not)
-    fast, slow = by_time["workers"]
-    assert fast["steps_per_round"] > 1.25 * slow["steps_per_round"], by_time
-    # adaptive, the last round: not H of its own but H of the fast one's steps (the message shows each round's steps and
+    assert adaptive["rounds"] == 6
+    # (the throttle multiplies compute; at this size the rest of a step is not); adaptive, the last round: not H of its own but H of the fast one's steps (the message shows each round's steps and
     # the step times, for a failure)
     fast, slow = adaptive["workers"]
     assert fast["steps_each_round"][-1] > 1.25 * slow["steps_each_round"][-1], adaptive["workers"]
     assert slow["steps_each_round"][-1] < 0.8 * 400, adaptive["workers"]
-    assert report["round_seconds"] == 0.5 and "rounds by time (0.50 s)" in by_time["name"]
-    assert report["standings"][0]["target"] == fixed["eval_loss"]
+    assert report["round_seconds"] == 0.5 and [s["target"] for s in report["standings"]] == [fixed["eval_loss"]] * 2
     text = markdown_table(report)
-    assert "rounds by time" in text and "worker 1 (3×)" in text and "2 hosts in network namespaces" in lines[0]
+    assert "adaptive (H=400" in text and "worker 1 (3×)" in text and "2 hosts in network namespaces" in lines[0]

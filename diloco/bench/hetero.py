@@ -21,6 +21,8 @@ time), 1×, 2× and 4× by default:
   from the step times the workers publish in their records (by default the same H as the fixed-H runs, so its
   rounds are as long as the rounds by time).
 
+The first always runs; `compared` (`--compare`) picks which of the other four follow it.
+
 The first variant runs `rounds` rounds; its final held-out loss is the finish line. The others may run for
 `rounds` × the largest slowdown rounds (their rounds are that much shorter) to get there. A variant's clock is its
 first peer's (the fastest worker's) `train_seconds`. For each worker the report gives its compute utilization (the
@@ -39,6 +41,11 @@ from typing import Any, Callable, Sequence
 
 from .lab import LabModel, Lines, Tick, final, measure_link, run_swarm
 from .race import curve, finish_plot, finish_table, standings
+
+
+COMPARED = ("without", "time", "overlap", "adaptive")
+"""The variants compared with fixed H waiting for the slowest: fixed H going on without the slow workers, rounds by
+time, rounds by time overlapped, adaptive rounds."""
 
 
 @dataclass(frozen=True)
@@ -71,6 +78,9 @@ class HeteroSetup(LabModel):
     straggle_s: float = 30.0
     """A worker still running this long after the first (fastest) one ended is stopped: one the swarm went on without
     may never reach the last round (it ends its run and writes its final line, its steps counted as they are)."""
+    compared: tuple[str, ...] = COMPARED
+    """The variants run after fixed H waiting for the slowest (always first: its final loss is the finish line and
+    its fastest step time sets the rounds by time), among `COMPARED`."""
 
     def __post_init__(self) -> None:
         if len(self.slowdowns) < 2 or any(not 1 <= s < float("inf") for s in self.slowdowns):
@@ -87,6 +97,10 @@ class HeteroSetup(LabModel):
             raise ValueError(f"round_seconds must be > 0, got {self.round_seconds}")
         if self.adaptive_steps is not None and self.adaptive_steps < 1:
             raise ValueError(f"adaptive_steps must be >= 1, got {self.adaptive_steps}")
+        unknown = [c for c in self.compared if c not in COMPARED]
+        if unknown or len(set(self.compared)) != len(self.compared):
+            raise ValueError(f"compared variants must be distinct names among {', '.join(COMPARED)}, got "
+                             f"{', '.join(self.compared) or 'none'}")
 
     def seconds_of_a_round(self, fastest_step: float) -> float:
         """The rounds by time's S: `round_seconds`, else H × the fastest worker's step (`fastest_step` seconds), so that
@@ -101,33 +115,35 @@ class HeteroSetup(LabModel):
 
 @dataclass(frozen=True)
 class Variant:
+    key: str
     name: str
     flags: tuple[str, ...]
 
 
 def variants(setup: HeteroSetup, round_seconds: float) -> list[Variant]:
-    """Fixed H waiting for the slowest first (its final loss is the finish line), then fixed H going on without the
-    slow workers, then rounds by time, plain and overlapped, then adaptive rounds."""
+    """Fixed H waiting for the slowest first (its final loss is the finish line), then those of `setup.compared` in
+    this order: fixed H going on without the slow workers, rounds by time, plain and overlapped, adaptive rounds."""
     h, more = str(setup.inner_steps), str(setup.rounds * setup.longer)
     adaptive = str(setup.adaptive_steps or setup.inner_steps)
     patient = str(max(600.0, 20 * setup.inner_steps))  # seconds: far beyond the slowest worker's round
-    return [
-        Variant(f"fixed H={h}, waiting for the slowest", ("-H", h, "--rounds", str(setup.rounds),
+    every = [
+        Variant("waiting", f"fixed H={h}, waiting for the slowest", ("-H", h, "--rounds", str(setup.rounds),
                                                           "--gather-timeout", patient, "--round-timeout", patient,
                                                           "--eval-every", "1")),
-        Variant(f"fixed H={h}, going on without ({setup.grace:g} s grace)",
+        Variant("without", f"fixed H={h}, going on without ({setup.grace:g} s grace)",
                 ("-H", h, "--rounds", more, "--gather-timeout", f"{setup.grace:g}", "--round-timeout", "60",
                  "--eval-every", "1")),
-        Variant(f"rounds by time ({round_seconds:.2f} s)",
+        Variant("time", f"rounds by time ({round_seconds:.2f} s)",
                 ("--round-seconds", f"{round_seconds:.3f}", "--rounds", more, "--gather-timeout", "60",
                  "--round-timeout", "60", "--eval-every", "1")),
-        Variant(f"rounds by time ({round_seconds:.2f} s), overlap τ={setup.overlap}",
+        Variant("overlap", f"rounds by time ({round_seconds:.2f} s), overlap τ={setup.overlap}",
                 ("--round-seconds", f"{round_seconds:.3f}", "--overlap", str(setup.overlap), "--alpha", "0",
                  "--rounds", more, "--gather-timeout", "60", "--round-timeout", "60", "--eval-every", "1")),
-        Variant(f"adaptive (H={adaptive} of the fastest)",
+        Variant("adaptive", f"adaptive (H={adaptive} of the fastest)",
                 ("-H", adaptive, "--adaptive", "--rounds", more, "--gather-timeout", "60", "--round-timeout", "60",
                  "--eval-every", "1")),
     ]
+    return [v for v in every if v.key == "waiting" or v.key in setup.compared]
 
 
 def step_seconds(end: dict[str, Any]) -> float:

@@ -88,7 +88,7 @@ def run_swarm(lab: Any, peers: int, args: Sequence[str], workdir: Path, timeout_
                     if watch is not None:
                         watch(read_jsonl(workdir / "peer0.jsonl"))
             if k == 0 and straggle_s is not None:
-                _stop_stragglers(procs[1:], straggle_s)
+                stop_stragglers(procs[1:], straggle_s)
     finally:
         for p in procs:
             if p.poll() is None:
@@ -105,7 +105,7 @@ def run_swarm(lab: Any, peers: int, args: Sequence[str], workdir: Path, timeout_
     return out
 
 
-def _stop_stragglers(procs: Sequence[subprocess.Popen[bytes]], after: float) -> None:
+def stop_stragglers(procs: Sequence[subprocess.Popen[bytes]], after: float) -> None:
     """Give `procs` `after` seconds to end, then SIGTERM those still running (they end their runs)."""
     deadline = time.monotonic() + after
     while any(p.poll() is None for p in procs) and time.monotonic() < deadline:

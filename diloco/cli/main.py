@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any, Callable, List, NoReturn, Optional
 import typer
 
 from ..bench.chaos import ChaosSetup
+from ..bench.hetero import HeteroSetup
 from ..comms import CollectiveConfig
 from ..config import ConfigError, SwarmConfig
 from ..job.train import JobConfig, training_device
@@ -837,6 +838,9 @@ def bench_race_cmd(
     _lab_bench(race, setup, "race", "racers", json_path, plot_path, workdir, quiet)
 
 
+_HETERO = HeteroSetup()  # the defaults of `bench hetero`, declared once there
+
+
 @bench_app.command("hetero")
 def bench_hetero_cmd(
     slowdowns: str = typer.Option("1,2,4", help="How many times as long each worker's inner step takes, one worker "
@@ -849,6 +853,9 @@ def bench_hetero_cmd(
     overlap: int = typer.Option(50, help="τ of the overlapped rounds by time, inner steps of the fastest worker."),
     round_seconds: Optional[float] = typer.Option(None, help="A round by time, s (default: H × the fastest "
                                                              "worker's step time in the first run)."),
+    compare: str = typer.Option(",".join(_HETERO.compared), help="The variants run after fixed H waiting for the "
+                                "slowest (always first: the finish line), comma-separated: without (fixed H going "
+                                "on without the slow), time (rounds by time), overlap (overlapped), adaptive."),
     lr: float = LabLr,
     d_model: int = LabWidth,
     layers: int = LabLayers,
@@ -869,8 +876,8 @@ def bench_hetero_cmd(
             raise ValueError(f"--slowdowns {slowdowns!r}: expected numbers separated by commas, e.g. 1,2,4") from None
         return hetero.HeteroSetup(slowdowns=factors, rate_mbit=rate, delay_ms=delay, inner_steps=inner_steps,
                                   rounds=rounds, grace=grace, overlap=overlap, round_seconds=round_seconds, lr=lr,
-                                  d_model=d_model,
-                                  layers=layers)
+                                  d_model=d_model, layers=layers,
+                                  compared=tuple(c.strip() for c in compare.split(",") if c.strip()))
 
     _lab_bench(hetero, setup, "hetero", "variants", json_path, plot_path, workdir, quiet)
 
