@@ -94,5 +94,7 @@ def use_in_hivemind(now: Callable[[], float]) -> None:
     importlib.import_module("hivemind.utils.timed_storage")  # first: a module loaded later takes the name from it
 
     for name, module in list(sys.modules.items()):
-        if (name == "hivemind" or name.startswith("hivemind.")) and callable(getattr(module, "get_dht_time", None)):
+        # vars(), not getattr: a read of the package's own names would run all of hivemind's __init__ (its averager
+        # and scipy: diloco.hivemind_lean), and one that ran later takes the name from timed_storage anyway
+        if (name == "hivemind" or name.startswith("hivemind.")) and callable(vars(module).get("get_dht_time")):
             module.get_dht_time = now  # type: ignore[attr-defined]

@@ -28,6 +28,21 @@ def test_diloco_imports_hivemind_p2p_and_dht_without_its_averager_and_the_packag
     assert out.splitlines() == ["[]", "True hivemind.optim.optimizer True True"]
 
 
+def test_the_swarm_clock_set_in_hivemind_leaves_the_rest_of_hivemind_unloaded_and_is_read_once_it_loads():
+    """Every peer sets its swarm clock in hivemind's modules (comms.clock.use_in_hivemind): that must not read the
+    package's own names (it ran all of hivemind's __init__ in every peer, ~0.3 s, until 2026-11-28), and the
+    package completed later reads the same clock."""
+    out = run("import sys, diloco, hivemind.dht\n"
+              "from diloco.comms.clock import use_in_hivemind\n"
+              "use_in_hivemind(lambda: 42.0)\n"
+              "print(sorted(m for m in ('scipy', 'hivemind.averaging') if m in sys.modules))\n"
+              "import hivemind, hivemind.dht.node as node\n"
+              "hivemind.DHT  # the package's own names: its __init__ runs now, loading the averager\n"
+              "from hivemind.averaging import matchmaking\n"
+              "print(matchmaking.get_dht_time(), node.get_dht_time(), 'scipy' in sys.modules)\n")
+    assert out.splitlines() == ["[]", "42.0 42.0 True"]
+
+
 def test_hivemind_imported_before_diloco_is_left_as_it_is():
     out = run("import hivemind, diloco, sys\nprint('__getattr__' in vars(hivemind), 'scipy' in sys.modules)")
     assert out == "False True"
