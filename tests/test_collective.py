@@ -234,14 +234,16 @@ def test_expected_peer_that_never_gets_ready_is_left_out_after_gather_timeout():
 
     async def main():
         net = InProcNetwork()
-        cs = await _collectives(net, PEERS)  # p3 exists but does not call run_round
+        # p3 exists but does not call run_round; the exchange's deadlines far beyond the gather's (PATIENT), so the
+        # bound below tells "left out at the gather's deadline" from "waited for in the exchange" on a busy machine
+        cs = await _collectives(net, PEERS, PATIENT)  # (1.68 s against FAST's 1.5 s bound once, a core busy)
         deltas = _deltas(PEERS, 99, seed=4)
         started = time.monotonic()
         outs = await _round(cs, RoundKey(0), PEERS, deltas, members=present)
         return deltas, outs, time.monotonic() - started, cs["p3"]
 
     deltas, outs, took, p3 = asyncio.run(main())
-    assert FAST.gather_timeout * 0.9 <= took < FAST.gather_timeout + FAST.result_timeout
+    assert PATIENT.gather_timeout * 0.9 <= took < PATIENT.reduce_timeout, took
     first = outs["p0"].aggregate
     for o in outs.values():
         assert o.committed, o.reason
