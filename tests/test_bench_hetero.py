@@ -14,8 +14,11 @@ import time
 
 import pytest
 
-from diloco.bench.hetero import HeteroSetup, markdown_table, run, useful_share, variants, worker_rows
+from diloco.bench.hetero import (HeteroSetup, markdown_table, round_overhead_ms, run, useful_share, variants,
+                                 worker_rows)
+from diloco.sim.simulate import Link
 from diloco.bench.lab import stop_stragglers
+from diloco.job.train import throttle_seconds
 
 
 def _round(steps, committed=True):
@@ -35,6 +38,20 @@ def test_a_workers_useful_steps_are_those_its_committed_rounds_covered():
     assert rows[0]["useful_utilization"] == pytest.approx(0.8 * 2 / 3) and rows[0]["steps_per_round"] == 50
     assert rows[1]["useful_share"] == 1.0 and rows[1]["steps_per_round"] == 20
     assert rows[0]["step_seconds"] == pytest.approx(8.0 / 150)
+
+
+def test_a_rounds_own_time_is_its_sync_time_less_its_link_time():
+    """The slowest worker's sync time a round (growth of `sync_seconds`) less what its link needed for its bytes
+    (6 one-way latencies of 50 ms, 1 MB at 8 Mbit/s: 1.3 s): the median after the first round, in ms."""
+    def line(sync, committed=True):
+        return dict(event="round", committed=committed, sync_seconds=sync, bytes_sent=1_000_000,
+                    bytes_received=900_000)
+    link = Link(bandwidth_mbit=8, latency_ms=50)
+    lines = [line(9.0), line(10.5), line(11.0, committed=False), line(11.9), line(13.3), _final(40)]
+    # increments 1.5 (10.5 - 9.0), 1.4 (11.9 - 10.5: the failed attempt's time is in the committed one's), 1.4
+    assert round_overhead_ms(lines, link) == pytest.approx(100.0)
+    assert round_overhead_ms([line(1.0), _final(4)], link) is None
+    assert round_overhead_ms([line(1.0), line(1.5)], link) == 0.0  # faster than the model: nothing to add
 
 
 def test_the_variants_share_the_model_and_differ_in_how_a_round_ends():
@@ -71,6 +88,16 @@ def test_the_variants_share_the_model_and_differ_in_how_a_round_ends():
 def test_a_setup_that_cannot_run_is_refused_saying_why(bad, says):
     with pytest.raises(ValueError, match=says):
         HeteroSetup(**bad)
+
+
+def test_the_throttle_sleeps_for_the_work_a_step_did_not_for_a_freeze():
+    """`--slowdown F` sleeps (F − 1) × a step's forward and backward; on a CPU at most their CPU time: a peer
+    SIGSTOPped 4 s inside a step (tests/test_multiproc.py's hung peer) slept 28 s more at F = 8 and missed the
+    swarm's end; a starved one is not made slower still."""
+    assert throttle_seconds(8.0, wall=4.02, cpu=0.02) == pytest.approx(7 * 0.02)  # frozen 4 s
+    assert throttle_seconds(3.0, wall=0.01, cpu=0.03) == pytest.approx(2 * 0.01)  # two torch threads: the wall
+    assert throttle_seconds(3.0, wall=0.05, cpu=None) == pytest.approx(0.1)  # an accelerator: its wall time
+    assert throttle_seconds(1.0, wall=0.05, cpu=0.05) == 0.0
 
 
 def test_a_worker_still_running_after_the_grace_is_stopped_and_one_that_ended_is_left_alone():
@@ -115,6 +142,7 @@ def test_fixed_h_and_rounds_by_time_run_with_throttled_peers_across_an_emulated_
     fast, slow = adaptive["workers"]
     assert fast["steps_each_round"][-1] > 1.25 * slow["steps_each_round"][-1], adaptive["workers"]
     assert slow["steps_each_round"][-1] < 0.8 * 400, adaptive["workers"]
+    assert report["round_overhead_ms"] is not None and report["round_overhead_ms"] >= 0
     assert report["round_seconds"] == 0.5 and [s["target"] for s in report["standings"]] == [fixed["eval_loss"]] * 2
     text = markdown_table(report)
     assert "adaptive (H=400" in text and "worker 1 (3×)" in text and "2 hosts in network namespaces" in lines[0]

@@ -38,6 +38,13 @@ def test_projection_is_the_closed_form_on_a_synthetic_run():
         pytest.approx(4 * 0.56)
     hidden = project(rounds, steps_per_round=10, overlap=11, workers=2, net=net, step_seconds=1)
     assert hidden.blocked_seconds == 0 and hidden.utilization == pytest.approx((1.0, 1.0))
+    # what a round takes on the workers' machines (`--round-overhead-ms`) adds to every round's time on the link,
+    # and τ steps hide it as they hide the link's
+    busy = NetworkModel(bandwidth_mbit=8, latency_ms=10, step_seconds=0.1, round_overhead_ms=140)
+    assert project(rounds, steps_per_round=10, overlap=0, workers=2, net=busy, step_seconds=1).wall_seconds == \
+        pytest.approx(4 * (1.0 + 1.2))
+    assert project(rounds, steps_per_round=10, overlap=11, workers=2, net=busy, step_seconds=1).blocked_seconds == \
+        pytest.approx(4 * 0.1)
 
 
 def test_projection_moves_at_the_slowest_workers_pace():
@@ -48,7 +55,8 @@ def test_projection_moves_at_the_slowest_workers_pace():
 
 
 def test_network_model_rejects_impossible_links():
-    for bad in (dict(bandwidth_mbit=0), dict(latency_ms=-1), dict(step_seconds=0), dict(speeds=(1.0, 0.0))):
+    for bad in (dict(bandwidth_mbit=0), dict(latency_ms=-1), dict(step_seconds=0), dict(speeds=(1.0, 0.0)),
+                dict(round_overhead_ms=-1)):
         with pytest.raises(ConfigError):
             NetworkModel(**bad)
     with pytest.raises(ConfigError, match="speeds lists 1 workers"):

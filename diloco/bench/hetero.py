@@ -34,11 +34,13 @@ Needs root (network namespaces). `diloco bench hetero --help` lists the knobs.
 
 from __future__ import annotations
 
+import statistics
 import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+from ..sim.simulate import Link
 from .lab import LabModel, Lines, Tick, final, measure_link, run_swarm
 from .race import curve, finish_plot, finish_table, standings
 
@@ -157,6 +159,19 @@ def committed_steps(lines: Lines) -> list[int]:
     return [int(ln.get("round_steps") or 0) for ln in lines if ln.get("event") == "round" and ln.get("committed")]
 
 
+def round_overhead_ms(lines: Lines, link: Link) -> float | None:
+    """What a worker's rounds took on its own machine beyond their time on `link`, ms (median over its committed
+    rounds after the first): the time its training thread spent in each round's synchronization (the growth of its
+    round lines' `sync_seconds`) less the link's time for the bytes it moved then (`Link.seconds`: six one-way
+    latencies and the larger direction at the link's rate). Meaningful for a worker that waits for nobody: the
+    slowest when every round waits for all (`diloco simulate --round-overhead-ms`). None with under two rounds."""
+    rounds = [ln for ln in lines if ln.get("event") == "round" and ln.get("committed")]
+    beyond = [float(b["sync_seconds"]) - float(a["sync_seconds"]) - link.seconds(int(b["bytes_sent"]),
+                                                                                int(b["bytes_received"]))
+              for a, b in zip(rounds, rounds[1:])]
+    return round(1e3 * max(0.0, statistics.median(beyond)), 1) if beyond else None
+
+
 def useful_share(lines: Lines) -> float:
     """The share of a worker's inner steps that entered a committed round: the steps its committed rounds covered,
     over all it took (a round the swarm went on without loses them)."""
@@ -190,6 +205,7 @@ def run(setup: HeteroSetup, *, workdir: Path | None = None, progress: Callable[[
     per_peer = [("--slowdown", f"{s:g}", *(("--eval-every", "0") if i else ())) for i, s in enumerate(setup.slowdowns)]
     results: list[dict[str, Any]] = []
     round_seconds = setup.round_seconds
+    overhead: float | None = None
     with WanLab(hosts=peers, rate_mbit=setup.rate_mbit, delay_ms=setup.delay_ms) as lab:
         link = lab.describe()
         progress(link)
@@ -222,11 +238,15 @@ def run(setup: HeteroSetup, *, workdir: Path | None = None, progress: Callable[[
             results.append(res)
             if k == 0:
                 round_seconds = setup.seconds_of_a_round(workers[0]["step_seconds"])
+                # the slowest worker of the run that waits for it waits for nobody: its rounds' own time
+                overhead = round_overhead_ms(lines[-1], Link(setup.rate_mbit, setup.delay_ms))
+                progress(f"    a round on these machines beyond the link (the slowest worker, waiting for nobody): "
+                         f"{overhead} ms (`diloco simulate --round-overhead-ms`)")
             behind = f" (workers {res['behind']} ended behind)" if res["behind"] else ""
             progress(f"    held-out loss {res['eval_loss']:.4f} after round {res['rounds']}, {res['train_seconds']:.0f} s; "
                      "useful utilization " + ", ".join(f"{100 * w['useful_utilization']:.0f}%" for w in workers) +
                      f"; digests agree: {res['digests_agree']}{behind}")
-    return {"setup": asdict(setup), "round_seconds": round_seconds, "link": link,
+    return {"setup": asdict(setup), "round_seconds": round_seconds, "round_overhead_ms": overhead, "link": link,
             "measured_link": {"rtt_ms": measured.rtt_ms, "goodput_mbit": measured.goodput_mbit} if measured else None,
             "results": results, "standings": standings(results)}
 

@@ -288,6 +288,9 @@ def simulate(
     speeds: Optional[str] = typer.Option(None, help="Relative worker speeds, comma-separated (e.g. 1,1,1,0.5)."),
     loss: float = typer.Option(0.0, help="Projected packet loss rate of every link (caps TCP throughput)."),
     link: List[str] = typer.Option([], help="One worker's own link, W=MBIT:MS[:LOSS] (e.g. 3=20:150:0.01); repeatable."),
+    round_overhead_ms: float = typer.Option(0.0, help="What a round takes on the workers' own machines beyond its "
+                                                      "time on the link, ms (measured there, e.g. by `diloco bench "
+                                                      "hetero`); 0: the link alone."),
     regions: Optional[str] = typer.Option(None, help="The region of each worker, comma-separated (e.g. eu,eu,us,us): "
                                                      "rounds inside each region, merges between them "
                                                      "(docs/REGIONS.md); the links above are then those between "
@@ -324,7 +327,8 @@ def simulate(
     try:
         net = NetworkModel(bandwidth_mbit=bandwidth_mbit, latency_ms=latency_ms, loss=loss, step_seconds=step_seconds,
                            speeds=speed_list, links=tuple(parse_link(x) for x in link),
-                           region_links=tuple(parse_region_link(x) for x in region_link))
+                           region_links=tuple(parse_region_link(x) for x in region_link),
+                           round_overhead_ms=round_overhead_ms)
         region_list = tuple(r.strip() for r in regions.split(",")) if regions else ()
         if workers < 1 or (speed_list and len(speed_list) != workers):
             raise ConfigError(f"--workers must be >= 1 and --speeds must list one speed per worker ({workers})")

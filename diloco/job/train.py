@@ -58,6 +58,13 @@ def inner_lr(step: int, *, lr: float, warmup: int, total: int, schedule: str = "
     return lr * (0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * progress)))
 
 
+def throttle_seconds(slowdown: float, wall: float, cpu: float | None) -> float:
+    """How long `--slowdown` sleeps after a step's forward and backward took `wall` seconds: (F − 1) × their time,
+    which on a CPU (`cpu`: the process's CPU time in them) is at most the CPU time: a process stopped (SIGSTOP) or
+    starved meanwhile did no more work, and a slower machine would not have taken longer for it."""
+    return (slowdown - 1) * (wall if cpu is None else max(0.0, min(wall, cpu)))
+
+
 def _outer_dp_scale(rnd: int, *, first: int, warmup: int, total: int, schedule: str) -> float:
     """Data-parallel's lr factor for the round that commits step first+rnd-1 (`inner_lr` at lr 1)."""
     return inner_lr(first + rnd - 1, lr=1.0, warmup=warmup, total=total, schedule=schedule)
@@ -102,7 +109,9 @@ class JobConfig:
     others manage meanwhile (`DiLoCo(adaptive=True)`)."""
     slowdown: float = 1.0
     """Benchmarks: every inner step takes this many times as long (it sleeps (F − 1) × its forward and backward
-    time), playing a slower machine (`diloco bench hetero`)."""
+    time), playing a slower machine (`diloco bench hetero`). On a CPU that time is the process's CPU time in them
+    (at most their wall time): a process stopped (SIGSTOP) or starved meanwhile does not sleep for it too (a 4 s
+    SIGSTOP in a step slept 28 s more at F = 8)."""
     h_schedule: HSchedule = ()
     """Change H during the run: (after this many outer steps, H from then on) pairs, e.g. ((80, 10),): H=10
     for the outer steps after the 80th (`diloco.fragments.parse_h_schedule` reads '80:10')."""
@@ -415,14 +424,15 @@ def run_job(cfg: JobConfig, swarm: Swarm | None, *, metrics: MetricsWriter | Non
                     group["lr"] = inner_lr(cfg.first_step + d.swarm_step, lr=cfg.lr, warmup=cfg.warmup,
                                            total=cfg.first_step + total_steps, schedule=cfg.schedule)
             x, y = sampler.next()
-            computed = time.monotonic()
+            computed, worked = time.monotonic(), time.process_time()
             _, loss = model(x.to(device, non_blocking=True), y.to(device, non_blocking=True))
             loss.backward()
             if not cfg.data_parallel:  # data-parallel clips the mean gradient, in the outer step
                 torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP_NORM)
             d.report_loss(loss.item())
             if cfg.slowdown > 1:
-                time.sleep((cfg.slowdown - 1) * (time.monotonic() - computed))
+                time.sleep(throttle_seconds(cfg.slowdown, time.monotonic() - computed,
+                                            time.process_time() - worked if device.type == "cpu" else None))
             inner.step()  # the wrapper's hook synchronizes every inner_steps-th call
             inner.zero_grad(set_to_none=True)
             if on_step is not None:

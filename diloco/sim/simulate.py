@@ -11,10 +11,11 @@ order derived from their bytes.
 Projection. Nothing here takes real network time, so the cost on a given link is projected from what
 each round really put on the wire (`project`, a pure function): a round's exchange takes
 
-    comm = 6 · latency + max(bytes sent, bytes received by a worker) · 8 / bandwidth
+    comm = 6 · latency + max(bytes sent, bytes received by a worker) · 8 / bandwidth + overhead
 
 (three round trips: a ready and its reply, contributions to span owners and results back, a vote and, at most,
-its reply; full-duplex links), computed
+its reply; full-duplex links; `overhead`: what a round takes on the workers' own machines, measured there and
+given as `--round-overhead-ms`, 0 by default), computed
 with the round's busiest worker. Between two rounds every worker takes H/P inner steps; the swarm
 moves at the pace of its slowest worker (a round waits for all), and a result needed τ steps after
 its round started blocks the loop for max(0, comm − τ · step) seconds. Projected wall clock is the
@@ -130,6 +131,12 @@ class NetworkModel:
     region_links: tuple[tuple[str, Link], ...] = ()
     """(region, link): the link between the peers of that region (with regions; default: each worker's link,
     which then stands for the link to the other regions)."""
+    round_overhead_ms: float = 0.0
+    """What a round of the swarm takes on the workers' own machines beyond its time on the link, ms: the round's
+    phases handing off, forming Δ, the outer step, the round's record. Nothing in this process can tell it (its
+    rounds share one process and no link); measure it on the machines that will train, e.g. `diloco bench
+    hetero`'s `round_overhead_ms` (the slowest worker's time blocked in a round, less its link's
+    `Link.seconds`). 0: the link alone."""
 
     def __post_init__(self) -> None:
         self.link(-1)  # validates the default link
@@ -137,6 +144,8 @@ class NetworkModel:
             raise ConfigError(f"step_seconds must be > 0, got {self.step_seconds}")
         if any(s <= 0 for s in self.speeds):
             raise ConfigError(f"every speed must be > 0, got {list(self.speeds)}")
+        if not self.round_overhead_ms >= 0:
+            raise ConfigError(f"round_overhead_ms must be >= 0, got {self.round_overhead_ms}")
 
     def link(self, worker: int) -> Link:
         return dict(self.links).get(worker) or Link(self.bandwidth_mbit, self.latency_ms, self.loss)
@@ -145,8 +154,10 @@ class NetworkModel:
         """The link `worker` uses for its region's rounds and downloads."""
         return dict(self.region_links).get(region) or self.link(worker)
 
-    def comm_seconds(self, sent: int, received: int) -> float:
-        return self.link(-1).seconds(sent, received)
+    @property
+    def overhead(self) -> float:
+        """`round_overhead_ms` in seconds: added to every round's (and merge's) time on its link."""
+        return self.round_overhead_ms / 1e3
 
 
 @dataclass(frozen=True)
@@ -193,7 +204,7 @@ def project(rounds: Sequence[RoundBytes | tuple[int, int]], *, steps_per_round: 
         slowest = max(pace.values())
         steps = steps_per_round if isinstance(steps_per_round, int) else steps_per_round[k - 1]
         took = {i: (steps if isinstance(steps, int) else steps.get(i, 0)) * t for i, t in pace.items()}
-        comm = max(_link(i, k, net, faults).seconds(*members[i]) for i in members)
+        comm = max(_link(i, k, net, faults).seconds(*members[i]) for i in members) + net.overhead
         # τ steps hide the exchange: at the slowest member's pace with fixed H (the others wait for it anyway), at the
         # fastest's by time (every member's span is as long, so the fastest needs the result first)
         wait = max(0.0, comm - overlap * (slowest if isinstance(steps, int) else min(pace.values())))
@@ -237,7 +248,7 @@ def project_regions(regions: Mapping[str, RegionRun], *, steps_per_round: int, w
         cuts = sorted(run.merges)
         for r, moved in sorted(run.rounds.items()):
             j = sum(c <= r for c in cuts)  # merges before this round
-            comm = max(net.inside(name, i).seconds(*moved[i]) for i in moved) if moved else 0.0
+            comm = max(net.inside(name, i).seconds(*moved[i]) for i in moved) + net.overhead if moved else 0.0
             periods.setdefault(j, {}).setdefault(name, 0.0)
             periods[j][name] += steps_per_round * pace + comm
             inside_total += comm
@@ -245,7 +256,7 @@ def project_regions(regions: Mapping[str, RegionRun], *, steps_per_round: int, w
                 compute[i] += steps_per_round * step / speeds[i]
         for j, r in enumerate(cuts):
             reps = run.merges[r]
-            merge_comm[j] = max([merge_comm.get(j, 0.0), *(net.link(i).seconds(*reps[i]) for i in reps)])
+            merge_comm[j] = max([merge_comm.get(j, 0.0), *(net.link(i).seconds(*reps[i]) + net.overhead for i in reps)])
             got = run.downloads.get(r, {})
             download_comm[j] = max([download_comm.get(j, 0.0), *(net.inside(name, i).seconds(*got[i]) for i in got)])
     trained = sum(max(by_region.values(), default=0.0) for by_region in periods.values())
@@ -577,7 +588,8 @@ def summarize(job: JobConfig, finals: list[dict[str, Any]], rows: Sequence[tuple
                 network=dict(bandwidth_mbit=net.bandwidth_mbit, latency_ms=net.latency_ms, loss=net.loss,
                              speeds=list(net.speeds) or [1.0] * workers,
                              links={str(w): vars(link) for w, link in net.links},
-                             region_links={name: vars(link) for name, link in net.region_links}),
+                             region_links={name: vars(link) for name, link in net.region_links},
+                             round_overhead_ms=net.round_overhead_ms),
                 regions=list(regions), global_digests=sorted({str(f.get("global_digest")) for f in finals}) if regions else [],
                 topology=finals[0].get("topology", "flat"),
                 gossip_met=[f["gossip_met"] for f in finals] if "gossip_met" in finals[0] else [],
