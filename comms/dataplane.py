@@ -578,6 +578,8 @@ class DirectTransport:
             except asyncio.TimeoutError:
                 self._gate.cut("slow_head", caller, f"no handshake within {HELLO_TIMEOUT:g} s")
                 return
+            if self._closed:  # close() cancelled us as the handshake ended: wait_for (CPython < 3.12) returns the
+                return  # handshake's result and drops the cancellation, and a relay's waiting member would wait on
             while True:
                 try:
                     name, request = await channel.receive(REQUEST)
