@@ -89,7 +89,7 @@ def test_a_peer_that_joins_with_its_clock_off_and_whose_clock_steps_trains_on_wi
     peers = Peers(tmp_path, f"clock-{secrets.token_hex(3)}")
     step = tmp_path / "peer2.clock"
     step.write_text("-120")
-    common = ["--rounds", "60", "-H", "5", "--wait-for", "3", *TINY]
+    common = ["--rounds", "30", "-H", "5", "--wait-for", "3", *TINY]
     try:
         procs = [peers.spawn(0, ["start", *common])]
         addr = peers.address(0)
@@ -110,7 +110,7 @@ def test_a_peer_that_joins_with_its_clock_off_and_whose_clock_steps_trains_on_wi
             all(r["committed"] and r["peers"] == 3 for r in after), \
             [(r["round"], r["committed"], r["peers"], r.get("reason")) for r in rounds if r["time"] > stepped_at]
         finals = [peers.lines(i, "final")[-1] for i in range(3)]
-        assert len({f["digest"] for f in finals}) == 1 and finals[0]["round"] == 60, json.dumps(finals)
+        assert len({f["digest"] for f in finals}) == 1 and finals[0]["round"] == 30, json.dumps(finals)
         said = [line for line in peers.log(2, whole=True).splitlines() if "event=swarm_clock" in line]
         assert len(said) >= 2 and "offset=120" in said[0] and "offset=-30" in said[-1], said
     finally:
