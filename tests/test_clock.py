@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import secrets
 import time
 
@@ -112,6 +113,8 @@ def test_a_peer_that_joins_with_its_clock_off_and_whose_clock_steps_trains_on_wi
         finals = [peers.lines(i, "final")[-1] for i in range(3)]
         assert len({f["digest"] for f in finals}) == 1 and finals[0]["round"] == 30, json.dumps(finals)
         said = [line for line in peers.log(2, whole=True).splitlines() if "event=swarm_clock" in line]
-        assert len(said) >= 2 and "offset=120" in said[0] and "offset=-30" in said[-1], said
+        offsets = [float(re.search(r"offset=(-?[0-9.]+)", line).group(1)) for line in said]  # type: ignore[union-attr]
+        # (the offsets as read, within a second: the busy suite's said -29.9)
+        assert len(said) >= 2 and abs(offsets[0] - 120) < 1 and abs(offsets[-1] + 30) < 1, said
     finally:
         peers.kill_all()
