@@ -38,11 +38,13 @@ import statistics
 import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
-from ..sim.simulate import Link
 from .lab import LabModel, Lines, Tick, final, measure_link, run_swarm
 from .race import curve, finish_plot, finish_table, standings
+
+if TYPE_CHECKING:
+    from ..sim.simulate import Link
 
 
 COMPARED = ("without", "time", "overlap", "adaptive")
@@ -196,6 +198,7 @@ def worker_rows(peers: Sequence[Lines]) -> list[dict[str, float]]:
 def run(setup: HeteroSetup, *, workdir: Path | None = None, progress: Callable[[str], None] = print,
         tick: Tick | None = None, measure: bool = True) -> dict[str, Any]:
     """Build one WAN lab, run every variant on it, and return the report (also the JSON)."""
+    from ..sim.simulate import Link  # (here: `diloco bench hetero --help` reads this module's defaults)
     from .wan import WanLab
 
     workdir = Path(workdir or tempfile.mkdtemp(prefix="diloco-bench-hetero-"))
@@ -239,7 +242,8 @@ def run(setup: HeteroSetup, *, workdir: Path | None = None, progress: Callable[[
             if k == 0:
                 round_seconds = setup.seconds_of_a_round(workers[0]["step_seconds"])
                 # the slowest worker of the run that waits for it waits for nobody: its rounds' own time
-                overhead = round_overhead_ms(lines[-1], Link(setup.rate_mbit, setup.delay_ms))
+                slowest = max(range(peers), key=lambda i: setup.slowdowns[i])
+                overhead = round_overhead_ms(lines[slowest], Link(setup.rate_mbit, setup.delay_ms))
                 progress(f"    a round on these machines beyond the link (the slowest worker, waiting for nobody): "
                          f"{overhead} ms (`diloco simulate --round-overhead-ms`)")
             behind = f" (workers {res['behind']} ended behind)" if res["behind"] else ""
