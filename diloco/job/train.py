@@ -58,11 +58,18 @@ def inner_lr(step: int, *, lr: float, warmup: int, total: int, schedule: str = "
     return lr * (0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * progress)))
 
 
+STOPPED = 10.0
+"""A step whose wall time exceeds this multiple of its CPU time was stopped (SIGSTOP, a swap storm), not computing:
+`throttle_seconds` counts it as that multiple. Sharing the cores slows a step by a small factor (three workers and
+their daemons on two cores: 2-3×), and the throttle keeps that: a worker F times as slow stays F times as slow."""
+
+
 def throttle_seconds(slowdown: float, wall: float, cpu: float | None) -> float:
     """How long `--slowdown` sleeps after a step's forward and backward took `wall` seconds: (F − 1) × their time,
-    which on a CPU (`cpu`: the process's CPU time in them) is at most the CPU time: a process stopped (SIGSTOP) or
-    starved meanwhile did no more work, and a slower machine would not have taken longer for it."""
-    return (slowdown - 1) * (wall if cpu is None else max(0.0, min(wall, cpu)))
+    which on a CPU (`cpu`: the process's CPU time in them) is at most `STOPPED` × the CPU time: a process stopped
+    meanwhile (SIGSTOP 4 s inside a step slept 28 s more at F = 8) did no work a slower machine would take longer
+    for."""
+    return (slowdown - 1) * (wall if cpu is None else max(0.0, min(wall, STOPPED * cpu)))
 
 
 def _outer_dp_scale(rnd: int, *, first: int, warmup: int, total: int, schedule: str) -> float:
@@ -109,9 +116,9 @@ class JobConfig:
     others manage meanwhile (`DiLoCo(adaptive=True)`)."""
     slowdown: float = 1.0
     """Benchmarks: every inner step takes this many times as long (it sleeps (F − 1) × its forward and backward
-    time), playing a slower machine (`diloco bench hetero`). On a CPU that time is the process's CPU time in them
-    (at most their wall time): a process stopped (SIGSTOP) or starved meanwhile does not sleep for it too (a 4 s
-    SIGSTOP in a step slept 28 s more at F = 8)."""
+    time), playing a slower machine (`diloco bench hetero`). On a CPU that time is at most 10× their CPU time
+    (`throttle_seconds`): a process stopped (SIGSTOP) meanwhile does not sleep for it too (a 4 s SIGSTOP in a step
+    slept 28 s more at F = 8)."""
     h_schedule: HSchedule = ()
     """Change H during the run: (after this many outer steps, H from then on) pairs, e.g. ((80, 10),): H=10
     for the outer steps after the 80th (`diloco.fragments.parse_h_schedule` reads '80:10')."""
