@@ -578,9 +578,9 @@ class DirectTransport:
             except asyncio.TimeoutError:
                 self._gate.cut("slow_head", caller, f"no handshake within {HELLO_TIMEOUT:g} s")
                 return
-            if self._closed:  # close() cancelled us as the handshake ended: wait_for (CPython < 3.12) returns the
-                return  # handshake's result and drops the cancellation, and a relay's waiting member would wait on
-            while True:
+            # until we close: close() cancels this task, but a cancellation that lands as the handshake ends is dropped
+            # by wait_for (CPython < 3.12), and a relay's waiting member would then wait on a closed relay for good
+            while not self._closed:
                 try:
                     name, request = await channel.receive(REQUEST)
                 except asyncio.IncompleteReadError:

@@ -61,6 +61,9 @@ TAKE_TIMEOUT = 2.0
 REACH = ("auto", "relay", "direct")
 QUEUED = 1 << 17
 """Bytes a circuit may hold queued for one end before it waits for that end to read them."""
+UNREACHED = (TransportError, OSError, ValueError, asyncio.TimeoutError, asyncio.IncompleteReadError)
+"""What a connection to a member or a relay fails with when the other end cannot be reached or went away
+(ValueError: an address the resolver refuses)."""
 
 
 @dataclass(frozen=True)
@@ -285,7 +288,7 @@ class RelayService:
             dialed = await self._dial(member, address)
             dialed.close()
             reply = b"+"
-        except (TransportError, OSError, ValueError, asyncio.TimeoutError, asyncio.IncompleteReadError) as e:
+        except UNREACHED as e:
             reply = b"-" + f"{type(e).__name__}: {e or 'no answer in time'}".encode()[:300]
         finally:
             self._probing.discard(member)
@@ -351,7 +354,7 @@ class Reach:
                 finally:
                     channel.close()
                 body = reply[1:] if reply[:1] == b"-" else answer(reply, relay)  # "-": it could not; "!": refused
-            except (TransportError, OSError, ValueError, asyncio.TimeoutError, asyncio.IncompleteReadError) as e:
+            except UNREACHED as e:
                 log.info("event=relay_probe_failed relay=%s reason=%s", relay, e)
                 continue
             self.reachable = reply[:1] == b"+"
@@ -385,9 +388,7 @@ class Reach:
             except BaseException as e:
                 if channel is not None:
                     channel.close()
-                # (ValueError: an address the resolver refuses)
-                if not isinstance(e, (TransportError, OSError, ValueError, asyncio.TimeoutError,
-                                      asyncio.IncompleteReadError)):
+                if not isinstance(e, UNREACHED):
                     raise
                 self._lose(relay, e)
                 await asyncio.sleep(backoff)
