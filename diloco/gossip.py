@@ -65,14 +65,18 @@ HISTORY = 8
 solo round has no partner to guard against and is neither judged nor remembered)."""
 
 
-def history_scale(norm: float, recent: Sequence[float], clip: float, least: int = 3) -> float:
-    """The factor to scale this round's outer gradient by: 1, or what brings its norm down to `clip` × the median
-    of our `recent` rounds' (as clipped) norms. A pair's median cannot tell which partner is wrong, but our own
-    history can: a partner that sends absurd parameters moves us at most `clip` times a usual round. Off with
-    `clip` 0, and until `least` rounds are remembered."""
-    if clip <= 0 or len(recent) < least or not norm > 0:
+def history_scale(norm: float, recent: Sequence[float], clip: float, least: int = 3, own: float = 0.0) -> float:
+    """The factor to scale this round's outer gradient by: 1, or what brings its norm down to `clip` × a usual
+    round's: the larger of the median of our `recent` rounds' (as clipped) norms, once `least` are remembered, and
+    the norm of our `own` pseudo-gradient this round (what we would step alone). A pair's median cannot tell which
+    partner is wrong, but our own history and our own Δ can: a partner that sends absurd parameters moves us at
+    most `clip` times a usual round. Our own Δ keeps the bound honest where norms grow from round to round (the
+    inner learning rate's warm-up; a partner that diverged by a solo round) and guards the first rounds, before
+    there is a history. Off with `clip` 0."""
+    usual = max(median(recent) if len(recent) >= least else 0.0, own)
+    if clip <= 0 or not usual > 0 or not norm > 0:
         return 1.0
-    return min(1.0, clip * median(recent) / norm)
+    return min(1.0, clip * usual / norm)
 
 
 def whole_norms(recent: Sequence[Sequence[float]]) -> list[float]:
@@ -138,12 +142,14 @@ class Gossip(Topology):
         met = outcome.committed
         mean_local = outcome.aggregate if met else local
         assert mean_local is not None  # a committed round of a whole `Handoff` holds its mean
-        theta = m.holding.params if whole else views(m.holding.params, frag.params)
-        gradient = gossip_gradient(flatten(theta), mean_local.to(m.holding.device))
-        del mean_local, local
+        theta = flatten(m.holding.params if whole else views(m.holding.params, frag.params))
+        own = float(torch.dist(theta, local)) if met else 0.0  # our own Δ's norm: a usual round's at the least
+        gradient = gossip_gradient(theta, mean_local.to(m.holding.device))
+        del mean_local, local, theta
         # a partner's influence is what the history guards against: a solo round (our own Δ alone) is neither judged
         # nor remembered, since its norm lacks the consensus term and would drag the median of met rounds down
-        scale = self._judged(gradient, rnd + 1, outcome.view, frag.index) if met else 1.0
+        norm = float(gradient.norm())
+        scale = self._judged(gradient, rnd + 1, outcome.view, frag.index, own) if met else 1.0
         if scale < 1.0:
             gradient.mul_(scale)
         m.step_to(gradient, rnd + 1, self.outer_lr_schedule(rnd + 1), None if whole else frag.params, self.alpha)
@@ -151,10 +157,11 @@ class Gossip(Topology):
         if met:
             self.met += 1
             self.partners.update(p for p in outcome.view if p != m.swarm.peer_id)
-            log.info("event=gossip_round round=%d group=%s", rnd + 1, ",".join(outcome.view))
+            log.info("event=gossip_round round=%d group=%s norm=%.4g recent=%s", rnd + 1, ",".join(outcome.view), norm,
+                     ",".join(f"{n:.4g}" for n in self._norms[frag.index]))
         else:
             self.solo += 1
-            log.info("event=gossip_solo round=%d reason=%s", rnd + 1, outcome.reason)
+            log.info("event=gossip_solo round=%d reason=%s norm=%.4g", rnd + 1, outcome.reason, norm)
         report = RoundReport(m.round, met, "gossip" if met else f"solo: {outcome.reason}",
                              max(1, len(outcome.view)), outcome.bytes_sent, outcome.bytes_received,
                              time.monotonic() - started, m.standing.steps, payload_bytes=outcome.payload_bytes,
@@ -185,18 +192,21 @@ class Gossip(Topology):
         self.final = len(outcome.view)
         log.info("event=gossip_final_average round=%d peers=%d", m.round, self.final)
 
-    def _judged(self, gradient: torch.Tensor, rnd: int | str, view: Sequence[PeerId], fragment: int | None) -> float:
+    def _judged(self, gradient: torch.Tensor, rnd: int | str, view: Sequence[PeerId], fragment: int | None,
+                own: float = 0.0) -> float:
         """The factor our outer `gradient` of round `rnd` (of `fragment`, or None: the whole model's, the final
         average), from averaging with `view`, is to be scaled by (`history_scale` against our recent met rounds' of
-        that fragment, or the whole model's `whole_norms`); counted and logged when below 1, and remembered."""
+        that fragment, or the whole model's `whole_norms`, and our `own` Δ's norm); counted and logged when below
+        1, and remembered."""
         assert self.member.swarm is not None
         norm = float(gradient.norm())
         recent = list(self._norms[fragment]) if fragment is not None else whole_norms(list(self._norms.values()))
-        scale = history_scale(norm, recent, self.member.swarm.cfg.round.robust.clip)
+        scale = history_scale(norm, recent, self.member.swarm.cfg.round.robust.clip, own=own)
         if scale < 1.0:
             self.clipped += 1
-            log.warning("event=gossip_clipped round=%s norm=%.4g scale=%.3g group=%s reason=outer gradient far above "
-                        "our recent rounds' (a partner sent parameters far from ours)", rnd, norm, scale, ",".join(view))
+            log.warning("event=gossip_clipped round=%s norm=%.4g own=%.4g recent=%s scale=%.3g group=%s reason=outer "
+                        "gradient far above our recent rounds' and our own Δ (a partner sent parameters far from ours)",
+                        rnd, norm, own, ",".join(f"{n:.4g}" for n in recent), scale, ",".join(view))
         if fragment is not None:
             self._norms[fragment].append(norm * scale)
         return scale

@@ -80,8 +80,19 @@ def test_the_gossip_gradient_of_one_group_of_equal_states_is_diloco_s_mean_pseud
 def test_an_outer_gradient_far_above_our_recent_ones_is_scaled_down_to_clip_times_their_median():
     assert history_scale(100.0, [1.0, 2.0, 3.0], clip=4.0) == pytest.approx(8.0 / 100.0)
     assert history_scale(7.0, [1.0, 2.0, 3.0], clip=4.0) == 1.0
-    assert history_scale(100.0, [1.0, 2.0], clip=4.0) == 1.0  # too few rounds remembered to judge
+    assert history_scale(100.0, [1.0, 2.0], clip=4.0) == 1.0  # too few rounds remembered to judge, no Δ of our own
     assert history_scale(100.0, [1.0, 2.0, 3.0], clip=0.0) == 1.0  # off
+    assert history_scale(100.0, [1.0, 2.0, 3.0], clip=0.0, own=1.0) == 1.0
+
+
+def test_our_own_pseudo_gradient_is_a_usual_round_at_the_least():
+    """Norms that grow from round to round (the inner lr's warm-up: 0.17, 0.44, 0.65, 0.81 in the four real peers'
+    test) leave the history's median behind; our own Δ this round keeps up, and no partner can inflate it."""
+    assert history_scale(1.4, [0.17, 0.32, 0.44], clip=4.0) < 1.0  # the median alone: an honest round scaled down
+    assert history_scale(1.4, [0.17, 0.32, 0.44], clip=4.0, own=0.9) == 1.0
+    assert history_scale(100.0, [0.17, 0.32, 0.44], clip=4.0, own=0.9) == pytest.approx(3.6 / 100.0)
+    assert history_scale(100.0, [], clip=4.0, own=1.0) == pytest.approx(4.0 / 100.0)  # the first rounds are guarded
+    assert history_scale(100.0, [9.0, 9.0, 9.0], clip=4.0, own=1.0) == pytest.approx(36.0 / 100.0)  # the larger
 
 
 def test_the_whole_models_recent_norms_are_the_fragments_newest_together():
