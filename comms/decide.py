@@ -56,20 +56,40 @@ async def decide(c: Collective, r: Exchange, value: Value, numel: int, admit: Ad
             past.add(p)
         rs.changed.set()
 
-    def settled() -> bool:
-        return quorum(votes) or bool(elsewhere) or not quorum(set(r.view) - past)
+    asked: dict[PeerId, float] = {}  # when each vote still on its way was sent
 
-    tasks = {p: asyncio.create_task(vote(p)) for p in r.view if p != c.me}
+    def silent(p: PeerId) -> bool:
+        """Our vote to `p` has gone unanswered through the answer window (or `p` was found silent lately): frozen,
+        or cut off, as far as this decision can tell; its answer still counts if it comes."""
+        now = time.monotonic()
+        return (not tasks[p].done() and now - asked[p] >= c.cfg.answer_timeout) or c.silent.get(p, 0) > now
+
+    def doubtful() -> bool:
+        """No quorum can form without a silent member: the members that answer, with the votes we have, are too
+        few. Waiting would wait for the silent one (a frozen member costs every member that accepted until it
+        wakes); instead we go on in doubt, and the next attempt, with the members that answer, carries the value."""
+        undecided = {p for p in r.view if p not in votes and p not in past and p not in elsewhere}
+        return not quorum(votes | {p for p in undecided if not silent(p)})
+
+    def settled() -> bool:
+        return quorum(votes) or bool(elsewhere) or not quorum(set(r.view) - past) or doubtful()
+
+    def ask(p: PeerId) -> asyncio.Task[None]:
+        asked[p] = time.monotonic()
+        return asyncio.create_task(vote(p))
+
+    tasks = {p: ask(p) for p in r.view if p != c.me}
     deadline = max(r.closed_at + c.cfg.result_timeout, time.monotonic()) + c.cfg.call_timeout
     try:
         c.faults.hit("decide", key.round)
         # A member that answered "not accepted (yet)" may give the attempt up later (a result it never gets):
-        # ask again an answer window apart, so that we hear it moved past, rather than wait out the deadline.
-        while not await wait_until(rs, settled, min(deadline, time.monotonic() + c.cfg.answer_timeout)) \
+        # ask again a third of an answer window apart, so that we hear it moved past, rather than wait out the
+        # deadline (and find a vote unanswered through the window within a third of one).
+        while not await wait_until(rs, settled, min(deadline, time.monotonic() + c.cfg.answer_timeout / 3)) \
                 and time.monotonic() < deadline:
             for p, t in tasks.items():
                 if t.done() and p not in votes and p not in past and p not in elsewhere:
-                    tasks[p] = asyncio.create_task(vote(p))
+                    tasks[p] = ask(p)
     finally:
         # A quorum decides: we commit without waiting for the replies to our own votes (a round trip), and a
         # vote still on its way goes on in the background: a member waiting for it needs it to decide. A peer

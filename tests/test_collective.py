@@ -1049,6 +1049,57 @@ def test_frozen_after_every_result_a_peer_cannot_commit_what_the_others_abandone
     assert not woke.committed and woke.reason.startswith("late"), woke.reason
 
 
+def test_members_that_accepted_a_value_go_on_in_doubt_once_only_a_frozen_member_could_make_a_quorum():
+    """Found in a chaos soak (5 workers, a SIGSTOP): p's span result reached a and b, then p froze; c and d missed
+    it, found p silent and gave the attempt up. a and b accepted the value and voted: 2 of 5 accepted, c and d
+    moved past, p's vote unknown. Only p could still make a quorum, so a and b waited, in the decide step, until p
+    woke (18 s in the soak; here the decide deadline). Now a vote unanswered through the answer window counts as
+    silent: a and b go on in doubt within a window or so, and the next attempt of the four commits the value they
+    accepted (carried), without p."""
+    members = ["a", "b", "c", "d", "p"]
+    cfg = replace(FAST, reduce_timeout=8.0, result_timeout=10.0, call_timeout=10.0)  # a 2 s answer window
+    admit = _quorum_of(members)
+
+    async def main():
+        net = InProcNetwork()
+        lost = {("p", "c", "diloco.result"), ("p", "d", "diloco.result"), ("c", "p", "diloco.result")}
+        cs = {x: await Collective.create(net.transport(x, lambda t, n, x=x: (x, t, n) in lost), RUN, cfg)
+              for x in members}
+        freezer = _Freezer(net, "p")
+        reached: set[str] = set()
+        for x in ("a", "b"):
+            on_result = net.lookup(x).handlers["diloco.result"]
+
+            async def note_then_freeze(caller, data, x=x, on_result=on_result):
+                reply = await on_result(caller, data)
+                if caller == "p":
+                    reached.add(x)
+                    freezer.frozen = len(reached) == 2  # p's result is at a and b: p freezes
+                return reply
+            net.lookup(x).handlers["diloco.result"] = note_then_freeze
+        deltas = _deltas(members, 30, seed=11)
+        started = time.monotonic()
+        runs = {x: asyncio.create_task(cs[x].run_round(RoundKey(4, 0), DIGEST, members, deltas[x], admit=admit))
+                for x in members}
+        first = {x: await runs[x] for x in ("a", "b", "c", "d")}
+        took = time.monotonic() - started
+        fresh = _deltas(members, 30, seed=12)
+        four = ["a", "b", "c", "d"]
+        second = dict(zip(four, await asyncio.gather(*(
+            cs[x].run_round(RoundKey(4, 1), DIGEST, members, fresh[x], admit=admit, wait_for=four) for x in four))))
+        freezer.thaw()
+        runs["p"].cancel()
+        return first, second, took, deltas
+
+    first, second, took, deltas = asyncio.run(main())
+    assert all(first[x].in_doubt for x in ("a", "b")), [first[x].reason for x in ("a", "b")]
+    assert not any(first[x].committed or first[x].in_doubt for x in ("c", "d")), [first[x].reason for x in "cd"]
+    assert took < cfg.result_timeout, took  # a window or so after c and d moved past, not the decide deadline
+    for x in ("a", "b", "c", "d"):
+        assert second[x].committed and second[x].reason == "committed the value of attempt 0", second[x].reason
+        assert torch.allclose(second[x].aggregate, _mean(deltas, members), rtol=0, atol=1e-6)  # p's Δ included
+
+
 @pytest.mark.parametrize("span_values", [None, 4], ids=["one_span_each", "four_spans_each"])
 def test_a_value_a_quorum_accepted_is_carried_when_its_committer_dies(monkeypatch, span_values):
     """a and p accept attempt 0's value and a commits it (it got p's vote); p never hears back from a,
