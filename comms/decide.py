@@ -46,8 +46,13 @@ async def decide(c: Collective, r: Exchange, value: Value, numel: int, admit: Ad
 
     async def vote(p: PeerId) -> None:
         reply = await c.call(p, "diloco.vote", c.frame(msg.VOTE, key, view=rs.vid))
-        if reply is None or not reply.get("ok", False):
-            return  # unreachable or refused: unknown
+        if reply is None:
+            unreached.add(p)  # unknown, and (`doubtful`) not answering
+            rs.changed.set()
+            return
+        unreached.discard(p)
+        if not reply.get("ok", False):
+            return  # refused: unknown
         if reply.get("accepted") or (reply.get("committed") and reply.get("value") == value.vid):
             votes.add(p)  # it accepted our value, or committed it (so a quorum accepted it)
         elif reply.get("committed"):
@@ -57,12 +62,15 @@ async def decide(c: Collective, r: Exchange, value: Value, numel: int, admit: Ad
         rs.changed.set()
 
     asked: dict[PeerId, float] = {}  # when each vote still on its way was sent
+    unreached: set[PeerId] = set()  # members whose last vote could not be delivered (gone, or cut off)
 
     def silent(p: PeerId) -> bool:
-        """Our vote to `p` has gone unanswered through the answer window (or `p` was found silent lately): frozen,
-        or cut off, as far as this decision can tell; its answer still counts if it comes."""
+        """Our vote to `p` has gone unanswered through the answer window, or could not be delivered (or `p` was found
+        silent lately): frozen, dead or cut off, as far as this decision can tell; its answer still counts if it
+        comes."""
         now = time.monotonic()
-        return (not tasks[p].done() and now - asked[p] >= c.cfg.answer_timeout) or c.silent.get(p, 0) > now
+        return (p in unreached or (not tasks[p].done() and now - asked[p] >= c.cfg.answer_timeout)
+                or c.silent.get(p, 0) > now)
 
     def doubtful() -> bool:
         """No quorum can form without a silent member: the members that answer, with the votes we have, are too

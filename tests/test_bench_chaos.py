@@ -75,6 +75,31 @@ def test_the_command_refuses_a_repkill_without_regions_saying_what_to_add(monkey
 
 
 @pytest.mark.unit
+def test_the_site_runs_the_bundled_model_under_torchrun_and_the_launcher_takes_the_swarms_flags(tmp_path):
+    """With `site_ranks` the last worker is the launcher running `diloco.job.site` under torchrun: the job's model
+    and H go to the script (the same model as the lone workers'), the swarm's flags to the launcher, before `--`."""
+    from diloco.bench.chaos import _Swarm
+    from diloco.job.site import parse, split_flags
+
+    job = ("--d-model", "32", "--layers", "1", "--batch-size", "4", "-H", "5", "--gather-timeout", "20", "--verbose",
+           "--compression", "fp16")
+    mine, rest = split_flags(job)
+    assert mine == ["--d-model", "32", "--layers", "1", "--batch-size", "4", "-H", "5"]
+    assert rest == ["--gather-timeout", "20", "--verbose", "--compression", "fp16"]
+    cfg = parse([*mine, "--rounds", "7"])
+    assert (cfg.d_model, cfg.n_layer, cfg.batch_size, cfg.inner_steps, cfg.rounds) == (32, 1, 4, 5, 7)
+    swarm = _Swarm(ChaosSetup(workers=3, site_ranks=2, job=job), tmp_path, "t")
+    lone, site = swarm.command(0, ["start"], "127.0.0.1"), swarm.command(2, ["join", "ADDR"], "127.0.0.1")
+    assert "--" not in lone and "--d-model" in lone and "--rounds" in lone
+    launcher, command = site[:site.index("--")], site[site.index("--") + 1:]
+    assert "--max-restarts" in launcher and "--gather-timeout" in launcher and "--d-model" not in launcher
+    assert command[command.index("diloco.job.site") + 1:] == [*mine, "--rounds", "1000000"]
+    assert command[command.index("--nproc-per-node") + 1] == "2"
+    with pytest.raises(ValueError, match="loopback"):
+        ChaosSetup(site_ranks=2, wan=True)
+
+
+@pytest.mark.unit
 def test_a_cut_off_minority_committing_is_reported():
     hits = [Hit("partition", 1, at=10.0, ended=20.0, side=(1, 2)), Hit("stop", 0, at=11.0, ended=12.0)]
     lines = [[_round(15.0, 4, "a")],  # the majority side commits: fine
@@ -190,3 +215,32 @@ def test_five_minutes_of_every_kind_of_fault_end_without_a_fork(tmp_path):
     assert report["faults_applied"] >= 35 and set(report["faults"]) == set(KINDS), report
     assert all(code == 0 for code in report["exits"]), report["exits"]
     assert report["rounds_committed"] >= 10, report
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+@pytest.mark.timeout(600)
+def test_a_torchrun_site_among_the_workers_survives_a_killed_rank_and_a_freeze(tmp_path):
+    """`make test-slow`: two lone workers and a 2-rank torchrun site under the launcher (`--site-ranks 2`) for 45 s,
+    a fault about every 8 s (seed 4 hits the site with a SIGKILL of one rank, after which its launcher starts it
+    again from its checkpoint, and with a SIGSTOP of both ranks): no fork, the site back in the swarm's rounds after
+    each, every worker there at the end on one model, the lone workers exiting 0 and the site's launcher with
+    torchrun's 1 (its agent, SIGTERMed at the end, ends the ranks, which leave as any worker does, then exits 1)."""
+    out = tmp_path / "chaos.json"
+    proc = subprocess.run([sys.executable, "-m", "diloco", "bench", "chaos", "--workers", "3", "--site-ranks", "2",
+                           "--seconds", "45", "--every", "8", "--seed", "4", "--heal", "10", "--no-baseline",
+                           "--job", "--d-model 32 --layers 1 --batch-size 4 -H 5 --gather-timeout 20",
+                           "--workdir", str(tmp_path / "w"), "--json", str(out), "--quiet"],
+                          capture_output=True, text=True, timeout=560)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["forks"] == {}, report["forks"]
+    at_site = [r for r in report["recovery"] if r["worker"] == 2]
+    assert {r["kind"] for r in at_site} == {"kill", "stop"}, report["recovery"]
+    assert all(r["to_return"] is not None for r in at_site), at_site  # it committed rounds again after each
+    assert any("rank" in r.get("detail", "") for r in at_site if r["kind"] == "kill"), at_site
+    assert report["exits"][:2] == [0, 0] and report["exits"][2] == 1, report["exits"]
+    assert report["final_states"] and len(report["final_states"]) == 1, report["final_states"]
+    finals = [json.loads(x) for x in (tmp_path / "w" / "chaos-w2.jsonl").read_text().splitlines()
+              if '"final"' in x]
+    assert {f["rank"] for f in finals[-2:]} == {0, 1}, finals[-2:]  # both ranks of its last run left cleanly

@@ -83,6 +83,8 @@ REGION_KINDS = ("repkill",)
 DEFAULT_KINDS = ("kill", "stop")
 REPKILL_WAIT = 60.0
 """Seconds a `repkill` waits for a representative to finish a merge before it is skipped."""
+SITE_RESTARTS = 1000
+"""The site's launcher starts it again after every kill of a rank (`--max-restarts`): a run never runs out."""
 _FLAPS = 3
 TINY_JOB = ("--d-model", "64", "--layers", "2", "--batch-size", "8", "-H", "10")
 """The bundled model at width 64 with H = 10: rounds of about half a second on this machine's CPUs."""
@@ -112,8 +114,19 @@ class ChaosSetup:
     """The swarm gossips (`--topology gossip --compression fp32`, docs/GOSSIP.md): each worker holds its own state,
     so there are no forks to count and a cut-off minority may go on gossiping (both reported as not applying); a
     round counts as committed for the swarm once one group met in it."""
+    site_ranks: int = 0
+    """The last of the first `workers` is a site of this many ranks (DDP on gloo; `diloco.job.site` under torchrun
+    and the launcher, `--max-restarts`) among lone processes; 0: every worker a lone process. A kill SIGKILLs one of
+    its ranks (torchrun ends the others, the launcher starts the site again), a stop freezes every rank. At the end
+    its launcher passes SIGTERM on to torchrun, whose agent ends the ranks (each leaves as any worker does, writing
+    its final line) and then exits 1 on the signal: the site's exit status is 1 where a lone worker's is 0."""
 
     def __post_init__(self) -> None:
+        if self.site_ranks < 0:
+            raise ValueError(f"site_ranks must be >= 0, got {self.site_ranks}")
+        if self.site_ranks and self.wan:
+            raise ValueError("a site among the workers runs on this machine's loopback only: leave out --wan or "
+                             "--site-ranks")
         if self.gossip and self.regions:
             raise ValueError("gossip and regions are two topologies: give one of them")
         if set(self.kinds) & set(REGION_KINDS) and not self.regions:
@@ -390,6 +403,8 @@ class _Worker:
     until: float = 0.0
     restarts: int = 0
     exits: list[int] = field(default_factory=list)
+    frozen: list[int] = field(default_factory=list)
+    """A stopped site's rank processes (the launcher itself runs on)."""
 
 
 class _Swarm:
@@ -417,6 +432,25 @@ class _Swarm:
         self.log_read: dict[int, int] = {}
         """How far each worker's log has been read for merges (while a `repkill` waits): each merge fires one."""
 
+    def site(self, i: int) -> bool:
+        """Whether worker `i` is the site (`setup.site_ranks`)."""
+        return bool(self.setup.site_ranks) and i == self.setup.workers - 1
+
+    def command(self, i: int, verb: list[str], host: str) -> list[str]:
+        """Worker `i`'s command line: the bundled job, or (the site) the launcher running it under torchrun."""
+        out = [sys.executable, "-m", "diloco", *verb, "--run-id", self.run_id, "--host", host, "--port", "0",
+               "--shard", str(i), "--identity", str(self.path(i, "key")), "--checkpoint-dir", str(self.path(i, "ckpt")),
+               "--checkpoint-every", "1", "--metrics", str(self.path(i, "jsonl")),
+               "--address-file", str(self.path(i, "addr"))]
+        if not self.site(i):
+            return [*out, *self.setup.job, "--rounds", "1000000"]
+        from ..job.site import split_flags
+
+        script, launcher = split_flags(self.setup.job)
+        return [*out, *launcher, "--max-restarts", str(SITE_RESTARTS), "--", sys.executable, "-m",
+                "torch.distributed.run", "--standalone", "--nproc-per-node", str(self.setup.site_ranks),
+                "-m", "diloco.job.site", *script, "--rounds", "1000000"]
+
     def path(self, i: int, what: str) -> Path:
         return self.workdir / f"{self.tag}-w{i}.{what}"
 
@@ -437,20 +471,20 @@ class _Swarm:
         first = seed or (i == 0 and not resume and not self.workers)
         verb = ["start"] if first else ["join", *self.addresses(i)]
         host = self.lab.address(i) if self.lab is not None else "127.0.0.1"
-        cmd = [sys.executable, "-m", "diloco", *verb, "--run-id", self.run_id, "--host", host, "--port", "0",
-               *self.setup.job, "--rounds", "1000000", "--shard", str(i), "--identity", str(self.path(i, "key")),
-               "--checkpoint-dir", str(self.path(i, "ckpt")), "--checkpoint-every", "1",
-               "--metrics", str(self.path(i, "jsonl")), "--address-file", str(self.path(i, "addr"))]
+        cmd = self.command(i, verb, host)
+        flags: list[str] = []  # before a site's `--`
         if self.setup.regions:
-            cmd += ["--region", region_of(self.setup, i)]
+            flags += ["--region", region_of(self.setup, i)]
         if set(self.setup.kinds) & set(REGION_KINDS):
-            cmd.append("--verbose")  # a representative's merge shows in its log at once (`merged_in_log`)
+            flags.append("--verbose")  # a representative's merge shows in its log at once (`merged_in_log`)
         if self.setup.gossip:
-            cmd += ["--topology", "gossip", "--compression", "fp32"]
-        if resume:
-            cmd.append("--resume")
+            flags += ["--topology", "gossip", "--compression", "fp32"]
+        if resume and not self.site(i):  # a site's launcher restarts its command from the checkpoint itself
+            flags.append("--resume")
         if together > 1:
-            cmd += ["--wait-for", str(together)]
+            flags += ["--wait-for", str(together)]
+        cut = cmd.index("--") if "--" in cmd else len(cmd)
+        cmd[cut:cut] = flags
         self.path(i, "addr").unlink(missing_ok=True)
         log = open(self.path(i, "log"), "ab")
         self.logs.append(log)
@@ -482,7 +516,7 @@ class _Swarm:
         starts the swarm again from its checkpoint), run the faults' due steps and ends."""
         for w in self.workers:
             if w.state == "stopped" and now >= w.until:
-                w.proc.send_signal(signal.SIGCONT)
+                self._cont(w)
                 self.back(w)
             elif w.state == "down" and now >= w.until:
                 seed = False
@@ -674,7 +708,9 @@ class _Swarm:
         if fault.kind == "clock":
             self._clock_fault(fault, hit, w)
             return
-        if fault.kind == "kill":
+        if self.site(w.index) and fault.kind in ("kill", "stop"):
+            self._site_fault(fault, hit, w, now)
+        elif fault.kind == "kill":
             self._kill(w, hit, now)
         elif fault.kind == "stop":
             self.open[w.index] = hit
@@ -684,11 +720,43 @@ class _Swarm:
             w.proc.send_signal(signal.SIGINT)
             w.state = "gone"
 
+    def _site_fault(self, fault: Fault, hit: Hit, w: _Worker, now: float) -> None:
+        """A kill or a stop of the site: SIGKILL one of its ranks (torchrun ends the others, the launcher starts the
+        site again from its checkpoint: its return is its next committed round), or SIGSTOP every rank. While the
+        site is (re)starting there is no rank to hit: skipped."""
+        from .site import rank_pids
+
+        ranks = rank_pids(w.proc.pid)
+        if len(ranks) < self.setup.site_ranks:
+            hit.skipped, hit.detail = True, "the site is (re)starting"
+            return
+        if fault.kind == "kill":
+            rank = random.Random(fault.at).randrange(len(ranks))  # from the plan alone, as every draw
+            os.kill(ranks[rank], signal.SIGKILL)
+            hit.detail = f"rank {rank} of the site; its launcher starts it again"
+            hit.ended = time.time()  # nothing to wait for here: the launcher restarts it at once
+            return
+        self.open[w.index] = hit
+        w.frozen = list(ranks.values())
+        for pid in w.frozen:
+            os.kill(pid, signal.SIGSTOP)
+        hit.detail = f"its {len(ranks)} ranks"
+        w.state, w.until = "stopped", now + fault.seconds
+
+    def _cont(self, w: _Worker) -> None:
+        """SIGCONT a stopped worker (a site: its ranks)."""
+        for pid in w.frozen or [w.proc.pid]:
+            try:
+                os.kill(pid, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+        w.frozen = []
+
     def end(self) -> list[int | None]:
         """Everyone back, then SIGTERM: each finishes its round and leaves. The last exit status of each."""
         for w in self.workers:
             if w.state == "stopped":
-                w.proc.send_signal(signal.SIGCONT)
+                self._cont(w)
         # a worker still starting (restarted or new near the end) finishes starting first, for up to 60 s: until its
         # address file is written its stop handlers may not be in place, and a SIGTERM would end it where it stands
         deadline = time.monotonic() + 60
@@ -698,7 +766,7 @@ class _Swarm:
                 time.sleep(0.1)
         for w in self.workers:
             if w.state != "down" and w.proc.poll() is None:
-                w.proc.send_signal(signal.SIGTERM)
+                w.proc.send_signal(signal.SIGTERM)  # a site: its launcher passes it on to torchrun's group
         out: list[int | None] = []
         for w in self.workers:
             if w.state == "down":
@@ -713,8 +781,8 @@ class _Swarm:
 
     def kill_all(self) -> None:
         for w in self.workers:
+            self._cont(w)
             if w.proc.poll() is None:
-                w.proc.send_signal(signal.SIGCONT)
                 w.proc.kill()
                 w.proc.wait()
         for log in self.logs:

@@ -199,22 +199,37 @@ def _swarm(setup: SiteSetup, workdir: Path, say: Callable[[str], None],
         terminate(procs)
 
 
-def _rank_process(launcher: int, rank: str) -> int:
-    """The pid of rank `rank` among the launcher's descendants (torchrun starts ranks in their own sessions,
-    but they carry the launch id; we match the launcher's command's id)."""
+def rank_pids(launcher: int) -> dict[int, int]:
+    """The pid of each rank's Python process among the launcher's descendants (torchrun starts ranks in their own
+    sessions, but they carry the launch id; we match the launcher's command's id; a rank's p2pd daemon carries its
+    environment too, and is left out); empty while the command is (re)starting."""
     import psutil
 
     from ..environment import LAUNCH_ID
 
-    token = next(c.environ().get(LAUNCH_ID) for c in psutil.Process(launcher).children() if c.environ().get(LAUNCH_ID))
+    try:
+        token = next((c.environ().get(LAUNCH_ID) for c in psutil.Process(launcher).children()
+                      if c.environ().get(LAUNCH_ID)), None)
+    except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+        return {}
+    out: dict[int, int] = {}
     for proc in psutil.process_iter():
         try:
             env = proc.environ()
-            if env.get(LAUNCH_ID) == token and env.get("RANK") == rank:
-                return int(proc.pid)
+            if (token and env.get(LAUNCH_ID) == token and (env.get("RANK") or "").isdigit()
+                    and "python" in proc.name() and proc.status() != psutil.STATUS_ZOMBIE):
+                out.setdefault(int(env["RANK"]), int(proc.pid))
         except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
             pass
-    raise RuntimeError(f"no rank {rank} found under launcher {launcher}")
+    return out
+
+
+def _rank_process(launcher: int, rank: str) -> int:
+    """The pid of rank `rank` among the launcher's descendants."""
+    pid = rank_pids(launcher).get(int(rank))
+    if pid is None:
+        raise RuntimeError(f"no rank {rank} found under launcher {launcher}")
+    return pid
 
 
 def _wait(check: Callable[[], Any], timeout: float, what: str) -> Any:
