@@ -149,7 +149,7 @@ class Gossip(Topology):
         # a partner's influence is what the history guards against: a solo round (our own Δ alone) is neither judged
         # nor remembered, since its norm lacks the consensus term and would drag the median of met rounds down
         norm = float(gradient.norm())
-        scale = self._judged(gradient, rnd + 1, outcome.view, frag.index, own) if met else 1.0
+        scale = self._judged(norm, rnd + 1, outcome.view, frag.index, own) if met else 1.0
         if scale < 1.0:
             gradient.mul_(scale)
         m.step_to(gradient, rnd + 1, self.outer_lr_schedule(rnd + 1), None if whole else frag.params, self.alpha)
@@ -185,21 +185,20 @@ class Gossip(Topology):
         # as in any gossip round: a partner's absurd parameters move us at most `clip` times a usual round
         theta, mean = theta.to(m.holding.device), outcome.aggregate.to(m.holding.device)
         gradient = theta - mean
-        scale = self._judged(gradient, "final", outcome.view, None)
+        scale = self._judged(float(gradient.norm()), "final", outcome.view, None)
         if scale < 1.0:
             mean = theta - scale * gradient
         m.take_params(unflatten(mean, m.holding.params), bump=False)  # the mean itself, bit for bit, when unclipped
         self.final = len(outcome.view)
         log.info("event=gossip_final_average round=%d peers=%d", m.round, self.final)
 
-    def _judged(self, gradient: torch.Tensor, rnd: int | str, view: Sequence[PeerId], fragment: int | None,
+    def _judged(self, norm: float, rnd: int | str, view: Sequence[PeerId], fragment: int | None,
                 own: float = 0.0) -> float:
-        """The factor our outer `gradient` of round `rnd` (of `fragment`, or None: the whole model's, the final
-        average), from averaging with `view`, is to be scaled by (`history_scale` against our recent met rounds' of
-        that fragment, or the whole model's `whole_norms`, and our `own` Δ's norm); counted and logged when below
+        """The factor our outer gradient of round `rnd` (its `norm`; of `fragment`, or None: the whole model's, the
+        final average), from averaging with `view`, is to be scaled by (`history_scale` against our recent met rounds'
+        of that fragment, or the whole model's `whole_norms`, and our `own` Δ's norm); counted and logged when below
         1, and remembered."""
         assert self.member.swarm is not None
-        norm = float(gradient.norm())
         recent = list(self._norms[fragment]) if fragment is not None else whole_norms(list(self._norms.values()))
         scale = history_scale(norm, recent, self.member.swarm.cfg.round.robust.clip, own=own)
         if scale < 1.0:
