@@ -73,11 +73,13 @@ async def decide(c: Collective, r: Exchange, value: Value, numel: int, admit: Ad
                 or c.silent.get(p, 0) > now)
 
     def doubtful() -> bool:
-        """No quorum can form without a silent member: the members that answer, with the votes we have, are too
-        few. Waiting would wait for the silent one (a frozen member costs every member that accepted until it
-        wakes); instead we go on in doubt, and the next attempt, with the members that answer, carries the value."""
+        """Members moved past the attempt, and no quorum can form without a silent member: the members that
+        answer, with the votes we have, are too few. Waiting would wait for the silent one (a frozen member costs
+        every member that accepted until it wakes); instead we go on in doubt, and the next attempt, with the
+        members that answer, carries the value. While nobody moved past, a silent member may be slow, not gone,
+        and its vote may commit the round: we wait for it (to the deadline)."""
         undecided = {p for p in r.view if p not in votes and p not in past and p not in elsewhere}
-        return not quorum(votes | {p for p in undecided if not silent(p)})
+        return bool(past) and not quorum(votes | {p for p in undecided if not silent(p)})
 
     def settled() -> bool:
         return quorum(votes) or bool(elsewhere) or not quorum(set(r.view) - past) or doubtful()
