@@ -41,6 +41,22 @@ def _deltas(ids, numel: int, seed: int = 0) -> dict[str, torch.Tensor]:
     return {p: torch.randn(numel, generator=g) for p in ids}
 
 
+def _once_both_answered(net: InProcNetwork, peers: tuple[str, str], handler: str, caller: str, then) -> None:
+    """Wrap `handler` at both `peers`: once each of them answered a call from `caller`, `then()`."""
+    heard: set[str] = set()
+    for p in peers:
+        inner = net.lookup(p).handlers[handler]
+
+        async def noted(who, data, p=p, inner=inner):
+            reply = await inner(who, data)
+            if who == caller:
+                heard.add(p)
+                if len(heard) == len(peers):
+                    then()
+            return reply
+        net.lookup(p).handlers[handler] = noted
+
+
 async def _round(cs: dict[str, Collective], key: RoundKey, expected, deltas, members=None):
     members = list(cs) if members is None else members
     outs = await asyncio.gather(*(cs[p].run_round(key, DIGEST, list(expected), deltas[p]) for p in members))
@@ -337,19 +353,8 @@ def test_a_peer_whose_ready_came_early_and_that_then_died_is_not_in_the_view(fat
         net = InProcNetwork()
         # cut off: a call to x hangs for the call timeout, which (as by default) is longer than the answer window
         cs = await _collectives(net, ["p0", "p1", "x"], replace(FAST, call_timeout=8.0) if fate == "cut_off" else FAST)
-        heard: set[str] = set()
         got = asyncio.Event()
-        for p in ("p0", "p1"):
-            on_ready = net.lookup(p).handlers["diloco.ready"]
-
-            async def note(caller, data, p=p, on_ready=on_ready):
-                reply = await on_ready(caller, data)
-                if caller == "x":
-                    heard.add(p)
-                    if len(heard) == 2:
-                        got.set()
-                return reply
-            net.lookup(p).handlers["diloco.ready"] = note
+        _once_both_answered(net, ("p0", "p1"), "diloco.ready", "x", got.set)
         deltas = _deltas(["p0", "p1", "x"], 30, seed=5)
         early = asyncio.create_task(cs["x"].run_round(RoundKey(1), DIGEST, ["p0", "p1", "x"], deltas["x"]))
         await asyncio.wait_for(got.wait(), 2)
@@ -1066,17 +1071,7 @@ def test_members_that_accepted_a_value_go_on_in_doubt_once_only_a_frozen_member_
         cs = {x: await Collective.create(net.transport(x, lambda t, n, x=x: (x, t, n) in lost), RUN, cfg)
               for x in members}
         freezer = _Freezer(net, "p")
-        reached: set[str] = set()
-        for x in ("a", "b"):
-            on_result = net.lookup(x).handlers["diloco.result"]
-
-            async def note_then_freeze(caller, data, x=x, on_result=on_result):
-                reply = await on_result(caller, data)
-                if caller == "p":
-                    reached.add(x)
-                    freezer.frozen = len(reached) == 2  # p's result is at a and b: p freezes
-                return reply
-            net.lookup(x).handlers["diloco.result"] = note_then_freeze
+        _once_both_answered(net, ("a", "b"), "diloco.result", "p", lambda: setattr(freezer, "frozen", True))
         deltas = _deltas(members, 30, seed=11)
         started = time.monotonic()
         runs = {x: asyncio.create_task(cs[x].run_round(RoundKey(4, 0), DIGEST, members, deltas[x], admit=admit))
