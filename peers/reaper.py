@@ -87,6 +87,16 @@ def pid_alive(pid: int) -> bool:
         return True
 
 
+def environ(pid: int) -> dict[str, str]:
+    """The environment process `pid` started with (empty when it is gone or not ours)."""
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            raw = f.read()
+    except OSError:
+        return {}
+    return dict(kv.decode(errors="replace").partition("=")[::2] for kv in raw.split(b"\0") if b"=" in kv)
+
+
 def tagged(name: str, value: str) -> list[int]:
     """Pids of this user's processes whose environment holds `name=value` (this process excluded)."""
     needle, me, found = f"{name}={value}".encode(), os.getpid(), []

@@ -200,28 +200,40 @@ def _swarm(setup: SiteSetup, workdir: Path, say: Callable[[str], None],
 
 
 def rank_pids(launcher: int) -> dict[int, int]:
-    """The pid of each rank's Python process among the launcher's descendants (torchrun starts ranks in their own
-    sessions, but they carry the launch id; we match the launcher's command's id; a rank's p2pd daemon carries its
-    environment too, and is left out); empty while the command is (re)starting."""
-    import psutil
-
+    """The pid of each rank's Python process among the launcher's descendants: the processes tagged with the launch
+    id of the launcher's command (`peers.reaper.tagged`; torchrun starts ranks in sessions of their own), by `RANK`
+    (a rank's p2pd daemon inherits its environment, and is left out); empty while the command is (re)starting."""
     from ..environment import LAUNCH_ID
+    from ..peers.reaper import environ, pid_alive, tagged
 
-    try:
-        token = next((c.environ().get(LAUNCH_ID) for c in psutil.Process(launcher).children()
-                      if c.environ().get(LAUNCH_ID)), None)
-    except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
-        return {}
+    token = next((environ(pid).get(LAUNCH_ID) for pid in _children(launcher) if environ(pid).get(LAUNCH_ID)), None)
     out: dict[int, int] = {}
-    for proc in psutil.process_iter():
+    for pid in sorted(tagged(LAUNCH_ID, token)) if token else []:
+        rank = environ(pid).get("RANK", "")
+        if rank.isdigit() and _command_name(pid) != "p2pd" and pid_alive(pid):
+            out.setdefault(int(rank), pid)
+    return out
+
+
+def _children(pid: int) -> list[int]:
+    """The pids whose parent is `pid` (/proc/PID/stat's fourth field)."""
+    out = []
+    for entry in os.listdir("/proc"):
         try:
-            env = proc.environ()
-            if (token and env.get(LAUNCH_ID) == token and (env.get("RANK") or "").isdigit()
-                    and "python" in proc.name() and proc.status() != psutil.STATUS_ZOMBIE):
-                out.setdefault(int(env["RANK"]), int(proc.pid))
-        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            with open(f"/proc/{entry}/stat") as f:
+                if entry.isdigit() and int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
+                    out.append(int(entry))
+        except (OSError, IndexError, ValueError):
             pass
     return out
+
+
+def _command_name(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/comm") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
 
 
 def _rank_process(launcher: int, rank: str) -> int:

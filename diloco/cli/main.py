@@ -13,7 +13,6 @@ Bad input exits with status 2 and a message that names the fix, before any netwo
 from __future__ import annotations
 
 import faulthandler
-import importlib.util
 import logging
 import os
 import signal
@@ -1064,19 +1063,16 @@ def bench_chaos_cmd(
               "--outage-max >= 5")
     if set(kinds) & set(LINK_KINDS) and not wan:
         _fail(f"--faults {faults!r}: {', '.join(LINK_KINDS)} are faults of the WAN lab's links: add --wan (root)")
-    if site_ranks < 0 or (site_ranks and wan):
-        _fail(f"--site-ranks {site_ranks}: give 1 or more ranks (0: no site), on this machine's loopback (without "
-              "--wan)")
-    if site_ranks and importlib.util.find_spec("psutil") is None:
-        _fail("--site-ranks finds the site's ranks through psutil: pip install 'diloco[psutil]'")
     if (wan or set(kinds) & set(DISK_KINDS)) and os.geteuid() != 0:
         _fail("--wan and the disk faults (readonly, full) need root (network namespaces, mounts): run as root, or "
               "leave them out")
-    setup = ChaosSetup(workers=workers, seconds=seconds, every=every, seed=seed, kinds=kinds,
-                       restart_after=restart_after, stop_seconds=(1.0, stop_max), heal=heal,
-                       outage_seconds=(5.0, outage_max), wan=wan, rate_mbit=rate, delay_ms=delay, regions=regions,
-                       gossip=gossip, site_ranks=site_ranks,
-                       job=tuple(shlex.split(job)), baseline=baseline)
+    try:  # what the setup checks itself (--site-ranks), said as any refusal here
+        setup = ChaosSetup(workers=workers, seconds=seconds, every=every, seed=seed, kinds=kinds,
+                           restart_after=restart_after, stop_seconds=(1.0, stop_max), heal=heal,
+                           outage_seconds=(5.0, outage_max), wan=wan, rate_mbit=rate, delay_ms=delay, regions=regions,
+                           gossip=gossip, site_ranks=site_ranks, job=tuple(shlex.split(job)), baseline=baseline)
+    except ValueError as e:
+        _fail(f"{e}")
     where = workdir or Path(tempfile.mkdtemp(prefix="diloco-chaos-"))
     with Reporter.for_command(quiet=quiet) as rep, rep.task("chaos", unit="s") as task:
         report = run(setup, where, progress=rep.say, tick=task.update)

@@ -80,7 +80,7 @@ def main(argv: list[str] | None = None) -> None:
     model = build_model(GPTConfig(context=cfg.context, d_model=cfg.d_model, n_layer=cfg.n_layer), seed=cfg.seed)
     net = DistributedDataParallel(model) if distributed else model
     inner = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=ADAMW_BETAS, weight_decay=WEIGHT_DECAY)
-    total = cfg.rounds * cfg.inner_steps
+    total = cfg.total_steps
     with DiLoCo(net, inner, inner_steps=cfg.inner_steps) as d:  # the swarm, checkpoints, metrics: the launcher's
         # the site's shard, a stream per rank (a restarted site replays the same batches)
         sampler = BatchSampler(corpus.train, batch_size=cfg.batch_size, context=cfg.context,
