@@ -200,40 +200,20 @@ def _swarm(setup: SiteSetup, workdir: Path, say: Callable[[str], None],
 
 
 def rank_pids(launcher: int) -> dict[int, int]:
-    """The pid of each rank's Python process among the launcher's descendants: the processes tagged with the launch
-    id of the launcher's command (`peers.reaper.tagged`; torchrun starts ranks in sessions of their own), by `RANK`
-    (a rank's p2pd daemon inherits its environment, and is left out); empty while the command is (re)starting."""
-    from ..environment import LAUNCH_ID
-    from ..peers.reaper import environ, pid_alive, tagged
+    """The pid of each rank's process among the launcher's descendants (`procmem.family`), by the `RANK` torchrun
+    gives it (a rank's p2pd daemon inherits its environment, and is left out); empty while the command is
+    (re)starting."""
+    from ..peers.reaper import environ, pid_alive
+    from .procmem import family, named
 
-    token = next((environ(pid).get(LAUNCH_ID) for pid in _children(launcher) if environ(pid).get(LAUNCH_ID)), None)
+    tree = family(launcher)[1:]
+    daemons = set(named(tree, "p2pd"))
     out: dict[int, int] = {}
-    for pid in sorted(tagged(LAUNCH_ID, token)) if token else []:
+    for pid in sorted(tree):
         rank = environ(pid).get("RANK", "")
-        if rank.isdigit() and _command_name(pid) != "p2pd" and pid_alive(pid):
+        if rank.isdigit() and pid not in daemons and pid_alive(pid):
             out.setdefault(int(rank), pid)
     return out
-
-
-def _children(pid: int) -> list[int]:
-    """The pids whose parent is `pid` (/proc/PID/stat's fourth field)."""
-    out = []
-    for entry in os.listdir("/proc"):
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                if entry.isdigit() and int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
-                    out.append(int(entry))
-        except (OSError, IndexError, ValueError):
-            pass
-    return out
-
-
-def _command_name(pid: int) -> str:
-    try:
-        with open(f"/proc/{pid}/comm") as f:
-            return f.read().strip()
-    except OSError:
-        return ""
 
 
 def _rank_process(launcher: int, rank: str) -> int:

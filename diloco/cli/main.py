@@ -1182,12 +1182,9 @@ def bench_site_cmd(
     process, and the time from a rank's crash to the restarted site's first committed round."""
     import json
 
-    from ..bench import procmem
     from ..bench.site import SiteSetup, markdown, run
     from ..progress import Reporter
 
-    if procmem.psutil is None:  # it finds a site's ranks by their environment
-        _fail('diloco bench site needs the psutil package, which is not installed: pip install "diloco[psutil]"')
     if ranks < 2 or width < 1 or inner_steps < 1 or steps < 1:
         _fail("--ranks must be >= 2; --width, --inner-steps and --steps >= 1")
     if sharding not in ("ddp", "fsdp"):
