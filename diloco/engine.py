@@ -168,10 +168,12 @@ class RoundEngine:
             return False
         s.last_slot = s.steps
         try:
-            self.member.check_standing()
+            over = self.member.check_standing(self.member.round + self.pending_rounds)
         except Banned:
             self.pending = None  # the exchange in flight can only fail: nobody takes our rounds any more
             raise
+        if over:  # the whole swarm's run ended (`diloco.ending`): no round past it; leaving applies one in flight
+            return True
         if self.overlapped:
             self.overlapped_slot()
         else:

@@ -11,6 +11,7 @@ command's environment, and how the wrapper turns it back into a swarm peer.
 | `DILOCO_TENSORBOARD`, `DILOCO_WANDB` | a TensorBoard directory and a W&B project for the same events (only with `--tensorboard` / `--wandb`; `diloco.sinks`) |
 | `DILOCO_CHECKPOINT_DIR`, `DILOCO_CHECKPOINT_EVERY` | checkpoints (only with `--checkpoint-dir`): the wrapper resumes from the newest one when it attaches |
 | `DILOCO_SHARD` | the site's data shard when `--shard N` was given (`DiLoCo.data_shard` reads it; otherwise derived from the site's peer id, which the launcher keeps across restarts) |
+| `DILOCO_END_FILE` | a file the launcher creates when it is asked to end the whole swarm's run (SIGUSR1): the worker then announces the round the run ends at (`diloco.ending`) |
 | `DILOCO_RESTART` | how many times the launcher restarted the command (0 the first time) |
 | `DILOCO_LAUNCH_ID` | tags every process of one launch, so that nothing outlives the launcher |
 
@@ -43,10 +44,10 @@ SWARM, SECRET_FILE, ADDRESS_FILE, PEERS_FILE = "DILOCO_SWARM", "DILOCO_SECRET_FI
     "DILOCO_PEERS_FILE"
 METRICS, CHECKPOINT_DIR, CHECKPOINT_EVERY = "DILOCO_METRICS", "DILOCO_CHECKPOINT_DIR", "DILOCO_CHECKPOINT_EVERY"
 TENSORBOARD, WANDB = "DILOCO_TENSORBOARD", "DILOCO_WANDB"
-RESTART, LAUNCH_ID, SHARD = "DILOCO_RESTART", "DILOCO_LAUNCH_ID", "DILOCO_SHARD"
+RESTART, LAUNCH_ID, SHARD, END_FILE = "DILOCO_RESTART", "DILOCO_LAUNCH_ID", "DILOCO_SHARD", "DILOCO_END_FILE"
 WAIT_TIMEOUT = 120.0  # seconds a launched worker waits for `wait_for` peers, then trains with whoever is there
 ALL = (SWARM, SECRET_FILE, ADDRESS_FILE, PEERS_FILE, METRICS, TENSORBOARD, WANDB, CHECKPOINT_DIR, CHECKPOINT_EVERY,
-       RESTART, LAUNCH_ID, SHARD)
+       RESTART, LAUNCH_ID, SHARD, END_FILE)
 SHARDS = 100_000
 """Data shards a peer id is spread over when none is given (`data_shard`)."""
 
@@ -84,6 +85,8 @@ class Launch:
     restart: int = 0
     shard: int | None = None
     """The site's data shard, when given (`--shard N`)."""
+    end_file: str | None = None
+    """Created by the launcher when it is asked to end the whole run (`diloco.ending`)."""
     extra: Mapping[str, str] = field(default_factory=dict)
     """Other variables to set (the launch id)."""
 
@@ -95,7 +98,7 @@ class Launch:
                CHECKPOINT_EVERY: str(self.checkpoint_every), **self.extra}
         for name, value in ((ADDRESS_FILE, self.address_file), (PEERS_FILE, self.peers_file),
                             (METRICS, self.metrics), (TENSORBOARD, self.sinks.tensorboard), (WANDB, self.sinks.wandb),
-                            (CHECKPOINT_DIR, self.checkpoint_dir)):
+                            (CHECKPOINT_DIR, self.checkpoint_dir), (END_FILE, self.end_file)):
             if value:
                 env[name] = value
         if self.shard is not None:
@@ -125,7 +128,8 @@ class Launch:
                    port=int(connect["port"]), announce=tuple(connect["announce"] or ()), wait_for=int(connect["wait_for"]),
                    address_file=env.get(ADDRESS_FILE), peers_file=env.get(PEERS_FILE), metrics=env.get(METRICS),
                    sinks=SinkConfig(tensorboard=env.get(TENSORBOARD) or None, wandb=env.get(WANDB) or None),
-                   checkpoint_dir=env.get(CHECKPOINT_DIR), checkpoint_every=every, restart=restart, shard=shard)
+                   checkpoint_dir=env.get(CHECKPOINT_DIR), checkpoint_every=every, restart=restart, shard=shard,
+                   end_file=env.get(END_FILE))
 
     @property
     def records_metrics(self) -> bool:

@@ -12,7 +12,8 @@ launcher's environment (`diloco start/join -- python train.py` or `-- torchrun .
 without a launcher it is single-worker DiLoCo. Under torchrun the ranks are one site (docs/USAGE.md, "Your
 own training script"). The wrapper hooks the torch optimizer inside accelerate's wrapper, so a step
 that gradient accumulation or an overflowing fp16 step skips is not counted as an inner step. When
-training ends, the exchange in flight is applied and a launched worker leaves the swarm.
+training ends, the exchange in flight is applied and a launched worker leaves the swarm. When the whole swarm's
+run ends (`diloco.ending`: a peer was asked to end it), the Trainer stops at that round, as every peer does.
 
 The learning-rate schedule, gradient clipping, mixed precision, logging and the Trainer's own
 checkpoints stay the Trainer's; a Trainer that joins a running swarm steps its scheduler to the swarm's step
@@ -59,6 +60,10 @@ class DiLoCoCallback(TrainerCallback):
         self.diloco.attach()
         if lr_scheduler is not None:  # no further than the Trainer's own schedule goes
             fast_forward(lr_scheduler, min(self.diloco.swarm_step, state.max_steps or 0) - state.global_step)
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **_: Any) -> None:
+        if self.diloco is not None and self.diloco.ended:  # the whole swarm's run ended (`diloco.ending`)
+            control.should_training_stop = True
 
     def on_train_end(self, args: Any, state: Any, control: Any, **_: Any) -> None:
         if self.diloco is not None:

@@ -10,6 +10,7 @@ and a final one, leaves at the next inner step on SIGTERM/SIGINT, and ends the r
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import threading
 from typing import TYPE_CHECKING
@@ -29,10 +30,12 @@ log = logging.getLogger(__name__)
 class StopOnSignal:
     """SIGTERM / SIGINT for a worker the launcher started: leave at the next inner step (a site: at the
     next synchronization slot, every rank at the same one), applying the exchange in flight and telling
-    the swarm, instead of dying mid-step. A second signal stops at once."""
+    the swarm, instead of dying mid-step. A second signal stops at once. SIGUSR1, sent to this process itself:
+    end the whole swarm's run (`ended`; the launcher's SIGUSR1 says so through `DILOCO_END_FILE`)."""
 
     def __init__(self) -> None:
         self.signum: int | None = None
+        self.ended = False
         self._saved: dict[int, object] = {}
 
     def install(self) -> None:
@@ -40,6 +43,10 @@ class StopOnSignal:
             return
         for sig in (signal.SIGTERM, signal.SIGINT):
             self._saved[sig] = signal.signal(sig, self._on_signal)
+        self._saved[signal.SIGUSR1] = signal.signal(signal.SIGUSR1, self._on_end)
+
+    def _on_end(self, _signum: int, _frame: object) -> None:
+        self.ended = True
 
     def _on_signal(self, signum: int, _frame: object) -> None:
         if self.signum is not None:
@@ -81,6 +88,10 @@ class LaunchedRun:
             d.checkpoints.read()
         self._swarm = self.launch.connect()
         return self._swarm
+
+    def end_requested(self) -> bool:
+        """Whether we were asked to end the whole swarm's run: SIGUSR1 to us, or to the launcher (its end file)."""
+        return self.stop.ended or bool(self.launch.end_file and os.path.exists(self.launch.end_file))
 
     def hold_first_step(self, swarm: Swarm) -> None:
         """`--wait-for N`: wait until N peers (us included) are in the swarm, up to `WAIT_TIMEOUT`."""

@@ -6,6 +6,8 @@ addresses), hands them to the command in its environment (`diloco.environment`),
 - it prints the line others run to join once the site's peer is up;
 - SIGINT and SIGTERM go to the command's process group (the worker leaves the swarm at its next
   step, applying what is in flight), and the launcher exits with the command's exit code;
+- SIGUSR1 asks for the end of the whole swarm's run (`diloco.ending`): the launcher creates the file
+  `DILOCO_END_FILE` names, and the worker announces the round every peer ends at;
 - a command that fails is started again, up to `--max-restarts` times. The new process keeps the
   site's peer id (an identity file) and listening port, rejoins through the members the old one
   last knew, and downloads the swarm's state (or resumes from `--checkpoint-dir`);
@@ -126,7 +128,10 @@ class Supervisor:
     def run(self) -> int:
         reaper = Reaper()  # if we die, by any signal, it takes every process of this launch down
         reaper.watch_env(LAUNCH_ID, self.token)
+        end_file = Path(self.launch.end_file or Path(tempfile.gettempdir()) / f"diloco-end-{self.token}")
+        self.launch = dataclasses.replace(self.launch, end_file=str(end_file))
         saved = {sig: signal.signal(sig, self._forward) for sig in (signal.SIGINT, signal.SIGTERM)}
+        saved[signal.SIGUSR1] = signal.signal(signal.SIGUSR1, self._end)
         try:
             peers = self.launch.peers
             for attempt in range(self.max_restarts + 1):
@@ -144,6 +149,7 @@ class Supervisor:
         finally:
             for sig, handler in saved.items():
                 signal.signal(sig, handler)
+            end_file.unlink(missing_ok=True)
             reaper.close()  # sweeps whatever of the launch is still running
 
     def _run_once(self, launch: Launch) -> int:
@@ -174,6 +180,13 @@ class Supervisor:
         known = read_lines(self.launch.peers_file) if self.launch.peers_file else []
         ours = set(read_lines(self.launch.address_file)) if self.launch.address_file else set()
         return tuple(dict.fromkeys(a for a in [*known, *self.launch.peers] if a not in ours))
+
+    def _end(self, _signum: int, _frame: object) -> None:
+        """SIGUSR1: end the whole swarm's run; the worker reads the file at its next synchronization slot (and a
+        restarted one at its first)."""
+        if self.launch.end_file:
+            Path(self.launch.end_file).touch()
+            self.say("asked to end the whole run: the worker announces the round every peer ends at")
 
     def _forward(self, signum: int, _frame: object) -> None:
         """Ctrl-C or SIGTERM: pass it to the command's process group; the worker leaves gracefully. A second

@@ -24,6 +24,7 @@ from diloco.peers.records import PeerRecord
 
 from .accounting import Accounting
 from .catchup import CatchUp
+from .ending import Ending, RunEnded
 from .holding import Holding, Later, views
 from .outer import copy_into, mix_into, outer_step
 from .report import RoundReport
@@ -79,11 +80,13 @@ class Member:
                  accounting: Accounting, *, schema: str, period: Callable[[], int], join_timeout: float = 10.0,
                  on_report: Callable[[RoundReport], None] = lambda r: None,
                  on_download: Callable[[], None] = lambda: None, on_commit: Callable[[], None] = lambda: None,
-                 stop_requested: Callable[[], int | None] = lambda: None) -> None:
+                 stop_requested: Callable[[], int | None] = lambda: None,
+                 end_requested: Callable[[], bool] = lambda: False) -> None:
         """`local()`: the local parameters a new state is copied into. `period()`: inner steps between slots now.
         `on_report(r)`: the caller's part of a report (metrics, `on_round`). `on_download()`: we took another
         peer's state (what referred to ours is void). `on_commit()`: a round moved our state (a checkpoint may be
-        due). `stop_requested()`: a signal the launcher sent, if any."""
+        due). `stop_requested()`: a signal the launcher sent, if any. `end_requested()`: whether the launcher was
+        asked to end the whole run (`diloco.ending`)."""
         self.holding, self.local, self.link, self.accounting = holding, local, link, accounting
         self.schema = schema
         """The digest of the model's parameter names and shapes, the compression and the fragment layout: a peer
@@ -93,6 +96,7 @@ class Member:
         self._period, self._on_report, self._on_download = period, on_report, on_download
         self.committed = on_commit
         self.stop_requested = stop_requested
+        self.end_requested = end_requested
         self.swarm: Swarm | None = None
         self.topology: Topology | None = None
         self.server = SnapshotServer(holding, self.snapshot_info, on_demand=link.shards is None)
@@ -110,6 +114,8 @@ class Member:
         carries the digest "" (still being hashed) and must not land after the one that carries the digest."""
         self._owed = False
         """A publication at once waits for the digest being hashed."""
+        self.ending = Ending()
+        """The end of the whole swarm's run (`diloco.ending`): asked for, announced, read."""
         holding.on_known(self._publish_digest)
 
     @property
@@ -145,6 +151,8 @@ class Member:
     def report(self, report: RoundReport) -> RoundReport:
         """Keep `report`, publish our record, and tell the caller (metrics, `on_round`)."""
         self.reports.append(report)
+        if report.committed:
+            self.ending.committed()
         self.publish("training")
         self._on_report(report)
         return report
@@ -205,25 +213,42 @@ class Member:
 
     # ------------------------------------------------------------------ at a synchronization slot
 
-    def check_standing(self) -> None:
+    def run_ended(self, launched: int) -> bool:
+        """Whether the whole swarm's run ended for us (`diloco.ending`): an end is announced (by us now, when we were
+        asked to and none is) and our rounds got to it (`launched`: our rounds on the wire). Never for a lone
+        worker, nor for a site's rank other than the leader (its slot learns it from the leader). No network I/O."""
+        t = self.topology
+        if self.swarm is None or t is None:
+            return False
+        if not self.ending.wanted and self.end_requested():
+            self.ending.wanted = True
+        return self.ending.reached(t.whole(self.swarm), t.count(self, launched), t.per_count())
+
+    def check_standing(self, launched: int | None = None) -> bool:
         """Raise `Banned` once most other peers banned us (`Swarm.check_standing`). A site stops here, every rank at the same slot,
-        when its leader was asked to (SIGTERM / SIGINT from the launcher). An FSDP2 site that a peer asked for
+        when its leader was asked to (SIGTERM / SIGINT from the launcher). Once `launched` rounds (ours on the wire)
+        got to the whole swarm's end (`run_ended`), returns True, the same on every rank: launch no round, the run is
+        over (`Ending.over`); at a slot after that, the loop went on without looking: `RunEnded`. An FSDP2 site that a peer asked for
         our state since its last snapshot gathers one here, for that peer to download while the round we are
         about to run waits for it."""
         if not self.in_swarm and self.link.site is None:
-            return
+            return False
 
-        def standing() -> tuple[int | None, bool]:
+        def standing() -> tuple[int | None, bool, bool]:
             if self.swarm is not None:
                 self.swarm.check_standing(self.standing.members)
             wanted = self.link.shards is not None and self.swarm is not None and bool(self.swarm.unserved())
-            return self.stop_requested(), wanted
+            return self.stop_requested(), wanted, launched is not None and self.run_ended(launched)
 
-        signum, snapshot = self.link.agree(standing)  # raises Banned on every rank
+        signum, snapshot, ended = self.link.agree(standing)  # raises Banned on every rank
         if signum is not None:
             raise SystemExit(128 + signum)
+        if ended and self.ending.over:
+            raise RunEnded(self.round)
+        self.ending.over = self.ending.over or ended
         if snapshot:
             self.take_snapshot()
+        return ended
 
     def take_snapshot(self) -> None:
         """Every rank of an FSDP2 site: gather the current state, whole, for the leader to serve."""

@@ -175,6 +175,17 @@ class Regions(Topology):
             worker.take_params(self.upper.holding.params, bump=False)
             log.info("event=region_opened region=%s global_round=%d", self.name, self.upper.round)
 
+    def per_count(self) -> int:
+        return self.merger.inner_steps_now  # region rounds per merge
+
+    def count(self, worker: Member, launched: int) -> int:
+        """The whole swarm counts merges (`diloco.ending`): the newest global round our region holds (ours, or as its
+        representative's record shows it: a member does not hold θ_G′ itself), and the last merge that `finish`
+        makes when region rounds ran since the one before. Every representative knows its own exactly, and stops
+        no later than its members."""
+        ours = [r.round for r in self.swarm.records(cached=True) if r.region == self.name and r.status != "left"]
+        return max([self.upper.round, *ours]) + (1 if self.upper.standing.position > 0 else 0)
+
     def close(self) -> None:
         """Leave the region's namespace and the global level (the worker leaves the swarm after this)."""
         try:

@@ -15,6 +15,7 @@ One narrow interface, driven by the engine and the wrapper at fixed points of a 
 | `finish()`: the run's one final model | — (one state already) | a final merge; θ_G′ everywhere | one average of all |
 | `final_digest()`: what every peer ends on | the state's | θ_G′'s | the averaged parameters' |
 | `summary()`, `close()` | — | merges, θ_G; leave the levels | groups met |
+| `count(worker, launched)`: our rounds as the whole swarm counts them (`diloco.ending`) | the rounds launched | the merges, the last one due included | the rounds launched |
 
 A topology gets the worker's `Member` (its state, standing and record), never the wrapper; the swarm itself
 carries no topology policy. The wrapper picks one from the swarm's settings (`SwarmConfig.region`,
@@ -89,6 +90,15 @@ class Topology:
 
     def take_info(self, info: dict[str, object]) -> None:
         """We downloaded a peer's state: `info` is what it told us of it."""
+
+    def per_count(self) -> int:
+        """Our rounds per round of the whole swarm's count (`count`): a region's rounds per merge."""
+        return 1
+
+    def count(self, worker: Member, launched: int) -> int:
+        """Where we stand in the whole swarm's count of rounds, the one an end of the whole run names
+        (`diloco.ending`): the rounds we put on the wire (`launched`)."""
+        return launched
 
     def finish(self, worker: Member) -> None:
         """The run ended, its loop complete: make the one final model every peer of the run ends on (a flat swarm

@@ -57,6 +57,7 @@ from diloco.compression.pipeline import parse
 from .accounting import Accounting, Usage
 from .catchup import CatchUp
 from .compression.errors import ConfigError, UsageError
+from .ending import RunEnded
 from .engine import RoundEngine
 from .environment import data_shard
 from .fragments import HSchedule, StreamingConfig, check_h_schedule, check_round_seconds, check_schedule, partition
@@ -243,7 +244,8 @@ class DiLoCo:
                              schema=schema_digest(named, f"{spec.text}|{layout}"), period=lambda: self.engine.period,
                              join_timeout=join_timeout, on_report=self._reported,
                              on_download=self._downloaded, on_commit=lambda: self.checkpoints.if_due(),
-                             stop_requested=lambda: self.launched.stop.signum if self.launched else None)
+                             stop_requested=lambda: self.launched.stop.signum if self.launched else None,
+                             end_requested=lambda: self.launched is not None and self.launched.end_requested())
         """What the worker holds (θ, the outer state, the round), how it stands in the swarm, its catching up."""
         self.engine = RoundEngine(self.member, fragments=self.fragments, streaming=self.streaming,
                                   inner_steps=inner_steps, h_schedule=self.h_schedule,
@@ -386,6 +388,25 @@ class DiLoCo:
         put on the wire."""
         return self.engine.pending_rounds
 
+    @property
+    def ended(self) -> bool:
+        """The whole swarm's run ended for this worker (docs/USAGE.md, "Ending the whole run"): a peer announced the
+        round it ends at and our rounds got there. A loop that checks it before each step (`while not d.ended:`)
+        stops there; leaving the `with` then ends the run as a completed one. On a site every rank learns it at the
+        same synchronization slot (which launches no round), so every rank's loop stops after the same step. A loop
+        that does not check it leaves by `RunEnded` at the slot after that one (a SystemExit with status 0; the
+        `with` ends the run the same way). Never for a worker without a swarm."""
+        if self.member.ending.over:
+            return True
+        return self.site is None and self.member.run_ended(self.round + self.pending_rounds)
+
+    def end_swarm(self) -> None:
+        """Ask the whole swarm to end its run on one final model: at the next `ended` check or slot this worker
+        announces the round it ends at, a few rounds ahead so that every peer reads it first (`diloco.ending`), and
+        every peer ends there. Safe to call from a signal handler (it sets a flag); `diloco start/join` call it on
+        SIGUSR1."""
+        self.member.ending.wanted = True
+
     def in_flight(self) -> concurrent.futures.Future[RoundOutcome] | None:
         """The exchange running in the background (None when there is none or it completed locally)."""
         return self.engine.pending.future if self.engine.pending is not None else None
@@ -409,7 +430,7 @@ class DiLoCo:
         return self
 
     def __exit__(self, exc_type: object, *exc: object) -> None:
-        self.detach(completed=exc_type is None)
+        self.detach(completed=exc_type is None or exc_type is RunEnded)
 
     def attach(self) -> None:
         """Join the swarm (the launcher's, for a command started by `diloco start/join -- CMD`), catch up with it

@@ -59,7 +59,7 @@ def main() -> None:
 
     with diloco.DiLoCo(model, opt, inner_steps=args.inner_steps) as d:   # the one DiLoCo line
         data = batches(args.seed if args.seed is not None else d.data_shard * 1000 + rank)  # each site its own data
-        while d.round < args.rounds:
+        while d.round < args.rounds and not d.ended:  # d.ended: the whole swarm's run ended
             x, y = (t.to(device, non_blocking=True) for t in next(data))
             loss = torch.nn.functional.mse_loss(model(x), y)
             loss.backward()

@@ -62,6 +62,8 @@ def main() -> None:
     try:
         with diloco.DiLoCo(model, optimizer, swarm=swarm, inner_steps=args.inner_steps) as d:  # the one line
             for step in range(args.steps):
+                if d.ended:  # the whole swarm's run ended (docs/USAGE.md, "Ending the whole run")
+                    break
                 i = torch.randint(0, len(x), (64,), device=device)
                 loss = torch.nn.functional.mse_loss(model(x[i]), y[i])
                 loss.backward()

@@ -94,6 +94,9 @@ class PeerRecord:
     one of them."""
     relayed: tuple[PeerId, ...] = ()
     """Members this peer's last call reached through a relay (`diloco status`)."""
+    ends: int = 0
+    """The round the run ends at, once one was announced (0: none): every peer launches no round past the lowest a
+    member announces (`diloco.ending`)."""
 
     def digests_at(self, rnd: int) -> set[str]:
         """The digests this record shows for round `rnd`: its state now, or among its `recent` states."""
@@ -115,6 +118,7 @@ MAX_BANNED = 64  # longest `banned` accepted from the network
 MAX_BYTES = 1 << 62  # largest byte counter accepted from the network (msgpack packs it in 9 bytes)
 MAX_STEP_SECONDS = 86400.0  # longest inner step accepted from the network
 MAX_VIA = 4  # relays read from a record at most
+MAX_ROUND = 1 << 53  # largest announced end accepted from the network
 
 
 def _display_fields(value: dict[str, Any]) -> dict[str, Any]:
@@ -178,6 +182,7 @@ def parse_record(peer: str, value: Any) -> PeerRecord | None:
         relayed = _parse_peers(value.get("relayed", [])) or ()
         via = _parse_peers(value.get("via", [])) or ()  # malformed: none (it is called on its data port, or libp2p)
         relay = value.get("relay", False) is True
+        ends = value.get("ends", 0)
     except (KeyError, TypeError):
         return None
     ints_ok = all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in (rnd, attempt, step))
@@ -190,12 +195,14 @@ def parse_record(peer: str, value: Any) -> PeerRecord | None:
         return None
     if value.get("peer", peer) != peer:
         return None
+    if not (isinstance(ends, int) and not isinstance(ends, bool) and 0 <= ends <= MAX_ROUND):
+        ends = 0  # malformed: no end announced (an end ends everyone's run: only a well-formed one counts)
     if not (isinstance(data, str) and len(data) <= 300 and (data == "" or parse_address(data) is not None)):
         data = ""  # a data address that is not one: the peer is called through libp2p, the record stays valid
     return PeerRecord(peer=PeerId(peer), status=status, round=rnd, attempt=attempt, digest=digest,
                       step=step, loss=None if loss is None else float(loss), addrs=tuple(addrs), beat=float(beat),
                       recent=recent, banned=banned, region=region, data=data, libp2p=libp2p, relay=relay,
-                      via=via[:MAX_VIA], relayed=relayed, **_display_fields(value))
+                      via=via[:MAX_VIA], relayed=relayed, ends=ends, **_display_fields(value))
 
 
 class Directory(Protocol):

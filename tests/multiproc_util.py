@@ -28,13 +28,14 @@ class Peers:
         self.procs: list[subprocess.Popen] = []
 
     def spawn(self, index: int, args: list[str], env: dict[str, str] | None = None,
-              session: bool = False, open_files: int | None = None) -> subprocess.Popen:
-        """Start peer `index`; with `session` in a process group of its own (as a shell job is, so a
+              session: bool = False, open_files: int | None = None, command: list[str] | None = None,
+              ) -> subprocess.Popen:
+        """Start peer `index` (`command`: a training command the launcher runs, after `--`); with `session` in a process group of its own (as a shell job is, so a
         test can send the group Ctrl-C's SIGINT); with `open_files` under that soft and hard limit of
         open files (its daemon inherits it)."""
         cmd = [sys.executable, "-m", "diloco", *args, "--run-id", self.run_id,
                "--metrics", str(self.metrics(index)), "--address-file", str(self.workdir / f"peer{index}.addr"),
-               "--shard", str(index), "--verbose"]
+               "--shard", str(index), "--verbose", *(["--", *command] if command else [])]
         log = open(self.workdir / f"peer{index}.log", "wb")
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                 env={**os.environ, "DILOCO_SECRET": self.secret, **(env or {})},

@@ -35,8 +35,9 @@ With `regions` one more kind applies:
 
 Cuts compose: two workers talk when no partition or link that is down separates them. A fault that finds no
 worker to hit (every one down or stopped; fewer than three up for a partition) is skipped and counted as such. When the time is
-up, every stopped worker is continued, every killed one restarted, the swarm gets `heal` seconds, and every
-worker is stopped with SIGTERM (each finishes its round and leaves). Then the same number of workers runs as long
+up, every stopped worker is continued, every killed one restarted, the swarm gets `heal` seconds, and the whole
+run ends (`diloco.ending`: SIGUSR1 to one worker; every worker ends at the round it announces, on one model, with
+regions after a last merge). Then the same number of workers runs as long
 without faults, the baseline.
 
 From the workers' metrics lines (`report`): faults by kind; rounds committed against the baseline (goodput);
@@ -83,6 +84,9 @@ REGION_KINDS = ("repkill",)
 DEFAULT_KINDS = ("kill", "stop")
 REPKILL_WAIT = 60.0
 """Seconds a `repkill` waits for a representative to finish a merge before it is skipped."""
+END_WAIT = 120.0
+"""Seconds the workers get to end the run together (the end's margin, a last merge, serving the final state to a
+worker still behind) before each still running is stopped with SIGTERM."""
 SITE_RESTARTS = 1000
 """The site's launcher starts it again after every kill of a rank (`--max-restarts`): a run never runs out."""
 _FLAPS = 3
@@ -118,8 +122,8 @@ class ChaosSetup:
     """The last of the first `workers` is a site of this many ranks (DDP on gloo; `diloco.job.site` under torchrun
     and the launcher, `--max-restarts`) among lone processes; 0: every worker a lone process. A kill SIGKILLs one of
     its ranks (torchrun ends the others, the launcher starts the site again), a stop freezes every rank. At the end
-    its launcher passes SIGTERM on to torchrun, whose agent ends the ranks (each leaves as any worker does, writing
-    its final line) and then exits 1 on the signal: the site's exit status is 1 where a lone worker's is 0."""
+    its ranks stop at the round the run ends at, as every worker does, and the site exits 0 (one still running
+    `END_WAIT` seconds after the end was asked gets SIGTERM: torchrun's agent then exits 1)."""
 
     def __post_init__(self) -> None:
         if self.site_ranks < 0:
@@ -753,25 +757,33 @@ class _Swarm:
         w.frozen = []
 
     def end(self) -> list[int | None]:
-        """Everyone back, then SIGTERM: each finishes its round and leaves. The last exit status of each."""
+        """Everyone back, then the end of the whole run (`diloco.ending`): SIGUSR1 to one worker, which announces the
+        round every worker ends at (with regions, a last merge, and θ_G′ everywhere); a worker not gone within
+        `END_WAIT` seconds of it gets SIGTERM (it finishes its round and leaves). The last exit status of each."""
         for w in self.workers:
             if w.state == "stopped":
                 self._cont(w)
         # a worker still starting (restarted or new near the end) finishes starting first, for up to 60 s: until its
-        # address file is written its stop handlers may not be in place, and a SIGTERM would end it where it stands
+        # address file is written its signal handlers may not be in place, and a signal would end it where it stands
         deadline = time.monotonic() + 60
         for w in self.workers:
             while (w.state == "up" and w.proc.poll() is None and not self.path(w.index, "addr").exists()
                    and time.monotonic() < deadline):
                 time.sleep(0.1)
-        for w in self.workers:
-            if w.state != "down" and w.proc.poll() is None:
-                w.proc.send_signal(signal.SIGTERM)  # a site: its launcher passes it on to torchrun's group
+        running = [w for w in self.workers if w.state != "down" and w.proc.poll() is None]
+        if running:  # a site's launcher tells its leader rank through its end file
+            running[0].proc.send_signal(signal.SIGUSR1)
+        deadline = time.monotonic() + END_WAIT
         out: list[int | None] = []
         for w in self.workers:
             if w.state == "down":
                 out.append(w.exits[-1] if w.exits else None)
                 continue
+            try:
+                out.append(w.proc.wait(max(0.0, deadline - time.monotonic())))
+                continue
+            except subprocess.TimeoutExpired:
+                w.proc.send_signal(signal.SIGTERM)  # a site: its launcher passes it on to torchrun's group
             try:
                 out.append(w.proc.wait(90))
             except subprocess.TimeoutExpired:

@@ -149,8 +149,16 @@ def _run_peer(initial: list[str], *, host: str, port: int, announce: Optional[Li
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+    end = threading.Event()
+
+    def on_end(_signum: int, _frame: object) -> None:
+        typer.echo("received SIGUSR1: announcing the end of the whole run; every peer ends at the same round", err=True)
+        end.set()
+
+    signal.signal(signal.SIGUSR1, on_end)
     try:
         typer.echo(f"peer {swarm.peer_id} in run {swarm_cfg.run_id!r}, swarm secret from {secret_from}")
+        typer.echo(f"end the whole run, every peer on one final model: kill -USR1 {os.getpid()}")
         for addr in swarm.addresses:
             typer.echo(f"  address: {addr}")
         if not initial:
@@ -173,7 +181,8 @@ def _run_peer(initial: list[str], *, host: str, port: int, announce: Optional[Li
         try:
             with Reporter.for_command(quiet=quiet, live=live) as rep, \
                     rep.task("training", job.rounds, unit="rounds") as task, subnormals_flushed():
-                summary = run_job(job, swarm, metrics=writer, status_path=status_file, stop=stop, progress=task.update)
+                summary = run_job(job, swarm, metrics=writer, status_path=status_file, stop=stop, progress=task.update,
+                                  end=end)
         except (HandshakeError, Banned) as e:  # our model or codec differs from the swarm's; the swarm banned us
             _fail(str(e), code=1)
         finally:
@@ -1259,13 +1268,14 @@ def _launch(initial: list[str], command: list[str], swarm_cfg: SwarmConfig, secr
                         address_file=str(workdir / "address"), peers_file=str(workdir / "peers"),
                         metrics=str(metrics) if metrics else None, sinks=sinks,
                         checkpoint_dir=checkpoint_dir,
-                        checkpoint_every=checkpoint_every, shard=shard)
+                        checkpoint_every=checkpoint_every, shard=shard, end_file=str(workdir / "end"))
 
         def on_address(addrs: list[str]) -> None:
             typer.echo(f"site peer {addrs[0].rsplit('/p2p/', 1)[-1]} in run {swarm_cfg.run_id!r}, swarm secret from "
                        f"{where}")
             for addr in addrs:
                 typer.echo(f"  address: {addr}")
+            typer.echo(f"end the whole run, every peer on one final model: kill -USR1 {os.getpid()}")
             if not initial:
                 addr = next((a for a in addrs if "/127.0.0.1/" not in a), addrs[0])
                 typer.echo("others join with:\n  " + _join_line(f"diloco join {addr} --run-id {swarm_cfg.run_id}",

@@ -85,7 +85,7 @@ def main(argv: list[str] | None = None) -> None:
         # the site's shard, a stream per rank (a restarted site replays the same batches)
         sampler = BatchSampler(corpus.train, batch_size=cfg.batch_size, context=cfg.context,
                                seed=cfg.seed * ranks + rank, shard=d.data_shard % SHARDS, num_shards=SHARDS)
-        while d.round < cfg.rounds:
+        while d.round < cfg.rounds and not d.ended:  # the whole swarm's run may end first (`diloco.ending`)
             for group in inner.param_groups:
                 group["lr"] = inner_lr(d.swarm_step, lr=cfg.lr, warmup=cfg.warmup, total=total)
             x, y = sampler.next()

@@ -328,8 +328,9 @@ def run_job(cfg: JobConfig, swarm: Swarm | None, *, metrics: MetricsWriter | Non
             corpus: Corpus | None = None, on_step: Callable[[DiLoCo], None] | None = None,
             progress: Callable[[float, float | None, str | None], None] | None = None,
             round_clock: Callable[[DiLoCo], float] | None = None,
-            others_steps: Sequence[float] | None = None) -> dict[str, Any]:
-    """Train until the global round reaches cfg.rounds (or `stop` is set); returns the final summary.
+            others_steps: Sequence[float] | None = None, end: threading.Event | None = None) -> dict[str, Any]:
+    """Train until the global round reaches cfg.rounds, or the whole swarm's run ends (`diloco.ending`; `end` set:
+    we announce one), or `stop` is set; returns the final summary.
     `corpus`: `load_corpus(cfg)` already loaded (workers in one process share it, read-only).
     `on_step(d)`: called after every inner step (the simulator's fault plans act there).
     `progress(done, total, status)`: outer rounds done (fractional between rounds) of `cfg.rounds`
@@ -408,6 +409,7 @@ def run_job(cfg: JobConfig, swarm: Swarm | None, *, metrics: MetricsWriter | Non
     if cfg.resume and not d.resume():
         log.info("event=resume_skipped reason=no verified checkpoint in %s", cfg.checkpoint_dir)
     target = cfg.rounds * len(d.fragments)  # a round synchronizes one fragment
+    ended = [False]  # the whole swarm's run ended (`diloco.ending`)
     total_steps = cfg.total_steps
     with d:
         if swarm is not None and cfg.wait_for > 1:
@@ -421,6 +423,11 @@ def run_job(cfg: JobConfig, swarm: Swarm | None, *, metrics: MetricsWriter | Non
         time_limit = clock["start"] + 4 * target * (cfg.round_seconds or 0) + 60
 
         def go_on() -> bool:
+            if end is not None and end.is_set():  # SIGUSR1: end the whole swarm's run (`diloco.ending`)
+                d.end_swarm()
+            if d.ended:
+                ended[0] = True
+                return False
             if max_steps is not None:
                 return d.steps < max_steps
             return round_clock is not None or time.monotonic() < time_limit
@@ -458,7 +465,7 @@ def run_job(cfg: JobConfig, swarm: Swarm | None, *, metrics: MetricsWriter | Non
     trained = train_seconds()
     # the end every run shares (`diloco.lifecycle`): a peer still behind downloads the final state from us, and the
     # final checkpoint (also on SIGTERM / Ctrl-C, which end the loop above)
-    end_run(d, completed=not stop.is_set() and d.round >= target)
+    end_run(d, completed=not stop.is_set() and (d.round >= target or ended[0]))
     with d.global_weights():
         eval_loss = evaluate(model, heldout)
     if cfg.save_final:
