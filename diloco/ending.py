@@ -3,8 +3,8 @@
 A worker told to stop (Ctrl-C, SIGTERM) leaves at its next inner step, alone: ending a run that way ends each
 worker where it stood, a round apart at times, and a region's last merge never happens. To end the *run*, on one
 final model everywhere, any one peer is asked (SIGUSR1 to its `diloco start/join`, `DiLoCo.end_swarm()`). It
-publishes in its record the round the run ends at (`PeerRecord.ends`): the newest round a record shows, plus enough
-rounds for every peer to read it with the heartbeat before its rounds get there (`margin`). Every peer that reads
+publishes in its record the round the run ends at (`PeerRecord.ends`): the newest round a record shows and the one
+it may have on the wire, plus enough rounds for every peer to read it with the heartbeat before its rounds get there (`margin`). Every peer that reads
 an end takes the lowest any member announced and publishes it in its own record too, so the end outlives its
 announcer and a peer that joins or restarts later learns it. A peer launches no round past it, then ends its run as
 one that reached `--rounds` does (`diloco.lifecycle`): regions merge a last time and every peer takes that state,
@@ -91,7 +91,8 @@ class Ending:
         `scale`: our rounds per counted round (a region's rounds per merge). No network I/O."""
         records = whole.records(cached=True)
         if self.wanted and self.end is None:
-            newest = max([count, *(r.round for r in records if r.status != "left")])
+            # a record's round, and the one it may have on the wire (with regions: the merge a region has due)
+            newest = max([count, *(r.round + 1 for r in records if r.status != "left")])
             period = self.period()
             self.end = newest + margin(period * scale if period is not None else None, whole.cfg.heartbeat_interval)
             log.warning("event=run_end_announced round=%d newest=%d reason=asked to end the whole run", self.end,

@@ -9,10 +9,7 @@ SIGUSR1 to the launcher."""
 from __future__ import annotations
 
 import copy
-import json
-import os
 import signal
-import subprocess
 import sys
 import textwrap
 import threading
@@ -37,6 +34,7 @@ H = 3
 
 # ---------------------------------------------------------------------------------------------- pure decisions
 
+@pytest.mark.unit
 def test_the_margin_leaves_every_peer_three_heartbeats_and_a_second_to_read_the_end():
     assert margin(0.5, 1.0) == 8  # rounds of half a second: 4 s of them
     assert margin(300.0, 1.0) == 1  # rounds of minutes: the round after the newest
@@ -48,12 +46,14 @@ def _rec(peer: str, ends: int = 0, status: str = "training") -> PeerRecord:
     return PeerRecord(peer=PeerId(peer), status=status, round=3, ends=ends)
 
 
+@pytest.mark.unit
 def test_the_announced_end_is_the_lowest_any_peer_shows_a_banned_peers_aside():
     assert announced([_rec("a"), _rec("b")]) is None
     assert announced([_rec("a", 12), _rec("b", 9, status="left"), _rec("c")]) == 9  # the announcer may have left
     assert announced([_rec("a", 12), _rec("b", 9)], banned={PeerId("b")}) == 12
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("ends", [-1, "7", 2.5, True, 1 << 60])
 def test_a_malformed_end_in_a_record_from_the_network_is_no_end(ends):
     record = parse_record("p", {"status": "training", "round": 4, "ends": ends})
@@ -91,6 +91,7 @@ def _flat_worker(h: Harness, name: str, out: dict, barrier: threading.Barrier, *
     return run
 
 
+@pytest.mark.swarm
 def test_every_worker_ends_at_the_announced_round_on_one_state_the_slow_one_too():
     """Three workers, one three times slower per step: the fastest asks at round 3; each loop checks `d.ended` and
     stops at the round announced, which every record shows; one state everywhere."""
@@ -110,6 +111,7 @@ def test_every_worker_ends_at_the_announced_round_on_one_state_the_slow_one_too(
         h.close()
 
 
+@pytest.mark.swarm
 def test_a_loop_that_does_not_look_leaves_at_the_slot_past_the_end_by_run_ended():
     """A loop that never checks `d.ended`: the slot after the end raises `RunEnded` (exit status 0), the `with`
     applies what is in flight and the worker ends on the announced round like the others."""
@@ -127,6 +129,7 @@ def test_a_loop_that_does_not_look_leaves_at_the_slot_past_the_end_by_run_ended(
     assert RunEnded(5).code == 0
 
 
+@pytest.mark.swarm
 def test_two_regions_of_unequal_pace_end_on_one_global_state():
     """Two regions of two peers, the second region's peers twice as slow: a member (not a representative) asks;
     every representative's last merge is the announced global round, and every peer ends holding θ_G′, its
