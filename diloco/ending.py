@@ -2,7 +2,7 @@
 
 A worker told to stop (Ctrl-C, SIGTERM) leaves at its next inner step, alone: ending a run that way ends each
 worker where it stood, a round apart at times, and a region's last merge never happens. To end the *run*, on one
-final model everywhere, any one peer is asked (SIGUSR1 to its `diloco start/join`, `DiLoCo.end_swarm()`). It
+final model everywhere, any one peer is asked (SIGUSR2 to its `diloco start/join`, `DiLoCo.end_swarm()`). It
 publishes in its record the round the run ends at (`PeerRecord.ends`): the newest round a record shows and the one
 it may have on the wire, plus enough rounds for every peer to read it with the heartbeat before its rounds get there (`margin`). Every peer that reads
 an end takes the lowest any member announced and publishes it in its own record too, so the end outlives its

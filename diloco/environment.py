@@ -11,7 +11,7 @@ command's environment, and how the wrapper turns it back into a swarm peer.
 | `DILOCO_TENSORBOARD`, `DILOCO_WANDB` | a TensorBoard directory and a W&B project for the same events (only with `--tensorboard` / `--wandb`; `diloco.sinks`) |
 | `DILOCO_CHECKPOINT_DIR`, `DILOCO_CHECKPOINT_EVERY` | checkpoints (only with `--checkpoint-dir`): the wrapper resumes from the newest one when it attaches |
 | `DILOCO_SHARD` | the site's data shard when `--shard N` was given (`DiLoCo.data_shard` reads it; otherwise derived from the site's peer id, which the launcher keeps across restarts) |
-| `DILOCO_END_FILE` | a file the launcher creates when it is asked to end the whole swarm's run (SIGUSR1): the worker then announces the round the run ends at (`diloco.ending`) |
+| `DILOCO_END_FILE` | a file the launcher creates when it is asked to end the whole swarm's run (SIGUSR2): the worker then announces the round the run ends at (`diloco.ending`) |
 | `DILOCO_RESTART` | how many times the launcher restarted the command (0 the first time) |
 | `DILOCO_LAUNCH_ID` | tags every process of one launch, so that nothing outlives the launcher |
 

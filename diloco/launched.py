@@ -30,8 +30,8 @@ log = logging.getLogger(__name__)
 class StopOnSignal:
     """SIGTERM / SIGINT for a worker the launcher started: leave at the next inner step (a site: at the
     next synchronization slot, every rank at the same one), applying the exchange in flight and telling
-    the swarm, instead of dying mid-step. A second signal stops at once. SIGUSR1, sent to this process itself:
-    end the whole swarm's run (`ended`; the launcher's SIGUSR1 says so through `DILOCO_END_FILE`)."""
+    the swarm, instead of dying mid-step. A second signal stops at once. SIGUSR2, sent to this process itself:
+    end the whole swarm's run (`ended`; the launcher's SIGUSR2 says so through `DILOCO_END_FILE`)."""
 
     def __init__(self) -> None:
         self.signum: int | None = None
@@ -43,7 +43,7 @@ class StopOnSignal:
             return
         for sig in (signal.SIGTERM, signal.SIGINT):
             self._saved[sig] = signal.signal(sig, self._on_signal)
-        self._saved[signal.SIGUSR1] = signal.signal(signal.SIGUSR1, self._on_end)
+        self._saved[signal.SIGUSR2] = signal.signal(signal.SIGUSR2, self._on_end)
 
     def _on_end(self, _signum: int, _frame: object) -> None:
         self.ended = True
@@ -90,7 +90,7 @@ class LaunchedRun:
         return self._swarm
 
     def end_requested(self) -> bool:
-        """Whether we were asked to end the whole swarm's run: SIGUSR1 to us, or to the launcher (its end file)."""
+        """Whether we were asked to end the whole swarm's run: SIGUSR2 to us, or to the launcher (its end file)."""
         return self.stop.ended or bool(self.launch.end_file and os.path.exists(self.launch.end_file))
 
     def hold_first_step(self, swarm: Swarm) -> None:

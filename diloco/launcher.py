@@ -6,7 +6,7 @@ addresses), hands them to the command in its environment (`diloco.environment`),
 - it prints the line others run to join once the site's peer is up;
 - SIGINT and SIGTERM go to the command's process group (the worker leaves the swarm at its next
   step, applying what is in flight), and the launcher exits with the command's exit code;
-- SIGUSR1 asks for the end of the whole swarm's run (`diloco.ending`): the launcher creates the file
+- SIGUSR2 asks for the end of the whole swarm's run (`diloco.ending`): the launcher creates the file
   `DILOCO_END_FILE` names, and the worker announces the round every peer ends at;
 - a command that fails is started again, up to `--max-restarts` times. The new process keeps the
   site's peer id (an identity file) and listening port, rejoins through the members the old one
@@ -131,7 +131,7 @@ class Supervisor:
         end_file = Path(self.launch.end_file or Path(tempfile.gettempdir()) / f"diloco-end-{self.token}")
         self.launch = dataclasses.replace(self.launch, end_file=str(end_file))
         saved = {sig: signal.signal(sig, self._forward) for sig in (signal.SIGINT, signal.SIGTERM)}
-        saved[signal.SIGUSR1] = signal.signal(signal.SIGUSR1, self._end)
+        saved[signal.SIGUSR2] = signal.signal(signal.SIGUSR2, self._end)
         try:
             peers = self.launch.peers
             for attempt in range(self.max_restarts + 1):
@@ -182,7 +182,7 @@ class Supervisor:
         return tuple(dict.fromkeys(a for a in [*known, *self.launch.peers] if a not in ours))
 
     def _end(self, _signum: int, _frame: object) -> None:
-        """SIGUSR1: end the whole swarm's run; the worker reads the file at its next synchronization slot (and a
+        """SIGUSR2: end the whole swarm's run; the worker reads the file at its next synchronization slot (and a
         restarted one at its first)."""
         if self.launch.end_file:
             Path(self.launch.end_file).touch()

@@ -106,7 +106,7 @@ def main() -> None:
                        adaptive=args.adaptive) as d:  # the line
         # each site its own data (each rank its own part of it), and the swarm's place in the lr schedule
         data = batches(args.seed if args.seed is not None else d.data_shard * 1000 + rank)
-        while d.round < args.rounds and not d.ended:  # d.ended: the whole swarm's run ended (SIGUSR1 to a peer)
+        while d.round < args.rounds and not d.ended:  # d.ended: the whole swarm's run ended (SIGUSR2 to a peer)
             for group in opt.param_groups:
                 group["lr"] = lr_at(d.swarm_step, args.lr, args.warmup, total)
             x, y = (t.to(device, non_blocking=True) for t in next(data))

@@ -188,7 +188,7 @@ def test_a_short_chaos_run_of_real_workers_ends_without_a_fork(tmp_path):
     report = json.loads(out.read_text())
     assert report["forks"] == {} and report["commits_cut_off"] == [], (report["forks"], report["commits_cut_off"])
     assert report["exits"] == [0, 0, 0], (report["exits"], proc.stdout)
-    # the run ended as a whole (SIGUSR1 to one worker): every worker at one round, on one model
+    # the run ended as a whole (SIGUSR2 to one worker): every worker at one round, on one model
     assert len(set(report["final_rounds"])) == 1 and len(report["final_states"]) == 1, report
     applied = {k: f["applied"] for k, f in report["faults"].items()}
     assert sum(applied.values()) == report["faults_applied"] >= 5, applied

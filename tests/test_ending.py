@@ -4,7 +4,7 @@ peer ends at the round it announced, on one final model.
 Pure decisions first (the margin, the announced end, a malformed record), then in-process swarms of real `Swarm`s
 and `DiLoCo` workers (flat workers of unequal pace, a loop that does not look and meets `RunEnded`, two regions that
 end on one global state), then real processes: a `diloco start` peer and a script under `diloco join -- CMD` ended by
-SIGUSR1 to the launcher."""
+SIGUSR2 to the launcher."""
 
 from __future__ import annotations
 
@@ -200,8 +200,8 @@ SCRIPT = textwrap.dedent("""
 
 @pytest.mark.multiproc
 @pytest.mark.timeout(240)
-def test_sigusr1_to_a_launcher_ends_the_bundled_peer_and_the_script_at_one_round(tmp_path):
-    """A `diloco start` peer (the bundled job) and a script under `diloco join -- python script.py` train; SIGUSR1 to
+def test_sigusr2_to_a_launcher_ends_the_bundled_peer_and_the_script_at_one_round(tmp_path):
+    """A `diloco start` peer (the bundled job) and a script under `diloco join -- python script.py` train; SIGUSR2 to
     the launcher: its end file reaches the script's worker, which announces the end; both exit 0 on the same round
     and final state, the script's loop ended by `d.ended`."""
     script = tmp_path / "script.py"
@@ -216,7 +216,7 @@ def test_sigusr1_to_a_launcher_ends_the_bundled_peer_and_the_script_at_one_round
             assert time.monotonic() < deadline, peers.log(0) + peers.log(1)
             assert first.poll() is None and site.poll() is None, peers.log(0) + peers.log(1)
             time.sleep(0.2)
-        site.send_signal(signal.SIGUSR1)
+        site.send_signal(signal.SIGUSR2)
         assert peers.wait(site, 90) == 0, peers.log(1)
         assert peers.wait(first, 90) == 0, peers.log(0)
     finally:

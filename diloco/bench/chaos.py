@@ -36,7 +36,7 @@ With `regions` one more kind applies:
 Cuts compose: two workers talk when no partition or link that is down separates them. A fault that finds no
 worker to hit (every one down or stopped; fewer than three up for a partition) is skipped and counted as such. When the time is
 up, every stopped worker is continued, every killed one restarted, the swarm gets `heal` seconds, and the whole
-run ends (`diloco.ending`: SIGUSR1 to one worker; every worker ends at the round it announces, on one model, with
+run ends (`diloco.ending`: SIGUSR2 to one worker; every worker ends at the round it announces, on one model, with
 regions after a last merge). Then the same number of workers runs as long
 without faults, the baseline.
 
@@ -757,7 +757,7 @@ class _Swarm:
         w.frozen = []
 
     def end(self) -> list[int | None]:
-        """Everyone back, then the end of the whole run (`diloco.ending`): SIGUSR1 to one worker, which announces the
+        """Everyone back, then the end of the whole run (`diloco.ending`): SIGUSR2 to one worker, which announces the
         round every worker ends at (with regions, a last merge, and θ_G′ everywhere); a worker not gone within
         `END_WAIT` seconds of it gets SIGTERM (it finishes its round and leaves). The last exit status of each."""
         for w in self.workers:
@@ -772,7 +772,7 @@ class _Swarm:
                 time.sleep(0.1)
         running = [w for w in self.workers if w.state != "down" and w.proc.poll() is None]
         if running:  # a site's launcher tells its leader rank through its end file
-            running[0].proc.send_signal(signal.SIGUSR1)
+            running[0].proc.send_signal(signal.SIGUSR2)
         deadline = time.monotonic() + END_WAIT
         out: list[int | None] = []
         for w in self.workers:

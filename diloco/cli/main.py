@@ -152,13 +152,13 @@ def _run_peer(initial: list[str], *, host: str, port: int, announce: Optional[Li
     end = threading.Event()
 
     def on_end(_signum: int, _frame: object) -> None:
-        typer.echo("received SIGUSR1: announcing the end of the whole run; every peer ends at the same round", err=True)
+        typer.echo("received SIGUSR2: announcing the end of the whole run; every peer ends at the same round", err=True)
         end.set()
 
-    signal.signal(signal.SIGUSR1, on_end)
+    signal.signal(signal.SIGUSR2, on_end)
     try:
         typer.echo(f"peer {swarm.peer_id} in run {swarm_cfg.run_id!r}, swarm secret from {secret_from}")
-        typer.echo(f"end the whole run, every peer on one final model: kill -USR1 {os.getpid()}")
+        typer.echo(f"end the whole run, every peer on one final model: kill -USR2 {os.getpid()}")
         for addr in swarm.addresses:
             typer.echo(f"  address: {addr}")
         if not initial:
@@ -1275,7 +1275,7 @@ def _launch(initial: list[str], command: list[str], swarm_cfg: SwarmConfig, secr
                        f"{where}")
             for addr in addrs:
                 typer.echo(f"  address: {addr}")
-            typer.echo(f"end the whole run, every peer on one final model: kill -USR1 {os.getpid()}")
+            typer.echo(f"end the whole run, every peer on one final model: kill -USR2 {os.getpid()}")
             if not initial:
                 addr = next((a for a in addrs if "/127.0.0.1/" not in a), addrs[0])
                 typer.echo("others join with:\n  " + _join_line(f"diloco join {addr} --run-id {swarm_cfg.run_id}",

@@ -423,7 +423,7 @@ def run_job(cfg: JobConfig, swarm: Swarm | None, *, metrics: MetricsWriter | Non
         time_limit = clock["start"] + 4 * target * (cfg.round_seconds or 0) + 60
 
         def go_on() -> bool:
-            if end is not None and end.is_set():  # SIGUSR1: end the whole swarm's run (`diloco.ending`)
+            if end is not None and end.is_set():  # SIGUSR2: end the whole swarm's run (`diloco.ending`)
                 d.end_swarm()
             if d.ended:
                 ended[0] = True
