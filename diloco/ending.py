@@ -88,8 +88,9 @@ class Ending:
     def reached(self, whole: Swarm, count: int, scale: int = 1) -> bool:
         """Whether the run ended for us: an end is announced (ours now, when we were asked and none is) and our
         rounds, `count` as the swarm counts them, got to it. `whole`: the swarm whose records carry the end;
-        `scale`: our rounds per counted round (a region's rounds per merge). No network I/O."""
-        records = whole.records(cached=True)
+        `scale`: our rounds per counted round (a region's rounds per merge). No network I/O (before the heartbeat's
+        first read, our own record alone)."""
+        records = [whole.presence.record, *whole.others_seen()]
         if self.wanted and self.end is None:
             # a record's round, and the one it may have on the wire (with regions: the merge a region has due)
             newest = max([count, *(r.round + 1 for r in records if r.status != "left")])

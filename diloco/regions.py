@@ -183,7 +183,7 @@ class Regions(Topology):
         representative's record shows it: a member does not hold θ_G′ itself), and the last merge that `finish`
         makes when region rounds ran since the one before. Every representative knows its own exactly, and stops
         no later than its members."""
-        ours = [r.round for r in self.swarm.records(cached=True) if r.region == self.name and r.status != "left"]
+        ours = [r.round for r in self.swarm.others_seen() if r.region == self.name and r.status != "left"]
         return max([self.upper.round, *ours]) + (1 if self.upper.standing.position > 0 else 0)
 
     def close(self) -> None:

@@ -23,7 +23,7 @@ import logging
 import time
 from collections import Counter, deque
 from dataclasses import dataclass, field
-from typing import Any, Awaitable, Callable, Sequence
+from typing import Any, Awaitable, Callable, Collection, Sequence
 
 import torch
 
@@ -47,6 +47,12 @@ IN_FLIGHT = 2
 """Chunk requests each holder serves at once: keeps its link busy while one chunk's reply is in flight."""
 STRIKES = 3
 """Failed or bad chunks after which a holder is no longer asked during this download."""
+HEDGE = 2.0
+"""Seconds a manifest request waits on one holder before the next holder is asked too, the first valid answer
+taken; at the end of a download (nothing left to ask for), a chunk in flight that long, and three times the slowest
+chunk received so far, is asked of another holder too. A frozen holder then costs a catching-up peer about this
+much, not a call timeout per request (`diloco bench chaos`: a restarted worker that downloaded from a worker frozen
+just after)."""
 
 
 @dataclass
@@ -98,77 +104,127 @@ async def download(call: Call, *, run_id: str, me: PeerId, digest: str, holders:
                    on_progress: Callable[[Progress], None] = lambda p: None,
                    on_refused: Callable[[PeerId, str], None] = lambda peer, reason: None,
                    ) -> tuple[Receiver, dict[str, Any], Progress]:
-    """Download the state named `digest` from `holders` (tried for the manifest in order). Returns the
-    filled receiver, the serving peer's info, and the progress; raises StateError when no holder serves
-    the manifest or when the holders left cannot supply every chunk. `on_refused(peer, reason)` hears
-    every refusal (a peer that banned us says so)."""
-    manifest: Manifest | None = None
-    info: dict[str, Any] = {}
-    why: list[Exception] = []
-    for peer in holders:
-        try:
-            manifest, info = await _manifest(call, run_id, me, peer, digest, chunk_timeout, on_refused)
-            break
-        except (TransportError, PayloadRejected, StateError) as e:
-            why.append(e)
-            log.info("event=manifest_failed peer=%s reason=%s", peer, e)
-    if manifest is None:
-        kind = NotHeld if why and all(isinstance(e, NotHeld) for e in why) else StateError
-        raise kind(f"none of the {len(holders)} peer(s) holding state {digest} served its manifest: "
-                   + "; ".join(map(str, why[:3])))
+    """Download the state named `digest` from `holders` (asked for the manifest in order, the next one `HEDGE`
+    seconds after the last). Returns the filled receiver, the serving peer's info, and the progress; raises
+    StateError when no holder serves the manifest or when the holders left cannot supply every chunk.
+    `on_refused(peer, reason)` hears every refusal (a peer that banned us says so)."""
+    manifest, info = await _first_manifest(call, run_id, me, digest, holders, chunk_timeout, on_refused)
     into = receiver(manifest)  # checks the header against our model before any chunk is asked for
     progress = Progress(total=manifest.total, sources=len(holders))
     queue: deque[int] = deque(range(into.chunks))
     strikes: Counter[PeerId] = Counter()
     refused: dict[int, set[PeerId]] = {}  # chunk -> holders whose copy of it did not match
-    in_flight, wake = 0, asyncio.Event()
+    asked: dict[int, dict[PeerId, float]] = {}  # chunk in flight -> the holders asked for it, since when
+    slowest = [0.0]  # the longest a chunk took to arrive so far
+    wake = asyncio.Event()
+
+    def complete() -> bool:
+        return len(into.done) == into.chunks
 
     def take(peer: PeerId) -> int | None:
-        """The next chunk `peer` should send: one it has not sent a bad copy of, unless nobody else can."""
+        """The next chunk `peer` should send: one it has not sent a bad copy of, unless nobody else can; with
+        none left, one in flight at another holder for `HEDGE` seconds and three times the slowest chunk."""
         for _ in range(len(queue)):
             index = queue.popleft()
             others = [p for p in holders if strikes[p] < STRIKES and p not in refused.get(index, ())]
             if peer not in refused.get(index, ()) or not others:
                 return index
             queue.append(index)
-        return None
+        late = time.monotonic() - max(HEDGE, 3 * slowest[0])
+        return next((i for i, at in asked.items() if i not in into.done and peer not in at
+                     and peer not in refused.get(i, ()) and min(at.values()) <= late), None)
 
     async def worker(peer: PeerId) -> None:
-        nonlocal in_flight
-        while strikes[peer] < STRIKES:
+        while strikes[peer] < STRIKES and not complete():
             index = take(peer)
             if index is None:
-                if not in_flight:
+                if not asked:
                     return  # nothing left that this holder may send
                 wake.clear()
-                await wake.wait()  # a chunk in flight elsewhere may fail and come back
+                try:  # a chunk in flight elsewhere may fail and come back, or be late enough to ask again
+                    await asyncio.wait_for(wake.wait(), HEDGE / 2)
+                except asyncio.TimeoutError:
+                    pass
                 continue
-            in_flight += 1
+            started = time.monotonic()
+            asked.setdefault(index, {})[peer] = started
             try:
                 data = await _chunk(call, run_id, me, peer, digest, index, chunk_timeout)
-                into.write(index, data)
-                progress.received += len(data)
-                on_progress(progress)
+                if index not in into.done:  # (a chunk asked of two holders: the first copy counts)
+                    into.write(index, data)
+                    progress.received += len(data)
+                    slowest[0] = max(slowest[0], time.monotonic() - started)
+                    on_progress(progress)
             except StateError as e:  # a chunk that does not match the manifest: tampered, or a bug
                 refused.setdefault(index, set()).add(peer)
                 progress.bad_chunks[peer] += 1
                 strikes[peer] += 1
-                queue.append(index)
+                _again(queue, asked, index, peer, into.done)
                 log.warning("event=state_chunk_refused peer=%s chunk=%d reason=%s", peer, index, e)
             except (TransportError, PayloadRejected) as e:
                 strikes[peer] += 1
-                queue.append(index)
+                _again(queue, asked, index, peer, into.done)
                 log.info("event=state_chunk_failed peer=%s chunk=%d reason=%s", peer, index, e)
+            else:
+                asked.pop(index, None)
             finally:
-                in_flight -= 1
                 wake.set()
 
-    await asyncio.gather(*(worker(p) for p in holders for _ in range(IN_FLIGHT)))
+    workers = {asyncio.ensure_future(worker(p)) for p in holders for _ in range(IN_FLIGHT)}
+    try:
+        while workers and not complete():
+            _, workers = await asyncio.wait(workers, return_when=asyncio.FIRST_COMPLETED)
+    finally:  # every chunk here: a request still waiting on a frozen holder is dropped, not waited out
+        for w in workers:
+            w.cancel()
+        await asyncio.gather(*workers, return_exceptions=True)
     progress.sources = sum(1 for p in holders if strikes[p] < STRIKES)
     if len(into.done) != into.chunks:
         raise StateError(f"{into.chunks - len(into.done)} of {into.chunks} chunks could not be had from "
                          f"{len(holders)} holder(s) (failed or refused: {dict(strikes)})")
     return into, info, progress
+
+
+def _again(queue: deque[int], asked: dict[int, dict[PeerId, float]], index: int, peer: PeerId,
+           done: Collection[int]) -> None:
+    """`peer` did not deliver chunk `index`: ask for it again, unless another holder has it in flight or sent it."""
+    others = asked.get(index, {})
+    others.pop(peer, None)
+    if not others:
+        asked.pop(index, None)
+        if index not in done:
+            queue.append(index)
+
+
+async def _first_manifest(call: Call, run_id: str, me: PeerId, digest: str, holders: Sequence[PeerId],
+                          timeout: float, on_refused: Callable[[PeerId, str], None]) -> tuple[Manifest, dict[str, Any]]:
+    """The manifest of `digest` from the first holder that serves it: asked in order, the next one `HEDGE` seconds
+    after the last (or at once, when the last refused); raises StateError (NotHeld when every holder said it
+    moved on) naming why when none does."""
+    why: list[Exception] = []
+    waiting: dict[asyncio.Future[tuple[Manifest, dict[str, Any]]], PeerId] = {}
+    left = list(holders)
+    try:
+        while left or waiting:
+            if left:
+                peer = left.pop(0)
+                waiting[asyncio.ensure_future(_manifest(call, run_id, me, peer, digest, timeout, on_refused))] = peer
+            done, _ = await asyncio.wait(waiting, timeout=HEDGE if left else None,
+                                         return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                peer = waiting.pop(task)
+                try:
+                    return task.result()
+                except (TransportError, PayloadRejected, StateError) as e:
+                    why.append(e)
+                    log.info("event=manifest_failed peer=%s reason=%s", peer, e)
+    finally:
+        for task in waiting:
+            task.cancel()
+        await asyncio.gather(*waiting, return_exceptions=True)
+    kind = NotHeld if why and all(isinstance(e, NotHeld) for e in why) else StateError
+    raise kind(f"none of the {len(holders)} peer(s) holding state {digest} served its manifest: "
+               + "; ".join(map(str, why[:3])))
 
 
 async def _manifest(call: Call, run_id: str, me: PeerId, peer: PeerId, digest: str, timeout: float,

@@ -49,6 +49,7 @@ class Holders:
         # a liar's chunks: well-formed frames of the same manifest holding other values
         self.lie = Snapshot(snapshot.round, snapshot.manifest, [t + 1 for t in snapshot.tensors], snapshot.info)
         self.die_after: dict[str, int] = {}
+        self.freeze_after: dict[str, int] = {}
         self.corrupt: set[str] = set()
 
     async def call(self, peer: str, name: str, payload: bytes, timeout: float) -> bytes:
@@ -58,16 +59,19 @@ class Holders:
         await asyncio.sleep(0.001)
         if peer in self.die_after and self.served[peer] >= self.die_after[peer]:
             raise TransportError(f"peer {peer} died")
+        if peer in self.freeze_after and self.served[peer] >= self.freeze_after[peer]:
+            await asyncio.sleep(timeout)  # SIGSTOPped: the call times out
+            raise TransportError(f"call to {peer} timed out after {timeout}s")
         if name == "diloco.manifest":
             return serve_manifest(self.snapshot, run_id=RUN, me=peer)
         self.served[peer] += 1
         return serve_chunk(self.lie if peer in self.corrupt else self.snapshot, header.span, run_id=RUN, me=peer)
 
 
-def _download(holders: Holders, order: list[str], numel: int):
+def _download(holders: Holders, order: list[str], numel: int, chunk_timeout: float = 1.0):
     snap = holders.snapshot
     return asyncio.run(download(holders.call, run_id=RUN, me="joiner", digest=snap.digest, holders=order,
-                                receiver=_fresh(numel).receiver, chunk_timeout=1.0))
+                                receiver=_fresh(numel).receiver, chunk_timeout=chunk_timeout))
 
 
 def _snapshot(state: GlobalState, chunk: int) -> Snapshot:
@@ -102,6 +106,24 @@ def test_a_download_that_no_honest_holder_can_finish_fails_naming_why():
     holders.corrupt.add("liar")
     with pytest.raises(StateError, match="could not be had"):
         _download(holders, ["liar"], numel)
+
+
+@pytest.mark.parametrize("served", [0, 3])
+def test_a_holder_frozen_before_or_during_a_download_costs_it_a_hedge_not_a_call_timeout(served):
+    """A holder SIGSTOPped before the manifest (`served` 0: it is asked first) or after 3 chunks, with a call timeout
+    of 20 s: the manifest is asked of the next holder `HEDGE` seconds later, and at the end the chunks stuck at the
+    frozen holder are asked of the others; the download ends in seconds, with every chunk, not after 20 s."""
+    from diloco.statesync import HEDGE
+
+    numel, chunk = 30_000, 4096
+    holders = Holders(_snapshot(_state(numel), chunk), ["frozen", "b", "c"])
+    holders.freeze_after["frozen"] = served
+    started = time.monotonic()
+    receiver, _, progress = _download(holders, ["frozen", "b", "c"], numel, chunk_timeout=20.0)
+    took = time.monotonic() - started
+    assert receiver.assemble(nesterov()).manifest(chunk).digest == holders.snapshot.digest
+    assert progress.received == progress.total and holders.served["frozen"] == served
+    assert took < HEDGE + 4.0, took
 
 
 def test_several_holders_share_the_chunks():
