@@ -1,13 +1,14 @@
 """Moving the global state to a peer that is behind: in chunks, from every peer that holds it.
 
 Every peer that committed a round holds the same bytes, so any of them can serve any chunk. A
-catching-up peer asks one holder for the state's manifest (`diloco.state.Manifest`: the header
+catching-up peer asks a holder for the state's manifest (the next one too if it has not answered within `HEDGE`) (`diloco.state.Manifest`: the header
 and the SHA-256 of every chunk), checks that it hashes to the digest the swarm's records vouch for,
 then downloads the chunks from all holders at once: each holder's workers take the next missing
 chunk from a shared queue, so faster holders serve more and the download gets faster as the swarm
 grows. Every chunk is checked against the manifest before it is written; a chunk that does not
 match is counted, re-queued for another holder, and the holder that sent it is tried last; a holder
-that stops answering has its chunks taken over by the others. Each chunk has its own deadline
+that stops answering has its chunks taken over by the others (at the end of a download, once they are `HEDGE`
+seconds late, not after their call timeout). Each chunk has its own deadline
 (`call_timeout`), none the whole state: a large state over a slow link takes as long as it takes,
 as long as chunks keep coming.
 
