@@ -128,9 +128,6 @@ class ChaosSetup:
     def __post_init__(self) -> None:
         if self.site_ranks < 0:
             raise ValueError(f"--site-ranks {self.site_ranks}: give 1 or more ranks, or 0 for no site")
-        if self.site_ranks and self.wan:
-            raise ValueError("a site among the workers runs on this machine's loopback only: leave out --wan or "
-                             "--site-ranks")
         if self.gossip and self.regions:
             raise ValueError("gossip and regions are two topologies: give one of them")
         if set(self.kinds) & set(REGION_KINDS) and not self.regions:
