@@ -18,6 +18,8 @@ pytestmark = pytest.mark.unit
 
 OUTSIDE = {
     "diloco.sim.faults.Killed": "a simulated SIGKILL: a BaseException, so that no `except Exception` survives it",
+    "diloco.ending.RunEnded": "the whole run's end, not an error: a SystemExit with status 0 that no `except "
+                              "DiLoCoError` (nor `except Exception`) may swallow",
 }
 
 
