@@ -63,6 +63,22 @@ def test_a_malformed_end_in_a_record_from_the_network_is_no_end(ends):
 
 # ---------------------------------------------------------------------------------------------- in-process swarms
 
+def _steps(d: DiLoCo, model: torch.nn.Module, opt: torch.optim.Optimizer, data: list, *, pace: float,
+           ask=lambda d: False, look: bool = True) -> None:
+    """Inner steps until the run ended (`d.ended`; a loop that does not `look`: until `RunEnded`), or 20 s; asks for
+    the end once `ask(d)`."""
+    k, deadline = 0, time.monotonic() + 20
+    while (not look or not d.ended) and time.monotonic() < deadline:
+        if ask(d):
+            d.end_swarm()
+        x, y = data[k % len(data)]
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+        k += 1
+        time.sleep(pace)
+
+
 def _flat_worker(h: Harness, name: str, out: dict, barrier: threading.Barrier, *, pace: float, ask_at: int | None,
                  look: bool = True):
     swarm = h.swarm(name)
@@ -71,21 +87,12 @@ def _flat_worker(h: Harness, name: str, out: dict, barrier: threading.Barrier, *
     def run() -> None:
         m = copy.deepcopy(model)
         opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
-        data = _batches(len(name), 16)
-        k, deadline = 0, time.monotonic() + 20
         try:
             with DiLoCo(m, opt, swarm=swarm, inner_steps=H) as d:
                 out[name] = d
                 barrier.wait()
-                while (not look or not d.ended) and time.monotonic() < deadline:
-                    if ask_at is not None and d.round >= ask_at:
-                        d.end_swarm()
-                    x, y = data[k % len(data)]
-                    torch.nn.functional.mse_loss(m(x), y).backward()
-                    opt.step()
-                    opt.zero_grad()
-                    k += 1
-                    time.sleep(pace)
+                _steps(d, m, opt, _batches(len(name), 16), pace=pace, look=look,
+                       ask=lambda d: ask_at is not None and d.round >= ask_at)
         except RunEnded as e:
             out[name + ".raised"] = e.round
     return run
@@ -145,20 +152,11 @@ def test_two_regions_of_unequal_pace_end_on_one_global_state():
     def worker(peer: str) -> None:
         model = copy.deepcopy(base)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-        data = _batches(hash(peer) % 1000, 16)
         with DiLoCo(model, opt, swarm=swarms[peer], inner_steps=H) as d:
             workers[peer] = d
             barrier.wait()
-            k, deadline = 0, time.monotonic() + 20
-            while not d.ended and time.monotonic() < deadline:
-                if peer == "a2" and d.regions.upper.round + d.round >= 4:
-                    d.end_swarm()
-                x, y = data[k % len(data)]
-                torch.nn.functional.mse_loss(model(x), y).backward()
-                opt.step()
-                opt.zero_grad()
-                k += 1
-                time.sleep(0.01 if peer.startswith("a") else 0.02)
+            _steps(d, model, opt, _batches(hash(peer) % 1000, 16), pace=0.01 if peer.startswith("a") else 0.02,
+                   ask=lambda d: peer == "a2" and d.regions.upper.round + d.round >= 4)
             d.finish()  # what a launched run's end does
 
     try:
