@@ -257,6 +257,9 @@ def test_a_region_members_row_says_its_region_and_the_title_counts_those_on_stan
                        bytes_per_second=None, heartbeat_age=None)]
     assert statusview.cells(rows[1])[1] == "standby (eu)"
     assert statusview.title(rows, "geo") == "swarm 'geo': 1 training, 1 on standby"
+    rows[1] = PeerStatus(record=PeerRecord(peer="b", status="standby", round=3, region="eu", ends=9),
+                         steps_per_second=None, bytes_per_second=None, heartbeat_age=None)
+    assert statusview.title(rows, "geo") == "swarm 'geo': 1 training, 1 on standby, the run ends at round 9"
 
 
 def test_the_data_path_column_says_how_a_peers_calls_travel():

@@ -9,6 +9,7 @@ from typing import Sequence
 
 from rich.table import Table
 
+from ..ending import announced
 from ..peers.records import PeerRecord
 from .status import PeerStatus
 
@@ -54,8 +55,9 @@ def cells(row: PeerStatus) -> tuple[str, ...]:
 
 def title(rows: Sequence[PeerStatus], run_id: str) -> str:
     standby = sum(r.record.status == "standby" for r in rows)  # region members between merges
+    end = announced([r.record for r in rows])  # the whole run's end, once a peer announced it (`diloco.ending`)
     return f"swarm {run_id!r}: {sum(r.record.status == 'training' for r in rows)} training" + \
-        (f", {standby} on standby" if standby else "")
+        (f", {standby} on standby" if standby else "") + (f", the run ends at round {end}" if end else "")
 
 
 def table(rows: Sequence[PeerStatus], run_id: str, caption: str = "") -> Table:
