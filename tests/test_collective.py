@@ -682,6 +682,31 @@ def test_members_that_closed_different_views_give_up_at_once_not_at_the_result_d
     assert seconds < 10, seconds  # the calls, not the 20 s reduce nor the 30 s result deadline
 
 
+def test_a_change_is_never_lost_to_a_waiter_whose_wait_had_not_begun_when_another_one_checked():
+    """The cause of the test above's one 20 s run in ~300 on a busy machine: waiters shared one asyncio.Event and each
+    cleared it before waiting, so a handler's `set()` that came after waiter A checked its condition but before A's
+    wait began was undone by waiter B's clear, and A slept to its deadline. Now each waits on the change current when
+    it checked (`Changes`), which nobody clears. The interleaving, built by hand: A takes its change, a handler sets,
+    B checks and takes the next one, A still wakes at once."""
+    from diloco.comms.rounds import RoundState, wait_until
+
+    async def main():
+        rs = RoundState()
+        seen = rs.changed.current()  # A checked its condition (false) and is about to wait
+        rs.changed.set()  # a handler moved the state on
+        rs.changed.current()  # B checks in between (it used to clear the event here)
+        started = time.monotonic()
+        await asyncio.wait_for(seen.wait(), 5)
+        woke = time.monotonic() - started
+        flag: list[bool] = []
+        asyncio.get_running_loop().call_later(0.05, lambda: (flag.append(True), rs.changed.set()))
+        done = await wait_until(rs, lambda: bool(flag), time.monotonic() + 5)
+        return woke, done, time.monotonic() - started
+
+    woke, done, took = asyncio.run(main())
+    assert woke < 0.1 and done and took < 1.0, (woke, done, took)
+
+
 def test_a_peer_nobody_expects_is_left_out_by_everyone():
     """x sends ready to p0 and p1, but neither's records show it: both leave it out (without waiting
     for it) and commit; x, whose view differs, commits nothing."""
