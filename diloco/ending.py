@@ -91,14 +91,14 @@ class Ending:
         `scale`: our rounds per counted round (a region's rounds per merge). No network I/O (before the heartbeat's
         first read, our own record alone)."""
         records = [whole.presence.record, *whole.others_seen()]
-        if self.wanted and self.end is None:
+        seen = announced(records, whole.collective.banned)
+        if self.wanted and self.end is None and seen is None:  # an end already announced holds (a restart re-asks)
             # a record's round, and the one it may have on the wire (with regions: the merge a region has due)
             newest = max([count, *(r.round + 1 for r in records if r.status != "left")])
             period = self.period()
             self.end = newest + margin(period * scale if period is not None else None, whole.cfg.heartbeat_interval)
             log.warning("event=run_end_announced round=%d newest=%d reason=asked to end the whole run", self.end,
                         newest)
-        seen = announced(records, whole.collective.banned)
         if seen is not None and (self.end is None or seen < self.end):
             if self.end is None:
                 log.info("event=run_end_read round=%d at=%d", seen, count)

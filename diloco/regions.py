@@ -138,6 +138,9 @@ class Regions(Topology):
         """Merges this peer took part in (as the representative, or by downloading θ_G′)."""
         self.skipped = 0
         """Merges that did not happen for this peer: the swarm's round failed, or the wait ran out."""
+        self.global_seen = 0
+        """The newest global round a region state we downloaded came from (`take_info`): a member holds θ_G as it was
+        before the merges it followed."""
         self._unreported: tuple[RoundReport, Later, frozenset[PeerId]] | None = None
         """Our last merge until it is reported (`_report_merge`): its report (the region round it made), the digest of
         the state it made (hashed beside training) and the other members of the region round we merged."""
@@ -183,8 +186,8 @@ class Regions(Topology):
         representative's record shows it: a member does not hold θ_G′ itself), and the last merge that `finish`
         makes when region rounds ran since the one before. Every representative knows its own exactly, and stops
         no later than its members."""
-        ours = [r.round for r in self.swarm.others_seen() if r.region == self.name and r.status != "left"]
-        return max([self.upper.round, *ours]) + (1 if self.upper.standing.position > 0 else 0)
+        ours = [r.round for r in self.swarm.others_seen() if r.region == self.name]  # a representative that left too
+        return max([self.upper.round, self.global_seen, *ours]) + (1 if self.upper.standing.position > 0 else 0)
 
     def close(self) -> None:
         """Leave the region's namespace and the global level (the worker leaves the swarm after this)."""
@@ -342,8 +345,9 @@ class Regions(Topology):
     # ------------------------------------------------------------------ the region's schedule
 
     def snapshot_info(self) -> dict[str, object]:
-        """What a member joining our region learns with the region state: where we are in the merge schedule."""
-        return {"merge_position": self.upper.standing.position}
+        """What a member joining our region learns with the region state: where we are in the merge schedule, and the
+        global round it comes from (a member that follows a merge holds the region state, not θ_G′: `count`)."""
+        return {"merge_position": self.upper.standing.position, "global_round": max(self.upper.round, self.global_seen)}
 
     def take_info(self, info: dict[str, object]) -> None:
         """We downloaded the region state: merge when our region does, and stand by unless we represent the region
@@ -353,6 +357,9 @@ class Regions(Topology):
         position = info.get("merge_position")
         if isinstance(position, int) and not isinstance(position, bool) and position >= 0:
             self.upper.place(position)
+        rnd = info.get("global_round")
+        if isinstance(rnd, int) and not isinstance(rnd, bool) and rnd >= 0:
+            self.global_seen = max(self.global_seen, rnd)
         if self.worker.standing.members:
             self._stand_by_unless_representing(self.worker.standing.members)
 

@@ -174,7 +174,9 @@ async def download(call: Call, *, run_id: str, me: PeerId, digest: str, holders:
     workers = {asyncio.ensure_future(worker(p)) for p in holders for _ in range(IN_FLIGHT)}
     try:
         while workers and not complete():
-            _, workers = await asyncio.wait(workers, return_when=asyncio.FIRST_COMPLETED)
+            done, workers = await asyncio.wait(workers, return_when=asyncio.FIRST_COMPLETED)
+            for w in done:
+                w.result()  # a worker's unexpected error ends the download here, not in a wait that never ends
     finally:  # every chunk here: a request still waiting on a frozen holder is dropped, not waited out
         for w in workers:
             w.cancel()

@@ -404,7 +404,7 @@ class DiLoCo:
         """Ask the whole swarm to end its run on one final model: at the next `ended` check or slot this worker
         announces the round it ends at, a few rounds ahead so that every peer reads it first (`diloco.ending`), and
         every peer ends there. Safe to call from a signal handler (it sets a flag); `diloco start/join` call it on
-        SIGUSR2."""
+        SIGUSR2. On a site, the leader's (rank 0's) call counts."""
         self.member.ending.wanted = True
 
     def in_flight(self) -> concurrent.futures.Future[RoundOutcome] | None:

@@ -25,7 +25,7 @@ import diloco
 from diloco import DiLoCo
 from diloco.comms import InProcNetwork, PeerId
 from diloco.comms.loop import LoopThread
-from diloco.ending import UNTIMED, RunEnded, announced, margin
+from diloco.ending import UNTIMED, Ending, RunEnded, announced, margin
 from diloco.peers import InProcBoard, PeerRecord
 from diloco.peers.records import parse_record
 
@@ -51,6 +51,36 @@ def test_the_announced_end_is_the_lowest_any_peer_shows_a_banned_peers_aside():
     assert announced([_rec("a"), _rec("b")]) is None
     assert announced([_rec("a", 12), _rec("b", 9, status="left"), _rec("c")]) == 9  # the announcer may have left
     assert announced([_rec("a", 12), _rec("b", 9)], banned={PeerId("b")}) == 12
+
+
+class _Whole:
+    """What `Ending.reached` reads of the whole swarm: our record, the others', bans, the heartbeat; what it writes."""
+
+    def __init__(self, others: list[PeerRecord]) -> None:
+        self.presence = type("P", (), {"record": _rec("me")})()
+        self._others, self.published = others, []
+        self.collective = type("C", (), {"banned": set()})()
+        self.cfg = type("Cfg", (), {"heartbeat_interval": 1.0})()
+
+    def others_seen(self) -> list[PeerRecord]:
+        return self._others
+
+    def update(self, **fields) -> None:
+        self.published.append(fields)
+
+
+@pytest.mark.unit
+def test_an_announced_end_holds_when_a_peer_asked_again_announces_nothing_new():
+    """A peer restarted while the launcher's end file stands is asked again: an end the records show holds (its own
+    margin, untimed after a restart, could name an earlier round than the others can read in time)."""
+    ending = Ending()
+    ending.wanted = True
+    whole = _Whole([_rec("a", 40)])
+    assert not ending.reached(whole, count=30)
+    assert ending.end == 40 and whole.published == [{"ends": 40}]
+    fresh = Ending()
+    fresh.wanted = True
+    assert not fresh.reached(_Whole([_rec("a")]), count=30) and fresh.end == 30 + UNTIMED  # none yet: announced
 
 
 @pytest.mark.unit

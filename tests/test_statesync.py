@@ -50,6 +50,7 @@ class Holders:
         self.lie = Snapshot(snapshot.round, snapshot.manifest, [t + 1 for t in snapshot.tensors], snapshot.info)
         self.die_after: dict[str, int] = {}
         self.freeze_after: dict[str, int] = {}
+        self.explode_after: dict[str, int] = {}
         self.corrupt: set[str] = set()
 
     async def call(self, peer: str, name: str, payload: bytes, timeout: float) -> bytes:
@@ -59,6 +60,8 @@ class Holders:
         await asyncio.sleep(0.001)
         if peer in self.die_after and self.served[peer] >= self.die_after[peer]:
             raise TransportError(f"peer {peer} died")
+        if peer in self.explode_after and self.served[peer] >= self.explode_after[peer]:
+            raise RuntimeError("a bug in the call")
         if peer in self.freeze_after and self.served[peer] >= self.freeze_after[peer]:
             await asyncio.sleep(timeout)  # SIGSTOPped: the call times out
             raise TransportError(f"call to {peer} timed out after {timeout}s")
@@ -124,6 +127,18 @@ def test_a_holder_frozen_before_or_during_a_download_costs_it_a_hedge_not_a_call
     assert receiver.assemble(nesterov()).manifest(chunk).digest == holders.snapshot.digest
     assert progress.received == progress.total and holders.served["frozen"] == served
     assert took < HEDGE + 4.0, took
+
+
+def test_an_unexpected_error_in_a_chunk_request_ends_the_download_with_it_not_in_a_wait_forever():
+    """Found in review: the workers are waited for one by one, and a worker that died of an error nobody expected
+    (not a transport error, not a refused chunk) left its chunk in flight for good, the others waiting on it."""
+    numel, chunk = 30_000, 4096
+    holders = Holders(_snapshot(_state(numel), chunk), ["a"])
+    holders.explode_after["a"] = 1
+    started = time.monotonic()
+    with pytest.raises(RuntimeError, match="a bug in the call"):
+        _download(holders, ["a"], numel, chunk_timeout=20.0)
+    assert time.monotonic() - started < 5.0
 
 
 def test_several_holders_share_the_chunks():
