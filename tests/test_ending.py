@@ -254,3 +254,4 @@ def test_sigusr2_to_a_launcher_ends_the_bundled_peer_and_the_script_at_one_round
         finals
     assert "event=run_end_announced" in peers.log(1, whole=True)
     assert f"ENDED {finals[1]['round']}" in peers.log(1, whole=True)
+    assert finals[0]["run_ended"] and f"done: round {finals[0]['round']} (the whole run ended there" in peers.log(0)

@@ -187,7 +187,8 @@ def _run_peer(initial: list[str], *, host: str, port: int, announce: Optional[Li
             _fail(str(e), code=1)
         finally:
             writer.close()
-        typer.echo(f"done: round {summary['round']}, held-out loss {summary['eval_loss']:.4f}, "
+        ended = " (the whole run ended there, as a peer was asked)" if summary.get("run_ended") else ""
+        typer.echo(f"done: round {summary['round']}{ended}, held-out loss {summary['eval_loss']:.4f}, "
                    f"sent {summary['bytes_sent'] / 1e6:.1f} MB, received {summary['bytes_received'] / 1e6:.1f} MB")
     finally:
         swarm.close()

@@ -479,7 +479,7 @@ def run_job(cfg: JobConfig, swarm: Swarm | None, *, metrics: MetricsWriter | Non
                    bits_per_param_sync=round(bits, 5), params=sum(p.numel() for p in model.parameters()),
                    bytes_sent=sent, bytes_received=recv, wall_seconds=round(time.monotonic() - started, 2),
                    train_seconds=trained, data_parallel=cfg.data_parallel,
-                   stopped=stop.is_set(), fragments=len(d.fragments), overlap=cfg.streaming.overlap,
+                   stopped=stop.is_set(), run_ended=ended[0], fragments=len(d.fragments), overlap=cfg.streaming.overlap,
                    alpha=cfg.streaming.alpha, outer_overlap=cfg.streaming.outer_overlap, usage=d.usage().as_dict(),
                    rollbacks=d.rollbacks,
                    write_failures=dict(sorted(write_failures.items())),
