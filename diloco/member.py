@@ -224,7 +224,7 @@ class Member:
             self.ending.wanted = True
         return self.ending.reached(t.whole(self.swarm), t.count(self, launched), t.per_count())
 
-    def check_standing(self, launched: int | None = None) -> bool:
+    def check_standing(self, launched: int) -> bool:
         """Raise `Banned` once most other peers banned us (`Swarm.check_standing`). A site stops here, every rank at the same slot,
         when its leader was asked to (SIGTERM / SIGINT from the launcher). Once `launched` rounds (ours on the wire)
         got to the whole swarm's end (`run_ended`), returns True, the same on every rank: launch no round, the run is
@@ -238,7 +238,7 @@ class Member:
             if self.swarm is not None:
                 self.swarm.check_standing(self.standing.members)
             wanted = self.link.shards is not None and self.swarm is not None and bool(self.swarm.unserved())
-            return self.stop_requested(), wanted, launched is not None and self.run_ended(launched)
+            return self.stop_requested(), wanted, self.run_ended(launched)
 
         signum, snapshot, ended = self.link.agree(standing)  # raises Banned on every rank
         if signum is not None:

@@ -395,10 +395,12 @@ class DiLoCo:
         stops there; leaving the `with` then ends the run as a completed one. On a site every rank learns it at the
         same synchronization slot (which launches no round), so every rank's loop stops after the same step. A loop
         that does not check it leaves by `RunEnded` at the slot after that one (a SystemExit with status 0; the
-        `with` ends the run the same way). Never for a worker without a swarm."""
-        if self.member.ending.over:
-            return True
-        return self.site is None and self.member.run_ended(self.round + self.pending_rounds)
+        `with` ends the run the same way). Never for a worker without a swarm. Cheap on every inner step: our rounds
+        move only at a slot, so the swarm's end is read right after one (and found there once, for good)."""
+        ending = self.member.ending
+        if not ending.over and self.site is None and self.steps == 0:
+            ending.over = self.member.run_ended(self.round + self.pending_rounds)
+        return ending.over
 
     def end_swarm(self) -> None:
         """Ask the whole swarm to end its run on one final model: at the next `ended` check or slot this worker
