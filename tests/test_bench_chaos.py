@@ -42,7 +42,7 @@ def test_outages_draw_a_length_and_a_severity_and_old_seeds_keep_their_plans():
     assert all(1 <= f.seconds <= 3 for f in faults if f.kind == "flap")
     assert all(f.seconds == 0 and f.amount == 0 for f in faults if f.kind in ("kill", "leave", "join"))
     # the first kinds draw as they always did: seed 0's plan is the one docs/BENCHMARKS.md's figures came from
-    old = plan(ChaosSetup(seconds=240, every=10, seed=0))
+    old = plan(ChaosSetup(seconds=240, every=10, seed=0, kinds=("kill", "stop")))
     assert len(old) == 21 and [(f.kind, round(f.at, 3), round(f.seconds, 3)) for f in old[:4]] == [
         ("stop", 13.444, 19.344), ("stop", 23.303, 7.803), ("kill", 37.22, 0.0), ("kill", 45.038, 0.0)]
 
@@ -72,6 +72,31 @@ def test_the_command_refuses_a_repkill_without_regions_saying_what_to_add(monkey
     assert out.exit_code == 2 and "repkill hits a region's representative: add --regions N" in out.stderr, out.output
     out = invoke(["bench", "chaos", "--faults", "kill,nap"])
     assert out.exit_code == 2 and "repkill" in out.stderr, out.output  # among the kinds it names
+
+
+@pytest.mark.unit
+def test_the_default_run_is_the_full_soak_and_without_root_the_refusal_names_a_run_that_needs_none(monkeypatch, tmp_path):
+    """With no flags `bench chaos` is the full soak: six workers, the last a 2-rank torchrun site, on the WAN lab's
+    hosts for 20 minutes, a fault of every kind about every 15 s. `--no-wan` drops the links' kinds from the default;
+    without root the refusal says which flags run without it, and those are accepted."""
+    setup = ChaosSetup()
+    assert (setup.workers, setup.site_ranks, setup.seconds, setup.every, setup.wan) == (6, 2, 1200.0, 15.0, True)
+    assert set(setup.kinds) == set(KINDS) and len(plan(setup)) >= 70
+    with pytest.raises(ValueError, match="partition: faults of the WAN lab's links: give wan"):
+        ChaosSetup(wan=False, kinds=("kill", "partition"))
+    seen: list[ChaosSetup] = []
+    monkeypatch.setattr("diloco.bench.chaos.run", lambda setup, *a, **k: (seen.append(setup), {})[1])
+    monkeypatch.setattr("diloco.bench.chaos.markdown", lambda report: "")
+    monkeypatch.setattr("os.geteuid", lambda: 1000)
+    out = invoke(["bench", "chaos"])
+    assert out.exit_code == 2 and "need root" in out.stderr, out.output
+    hint = out.stderr.split("run as root, or without them: ")[1].split()
+    out = invoke(["bench", "chaos", *hint, "--workdir", str(tmp_path)])
+    assert out.exit_code == 0 and not seen[0].wan, out.output
+    assert set(seen[0].kinds) == {"kill", "stop", "leave", "join", "clock"}
+    monkeypatch.setattr("os.geteuid", lambda: 0)
+    assert invoke(["bench", "chaos", "--no-wan", "--workdir", str(tmp_path)]).exit_code == 0
+    assert set(seen[1].kinds) == set(KINDS) - {"partition", "flap", "lossy", "slow"} and seen[1].site_ranks == 2
 
 
 @pytest.mark.unit
@@ -178,7 +203,7 @@ def test_a_short_chaos_run_of_real_workers_ends_without_a_fork(tmp_path):
     # (--slowdown 8: the workers sleep 7x their compute a step, as the suite's other peers do: 26 against 33 CPU-s)
     proc = subprocess.run([sys.executable, "-m", "diloco", "bench", "chaos", "--workers", "3", "--seconds", "36",
                            "--every", "6", "--seed", "2", "--stop-max", "10", "--heal", "10", "--no-baseline",
-                           "--wan", "--faults", "kill,stop,partition,full", "--outage-max", "10",
+                           "--wan", "--site-ranks", "0", "--faults", "kill,stop,partition,full", "--outage-max", "10",
                            "--job", "--d-model 32 --layers 1 --batch-size 4 -H 5 --gather-timeout 20 --slowdown 8",
                            "--workdir", str(tmp_path / "w"), "--json", str(out), "--quiet"],
                           capture_output=True, text=True, timeout=380)
@@ -205,7 +230,8 @@ def test_five_minutes_of_every_kind_of_fault_end_without_a_fork(tmp_path):
     still in the swarm at the end back and exiting 0, and rounds committed under the faults."""
     out = tmp_path / "chaos.json"
     proc = subprocess.run([sys.executable, "-m", "diloco", "bench", "chaos", "--workers", "5", "--seconds", "300",
-                           "--every", "6", "--seed", "2", "--faults", ",".join(KINDS), "--wan", "--outage-max", "30",
+                           "--every", "6", "--seed", "2", "--faults", ",".join(KINDS), "--wan", "--site-ranks", "0",
+                           "--outage-max", "30",
                            "--no-baseline",
                            "--workdir", str(tmp_path / "w"), "--json", str(out), "--quiet"],
                           capture_output=True, text=True, timeout=1150)
@@ -228,6 +254,7 @@ def test_a_torchrun_site_among_the_workers_survives_a_killed_rank_and_a_freeze(t
     worker exiting 0, the site too (its ranks end their loop at that round)."""
     out = tmp_path / "chaos.json"
     proc = subprocess.run([sys.executable, "-m", "diloco", "bench", "chaos", "--workers", "3", "--site-ranks", "2",
+                           "--no-wan", "--faults", "kill,stop",
                            "--seconds", "45", "--every", "8", "--seed", "4", "--heal", "10", "--no-baseline",
                            "--job", "--d-model 32 --layers 1 --batch-size 4 -H 5 --gather-timeout 20",
                            "--workdir", str(tmp_path / "w"), "--json", str(out), "--quiet"],

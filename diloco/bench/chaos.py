@@ -1,9 +1,11 @@
 """Benchmark: a real swarm under random faults for a while, against the same swarm undisturbed
 (`diloco bench chaos`).
 
-`workers` peers of the bundled job (`diloco start` / `diloco join` processes on 127.0.0.1, one secret, each with
-an identity file and a checkpoint directory of its own, a checkpoint every round) train for `seconds`. A fault
-injector seeded with `seed` picks a fault about every `every` seconds (`plan`) among `kinds`:
+`workers` peers of the bundled job (`diloco start` / `diloco join` processes, each on a host of a WAN lab or, without
+`wan`, on 127.0.0.1; one secret, each with an identity file and a checkpoint directory of its own, a checkpoint
+every round; with `site_ranks` the last is a torchrun site) train for `seconds`. A fault injector seeded with `seed`
+picks a fault about every `every` seconds (`plan`) among `kinds`. The defaults (`ChaosSetup`) are the full soak:
+six workers, the last a 2-rank site, on the WAN lab for 20 minutes, a fault of any kind about every 15 s.
 
 - `kill`: SIGKILL a running worker; `restart_after` seconds later it comes back under the same identity from its
   checkpoint (`--resume`), joining through the live workers' addresses, as a supervisor would restart it;
@@ -81,7 +83,6 @@ CLOCK_STEP = 30.0
 KINDS = ("kill", "stop", "leave", "join", "clock", *DISK_KINDS, *LINK_KINDS)
 REGION_KINDS = ("repkill",)
 """Faults of a region's representative: they need `regions`."""
-DEFAULT_KINDS = ("kill", "stop")
 REPKILL_WAIT = 60.0
 """Seconds a `repkill` waits for a representative to finish a merge before it is skipped."""
 END_WAIT = 120.0
@@ -96,19 +97,22 @@ TINY_JOB = ("--d-model", "64", "--layers", "2", "--batch-size", "8", "-H", "10")
 
 @dataclass(frozen=True)
 class ChaosSetup:
-    workers: int = 5
-    seconds: float = 300.0
+    """The defaults are the full soak: six workers (five lone processes and a 2-rank torchrun site) on the WAN
+    lab's hosts for 20 minutes, a fault of any kind about every 15 s (root: namespaces and mounts). Shorter,
+    narrower runs name what they keep (`--no-wan --site-ranks 0 --faults kill,stop`: no root)."""
+    workers: int = 6
+    seconds: float = 1200.0
     """How long the faults go on (and the baseline runs)."""
-    every: float = 10.0
+    every: float = 15.0
     """Mean seconds between two faults (drawn uniformly between half and one and a half of it)."""
     seed: int = 0
-    kinds: tuple[str, ...] = DEFAULT_KINDS
+    kinds: tuple[str, ...] = KINDS
     restart_after: float = 2.0
     """Seconds a killed worker stays down before it is restarted."""
     stop_seconds: tuple[float, float] = (1.0, 20.0)
     outage_seconds: tuple[float, float] = (5.0, 60.0)
     """How long a partition, a lossy or slow link, or a read-only or full disk lasts."""
-    wan: bool = False
+    wan: bool = True
     """Every worker on a host of its own in a WAN lab (needs root); the link faults need it."""
     rate_mbit: float = 100.0
     delay_ms: float = 25.0
@@ -118,7 +122,7 @@ class ChaosSetup:
     """The swarm gossips (`--topology gossip --compression fp32`, docs/GOSSIP.md): each worker holds its own state,
     so there are no forks to count and a cut-off minority may go on gossiping (both reported as not applying); a
     round counts as committed for the swarm once one group met in it."""
-    site_ranks: int = 0
+    site_ranks: int = 2
     """The last of the first `workers` is a site of this many ranks (DDP on gloo; `diloco.job.site` under torchrun
     and the launcher, `--max-restarts`) among lone processes; 0: every worker a lone process. A kill SIGKILLs one of
     its ranks (torchrun ends the others, the launcher starts the site again), a stop freezes every rank. At the end
@@ -132,6 +136,9 @@ class ChaosSetup:
             raise ValueError("gossip and regions are two topologies: give one of them")
         if set(self.kinds) & set(REGION_KINDS) and not self.regions:
             raise ValueError(f"{', '.join(REGION_KINDS)} hit a region's representative: give regions")
+        if set(self.kinds) & set(LINK_KINDS) and not self.wan:
+            raise ValueError(f"{', '.join(sorted(set(self.kinds) & set(LINK_KINDS)))}: faults of the WAN lab's "
+                             "links: give wan (root), or leave them out")
     heal: float = 15.0
     """Seconds the swarm gets after the last fault, everyone back, before it is stopped."""
     stall: float = 3.0

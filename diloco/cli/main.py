@@ -1012,13 +1012,15 @@ _CHAOS = ChaosSetup()  # the defaults of `bench chaos`, declared once there
 
 @bench_app.command("chaos")
 def bench_chaos_cmd(
-    workers: int = typer.Option(_CHAOS.workers, help="Workers of the swarm (bundled-job peers on 127.0.0.1, or "
-                                                     "with --wan on hosts of a WAN lab; one secret)."),
+    workers: int = typer.Option(_CHAOS.workers, help="Workers of the swarm (bundled-job peers, each on a host of "
+                                                     "the WAN lab, or with --no-wan on 127.0.0.1; one secret; with "
+                                                     "--site-ranks the last one is a torchrun site)."),
     seconds: float = typer.Option(_CHAOS.seconds, help="How long the faults go on (and the undisturbed baseline "
                                                        "runs)."),
     every: float = typer.Option(_CHAOS.every, help="Mean seconds between two faults."),
     seed: int = typer.Option(_CHAOS.seed, help="Seed of the fault plan (kinds, targets, times, durations)."),
-    faults: str = typer.Option(",".join(_CHAOS.kinds), help="Kinds of faults, comma-separated: kill (SIGKILL, "
+    faults: Optional[str] = typer.Option(None, help="Kinds of faults, comma-separated (default: every kind; without "
+                               "--wan every kind but the links'): kill (SIGKILL, "
                                "restarted from its checkpoint under the same identity), stop (SIGSTOP for a while), "
                                "leave (Ctrl-C, for good), join (a new worker), clock (a worker's wall clock steps 30 s "
                                "ahead or behind for a while), readonly and full (the checkpoint directory; root), "
@@ -1030,7 +1032,7 @@ def bench_chaos_cmd(
     outage_max: float = typer.Option(_CHAOS.outage_seconds[1], help="Longest partition, lossy or slow link, "
                                      "read-only or full disk, seconds (the shortest is 5)."),
     wan: bool = typer.Option(_CHAOS.wan, help="Every worker on a host of its own in a WAN lab (root; the link "
-                                              "faults need it)."),
+                                              "faults need it); --no-wan: every worker on 127.0.0.1."),
     rate: float = typer.Option(_CHAOS.rate_mbit, help="With --wan: each host's link, Mbit/s."),
     delay: float = typer.Option(_CHAOS.delay_ms, help="With --wan: one-way delay of each link, ms."),
     regions: int = typer.Option(_CHAOS.regions, help="Regions of the swarm (worker i in region r<i mod N>, "
@@ -1050,15 +1052,19 @@ def bench_chaos_cmd(
     json_path: Optional[Path] = ReportJson,
     quiet: bool = Quiet,
 ) -> None:
-    """A real swarm under random faults (SIGKILL and restart, SIGSTOP, leaving, joining, a read-only or full disk;
-    with --wan partitions, flapping, lossy and slow links) against the same swarm undisturbed: goodput, time to
-    the next commit and to each worker's return, stalls, forks."""
+    """A real swarm under random faults (SIGKILL and restart, SIGSTOP, leaving, joining, a clock step, a read-only or
+    full disk; with --wan partitions, flapping, lossy and slow links) against the same swarm undisturbed: goodput,
+    time to the next commit and to each worker's return, stalls, forks. With no flags, the full soak (root): six
+    workers, the last a 2-rank torchrun site, on the WAN lab for 20 minutes, a fault of any kind about every 15 s;
+    without root: --no-wan --faults kill,stop,leave,join,clock."""
     import shlex
     import tempfile
 
     from ..bench.chaos import DISK_KINDS, KINDS, LINK_KINDS, REGION_KINDS, markdown, run, write_json
     from ..progress import Reporter
 
+    if faults is None:
+        faults = ",".join(k for k in KINDS if wan or k not in LINK_KINDS)
     kinds = tuple(k.strip() for k in faults.split(",") if k.strip())
     if not kinds or set(kinds) - set(KINDS) - set(REGION_KINDS):
         _fail(f"--faults {faults!r}: name kinds among {', '.join((*KINDS, *REGION_KINDS))}, comma-separated")
@@ -1074,8 +1080,9 @@ def bench_chaos_cmd(
     if set(kinds) & set(LINK_KINDS) and not wan:
         _fail(f"--faults {faults!r}: {', '.join(LINK_KINDS)} are faults of the WAN lab's links: add --wan (root)")
     if (wan or set(kinds) & set(DISK_KINDS)) and os.geteuid() != 0:
-        _fail("--wan and the disk faults (readonly, full) need root (network namespaces, mounts): run as root, or "
-              "leave them out")
+        _fail("--wan (on by default) and the disk faults (readonly, full) need root (network namespaces, mounts): "
+              "run as root, or without them: --no-wan --faults " + ",".join(k for k in KINDS if k not in
+                                                                             (*LINK_KINDS, *DISK_KINDS)))
     try:  # what the setup checks itself (--site-ranks), said as any refusal here
         setup = ChaosSetup(workers=workers, seconds=seconds, every=every, seed=seed, kinds=kinds,
                            restart_after=restart_after, stop_seconds=(1.0, stop_max), heal=heal,
