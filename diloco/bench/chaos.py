@@ -42,7 +42,8 @@ run ends (`diloco.ending`: SIGUSR2 to one worker; every worker ends at the round
 regions after a last merge). Then the same number of workers runs as long
 without faults, the baseline.
 
-From the workers' metrics lines (`report`): faults by kind; rounds committed against the baseline (goodput);
+From the workers' metrics lines (`report`): faults by kind; rounds committed against the baseline (goodput), and
+the rounds and inner steps lost against it;
 per fault, the time from the fault to the swarm's next commit and to the faulty worker's next committed round
 (its return), p50 and p99 by kind; stalls (gaps between commits longer than `stall` seconds); forks (a round
 committed, or downloaded, with two digests: must be 0); rounds a partition's cut-off minority committed while cut off
@@ -109,7 +110,7 @@ class ChaosSetup:
     kinds: tuple[str, ...] = KINDS
     restart_after: float = 2.0
     """Seconds a killed worker stays down before it is restarted."""
-    stop_seconds: tuple[float, float] = (1.0, 20.0)
+    stop_seconds: tuple[float, float] = (1.0, 60.0)
     outage_seconds: tuple[float, float] = (5.0, 60.0)
     """How long a partition, a lossy or slow link, or a read-only or full disk lasts."""
     wan: bool = True
@@ -371,6 +372,7 @@ def summary(setup: ChaosSetup, hits: Sequence[Hit], lines: Sequence[Lines], wind
         "setup": {**asdict(setup), "kinds": list(setup.kinds), "job": list(setup.job)},
         "faults": by_kind, "faults_applied": sum(not h.skipped for h in hits),
         "rounds_committed": len(inside), "rounds_per_minute": 60 * len(inside) / max(1e-9, end - start),
+        "useful_steps": useful_steps(lines, start, end),
         "useful_steps_per_minute": 60 * useful_steps(lines, start, end) / max(1e-9, end - start),
         "stalls": len(gaps), "stalled_seconds": round(sum(gaps), 2), "longest_stall": max(gaps, default=0.0),
         # gossip: no global state (a round's digests differ by design) and no quorum (a cut-off side gossips on)
@@ -387,6 +389,11 @@ def summary(setup: ChaosSetup, hits: Sequence[Hit], lines: Sequence[Lines], wind
                                                        "stalls", "stalled_seconds", "forks", "exits",
                                                        "final_states", "useful_steps_per_minute")}
         report["goodput"] = report["rounds_per_minute"] / max(1e-9, baseline["rounds_per_minute"])
+        # against the undisturbed run over as long (the two windows differ by a fraction of a second)
+        minutes = (end - start) / 60
+        report["rounds_lost"] = round((baseline["rounds_per_minute"] - report["rounds_per_minute"]) * minutes)
+        report["steps_lost"] = round((baseline["useful_steps_per_minute"] - report["useful_steps_per_minute"])
+                                     * minutes)
         report["step_goodput"] = report["useful_steps_per_minute"] / max(1e-9, baseline["useful_steps_per_minute"])
     return report
 
@@ -893,7 +900,8 @@ def markdown(report: dict[str, Any]) -> str:
              + (f" against {base['rounds_committed']} undisturbed: goodput **{100 * report['goodput']:.0f}%**"
                 if base else "")
              + f"; inner steps that entered a committed round: {report['useful_steps_per_minute']:.0f}/min"
-             + (f" ({100 * report['step_goodput']:.0f}% of undisturbed)" if base else "")
+             + (f" ({100 * report['step_goodput']:.0f}% of undisturbed; lost against it: {report['rounds_lost']} "
+                f"rounds, {report['steps_lost']} inner steps)" if base else "")
              + f"; {report['stalls']} stalls over {s['stall']:g} s ({report['stalled_seconds']:.0f} s in all, the "
                f"longest {report['longest_stall']:.1f} s); "
              + ("gossip: no global state, so no forks to count, and a cut-off side gossips on; "
