@@ -682,6 +682,70 @@ def test_members_that_closed_different_views_give_up_at_once_not_at_the_result_d
     assert seconds < 10, seconds  # the calls, not the 20 s reduce nor the 30 s result deadline
 
 
+@pytest.mark.parametrize("delay", [0.0, 0.05, 0.3])
+def test_a_peer_that_abstained_then_gathers_the_same_round_forks_nothing_and_costs_no_deadline(delay):
+    """The interleaving of a region member that goes standby -> representative within one gather: p3 answers
+    every other member's ready with `abstains` (on standby: not waited for), then `delay` s later leaves standby
+    and gathers the same round key itself. Its ready races with the others closing their views (before, among or
+    after them). Whatever the order: every member that commits commits one value (one view's mean), p3 either
+    commits it with them or is told it is late, nobody waits out the 10 s result deadline, and the next round has
+    all four in one view. (Seen: with no delay p3's ready reaches p2 before it closes and p0, p1 after, so p2
+    closes another view than theirs; all three give attempt 0 up at once and commit attempt 1 without p3, which
+    learnt it is late; with 50 ms or more the three commit attempt 0 and p3 hears it is late.)"""
+
+    async def main():
+        net = InProcNetwork()
+        cfg = replace(PATIENT, gather_timeout=2.0)
+        cs = await _collectives(net, PEERS, cfg)
+        cs["p3"].abstaining = True
+        flipped = asyncio.Event()
+        heard: set[str] = set()
+        inner = net.lookup("p3").handlers["diloco.ready"]
+
+        async def abstain_then_flip(who, data):
+            reply = await inner(who, data)
+            heard.add(who)
+            if heard >= {"p0", "p1", "p2"} and not flipped.is_set():
+                flipped.set()
+            return reply
+        net.lookup("p3").handlers["diloco.ready"] = abstain_then_flip
+        deltas = _deltas(PEERS, 90, seed=11)
+
+        async def member(p: str) -> list:
+            outs, key = [], RoundKey(0)
+            while len(outs) < 4:
+                out = await cs[p].run_round(key, DIGEST, [q for q in PEERS if q != p], deltas[p])
+                outs.append(out)
+                if out.committed or "late" in out.reason:
+                    return outs
+                key = RoundKey(0, key.attempt + 1)
+            return outs
+
+        async def p3() -> list:
+            await asyncio.wait_for(flipped.wait(), 5)
+            await asyncio.sleep(delay)
+            cs["p3"].abstaining = False
+            return await member("p3")
+
+        began = time.monotonic()
+        first = dict(zip(PEERS, await asyncio.gather(*(member(p) for p in PEERS[:3]), p3())))
+        seconds = time.monotonic() - began
+        nxt = await _round(cs, RoundKey(1), PEERS, deltas)
+        return first, seconds, nxt
+
+    first, seconds, nxt = asyncio.run(main())
+    last = {p: outs[-1] for p, outs in first.items()}
+    committed = {p: o for p, o in last.items() if o.committed}
+    assert set(committed) >= {"p0", "p1", "p2"}, {p: [o.reason for o in outs] for p, outs in first.items()}
+    assert len({o.value_id for o in committed.values()}) == 1
+    assert all(torch.equal(o.aggregate, committed["p0"].aggregate) for o in committed.values())
+    view = committed["p0"].view
+    assert torch.allclose(committed["p0"].aggregate, _mean(_deltas(PEERS, 90, seed=11), view), atol=1e-6)
+    assert "p3" in committed or "p3" not in view, (view, last["p3"].reason)
+    assert seconds < 5, (seconds, {p: [o.reason for o in outs] for p, outs in first.items()})
+    assert all(o.committed and o.view == tuple(PEERS) for o in nxt.values()), {p: o.reason for p, o in nxt.items()}
+
+
 def test_a_change_is_never_lost_to_a_waiter_whose_wait_had_not_begun_when_another_one_checked():
     """The cause of the test above's one 20 s run in ~300 on a busy machine: waiters shared one asyncio.Event and each
     cleared it before waiting, so a handler's `set()` that came after waiter A checked its condition but before A's

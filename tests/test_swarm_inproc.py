@@ -413,6 +413,27 @@ def test_an_empty_directory_read_falls_back_to_the_recent_view(harness, monkeypa
     assert [r.peer for r in a.records()] == ["a"]  # by now b's record would have expired: believe it
 
 
+def test_a_directory_read_that_outlasts_its_bound_gives_the_last_view_and_never_raises(harness, monkeypatch):
+    """The full chaos soak (`diloco bench chaos`, seed 1) crashed a worker with TimeoutError: a read of the directory
+    on the training thread (catching up, a round's start) waited for the swarm's loop longer than the call timeout and
+    a second, and the timeout reached `run_job`. A read that late now gives the view the heartbeat read last."""
+    a, b = harness.swarm("a"), harness.swarm("b")
+    a.update(status="training")
+    b.update(status="training")
+    deadline = time.monotonic() + 5
+    while "b" not in [r.peer for r in a.records()] and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+    async def starved():
+        await asyncio.sleep(30)
+        return []
+
+    monkeypatch.setattr(a.presence, "read", starved)
+    started = time.monotonic()
+    assert [r.peer for r in a.records()] == ["a", "b"]
+    assert time.monotonic() - started < CFG.round.call_timeout + 3
+
+
 def test_a_round_does_not_wait_for_a_slow_directory_read_when_the_heartbeat_read_it_lately(harness, monkeypatch):
     """A DHT node that froze holds every lookup that asks it for the DHT's RPC timeout (3 s): a round starts from the
     heartbeat's recent view instead of waiting that long before its gather, and the slow read still refreshes it."""
