@@ -182,7 +182,8 @@ def test_a_gossiping_swarm_reports_no_forks_to_count_and_its_groups_rounds_as_co
 @pytest.mark.unit
 def test_goodput_and_the_rounds_and_inner_steps_lost_are_against_the_undisturbed_run():
     """Undisturbed: 6 rounds of 10 steps from 2 workers in a minute; under faults 4 rounds, one of them with a
-    single worker's 10 steps: goodput 4/6, 2 rounds and 120 - 70 = 50 inner steps lost."""
+    single worker's 10 steps: goodput 4/6, 2 rounds and 120 - 70 = 50 inner steps lost. A worker that exited by
+    itself is reported as a crash."""
     setup = ChaosSetup(workers=2, kinds=("kill",))
     calm = [[_round(10.0 * i, i, f"d{i}", round_steps=10) for i in range(1, 7)] for _ in range(2)]
     base = summary(setup, [], calm, (0.0, 60.0), [0, 0], None)
@@ -192,7 +193,11 @@ def test_goodput_and_the_rounds_and_inner_steps_lost_are_against_the_undisturbed
     report = summary(setup, [Hit("kill", 1, at=35.0, ended=50.0)], hurt, (0.0, 60.0), [0, 0], base)
     assert report["goodput"] == pytest.approx(4 / 6) and report["step_goodput"] == pytest.approx(70 / 120)
     assert (report["rounds_lost"], report["steps_lost"]) == (2, 50)
-    assert "lost against it: 2 rounds, 50 inner steps" in markdown(report)
+    assert "lost against it: 2 rounds, 50 inner steps" in markdown(report) and "crashed: **0**" in markdown(report)
+    crashed = summary(setup, [], hurt, (0.0, 60.0), [1, 0], base, [False, True], [{"worker": 0, "exit": 1, "at": 41.0}])
+    assert crashed["crashes"] == [{"worker": 0, "exit": 1, "at": 41.0}]
+    assert "**crashed** (exited while nothing asked them to; not restarted): worker 0 (exit 1, 41 s in)" in \
+        markdown(crashed)
 
 
 @pytest.mark.unit

@@ -47,8 +47,9 @@ the rounds and inner steps lost against it;
 per fault, the time from the fault to the swarm's next commit and to the faulty worker's next committed round
 (its return), p50 and p99 by kind; stalls (gaps between commits longer than `stall` seconds); forks (a round
 committed, or downloaded, with two digests: must be 0); rounds a partition's cut-off minority committed while cut off
-(it has no quorum: must be 0); every worker's exit status; the held-out loss the
-workers end on against the baseline's.
+(it has no quorum: must be 0); crashes (a worker that exited while nothing asked it to: seen at once, not
+restarted, since a supervisor's restart would hide the defect; must be 0); every worker's exit status; the
+held-out loss the workers end on against the baseline's.
 """
 
 from __future__ import annotations
@@ -346,9 +347,9 @@ def region_names(setup: ChaosSetup, workers: int) -> list[str]:
 
 def summary(setup: ChaosSetup, hits: Sequence[Hit], lines: Sequence[Lines], window: tuple[float, float],
             exits: Sequence[int | None], baseline: dict[str, Any] | None,
-            together: Sequence[bool] | None = None) -> dict[str, Any]:
+            together: Sequence[bool] | None = None, crashes: Sequence[dict[str, Any]] = ()) -> dict[str, Any]:
     """The report of one run (`baseline`: the undisturbed run's own summary, or None; `together`: which workers
-    were still in the swarm at the end, default all)."""
+    were still in the swarm at the end, default all; `crashes`: workers that exited while nothing asked them to)."""
     start, end = window
     regions = region_names(setup, len(lines))
     times = [t for t, _ in commits(lines, regions)]
@@ -380,6 +381,7 @@ def summary(setup: ChaosSetup, hits: Sequence[Hit], lines: Sequence[Lines], wind
         "commits_cut_off": None if setup.gossip else commits_cut_off(hits, lines), "workers": len(lines),
         "final_states": final_states(lines, [True] * len(lines) if together is None else together),
         "exits": list(exits), "window": [start, end],
+        "crashes": [{**c, "at": round(c["at"] - start, 2)} for c in crashes],
         "final_rounds": [f["round"] if f else None for f in finals],
         "eval_loss_mean": statistics.fmean(losses) if losses else None,
         "recovery": rec,
@@ -414,7 +416,7 @@ def sides(hosts: int, cuts: Iterable[frozenset[int]]) -> list[int]:
 class _Worker:
     index: int
     proc: subprocess.Popen[bytes]
-    state: str = "up"  # up, stopped, down (killed, to restart), gone (left)
+    state: str = "up"  # up, stopped, down (killed, to restart), gone (left), crashed (exited by itself)
     until: float = 0.0
     restarts: int = 0
     exits: list[int] = field(default_factory=list)
@@ -446,6 +448,9 @@ class _Swarm:
         """Workers whose clock a `clock` fault has stepped, until it steps back."""
         self.log_read: dict[int, int] = {}
         """How far each worker's log has been read for merges (while a `repkill` waits): each merge fires one."""
+        self.crashes: list[dict[str, Any]] = []
+        """Workers whose process exited while nothing asked it to (a defect the run found): not restarted, since a
+        supervisor's restart would hide it; each with its exit status and when it was seen."""
 
     def site(self, i: int) -> bool:
         """Whether worker `i` is the site (`setup.site_ranks`)."""
@@ -530,13 +535,16 @@ class _Swarm:
         while none is, a restart waits for one, unless every other worker is down too, when the first of them
         starts the swarm again from its checkpoint), run the faults' due steps and ends."""
         for w in self.workers:
+            if w.state == "up" and w.proc.poll() is not None:
+                w.state = "crashed"
+                self.crashes.append({"worker": w.index, "exit": w.proc.returncode, "at": time.time()})
             if w.state == "stopped" and now >= w.until:
                 self._cont(w)
                 self.back(w)
             elif w.state == "down" and now >= w.until:
                 seed = False
                 if not self.addresses(w.index):
-                    others = [v for v in self.workers if v.index != w.index and v.state != "gone"]
+                    others = [v for v in self.workers if v.index != w.index and v.state not in ("gone", "crashed")]
                     if any(v.state != "down" for v in others) or any(v.index < w.index for v in others):
                         continue  # a worker still starting or stopped comes back first; or a lower one seeds
                     seed = True
@@ -857,14 +865,14 @@ def _one(setup: ChaosSetup, workdir: Path, tag: str, faults: Sequence[Fault], ba
                 raise RuntimeError(f"the {tag} swarm could not restart every worker; see the logs in {workdir}")
             swarm.tick(now)
             time.sleep(0.1)
-        together = [w.state != "gone" for w in swarm.workers]
+        together = [w.state not in ("gone", "crashed") for w in swarm.workers]
         exits = swarm.end()
     finally:
         swarm.finish_faults()
         swarm.kill_all()
         if lab is not None:
             lab.close(raise_errors=False)
-    return summary(setup, hits, swarm.lines(), (start, end), exits, baseline, together)
+    return summary(setup, hits, swarm.lines(), (start, end), exits, baseline, together, swarm.crashes)
 
 
 def run(setup: ChaosSetup, workdir: Path, progress: Callable[[str], None] = print,
@@ -908,6 +916,9 @@ def markdown(report: dict[str, Any]) -> str:
                 if report["forks"] is None else
                 f"forks: **{len(report['forks'])}**; rounds a cut-off minority committed: "
                 f"**{len(report['commits_cut_off'])}**; ")
+             + ("**crashed** (exited while nothing asked them to; not restarted): " + ", ".join(
+                 f"worker {c['worker']} (exit {c['exit']}, {c['at']:.0f} s in)" for c in report["crashes"]) + "; "
+                if report.get("crashes") else "crashed: **0**; ")
              + f"the workers there at the end ended on **{len(report['final_states'])}** model(s); exit statuses "
                f"{report['exits']}; held-out loss {loss(report['eval_loss_mean'])}"
              + (f" (undisturbed {loss(base['eval_loss_mean'])})" if base else "") + "."]
