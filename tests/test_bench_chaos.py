@@ -231,6 +231,7 @@ def test_a_short_chaos_run_of_real_workers_ends_without_a_fork(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads(out.read_text())
     assert report["forks"] == {} and report["commits_cut_off"] == [], (report["forks"], report["commits_cut_off"])
+    assert report["crashes"] == [], report["crashes"]
     assert report["exits"] == [0, 0, 0], (report["exits"], proc.stdout)
     # the run ended as a whole (SIGUSR2 to one worker): every worker at one round, on one model
     assert len(set(report["final_rounds"])) == 1 and len(report["final_states"]) == 1, report
@@ -259,6 +260,7 @@ def test_five_minutes_of_every_kind_of_fault_end_without_a_fork(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads(out.read_text())
     assert report["forks"] == {} and report["commits_cut_off"] == [], (report["forks"], report["commits_cut_off"])
+    assert report["crashes"] == [], report["crashes"]
     assert report["faults_applied"] >= 35 and set(report["faults"]) == set(KINDS), report
     assert all(code == 0 for code in report["exits"]), report["exits"]
     assert report["rounds_committed"] >= 10, report
@@ -312,6 +314,7 @@ def test_a_torchrun_site_on_a_wan_labs_host_survives_killed_ranks_and_partitions
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads(out.read_text())
     assert report["forks"] == {} and report["commits_cut_off"] == [], (report["forks"], report["commits_cut_off"])
+    assert report["crashes"] == [], report["crashes"]
     at_site = [r for r in report["recovery"] if r["worker"] == 2]
     assert {"kill", "partition"} <= {r["kind"] for r in at_site}, report["recovery"]
     assert any("rank" in r.get("detail", "") for r in at_site if r["kind"] == "kill"), at_site
