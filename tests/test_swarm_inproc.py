@@ -399,10 +399,7 @@ def test_an_empty_directory_read_falls_back_to_the_recent_view(harness, monkeypa
     a, b = harness.swarm("a"), harness.swarm("b")
     a.update(status="training")
     b.update(status="training")
-    deadline = time.monotonic() + 5
-    while "b" not in [r.peer for r in a.records()] and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert "b" in [r.peer for r in a.records()]
+    _until(lambda: "b" in [r.peer for r in a.records()])
 
     async def nothing():
         return []
@@ -420,9 +417,7 @@ def test_a_directory_read_that_outlasts_its_bound_gives_the_last_view_and_never_
     a, b = harness.swarm("a"), harness.swarm("b")
     a.update(status="training")
     b.update(status="training")
-    deadline = time.monotonic() + 5
-    while "b" not in [r.peer for r in a.records()] and time.monotonic() < deadline:
-        time.sleep(0.05)
+    _until(lambda: "b" in [r.peer for r in a.records()])
 
     async def starved():
         await asyncio.sleep(30)
