@@ -227,14 +227,13 @@ class Swarm:
     def records(self, *, cached: bool = False) -> list[PeerRecord]:
         """Everyone's current record (ours included), as the directory shows them now; with `cached`,
         as the last heartbeat read them (at most `heartbeat_interval` old, no network I/O)."""
-        if cached and self.presence.seen is not None:
-            return [self.presence.record, *self.others_seen()]
-        try:
-            return self.loop.run(self.presence.read(), timeout=self.cfg.round.call_timeout + 1)
-        except TimeoutError:  # a read bounds its own lookup: a loop this late is starved, not an error to raise here
-            log.warning("event=directory_read_failed reason=no answer within %.0f s; using the view read before",
-                        self.cfg.round.call_timeout + 1)
-            return [self.presence.record, *self.others_seen()]
+        if not cached or self.presence.seen is None:
+            try:
+                return self.loop.run(self.presence.read(), timeout=self.cfg.round.call_timeout + 1)
+            except TimeoutError:  # a read bounds its own lookup: a loop this late is starved, not an error to raise
+                log.warning("event=directory_read_failed reason=no answer within %.0f s; using the view read before",
+                            self.cfg.round.call_timeout + 1)
+        return [self.presence.record, *self.others_seen()]
 
     def check_standing(self, members: Sequence[PeerId] | None) -> None:
         """Raise `Banned` if most of `members` (the view of our last committed round) refused us as

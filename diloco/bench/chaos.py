@@ -83,6 +83,7 @@ DISK_KINDS = ("readonly", "full")
 CLOCK_STEP = 30.0
 """Seconds a `clock` fault steps a worker's wall clock by (ahead or behind)."""
 KINDS = ("kill", "stop", "leave", "join", "clock", *DISK_KINDS, *LINK_KINDS)
+ROOTLESS_KINDS = tuple(k for k in KINDS if k not in (*DISK_KINDS, *LINK_KINDS))
 REGION_KINDS = ("repkill",)
 """Faults of a region's representative: they need `regions`."""
 REPKILL_WAIT = 60.0
@@ -108,7 +109,8 @@ class ChaosSetup:
     every: float = 15.0
     """Mean seconds between two faults (drawn uniformly between half and one and a half of it)."""
     seed: int = 0
-    kinds: tuple[str, ...] = KINDS
+    kinds: tuple[str, ...] = ()
+    """The kinds of faults drawn; empty: every kind this setup can apply (the links' only with `wan`)."""
     restart_after: float = 2.0
     """Seconds a killed worker stays down before it is restarted."""
     stop_seconds: tuple[float, float] = (1.0, 60.0)
@@ -132,6 +134,8 @@ class ChaosSetup:
     `END_WAIT` seconds after the end was asked gets SIGTERM: torchrun's agent then exits 1)."""
 
     def __post_init__(self) -> None:
+        if not self.kinds:
+            object.__setattr__(self, "kinds", KINDS if self.wan else tuple(k for k in KINDS if k not in LINK_KINDS))
         if self.site_ranks < 0:
             raise ValueError(f"--site-ranks {self.site_ranks}: give 1 or more ranks, or 0 for no site")
         if self.gossip and self.regions:
@@ -373,8 +377,8 @@ def summary(setup: ChaosSetup, hits: Sequence[Hit], lines: Sequence[Lines], wind
         "setup": {**asdict(setup), "kinds": list(setup.kinds), "job": list(setup.job)},
         "faults": by_kind, "faults_applied": sum(not h.skipped for h in hits),
         "rounds_committed": len(inside), "rounds_per_minute": 60 * len(inside) / max(1e-9, end - start),
-        "useful_steps": useful_steps(lines, start, end),
-        "useful_steps_per_minute": 60 * useful_steps(lines, start, end) / max(1e-9, end - start),
+        "useful_steps": (steps := useful_steps(lines, start, end)),
+        "useful_steps_per_minute": 60 * steps / max(1e-9, end - start),
         "stalls": len(gaps), "stalled_seconds": round(sum(gaps), 2), "longest_stall": max(gaps, default=0.0),
         # gossip: no global state (a round's digests differ by design) and no quorum (a cut-off side gossips on)
         "forks": None if setup.gossip else forks(lines, regions),

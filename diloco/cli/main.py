@@ -1060,13 +1060,11 @@ def bench_chaos_cmd(
     import shlex
     import tempfile
 
-    from ..bench.chaos import DISK_KINDS, KINDS, LINK_KINDS, REGION_KINDS, markdown, run, write_json
+    from ..bench.chaos import DISK_KINDS, KINDS, LINK_KINDS, REGION_KINDS, ROOTLESS_KINDS, markdown, run, write_json
     from ..progress import Reporter
 
-    if faults is None:
-        faults = ",".join(k for k in KINDS if wan or k not in LINK_KINDS)
-    kinds = tuple(k.strip() for k in faults.split(",") if k.strip())
-    if not kinds or set(kinds) - set(KINDS) - set(REGION_KINDS):
+    kinds = tuple(k.strip() for k in (faults or "").split(",") if k.strip())  # none given: the setup's default
+    if faults is not None and not kinds or set(kinds) - set(KINDS) - set(REGION_KINDS):
         _fail(f"--faults {faults!r}: name kinds among {', '.join((*KINDS, *REGION_KINDS))}, comma-separated")
     if set(kinds) & set(REGION_KINDS) and not regions:
         _fail(f"--faults {faults!r}: {', '.join(REGION_KINDS)} hits a region's representative: add --regions N")
@@ -1079,17 +1077,16 @@ def bench_chaos_cmd(
               "--outage-max >= 5")
     if set(kinds) & set(LINK_KINDS) and not wan:
         _fail(f"--faults {faults!r}: {', '.join(LINK_KINDS)} are faults of the WAN lab's links: add --wan (root)")
-    if (wan or set(kinds) & set(DISK_KINDS)) and os.geteuid() != 0:
-        _fail("--wan (on by default) and the disk faults (readonly, full) need root (network namespaces, mounts): "
-              "run as root, or without them: --no-wan --faults " + ",".join(k for k in KINDS if k not in
-                                                                             (*LINK_KINDS, *DISK_KINDS)))
-    try:  # what the setup checks itself (--site-ranks), said as any refusal here
+    try:  # what the setup checks itself (--site-ranks), said as any refusal here; it fills in the default kinds
         setup = ChaosSetup(workers=workers, seconds=seconds, every=every, seed=seed, kinds=kinds,
                            restart_after=restart_after, stop_seconds=(1.0, stop_max), heal=heal,
                            outage_seconds=(5.0, outage_max), wan=wan, rate_mbit=rate, delay_ms=delay, regions=regions,
                            gossip=gossip, site_ranks=site_ranks, job=tuple(shlex.split(job)), baseline=baseline)
     except ValueError as e:
         _fail(f"{e}")
+    if (wan or set(setup.kinds) & set(DISK_KINDS)) and os.geteuid() != 0:
+        _fail("--wan (on by default) and the disk faults (readonly, full) need root (network namespaces, mounts): "
+              "run as root, or without them: --no-wan --faults " + ",".join(ROOTLESS_KINDS))
     where = workdir or Path(tempfile.mkdtemp(prefix="diloco-chaos-"))
     with Reporter.for_command(quiet=quiet) as rep, rep.task("chaos", unit="s") as task:
         report = run(setup, where, progress=rep.say, tick=task.update)
