@@ -615,14 +615,31 @@ def test_four_real_peers_gossip_in_pairs_without_an_all_reduce(peers):
     local parameters with the partner the round number draws for it, and steps its own state. Rounds that met
     ran between two peers only; each peer holds its own state (its own digest). A round whose partner drew
     another group (records that disagree while peers start) runs alone: most rounds still meet. The run ends on
-    one model: the four states' average, taken by every peer (`gossip_final`, `final_digest`)."""
+    one model: the four states' average, taken by every peer (`gossip_final`, `final_digest`).
+
+    The pairs a round draws come from the run id and the peer ids: with ids drawn at random, two peers met only each
+    other in every round about once in 250 runs, and ended on one state. So the peers get their ids from key files
+    made here, and the run id is one under which rounds 1-3 and 4-6 each draw all three ways to pair four peers."""
+    from diloco.comms.identity import Identity
+    from diloco.peers.membership import groups
+
+    keys = [peers.workdir / f"peer{i}.key" for i in range(4)]
+    ids = []
+    for key in keys:
+        identity = Identity.load(str(key))
+        ids.append(identity.peer_id)
+        identity.release()
+    pairings = lambda run, rounds: {tuple(groups(ids, r, run, 2)) for r in rounds}  # noqa: E731
+    peers.run_id = next(run for run in (f"{peers.run_id}-{k}" for k in range(1000))
+                        if len(pairings(run, (1, 2, 3))) == len(pairings(run, (4, 5, 6))) == 3)
     common = ["--rounds", "6", "-H", "5", "--topology", "gossip", "--compression", "fp32", "--wait-for", "4", *TINY]
-    first = peers.spawn(0, ["start", *common])
+    first = peers.spawn(0, ["start", *common, "--identity", str(keys[0])])
     addr = peers.address(0)
-    others = [peers.spawn(i, ["join", addr, *common]) for i in (1, 2, 3)]
+    others = [peers.spawn(i, ["join", addr, *common, "--identity", str(keys[i])]) for i in (1, 2, 3)]
     for i, p in enumerate([first, *others]):
         assert peers.wait(p, 120) == 0, peers.log(i)
     finals = [peers.lines(i, "final")[-1] for i in range(4)]
+    assert [f["peer"] for f in finals] == ids  # the keys made above
     assert all(f["topology"] == "gossip" and f["round"] >= 6 for f in finals), finals
     assert len({f["digest"] for f in finals}) == 4  # no global state: one per peer (each its own outer state) ...
     # ... and one final model, the average of the four, evaluated alike
