@@ -22,6 +22,7 @@ from multiproc_util import TINY, Peers
 from diloco.peers import PeerRecord
 from diloco.cli import statusview
 from diloco.cli.status import Tracker, rates, summarize
+from diloco.comms.faults import CLOCK_STEP_FILE
 
 
 def test_rows_rate_age_and_order():
@@ -222,6 +223,16 @@ def test_status_and_watch_show_each_peers_round_loss_bandwidth_and_utilization(t
         # a rate between its last two heartbeats, measured (0 when it spent them in a round's wait)
         assert all(r["round"] >= 1 and r["steps_per_second"] is not None and r["steps_per_second"] >= 0 for r in rows)
         assert all(0 <= r["heartbeat_age"] < 10 for r in rows), rows
+        # from a machine whose clock reads two minutes ahead: the handshake gives the observer the swarm's time, so
+        # its directory still holds every record (each lives 30 s) and the ages are the swarm's
+        ahead = tmp_path / "observer.clock"
+        ahead.write_text("120")
+        off = subprocess.run([sys.executable, "-m", "diloco", "status", addr, "--run-id", group.run_id, "--json",
+                              "--interval", "1"], env={**env, CLOCK_STEP_FILE: str(ahead)}, capture_output=True,
+                             text=True, timeout=120)
+        assert off.returncode == 0, off.stderr
+        rows = json.loads(off.stdout)
+        assert sorted(r["peer"] for r in rows) == sorted(last) and all(0 <= r["heartbeat_age"] < 10 for r in rows), rows
         dead = invoke(["status", "/ip4/127.0.0.1/tcp/9/p2p/" + addr.split("/p2p/")[1], "--run-id", group.run_id],
                       env=env)
         assert dead.exit_code == 1 and "no address answered" in dead.stderr

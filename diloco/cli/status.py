@@ -7,6 +7,10 @@ twice, `interval` seconds apart, for one table; or every `interval` seconds unti
 `--watch`. Rates (inner steps and bytes per second) come from two records of the same peer, over the
 time between their heartbeats on that peer's own clock. Its libp2p daemon is watched by the same
 reaper as a peer's.
+
+Before the directory, the observer shakes hands with that peer as a joining peer does (the swarm's credential, the
+run id) and reads the swarm's time from then on (`comms.clock`): the records' expirations and the heartbeats' ages
+are the swarm's, so a laptop whose clock is off by a minute still sees every peer, with its true age.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from diloco.peers import PeerRecord
 @dataclass(frozen=True)
 class PeerStatus:
     record: PeerRecord
-    heartbeat_age: float | None  # seconds since its last heartbeat (by its clock vs ours), None if unknown
+    heartbeat_age: float | None  # seconds since its last heartbeat (on the swarm's clock), None if unknown
     steps_per_second: float | None
     bytes_per_second: float | None = None  # sent + received, None until two heartbeats were seen
 
@@ -84,11 +88,26 @@ class Tracker:
         return out
 
 
+def swarm_time() -> float:
+    """Now, on the swarm's clock (what the handshake in `Observer.open` adopted)."""
+    from diloco.comms.clock import SWARM_CLOCK
+
+    return SWARM_CLOCK.now()
+
+
 def why_not(error: BaseException) -> str:
-    """Why connecting to one address failed, in the user's terms: the DHT's refusal of a request signed for
-    another run or with another secret reads, from hivemind, as a bootstrap failure with an option nobody here
+    """Why connecting to one address failed, in the user's terms: the handshake's refusal of our credential (which
+    is the run's: another secret and another run id read alike), or the DHT's refusal of a request signed for
+    another run or with another secret, which reads, from hivemind, as a bootstrap failure with an option nobody here
     can set."""
+    from diloco.comms.hello import HandshakeError
+
     text = str(error).splitlines()[0] if str(error) else ""
+    if isinstance(error, HandshakeError) and error.field in ("secret", "run_id"):
+        return ("its handshake refused us: a wrong --run-id or swarm secret (a swarm answers only the holders of its "
+                "secret, for its run)")
+    if isinstance(error, HandshakeError):
+        return text
     if "DHTNode bootstrap failed" in text:
         return ("its DHT did not answer us: a wrong --run-id or swarm secret (it answers only requests signed for "
                 "its run with its secret), or the peer is down")
@@ -130,7 +149,10 @@ class Observer:
 
     def _connect(self, addr: str) -> None:
         from diloco.comms.auth import HmacAuthorizer
+        from diloco.comms.clock import SWARM_CLOCK, use_in_hivemind
         from diloco.comms.p2p import P2PTransport
+        from diloco.config import SwarmConfig
+        from diloco.connect import hello, peer_of
         from diloco.peers import DHTDirectory
         from diloco.peers.reaper import Reaper
 
@@ -143,6 +165,11 @@ class Observer:
                 reaper.watch_pid(self._transport.daemon_pid)
             for path in self._transport.socket_paths:
                 reaper.watch_file(path)
+            cfg = SwarmConfig(run_id=self.run_id, secret=self.secret)
+            self._transport.guard = cfg.guard(self._transport.peer_id)
+            use_in_hivemind(SWARM_CLOCK.now)  # the directory reads the swarm's time, as a peer's does
+            offset = await hello(self._transport, peer_of(addr), cfg, "")  # a wrong secret or run id fails here
+            SWARM_CLOCK.adopt([] if offset is None else [offset])
             self._directory = await asyncio.wait_for(
                 DHTDirectory.create(self._transport.p2p, self.run_id, [addr], client_mode=True,
                                     authorizer=HmacAuthorizer(self.secret, self.run_id)), self.timeout)
@@ -187,7 +214,7 @@ def observe(addresses: list[str], run_id: str, secret: str, interval: float = 2.
         t0 = time.monotonic()
         time.sleep(interval)
         second = obs.read()
-        return summarize(first, second, time.monotonic() - t0, time.time())
+        return summarize(first, second, time.monotonic() - t0, swarm_time())
 
 
 def watch(addresses: list[str], run_id: str, secret: str, show: Callable[[list[PeerStatus]], None],
@@ -200,5 +227,5 @@ def watch(addresses: list[str], run_id: str, secret: str, show: Callable[[list[P
         obs.open(addresses)
         while not stop.is_set():
             started = time.monotonic()
-            show(tracker.rows(obs.read(), interval, time.time()))
+            show(tracker.rows(obs.read(), interval, swarm_time()))
             stop.wait(max(0.0, interval - (time.monotonic() - started)))
