@@ -30,7 +30,7 @@ PEERS = ("a", "b", "c")
 async def _run(rounds: int, honest: bool) -> dict:
     rng = random.Random(7)
     net = InProcNetwork()
-    cfg = CollectiveConfig(gather_timeout=2, reduce_timeout=0.15, result_timeout=1.0, call_timeout=0.5,
+    cfg = CollectiveConfig(gather_timeout=2, reduce_timeout=0.15, result_timeout=10.0, call_timeout=0.5,
                            compression=SPEC)
     # Peer "a" loses ~30% of its contributions on the way to the span owners.
     drop_a = lambda target, handler: handler == "diloco.contrib" and rng.random() < 0.3  # noqa: E731

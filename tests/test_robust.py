@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import math
-from dataclasses import replace
 
 import pytest
 import torch
@@ -28,8 +27,11 @@ BAD = "p7"
 NUMEL = 4000
 
 
-def _cfg(**robust_kw) -> CollectiveConfig:
-    return CollectiveConfig(gather_timeout=0.5, reduce_timeout=0.5, result_timeout=1.0, call_timeout=1.0,
+def _cfg(reduce_timeout: float = 10.0, result_timeout: float = 20.0, **robust_kw) -> CollectiveConfig:
+    """Every peer delivers in these rounds: the owners' and results' deadlines only bound them (an exchange of the
+    eight in-process peers took 1.57 s once, its core shared with the rest of the suite)."""
+    return CollectiveConfig(gather_timeout=0.5, reduce_timeout=reduce_timeout, result_timeout=result_timeout,
+                            call_timeout=5.0,
                             robust=RobustConfig(**robust_kw))
 
 
@@ -177,7 +179,7 @@ def test_one_poisoning_peer_of_eight_is_clipped_then_banned():
     # every peer is there and answers at once: the exchange's deadlines only bound it, far above what eight peers in
     # one event loop take on a busy 2-core machine (an idle suite once took 1.57 s for an exchange a 1 s result
     # deadline then failed); no span here waits one out
-    cfg = replace(_cfg(clip=4.0, ban_after=3), reduce_timeout=10.0, result_timeout=20.0, call_timeout=5.0)
+    cfg = _cfg(clip=4.0, ban_after=3)
     cs, history = asyncio.run(_run(cfg, rounds=5))
     honest = [p for p in PEERS if p != BAD]
     for r, (deltas, outs) in enumerate(history):
@@ -224,7 +226,9 @@ def test_non_finite_contributions_never_reach_the_aggregate_and_earn_a_ban():
 
     async def main():
         net = InProcNetwork()
-        cs = {p: await Collective.create(net.transport(p), RUN, _cfg(ban_after=2)) for p in ids}
+        # p3, banned, waits out its last round's result deadline: 3 s, long enough for the others' results
+        cfg = _cfg(reduce_timeout=2.0, result_timeout=3.0, ban_after=2)
+        cs = {p: await Collective.create(net.transport(p), RUN, cfg) for p in ids}
         history = []
         for r in range(3):
             g = torch.Generator().manual_seed(r)
