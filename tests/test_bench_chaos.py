@@ -211,6 +211,12 @@ def test_recovery_times_the_next_commit_and_the_workers_return():
         # worker 1, killed at 11.0, was not back (20.0) when worker 0 left at 16.0
         {"kind": "leave", "worker": 0, "at": 6.0, "to_next_commit": 4.0, "to_return": None, "others_down": 1},
     ]
+    # a clock step (whose worker never leaves: no return is timed) and a lossy link leave their workers in the rounds:
+    # a kill after them is a kill alone; after a stop not yet over (worker 0 back at 14.0) it is not
+    hits = [Hit("clock", 0, at=10.5), Hit("lossy", 0, at=10.6, ended=19.0), Hit("kill", 1, at=11.0, ended=13.0)]
+    assert [r["others_down"] for r in recovery(hits, times, lines, start=10.0)] == [0, 0, 0]
+    hits = [Hit("stop", 0, at=10.5, ended=13.5), Hit("kill", 1, at=11.0, ended=13.0)]
+    assert [r["others_down"] for r in recovery(hits, times, lines, start=10.0)] == [0, 1]
 
 
 @pytest.mark.multiproc

@@ -80,6 +80,9 @@ LINK_KINDS = ("partition", "flap", "lossy", "slow")
 """Faults of the links: they need the WAN lab (`wan`)."""
 DISK_KINDS = ("readonly", "full")
 """Faults of a checkpoint directory: they need root (mounts)."""
+OUT_KINDS = ("kill", "stop", "leave", "partition", "flap")
+"""Faults that take their worker out of the rounds until it is back. The others leave it in them: a clock step (taken
+back), a full or read-only checkpoint directory, a lossy or slow link (its rounds go on, slower), a join."""
 CLOCK_STEP = 30.0
 """Seconds a `clock` fault steps a worker's wall clock by (ahead or behind)."""
 KINDS = ("kill", "stop", "leave", "join", "clock", *DISK_KINDS, *LINK_KINDS)
@@ -294,8 +297,9 @@ def recovery(hits: Sequence[Hit], commit_times: Sequence[float], lines: Sequence
         returns.append(float("inf") if back is None else back)
     for h, back in zip(applied, returns):
         nxt = next((t for t in commit_times if t > h.at), None)
-        # other faulty workers not back yet when this fault came: with them, a round may lack its majority
-        others = {g.worker for g, b in zip(applied, returns) if g is not h and g.at <= h.at < b and g.worker != h.worker}
+        # other workers out of the rounds (not back yet) when this fault came: with them, a round may lack its majority
+        others = {g.worker for g, b in zip(applied, returns)
+                  if g is not h and g.kind in OUT_KINDS and g.at <= h.at < b and g.worker != h.worker}
         out.append({"kind": h.kind, "worker": h.worker, "at": round(h.at - start, 2),
                     "to_next_commit": None if nxt is None else nxt - h.at,
                     "to_return": None if back == float("inf") else back - h.at, "others_down": len(others),
