@@ -217,6 +217,9 @@ def test_recovery_times_the_next_commit_and_the_workers_return():
     assert [r["others_down"] for r in recovery(hits, times, lines, start=10.0)] == [0, 0, 0]
     hits = [Hit("stop", 0, at=10.5, ended=13.5), Hit("kill", 1, at=11.0, ended=13.0)]
     assert [r["others_down"] for r in recovery(hits, times, lines, start=10.0)] == [0, 1]
+    # a partition takes every worker of its cut-off side out (until the worker it names is back, 14.0)
+    hits = [Hit("partition", 0, at=10.5, ended=12.0, side=(0, 2)), Hit("kill", 1, at=11.0, ended=13.0)]
+    assert [r["others_down"] for r in recovery(hits, times, [*lines, lines[0]], start=10.0)] == [0, 2]
 
 
 @pytest.mark.multiproc

@@ -298,8 +298,8 @@ def recovery(hits: Sequence[Hit], commit_times: Sequence[float], lines: Sequence
     for h, back in zip(applied, returns):
         nxt = next((t for t in commit_times if t > h.at), None)
         # other workers out of the rounds (not back yet) when this fault came: with them, a round may lack its majority
-        others = {g.worker for g, b in zip(applied, returns)
-                  if g is not h and g.kind in OUT_KINDS and g.at <= h.at < b and g.worker != h.worker}
+        others = {w for g, b in zip(applied, returns) if g is not h and g.kind in OUT_KINDS and g.at <= h.at < b
+                  for w in (g.side or (g.worker,)) if w != h.worker}
         out.append({"kind": h.kind, "worker": h.worker, "at": round(h.at - start, 2),
                     "to_next_commit": None if nxt is None else nxt - h.at,
                     "to_return": None if back == float("inf") else back - h.at, "others_down": len(others),

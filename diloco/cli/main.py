@@ -436,13 +436,11 @@ def status(
 def _watch(addresses: List[str], run_id: str, secret: str, interval: float, json_out: bool) -> None:
     """`diloco status --watch`: a rich Live table on a terminal, else plain lines (or JSON lines); Ctrl-C
     (or SIGTERM) ends it with status 0."""
-    import time
-
     from rich.console import Console
     from rich.live import Live
 
     from . import statusview
-    from .status import PeerStatus, watch
+    from .status import PeerStatus, swarm_time, watch
 
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
@@ -450,7 +448,7 @@ def _watch(addresses: List[str], run_id: str, secret: str, interval: float, json
     live = None if json_out or not sys.stdout.isatty() else Live(console=console, auto_refresh=False)
 
     def show(rows: list[PeerStatus]) -> None:
-        now = time.time()
+        now = swarm_time()  # the time the rows' heartbeat ages are read on
         if json_out:
             typer.echo(statusview.json_line(rows, now))
         elif live is not None:

@@ -150,7 +150,9 @@ class Observer:
     def _connect(self, addr: str) -> None:
         from diloco.comms.auth import HmacAuthorizer
         from diloco.comms.clock import SWARM_CLOCK, use_in_hivemind
+        from diloco.comms.hello import HandshakeError
         from diloco.comms.p2p import P2PTransport
+        from diloco.comms.transport import TransportError
         from diloco.config import SwarmConfig
         from diloco.connect import hello, peer_of
         from diloco.peers import DHTDirectory
@@ -168,7 +170,16 @@ class Observer:
             cfg = SwarmConfig(run_id=self.run_id, secret=self.secret)
             self._transport.guard = cfg.guard(self._transport.peer_id)
             use_in_hivemind(SWARM_CLOCK.now)  # the directory reads the swarm's time, as a peer's does
-            offset = await hello(self._transport, peer_of(addr), cfg, "")  # a wrong secret or run id fails here
+            try:
+                offset = await hello(self._transport, peer_of(addr), cfg, "")
+            except HandshakeError as e:
+                if e.field in ("secret", "run_id", "clock"):  # the directory would refuse us too: say why now
+                    raise
+                # an allowlist keeps our new peer id out of its calls, not out of its directory; a peer of another
+                # version answers its own hello: read the directory on this machine's clock, as before the handshake
+                offset = None
+            except TransportError:
+                offset = None  # a peer still starting (its handlers not there yet): its directory may answer
             SWARM_CLOCK.adopt([] if offset is None else [offset])
             self._directory = await asyncio.wait_for(
                 DHTDirectory.create(self._transport.p2p, self.run_id, [addr], client_mode=True,
