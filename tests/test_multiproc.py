@@ -68,27 +68,55 @@ def test_three_peers_train_and_end_bit_identical(peers, compression):
 
 
 @pytest.mark.multiproc
-def test_rounds_go_direct_and_a_peer_whose_data_port_is_blocked_is_called_through_libp2p(peers):
+def test_rounds_go_direct_a_blocked_data_port_is_called_through_libp2p_and_strangers_there_are_refused(peers):
     """The data plane (docs/PROTOCOL.md, "The data plane"): 3 real peers, the third advertising a data port
     nothing listens on (blocked, as a firewall would). The others call it through libp2p, everything else goes
-    direct, and all end on one digest."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        blocked = s.getsockname()[1]
-    common = ["--rounds", "3", "-H", "5", "--wait-for", "3", *TINY]
-    first = peers.spawn(0, ["start", *common])
+    direct, and all end on one digest. Meanwhile a stranger at peer 0's data port tries a handshake with another
+    secret and sends bytes that are no handshake: both are refused and counted in peer 0's final line, and every
+    round commits with all three peers. (One swarm for both: each real peer costs ~3.5 CPU-s to start.)"""
+    import asyncio
+
+    from diloco.bench.flood import stranger_handshake
+    from diloco.comms.auth import derive
+    from diloco.comms.identity import Identity
+
+    ports = []
+    for _ in range(2):  # one for peer 0's data port, one that nothing listens on
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            ports.append(s.getsockname()[1])
+    port, blocked = ports
+    common = ["--rounds", "4", "-H", "5", "--wait-for", "3", *TINY]
+    first = peers.spawn(0, ["start", *common, "--data-port", str(port)])
     addr = peers.address(0)
     others = [peers.spawn(1, ["join", addr, *common]),
               peers.spawn(2, ["join", addr, *common, "--data-announce", f"127.0.0.1:{blocked}"])]
+
+    async def stranger() -> None:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        await stranger_handshake(reader, writer, Identity.generate(),
+                                 derive(b"another secret entirely", f"data/{peers.run_id}"))
+        assert await asyncio.wait_for(reader.read(), 10) == b""  # refused: closed
+        writer.close()
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n" + bytes(100))
+        assert await asyncio.wait_for(reader.read(), 10) == b""
+        writer.close()
+
+    asyncio.run(stranger())
     for i, p in enumerate([first, *others]):
         assert peers.wait(p, 90) == 0, peers.log(i)
     finals = [peers.lines(i, "final")[-1] for i in range(3)]
-    assert {f["round"] for f in finals} == {3} and len({f["digest"] for f in finals}) == 1, finals
+    assert {f["round"] for f in finals} == {4} and len({f["digest"] for f in finals}) == 1, finals
     ids = [f["peer"] for f in finals]
     assert finals[0]["data_paths"] == {"direct": [ids[1]], "libp2p": [ids[2]]}, finals[0]["data_paths"]
     assert finals[1]["data_paths"] == {"direct": [ids[0]], "libp2p": [ids[2]]}, finals[1]["data_paths"]
     assert finals[2]["data_paths"] == {"direct": sorted(ids[:2])}, finals[2]["data_paths"]
     assert "event=data_path" in peers.log(0, whole=True) + peers.log(1, whole=True)  # the fallback is logged
+    refused = finals[0]["auth_refused"]
+    assert refused.get("data_unauthorized") == 1 and refused.get("data_malformed") == 1, refused
+    committed = [r for i in range(3) for r in peers.lines(i, "round") if r["committed"]]
+    assert all(r["peers"] == 3 for r in committed), committed
 
 
 @pytest.mark.multiproc
@@ -184,47 +212,6 @@ def test_two_peers_behind_nats_train_through_a_relay_and_through_its_restart(tmp
     assert sorted(finals["first"]["data_paths"]["relay"]) == sorted([ids["a"], ids["b"]]), finals["first"]
     served = finals["relay2"]["relays"]
     assert served["circuits"] > 0 and {ids["a"], ids["b"]} <= set(served["moved"]), served
-
-
-@pytest.mark.multiproc
-def test_strangers_at_a_data_port_are_refused_and_counted_while_the_swarm_commits(peers):
-    """While 3 real peers train, a stranger at peer 0's data port tries a handshake with another secret and sends
-    bytes that are no handshake: both are refused and counted in peer 0's final line, and every round commits
-    with all three peers."""
-    import asyncio
-
-    from diloco.bench.flood import stranger_handshake
-    from diloco.comms.auth import derive
-    from diloco.comms.identity import Identity
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    common = ["--rounds", "4", "-H", "5", "--wait-for", "3", *TINY]
-    first = peers.spawn(0, ["start", *common, "--data-port", str(port)])
-    addr = peers.address(0)
-    others = [peers.spawn(i, ["join", addr, *common]) for i in (1, 2)]
-
-    async def stranger() -> None:
-        reader, writer = await asyncio.open_connection("127.0.0.1", port)
-        await stranger_handshake(reader, writer, Identity.generate(),
-                                 derive(b"another secret entirely", f"data/{peers.run_id}"))
-        assert await asyncio.wait_for(reader.read(), 10) == b""  # refused: closed
-        writer.close()
-        reader, writer = await asyncio.open_connection("127.0.0.1", port)
-        writer.write(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n" + bytes(100))
-        assert await asyncio.wait_for(reader.read(), 10) == b""
-        writer.close()
-
-    asyncio.run(stranger())
-    for i, p in enumerate([first, *others]):
-        assert peers.wait(p, 90) == 0, peers.log(i)
-    finals = [peers.lines(i, "final")[-1] for i in range(3)]
-    assert {f["round"] for f in finals} == {4} and len({f["digest"] for f in finals}) == 1, finals
-    refused = finals[0]["auth_refused"]
-    assert refused.get("data_unauthorized") == 1 and refused.get("data_malformed") == 1, refused
-    committed = [r for i in range(3) for r in peers.lines(i, "round") if r["committed"]]
-    assert all(r["peers"] == 3 for r in committed), committed
 
 
 @pytest.mark.multiproc
