@@ -92,6 +92,12 @@ def step_clock(path: str) -> None:
     use_in_hivemind(now)  # hivemind bound the machine's clock at import: it reads this one too
 
 
+def clock_from_env() -> None:
+    """`step_clock` from DILOCO_CLOCK_STEP_FILE, when it is set (tests and chaos runs). For entry points only."""
+    if os.environ.get(CLOCK_STEP_FILE):
+        step_clock(os.environ[CLOCK_STEP_FILE])
+
+
 class FaultPlan(Faults):
     """A plan of kills and poisoning (the module's docstring has the format)."""
 
@@ -116,9 +122,8 @@ class FaultPlan(Faults):
     @classmethod
     def from_env(cls) -> Faults:
         """The plan in DILOCO_FAULTS, or `NO_FAULTS` when it is unset or empty; and DILOCO_CLOCK_STEP_FILE's
-        stepped wall clock (`step_clock`). For entry points only. Raises ValueError on a malformed plan."""
-        if os.environ.get(CLOCK_STEP_FILE):
-            step_clock(os.environ[CLOCK_STEP_FILE])
+        stepped wall clock (`clock_from_env`). For entry points only. Raises ValueError on a malformed plan."""
+        clock_from_env()
         spec = os.environ.get("DILOCO_FAULTS", "")
         return cls(spec) if spec.strip() else NO_FAULTS
 

@@ -20,6 +20,19 @@ TINY = ["--d-model", "32", "--layers", "1", "--batch-size", "4", "--gather-timeo
         "--slowdown", "8"]
 
 
+def new_peer_ids(paths: list[Path]) -> list[str]:
+    """Make a key file at each of `paths` (`--identity`) and return their peer ids: a test knows its peers' ids
+    before they start."""
+    from diloco.comms.identity import Identity
+
+    ids = []
+    for path in paths:
+        identity = Identity.load(str(path))
+        ids.append(identity.peer_id)
+        identity.release()  # the peer that runs under it takes its lock
+    return ids
+
+
 class Peers:
     def __init__(self, workdir: Path, run_id: str) -> None:
         self.workdir, self.run_id = workdir, run_id

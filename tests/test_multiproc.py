@@ -20,7 +20,7 @@ import psutil
 import pytest
 
 from cli_util import invoke, refuse_to_start
-from multiproc_util import TINY, Peers
+from multiproc_util import TINY, Peers, new_peer_ids
 
 from diloco.comms.faults import PHASES
 from diloco.job.train import training_device
@@ -608,15 +608,10 @@ def test_four_real_peers_gossip_in_pairs_without_an_all_reduce(peers):
     other in every round about once in 250 runs, and ended on one state. So the peers get their ids from key files
     made here, and the run id is one under which rounds 1-3 and 4-6 (the draws of rounds 0-2 and 3-5: a peer draws its
     group with its round before the round's outer step) each draw all three ways to pair four peers."""
-    from diloco.comms.identity import Identity
     from diloco.peers.membership import groups
 
     keys = [peers.workdir / f"peer{i}.key" for i in range(4)]
-    ids = []
-    for key in keys:
-        identity = Identity.load(str(key))
-        ids.append(identity.peer_id)
-        identity.release()
+    ids = new_peer_ids(keys)
     pairings = lambda run, rounds: {frozenset(groups(ids, r, run, 2)) for r in rounds}  # noqa: E731
     run_id = next((run for run in (f"{peers.run_id}-{k}" for k in range(1000))  # about one in twenty does
                    if len(pairings(run, (0, 1, 2))) == len(pairings(run, (3, 4, 5))) == 3), None)

@@ -256,14 +256,10 @@ def test_sites_with_kept_identities_and_allowlists_train_and_keep_an_unlisted_pe
     import time
 
     from cli_util import invoke
-    from multiproc_util import TINY, Peers
+    from multiproc_util import TINY, Peers, new_peer_ids
 
     keys = {n: tmp_path / f"{n}.key" for n in "abc"}
-    ids = {}
-    for n, path in keys.items():
-        identity = Identity.load(str(path))
-        ids[n] = identity.peer_id
-        identity.release()
+    ids = dict(zip(keys, new_peer_ids(list(keys.values()))))
     group = Peers(tmp_path, f"id-{secrets.token_hex(3)}")
     common = ["--rounds", "1000", "-H", "5", "--wait-for", "2", *TINY]
     try:

@@ -431,6 +431,11 @@ class _Worker:
     frozen: list[int] = field(default_factory=list)
     """A stopped site's rank processes (the launcher itself runs on)."""
 
+    @property
+    def finished(self) -> bool:
+        """Out of the run for good: it left, or it crashed."""
+        return self.state in ("gone", "crashed")
+
 
 class _Swarm:
     """The workers' processes: started, faulted, restarted and stopped, each writing its metrics lines; with a
@@ -552,7 +557,7 @@ class _Swarm:
             elif w.state == "down" and now >= w.until:
                 seed = False
                 if not self.addresses(w.index):
-                    others = [v for v in self.workers if v.index != w.index and v.state not in ("gone", "crashed")]
+                    others = [v for v in self.workers if v.index != w.index and not v.finished]
                     if any(v.state != "down" for v in others) or any(v.index < w.index for v in others):
                         continue  # a worker still starting or stopped comes back first; or a lower one seeds
                     seed = True
@@ -873,7 +878,7 @@ def _one(setup: ChaosSetup, workdir: Path, tag: str, faults: Sequence[Fault], ba
                 raise RuntimeError(f"the {tag} swarm could not restart every worker; see the logs in {workdir}")
             swarm.tick(now)
             time.sleep(0.1)
-        together = [w.state not in ("gone", "crashed") for w in swarm.workers]
+        together = [not w.finished for w in swarm.workers]
         exits = swarm.end()
     finally:
         swarm.finish_faults()

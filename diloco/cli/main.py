@@ -402,7 +402,7 @@ def status(
 
     from . import statusview
     from .status import observe
-    from ..comms.faults import CLOCK_STEP_FILE, step_clock
+    from ..comms.faults import clock_from_env
     from ..connect import SwarmError, validate_addrs
 
     try:
@@ -414,8 +414,7 @@ def status(
     if interval <= 0:
         _fail("--interval must be > 0 seconds")
     secret, _ = _secret(secret_file, run_id, create=False)
-    if os.environ.get(CLOCK_STEP_FILE):  # tests: this machine's wall clock stepped (`diloco.comms.faults`)
-        step_clock(os.environ[CLOCK_STEP_FILE])
+    clock_from_env()  # tests: this machine's wall clock stepped
     for noisy in ("hivemind", "asyncio"):
         logging.getLogger(noisy).setLevel(logging.CRITICAL)
     if watch:
