@@ -19,7 +19,7 @@ import pytest
 import torch
 from test_swarm_inproc import CFG, Harness, _batches, _run_threads
 
-from diloco import DiLoCo
+from diloco import DiLoCo, Swarm
 from diloco.accounting import Accounting
 from diloco.fragments import (FragmentError, StreamingConfig, block_units, check_schedule, format_h_schedule,
                                inner_steps_at, parse_h_schedule, partition)
@@ -491,6 +491,20 @@ def test_peers_with_different_fragments_cannot_mix():
     assert sum(d.swarm.collective.rejections["wrong_schema"] for d in out.values()) > 0
 
 
+def _until_settled(swarm: Swarm, peers: list[str], timeout: float = 10.0) -> None:
+    """Wait until the records of `peers`, which stand still, all show one training state: a round they committed
+    just before they stopped reaches the directory once its digest is hashed beside training, and a joiner that
+    read the records in between would see one of them still at the round before and take the state from the other
+    alone."""
+    deadline = time.monotonic() + timeout
+    while True:
+        seen = {r.peer: (r.status, r.round, r.digest) for r in swarm.records() if r.peer in peers}
+        if len(seen) == len(peers) and len(set(seen.values())) == 1 and next(iter(seen.values()))[0] == "training":
+            return
+        assert time.monotonic() < deadline, f"the paused peers' records did not settle: {seen}"
+        time.sleep(0.05)
+
+
 def _pause_and_join(harness: Harness, *, base: torch.nn.Module, joiner_seed: int, data: list, steps: int,
                     pause_at: int, on_attached: Callable[[DiLoCo], None], prepare: Callable[[int, DiLoCo], None] =
                     lambda i, d: None, **wrapper: Any) -> dict[int, DiLoCo]:
@@ -520,9 +534,11 @@ def _pause_and_join(harness: Harness, *, base: torch.nn.Module, joiner_seed: int
 
     def joiner():
         paused.wait()
+        swarm = harness.swarm("peer2", bootstrapped=True)
+        _until_settled(swarm, ["peer0", "peer1"])
         model = _net(joiner_seed)  # a different initialization: it must adopt the swarm's
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-        d = DiLoCo(model, opt, swarm=harness.swarm("peer2", bootstrapped=True), inner_steps=H, **wrapper)
+        d = DiLoCo(model, opt, swarm=swarm, inner_steps=H, **wrapper)
         d.attach()
         on_attached(d)
         resume.wait()
@@ -686,7 +702,10 @@ def test_joiner_rejects_a_tampered_source_and_takes_the_state_from_another():
         seen["refused"] = dict(d.catch_up.refused_chunks)
         seen["swarm_digest"] = {r.peer: r for r in d.swarm.records()}["peer1"].digest
 
-    out = _pause_and_join(Harness(), base=_net(3), joiner_seed=77, data=[_batches(30 + i, 3 * H) for i in range(3)],
+    # A 1 s transport deadline (the harness's) could be passed by peer0's answer on a loaded machine: its chunk
+    # would then come from peer1 as a failed call, not as a refused one, which this test is not about.
+    patient = Harness(CFG.with_round(reduce_timeout=10, result_timeout=15, call_timeout=5))
+    out = _pause_and_join(patient, base=_net(3), joiner_seed=77, data=[_batches(30 + i, 3 * H) for i in range(3)],
                           steps=3 * H, pause_at=7, on_attached=attached, prepare=forge,
                           streaming=StreamingConfig(fragments=2, overlap=1, alpha=0.5))
     assert seen["failures"] == 0 and seen["refused"] == {"peer0": 1}  # peer0's chunk was refused once ...
