@@ -369,29 +369,27 @@ def test_a_restarted_lone_site_resumes_from_its_checkpoint(sites, tmp_path):
     assert sites.procs[0].wait(timeout=60) == 128 + signal.SIGTERM, sites.log(0)  # the command's status
 
 
-@pytest.mark.multiproc
-@pytest.mark.timeout(240)
-def test_a_launched_site_logs_to_tensorboard_and_wandb_from_its_leader_only(sites, tmp_path):
-    """`--tensorboard DIR --wandb PROJECT` reach the user's command through its environment: the site's
-    voice (rank 0 of a 2-rank torchrun group) logs every round and its final line to one TensorBoard run
-    and one W&B run (offline: no API key); the other rank writes only its final JSON line."""
-    from test_sinks import tensorboard_scalars
-    from wandb_offline import history, run_info
-
+def _logs_to_sinks(sites: Sites, tmp_path: Path) -> list[str]:
+    """The launcher options that make a site log to TensorBoard and (offline: no API key) to W&B under `tmp_path`."""
     sites.env = {k: v for k, v in sites.env.items() if not k.startswith("WANDB_")}
     sites.env.update(WANDB_DIR=str(tmp_path), WANDB_CONFIG_DIR=str(tmp_path / "wbconfig"), HOME=str(tmp_path),
                      WANDB_SILENT="true")
-    sites.launch(0, ["start", "--tensorboard", str(tmp_path / "tb"), "--wandb", "diloco-site"],
-                 [*_torchrun(2), SCRIPT, "--rounds", "3", "--inner-steps", "5"])
-    assert sites.procs[0].wait(timeout=200) == 0, sites.log(0)
-    rounds, finals = sites.lines(0, "round"), sites.lines(0, "final")
-    assert len(finals) == 2 and rounds, (rounds, finals)  # the JSON lines are as before
+    return ["--tensorboard", str(tmp_path / "tb"), "--wandb", "diloco-site"]
+
+
+def _check_sinks(sites: Sites, i: int, tmp_path: Path, last_round: int) -> None:
+    """Site `i` (`_logs_to_sinks`) logged every round and its final line to one TensorBoard run and one W&B run,
+    its leader's, and no other rank's."""
+    from test_sinks import tensorboard_scalars
+    from wandb_offline import history, run_info
+
+    rounds = sites.lines(i, "round")
     (peer,) = {r["peer"] for r in rounds}
     assert [p.name for p in (tmp_path / "tb").iterdir()] == [peer]  # the leader's run, no other rank's
     tb = tensorboard_scalars(tmp_path / "tb" / peer)
     assert [step for step, _ in tb["round/round"]] == [r["step"] for r in rounds]
     assert [value for _, value in tb["round/bytes_sent"]] == [float(r["bytes_sent"]) for r in rounds]
-    assert [value for _, value in tb["final/round"]] == [3.0]
+    assert [value for _, value in tb["final/round"]] == [float(last_round)]
     (run,) = (tmp_path / "wandb").glob("offline-run-*")
     assert [row["round/round"] for row in history(run) if "round/round" in row] == [r["round"] for r in rounds]
     info = run_info(run)
@@ -401,14 +399,17 @@ def test_a_launched_site_logs_to_tensorboard_and_wandb_from_its_leader_only(site
 
 @pytest.mark.multiproc
 @pytest.mark.timeout(300)
-def test_a_two_rank_site_and_a_lone_process_of_unequal_speed_sync_by_time_on_one_digest(sites):
+def test_a_two_rank_site_and_a_lone_process_of_unequal_speed_sync_by_time_on_one_digest(sites, tmp_path):
     """Rounds by time across a 2-rank torchrun site and a lone process whose steps are about three times as fast
     (`--round-seconds 1`): the site's leader plans each span's length for both its ranks, every round commits with
     both workers, each one's pseudo-gradient counts by the steps it covered (the lone process's several times the
-    site's), and every rank of both ends on one digest."""
+    site's), and every rank of both ends on one digest. The site was launched with `--tensorboard DIR --wandb
+    PROJECT`, which reach the user's command through its environment: its voice (rank 0) logs every round and its
+    final line to one TensorBoard run and one W&B run; the other rank writes only its final JSON line. (One swarm
+    for both: a 2-rank site costs ~11 CPU-s to start.)"""
     rounds = ["--rounds", "4", "--round-seconds", "1"]
     sites.launch(0, ["start", "--wait-for", "2"], [sys.executable, SCRIPT, *rounds, "--step-delay", "0.01"])
-    sites.launch(1, ["join", sites.address(0), "--wait-for", "2"],
+    sites.launch(1, ["join", sites.address(0), "--wait-for", "2", *_logs_to_sinks(sites, tmp_path)],
                  [*_torchrun(2), SCRIPT, *rounds, "--step-delay", "0.03"])
     for i, proc in sites.procs.items():
         assert proc.wait(timeout=240) == 0, sites.log(i)
@@ -420,6 +421,7 @@ def test_a_two_rank_site_and_a_lone_process_of_unequal_speed_sync_by_time_on_one
              for i in range(2)}
     assert all(steps.values()), steps
     assert statistics.median(steps[0]) > 1.5 * statistics.median(steps[1]) >= 3, steps
+    _check_sinks(sites, 1, tmp_path, last_round=4)
 
 
 @pytest.mark.multiproc
