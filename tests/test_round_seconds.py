@@ -81,20 +81,24 @@ def test_adaptive_rounds_last_h_steps_of_the_fastest_worker_and_the_others_train
     state."""
     h_steps = 24
     streaming = StreamingConfig(fragments=fragments, overlap=2) if fragments > 1 else None
-    ds, covered, _ = _train_unequal(ROUNDS * fragments, streaming=streaming, adaptive=True, inner_steps=h_steps)
+    published: dict[int, set[float]] = {i: set() for i in range(3)}
+    ds, covered, _ = _train_unequal(ROUNDS * fragments, streaming=streaming, adaptive=True, inner_steps=h_steps,
+                                    published=published)
     later = {i: cs[fragments:] for i, cs in covered.items()}  # a worker's first span may be paced by its own steps
     fast, slow = sum(later[0]) / len(later[0]), sum(later[2]) / len(later[2])
     assert 0.3 * h_steps <= fast <= 2 * h_steps, covered
     assert slow < 0.5 * fast, covered  # not H of its own: the round did not wait for it
     seconds = [d.engine.pace.slot_seconds for d in ds]  # every worker's span: H/P steps of the fastest
     assert max(seconds) < 2 * min(seconds), seconds
-    # against the fastest worker's step time as it published it (what the others' spans are planned from), not its
-    # estimate at the end: on a loaded machine that one moved 2x after the last plan (0.031 s against a span of 0.34 s)
-    step = ds[0].engine.pace.published
-    assert step is not None and seconds[2] == pytest.approx(h_steps / fragments * step, rel=0.5), (seconds, step)
+    # The slowest worker's last span: H/P steps at a step time one of the faster workers published (the fastest it
+    # read in their records), not at its own. Not necessarily the one published last: on a loaded machine the fastest
+    # worker's published step moved 1.7x after the slowest one's last plan (0.018 s against a span of 0.364 s).
+    faster = sorted(published[0] | published[1])
+    assert any(seconds[2] == pytest.approx(h_steps / fragments * step, rel=1e-3) for step in faster), (seconds, faster)
 
 
 def _train_unequal(rounds: int, *, streaming: StreamingConfig | None = None, compression: str | None = None,
+                   published: dict[int, set[float]] | None = None,
                    **kwargs) -> tuple[list[DiLoCo], dict[int, list[int]], dict[int, dict[str, int | None]]]:
     """Three workers in an in-process swarm whose inner steps take 10, 20 and 40 ms train `rounds` rounds by time
     (`kwargs` to `DiLoCo`): every one commits every round with three members and they end on one state. Returns
@@ -122,6 +126,8 @@ def _train_unequal(rounds: int, *, streaming: StreamingConfig | None = None, com
                     opt.step()
                     opt.zero_grad()
                     k += 1
+                    if published is not None and d.engine.pace.published is not None:
+                        published[i].add(d.engine.pace.published)  # each lasts a span: every value is seen
                 shown[i] = {r.peer: r.round_steps for r in d.swarm.records()}  # what `diloco status` shows
             out[i] = d
         return run
