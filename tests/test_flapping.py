@@ -11,7 +11,6 @@ from __future__ import annotations
 import copy
 import threading
 import time
-from dataclasses import replace
 
 import pytest
 import torch

@@ -28,9 +28,9 @@ from diloco.outer import copy_into, pseudo_gradient, pseudo_gradient_pieces
 from multiproc_util import TINY, Peers
 from test_launcher import SCRIPT, Sites
 
+# hf_trainer (transformers' GPT-2 and Llama: 2.3 CPU-s to import) is imported by the tests that use it, not by every
+# pytest worker that collects this module
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
-from hf_trainer import Counting  # noqa: E402
-from hf_trainer import build as build_hf  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 CUDA = torch.device("cuda", 0)
@@ -204,6 +204,8 @@ def test_a_bf16_model_and_bf16_autocast_train_on_the_gpu_against_an_fp32_theta()
 
 
 def test_a_trainer_in_bf16_on_the_gpu_with_the_callback_is_a_diloco_worker(tmp_path):
+    from hf_trainer import Counting
+    from hf_trainer import build as build_hf
     from transformers import Trainer, TrainingArguments
 
     from diloco.hf import DiLoCoCallback
@@ -225,6 +227,8 @@ def test_a_trainer_in_bf16_on_the_gpu_with_the_callback_is_a_diloco_worker(tmp_p
 
 def test_an_accelerate_loop_in_bf16_on_the_gpu_with_the_wrapper():
     from accelerate import Accelerator
+    from hf_trainer import Counting
+    from hf_trainer import build as build_hf
 
     accelerator = Accelerator(mixed_precision="bf16")
     model = build_hf("llama")

@@ -15,15 +15,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from accelerate import Accelerator
-from transformers import Trainer, TrainingArguments
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
-from hf_trainer import Counting, build  # noqa: E402
-
-from diloco import DiLoCo  # noqa: E402
-from diloco.hf import DiLoCoCallback  # noqa: E402
+from diloco import DiLoCo
 from fresh import fresh_python
+
+# transformers, accelerate and hf_trainer's GPT-2 and Llama (2.3 CPU-s to import) are imported by the tests that
+# use them, not by every pytest worker that collects this module
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
 
 SCRIPT = str(Path(__file__).resolve().parent.parent / "examples" / "hf_trainer.py")
 
@@ -33,6 +30,11 @@ def test_a_trainer_with_the_callback_is_a_diloco_worker(tmp_path):
     """GPT-2 (tied input and output embeddings), gradient accumulation 2, a cosine schedule: the inner
     steps are the Trainer's optimizer steps, a round every H of them, the tie survives, and the
     training loss falls."""
+    from hf_trainer import Counting, build
+    from transformers import Trainer, TrainingArguments
+
+    from diloco.hf import DiLoCoCallback
+
     callback = DiLoCoCallback(inner_steps=5)
     model = build("gpt2")
     trainer = Trainer(model=model, train_dataset=Counting(512, 0), callbacks=[callback],
@@ -60,6 +62,11 @@ def test_a_trainer_with_the_callback_is_a_diloco_worker(tmp_path):
 def test_a_trainer_that_joins_late_continues_the_swarms_lr_schedule(tmp_path, monkeypatch):
     """A worker whose attach took a state 12 steps into the swarm (as a joiner's download does): the Trainer's
     scheduler starts at the swarm's step 12, where a worker that trained from the start is."""
+    from hf_trainer import Counting, build
+    from transformers import Trainer, TrainingArguments
+
+    from diloco.hf import DiLoCoCallback
+
     attach = DiLoCo.attach
 
     def joined(d: DiLoCo) -> None:
@@ -96,6 +103,9 @@ def test_a_trainer_that_joins_late_continues_the_swarms_lr_schedule(tmp_path, mo
 def test_an_accelerate_loop_with_the_wrapper():
     """Llama through accelerate's prepare, with its gradient accumulation: the wrapper hooks the torch
     optimizer inside AcceleratedOptimizer, so a micro-batch without an optimizer step is no inner step."""
+    from accelerate import Accelerator
+    from hf_trainer import Counting, build
+
     accelerator = Accelerator(cpu=True, gradient_accumulation_steps=2)
     model = build("llama")
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)

@@ -6,7 +6,6 @@ runs in its foreach form, bit for bit."""
 from __future__ import annotations
 
 import threading
-from types import SimpleNamespace
 from typing import Any
 
 import pytest

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import copy
 import threading
-from dataclasses import replace
 import time
 
 import pytest
