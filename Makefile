@@ -28,10 +28,11 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(KEEP_BYTECODE) $(BIN)/diloco demo
 
-# Four workers on two cores: many tests wait on real processes, deadlines and links (pytest-xdist; every test
-# keeps to its own ports, directories and namespaces). Three left the cores 8% idle, four 2% (`vmstat 10`, one run
-# each, back to back: 581 s against 517 s; docs/BENCHMARKS.md). TEST_WORKERS=0 runs them one after another.
-TEST_WORKERS ?= 4
+# Three workers on two cores: many tests wait on real processes, deadlines and links (pytest-xdist; every test
+# keeps to its own ports, directories and namespaces). They leave the cores 8% idle, four workers 2%, yet four were not
+# faster within this machine's spread from run to run (docs/BENCHMARKS.md) and starve each test's processes more.
+# TEST_WORKERS=0 runs them one after another.
+TEST_WORKERS ?= 3
 test: $(STAMP)
 	$(KEEP_BYTECODE) $(BIN)/python -m pytest -q --durations=15 -n $(TEST_WORKERS) --dist worksteal
 
