@@ -28,11 +28,11 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(KEEP_BYTECODE) $(BIN)/diloco demo
 
-# Three workers on two cores: many tests wait on real processes, deadlines and links (pytest-xdist; every test
-# keeps to its own ports, directories and namespaces). They leave the cores 8% idle, four workers 2%, yet four were not
-# faster within this machine's spread from run to run (docs/BENCHMARKS.md) and starve each test's processes more.
-# TEST_WORKERS=0 runs them one after another.
-TEST_WORKERS ?= 3
+# Four workers on two cores (pytest-xdist; every test keeps to its own ports, directories and namespaces). Many tests
+# wait on real processes, deadlines and links: three workers left the cores 8% idle, four leave 2% (`vmstat 10`).
+# On an idle machine that was within the spread from run to run; beside another busy process four take a larger
+# share of the cores: 9:40 against 11:03 (docs/BENCHMARKS.md). TEST_WORKERS=0 runs them one after another.
+TEST_WORKERS ?= 4
 test: $(STAMP)
 	$(KEEP_BYTECODE) $(BIN)/python -m pytest -q --durations=15 -n $(TEST_WORKERS) --dist worksteal
 
