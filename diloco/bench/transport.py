@@ -216,7 +216,9 @@ def daemon_host(argv: list[str]) -> None:
                 await wait_for(workdir / f"go{k}")
                 began = time.perf_counter()
                 await asyncio.gather(*(t.call(p, "copy", share, 600) for p in others))
-                (workdir / f"h{me}.{k}.s").write_text(str(time.perf_counter() - began))
+                took = workdir / f"h{me}.{k}.tmp"  # renamed into place: the parent reads the file once it exists
+                took.write_text(str(time.perf_counter() - began))
+                os.replace(took, workdir / f"h{me}.{k}.s")
             await wait_for(workdir / "done")  # the others may still be sending to us
         finally:
             await t.close()
