@@ -40,6 +40,7 @@ from typing import Any, Callable
 
 from ..comms.dataplane import DataConfig
 from ..launcher import terminate
+from ..lines import write_lines
 from .size import launch_peer, wait_file
 
 RECV_CHUNK = 1 << 20
@@ -216,9 +217,8 @@ def daemon_host(argv: list[str]) -> None:
                 await wait_for(workdir / f"go{k}")
                 began = time.perf_counter()
                 await asyncio.gather(*(t.call(p, "copy", share, 600) for p in others))
-                took = workdir / f"h{me}.{k}.tmp"  # renamed into place: the parent reads the file once it exists
-                took.write_text(str(time.perf_counter() - began))
-                os.replace(took, workdir / f"h{me}.{k}.s")
+                # atomically: the parent reads the file once it exists
+                write_lines(workdir / f"h{me}.{k}.s", [str(time.perf_counter() - began)])
             await wait_for(workdir / "done")  # the others may still be sending to us
         finally:
             await t.close()
