@@ -119,7 +119,7 @@ def test_zero_delay_rtt_is_small_through_the_tun_forwarder():
         out = lab.popen(1, ["ip", "-4", "-o", "addr", "show", "dev", "wan0"], stdout=subprocess.PIPE,
                         text=True).communicate(timeout=10)[0]
         stats_before_close = lab.forwarder_cpu_s()
-    assert m.rtt_ms < 5.0, m
+    assert m.rtt_min_ms < 5.0, m  # the fastest ping: the forwarder's delay, not the scheduler's
     assert "10.77.0.2/24" in out
     assert stats_before_close is not None
     assert lab.switch_stats is not None and lab.switch_stats["packets"] > 600  # 1 MB went through the delay line
