@@ -178,17 +178,25 @@ def _open(cfg: SwarmConfig, initial: list[str], host: str, port: int,
 
 
 
+REFUSED_FIELD = {"unauthorized": "secret", "not_allowed": "allowlist"}
+"""The setting a peer's refusal of our handshake points at (`comms.auth.REASONS`); any other refusal (a replay, a
+malformed call) says nothing about our settings and is raised as the `AuthRefused` it is."""
+
+
 async def hello(transport: Transport, peer: PeerId, cfg: SwarmConfig, schema: str) -> float | None:
     """One handshake with `peer`: how far its swarm clock reads ahead of this machine's wall clock (None when it did
     not say); raises HandshakeError on a mismatch, a refusal of our credential or a clock more than
-    `MAX_CLOCK_SKEW` off, TransportError when the peer cannot be reached."""
+    `MAX_CLOCK_SKEW` off, TransportError when the peer cannot be reached or refused the call for a reason that is not
+    a setting (`REFUSED_FIELD`)."""
     ours = hs.hello(cfg.run_id, schema, SWARM_CLOCK.now())
     sent = SWARM_CLOCK.raw()
     try:
         reply = await transport.call(peer, HELLO, hs.pack(ours), min(cfg.round.call_timeout, 10.0))
     except AuthRefused as e:
-        raise HandshakeError("secret" if e.reason == "unauthorized" else "allowlist", "(hidden)", "(hidden)",
-                             peer) from None
+        field = REFUSED_FIELD.get(e.reason)
+        if field is None:  # a replay or a malformed call: not a setting of ours to fix, the call failed
+            raise
+        raise HandshakeError(field, "(hidden)", "(hidden)", peer) from None
     received = SWARM_CLOCK.raw()
     try:
         theirs = hs.unpack(reply)

@@ -16,7 +16,7 @@ import pytest
 
 from diloco.comms import InProcNetwork, PeerId
 from diloco.comms import hello as hs
-from diloco.comms.auth import (HEAD_SIZE, OVERHEAD, WINDOW, AuthRefused, Guard, derive, new_secret, _Window)
+from diloco.comms.auth import (HEAD_SIZE, HELLO, OVERHEAD, WINDOW, AuthRefused, Guard, derive, new_secret, _Window)
 from diloco.comms.transport import TransportError
 from diloco.config import ConfigError, SwarmConfig
 
@@ -166,6 +166,37 @@ def test_allowlist_refuses_others_before_anything_is_checked():
 
     got, refused = asyncio.run(main())
     assert got == [] and refused == {"not_allowed": 1}
+
+
+@pytest.mark.swarm
+def test_a_refused_handshake_names_the_setting_only_when_a_setting_was_refused():
+    """A joiner's hello refused as unauthorized names the secret, as not allowed the allowlist; a refusal that says
+    nothing about its settings (a replay, a malformed call) is raised as the refusal it is, not as an allowlist."""
+    from diloco.connect import hello
+
+    cfg = SwarmConfig(run_id=RUN, secret=SECRET)
+
+    async def field_of(**pair) -> str:
+        net, a, b, spy = await _pair(**pair)
+        await a.register(HELLO, spy)
+        with pytest.raises(hs.HandshakeError) as e:
+            await hello(b, PeerId("a"), cfg, "")
+        assert spy.got == []
+        return e.value.field
+
+    assert asyncio.run(field_of(secret_b="t" * 32)) == "secret"
+    assert asyncio.run(field_of(allow=frozenset({"c"}))) == "allowlist"
+
+    class Refusing:
+        def __init__(self, reason: str) -> None:
+            self.reason = reason
+
+        async def call(self, peer, name, data, timeout):
+            raise AuthRefused(self.reason, peer)
+
+    for reason in ("replay", "malformed"):
+        with pytest.raises(AuthRefused, match=reason):
+            asyncio.run(hello(Refusing(reason), PeerId("a"), cfg, ""))  # type: ignore[arg-type]
 
 
 # ---------------------------------------------------------------------- replays

@@ -3,13 +3,18 @@ those of real peers (two `diloco start/join` processes with their daemons) with 
 
 from __future__ import annotations
 
+import os
+import shutil
 import subprocess
+import sys
+import tempfile
 
 import pytest
 
 from cli_util import invoke, refuse_to_start
 
 from diloco.bench.transport import TransportSetup, daemons_across, loopback, markdown, peer_flags, tcp_copy
+from diloco.peers.reaper import tagged
 
 
 @pytest.mark.parametrize("peers", [2, 3, 5])
@@ -36,6 +41,36 @@ class _Loopback:
 def test_the_daemons_baseline_sends_every_share_between_real_daemons():
     # three host processes, each with its own daemon, each sending a third of a megabyte to the two others at once
     assert 0 < daemons_across(_Loopback(3), 300_000, repeats=2) < 60
+
+
+class _FailingHost(_Loopback):
+    """Two hosts, the second of which exits once the first has its daemon up; every process tagged by environment,
+    with its temporary files (the daemon's sockets) in `tmp`."""
+
+    def __init__(self, tmp: str) -> None:
+        super().__init__(2)
+        self.env = {**os.environ, "DILOCO_TEST_TAG": os.path.basename(tmp), "TMPDIR": tmp}
+
+    def popen(self, i: int, cmd: list[str], **kwargs) -> subprocess.Popen:
+        if i == 1:
+            workdir = cmd[4]  # python -m diloco.bench.transport daemon-host DIR ...
+            cmd = [sys.executable, "-c", "import os, sys, time\n"
+                   f"while not os.path.exists({workdir + '/h0.addr'!r}): time.sleep(0.05)\nsys.exit(3)"]
+        return subprocess.Popen(cmd, env=self.env, **kwargs)
+
+
+@pytest.mark.timeout(120)
+def test_a_failed_daemons_baseline_leaves_no_daemon_and_no_socket_behind():
+    """A host that exits ends the baseline with an error naming it; the others, terminated, close their daemons."""
+    tmp = tempfile.mkdtemp(prefix="dh-")  # short: a unix socket's path must fit in 108 bytes
+    try:
+        lab = _FailingHost(tmp)
+        with pytest.raises(RuntimeError, match="host 1 exited"):
+            daemons_across(lab, 1000, repeats=1)
+        assert tagged("DILOCO_TEST_TAG", lab.env["DILOCO_TEST_TAG"]) == []  # no p2pd (nor host) left running
+        assert not [f for f in os.listdir(tmp) if f.startswith("hivemind-")]
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 @pytest.mark.timeout(120)

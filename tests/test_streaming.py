@@ -27,6 +27,9 @@ from diloco.job.model import GPTConfig, build_model
 from diloco.outer import flatten, mix_into, nesterov, outer_step, unflatten
 
 H = 8
+PATIENT = replace(CFG, heartbeat_ttl=10, round=replace(CFG.round, gather_timeout=20, reduce_timeout=10, result_timeout=15,
+                                                       call_timeout=5))
+"""Deadlines far beyond a loaded machine's stalls, for tests where no deadline may decide a round."""
 
 
 def _net(seed: int = 0) -> torch.nn.Module:
@@ -317,8 +320,7 @@ def _swarm_run(harness: Harness, M: int, steps: int, streaming: StreamingConfig,
 def test_swarm_peers_end_bit_identical_and_follow_the_algorithm(fragments, pattern, tau, alpha):
     # deadlines far beyond a busy machine's stalls: this checks the algorithm, and with CFG's (1-3 s) a busy suite
     # once lost the last round of every peer (round 7 of 8)
-    harness = Harness(replace(CFG, heartbeat_ttl=10, round=replace(CFG.round, gather_timeout=20, reduce_timeout=10,
-                                                                    result_timeout=15, call_timeout=5)))
+    harness = Harness(PATIENT)
     try:
         M, steps = 3, 2 * H
         cfg = StreamingConfig(fragments=fragments, pattern=pattern, overlap=tau, alpha=alpha)
@@ -605,7 +607,9 @@ def test_delayed_mode_resends_the_delta_of_a_round_that_failed(monkeypatch):
     commits for nobody would lose its Δ; instead it rides with the next round's contribution."""
     import diloco.engine as engine_mod
 
-    harness = Harness()
+    # Only round 0 may fail (its results dropped: the result deadline decides it); with CFG's 2 s heartbeats and 3 s
+    # gather a busy fresh-clone suite once closed round 1 without one peer, whose retry then had no quorum.
+    harness = Harness(PATIENT.with_round(reduce_timeout=5, result_timeout=8))
     phase_deltas: dict[str, list[torch.Tensor]] = {}
     sent: dict[str, list[tuple[int, int, torch.Tensor]]] = {}
     real_pg = engine_mod.pseudo_gradient

@@ -28,9 +28,11 @@ from __future__ import annotations
 import logging
 import os
 import secrets
+import signal
 import socket
 import statistics
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -180,6 +182,7 @@ def daemon_host(argv: list[str]) -> None:
 
     from diloco.comms.p2p import P2PTransport
     from diloco.comms.transport import PeerId
+    from diloco.peers.reaper import Reaper
 
     workdir, me, hosts, nbytes, repeats, addr = Path(argv[0]), *map(int, argv[1:5]), argv[5]
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
@@ -190,10 +193,19 @@ def daemon_host(argv: list[str]) -> None:
             await asyncio.sleep(0.05)
         return path.read_text()
 
-    async def main() -> None:
+    async def main(reaper: Reaper) -> None:
+        # the parent ends a failed baseline with SIGTERM: close the daemon as at the end (the reaper, should we be
+        # SIGKILLed, takes the daemon and its sockets down too)
+        task = asyncio.current_task()
+        assert task is not None
+        asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, task.cancel)
         earlier = [json.loads(await wait_for(workdir / f"h{i}.addr")) for i in range(me)]
         t = await P2PTransport.create(host_maddrs=[f"/ip4/{addr}/tcp/0"],
                                       initial_peers=[m for h in earlier for m in h["maddrs"]])
+        if t.daemon_pid:
+            reaper.watch_pid(t.daemon_pid)
+        for path in t.socket_paths:
+            reaper.watch_file(path)
         try:
             async def take(caller: Any, payload: bytes) -> bytes:
                 return b"ok"
@@ -223,14 +235,19 @@ def daemon_host(argv: list[str]) -> None:
         finally:
             await t.close()
 
-    asyncio.run(main())
+    reaper = Reaper()
+    try:
+        asyncio.run(main(reaper))
+    except asyncio.CancelledError:
+        sys.exit(128 + signal.SIGTERM)
+    finally:
+        reaper.close()
 
 
 def daemons_across(lab: Any, nbytes: int, repeats: int = 3) -> float:
     """Median seconds until each of `lab`'s hosts has sent `nbytes`, an equal share to every other at once,
     through the swarm's daemons (`diloco.comms.p2p`, one call per pair, no round): the round's pattern over
     the same links with only the daemons' transport in the way."""
-    import sys
 
     hosts = lab.hosts
     with tempfile.TemporaryDirectory(prefix="diloco-bench-daemons-") as tmp:
@@ -473,8 +490,6 @@ def markdown(result: dict[str, Any]) -> str:
 
 
 if __name__ == "__main__":
-    import sys
-
     if sys.argv[1:2] == ["daemon-host"]:
         daemon_host(sys.argv[2:])
     else:
