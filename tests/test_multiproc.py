@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import time
+from contextlib import suppress
 from typing import Callable
 
 import psutil
@@ -256,47 +257,62 @@ def _gone(p: psutil.Process) -> bool:
         return True
 
 
-# every phase dies in-process in tests/test_kills.py; with real processes the default run kills at the
-# first and the last phase of a round's protocol, `make test-slow` at every phase
+# every phase dies in-process in tests/test_kills.py; with real processes the default run kills at the first and the
+# last phase of a round's protocol (two victims of one swarm), `make test-slow` at every other phase
+SLOW_PHASES = [("encode", "send"), ("reduce", "apply"), ("applied",)]
+PAIRED = [("gather", "decide"), *(pytest.param(p, marks=pytest.mark.slow) for p in SLOW_PHASES)]
+assert sorted(p for group in [("gather", "decide"), *SLOW_PHASES] for p in group) == sorted(PHASES)
+
+
 @pytest.mark.multiproc
-@pytest.mark.parametrize("phase", [p if p in ("gather", "decide") else pytest.param(p, marks=pytest.mark.slow)
-                                   for p in PHASES])
-def test_sigkill_mid_round_survivors_commit_next_round(peers, phase):
-    """SIGKILL one of 3 peers in round 2 at each phase (at `reduce`: after it reduced its span but
-    before it sent the result, so no one can commit that round): the survivors commit without it
-    within the round deadline, agree bit for bit, and the victim's daemon dies with it."""
-    common = ["--rounds", "5", "-H", "5", "--wait-for", "3", *TINY]
-    first = peers.spawn(0, ["start", *common])
+@pytest.mark.parametrize("phases", PAIRED, ids="+".join)
+def test_sigkill_mid_round_survivors_commit_next_round(peers, phases):
+    """Two peers and a victim for each of `phases`: the k-th victim SIGKILLs itself at its phase of round 2 + 2k (at
+    `reduce`: after it reduced its span but before it sent the result, so no one can commit that round). After each
+    kill the survivors commit without it within the round deadline, agree bit for bit, and the victim's daemon dies
+    with it. (One swarm for two phases: the victims die rounds apart, each into a swarm that committed since.)"""
+    victims = [(2 + k, phase, 2 + 2 * k) for k, phase in enumerate(phases)]  # (peer, phase, round)
+    rounds = 2 + 2 * len(phases) + 1
+    common = ["--rounds", str(rounds), "-H", "5", "--wait-for", str(2 + len(phases)), *TINY]
+    procs = [peers.spawn(0, ["start", *common])]
     addr = peers.address(0)
-    second = peers.spawn(1, ["join", addr, *common])
-    victim = peers.spawn(2, ["join", addr, *common], env={"DILOCO_FAULTS": f"kill@{phase}:2"})
-    victim_children = []
+    procs.append(peers.spawn(1, ["join", addr, *common]))
+    procs += [peers.spawn(i, ["join", addr, *common], env={"DILOCO_FAULTS": f"kill@{phase}:{rnd}"})
+              for i, phase, rnd in victims]
+    children: dict[int, list[psutil.Process]] = {}  # each victim's p2pd daemon (and reaper), once started
     deadline = time.monotonic() + 60
-    while not victim_children and time.monotonic() < deadline:  # its p2pd daemon, once started
-        try:
-            victim_children = psutil.Process(victim.pid).children(recursive=True)
-        except psutil.NoSuchProcess:
-            break
+    while len(children) < len(victims) and time.monotonic() < deadline:
+        for i, _, _ in victims:
+            with suppress(psutil.NoSuchProcess):
+                children[i] = children.get(i) or psutil.Process(procs[i].pid).children(recursive=True)
+        children = {i: c for i, c in children.items() if c}
         time.sleep(0.1)
-    assert peers.wait(victim, 90) == -signal.SIGKILL, peers.log(2)
-    killed_at = time.time()
-    for i, p in enumerate([first, second]):
-        assert peers.wait(p, 90) == 0, peers.log(i)
-    after = [r for r in peers.lines(0, "round") if r["time"] > killed_at and r["committed"]]
-    assert after, "survivors never committed after the kill"
-    if phase in ("gather", "encode", "reduce"):  # the victim's span had no result: that round cannot commit
-        assert after[0]["peers"] == 2, after[0]
-    # at send or apply the victim's span result may be out already: that round commits with all three
-    first_commit = next((r for r in after if r["peers"] == 2), None)
-    assert first_commit is not None, after
-    # deadline: the interrupted round is abandoned within --round-timeout (6 s) after it started,
-    # then the next round commits at once; 5 H=5 steps of the tiny model take well under a second.
-    assert first_commit["time"] - killed_at < 6 + 5, first_commit
+    killed_at = {}
+    for i, _, _ in victims:
+        assert peers.wait(procs[i], 90) == -signal.SIGKILL, peers.log(i)
+        killed_at[i] = time.time()
+    for i in (0, 1):
+        assert peers.wait(procs[i], 90) == 0, peers.log(i)
+    committed = [r for r in peers.lines(0, "round") if r["committed"]]
+    for k, (i, phase, _) in enumerate(victims):
+        alive = 2 + len(victims) - (k + 1)
+        after = [r for r in committed if r["time"] > killed_at[i]]
+        assert after, f"survivors never committed after victim {i}'s kill"
+        if phase in ("gather", "encode", "reduce"):  # the victim's span had no result: that round cannot commit
+            assert after[0]["peers"] == alive, (i, after[0])
+        # at send or apply the victim's span result may be out already: that round commits with the victim in it
+        first_commit = next((r for r in after if r["peers"] == alive), None)
+        assert first_commit is not None, (i, after)
+        # deadline: the interrupted round is abandoned within --round-timeout (6 s) after it started,
+        # then the next round commits at once; 5 H=5 steps of the tiny model take well under a second.
+        assert first_commit["time"] - killed_at[i] < 6 + 5, (i, first_commit)
     finals = [peers.lines(i, "final")[-1] for i in (0, 1)]
-    assert finals[0]["digest"] == finals[1]["digest"] and finals[0]["round"] == 5
-    # the reaper took the victim's daemon down with it, and exited (it gives p2pd 2 s after SIGTERM)
-    _, alive = psutil.wait_procs(victim_children, timeout=5)
-    assert all(_gone(child) for child in alive), alive
+    assert finals[0]["digest"] == finals[1]["digest"] and finals[0]["round"] == rounds
+    # the reaper took each victim's daemon down with it, and exited (it gives p2pd 2 s after SIGTERM)
+    for i, _, _ in victims:
+        assert children.get(i), f"victim {i}'s daemon was never seen"
+        _, alive_children = psutil.wait_procs(children[i], timeout=5)
+        assert all(_gone(child) for child in alive_children), alive_children
 
 
 @pytest.mark.multiproc
