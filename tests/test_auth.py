@@ -367,7 +367,9 @@ def test_cli_join_refused_at_handshake_exits_nonzero_naming_the_field(tmp_path, 
     """A running `diloco start`; `diloco join` with a wrong secret, run id or model, or from a machine
     whose clock is 400 s off (beyond the 300 s a joiner may be off and adopt the swarm's time), exits 1 naming the field (and the secret is never printed); without
     any secret it exits 2 saying how to pass one.
-    The running peer trains on, and counted the refusals."""
+    The running peer trains on, and counted the refusals. The joiners refused at the handshake, before they train (a
+    wrong secret or run id), are the real command in this process (`cli_util.invoke`, each with its own daemon); those
+    refused later or with a skewed clock are processes of their own."""
     import json
     import subprocess
     import sys
@@ -389,13 +391,16 @@ def test_cli_join_refused_at_handshake_exits_nonzero_naming_the_field(tmp_path, 
         skewed = [sys.executable, "-c", "import time; t = time.time; time.time = lambda: t() + 400; "
                   "from diloco.cli.main import main; main()", *base[3:]]
         seconds = {}
+        monkeypatch.chdir(tmp_path)  # where a secret file of the run would be looked for: there is none
         for name, args, env, code, needle in cases:
-            environ = {k: v for k, v in os.environ.items() if k != "DILOCO_SECRET"}
-            if env is not None:
-                environ.update({"DILOCO_SECRET": group.secret, **env})
+            environ = {"DILOCO_SECRET": group.secret, **env}
             t0 = time.monotonic()
-            proc = subprocess.run([*(skewed if name == "clock" else base), *args], capture_output=True, text=True,
-                                  timeout=90, env=environ, cwd=tmp_path)
+            if name in ("secret", "run_id"):  # a `subprocess.CompletedProcess` of the command run in this process
+                ran = invoke([*base[3:], *args], env=environ)
+                proc = subprocess.CompletedProcess(base, ran.exit_code, ran.stdout, ran.stderr)
+            else:
+                proc = subprocess.run([*(skewed if name == "clock" else base), *args], capture_output=True, text=True,
+                                      timeout=90, env={**os.environ, **environ}, cwd=tmp_path)
             seconds[name] = round(time.monotonic() - t0, 1)
             assert proc.returncode == code, (name, proc.stderr[-2000:])
             assert needle in proc.stderr, (name, proc.stderr[-2000:])
@@ -404,8 +409,7 @@ def test_cli_join_refused_at_handshake_exits_nonzero_naming_the_field(tmp_path, 
                 assert said is not None and abs(float(said.group(1)) - 400) < 5, proc.stderr[-2000:]
             assert group.secret not in proc.stdout + proc.stderr and "w" * 32 not in proc.stderr
         print("seconds from launch to exit:", json.dumps(seconds))
-        # no secret at all: refused before any network I/O (the real command, in this process: `cli_util.invoke`)
-        monkeypatch.chdir(tmp_path)  # where a secret file of the run would be looked for: there is none
+        # no secret at all: refused before any network I/O
         none = invoke(["join", addr, "--rounds", "1", "-H", "2", *TINY, "--run-id", "hs-run"],
                       env={"DILOCO_SECRET": None})
         assert none.exit_code == 2 and "--secret-file" in none.stderr, none.stderr
