@@ -145,6 +145,11 @@ def _end(group) -> tuple[list[int], list[dict]]:
     return [group.wait(p, 60) for p in group.procs], [group.lines(i, "final")[-1] for i in (0, 1)]
 
 
+def _committed_twice(group, since: float) -> bool:
+    """Whether both peers committed two rounds since `since` (the attack's start)."""
+    return all(sum(r["committed"] and r["time"] >= since for r in group.lines(i, "round")) >= 2 for i in (0, 1))
+
+
 def _reap(attacker: subprocess.Popen | None) -> None:
     if attacker is not None and attacker.poll() is None:
         attacker.kill()
@@ -189,10 +194,11 @@ def test_a_swarm_under_1024_open_files_keeps_committing_while_2000_silent_stream
         reader.start()
         peak = {"peer": 0, "daemon": 0}
         give_up = time.time() + 60
-        # At least 7 s of attack (past the 5 s head deadline), and until the attacker saw all its streams
-        # closed: a loaded peer accepts the daemon's queue late, and its head clock starts when it does.
+        # At least 7 s of attack (past the 5 s head deadline), until the attacker saw all its streams closed (a
+        # loaded peer accepts the daemon's queue late, and its head clock starts when it does), and until both peers
+        # committed twice since it began (on a busy machine one round under attack took 9 s)
         while time.time() < give_up and not ("at" in first and time.time() > first["at"] + 7
-                                             and seen["cut"] == streams):
+                                             and seen["cut"] == streams and _committed_twice(group, first["at"])):
             peak = {"peer": max(peak["peer"], open_fds(victim.pid)),
                     "daemon": max(peak["daemon"], open_fds(daemon.pid))}
             time.sleep(0.1)
@@ -287,7 +293,8 @@ def test_2000_silent_connections_to_a_data_port_under_1024_open_files_do_not_sto
                          daemon=True).start()
         peak = 0
         give_up = time.time() + 60
-        while time.time() < give_up and not ("at" in first and time.time() > first["at"] + dp.HELLO_TIMEOUT + 3):
+        while time.time() < give_up and not ("at" in first and time.time() > first["at"] + dp.HELLO_TIMEOUT + 3
+                                             and _committed_twice(group, first["at"])):
             peak = max(peak, open_fds(victim.pid))
             time.sleep(0.1)
         opened = json.loads(first["line"]) if first.get("line") else None
