@@ -17,7 +17,7 @@ from diloco.fragments import StreamingConfig
 from diloco.member import Member
 from diloco.pace import Pace, adaptive_seconds, planned_steps, scaled_overlap
 
-from test_swarm_inproc import CFG, Harness, _batches, _mlp, _run_threads
+from test_swarm_inproc import PATIENT, Harness, _batches, _mlp, _run_threads
 
 ROUNDS = 3
 
@@ -102,7 +102,7 @@ def _train_unequal(rounds: int, *, streaming: StreamingConfig | None = None, com
     """Three workers in an in-process swarm whose inner steps take 10, 20 and 40 ms train `rounds` rounds by time
     (`kwargs` to `DiLoCo`): every one commits every round with three members and they end on one state. Returns
     the wrappers, the steps each worker's Δ covered, by round, and the steps per round its records showed."""
-    h = Harness(CFG.with_round(compression=compression) if compression else CFG)
+    h = Harness(PATIENT.with_round(compression=compression) if compression else PATIENT)  # every round must commit
     base, delays = _mlp(7), [0.01, 0.02, 0.04]
     start = threading.Barrier(3, timeout=10)
     covered: dict[int, list[int]] = {i: [] for i in range(3)}

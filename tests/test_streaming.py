@@ -12,12 +12,11 @@ import copy
 import re
 import threading
 import time
-from dataclasses import replace
 from typing import Any, Callable
 
 import pytest
 import torch
-from test_swarm_inproc import CFG, Harness, _batches, _run_threads
+from test_swarm_inproc import CFG, PATIENT, Harness, _batches, _run_threads
 
 from diloco import DiLoCo, Swarm
 from diloco.accounting import Accounting
@@ -27,9 +26,6 @@ from diloco.job.model import GPTConfig, build_model
 from diloco.outer import flatten, mix_into, nesterov, outer_step, unflatten
 
 H = 8
-PATIENT = replace(CFG, heartbeat_ttl=10, round=replace(CFG.round, gather_timeout=20, reduce_timeout=10, result_timeout=15,
-                                                       call_timeout=5))
-"""Deadlines far beyond a loaded machine's stalls, for tests where no deadline may decide a round."""
 
 
 def _net(seed: int = 0) -> torch.nn.Module:

@@ -12,6 +12,7 @@ import copy
 import threading
 import zlib
 import time
+from dataclasses import replace
 from typing import Callable
 
 import pytest
@@ -32,6 +33,9 @@ pytestmark = pytest.mark.swarm
 H = 3
 CFG = diloco.SwarmConfig(run_id="inproc", heartbeat_interval=0.1, heartbeat_ttl=2,
                          round=diloco.CollectiveConfig(gather_timeout=3, reduce_timeout=1, result_timeout=2, call_timeout=1))
+PATIENT = replace(CFG, heartbeat_ttl=10).with_round(gather_timeout=20, reduce_timeout=10, result_timeout=15, call_timeout=5)
+"""Deadlines far beyond a loaded machine's stalls, for tests where no deadline may decide a round (CFG's 1-3 s were
+passed by rounds of busy fresh-clone suites)."""
 
 
 def _mlp(seed: int) -> torch.nn.Module:
