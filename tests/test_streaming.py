@@ -340,7 +340,7 @@ def test_swarm_peers_end_bit_identical_and_follow_the_algorithm(fragments, patte
 def test_never_blocks_when_results_are_back_within_tau():
     """Compute that outlasts the exchange (here: the test waits for each exchange to finish between
     steps, as a slow inner step would) means the hook never waits: counted, not timed."""
-    harness = Harness()
+    harness = Harness(PATIENT)
 
     def wait_for_exchange(i, d):
         f = d.in_flight()
@@ -362,7 +362,7 @@ def test_never_blocks_when_results_are_back_within_tau():
 def test_a_late_result_blocks_the_loop_and_is_counted():
     """Peer 1 reaches its first slot late, so peer 0's exchange cannot finish within τ=1 step:
     peer 0 waits at its due step, and says so."""
-    harness = Harness()
+    harness = Harness(PATIENT)
 
     def slow_peer(i, d, step):
         if i == 1 and step == H // 2:  # the step that starts peer 1's first round
@@ -449,7 +449,7 @@ def test_delayed_applies_each_aggregate_one_phase_late():
 @pytest.mark.swarm
 @pytest.mark.parametrize("mode", ["eager", "delayed"])
 def test_whole_step_overlap_keeps_peers_identical(mode):
-    harness = Harness()
+    harness = Harness(PATIENT)
     try:
         ds, models, _ = _swarm_run(harness, 3, 3 * H, StreamingConfig(outer_overlap=mode))
     finally:
@@ -561,7 +561,7 @@ def test_late_joiner_takes_the_swarms_place_in_the_fragment_schedule():
     def attached(d: DiLoCo) -> None:
         positions["joiner"], positions["swarm"] = d.schedule_position, 7 % (H // 2)
 
-    out = _pause_and_join(Harness(), base=_net(3), joiner_seed=99, data=[_batches(20 + i, 4 * H) for i in range(3)],
+    out = _pause_and_join(Harness(PATIENT), base=_net(3), joiner_seed=99, data=[_batches(20 + i, 4 * H) for i in range(3)],
                           steps=3 * H, pause_at=7, on_attached=attached,
                           streaming=StreamingConfig(fragments=2, overlap=1, alpha=0.5))
     assert positions["joiner"] == positions["swarm"] == 3

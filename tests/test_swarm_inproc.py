@@ -93,6 +93,14 @@ def harness():
     h.close()
 
 
+@pytest.fixture
+def patient():
+    """A harness whose rounds no deadline decides (`PATIENT`): for tests where every round must commit."""
+    h = Harness(PATIENT)
+    yield h
+    h.close()
+
+
 def _worker_on(cfg: diloco.SwarmConfig, **kw: object) -> None:
     """Build a `DiLoCo` worker (`kw`: its settings) on a lone in-process peer of a swarm with `cfg`, then tear
     both down: for settings a topology refuses when the worker is built."""
@@ -131,7 +139,7 @@ def _run_threads(targets: list[Callable[[], None]], barriers: list[threading.Bar
 # ---------------------------------------------------------------------- three peers, four rounds
 
 
-def test_three_peers_four_rounds_end_identical(harness):
+def test_three_peers_four_rounds_end_identical(patient):
     rounds, M = 4, 3
     base = _mlp(0)
     models = [copy.deepcopy(base) for _ in range(M)]
@@ -143,7 +151,7 @@ def test_three_peers_four_rounds_end_identical(harness):
         def run():
             model = models[i]
             opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-            with DiLoCo(model, opt, swarm=harness.swarm(f"peer{i}"), inner_steps=H) as d:
+            with DiLoCo(model, opt, swarm=patient.swarm(f"peer{i}"), inner_steps=H) as d:
                 start.wait()
                 _train(model, opt, data[i])
             out[i] = d
@@ -176,7 +184,7 @@ def test_three_peers_four_rounds_end_identical(harness):
 # ---------------------------------------------------------------------- a peer joins a running swarm
 
 
-def test_late_joiner_downloads_state_and_ends_identical(harness):
+def test_late_joiner_downloads_state_and_ends_identical(patient):
     """Three peers commit rounds 1 and 2; a fourth (bootstrapped, own initialization) attaches,
     downloads the round-2 state, and all four commit rounds 3 and 4 together.
 
@@ -201,7 +209,7 @@ def test_late_joiner_downloads_state_and_ends_identical(harness):
         def run():
             model = models[i]
             opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-            with DiLoCo(model, opt, swarm=harness.swarm(f"peer{i}"), inner_steps=H) as d:
+            with DiLoCo(model, opt, swarm=patient.swarm(f"peer{i}"), inner_steps=H) as d:
                 start.wait()
                 _train(model, opt, data[i][: 2 * H])
                 out[f"mid{i}"] = (d.round, d.digest, [p.clone() for p in d.state.params])
@@ -215,7 +223,7 @@ def test_late_joiner_downloads_state_and_ends_identical(harness):
     def joiner():
         mid.wait()
         opt = torch.optim.AdamW(joiner_model.parameters(), lr=1e-2)
-        swarm = harness.swarm("peer9", bootstrapped=True)
+        swarm = patient.swarm("peer9", bootstrapped=True)
         call = swarm.transport.call
 
         async def call_and_tell(peer, name, payload, timeout):
