@@ -18,6 +18,11 @@ from pathlib import Path
 # these tests' CPU 298 against 363 CPU-s, 2026-11-28).
 TINY = ["--d-model", "32", "--layers", "1", "--batch-size", "4", "--gather-timeout", "20", "--round-timeout", "6",
         "--slowdown", "8"]
+# Peers that only keep a swarm going while the test does something else beside it (watches it, attacks it, starts
+# other processes) sleep 23 times their compute: a training peer's CPU is its compute, so two of them use a third as
+# much (0.16 of a core against 0.41, 0.65 rounds a second against 1.7; `--rounds 100000 -H 10`, 2026-11-29): the
+# status test and the two stalled-connection tests 27.3 against 35.8 CPU-s (the same hour, one run each).
+BACKGROUND = [*TINY[:-2], "--slowdown", "24"]
 
 
 def new_peer_ids(paths: list[Path]) -> list[str]:

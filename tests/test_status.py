@@ -17,7 +17,7 @@ import time
 
 import pytest
 from cli_util import invoke
-from multiproc_util import TINY, Peers
+from multiproc_util import BACKGROUND, Peers
 
 from diloco.peers import PeerRecord
 from diloco.cli import statusview
@@ -148,10 +148,10 @@ def test_status_and_watch_show_each_peers_round_loss_bandwidth_and_utilization(t
     wandb_env = {"WANDB_DIR": str(tmp_path), "WANDB_CONFIG_DIR": str(tmp_path / "wbconfig"), "HOME": str(tmp_path),
                  "WANDB_SILENT": "true", "WANDB_MODE": "offline"}
     try:
-        group.spawn(0, ["start", "--rounds", "1000", "-H", "10", *TINY, "--tensorboard", str(tmp_path / "tb"),
+        group.spawn(0, ["start", "--rounds", "1000", "-H", "10", *BACKGROUND, "--tensorboard", str(tmp_path / "tb"),
                         "--wandb", "diloco-start"], env=wandb_env)
         addr = group.address(0)
-        group.spawn(1, ["join", addr, "--rounds", "1000", "-H", "10", *TINY])
+        group.spawn(1, ["join", addr, "--rounds", "1000", "-H", "10", *BACKGROUND])
         deadline = time.monotonic() + 90
         while not [r for r in group.lines(1, "round") if r["committed"] and r["peers"] == 2]:  # training together
             assert time.monotonic() < deadline, group.log(1)

@@ -163,7 +163,7 @@ def test_a_swarm_under_1024_open_files_keeps_committing_while_2000_silent_stream
     streams opened to one peer's handler, nothing sent on them. Both peers run under a soft and hard
     limit of 1,024 open files (so raising soft to hard gains nothing); rounds need both of them. The
     peer cuts every stream, its process and its daemon stay far below the limit, and rounds go on."""
-    from multiproc_util import TINY, Peers
+    from multiproc_util import BACKGROUND, Peers
 
     from diloco.bench.procmem import open_fds
 
@@ -171,7 +171,7 @@ def test_a_swarm_under_1024_open_files_keeps_committing_while_2000_silent_stream
     group = Peers(tmp_path, "stall")
     attacker = None
     try:
-        common = ["--rounds", "1000", "-H", "4", "--min-peers", "2", "--wait-for", "2", *TINY]
+        common = ["--rounds", "1000", "-H", "4", "--min-peers", "2", "--wait-for", "2", *BACKGROUND]
         victim = group.spawn(0, ["start", *common], open_files=limit)
         group.spawn(1, ["join", group.address(0), *common], open_files=limit)
         deadline = time.monotonic() + 45
@@ -267,7 +267,7 @@ def test_2000_silent_connections_to_a_data_port_under_1024_open_files_do_not_sto
     127.0.0.1: they wait for it to be cut, or go through libp2p)."""
     import socket as sk
 
-    from multiproc_util import TINY, Peers
+    from multiproc_util import BACKGROUND, Peers
 
     from diloco.bench.procmem import open_fds
     from diloco.comms import dataplane as dp
@@ -279,7 +279,7 @@ def test_2000_silent_connections_to_a_data_port_under_1024_open_files_do_not_sto
     group = Peers(tmp_path, "dstall")
     attacker = None
     try:
-        common = ["--rounds", "1000", "-H", "4", "--min-peers", "2", "--wait-for", "2", *TINY]
+        common = ["--rounds", "1000", "-H", "4", "--min-peers", "2", "--wait-for", "2", *BACKGROUND]
         victim = group.spawn(0, ["start", *common, "--data-port", str(port)], open_files=limit)
         group.spawn(1, ["join", group.address(0), *common], open_files=limit)
         deadline = time.monotonic() + 45
