@@ -177,7 +177,6 @@ def _open(cfg: SwarmConfig, initial: list[str], host: str, port: int,
     return Connection(loop, transport, directory, collective, cfg, addresses, finish, initial)
 
 
-
 REFUSED_FIELD = {"unauthorized": "secret", "not_allowed": "allowlist"}
 """The setting a peer's refusal of our handshake points at (`comms.auth.REASONS`); any other refusal (a replay, a
 malformed call) says nothing about our settings and is raised as the `AuthRefused` it is."""

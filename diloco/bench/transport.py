@@ -248,7 +248,6 @@ def daemons_across(lab: Any, nbytes: int, repeats: int = 3) -> float:
     """Median seconds until each of `lab`'s hosts has sent `nbytes`, an equal share to every other at once,
     through the swarm's daemons (`diloco.comms.p2p`, one call per pair, no round): the round's pattern over
     the same links with only the daemons' transport in the way."""
-
     hosts = lab.hosts
     with tempfile.TemporaryDirectory(prefix="diloco-bench-daemons-") as tmp:
         workdir = Path(tmp)
