@@ -397,6 +397,7 @@ def test_cli_join_refused_at_handshake_exits_nonzero_naming_the_field(tmp_path, 
             t0 = time.monotonic()
             if name in ("secret", "run_id"):  # a `subprocess.CompletedProcess` of the command run in this process
                 ran = invoke([*base[3:], *args], env=environ)
+                assert ran.exception is None or isinstance(ran.exception, SystemExit), (name, ran.exception)
                 proc = subprocess.CompletedProcess(base, ran.exit_code, ran.stdout, ran.stderr)
             else:
                 proc = subprocess.run([*(skewed if name == "clock" else base), *args], capture_output=True, text=True,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -44,19 +45,22 @@ def test_the_daemons_baseline_sends_every_share_between_real_daemons():
 
 
 class _FailingHost(_Loopback):
-    """Two hosts, the second of which exits once the first has its daemon up; every process tagged by environment,
-    with its temporary files (the daemon's sockets) in `tmp`."""
+    """Two hosts, the second of which exits once the first has its daemon up, leaving the names in `tmp` then (where
+    the first keeps its daemon's sockets) in `tmp`/seen; every process tagged by environment."""
 
     def __init__(self, tmp: str) -> None:
         super().__init__(2)
+        self.tmp, self.procs = tmp, []
         self.env = {**os.environ, "DILOCO_TEST_TAG": os.path.basename(tmp), "TMPDIR": tmp}
 
     def popen(self, i: int, cmd: list[str], **kwargs) -> subprocess.Popen:
         if i == 1:
-            workdir = cmd[4]  # python -m diloco.bench.transport daemon-host DIR ...
+            ready, seen = os.path.join(cmd[4], "h0.addr"), os.path.join(self.tmp, "seen")  # daemon-host DIR ...
             cmd = [sys.executable, "-c", "import os, sys, time\n"
-                   f"while not os.path.exists({workdir + '/h0.addr'!r}): time.sleep(0.05)\nsys.exit(3)"]
-        return subprocess.Popen(cmd, env=self.env, **kwargs)
+                   f"while not os.path.exists({ready!r}): time.sleep(0.05)\n"
+                   f"open({seen!r}, 'w').write(' '.join(os.listdir({self.tmp!r})))\nsys.exit(3)"]
+        self.procs.append(subprocess.Popen(cmd, env=self.env, **kwargs))
+        return self.procs[-1]
 
 
 @pytest.mark.timeout(120)
@@ -67,8 +71,10 @@ def test_a_failed_daemons_baseline_leaves_no_daemon_and_no_socket_behind():
         lab = _FailingHost(tmp)
         with pytest.raises(RuntimeError, match="host 1 exited"):
             daemons_across(lab, 1000, repeats=1)
+        assert lab.procs[0].returncode == 128 + signal.SIGTERM  # the host's own close, not a death by the signal
         assert tagged("DILOCO_TEST_TAG", lab.env["DILOCO_TEST_TAG"]) == []  # no p2pd (nor host) left running
-        assert not [f for f in os.listdir(tmp) if f.startswith("hivemind-")]
+        assert any(f.startswith("hivemind-") for f in open(os.path.join(tmp, "seen")).read().split())  # sockets, then
+        assert not [f for f in os.listdir(tmp) if f.startswith("hivemind-")]  # and none now
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 

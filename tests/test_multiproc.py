@@ -257,8 +257,8 @@ def _gone(p: psutil.Process) -> bool:
         return True
 
 
-# every phase dies in-process in tests/test_kills.py; with real processes the default run kills at the first and the
-# last phase of a round's protocol (two victims of one swarm), `make test-slow` at every other phase
+# every phase dies in-process in tests/test_kills.py; with real processes the default run kills at gather (the first
+# phase) and decide (two victims of one swarm), `make test-slow` at every other phase
 SLOW_PHASES = [("encode", "send"), ("reduce", "apply"), ("applied",)]
 PAIRED = [("gather", "decide"), *(pytest.param(p, marks=pytest.mark.slow) for p in SLOW_PHASES)]
 assert sorted(p for group in [("gather", "decide"), *SLOW_PHASES] for p in group) == sorted(PHASES)
@@ -279,13 +279,14 @@ def test_sigkill_mid_round_survivors_commit_next_round(peers, phases):
     procs.append(peers.spawn(1, ["join", addr, *common]))
     procs += [peers.spawn(i, ["join", addr, *common], env={"DILOCO_FAULTS": f"kill@{phase}:{rnd}"})
               for i, phase, rnd in victims]
-    children: dict[int, list[psutil.Process]] = {}  # each victim's p2pd daemon (and reaper), once started
+    children: dict[int, list[psutil.Process]] = {}  # each victim's children once its p2pd daemon is among them
     deadline = time.monotonic() + 60
     while len(children) < len(victims) and time.monotonic() < deadline:
         for i, _, _ in victims:
             with suppress(psutil.NoSuchProcess):
-                children[i] = children.get(i) or psutil.Process(procs[i].pid).children(recursive=True)
-        children = {i: c for i, c in children.items() if c}
+                found = children.get(i) or psutil.Process(procs[i].pid).children(recursive=True)
+                if any(c.name() == "p2pd" for c in found):
+                    children[i] = found
         time.sleep(0.1)
     killed_at = {}
     for i, _, _ in victims:
@@ -310,7 +311,7 @@ def test_sigkill_mid_round_survivors_commit_next_round(peers, phases):
     assert finals[0]["digest"] == finals[1]["digest"] and finals[0]["round"] == rounds
     # the reaper took each victim's daemon down with it, and exited (it gives p2pd 2 s after SIGTERM)
     for i, _, _ in victims:
-        assert children.get(i), f"victim {i}'s daemon was never seen"
+        assert children.get(i), f"victim {i}'s p2pd daemon was never seen among its children"
         _, alive_children = psutil.wait_procs(children[i], timeout=5)
         assert all(_gone(child) for child in alive_children), alive_children
 

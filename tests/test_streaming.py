@@ -16,7 +16,7 @@ from typing import Any, Callable
 
 import pytest
 import torch
-from test_swarm_inproc import CFG, PATIENT, Harness, _batches, _run_threads
+from test_swarm_inproc import PATIENT, Harness, _batches, _run_threads
 
 from diloco import DiLoCo, Swarm
 from diloco.accounting import Accounting
@@ -345,7 +345,7 @@ def test_never_blocks_when_results_are_back_within_tau():
     def wait_for_exchange(i, d):
         f = d.in_flight()
         if f is not None:
-            f.result(10)
+            f.result(60)
 
     try:
         ds, _, _ = _swarm_run(harness, 2, 2 * H, StreamingConfig(fragments=2, overlap=2, alpha=0.5),
@@ -585,7 +585,7 @@ def test_a_joiner_after_an_h_schedule_change_takes_the_new_slots():
     # Every round must commit here, so no deadline may decide one: the in-process harness's 2 s for results was
     # once passed by a round of this test on a loaded machine (all three peers failed round 3, its results a
     # moment late), which this test is not about.
-    patient = Harness(CFG.with_round(reduce_timeout=10, result_timeout=15, call_timeout=5))
+    patient = Harness(PATIENT)
     out = _pause_and_join(patient, base=_net(3), joiner_seed=99, data=[_batches(40 + i, 20) for i in range(3)],
                           steps=20, pause_at=11, on_attached=attached, h_schedule=((2, 4),),
                           streaming=StreamingConfig(fragments=2))
@@ -704,7 +704,7 @@ def test_joiner_rejects_a_tampered_source_and_takes_the_state_from_another():
 
     # A 1 s transport deadline (the harness's) could be passed by peer0's answer on a loaded machine: its chunk
     # would then come from peer1 as a failed call, not as a refused one, which this test is not about.
-    patient = Harness(CFG.with_round(reduce_timeout=10, result_timeout=15, call_timeout=5))
+    patient = Harness(PATIENT)
     out = _pause_and_join(patient, base=_net(3), joiner_seed=77, data=[_batches(30 + i, 3 * H) for i in range(3)],
                           steps=3 * H, pause_at=7, on_attached=attached, prepare=forge,
                           streaming=StreamingConfig(fragments=2, overlap=1, alpha=0.5))

@@ -199,9 +199,9 @@ def test_late_joiner_downloads_state_and_ends_identical(patient):
     joiner_model = _mlp(1)  # its own, different initialization: it must not be used
     joiner_init = [p.detach().clone() for p in joiner_model.parameters()]
     data = [_batches(i, 4 * H) for i in range(M + 1)]
-    start = threading.Barrier(M, timeout=10)
-    mid = threading.Barrier(M + 1, timeout=10)   # the first M peers are at round 2
-    go = threading.Barrier(M + 1, timeout=10)    # the joiner has attached
+    start = threading.Barrier(M, timeout=60)
+    mid = threading.Barrier(M + 1, timeout=60)   # the first M peers are at round 2
+    go = threading.Barrier(M + 1, timeout=60)    # the joiner has attached
     joiner_in_round = threading.Event()          # the joiner sent its first ready message
     out: dict[str, object] = {}
 

@@ -179,7 +179,8 @@ class Observer:
                 # version answers its own hello: read the directory on this machine's clock, as before the handshake
                 offset = None
             except TransportError:
-                offset = None  # a peer still starting (its handlers not there yet): its directory may answer
+                offset = None  # a peer still starting (its handlers not there yet), or a refusal that names no setting
+                # of ours (a replay, a malformed call: `connect.REFUSED_FIELD`): its directory may answer
             SWARM_CLOCK.adopt([] if offset is None else [offset])
             self._directory = await asyncio.wait_for(
                 DHTDirectory.create(self._transport.p2p, self.run_id, [addr], client_mode=True,
