@@ -81,7 +81,7 @@ def join(initial_peers: list[str], cfg: SwarmConfig, *, host: str = "127.0.0.1",
     if cfg.secret is None:
         raise SwarmError("joining needs the swarm's secret: SwarmConfig(secret=...); on the command line "
                          "--secret-file PATH (the file `diloco start` wrote) or the DILOCO_SECRET variable")
-    tried, identity = [], identity_of(cfg)
+    tried, refused, identity = [], False, identity_of(cfg)
     try:
         # A dial can fail for a moment (a peer busy with a round, a loaded machine, a lost SYN): every
         # address gets JOIN_PASSES tries, a few seconds apart, before the join gives up.
@@ -94,8 +94,13 @@ def join(initial_peers: list[str], cfg: SwarmConfig, *, host: str = "127.0.0.1",
                 except HandshakeError:
                     raise  # the swarm answered and said no: another address would say the same
                 except Exception as e:  # noqa: BLE001 - any failure to bootstrap means "try the next address"
+                    refused = refused or isinstance(e, AuthRefused)  # answered, but not a setting (REFUSED_FIELD)
                     tried.append(f"{addr} ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})")
                     log.warning("event=bootstrap_failed addr=%s attempt=%d reason=%s", addr, attempt + 1, e)
+        if refused:
+            raise SwarmError(f"could not join the swarm; no bootstrap address let us in ({JOIN_PASSES} tries each):"
+                             "\n  " + "\n  ".join(tried) + "\nA peer that refused our calls gave its reason above "
+                             "(docs/TROUBLESHOOTING.md lists each); it was not our secret or the allowlist.")
         raise SwarmError(f"could not join the swarm; no bootstrap address answered ({JOIN_PASSES} tries each):\n  "
                          + "\n  ".join(tried) +
                          "\nCheck the address (copy it from the `diloco start` output) and that the peer is up: a "

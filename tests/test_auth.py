@@ -199,6 +199,22 @@ def test_a_refused_handshake_names_the_setting_only_when_a_setting_was_refused()
             asyncio.run(hello(Refusing(reason), PeerId("a"), cfg, ""))  # type: ignore[arg-type]
 
 
+@pytest.mark.unit
+def test_a_join_refused_for_another_reason_says_it_was_let_in_by_no_one_not_that_no_one_answered(monkeypatch):
+    import diloco.connect as connect
+
+    def refused(*_args, **_kwargs):
+        raise AuthRefused("replay", PeerId("12D3KooWpeer"))
+
+    monkeypatch.setattr(connect, "_open", refused)
+    monkeypatch.setattr(connect, "JOIN_PAUSE", 0.0)
+    with pytest.raises(connect.SwarmError) as e:
+        connect.join(["/ip4/127.0.0.1/tcp/9/p2p/12D3KooWpeer"], SwarmConfig(run_id=RUN, secret=SECRET))
+    said = str(e.value)
+    assert "no bootstrap address let us in" in said and "refused the call: replay" in said, said
+    assert "answers nothing" not in said  # it answered
+
+
 # ---------------------------------------------------------------------- replays
 
 
