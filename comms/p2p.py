@@ -228,6 +228,14 @@ class P2PTransport:
                 paths.append(str(maddr["unix"]))
         return paths
 
+    def watched_by(self, reaper: Any) -> None:
+        """Have `reaper` (a `diloco.peers.reaper.Reaper`) take the daemon and its sockets down with this process,
+        however it ends."""
+        if self.daemon_pid:
+            reaper.watch_pid(self.daemon_pid)
+        for path in self.socket_paths:
+            reaper.watch_file(path)
+
     async def visible_addresses(self) -> list[str]:
         return [str(m) for m in await self.p2p.get_visible_maddrs()]
 

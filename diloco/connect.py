@@ -130,10 +130,7 @@ def _open(cfg: SwarmConfig, initial: list[str], host: str, port: int,
         p2p = await P2PTransport.create(initial_peers=initial, host_maddrs=[f"/{proto}/{host}/tcp/{port}"],
                                         announce_maddrs=announce, max_message=cfg.round.max_payload + (1 << 20),
                                         identity=identity)
-        if p2p.daemon_pid:
-            reaper.watch_pid(p2p.daemon_pid)
-        for path in p2p.socket_paths:
-            reaper.watch_file(path)
+        p2p.watched_by(reaper)
         p2p.guard = cfg.guard(p2p.peer_id)
         transport: Transport = p2p
         use_in_hivemind(SWARM_CLOCK.now)  # the directory reads the swarm's time (comms.clock)

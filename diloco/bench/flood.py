@@ -415,10 +415,7 @@ async def _flooder_daemon(addrs: list[str]) -> tuple[Any, Any]:
 
     t = await P2PTransport.create(initial_peers=addrs)
     reaper = Reaper()  # our daemon dies with us, however we end
-    if t.daemon_pid:
-        reaper.watch_pid(t.daemon_pid)
-    for path in t.socket_paths:
-        reaper.watch_file(path)
+    t.watched_by(reaper)
     return t, reaper
 
 

@@ -202,10 +202,7 @@ def daemon_host(argv: list[str]) -> None:
         earlier = [json.loads(await wait_for(workdir / f"h{i}.addr")) for i in range(me)]
         t = await P2PTransport.create(host_maddrs=[f"/ip4/{addr}/tcp/0"],
                                       initial_peers=[m for h in earlier for m in h["maddrs"]])
-        if t.daemon_pid:
-            reaper.watch_pid(t.daemon_pid)
-        for path in t.socket_paths:
-            reaper.watch_file(path)
+        t.watched_by(reaper)
         try:
             async def take(caller: Any, payload: bytes) -> bytes:
                 return b"ok"

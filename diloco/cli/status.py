@@ -163,10 +163,7 @@ class Observer:
 
         async def connect() -> None:
             self._transport = await P2PTransport.create(initial_peers=[addr], host_maddrs=["/ip4/127.0.0.1/tcp/0"])
-            if self._transport.daemon_pid:
-                reaper.watch_pid(self._transport.daemon_pid)
-            for path in self._transport.socket_paths:
-                reaper.watch_file(path)
+            self._transport.watched_by(reaper)
             cfg = SwarmConfig(run_id=self.run_id, secret=self.secret)
             self._transport.guard = cfg.guard(self._transport.peer_id)
             use_in_hivemind(SWARM_CLOCK.now)  # the directory reads the swarm's time, as a peer's does
