@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import secrets
 import socket
 import signal
@@ -512,7 +513,8 @@ def test_a_poisoning_peer_is_banned_then_stops_naming_why_and_the_others_go_on(p
         assert peers.wait(p, 120) == 0, peers.log(i)
     finals = [peers.lines(i, "final")[-1] for i in (0, 1)]
     assert finals[0]["digest"] == finals[1]["digest"] and finals[0]["round"] == 8
-    bad_id = peers.log(2).split("peer ", 1)[1].split()[0]
+    # its banner's id (`peer ID in run ...`), from the whole log: its last 4000 characters may no longer hold it
+    bad_id = re.search(r"^peer (\S+) in run", peers.log(2, whole=True), re.M).group(1)
     for f in finals:
         assert f["banned"] == [bad_id] and f["robust"]["clipped"] >= 3, f
     banned_at = min(_logged_at(line) for i in (0, 1) for line in peers.log(i, whole=True).splitlines() if "event=peer_banned" in line)
