@@ -153,8 +153,12 @@ def test_every_action_fires_exactly_once_and_the_survivors_agree():
     assert w[3]["incarnations"] == 2  # restarted (it caught up by download: it finished with the same digest)
     assert w[2]["refused"] >= 1 and w[2]["resyncs"] >= 1  # cut off: refused a round, resynced after the heal
     assert w[0]["refused"] == 0 and w[1]["refused"] == 0
+    assert [len(r["digests"]) for r in a["rounds"]] == [1] * JOB.rounds  # no round forked
     b = simulate(JOB, 4, swarm=SWARM, faults=plan, timeout=240)
-    assert b["digests"] == a["digests"] and b["faults_fired"] == a["faults_fired"]  # a plan replays exactly
+    assert b["faults_fired"] == a["faults_fired"]
+    first = next((k for k, (x, y) in enumerate(zip(a["rounds"], b["rounds"])) if x != y), None)  # a plan replays exactly:
+    assert first is None and b["digests"] == a["digests"], (a["rounds"][first:], b["rounds"][first:],  # round by round
+                                                           a["workers_seen"], b["workers_seen"])
 
 
 @pytest.mark.swarm

@@ -42,6 +42,7 @@ from diloco.peers.records import REGION
 
 from ..config import ConfigError, SwarmConfig
 from ..fragments import inner_steps_at
+from ..holding import Later
 from ..job.train import JobConfig, load_corpus, run_job
 from ..metrics import MetricsWriter
 from ..swarm import Banned, Swarm
@@ -546,8 +547,11 @@ def summarize(job: JobConfig, finals: list[dict[str, Any]], rows: Sequence[tuple
               slots: Mapping[int, Sequence[int]] | None = None) -> dict[str, Any]:
     """The simulation's summary from the finals of the workers that finished and every worker's round
     metrics (`rows`: (worker, its rows), one entry per incarnation). `slots`: with rounds by time, each worker's
-    inner steps before each of its slots (slot k is round k + 1: a simulation by time has no faults)."""
+    inner steps before each of its slots (slot k is round k + 1: a simulation by time has no faults). Its `rounds`:
+    each round's committed state, {digest: the workers that committed it} (one digest a round, or the swarm forked),
+    so two runs of one plan compare round by round."""
     moved: dict[int, dict[int, tuple[int, int]]] = {}
+    states: dict[int, dict[str, list[int]]] = {}  # round -> digest committed -> the workers that committed it
     seen = {w: dict(worker=w, incarnations=0, committed=0, refused=0, resyncs=0) for w in range(workers)}
     for worker, out in rows:
         seen[worker]["incarnations"] += 1
@@ -558,6 +562,8 @@ def summarize(job: JobConfig, finals: list[dict[str, Any]], rows: Sequence[tuple
             seen[worker][kind] += 1
             if r["committed"]:
                 moved.setdefault(r["round"], {})[worker] = (r["bytes_sent"], r["bytes_received"])
+                digest = r["digest"].get() if isinstance(r["digest"], Later) else str(r["digest"])
+                states.setdefault(r["round"], {}).setdefault(digest, []).append(worker)
     per_round = {k: sum(v[0] for v in m.values()) for k, m in moved.items()}
     first = next((out for w, out in rows if w == 0), None)  # worker 0's evaluations of the global model
     curve = [dict(round=r["round"], step=r["step"], eval_loss=r["eval_loss"],
@@ -593,4 +599,6 @@ def summarize(job: JobConfig, finals: list[dict[str, Any]], rows: Sequence[tuple
                 regions=list(regions), global_digests=sorted({str(f.get("global_digest")) for f in finals}) if regions else [],
                 topology=finals[0].get("topology", "flat"),
                 gossip_met=[f["gossip_met"] for f in finals] if "gossip_met" in finals[0] else [],
-                projection=projected, workers_seen=list(seen.values()), curve=curve)
+                projection=projected, workers_seen=list(seen.values()), curve=curve,
+                rounds=[dict(round=k, digests={d: sorted(w) for d, w in sorted(states[k].items())})
+                        for k in sorted(states)])
