@@ -63,26 +63,14 @@ def _bit_identical(peers: Peers, rounds: int, bits: Callable[[float], bool]) -> 
 
 
 @pytest.mark.multiproc
-def test_three_peers_train_sparse_and_end_bit_identical(peers):
-    """3 real peers train 3 rounds together with a sparse codec (per-coordinate averaging of bundled payloads) and
-    end bit-identical (dense fp32 peers show the same in the data plane's test below)."""
-    common = ["--rounds", "3", "-H", "5", "--wait-for", "3", "--compression", "topk:16/256+s2+ef:0.95", *TINY]
-    first = peers.spawn(0, ["start", *common])
-    addr = peers.address(0)
-    others = [peers.spawn(i, ["join", addr, *common]) for i in (1, 2)]
-    for i, p in enumerate([first, *others]):
-        assert peers.wait(p, 90) == 0, peers.log(i)
-    _bit_identical(peers, 3, lambda bits: 0 < bits < 2)
-
-
-@pytest.mark.multiproc
-def test_rounds_go_direct_a_blocked_data_port_is_called_through_libp2p_and_strangers_there_are_refused(peers):
-    """The data plane (docs/PROTOCOL.md, "The data plane"): 3 real peers (dense, fp32), the third advertising a data
-    port nothing listens on (blocked, as a firewall would). The others call it through libp2p, everything else goes
-    direct, and all end bit-identical (`_bit_identical`). Meanwhile a stranger at peer 0's data port tries a
-    handshake with another secret and sends bytes that are no handshake: both are refused and counted in peer 0's
-    final line, and every round commits with all three peers. (One swarm for all of it: each real peer costs ~3.5
-    CPU-s to start.)"""
+def test_sparse_rounds_go_direct_a_blocked_data_port_is_called_through_libp2p_and_strangers_there_are_refused(peers):
+    """3 real peers train with a sparse codec (per-coordinate averaging of bundled payloads, error feedback) and end
+    bit-identical (`_bit_identical`), over the data plane (docs/PROTOCOL.md, "The data plane"): the third advertises
+    a data port nothing listens on (blocked, as a firewall would), so the others call it through libp2p and
+    everything else goes direct. Meanwhile a stranger at peer 0's data port tries a handshake with another secret
+    and sends bytes that are no handshake: both are refused and counted in peer 0's final line, and every round
+    commits with all three peers. (One swarm for all of it: each real peer costs ~3.5 CPU-s to start. Dense fp32
+    rounds of real processes: the launcher's sites, tests/test_launcher.py.)"""
     import asyncio
 
     from diloco.bench.flood import stranger_handshake
@@ -95,7 +83,7 @@ def test_rounds_go_direct_a_blocked_data_port_is_called_through_libp2p_and_stran
             s.bind(("127.0.0.1", 0))
             ports.append(s.getsockname()[1])
     port, blocked = ports
-    common = ["--rounds", "4", "-H", "5", "--wait-for", "3", "--compression", "fp32", *TINY]
+    common = ["--rounds", "4", "-H", "5", "--wait-for", "3", "--compression", "topk:16/256+s2+ef:0.95", *TINY]
     first = peers.spawn(0, ["start", *common, "--data-port", str(port)])
     addr = peers.address(0)
     others = [peers.spawn(1, ["join", addr, *common]),
@@ -115,7 +103,7 @@ def test_rounds_go_direct_a_blocked_data_port_is_called_through_libp2p_and_stran
     asyncio.run(stranger())
     for i, p in enumerate([first, *others]):
         assert peers.wait(p, 90) == 0, peers.log(i)
-    finals = _bit_identical(peers, 4, lambda bits: bits == pytest.approx(32.0))
+    finals = _bit_identical(peers, 4, lambda bits: 0 < bits < 2)
     ids = [f["peer"] for f in finals]
     assert finals[0]["data_paths"] == {"direct": [ids[1]], "libp2p": [ids[2]]}, finals[0]["data_paths"]
     assert finals[1]["data_paths"] == {"direct": [ids[0]], "libp2p": [ids[2]]}, finals[1]["data_paths"]
