@@ -133,8 +133,10 @@ def flushes_subnormals() -> bool:
 @contextmanager
 def subnormals_flushed(flush: bool = True) -> Iterator[None]:
     """CPU arithmetic that flushes subnormal floats to zero (`flush`; they cost a CPU up to a third of its speed once
-    DiLoCo's weights meet them: docs/USAGE.md), for the block. The setting is the whole process's: a command that runs
-    the bundled job (every worker of a simulation at once) or a benchmark sets it for its run and restores it after."""
+    DiLoCo's weights meet them: docs/USAGE.md), for the block. The setting is the calling thread's (the CPU's control
+    register), and every thread started in the block takes it from its starter: a command that runs the bundled job
+    (every worker of a simulation at once) or a benchmark enters it before its swarm starts its event loop, which
+    decodes and averages, and restores the calling thread's setting after."""
     before = flushes_subnormals()
     torch.set_flush_denormal(flush)
     try:

@@ -90,7 +90,8 @@ def main() -> None:
 
     device = pick_device(args.device)
     if device.type == "cpu":
-        torch.set_flush_denormal(True)  # on every site: DiLoCo's weights meet subnormals (docs/USAGE.md)
+        torch.set_flush_denormal(True)  # on every site: DiLoCo's weights meet subnormals; before DiLoCo starts its
+        # threads, which take the setting from this one (docs/USAGE.md)
     distributed = "RANK" in os.environ  # started by torchrun
     if distributed:
         start_group(device)

@@ -43,6 +43,8 @@ def main() -> None:
     args = ap.parse_args()
 
     device = pick_device(args.device)
+    if device.type == "cpu":
+        torch.set_flush_denormal(True)  # on every site, as the DDP example does (docs/USAGE.md): before DiLoCo starts
     distributed = "RANK" in os.environ  # started by torchrun
     model = build().to(device)
     if distributed:

@@ -87,4 +87,45 @@ def test_a_cpu_model_without_flushing_subnormals_is_told_once_how_to(monkeypatch
             DiLoCo(*build(), swarm=None, inner_steps=2)
         assert caplog.text.count("event=subnormals_not_flushed fix=torch.set_flush_denormal(True)") == 1
     finally:
-        torch.set_flush_denormal(False)  # torch's default: the setting is the whole process's
+        torch.set_flush_denormal(False)  # torch's default (the setting is this thread's)
+
+
+def test_the_bundled_peer_and_the_simulator_flush_subnormals_in_their_swarms_event_loop_too(monkeypatch, tmp_path):
+    """The setting is a thread's own, taken at a thread's start from its starter: `diloco start` and `diloco
+    simulate` flush before their swarm starts its event loop (which decodes and averages), so that thread flushes too,
+    as a script's does when it sets it first (docs/USAGE.md); the calling thread's setting is restored after. Both
+    run here, in this process: the real command (`cli_util.invoke`, with its own daemon) and the simulator."""
+    import signal
+
+    from cli_util import invoke
+
+    import diloco.connect as connect_module
+    import diloco.sim.simulate as simulate_module
+    from diloco.comms.loop import LoopThread
+    from diloco.config import SwarmConfig
+    from diloco.job.train import JobConfig
+    from diloco.wrapper import flushes_subnormals
+
+    seen: list[bool] = []
+
+    async def flushes() -> bool:
+        return flushes_subnormals()
+
+    class Recorded(LoopThread):  # what its thread's arithmetic does, read on that thread once it runs
+        def __init__(self, *args: object, **kwargs: object) -> None:
+            super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+            seen.append(self.run(flushes(), timeout=10))
+
+    assert not flushes_subnormals()
+    monkeypatch.setattr(simulate_module, "LoopThread", Recorded)
+    job = JobConfig(rounds=1, inner_steps=2, d_model=16, n_layer=1, batch_size=2, eval_batches=1, corpus_bytes=1 << 20)
+    simulate_module.simulate(job, 2, swarm=SwarmConfig(run_id="flush"), timeout=120)
+    assert seen == [True] and not flushes_subnormals()
+
+    monkeypatch.setattr(connect_module, "LoopThread", Recorded)
+    monkeypatch.setattr(signal, "signal", lambda *_: None)  # the peer's handlers are not this test process's
+    monkeypatch.chdir(tmp_path)  # its new secret file goes here
+    out = invoke(["start", "--run-id", "flush", "--rounds", "1", "-H", "2", "--d-model", "16", "--layers", "1",
+                  "--batch-size", "2", "--host", "127.0.0.1"], env={"DILOCO_SECRET": "s" * 32})
+    assert out.exit_code == 0, (out.stderr[-2000:], out.exception)
+    assert seen == [True, True] and not flushes_subnormals()

@@ -136,62 +136,67 @@ def _run_peer(initial: list[str], *, host: str, port: int, announce: Optional[Li
         faults = FaultPlan.from_env()  # tests and chaos runs: DILOCO_FAULTS, read here and nowhere else
     except ValueError as e:
         _fail(f"DILOCO_FAULTS: {e}")
-    try:
-        swarm = Swarm.join(initial, swarm_cfg, host=host, port=port, announce=announce, faults=faults) if initial \
-            else Swarm.start(swarm_cfg, host=host, port=port, announce=announce, faults=faults)
-    except (SwarmError, HandshakeError) as e:
-        _fail(str(e), code=1)
-    stop = threading.Event()
-
-    def on_signal(signum: int, _frame: object) -> None:
-        typer.echo(f"received {signal.Signals(signum).name}: finishing the current round, then leaving", err=True)
-        stop.set()
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
-    end = threading.Event()
-
-    def on_end(_signum: int, _frame: object) -> None:
-        typer.echo("received SIGUSR2: announcing the end of the whole run; every peer ends at the same round", err=True)
-        end.set()
-
-    signal.signal(signal.SIGUSR2, on_end)
-    try:
-        typer.echo(f"peer {swarm.peer_id} in run {swarm_cfg.run_id!r}, swarm secret from {secret_from}")
-        typer.echo(f"end the whole run, every peer on one final model: kill -USR2 {os.getpid()}")
-        for addr in swarm.addresses:
-            typer.echo(f"  address: {addr}")
-        if not initial:
-            typer.echo(f"others join with:\n  {_join_line(swarm.join_command(), secret_from)}")
-            watch = swarm.join_command().replace("diloco join", "diloco status", 1)
-            typer.echo(f"watch the swarm with:\n  {watch}" + ("" if secret_from.startswith("$") else
-                                                             f" --secret-file {secret_from.removeprefix('created ')}"))
-        if line := _waiting_line(job.wait_for, first=not initial):
-            typer.echo(line)
-        if address_file:
-            tmp = Path(str(address_file) + ".tmp")
-            tmp.write_text("\n".join(swarm.addresses) + "\n")
-            os.replace(tmp, address_file)
+    # Every thread of the peer flushes subnormal floats, the swarm's too (its event loop decodes and averages): the
+    # setting is a thread's own, and a thread takes it from the one that starts it, so it comes before the swarm.
+    with subnormals_flushed():
         try:
-            writer = MetricsWriter(metrics, sinks.open(swarm.peer_id, swarm_cfg.run_id, _run_config(swarm_cfg, job)))
-        except SinkError as e:
+            swarm = Swarm.join(initial, swarm_cfg, host=host, port=port, announce=announce, faults=faults) if initial \
+                else Swarm.start(swarm_cfg, host=host, port=port, announce=announce, faults=faults)
+        except (SwarmError, HandshakeError) as e:
             _fail(str(e), code=1)
-        # progress: a live line on a terminal, a line per round elsewhere or with --verbose's log lines
-        live = not logging.getLogger("diloco").isEnabledFor(logging.INFO)
+        stop = threading.Event()
+
+        def on_signal(signum: int, _frame: object) -> None:
+            typer.echo(f"received {signal.Signals(signum).name}: finishing the current round, then leaving", err=True)
+            stop.set()
+
+        signal.signal(signal.SIGTERM, on_signal)
+        signal.signal(signal.SIGINT, on_signal)
+        end = threading.Event()
+
+        def on_end(_signum: int, _frame: object) -> None:
+            typer.echo("received SIGUSR2: announcing the end of the whole run; every peer ends at the same round",
+                       err=True)
+            end.set()
+
+        signal.signal(signal.SIGUSR2, on_end)
         try:
-            with Reporter.for_command(quiet=quiet, live=live) as rep, \
-                    rep.task("training", job.rounds, unit="rounds") as task, subnormals_flushed():
-                summary = run_job(job, swarm, metrics=writer, status_path=status_file, stop=stop, progress=task.update,
-                                  end=end)
-        except (HandshakeError, Banned) as e:  # our model or codec differs from the swarm's; the swarm banned us
-            _fail(str(e), code=1)
+            typer.echo(f"peer {swarm.peer_id} in run {swarm_cfg.run_id!r}, swarm secret from {secret_from}")
+            typer.echo(f"end the whole run, every peer on one final model: kill -USR2 {os.getpid()}")
+            for addr in swarm.addresses:
+                typer.echo(f"  address: {addr}")
+            if not initial:
+                typer.echo(f"others join with:\n  {_join_line(swarm.join_command(), secret_from)}")
+                watch = swarm.join_command().replace("diloco join", "diloco status", 1)
+                where = "" if secret_from.startswith("$") else f" --secret-file {secret_from.removeprefix('created ')}"
+                typer.echo(f"watch the swarm with:\n  {watch}{where}")
+            if line := _waiting_line(job.wait_for, first=not initial):
+                typer.echo(line)
+            if address_file:
+                tmp = Path(str(address_file) + ".tmp")
+                tmp.write_text("\n".join(swarm.addresses) + "\n")
+                os.replace(tmp, address_file)
+            try:
+                writer = MetricsWriter(metrics, sinks.open(swarm.peer_id, swarm_cfg.run_id,
+                                                           _run_config(swarm_cfg, job)))
+            except SinkError as e:
+                _fail(str(e), code=1)
+            # progress: a live line on a terminal, a line per round elsewhere or with --verbose's log lines
+            live = not logging.getLogger("diloco").isEnabledFor(logging.INFO)
+            try:
+                with Reporter.for_command(quiet=quiet, live=live) as rep, \
+                        rep.task("training", job.rounds, unit="rounds") as task:
+                    summary = run_job(job, swarm, metrics=writer, status_path=status_file, stop=stop,
+                                      progress=task.update, end=end)
+            except (HandshakeError, Banned) as e:  # our model or codec differs from the swarm's; the swarm banned us
+                _fail(str(e), code=1)
+            finally:
+                writer.close()
+            ended = " (the whole run ended there, as a peer was asked)" if summary.get("run_ended") else ""
+            typer.echo(f"done: round {summary['round']}{ended}, held-out loss {summary['eval_loss']:.4f}, "
+                       f"sent {summary['bytes_sent'] / 1e6:.1f} MB, received {summary['bytes_received'] / 1e6:.1f} MB")
         finally:
-            writer.close()
-        ended = " (the whole run ended there, as a peer was asked)" if summary.get("run_ended") else ""
-        typer.echo(f"done: round {summary['round']}{ended}, held-out loss {summary['eval_loss']:.4f}, "
-                   f"sent {summary['bytes_sent'] / 1e6:.1f} MB, received {summary['bytes_received'] / 1e6:.1f} MB")
-    finally:
-        swarm.close()
+            swarm.close()
 
 
 def _waiting_line(wait_for: int, *, first: bool) -> str:

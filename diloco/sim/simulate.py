@@ -409,7 +409,7 @@ def simulate(job: JobConfig, workers: int, *, swarm: SwarmConfig | None = None, 
     rnd = base.round
     scfg = base.with_round(gather_timeout=max(rnd.gather_timeout, 600.0), reduce_timeout=max(rnd.reduce_timeout, 600.0),
                            result_timeout=max(rnd.result_timeout, 900.0), min_peers=1 if faults or regions else workers)
-    network, board, loop = InProcNetwork(), InProcBoard(), LoopThread()
+    network, board = InProcNetwork(), InProcBoard()
     corpus = load_corpus(job)  # one copy for all workers: they only read it
     finals: dict[int, dict[str, Any]] = {}
     rows: list[tuple[int, _Rows]] = []
@@ -482,7 +482,10 @@ def simulate(job: JobConfig, workers: int, *, swarm: SwarmConfig | None = None, 
             progress(min(total_steps, sum(steps.values())), total_steps,
                      progress_status(_round_reached(list(rows)), job.fragments, job.rounds, running, workers))
 
-    with subnormals_flushed():  # every worker of the run, as each bundled-job process does
+    # Every thread of the run flushes subnormal floats, as each bundled-job process does: the workers and the event loop
+    # they share (it decodes and averages). A thread takes the setting from the one that starts it.
+    with subnormals_flushed():
+        loop = LoopThread()
         try:
             for i in range(workers):
                 start(i)
