@@ -157,6 +157,29 @@ def _tell_of_subnormals(model: torch.nn.Module) -> None:
                 "(docs/USAGE.md, \"Training on a CPU\")")
 
 
+_TOLD_OF_THE_LOOP = False
+
+
+async def _flushes_there() -> bool:
+    return flushes_subnormals()
+
+
+def _tell_of_the_loop(model: torch.nn.Module, swarm: Swarm) -> None:
+    """Once a process: a CPU model whose training thread flushes subnormal floats, but whose swarm's event loop (it
+    decodes and averages what the peers send) does not, is told to set it before the swarm starts: a thread takes
+    the setting from the one that starts it (`subnormals_flushed`)."""
+    global _TOLD_OF_THE_LOOP
+    if _TOLD_OF_THE_LOOP or any(p.device.type != "cpu" for p in model.parameters()) or not flushes_subnormals():
+        return
+    if swarm.loop.run(_flushes_there(), timeout=10):
+        return
+    _TOLD_OF_THE_LOOP = True
+    log.warning("event=subnormals_not_flushed_in_swarm fix=torch.set_flush_denormal(True) before Swarm.start/join "
+                "reason=the swarm's event loop started before this thread flushed, and a thread takes the setting "
+                "from the one that starts it: its arithmetic meets subnormal floats slowly, and peers whose loops "
+                "differ can round one differently (docs/USAGE.md, \"Training on a CPU\")")
+
+
 class DiLoCo:
     """A DiLoCo worker around the user's model and inner optimizer (see the module docstring).
 
@@ -267,6 +290,7 @@ class DiLoCo:
 
     def _enter(self, swarm: Swarm) -> None:
         """Take `swarm`'s topology (its settings name it), and the swarm our rounds run on."""
+        _tell_of_the_loop(self.model, swarm)
         member = self.member
         if swarm.cfg.region:
             self.topology = Regions(member, swarm, self.streaming, shift=self.streams)

@@ -90,6 +90,51 @@ def test_a_cpu_model_without_flushing_subnormals_is_told_once_how_to(monkeypatch
         torch.set_flush_denormal(False)  # torch's default (the setting is this thread's)
 
 
+def test_a_swarm_whose_event_loop_started_before_the_script_flushed_is_told_once(monkeypatch, caplog):
+    """A script that flushes subnormals only after `Swarm.start/join` started the swarm's event loop is told to do it
+    before (its training thread flushes, the loop does not); one that flushes first is told nothing."""
+    import logging
+
+    import torch
+
+    import diloco.wrapper as wrapper_module
+    from diloco import DiLoCo, Swarm, SwarmConfig
+    from diloco.comms import InProcNetwork
+    from diloco.comms.loop import LoopThread
+    from diloco.peers import InProcBoard
+
+    monkeypatch.setattr(wrapper_module, "_TOLD_OF_THE_LOOP", False)
+    caplog.set_level(logging.WARNING, logger="diloco.wrapper")
+    network, board = InProcNetwork(), InProcBoard()
+    loops, swarms = [], []
+
+    def swarm(name: str) -> Swarm:
+        loops.append(LoopThread())
+        swarms.append(Swarm.in_process(network, board, name, SwarmConfig(run_id="loop"), loops[-1]))
+        return swarms[-1]
+
+    def build() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+        model = torch.nn.Linear(2, 2)
+        return model, torch.optim.SGD(model.parameters(), lr=0.1)
+    try:
+        torch.set_flush_denormal(True)
+        DiLoCo(*build(), swarm=swarm("first"), inner_steps=2)  # flushed before the swarm: its loop flushes too
+        assert "subnormals_not_flushed" not in caplog.text
+        torch.set_flush_denormal(False)
+        late = swarm("late")
+        torch.set_flush_denormal(True)
+        for _ in range(2):
+            DiLoCo(*build(), swarm=late, inner_steps=2)
+        assert caplog.text.count("event=subnormals_not_flushed_in_swarm fix=torch.set_flush_denormal(True) before "
+                                 "Swarm.start/join") == 1
+    finally:
+        torch.set_flush_denormal(False)
+        for s in swarms:
+            s.close()
+        for loop in loops:
+            loop.stop()
+
+
 def test_the_bundled_peer_and_the_simulator_flush_subnormals_in_their_swarms_event_loop_too(monkeypatch, tmp_path):
     """The setting is a thread's own, taken at a thread's start from its starter: `diloco start` and `diloco
     simulate` flush before their swarm starts its event loop (which decodes and averages), so that thread flushes too,
