@@ -35,7 +35,8 @@ def test_the_regions_variants_end_on_a_merge_within_their_budget_and_gossip_take
 def test_links_between_regions_are_the_slow_ones():
     with WanLab(4, 40.0, 2.0, regions=[0, 0, 1, 1], cross_rate_mbit=4.0, cross_delay_ms=20.0) as lab:
         inside, between = lab.measure(0, 1, nbytes=2_000_000), lab.measure(1, 3, nbytes=400_000)
-    assert 1.5 * 2 * 2.0 > inside.rtt_ms and 2 * 20.0 <= between.rtt_ms < 2 * 20.0 + 10
+    # the fastest of the pings: the links' delays, not the scheduler's (a busy suite's mean ping ran 2 ms over elsewhere)
+    assert 1.5 * 2 * 2.0 > inside.rtt_min_ms and 2 * 20.0 <= between.rtt_min_ms < 2 * 20.0 + 10
     assert inside.goodput_mbit > 20.0 and 2.0 < between.goodput_mbit <= 4.2
 
 

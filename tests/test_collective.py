@@ -771,7 +771,8 @@ def test_a_change_is_never_lost_to_a_waiter_whose_wait_had_not_begun_when_anothe
         return woke, done, time.monotonic() - started
 
     woke, done, took = asyncio.run(main())
-    assert woke < 0.1 and done and took < 1.0, (woke, done, took)
+    # at once, not at the 5 s deadline (bounds a loaded machine's scheduler cannot reach by itself)
+    assert woke < 1.0 and done and took < 2.0, (woke, done, took)
 
 
 def test_a_peer_nobody_expects_is_left_out_by_everyone():
