@@ -401,14 +401,17 @@ def simulate(job: JobConfig, workers: int, *, swarm: SwarmConfig | None = None, 
         raise ConfigError("fault plans need outer_overlap none: a worker killed with a whole outer step in flight "
                           "would hold the others until their deadlines")
     # Every round waits for all running workers: the simulated machine may be slow, the state must not
-    # depend on it. A killed peer answers nothing, so nobody waits for it.
+    # depend on it. A killed or cut-off peer's calls fail at once (the in-process transport), so nobody waits for
+    # it, and no call between running workers needs a deadline: the answer window (`call_timeout`) is stretched
+    # too, so that a busy machine's stall cannot count a running worker as silent.
     base = swarm or SwarmConfig(run_id="simulate")
     # With regions, a region's rounds and the merges have fewer members than the swarm: they wait for everyone
     # their records show (the workers wait for each other before the first step), with min_peers 1. A gossip
     # round waits for its group (docs/GOSSIP.md), which min_peers does not count.
     rnd = base.round
     scfg = base.with_round(gather_timeout=max(rnd.gather_timeout, 600.0), reduce_timeout=max(rnd.reduce_timeout, 600.0),
-                           result_timeout=max(rnd.result_timeout, 900.0), min_peers=1 if faults or regions else workers)
+                           result_timeout=max(rnd.result_timeout, 900.0), call_timeout=max(rnd.call_timeout, 60.0),
+                           min_peers=1 if faults or regions else workers)
     network, board = InProcNetwork(), InProcBoard()
     corpus = load_corpus(job)  # one copy for all workers: they only read it
     finals: dict[int, dict[str, Any]] = {}
