@@ -856,7 +856,7 @@ def test_late_peer_while_others_are_mid_round_gives_up_at_once():
     assert late_out.reason.startswith("late"), late_out.reason
     assert "3 peer(s)" in late_out.reason
     assert late_out.aggregate is None
-    assert late_took < 0.5  # far below gather_timeout=3
+    assert late_took < 1.5  # half of gather_timeout=3: a loaded machine's stall, not the deadline
     for o in outs.values():
         assert o.committed and o.view == tuple(first3)
         assert torch.allclose(o.aggregate, _mean(deltas, first3), rtol=0, atol=1e-6)
@@ -868,9 +868,11 @@ def test_late_peer_after_others_finished_is_told_at_once():
     the wrapper) instead of waiting out its gather deadline and committing a view of its own."""
     first3, late = PEERS[:3], "p3"
 
+    cfg = replace(EVERYONE, gather_timeout=5.0)  # a deadline no stall of a loaded machine comes near
+
     async def main():
         net = InProcNetwork()
-        cs = await _collectives(net, PEERS)
+        cs = await _collectives(net, PEERS, cfg)
         deltas = _deltas(PEERS, 30, seed=8)
         outs = await _round(cs, RoundKey(0), first3, deltas, members=first3)
         started = time.monotonic()
@@ -883,7 +885,7 @@ def test_late_peer_after_others_finished_is_told_at_once():
         assert torch.allclose(o.aggregate, _mean(deltas, first3), rtol=0, atol=1e-6)
     assert not late_out.committed and late_out.reason.startswith("late")
     assert late_out.aggregate is None
-    assert took < 0.5 * FAST.gather_timeout
+    assert took < 0.5 * cfg.gather_timeout
     for p in first3:  # a late ready is not an offence
         assert cs[p].rejections == Counter()
 

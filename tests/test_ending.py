@@ -19,7 +19,7 @@ from dataclasses import replace
 import pytest
 import torch
 from multiproc_util import TINY, Peers
-from test_swarm_inproc import CFG, Harness, _batches, _mlp, _run_threads
+from test_swarm_inproc import PATIENT, Harness, _batches, _mlp, _run_threads
 
 import diloco
 from diloco import DiLoCo
@@ -131,8 +131,9 @@ def _flat_worker(h: Harness, name: str, out: dict, barrier: threading.Barrier, *
 @pytest.mark.swarm
 def test_every_worker_ends_at_the_announced_round_on_one_state_the_slow_one_too():
     """Three workers, one three times slower per step: the fastest asks at round 3; each loop checks `d.ended` and
-    stops at the round announced, which every record shows; one state everywhere."""
-    h = Harness()
+    stops at the round announced, which every record shows; one state everywhere. (PATIENT: no deadline may decide
+    a round.)"""
+    h = Harness(PATIENT)
     out: dict = {}
     barrier = threading.Barrier(3, timeout=20)
     try:
@@ -152,7 +153,7 @@ def test_every_worker_ends_at_the_announced_round_on_one_state_the_slow_one_too(
 def test_a_loop_that_does_not_look_leaves_at_the_slot_past_the_end_by_run_ended():
     """A loop that never checks `d.ended`: the slot after the end raises `RunEnded` (exit status 0), the `with`
     applies what is in flight and the worker ends on the announced round like the others."""
-    h = Harness()
+    h = Harness(PATIENT)
     out: dict = {}
     barrier = threading.Barrier(2, timeout=20)
     try:
@@ -171,7 +172,7 @@ def test_two_regions_of_unequal_pace_end_on_one_global_state():
     """Two regions of two peers, the second region's peers twice as slow: a member (not a representative) asks;
     every representative's last merge is the announced global round, and every peer ends holding θ_G′, its
     parameters in the model."""
-    cfg = replace(CFG, merge_every=2)
+    cfg = replace(PATIENT, merge_every=2)  # no deadline may decide a round or a merge
     net, board, loop = InProcNetwork(), InProcBoard(), LoopThread()
     regions = {"a1": "eu", "a2": "eu", "b1": "us", "b2": "us"}
     swarms = {p: diloco.Swarm.in_process(net, board, p, replace(cfg, region=r), loop) for p, r in regions.items()}

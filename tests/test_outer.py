@@ -232,8 +232,10 @@ def test_h1_inner_sgd_three_peers_equals_data_parallel_sgd():
     base = _mlp(0)
     models = [copy.deepcopy(base) for _ in range(M)]  # built here: torch's RNG is shared by threads
     data = [_batches(10 + i, steps) for i in range(M)]
-    cfg = diloco.SwarmConfig(run_id="dp", heartbeat_interval=0.1, heartbeat_ttl=2,
-                             round=diloco.CollectiveConfig(gather_timeout=3, reduce_timeout=1, result_timeout=2, call_timeout=1))
+    # every round must commit with all three: deadlines no loaded machine's stall comes near (the suite's PATIENT)
+    cfg = diloco.SwarmConfig(run_id="dp", heartbeat_interval=0.1, heartbeat_ttl=10,
+                             round=diloco.CollectiveConfig(gather_timeout=20, reduce_timeout=10, result_timeout=15,
+                                                           call_timeout=5))
     net, board, loop = InProcNetwork(), InProcBoard(), LoopThread()
     barrier = threading.Barrier(M, timeout=10)
     results: dict[int, tuple] = {}

@@ -14,7 +14,7 @@ from dataclasses import replace
 
 import pytest
 import torch
-from test_swarm_inproc import CFG, Harness, _batches, _mlp, _run_threads, _until, _worker_on
+from test_swarm_inproc import CFG, PATIENT, Harness, _batches, _mlp, _run_threads, _until, _worker_on
 
 import diloco
 from diloco import DiLoCo
@@ -93,7 +93,7 @@ def test_a_representative_reports_its_merge_only_once_a_member_took_it():
     """Two regions of two, a merge every 2 region rounds: every merge line a representative writes names a region
     round whose state a member of its region held too (the same digest at that round in its own round lines), and
     every peer ends on one model."""
-    lab = _Lab({"a1": "eu", "a2": "eu", "b1": "us", "b2": "us"}, merge_every=2)
+    lab = _Lab({"a1": "eu", "a2": "eu", "b1": "us", "b2": "us"}, merge_every=2, base=PATIENT)
     barrier = threading.Barrier(4, timeout=20)
     lines: dict[str, list] = {p: [] for p in lab.regions}
     try:
@@ -127,8 +127,11 @@ def test_regions_refuse_a_whole_outer_step_overlapped_with_a_reason():
 class _Lab:
     """Peers on one in-process network, each a `DiLoCo` worker in a thread, in the region it names."""
 
-    def __init__(self, regions: dict[str, str], merge_every: int = 2, **cfg: object) -> None:
-        self.cfg = replace(CFG, merge_every=merge_every).with_round(**cfg)
+    def __init__(self, regions: dict[str, str], merge_every: int = 2, base: diloco.SwarmConfig = CFG,
+                 **cfg: object) -> None:
+        """`base`: CFG's short deadlines, or PATIENT where every region round and merge must commit (no deadline may
+        decide one: a loaded machine's stall passes CFG's 1-3 s)."""
+        self.cfg = replace(base, merge_every=merge_every).with_round(**cfg)
         self.net, self.board, self.loop = InProcNetwork(), InProcBoard(), LoopThread()
         self.regions = regions
         self.swarms = {p: diloco.Swarm.in_process(self.net, self.board, p, replace(self.cfg, region=r), self.loop)
@@ -173,7 +176,7 @@ def _digests_by_round(d: DiLoCo) -> dict[int, str]:
 
 
 def test_two_regions_hold_one_state_per_region_round_and_one_global_state_per_merge():
-    lab = _Lab({"a1": "eu", "a2": "eu", "b1": "us", "b2": "us"}, merge_every=2)
+    lab = _Lab({"a1": "eu", "a2": "eu", "b1": "us", "b2": "us"}, merge_every=2, base=PATIENT)
     barrier = threading.Barrier(4, timeout=20)
     try:
         _run_threads([lab.worker(p, 8, barrier) for p in lab.regions], [barrier])
@@ -197,7 +200,7 @@ def test_regions_of_unequal_workers_run_their_rounds_by_time_and_merge_into_one_
     """Rounds by time inside regions (`round_seconds`): each region's workers, a fast and a slow one, sync every
     0.4 s with the steps each managed; every region round and merge commits, each region holds one state, every peer
     one global state, and the fast workers' pseudo-gradients covered more steps than the slow ones'."""
-    lab = _Lab({"a1": "eu", "a2": "eu", "b1": "us", "b2": "us"}, merge_every=2)
+    lab = _Lab({"a1": "eu", "a2": "eu", "b1": "us", "b2": "us"}, merge_every=2, base=PATIENT)
     paces = {"a1": 0.005, "a2": 0.02, "b1": 0.03, "b2": 0.01}
     barrier = threading.Barrier(4, timeout=20)
     try:
@@ -221,7 +224,7 @@ def test_streamed_rounds_inside_regions_merge_and_keep_each_workers_inner_steps_
     merge every 2 region rounds. Both fragments take region rounds, every region holds one state, every peer one
     global state, the run ends on one model; and at each merge a worker's local model keeps the inner steps it took
     beyond θ_R (local − θ is the same before and after the merge, as θ_R becomes θ_G′)."""
-    lab = _Lab({"a1": "eu", "a2": "eu", "b1": "us", "b2": "us"}, merge_every=2)
+    lab = _Lab({"a1": "eu", "a2": "eu", "b1": "us", "b2": "us"}, merge_every=2, base=PATIENT)
     kept: list[tuple[str, float, float]] = []
     real_merge = Regions._merge
 
@@ -262,7 +265,7 @@ def test_a_run_ends_on_one_model_a_final_merge_taken_by_every_peer(rounds, merge
     merge (round 3), one more region round (round 4) and the loop ends one region round past the merge: the
     representatives merge a last time. A loop to round 3 ends on the merge: nobody merges again. Either way every
     peer ends holding θ_G′, members too (they held the region state only), and its parameters in the model."""
-    lab = _Lab({"a1": "eu", "a2": "eu", "b1": "us", "b2": "us"}, merge_every=2)
+    lab = _Lab({"a1": "eu", "a2": "eu", "b1": "us", "b2": "us"}, merge_every=2, base=PATIENT)
     barrier = threading.Barrier(4, timeout=20)
     try:
         _run_threads([lab.worker(p, rounds, barrier, finish=True) for p in lab.regions], [barrier])

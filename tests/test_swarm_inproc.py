@@ -441,9 +441,12 @@ def test_a_directory_read_that_outlasts_its_bound_gives_the_last_view_and_never_
     assert time.monotonic() - started < CFG.round.call_timeout + 3
 
 
-def test_a_round_does_not_wait_for_a_slow_directory_read_when_the_heartbeat_read_it_lately(harness, monkeypatch):
+def test_a_round_does_not_wait_for_a_slow_directory_read_when_the_heartbeat_read_it_lately(patient, monkeypatch):
     """A DHT node that froze holds every lookup that asks it for the DHT's RPC timeout (3 s): a round starts from the
-    heartbeat's recent view instead of waiting that long before its gather, and the slow read still refreshes it."""
+    heartbeat's recent view instead of waiting that long before its gather, and the slow read still refreshes it.
+    (PATIENT: a view is recent for a quarter of the records' 10 s life, so a loaded machine's late heartbeat does
+    not age it past that before the round asks; under CFG's 2 s it had 0.5 s.)"""
+    harness = patient
     a, b = harness.swarm("a"), harness.swarm("b")
     a.update(status="training")
     b.update(status="training")
@@ -458,7 +461,7 @@ def test_a_round_does_not_wait_for_a_slow_directory_read_when_the_heartbeat_read
     started = time.monotonic()
     seen = a.loop.run(a.presence.for_round(), timeout=10)
     took = time.monotonic() - started
-    assert [r.peer for r in seen] == ["a", "b"] and took < CFG.round.call_timeout / 2, took  # not the read's deadline (1 s)
+    assert [r.peer for r in seen] == ["a", "b"] and took < 1.5, took  # not the read's 3 s
     monkeypatch.setattr(harness.board, "read", fast)
     assert [r.peer for r in a.loop.run(a.presence.for_round(), timeout=10)] == ["a", "b"]  # a fresh read, at once
 
