@@ -383,11 +383,10 @@ def test_cli_join_refused_at_handshake_exits_nonzero_naming_the_field(tmp_path, 
     """A running `diloco start`; `diloco join` with a wrong secret, run id or model, or from a machine
     whose clock is 400 s off (beyond the 300 s a joiner may be off and adopt the swarm's time), exits 1 naming the field (and the secret is never printed); without
     any secret it exits 2 saying how to pass one.
-    The running peer trains on, and counted the refusals. The joiners are the real command in this process
-    (`cli_util.invoke`, each with its own daemon; the one refused once its model is built, a wrong schema, with its
-    signal handlers left out of this process); the one with a skewed clock is a process of its own."""
+    The running peer trains on, and counted the refusals. The joiners refused at the handshake, before they train (a
+    wrong secret or run id), are the real command in this process (`cli_util.invoke`, each with its own daemon); those
+    refused later or with a skewed clock are processes of their own."""
     import json
-    import signal
     import subprocess
     import sys
 
@@ -409,17 +408,16 @@ def test_cli_join_refused_at_handshake_exits_nonzero_naming_the_field(tmp_path, 
                   "from diloco.cli.main import main; main()", *base[3:]]
         seconds = {}
         monkeypatch.chdir(tmp_path)  # where a secret file of the run would be looked for: there is none
-        monkeypatch.setattr(signal, "signal", lambda *_: None)  # a joiner's handlers are not this test process's
         for name, args, env, code, needle in cases:
             environ = {"DILOCO_SECRET": group.secret, **env}
             t0 = time.monotonic()
-            if name != "clock":  # a `subprocess.CompletedProcess` of the command run in this process
+            if name in ("secret", "run_id"):  # a `subprocess.CompletedProcess` of the command run in this process
                 ran = invoke([*base[3:], *args], env=environ)
                 assert ran.exception is None or isinstance(ran.exception, SystemExit), (name, ran.exception)
                 proc = subprocess.CompletedProcess(base, ran.exit_code, ran.stdout, ran.stderr)
             else:
-                proc = subprocess.run([*skewed, *args], capture_output=True, text=True, timeout=90,
-                                      env={**os.environ, **environ}, cwd=tmp_path)
+                proc = subprocess.run([*(skewed if name == "clock" else base), *args], capture_output=True, text=True,
+                                      timeout=90, env={**os.environ, **environ}, cwd=tmp_path)
             seconds[name] = round(time.monotonic() - t0, 1)
             assert proc.returncode == code, (name, proc.stderr[-2000:])
             assert needle in proc.stderr, (name, proc.stderr[-2000:])
