@@ -54,12 +54,12 @@ class Peers:
         cmd = [sys.executable, "-m", "diloco", *args, "--run-id", self.run_id,
                "--metrics", str(self.metrics(index)), "--address-file", str(self.workdir / f"peer{index}.addr"),
                "--shard", str(index), "--verbose", *(["--", *command] if command else [])]
-        log = open(self.workdir / f"peer{index}.log", "wb")
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                env={**os.environ, "DILOCO_SECRET": self.secret, **(env or {})},
-                                start_new_session=session,
-                                preexec_fn=None if open_files is None else lambda: resource.setrlimit(
-                                    resource.RLIMIT_NOFILE, (open_files, open_files)))
+        with open(self.workdir / f"peer{index}.log", "wb") as log:  # the peer holds its own copy
+            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                    env={**os.environ, "DILOCO_SECRET": self.secret, **(env or {})},
+                                    start_new_session=session,
+                                    preexec_fn=None if open_files is None else lambda: resource.setrlimit(
+                                        resource.RLIMIT_NOFILE, (open_files, open_files)))
         self.procs.append(proc)
         return proc
 

@@ -137,11 +137,11 @@ def test_a_real_two_peer_swarm_driven_by_trainer(tmp_path):
     try:
         for i in range(2):
             verb = ["start"] if i == 0 else ["join", _address(tmp_path / "p0.addr", procs[0])]
-            log = open(tmp_path / f"p{i}.log", "wb")
-            procs.append(subprocess.Popen(
-                [sys.executable, "-m", "diloco", *verb, *common, "--metrics", str(tmp_path / f"p{i}.jsonl"),
-                 "--address-file", str(tmp_path / f"p{i}.addr"), "--", *script, "--seed", str(i)],
-                stdout=log, stderr=subprocess.STDOUT, env=env))
+            with open(tmp_path / f"p{i}.log", "wb") as log:  # the launcher holds its own copy
+                procs.append(subprocess.Popen(
+                    [sys.executable, "-m", "diloco", *verb, *common, "--metrics", str(tmp_path / f"p{i}.jsonl"),
+                     "--address-file", str(tmp_path / f"p{i}.addr"), "--", *script, "--seed", str(i)],
+                    stdout=log, stderr=subprocess.STDOUT, env=env))
         for i, p in enumerate(procs):
             assert p.wait(timeout=240) == 0, (tmp_path / f"p{i}.log").read_text()[-4000:]
     finally:

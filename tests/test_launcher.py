@@ -55,9 +55,9 @@ class Sites:
         args = [sys.executable, "-m", "diloco", *verb, "--run-id", self.run_id, *FAST, *extra,
                 "--metrics", str(self.metrics(i)), "--address-file", str(self.workdir / f"site{i}.addr"), "--",
                 *command]
-        log = open(self.workdir / f"site{i}.log", "wb")
-        self.procs[i] = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                         env=self.env)
+        with open(self.workdir / f"site{i}.log", "wb") as log:  # the launcher holds its own copy
+            self.procs[i] = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                             env=self.env)
         return self.procs[i]
 
     def metrics(self, i: int) -> Path:
