@@ -38,10 +38,15 @@ def test_workers_of_unequal_speed_each_train_until_the_slot_and_end_on_one_diges
     11 steps a round, applies the round 2 of its steps after its slot, not 8, so its Δ still weighs about a quarter of
     the fastest's, within the weight bound (8×), and no contribution is refused."""
     rounds = ROUNDS * (streaming.fragments or 1 if streaming else 1)
-    ds, covered, shown = _train_unequal(rounds, streaming=streaming, compression=compression, round_seconds=0.5)
+    measured: dict[int, float] = {}
+    ds, covered, shown = _train_unequal(rounds, streaming=streaming, compression=compression, round_seconds=0.5,
+                                        measured=measured)
     assert all(c >= 1 for cs in covered.values() for c in cs), covered
     assert [d.swarm.collective.robust_events["overweight"] for d in ds] == [0, 0, 0], covered
-    assert sum(covered[0]) > 2 * sum(covered[2]), covered  # the fast worker's Δ counts more steps, and counts more
+    # the fast worker's Δ counts more steps, as many more as its steps were faster (idle ~4×; 1.9× seen in a busy
+    # suite's slow hour, where 2× was asked of the sums), and counts more
+    faster = measured[2] / measured[0]
+    assert faster > 1.2 and sum(covered[0]) > 0.6 * faster * sum(covered[2]), (covered, measured)
     assert shown[0]["w0"] == covered[0][-1] and all(n is not None and n >= 1 for n in shown[0].values()), shown
 
 
@@ -81,12 +86,16 @@ def test_adaptive_rounds_last_h_steps_of_the_fastest_worker_and_the_others_train
     h_steps = 24
     streaming = StreamingConfig(fragments=fragments, overlap=2) if fragments > 1 else None
     published: dict[int, set[float]] = {i: set() for i in range(3)}
+    measured: dict[int, float] = {}
     ds, covered, _ = _train_unequal(ROUNDS * fragments, streaming=streaming, adaptive=True, inner_steps=h_steps,
-                                    published=published)
+                                    published=published, measured=measured)
     later = {i: cs[fragments:] for i, cs in covered.items()}  # a worker's first span may be paced by its own steps
     fast, slow = sum(later[0]) / len(later[0]), sum(later[2]) / len(later[2])
     assert 0.3 * h_steps <= fast <= 2 * h_steps, covered
-    assert slow < 0.5 * fast, covered  # not H of its own: the round did not wait for it
+    # not H of its own (the round did not wait for it): fewer steps, as many fewer as its steps were slower (idle ~4×;
+    # a loaded machine adds the same cost to every step and narrows that)
+    slower = measured[2] / measured[0]
+    assert slower > 1.2 and slow < fast / (0.6 * slower), (covered, measured)
     seconds = [d.engine.pace.slot_seconds for d in ds]  # every worker's span: H/P steps of the fastest
     assert max(seconds) < 2 * min(seconds), seconds
     # The slowest worker's last span: H/P steps at a step time one of the faster workers published (the fastest it
@@ -97,11 +106,13 @@ def test_adaptive_rounds_last_h_steps_of_the_fastest_worker_and_the_others_train
 
 
 def _train_unequal(rounds: int, *, streaming: StreamingConfig | None = None, compression: str | None = None,
-                   published: dict[int, set[float]] | None = None,
+                   published: dict[int, set[float]] | None = None, measured: dict[int, float] | None = None,
                    **kwargs) -> tuple[list[DiLoCo], dict[int, list[int]], dict[int, dict[str, int | None]]]:
     """Three workers in an in-process swarm whose inner steps take 10, 20 and 40 ms train `rounds` rounds by time
     (`kwargs` to `DiLoCo`): every one commits every round with three members and they end on one state. Returns
-    the wrappers, the steps each worker's Δ covered, by round, and the steps per round its records showed."""
+    the wrappers, the steps each worker's Δ covered, by round, and the steps per round its records showed;
+    `measured` gets each worker's mean inner step as it ran, its synchronizations left out (a loaded machine adds
+    the same cost to every step and narrows the 4× of the sleeps)."""
     h = Harness(PATIENT.with_round(compression=compression) if compression else PATIENT)  # every round must commit
     base, delays = _mlp(7), [0.01, 0.02, 0.04]
     start = threading.Barrier(3, timeout=10)
@@ -117,16 +128,20 @@ def _train_unequal(rounds: int, *, streaming: StreamingConfig | None = None, com
             with DiLoCo(model, opt, swarm=h.swarm(f"w{i}"), streaming=streaming, **kwargs,
                         on_round=lambda r: covered[i].append(d.member.standing.covered)) as d:
                 start.wait()
-                k, deadline = 0, time.monotonic() + 60
+                k, deadline, stepping = 0, time.monotonic() + 60, 0.0
                 while d.round < rounds and time.monotonic() < deadline:
+                    began = time.monotonic()
                     x, y = data[k % len(data)]
                     torch.nn.functional.mse_loss(model(x), y).backward()
                     time.sleep(delays[i])  # a slower machine
+                    stepping += time.monotonic() - began
                     opt.step()
                     opt.zero_grad()
                     k += 1
                     if published is not None and d.engine.pace.published is not None:
                         published[i].add(d.engine.pace.published)  # each lasts a span: every value is seen
+                if measured is not None:
+                    measured[i] = stepping / max(1, k)
                 shown[i] = {r.peer: r.round_steps for r in d.swarm.records()}  # what `diloco status` shows
             out[i] = d
         return run
