@@ -31,6 +31,11 @@ from .config import SwarmConfig
 log = logging.getLogger(__name__)
 
 JOIN_PASSES, JOIN_PAUSE = 3, 2.0  # tries of every bootstrap address, and the growing pause between passes
+HANDSHAKE_TRIES = 3
+HELLO_SECONDS = 10.0  # a `hello` waits for its answer at most this long (or the round's call timeout, if shorter)
+"""Passes of the schema handshake (`handshake`) while none of the peers we dialed answers: they answered our join
+moments before, so a pass with no answer is a loaded machine's (a wrong model that skipped it once trained alone,
+refused by every member's frame checks, and exited 0)."""
 
 
 class SwarmError(DiLoCoError, RuntimeError):
@@ -192,7 +197,7 @@ async def hello(transport: Transport, peer: PeerId, cfg: SwarmConfig, schema: st
     ours = hs.hello(cfg.run_id, schema, SWARM_CLOCK.now())
     sent = SWARM_CLOCK.raw()
     try:
-        reply = await transport.call(peer, HELLO, hs.pack(ours), min(cfg.round.call_timeout, 10.0))
+        reply = await transport.call(peer, HELLO, hs.pack(ours), min(cfg.round.call_timeout, HELLO_SECONDS))
     except AuthRefused as e:
         field = REFUSED_FIELD.get(e.reason)
         if field is None:  # a replay or a malformed call: not a setting of ours to fix, the call failed
@@ -215,13 +220,20 @@ async def hello(transport: Transport, peer: PeerId, cfg: SwarmConfig, schema: st
     return offset
 
 
-async def handshake(transport: Transport, peers: list[PeerId], cfg: SwarmConfig, schema: str) -> None:
-    """`hello` with each of `peers` at once; raises the first `HandshakeError` (peers that do not answer are
-    skipped: the frame checks still refuse a mismatched schema)."""
-    results = await asyncio.gather(*(hello(transport, p, cfg, schema) for p in peers), return_exceptions=True)
-    for r in results:
-        if isinstance(r, HandshakeError):
-            raise r
+async def handshake(transport: Transport, peers: list[PeerId], cfg: SwarmConfig, schema: str,
+                    tries: int = HANDSHAKE_TRIES) -> None:
+    """`hello` with each of `peers` at once; raises the first `HandshakeError`. Peers that do not answer are skipped
+    once one of them answered; while none has, the pass is tried again, `tries` passes in all (then the frame checks
+    still refuse a mismatched schema)."""
+    for attempt in range(tries):
+        results = await asyncio.gather(*(hello(transport, p, cfg, schema) for p in peers), return_exceptions=True)
+        for r in results:
+            if isinstance(r, HandshakeError):
+                raise r
+        if not results or any(not isinstance(r, BaseException) for r in results):
+            return
+        log.warning("event=handshake_unanswered attempt=%d of=%d peers=%s", attempt + 1, tries,
+                    ",".join(str(p) for p in peers))
 
 
 async def on_hello(run_id: str, collective: Collective, caller: PeerId, data: bytes) -> bytes:

@@ -169,11 +169,12 @@ class Swarm:
     def handshake(self, schema: str) -> None:
         """Our model's schema digest is `schema` from now on (frames with another are rejected). Compare
         protocol, run id and `schema` with the peers we dialed to join; raises `HandshakeError` naming the
-        first differing field. Peers that do not answer are skipped (the frame checks still refuse a
-        mismatched schema)."""
+        first differing field. Peers that do not answer are skipped once one answered (`connect.handshake`: a few
+        passes while none has; then the frame checks still refuse a mismatched schema)."""
         self.collective.schema = schema
+        each = min(self.cfg.round.call_timeout, connect.HELLO_SECONDS) + 1
         self.loop.run(connect.handshake(self.transport, self.bootstrap_peers, self.cfg, schema),
-                      timeout=self.cfg.round.call_timeout + 5)
+                      timeout=connect.HANDSHAKE_TRIES * each + 5)
 
     def update(self, *, now: bool = True, **fields: Any) -> None:
         """Change our record (status, round, attempt, digest, step, loss); publish it at once when

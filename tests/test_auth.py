@@ -200,6 +200,44 @@ def test_a_refused_handshake_names_the_setting_only_when_a_setting_was_refused()
 
 
 @pytest.mark.unit
+def test_the_schema_handshake_asks_again_while_no_peer_answered_and_then_names_the_field():
+    """A joiner's schema handshake whose first pass nobody answered (a loaded machine: the peer answered its join
+    moments before) asks again, and a mismatch in a later answer is raised naming the field; a peer that never
+    answers is skipped after `HANDSHAKE_TRIES` passes (the frame checks still refuse a mismatched schema), and one
+    answer is enough (the silent others are skipped at once, as before)."""
+    import time
+
+    from diloco.comms.transport import TransportError
+    from diloco.connect import HANDSHAKE_TRIES, handshake
+
+    cfg = SwarmConfig(run_id=RUN, secret=SECRET)
+
+    class Peers:
+        def __init__(self, silent: dict[str, int], model: str = "their-model") -> None:
+            self.silent, self.model, self.calls = silent, model, []  # peer -> passes it does not answer (-1: never)
+
+        async def call(self, peer, name, data, timeout):
+            self.calls.append(str(peer))
+            left = self.silent.get(str(peer), 0)
+            if left:
+                self.silent[str(peer)] = left - 1
+                raise TransportError(f"call {name!r} to {peer} timed out")
+            return hs.pack({**hs.hello(RUN, self.model, time.time()),
+                            "field": "schema" if self.model != "our-model" else ""})
+
+    late = Peers({"a": 1})
+    with pytest.raises(hs.HandshakeError) as e:
+        asyncio.run(handshake(late, [PeerId("a")], cfg, "our-model"))  # type: ignore[arg-type]
+    assert e.value.field == "schema" and late.calls == ["a", "a"]
+    never = Peers({"a": -1})
+    asyncio.run(handshake(never, [PeerId("a")], cfg, "our-model"))  # type: ignore[arg-type]
+    assert never.calls == ["a"] * HANDSHAKE_TRIES
+    one = Peers({"a": -1}, model="our-model")
+    asyncio.run(handshake(one, [PeerId("a"), PeerId("b")], cfg, "our-model"))  # type: ignore[arg-type]
+    assert sorted(one.calls) == ["a", "b"]  # b agreed: no second pass for a
+
+
+@pytest.mark.unit
 def test_a_join_refused_for_another_reason_says_it_was_let_in_by_no_one_not_that_no_one_answered(monkeypatch):
     import diloco.connect as connect
 
