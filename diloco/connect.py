@@ -31,11 +31,16 @@ from .config import SwarmConfig
 log = logging.getLogger(__name__)
 
 JOIN_PASSES, JOIN_PAUSE = 3, 2.0  # tries of every bootstrap address, and the growing pause between passes
-HANDSHAKE_TRIES = 3
 HELLO_SECONDS = 10.0  # a `hello` waits for its answer at most this long (or the round's call timeout, if shorter)
+HANDSHAKE_TRIES = 3
 """Passes of the schema handshake (`handshake`) while none of the peers we dialed answers: they answered our join
 moments before, so a pass with no answer is a loaded machine's (a wrong model that skipped it once trained alone,
 refused by every member's frame checks, and exited 0)."""
+
+
+def handshake_seconds(cfg: SwarmConfig) -> float:
+    """The longest `handshake` can take: every pass's `hello` waiting out its answer."""
+    return HANDSHAKE_TRIES * (min(cfg.round.call_timeout, HELLO_SECONDS) + 1)
 
 
 class SwarmError(DiLoCoError, RuntimeError):

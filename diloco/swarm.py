@@ -172,9 +172,8 @@ class Swarm:
         first differing field. Peers that do not answer are skipped once one answered (`connect.handshake`: a few
         passes while none has; then the frame checks still refuse a mismatched schema)."""
         self.collective.schema = schema
-        each = min(self.cfg.round.call_timeout, connect.HELLO_SECONDS) + 1
         self.loop.run(connect.handshake(self.transport, self.bootstrap_peers, self.cfg, schema),
-                      timeout=connect.HANDSHAKE_TRIES * each + 5)
+                      timeout=connect.handshake_seconds(self.cfg) + 5)
 
     def update(self, *, now: bool = True, **fields: Any) -> None:
         """Change our record (status, round, attempt, digest, step, loss); publish it at once when

@@ -42,7 +42,6 @@ from diloco.peers.records import REGION
 
 from ..config import ConfigError, SwarmConfig
 from ..fragments import inner_steps_at
-from ..holding import Later
 from ..job.train import JobConfig, load_corpus, run_job
 from ..metrics import MetricsWriter
 from ..swarm import Banned, Swarm
@@ -299,14 +298,15 @@ def _link(worker: int, rnd: int, net: NetworkModel, faults: Sequence[Fault]) -> 
 
 
 class _Rows(MetricsWriter):
-    """Collects a worker's metrics in memory."""
+    """Collects a worker's metrics in memory, as `MetricsWriter` writes them: a field still being computed (a round's
+    digest, hashed beside training) is there once its line is (`flush` before reading them all)."""
 
     def __init__(self) -> None:
         super().__init__(None)
         self.rows: list[dict[str, Any]] = []
 
-    def write(self, event: str, **fields: Any) -> None:
-        self.rows.append({"event": event, **fields})
+    def _append(self, stamped: dict[str, Any]) -> None:
+        self.rows.append(stamped)
 
 
 def _cut_off(runner: FaultRunner, me: str, target: str, handler: str) -> bool:
@@ -556,6 +556,8 @@ def summarize(job: JobConfig, finals: list[dict[str, Any]], rows: Sequence[tuple
     inner steps before each of its slots (slot k is round k + 1: a simulation by time has no faults). Its `rounds`:
     each round's committed state, {digest: the workers that committed it} (one digest a round, or the swarm forked),
     so two runs of one plan compare round by round."""
+    for _, out in rows:
+        out.flush()  # every line, its digest hashed
     moved: dict[int, dict[int, tuple[int, int]]] = {}
     states: dict[int, dict[str, list[int]]] = {}  # round -> digest committed -> the workers that committed it
     seen = {w: dict(worker=w, incarnations=0, committed=0, refused=0, resyncs=0) for w in range(workers)}
@@ -568,8 +570,7 @@ def summarize(job: JobConfig, finals: list[dict[str, Any]], rows: Sequence[tuple
             seen[worker][kind] += 1
             if r["committed"]:
                 moved.setdefault(r["round"], {})[worker] = (r["bytes_sent"], r["bytes_received"])
-                digest = r["digest"].get() if isinstance(r["digest"], Later) else str(r["digest"])
-                states.setdefault(r["round"], {}).setdefault(digest, []).append(worker)
+                states.setdefault(r["round"], {}).setdefault(str(r["digest"]), []).append(worker)
     per_round = {k: sum(v[0] for v in m.values()) for k, m in moved.items()}
     first = next((out for w, out in rows if w == 0), None)  # worker 0's evaluations of the global model
     curve = [dict(round=r["round"], step=r["step"], eval_loss=r["eval_loss"],
