@@ -34,8 +34,9 @@ JOIN_PASSES, JOIN_PAUSE = 3, 2.0  # tries of every bootstrap address, and the gr
 HELLO_SECONDS = 10.0  # a `hello` waits for its answer at most this long (or the round's call timeout, if shorter)
 HANDSHAKE_TRIES = 3
 """Passes of the schema handshake (`handshake`) while none of the peers we dialed answers: they answered our join
-moments before, so a pass with no answer is a loaded machine's (a wrong model that skipped it once trained alone,
-refused by every member's frame checks, and exited 0)."""
+moments before, so a pass with no answer is a loaded machine's. After the last, our first round asks its own peers
+before it sends them anything (a wrong model that skipped the comparison once trained alone, refused by every
+member's frame checks, and exited 0)."""
 
 
 def handshake_seconds(cfg: SwarmConfig) -> float:
@@ -226,19 +227,20 @@ async def hello(transport: Transport, peer: PeerId, cfg: SwarmConfig, schema: st
 
 
 async def handshake(transport: Transport, peers: list[PeerId], cfg: SwarmConfig, schema: str,
-                    tries: int = HANDSHAKE_TRIES) -> None:
+                    tries: int = HANDSHAKE_TRIES) -> bool:
     """`hello` with each of `peers` at once; raises the first `HandshakeError`. Peers that do not answer are skipped
-    once one of them answered; while none has, the pass is tried again, `tries` passes in all (then the frame checks
-    still refuse a mismatched schema)."""
+    once one of them answered; while none has, the pass is tried again, `tries` passes in all. Returns whether one
+    answered (or there was nobody to ask): False leaves the comparison to our first round (`Swarm`'s `unverified`)."""
     for attempt in range(tries):
         results = await asyncio.gather(*(hello(transport, p, cfg, schema) for p in peers), return_exceptions=True)
         for r in results:
             if isinstance(r, HandshakeError):
                 raise r
         if not results or any(not isinstance(r, BaseException) for r in results):
-            return
+            return True
         log.warning("event=handshake_unanswered attempt=%d of=%d peers=%s", attempt + 1, tries,
                     ",".join(str(p) for p in peers))
+    return False
 
 
 async def on_hello(run_id: str, collective: Collective, caller: PeerId, data: bytes) -> bytes:

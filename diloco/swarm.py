@@ -75,6 +75,9 @@ class Swarm:
         """True when this peer joined through another peer's address (so a swarm should be visible)."""
         self.bootstrap_peers: list[PeerId] = [connect.peer_of(a) for a in addresses_dialed]
         """The peers we dialed to join: the handshake compares settings with them."""
+        self.unverified = False
+        """None of the peers we dialed answered the schema handshake (`handshake`): our rounds ask their own peers
+        the same questions before they send them anything, until one answers (`_verify`)."""
         self.loop, self.transport, self.directory, self.collective = loop, transport, directory, collective
         self.cfg = cfg
         self.addresses = addresses
@@ -170,10 +173,19 @@ class Swarm:
         """Our model's schema digest is `schema` from now on (frames with another are rejected). Compare
         protocol, run id and `schema` with the peers we dialed to join; raises `HandshakeError` naming the
         first differing field. Peers that do not answer are skipped once one answered (`connect.handshake`: a few
-        passes while none has; then the frame checks still refuse a mismatched schema)."""
+        passes while none has; then our first round asks its peers, `unverified`)."""
         self.collective.schema = schema
-        self.loop.run(connect.handshake(self.transport, self.bootstrap_peers, self.cfg, schema),
-                      timeout=connect.handshake_seconds(self.cfg) + 5)
+        answered = self.loop.run(connect.handshake(self.transport, self.bootstrap_peers, self.cfg, schema),
+                                 timeout=connect.handshake_seconds(self.cfg) + 5)
+        self.unverified = not answered
+
+    async def _verify(self, peers: Sequence[PeerId]) -> None:
+        """Our join handshake went unanswered (`unverified`): compare settings with the round's `peers` now, one pass;
+        a mismatch raises `HandshakeError` out of the round (the CLI exits 1 naming the field), instead of our rounds
+        going on alone, refused by every member's frame checks."""
+        if self.unverified and peers and await connect.handshake(self.transport, list(peers), self.cfg,
+                                                                 self.collective.schema, tries=1):
+            self.unverified = False
 
     def update(self, *, now: bool = True, **fields: Any) -> None:
         """Change our record (status, round, attempt, digest, step, loss); publish it at once when
@@ -315,6 +327,7 @@ class Swarm:
             plan = plan_round(records, self.peer_id, rnd, attempt, skip=skip, previous=previous,
                               goodbyes=list(self.presence.left.values()),
                               fetching=self._server.catching_up(records))
+            await self._verify(plan.ask)
             prev = previous if self.cfg.majority else None
 
             def admit(view: tuple[PeerId, ...]) -> tuple[bool, str]:
@@ -359,6 +372,7 @@ class Swarm:
                 return RoundOutcome(RoundKey(rnd), False, "no other peer to gossip with")
             if not everyone and rnd % fragments != my_round % fragments:
                 return RoundOutcome(RoundKey(rnd), False, f"behind: the others are at round {rnd}, another fragment's")
+            await self._verify([p for p in group if p != self.peer_id])
 
             def admit(view: tuple[PeerId, ...]) -> tuple[bool, str]:
                 return len(view) >= 2, f"nobody of our group ({','.join(group)}) met us in time"

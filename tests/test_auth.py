@@ -237,6 +237,56 @@ def test_the_schema_handshake_asks_again_while_no_peer_answered_and_then_names_t
     assert sorted(one.calls) == ["a", "b"]  # b agreed: no second pass for a
 
 
+@pytest.mark.swarm
+def test_a_joiner_whose_handshake_nobody_answered_asks_its_first_rounds_peers_and_stops_on_a_mismatch():
+    """A joiner whose schema handshake went unanswered in every pass (the peer it dialed is gone) does not train on
+    alone into refused frames: its round asks that round's peers first, and another schema raises `HandshakeError`
+    out of the round, naming the field; the same schema clears the question and the round commits with them."""
+    import torch
+
+    import diloco
+    from diloco.comms import RoundKey
+    from diloco.comms.loop import LoopThread
+    from diloco.peers import InProcBoard
+
+    cfg = SwarmConfig(run_id=RUN, secret=SECRET, heartbeat_interval=0.1, heartbeat_ttl=5).with_round(
+        gather_timeout=5, reduce_timeout=4, result_timeout=6, call_timeout=2)
+    net, board, loop = InProcNetwork(), InProcBoard(), LoopThread()
+    made: list[diloco.Swarm] = []
+
+    def peer(name: str, schema: str, *, dialed: str | None = None) -> diloco.Swarm:
+        s = diloco.Swarm.in_process(net, board, name, cfg, loop, bootstrapped=dialed is not None)
+        made.append(s)
+        if dialed is not None:
+            s.bootstrap_peers = [PeerId(dialed)]  # the peer it joined through: not on the network any more
+        s.handshake(schema)
+        s.update(status="training", round=0)
+        return s
+
+    def run(s: diloco.Swarm, rnd: int):  # type: ignore[no-untyped-def]
+        return s.exchange_async(rnd, 0, "d" * 64, torch.zeros(4))
+
+    try:
+        member = peer("member", "their-model")
+        wrong = peer("wrong", "our-model", dialed="gone")
+        assert wrong.unverified and not member.unverified
+        with pytest.raises(hs.HandshakeError) as e:
+            wrong.finish_exchange(run(wrong, 0), RoundKey(0))
+        assert e.value.field == "schema" and wrong.unverified
+        assert member.collective.rejections["wrong_schema"] == 1  # its hello, counted; no frame of it was sent
+        wrong.close()
+        right = peer("right", "their-model", dialed="gone")
+        assert right.unverified
+        ours, theirs = run(right, 0), run(member, 0)
+        outcome = right.finish_exchange(ours, RoundKey(0))
+        assert outcome.committed and sorted(outcome.view) == ["member", "right"], outcome
+        assert member.finish_exchange(theirs, RoundKey(0)).committed and not right.unverified
+    finally:
+        for s in made:
+            s.close()
+        loop.stop()
+
+
 @pytest.mark.unit
 def test_a_join_refused_for_another_reason_says_it_was_let_in_by_no_one_not_that_no_one_answered(monkeypatch):
     import diloco.connect as connect
