@@ -122,9 +122,6 @@ def _unwrapped(model: torch.nn.Module) -> torch.nn.Module:
         model = inner
 
 
-_TOLD_OF_SUBNORMALS = False
-
-
 def flushes_subnormals() -> bool:
     """Whether this process's CPU arithmetic flushes subnormal floats to zero (`torch.set_flush_denormal`)."""
     return float(torch.tensor([1e-39]) * torch.tensor([1.0])) == 0.0
@@ -145,39 +142,37 @@ def subnormals_flushed(flush: bool = True) -> Iterator[None]:
         torch.set_flush_denormal(before)
 
 
-def _tell_of_subnormals(model: torch.nn.Module) -> None:
-    """Once a process: a model that trains on the CPU without flushing subnormal floats is told how to (DiLoCo's
-    outer steps make its arithmetic meet them, and a CPU computes them slowly: docs/USAGE.md)."""
-    global _TOLD_OF_SUBNORMALS
-    if _TOLD_OF_SUBNORMALS or any(p.device.type != "cpu" for p in model.parameters()) or flushes_subnormals():
-        return
-    _TOLD_OF_SUBNORMALS = True
-    log.warning("event=subnormals_not_flushed fix=torch.set_flush_denormal(True) before training, on every peer "
-                "reason=on a CPU, DiLoCo's weights meet subnormal floats that cost up to a third of the step time "
-                "(docs/USAGE.md, \"Training on a CPU\")")
-
-
-_TOLD_OF_THE_LOOP = False
+_TOLD: set[str] = set()
+"""The warnings about subnormal floats this process gave (`_tell_of_subnormals`: each once)."""
 
 
 async def _flushes_there() -> bool:
     return flushes_subnormals()
 
 
-def _tell_of_the_loop(model: torch.nn.Module, swarm: Swarm) -> None:
-    """Once a process: a CPU model whose training thread flushes subnormal floats, but whose swarm's event loop (it
-    decodes and averages what the peers send) does not, is told to set it before the swarm starts: a thread takes
-    the setting from the one that starts it (`subnormals_flushed`)."""
-    global _TOLD_OF_THE_LOOP
-    if _TOLD_OF_THE_LOOP or any(p.device.type != "cpu" for p in model.parameters()) or not flushes_subnormals():
+def _tell_of_subnormals(model: torch.nn.Module, swarm: Swarm | None = None) -> None:
+    """Once a process each: a model that trains on the CPU without flushing subnormal floats is told how to (DiLoCo's
+    outer steps make its arithmetic meet them, and a CPU computes them slowly: docs/USAGE.md); with `swarm`, one whose
+    training thread flushes but whose swarm's event loop (it decodes and averages what the peers send) does not is
+    told to set it before the swarm starts: a thread takes the setting from the one that starts it
+    (`subnormals_flushed`)."""
+    if any(p.device.type != "cpu" for p in model.parameters()):
         return
-    if swarm.loop.run(_flushes_there(), timeout=10):
+    if not flushes_subnormals():
+        event, fix, reason = "subnormals_not_flushed", "before training, on every peer", (
+            "on a CPU, DiLoCo's weights meet subnormal floats that cost up to a third of the step time")
+    elif swarm is not None and "subnormals_not_flushed_in_swarm" not in _TOLD \
+            and not swarm.loop.run(_flushes_there(), timeout=10):
+        event, fix, reason = "subnormals_not_flushed_in_swarm", "before Swarm.start/join", (
+            "the swarm's event loop started before this thread flushed, and a thread takes the setting from the one "
+            "that starts it: its arithmetic meets subnormal floats slowly, and peers whose loops differ can round one "
+            "differently")
+    else:
         return
-    _TOLD_OF_THE_LOOP = True
-    log.warning("event=subnormals_not_flushed_in_swarm fix=torch.set_flush_denormal(True) before Swarm.start/join "
-                "reason=the swarm's event loop started before this thread flushed, and a thread takes the setting "
-                "from the one that starts it: its arithmetic meets subnormal floats slowly, and peers whose loops "
-                "differ can round one differently (docs/USAGE.md, \"Training on a CPU\")")
+    if event not in _TOLD:
+        _TOLD.add(event)
+        log.warning("event=%s fix=torch.set_flush_denormal(True) %s reason=%s (docs/USAGE.md, \"Training on a CPU\")",
+                    event, fix, reason)
 
 
 class DiLoCo:
@@ -290,7 +285,7 @@ class DiLoCo:
 
     def _enter(self, swarm: Swarm) -> None:
         """Take `swarm`'s topology (its settings name it), and the swarm our rounds run on."""
-        _tell_of_the_loop(self.model, swarm)
+        _tell_of_subnormals(self.model, swarm)
         member = self.member
         if swarm.cfg.region:
             self.topology = Regions(member, swarm, self.streaming, shift=self.streams)

@@ -76,7 +76,7 @@ def test_a_cpu_model_without_flushing_subnormals_is_told_once_how_to(monkeypatch
         model = torch.nn.Linear(2, 2)
         return model, torch.optim.SGD(model.parameters(), lr=0.1)
 
-    monkeypatch.setattr(wrapper_module, "_TOLD_OF_SUBNORMALS", False)
+    monkeypatch.setattr(wrapper_module, "_TOLD", set())
     caplog.set_level(logging.WARNING, logger="diloco.wrapper")
     try:
         torch.set_flush_denormal(True)
@@ -103,7 +103,7 @@ def test_a_swarm_whose_event_loop_started_before_the_script_flushed_is_told_once
     from diloco.comms.loop import LoopThread
     from diloco.peers import InProcBoard
 
-    monkeypatch.setattr(wrapper_module, "_TOLD_OF_THE_LOOP", False)
+    monkeypatch.setattr(wrapper_module, "_TOLD", set())
     caplog.set_level(logging.WARNING, logger="diloco.wrapper")
     network, board = InProcNetwork(), InProcBoard()
     loops, swarms = [], []
