@@ -4,7 +4,7 @@
 Every peer keeps its *own* global state θ_i and outer optimizer. At each synchronization slot (every H inner
 steps) the live peers are cut into groups of `gossip_group` (default 2) by a permutation drawn from the run id
 and the round number, so every peer that sees the same peers draws the same groups without a message
-(`groups`). A group runs one ordinary round of the swarm's protocol (`Swarm.gossip_async`: the same
+(`groups`). A group runs one ordinary round of the swarm's protocol (`Swarm.group_round_async`: the same
 deadlines, authentication, admission checks and Paxos-style commit, with the group as the whole view) on the
 members' *local* parameters, so each member learns the group's mean of local parameters m. Each member then
 steps its own θ_i with its own outer optimizer, using
@@ -33,14 +33,16 @@ import logging
 import math
 import time
 from collections import deque
+from functools import partial
 from statistics import median
-from typing import TYPE_CHECKING, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Collection, Sequence
 
 import torch
 
 from diloco.comms import PeerId, RoundKey
 from diloco.compression.errors import ConfigError
-from diloco.peers.membership import group_of, group_tag, groups, round_to_run  # noqa: F401  (the round's arithmetic)
+from diloco.peers.membership import GroupPlan, gossip_plan  # the round's arithmetic: groups, group_of, round_to_run
+from diloco.peers.records import PeerRecord
 
 from .fragments import Fragment, StreamingConfig, fragment_of_round
 from .holding import views
@@ -133,7 +135,7 @@ class Gossip(Topology):
         whole = len(self.fragments) == 1
         local = flatten(m.local() if whole else views(m.local(), frag.params)).to(m.holding.device)  # where θ lives
         numel = local.numel()
-        outcome = m.swarm.finish_exchange(m.swarm.gossip_async(m.round, local, fragments=len(self.fragments)),
+        outcome = m.swarm.finish_exchange(m.swarm.group_round_async(self._plan(fragments=len(self.fragments)), local),
                                           RoundKey(m.round))
         rnd = outcome.key.round  # ours, or later if we were behind (`round_to_run`)
         if rnd > m.round:
@@ -168,6 +170,13 @@ class Gossip(Topology):
                              numel=numel, fragment=frag.index, phases=outcome.phases)
         return m.close_round(report, outcome.seconds)
 
+    def _plan(self, **how: Any) -> Callable[[Sequence[PeerRecord], Collection[PeerId]], GroupPlan]:
+        """Our round's plan from the records the swarm reads when it starts (`membership.gossip_plan`)."""
+        m = self.member
+        assert m.swarm is not None
+        return partial(gossip_plan, me=m.swarm.peer_id, my_round=m.round, run_id=m.swarm.cfg.run_id,
+                       size=m.swarm.cfg.gossip_group, **how)
+
     def finish(self, worker: Member) -> None:
         """The run ends on one model: one average of every live peer's state θ_i (a single merge of locally
         trained replicas), each peer's model and θ then the mean. Every peer of the average takes the same mean
@@ -176,7 +185,7 @@ class Gossip(Topology):
         m = self.member
         assert m.swarm is not None
         theta = flatten(m.holding.params)
-        outcome = m.swarm.finish_exchange(m.swarm.gossip_async(m.round, theta.clone(), everyone=True),
+        outcome = m.swarm.finish_exchange(m.swarm.group_round_async(self._plan(everyone=True), theta.clone()),
                                           RoundKey(m.round))
         if not outcome.committed:
             log.warning("event=gossip_final_average_missed round=%d reason=%s", m.round, outcome.reason)

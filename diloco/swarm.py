@@ -44,7 +44,7 @@ from diloco.comms.transport import InProcNetwork, ScopedTransport
 from diloco.compression import Reason
 from diloco.peers import (Directory, PeerRecord, banned_by_majority, plan_round, quorum, started_without,
                           voted_out)
-from diloco.peers.membership import FINAL_TAG, group_of, group_tag, regions_of, round_to_run, serving
+from diloco.peers.membership import GroupPlan, regions_of, serving
 from diloco.peers.records import MAX_BANNED
 
 from . import connect
@@ -345,41 +345,27 @@ class Swarm:
 
         return self._track(go())
 
-    def gossip_async(self, my_round: int, local: torch.Tensor, *, everyone: bool = False, fragments: int = 1,
-                     ) -> concurrent.futures.Future[RoundOutcome]:
-        """Start our next gossip round (`diloco.gossip`) in the background: from fresh records, the round to run
-        (ours, or the newest a live peer shows: `round_to_run`) and our group (`group_of`); then one round of the
-        protocol whose view can only be members that drew the same group, averaging our local parameters
-        `local` (fp32, 1-D). It commits with two members or more (its `aggregate` is the group's mean, its key
-        the round it ran); nothing is retried. `finish_exchange` collects the outcome. With `everyone`, the run's
-        final average instead: at the newest round a live peer shows (ours at least), every live peer of the swarm
-        expected, one view among those that came to it (`membership.FINAL_TAG`). With `fragments` P > 1, `local` is
-        the fragment of `my_round` (round r is fragment r mod P's): a round to run of another fragment is not run
-        (the outcome says so; our next round is that round's successor, of our next fragment or near it)."""
-        handoff = Handoff(local)
-        del local
+    def group_round_async(self, plan: Callable[[Sequence[PeerRecord], Collection[PeerId]], GroupPlan],
+                          data: torch.Tensor) -> concurrent.futures.Future[RoundOutcome]:
+        """Start a round among a group in the background: from fresh records and the peers we banned, `plan` (the
+        topology's: `membership.gossip_plan`) picks the round, what the group's members say they hold and who they
+        are; one round of the protocol, whose view can only be members that say the same, averages `data` (fp32,
+        1-D). It commits with two members or more (its `aggregate` is the group's mean, its key the round it ran);
+        nothing is retried; a plan that skips says why in the outcome. `finish_exchange` collects the outcome."""
+        handoff = Handoff(data)
+        del data
 
         async def go() -> RoundOutcome:
-            records = await self.presence.read()
-            rnd = round_to_run(records, self.peer_id, my_round)
-            if everyone:  # the final average: at the newest round a live peer shows, so peers that ended apart meet
-                rnd = max([my_round, *(r.round for r in serving(records) if r.peer != self.peer_id)])
-            banned = self.collective.banned
-            peers = [r.peer for r in serving(records) if r.peer != self.peer_id and r.peer not in banned]
-            group = tuple(sorted({*peers, self.peer_id})) if everyone else \
-                group_of(self.peer_id, peers, rnd, self.cfg.run_id, self.cfg.gossip_group)
-            if len(group) < 2:
-                return RoundOutcome(RoundKey(rnd), False, "no other peer to gossip with")
-            if not everyone and rnd % fragments != my_round % fragments:
-                return RoundOutcome(RoundKey(rnd), False, f"behind: the others are at round {rnd}, another fragment's")
-            await self._verify([p for p in group if p != self.peer_id])
+            p = plan(await self.presence.read(), self.collective.banned)
+            if p.skip:
+                return RoundOutcome(p.key, False, p.skip)
+            await self._verify(p.others)
+            group = ",".join(sorted([*p.others, self.peer_id]))
 
             def admit(view: tuple[PeerId, ...]) -> tuple[bool, str]:
-                return len(view) >= 2, f"nobody of our group ({','.join(group)}) met us in time"
+                return len(view) >= 2, f"nobody of our group ({group}) met us in time"
 
-            tag = FINAL_TAG if everyone else group_tag(rnd, group)
-            return await self.collective.run_round(RoundKey(rnd), tag, [p for p in group if p != self.peer_id],
-                                                   handoff, admit=admit)
+            return await self.collective.run_round(p.key, p.tag, list(p.others), handoff, admit=admit)
 
         return self._track(go())
 

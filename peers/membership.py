@@ -17,7 +17,8 @@ is unit-tested deterministically.
 - `quorum`: whether a round's view may commit: enough peers, and a majority of the last round's
   members, so that at most one side of a partition makes progress.
 - Gossip (`diloco.gossip`): `groups` / `group_of` cut the live peers into a round's groups from the run id and
-  the round number alone, `group_tag` names a group for its gather, `round_to_run` is the round a peer runs next.
+  the round number alone, `group_tag` names a group for its gather, `round_to_run` is the round a peer runs next,
+  `gossip_plan` all of that for one slot (or why it runs no round).
 """
 
 from __future__ import annotations
@@ -309,3 +310,36 @@ def round_to_run(records: Sequence[PeerRecord], me: PeerId, my_round: int) -> in
     partner may well be there still, waiting for it."""
     newest = max([my_round, *(r.round for r in serving(records) if r.peer != me)])
     return max(my_round, newest - 1)
+
+
+@dataclass(frozen=True)
+class GroupPlan:
+    """A round among a group (`gossip_plan`; run by `Swarm.group_round_async`)."""
+
+    key: RoundKey
+    tag: str
+    """What the group's members say they hold when they gather (`group_tag`, or `FINAL_TAG`)."""
+    others: tuple[PeerId, ...]
+    """The group but us."""
+    skip: str = ""
+    """Why no round runs ("" when one does)."""
+
+
+def gossip_plan(records: Sequence[PeerRecord], banned: Collection[PeerId], *, me: PeerId, my_round: int, run_id: str,
+                size: int, everyone: bool = False, fragments: int = 1) -> GroupPlan:
+    """Our gossip round from the records: the round to run (ours, or the newest a live peer shows: `round_to_run`) and
+    our group (`group_of`, among live peers we did not ban). With `everyone`, the run's final average instead: at the
+    newest round a live peer shows (ours at least), every live peer (`FINAL_TAG`). With `fragments` P > 1, a round to
+    run of another fragment than `my_round`'s (round r is fragment r mod P's) is skipped: our next round is that
+    round's successor, of our next fragment or near it."""
+    rnd = round_to_run(records, me, my_round)
+    if everyone:  # the final average: at the newest round a live peer shows, so peers that ended apart meet
+        rnd = max([my_round, *(r.round for r in serving(records) if r.peer != me)])
+    peers = [r.peer for r in serving(records) if r.peer != me and r.peer not in banned]
+    group = tuple(sorted({*peers, me})) if everyone else group_of(me, peers, rnd, run_id, size)
+    key = RoundKey(rnd)
+    if len(group) < 2:
+        return GroupPlan(key, "", (), "no other peer to gossip with")
+    if not everyone and rnd % fragments != my_round % fragments:
+        return GroupPlan(key, "", (), f"behind: the others are at round {rnd}, another fragment's")
+    return GroupPlan(key, FINAL_TAG if everyone else group_tag(rnd, group), tuple(p for p in group if p != me))

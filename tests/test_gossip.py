@@ -19,11 +19,12 @@ from test_swarm_inproc import CFG, PATIENT, _batches, _mlp, _run_threads, _worke
 
 import diloco
 from diloco import DiLoCo
-from diloco.comms import InProcNetwork, PeerId
+from diloco.comms import InProcNetwork, PeerId, RoundKey
 from diloco.comms.loop import LoopThread
 from diloco.config import ConfigError
 from diloco.comms.faults import FaultPlan
-from diloco.gossip import gossip_gradient, group_of, group_tag, groups, history_scale, round_to_run, whole_norms
+from diloco.gossip import gossip_gradient, history_scale, whole_norms
+from diloco.peers.membership import FINAL_TAG, gossip_plan, group_of, group_tag, groups, round_to_run
 from diloco.member import Member
 from diloco.peers import InProcBoard, PeerRecord
 from diloco.peers.membership import gossip_source
@@ -119,6 +120,23 @@ def test_a_joiner_downloads_the_newest_peer_and_a_peer_behind_jumps_to_the_newes
     assert round_to_run(records, PeerId("c"), 5) == 6  # two behind: to the round before the newest (left peers
     assert round_to_run(records, PeerId("me"), 6) == 6  # do not count); one behind: our own, our partner may be there
     assert round_to_run(records, PeerId("me"), 8) == 8
+
+
+def test_a_slots_plan_names_its_round_group_and_tag_or_why_it_runs_none():
+    """`gossip_plan`, what a gossip slot runs: our group from the live peers we did not ban, at the round to run; the
+    final average at the newest round with every live peer; no round alone, nor of another fragment's round."""
+    records = [_rec("b", 7), _rec("a", 7), _rec("c", 7), _rec("z", 9, "left")]
+    me = PeerId("me")
+    plan = gossip_plan([*records, _rec("me", 7)], (), me=me, my_round=7, run_id="run", size=2)
+    group = group_of(me, [PeerId(p) for p in "bac"], 7, "run", 2)
+    assert plan.key == RoundKey(7) and not plan.skip and plan.tag == group_tag(7, group)
+    assert sorted([*plan.others, me]) == sorted(group)
+    final = gossip_plan(records, [PeerId("c")], me=me, my_round=6, run_id="run", size=2, everyone=True)
+    assert final.key == RoundKey(7) and final.tag == FINAL_TAG and sorted(final.others) == ["a", "b"]
+    assert gossip_plan(records, [PeerId(p) for p in "abc"], me=me, my_round=7, run_id="run", size=2).skip == \
+        "no other peer to gossip with"
+    behind = gossip_plan(records, (), me=me, my_round=5, run_id="run", size=2, fragments=2)  # round 6: fragment 0's
+    assert behind.key == RoundKey(6) and behind.skip.startswith("behind") and not behind.others
 
 
 def test_gossip_settings_are_checked_with_reasons():
