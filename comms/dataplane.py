@@ -635,4 +635,25 @@ class _NotConnected(TransportError):
     """No data connection could be opened (nothing was sent): the call may go through libp2p instead."""
 
 
-__all__ = ["DataConfig", "DataRefused", "DirectTransport", "Channel", "connect", "accept", "parse_address", "REASONS"]
+def data_paths(transport: Transport) -> dict[str, list[PeerId]]:
+    """The peers `transport`'s last call reached on their data port ("direct"), through a relay ("relay") and through
+    libp2p ("libp2p"); {} without a data plane."""
+    paths = transport.paths if isinstance(transport, DirectTransport) else {}
+    return {how: sorted(p for p, used in paths.items() if used == how) for how in sorted(set(paths.values()))}
+
+
+def relay_stats(transport: Transport) -> dict[str, object]:
+    """What this peer did as a relay (circuits put through, bytes each member sent through it, the seconds its rate
+    cap held each back) and where it waits itself; {} without a data plane."""
+    t = transport
+    if not isinstance(t, DirectTransport) or t.relay is None or t.reach is None:
+        return {}
+    out: dict[str, object] = {"via": list(t.reach.via), "reachable": t.reach.reachable,
+                              "served_through": dict(t.reach.served)}
+    if t.relay.cfg.serve:
+        out.update(t.relay.stats())
+    return out
+
+
+__all__ = ["DataConfig", "DataRefused", "DirectTransport", "Channel", "connect", "accept", "parse_address", "REASONS",
+           "data_paths", "relay_stats"]

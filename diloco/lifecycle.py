@@ -25,6 +25,7 @@ from types import TracebackType
 from typing import TYPE_CHECKING
 
 from diloco.comms import PeerId
+from diloco.comms.dataplane import data_paths, relay_stats
 
 if TYPE_CHECKING:
     from .member import Member
@@ -52,8 +53,8 @@ def final_fields(d: DiLoCo) -> dict[str, object]:
     return dict(peer=swarm.peer_id if swarm is not None else "", round=d.round, digest=d.digest,
                 final_digest=d.topology.final_digest(d.member), steps=d.steps,
                 committed_rounds=sum(r.committed for r in d.reports), **d.topology_summary(),
-                data_paths=swarm.data_paths() if swarm is not None else {},
-                relays=swarm.relay_stats() if swarm is not None else {})
+                data_paths=data_paths(swarm.transport) if swarm is not None else {},
+                relays=relay_stats(swarm.transport) if swarm is not None else {})
 
 
 def linger(member: Member, timeout: float) -> int:

@@ -38,7 +38,7 @@ from diloco.comms import Collective, PeerId, RoundKey, RoundOutcome, Transport
 from diloco.comms.faults import NO_FAULTS, Faults
 from diloco.comms.rounds import Handoff, PiecewiseHandoff, Value
 from diloco.comms.auth import HELLO
-from diloco.comms.dataplane import DirectTransport
+from diloco.comms.dataplane import DirectTransport, data_paths
 from diloco.comms.loop import LoopThread
 from diloco.comms.transport import InProcNetwork, ScopedTransport
 from diloco.compression import Reason
@@ -195,24 +195,6 @@ class Swarm:
         if now and not self._closed:  # (a digest hashed beside training may arrive after we left)
             self.loop.submit(self._publish())
 
-    def data_paths(self) -> dict[str, list[PeerId]]:
-        """The peers our last call reached on their data port ("direct"), through a relay ("relay") and through
-        libp2p ("libp2p")."""
-        paths = self.transport.paths if isinstance(self.transport, DirectTransport) else {}
-        return {how: sorted(p for p, used in paths.items() if used == how) for how in sorted(set(paths.values()))}
-
-    def relay_stats(self) -> dict[str, object]:
-        """What this peer did as a relay (circuits put through, bytes each member sent through it, the seconds
-        its rate cap held each back) and where it waits itself; {} without a data plane."""
-        t = self.transport
-        if not isinstance(t, DirectTransport) or t.relay is None or t.reach is None:
-            return {}
-        out: dict[str, object] = {"via": list(t.reach.via), "reachable": t.reach.reachable,
-                                  "served_through": dict(t.reach.served)}
-        if t.relay.cfg.serve:
-            out.update(t.relay.stats())
-        return out
-
     def settle_votes(self) -> None:
         """Let the votes we still have on their way arrive (at most `call_timeout`): a member may need ours to commit
         our last round (`Collective.settle`). Before leaving, and when a wrapper detaches."""
@@ -273,7 +255,7 @@ class Swarm:
     async def _publish(self) -> None:
         if self.collective.crashed:  # a crashed peer says nothing more
             return
-        paths = self.data_paths()
+        paths = data_paths(self.transport)
         reach = self.transport.reach if isinstance(self.transport, DirectTransport) else None
         await self.presence.publish(banned=tuple(sorted(self.collective.banned)[:MAX_BANNED]),
                                     libp2p=tuple(paths.get("libp2p", ())[:MAX_BANNED]),

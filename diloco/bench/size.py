@@ -62,6 +62,7 @@ def worker(argv: list[str]) -> None:
     import torch
 
     import diloco
+    from diloco.comms.dataplane import data_paths
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--params", type=int, required=True)
@@ -88,7 +89,7 @@ def worker(argv: list[str]) -> None:
             if args.step_seconds:
                 time.sleep(args.step_seconds)
         swarm = d.member.swarm
-        paths = swarm.data_paths() if swarm is not None else {}  # how the rounds' calls travelled
+        paths = data_paths(swarm.transport) if swarm is not None else {}  # how the rounds' calls travelled
     rounds = [r for r in d.reports if r.committed and r.peers > 1]
     Path(args.out).write_text(json.dumps({
         "params": args.params, "base_rss_kib": base, "peak_rss_kib": round(procmem.peak_rss_mib() * 1024),
