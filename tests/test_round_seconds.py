@@ -91,7 +91,10 @@ def test_adaptive_rounds_last_h_steps_of_the_fastest_worker_and_the_others_train
                                     published=published, measured=measured)
     later = {i: cs[fragments:] for i, cs in covered.items()}  # a worker's first span may be paced by its own steps
     fast, slow = sum(later[0]) / len(later[0]), sum(later[2]) / len(later[2])
-    assert 0.3 * h_steps <= fast <= 2 * h_steps, covered
+    # H steps at the pace the fastest published: the three workers share a process, and a stall of it inflates every
+    # published step for a span (a busy suite's 1.1 s stall in a span of 12 steps: the next spans 220 steps of 10 ms)
+    inflated = max(1.0, max(published[0]) / measured[0])
+    assert 0.3 * h_steps <= fast <= 2 * h_steps * inflated, (covered, sorted(published[0]), measured)
     # not H of its own (the round did not wait for it): fewer steps, as many fewer as its steps were slower (idle ~4×;
     # a loaded machine adds the same cost to every step and narrows that)
     slower = measured[2] / measured[0]
