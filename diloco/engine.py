@@ -25,7 +25,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from diloco.comms import RoundKey, RoundOutcome
+from diloco.comms import PeerId, RoundKey, RoundOutcome
 from diloco.comms.rounds import Handoff
 from diloco.comms.robust import RobustConfig, finite
 from diloco.compression.ef import ErrorFeedback
@@ -90,9 +90,11 @@ class RoundEngine:
     def __init__(self, member: Member, *, fragments: Sequence[Fragment], streaming: StreamingConfig,
                  inner_steps: int, h_schedule: HSchedule, outer_lr_schedule: Callable[[int], float], spec: Spec,
                  on_rollback: Callable[[], None] = lambda: None, round_seconds: float | None = None,
-                 adaptive: bool = False) -> None:
+                 adaptive: bool = False, voters: Callable[[Sequence[PeerId]], list[PeerId]] | None = None) -> None:
         """`member`: the worker in its swarm (state, standing, catching up). `on_rollback()`: after a non-finite Δ
-        rolled the model back (the inner optimizer's state holds the same NaN)."""
+        rolled the model back (the inner optimizer's state holds the same NaN). `voters`: what our rounds' quorum
+        counts of their peers (`Swarm.exchange_async`; a merge of regions: their regions)."""
+        self.voters = voters
         self.member = member
         self.holding, self.standing, self.link, self.local = member.holding, member.standing, member.link, member.local
         self.fragments = list(fragments)
@@ -402,7 +404,7 @@ class RoundEngine:
         assert swarm is not None
         weight = s.covered if self.pace is not None else 1
         return swarm.exchange_async(self.holding.round, s.attempt, self.holding.digest, delta, fragment=frag.index,
-                                    previous=s.members, skip=s.stragglers, weight=weight)
+                                    previous=s.members, skip=s.stragglers, weight=weight, voters=self.voters)
 
     def complete(self, pending: _Pending, in_step: bool = True) -> RoundReport | None:
         """Wait for the exchange in flight and apply it; waiting inside an inner step (not in `flush`) is

@@ -39,11 +39,13 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import replace
-from typing import TYPE_CHECKING, Collection, Sequence
+from functools import partial
+from typing import TYPE_CHECKING, Callable, Collection, Sequence
 
 from diloco.comms import PeerId
 from diloco.compression.errors import ConfigError
 from diloco.compression.pipeline import parse
+from diloco.peers.membership import regions_of
 from diloco.peers.records import PeerRecord
 
 from .accounting import Accounting
@@ -130,7 +132,8 @@ class Regions(Topology):
         self.scope = swarm.scope(scope_of(cfg.region))
         """The region's namespace: the worker's own rounds."""
         self.upper, self.merger = _global_level(worker, cfg.round.compression, cfg.merge_every,
-                                                nesterov(cfg.global_lr, cfg.global_momentum))
+                                                nesterov(cfg.global_lr, cfg.global_momentum),
+                                                partial(regions_of, region=swarm.presence.regions))
         """The global level: a member of the peer's swarm whose state is θ_G and whose inner step is one committed
         region round, and its rounds (the merges)."""
         self.upper.set_standby(True)  # published when it joins; a region round may say otherwise (`after_commit`)
@@ -365,10 +368,11 @@ class Regions(Topology):
 
 
 def _global_level(worker: Member, compression: str, merge_every: int, outer: OuterFactory,
-                  ) -> tuple[Member, RoundEngine]:
+                  voters: Callable[[Sequence[PeerId]], list[PeerId]]) -> tuple[Member, RoundEngine]:
     """The global level of a region's member: θ_G (a copy of the worker's state's shapes, with the global outer
     optimizer) held by a member of the peer's swarm, whose local copy is what a merge takes the difference to
-    (the region state), and whose rounds are the merges (one fragment, `merge_every` region rounds a period)."""
+    (the region state), and whose rounds are the merges (one fragment, `merge_every` region rounds a period),
+    their quorum counted in regions (`voters`: the region each peer's record last named)."""
     local = [t.detach().clone() for t in worker.holding.params]
     named = [(f"p.{i}", t) for i, t in enumerate(local)]  # the schema's names: the same on every member
     spec = parse(compression)
@@ -380,5 +384,5 @@ def _global_level(worker: Member, compression: str, merge_every: int, outer: Out
                    schema=schema_digest(named, f"{spec.text}|fragments={len(fragments)}:{streaming.pattern}"),
                    period=lambda: merge_every, join_timeout=worker.join_timeout)  # one fragment, no H schedule
     return upper, RoundEngine(upper, fragments=fragments, streaming=streaming, inner_steps=merge_every, h_schedule=(),
-                              outer_lr_schedule=lambda rnd: 1.0, spec=spec)
+                              outer_lr_schedule=lambda rnd: 1.0, spec=spec, voters=voters)
 

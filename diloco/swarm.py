@@ -44,7 +44,7 @@ from diloco.comms.transport import InProcNetwork, ScopedTransport
 from diloco.compression import Reason
 from diloco.peers import (Directory, PeerRecord, banned_by_majority, plan_round, quorum, started_without,
                           voted_out)
-from diloco.peers.membership import GroupPlan, regions_of, serving
+from diloco.peers.membership import GroupPlan, serving
 from diloco.peers.records import MAX_BANNED
 
 from . import connect
@@ -70,7 +70,7 @@ class Swarm:
     def __init__(self, loop: LoopThread, transport: Transport, directory: Directory, collective: Collective,
                  cfg: SwarmConfig, *, owns_loop: bool, addresses: list[str],
                  on_close: Callable[[], None] | None = None,
-                 bootstrapped: bool = False, addresses_dialed: Collection[str] = (), scoped: bool = False) -> None:
+                 bootstrapped: bool = False, addresses_dialed: Collection[str] = ()) -> None:
         self.bootstrapped = bootstrapped
         """True when this peer joined through another peer's address (so a swarm should be visible)."""
         self.bootstrap_peers: list[PeerId] = [connect.peer_of(a) for a in addresses_dialed]
@@ -94,10 +94,6 @@ class Swarm:
         self._server = StateServer(cfg.run_id, self.peer_id, collective, cfg.round.call_timeout)
         self._closed = False
         self._exchanges: set[concurrent.futures.Future[RoundOutcome]] = set()  # rounds in flight (`crash`)
-        self.quorum_by_region = bool(cfg.region) and not scoped
-        """Count a round's quorum in regions, not peers: the rounds of a swarm whose peers name regions are merges
-        between the regions' representatives (`diloco.regions`; a region's own rounds run in a `scope`); the
-        region of each peer is the last one its record named."""
         self._scopes: list[Swarm] = []  # namespaces on our connections (`scope`): they die with us
         loop.run(transport.register("diloco.manifest", self._server.on_manifest))
         loop.run(transport.register("diloco.chunk", self._server.on_chunk))
@@ -154,7 +150,7 @@ class Swarm:
         transport = ScopedTransport(self.transport, name)
         collective = self.loop.run(Collective.create(transport, cfg.run_id, cfg.round, self.collective.faults))
         inner = Swarm(self.loop, transport, scoped_dir(name), collective, cfg, owns_loop=False,
-                      addresses=self.addresses, on_close=lambda: None, scoped=True)
+                      addresses=self.addresses, on_close=lambda: None)
         self._scopes.append(inner)
         return inner
 
@@ -283,12 +279,16 @@ class Swarm:
     def exchange_async(self, rnd: int, attempt: int, digest: str, delta: torch.Tensor | list[torch.Tensor] | Handoff,
                        fragment: int = 0,
                        previous: tuple[PeerId, ...] | None = None,
-                       skip: Collection[PeerId] = (), weight: int = 1) -> concurrent.futures.Future[RoundOutcome]:
+                       skip: Collection[PeerId] = (), weight: int = 1,
+                       voters: Callable[[Sequence[PeerId]], list[PeerId]] | None = None,
+                       ) -> concurrent.futures.Future[RoundOutcome]:
         """Start our next round in the background (training goes on) and return at once: which attempt
         to run and whom to wait for are decided there from fresh records, so the training thread does
         no network I/O. With `majority` on, the round commits only with a majority of `previous` (the
         members of the last round we committed); peers in `skip` are not waited for; `weight`: what our Δ counts
-        in the round's means (the inner steps it covers, for rounds by time). A list `delta` is a lone
+        in the round's means (the inner steps it covers, for rounds by time); `voters(peers)`: what the quorum counts
+        of those peers (the topology's: a merge of regions counts their regions, `diloco.regions`; by default the
+        peers themselves). A list `delta` is a lone
         peer's Δ in pieces (`PiecewiseHandoff`): its outcome holds Δ̄ as the result frames, not decoded.
         `finish_exchange` collects the outcome."""
         if isinstance(delta, Handoff):
@@ -313,11 +313,8 @@ class Swarm:
             prev = previous if self.cfg.majority else None
 
             def admit(view: tuple[PeerId, ...]) -> tuple[bool, str]:
-                if self.quorum_by_region:
-                    regions = self.presence.regions
-                    return quorum(regions_of(view, regions), prev and regions_of(prev, regions),
-                                  regions_of(plan.left, regions), self.cfg.round.min_peers)
-                return quorum(view, prev, plan.left, self.cfg.round.min_peers)
+                count = voters or list
+                return quorum(count(view), prev and count(prev), count(plan.left), self.cfg.round.min_peers)
 
             outcome = await self.collective.run_round(plan.key, digest, plan.ask, handoff, fragment=fragment,
                                                       admit=admit, wait_for=plan.wait_for, weight=weight)
