@@ -77,7 +77,9 @@ class _Loader(importlib.abc.Loader):
     def exec_module(self, module):
         self.inner.exec_module(module)
         attr, wrap = PATCHES[self.name]
-        setattr(module, attr, wrap(getattr(module, attr)))
+        original = getattr(module, attr, None)
+        if callable(original):  # a torch without it (another version) is left as it is
+            setattr(module, attr, wrap(original))
 
 
 class _Finder(importlib.abc.MetaPathFinder):
