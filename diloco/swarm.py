@@ -288,9 +288,8 @@ class Swarm:
         members of the last round we committed); peers in `skip` are not waited for; `weight`: what our Δ counts
         in the round's means (the inner steps it covers, for rounds by time); `voters(peers)`: what the quorum counts
         of those peers (the topology's: a merge of regions counts their regions, `diloco.regions`; by default the
-        peers themselves). A list `delta` is a lone
-        peer's Δ in pieces (`PiecewiseHandoff`): its outcome holds Δ̄ as the result frames, not decoded.
-        `finish_exchange` collects the outcome."""
+        peers themselves). A list `delta` is a lone peer's Δ in pieces (`PiecewiseHandoff`): its outcome holds Δ̄ as
+        the result frames, not decoded. `finish_exchange` collects the outcome."""
         if isinstance(delta, Handoff):
             handoff = delta
         elif isinstance(delta, list):  # Δ in pieces (`pseudo_gradient_pieces`), freed as the round encodes them
