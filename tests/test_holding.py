@@ -70,7 +70,9 @@ def test_the_digest_is_hashed_beside_training_and_waited_for_only_where_it_is_ne
     held = Holding(state, nesterov(), torch.device("cpu"), manifest_of=gate, background=True)
     first = held.digest
     known: list[str] = []
+    told = threading.Event()
     held.on_known(lambda: known.append(held.known()))
+    held.on_known(told.set)  # after the one above
     gate.go.clear()
     gate.started.clear()
     with held.changing() as s:
@@ -86,6 +88,7 @@ def test_the_digest_is_hashed_beside_training_and_waited_for_only_where_it_is_ne
     assert waiter.is_alive() and not known  # whoever needs the digest waits for it
     gate.release()
     waiter.join(10)
+    assert told.wait(10)  # the listeners run on the hashing thread after it woke the waiters
     assert waited == [s.manifest().digest] == known and held.record() == (4, known[0], ((3, first), (4, known[0])))
 
 
