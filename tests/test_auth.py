@@ -250,7 +250,7 @@ def test_a_joiner_whose_handshake_nobody_answered_asks_its_first_rounds_peers_an
     from diloco.peers import InProcBoard
 
     cfg = SwarmConfig(run_id=RUN, secret=SECRET, heartbeat_interval=0.1, heartbeat_ttl=5).with_round(
-        gather_timeout=5, reduce_timeout=4, result_timeout=6, call_timeout=2)
+        gather_timeout=20, reduce_timeout=10, result_timeout=15, call_timeout=10)
     net, board, loop = InProcNetwork(), InProcBoard(), LoopThread()
     made: list[diloco.Swarm] = []
 
