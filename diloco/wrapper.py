@@ -159,16 +159,17 @@ def _tell_of_subnormals(model: torch.nn.Module, swarm: Swarm | None = None) -> N
     if any(p.device.type != "cpu" for p in model.parameters()):
         return
     if not flushes_subnormals():
-        event, fix, reason = "subnormals_not_flushed", "before training, on every peer", (
-            "on a CPU, DiLoCo's weights meet subnormal floats that cost up to a third of the step time")
+        _warn_once("subnormals_not_flushed", "before training, on every peer",
+                   "on a CPU, DiLoCo's weights meet subnormal floats that cost up to a third of the step time")
     elif swarm is not None and "subnormals_not_flushed_in_swarm" not in _TOLD \
-            and not swarm.loop.run(_flushes_there(), timeout=10):
-        event, fix, reason = "subnormals_not_flushed_in_swarm", "before Swarm.start/join", (
-            "the swarm's event loop started before this thread flushed, and a thread takes the setting from the one "
-            "that starts it: its arithmetic meets subnormal floats slowly, and peers whose loops differ can round one "
-            "differently")
-    else:
-        return
+            and not swarm.loop.run(_flushes_there(), timeout=10):  # (asked of the loop once a process at most)
+        _warn_once("subnormals_not_flushed_in_swarm", "before Swarm.start/join",
+                   "the swarm's event loop started before this thread flushed, and a thread takes the setting from the "
+                   "one that starts it: its arithmetic meets subnormal floats slowly, and peers whose loops differ can "
+                   "round one differently")
+
+
+def _warn_once(event: str, fix: str, reason: str) -> None:
     if event not in _TOLD:
         _TOLD.add(event)
         log.warning("event=%s fix=torch.set_flush_denormal(True) %s reason=%s (docs/USAGE.md, \"Training on a CPU\")",
