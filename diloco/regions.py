@@ -39,7 +39,6 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import replace
-from functools import partial
 from typing import TYPE_CHECKING, Callable, Collection, Sequence
 
 from diloco.comms import PeerId
@@ -133,7 +132,7 @@ class Regions(Topology):
         """The region's namespace: the worker's own rounds."""
         self.upper, self.merger = _global_level(worker, cfg.round.compression, cfg.merge_every,
                                                 nesterov(cfg.global_lr, cfg.global_momentum),
-                                                partial(regions_of, region=swarm.presence.regions))
+                                                lambda peers: regions_of(peers, swarm.presence.regions))
         """The global level: a member of the peer's swarm whose state is θ_G and whose inner step is one committed
         region round, and its rounds (the merges)."""
         self.upper.set_standby(True)  # published when it joins; a region round may say otherwise (`after_commit`)
