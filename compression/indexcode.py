@@ -32,7 +32,8 @@ written least-significant bit first. It has three sections, one after the
 other, so that both directions are vectorised (cumulative sums give every
 field's position; no per-index or per-chunk Python loop): the encoder in tensor
 operations where the indices are (a GPU's selection is coded there), the
-decoder in numpy on the host::
+decoder likewise where the caller wants the indices (a GPU receives the bytes
+and decodes them there)::
 
     section      bits                    content
     parameters   4 * n_chunks            r of chunk 0, chunk 1, ... (4 bits each)
@@ -65,7 +66,10 @@ DUPLICATE      the same index twice in a chunk (``idx12``; Rice gaps are
 =============  ==========================================================
 
 The decoded tensor is a new ``int64`` tensor, never aliasing the payload, in
-exactly the form :func:`~.sparse.topk_select` returns. Encoding is a pure
+exactly the form :func:`~.sparse.topk_select` returns, on the ``device`` asked
+for (host memory by default): only the payload's bytes cross to a GPU, and
+decoding waits for it three times (``idx12`` once) to read the sizes and the verdict.
+The checks above run on the device all the same. Encoding is a pure
 function of the indices, and decoding of the bytes; changing either layout
 changes bytes on the wire and requires a protocol version bump.
 """
@@ -77,7 +81,7 @@ from typing import Final, Protocol, runtime_checkable
 import numpy as np
 import torch
 
-from .codecs import byte_view, host_bytes
+from .codecs import byte_view, host_bytes, wire_bytes
 from .errors import PayloadRejected, Reason
 from .sparse import ChunkSpec
 
@@ -114,9 +118,10 @@ class IndexCodec(Protocol):
         Raises ``TypeError``/``ValueError`` if they are not (local misuse)."""
         ...
 
-    def decode(self, payload: bytes | bytearray | memoryview, numel: int, spec: ChunkSpec) -> torch.Tensor:
+    def decode(self, payload: bytes | bytearray | memoryview, numel: int, spec: ChunkSpec,
+               device: torch.device | None = None) -> torch.Tensor:
         """Decode into a new 1-D ``int64`` tensor of ``spec.kept(numel)`` validated
-        global indices; raises :class:`PayloadRejected` and nothing else."""
+        global indices on ``device`` (host memory when None); raises :class:`PayloadRejected` and nothing else."""
         ...
 
 
@@ -137,20 +142,36 @@ def _wire_shape(name: str, numel: int, spec: ChunkSpec) -> tuple[int, int]:
 
 
 class _Layout:
-    """Per-chunk bookkeeping derived from ``(numel, spec)`` only (never from the wire)."""
+    """Per-chunk bookkeeping derived from ``(numel, spec)`` only (never from the wire), on the decoder's device."""
 
-    def __init__(self, numel: int, spec: ChunkSpec) -> None:
-        self.counts = spec.counts(numel).numpy()  # kept per chunk, all >= 1
+    def __init__(self, numel: int, spec: ChunkSpec, device: torch.device) -> None:
+        self.kept = spec.kept(numel)
+        self.counts = spec.counts(numel).to(device)  # kept per chunk, all >= 1
         n = len(self.counts)
-        self.starts = np.cumsum(self.counts) - self.counts  # first position of each chunk
-        self.lengths = np.full(n, spec.chunk, dtype=np.int64)  # elements per chunk
+        self.starts = torch.cumsum(self.counts, 0) - self.counts  # first position of each chunk
+        self.lengths = torch.full((n,), spec.chunk, dtype=torch.int64, device=device)  # elements per chunk
         if n:
             self.lengths[-1] = numel - (n - 1) * spec.chunk
-        self.offsets = np.arange(n, dtype=np.int64) * spec.chunk  # global index of local 0
+        self.offsets = torch.arange(n, dtype=torch.int64, device=device) * spec.chunk  # global index of local 0
+        # every chunk but a short last one keeps spec.k, so index i is in chunk i // k
+        self.chunk_of = torch.arange(self.kept, dtype=torch.int64, device=device) // spec.k
 
-    def per_index(self, per_chunk: np.ndarray) -> np.ndarray:
-        """Broadcast a per-chunk array to one entry per kept index."""
-        return np.repeat(per_chunk, self.counts)
+    def per_index(self, per_chunk: torch.Tensor) -> torch.Tensor:
+        """Broadcast a per-chunk tensor to one entry per kept index (no wait for a GPU)."""
+        return per_chunk[self.chunk_of]
+
+    def to_global(self, local: torch.Tensor) -> torch.Tensor:
+        return local + self.per_index(self.offsets)
+
+
+def _device(device: torch.device | str | None) -> torch.device:
+    return torch.device("cpu") if device is None else torch.device(device)
+
+
+def _unpack_bits(raw: torch.Tensor) -> torch.Tensor:
+    """The bits of ``raw`` (uint8), LSB-first: bit ``i`` is bit ``i % 8`` of byte ``i // 8``."""
+    shifts = torch.arange(8, dtype=torch.uint8, device=raw.device)
+    return ((raw[:, None] >> shifts) & 1).reshape(-1)
 
 
 def _local_indices(name: str, indices: torch.Tensor, numel: int, spec: ChunkSpec) -> torch.Tensor:
@@ -175,10 +196,6 @@ def _local_indices(name: str, indices: torch.Tensor, numel: int, spec: ChunkSpec
     if not torch.equal(torch.bincount(chunk_of, minlength=spec.n_chunks(numel)).cpu(), spec.counts(numel)):
         raise ValueError(f"{name}: indices must hold exactly {spec.k} per chunk (fewer only in a short last chunk)")
     return idx - chunk_of * spec.chunk
-
-
-def _to_global(local: np.ndarray, layout: _Layout) -> torch.Tensor:
-    return torch.from_numpy(local + layout.per_index(layout.offsets))
 
 
 # --------------------------------------------------------------------------- idx12
@@ -211,7 +228,8 @@ class Packed12:
         out[:, 2] = word >> 16
         return out.tobytes()[: self.encoded_size(numel, spec)]
 
-    def decode(self, payload: bytes | bytearray | memoryview, numel: int, spec: ChunkSpec) -> torch.Tensor:
+    def decode(self, payload: bytes | bytearray | memoryview, numel: int, spec: ChunkSpec,
+               device: torch.device | None = None) -> torch.Tensor:
         view = byte_view(payload)
         _, kept = _wire_shape(self.name, numel, spec)
         if spec.chunk > PACKED12_MAX_CHUNK:
@@ -220,29 +238,34 @@ class Packed12:
         expected = (12 * kept + 7) // 8
         if view.nbytes != expected:
             raise PayloadRejected(Reason.WRONG_SIZE, f"idx12: {kept} indices need {expected} bytes, got {view.nbytes}")
+        where = _device(device)
+        if kept == 0:
+            return torch.empty(0, dtype=torch.int64, device=where)
         pairs = -(-kept // 2)
-        raw = np.zeros(3 * pairs, dtype=np.uint8)
-        raw[:expected] = np.frombuffer(view, dtype=np.uint8)
-        triples = raw.reshape(pairs, 3).astype(np.int64)
+        raw = torch.zeros(3 * pairs, dtype=torch.uint8, device=where)
+        raw[:expected] = wire_bytes(view, 0, expected, where)
+        triples = raw.view(pairs, 3).to(torch.int32)
         word = triples[:, 0] | (triples[:, 1] << 8) | (triples[:, 2] << 16)
-        local = np.empty(2 * pairs, dtype=np.int64)
+        local = torch.empty(2 * pairs, dtype=torch.int64, device=where)
         local[0::2] = word & 0xFFF
         local[1::2] = word >> 12
-        if kept % 2 and local[kept] != 0:
-            raise PayloadRejected(Reason.WRONG_SIZE, "idx12: nonzero padding bits after the last index")
+        padding = local[kept:].sum()  # the top half of an odd final pair
         local = local[:kept]
-        layout = _Layout(numel, spec)
-        if kept == 0:
-            return torch.empty(0, dtype=torch.int64)
-        if bool((local >= layout.per_index(layout.lengths)).any()):
-            raise PayloadRejected(Reason.BAD_HEADER, "idx12: index outside its chunk")
-        step = np.diff(local)
+        layout = _Layout(numel, spec, where)
+        step = torch.diff(local)
         step[layout.starts[1:] - 1] = 1  # a new chunk restarts the order
-        if bool((step < 0).any()):
+        verdict = torch.stack([padding != 0, (local >= layout.per_index(layout.lengths)).any(),
+                               (step < 0).any(), (step == 0).any()])
+        padded, outside, descending, duplicate = verdict.tolist()  # the one wait for a GPU
+        if padded:
+            raise PayloadRejected(Reason.WRONG_SIZE, "idx12: nonzero padding bits after the last index")
+        if outside:
+            raise PayloadRejected(Reason.BAD_HEADER, "idx12: index outside its chunk")
+        if descending:
             raise PayloadRejected(Reason.BAD_HEADER, "idx12: indices not ascending within a chunk")
-        if bool((step == 0).any()):
+        if duplicate:
             raise PayloadRejected(Reason.DUPLICATE, "idx12: the same index twice in a chunk")
-        return _to_global(local, layout)
+        return layout.to_global(local)
 
     def __repr__(self) -> str:
         return "<index codec idx12: 12 bits/index>"
@@ -306,14 +329,16 @@ class RiceGaps:
         weights = torch.tensor([1 << b for b in range(8)], dtype=torch.uint8, device=device)
         return host_bytes((bits[:size].view(-1, 8) * weights).sum(1, dtype=torch.uint8))
 
-    def decode(self, payload: bytes | bytearray | memoryview, numel: int, spec: ChunkSpec) -> torch.Tensor:
+    def decode(self, payload: bytes | bytearray | memoryview, numel: int, spec: ChunkSpec,
+               device: torch.device | None = None) -> torch.Tensor:
         view = byte_view(payload)
         n, kept = _wire_shape(self.name, numel, spec)
         nbytes = view.nbytes
+        where = _device(device)
         if kept == 0:
             if nbytes:
                 raise PayloadRejected(Reason.WRONG_SIZE, f"rice: no indices expected, got {nbytes} bytes")
-            return torch.empty(0, dtype=torch.int64)
+            return torch.empty(0, dtype=torch.int64, device=where)
         # Size bounds from (numel, spec) before anything is allocated.
         if 8 * nbytes < 4 * n + kept:
             raise PayloadRejected(Reason.TRUNCATED, f"rice: {nbytes} bytes cannot hold {kept} indices")
@@ -321,42 +346,44 @@ class RiceGaps:
         if nbytes > limit:
             raise PayloadRejected(Reason.WRONG_SIZE, f"rice: {nbytes} bytes exceed the maximum {limit}")
 
-        bits = np.unpackbits(np.frombuffer(view, dtype=np.uint8), bitorder="little")
-        layout = _Layout(numel, spec)
+        bits = _unpack_bits(wire_bytes(view, 0, nbytes, where))
+        layout = _Layout(numel, spec, where)
         rem_start = 4 * n
-        r_chunk = np.packbits(bits[:rem_start].reshape(n, 4), axis=1, bitorder="little")[:, 0].astype(np.int64)
+        r_chunk = (bits[:rem_start].view(n, 4).to(torch.int64) << torch.arange(4, device=where)).sum(1)
         r_idx = layout.per_index(r_chunk)
-        unary_start = rem_start + int(r_idx.sum())
+        sum_r, max_r = torch.stack([r_idx.sum(), r_chunk.max()]).tolist()  # the first wait for a GPU
+        unary_start = rem_start + sum_r
         if unary_start + kept > len(bits):
             raise PayloadRejected(Reason.TRUNCATED, "rice: stream ends inside the remainders")
 
-        position = rem_start + np.cumsum(r_idx) - r_idx
-        remainder = np.zeros(kept, dtype=np.int64)
-        for j in range(int(r_chunk.max())):
-            has = r_idx > j
-            remainder[has] |= bits[position[has] + j].astype(np.int64) << j
+        position = rem_start + torch.cumsum(r_idx, 0) - r_idx
+        remainder = torch.zeros(kept, dtype=torch.int64, device=where)
+        for j in range(max_r):  # bit j of every remainder that has one; j < r_idx keeps the read inside the section
+            at = torch.where(r_idx > j, position + j, 0)
+            remainder |= (bits[at].to(torch.int64) & (r_idx > j)) << j
 
-        ones = np.flatnonzero(bits[unary_start:])
+        ones = torch.nonzero(bits[unary_start:]).squeeze(1)  # its size: the second wait
         if len(ones) < kept:
             raise PayloadRejected(Reason.TRUNCATED, f"rice: stream ends after {len(ones)} of {kept} indices")
         if len(ones) > kept:
             raise PayloadRejected(Reason.WRONG_SIZE, "rice: one-bits after the last index (trailing garbage)")
-        used = unary_start + int(ones[-1]) + 1
-        needed = -(-used // 8)
-        if needed != nbytes:
-            raise PayloadRejected(Reason.WRONG_SIZE, f"rice: {nbytes - needed} trailing bytes after the last index")
-
-        quotient = np.diff(ones, prepend=-1) - 1
-        if bool((quotient > (layout.per_index(layout.lengths) - 1) >> r_idx).any()):
-            raise PayloadRejected(Reason.BAD_HEADER, "rice: unary run longer than the chunk allows")
+        quotient = torch.diff(ones, prepend=ones.new_full((1,), -1)) - 1
         step = ((quotient << r_idx) | remainder) + 1  # gap + 1: local_i - local_{i-1}
-        running = np.cumsum(step)
+        running = torch.cumsum(step, 0)
         before_chunk = running[layout.starts] - step[layout.starts]
         local = running - layout.per_index(before_chunk) - 1
         last = local[layout.starts + layout.counts - 1]
-        if bool((last >= layout.lengths).any()):
+        verdict = torch.stack([ones[-1], (quotient > (layout.per_index(layout.lengths) - 1) >> r_idx).any(),
+                               (last >= layout.lengths).any()])
+        last_one, long_run, outside = verdict.tolist()
+        needed = -(-(unary_start + last_one + 1) // 8)
+        if needed != nbytes:
+            raise PayloadRejected(Reason.WRONG_SIZE, f"rice: {nbytes - needed} trailing bytes after the last index")
+        if long_run:
+            raise PayloadRejected(Reason.BAD_HEADER, "rice: unary run longer than the chunk allows")
+        if outside:
             raise PayloadRejected(Reason.BAD_HEADER, "rice: index outside its chunk")
-        return _to_global(local, layout)
+        return layout.to_global(local)
 
     def __repr__(self) -> str:
         return "<index codec rice: Rice-coded gaps>"

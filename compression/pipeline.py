@@ -258,7 +258,8 @@ class Pipeline:
 
     def decode(self, payload: bytes | memoryview, numel: int, device: torch.device | None = None) -> Decoded:
         """The values (and indices) of `payload`, on `device` (host memory when None: on a GPU, the value codec's
-        bytes cross to it and decode there; sparse indices decode on the host and cross as they are)."""
+        and a top-k selection's index codec's bytes cross to it and decode there; rand-k's indices, regenerated from
+        the seed on the host, cross as they are)."""
         raw = memoryview(payload)
         if self.spec.zstd:
             raw = memoryview(_decompress(raw, self.max_raw_size(numel)))
@@ -273,7 +274,7 @@ class Pipeline:
             (n,) = _U32.unpack_from(raw, 0)
             if n > raw.nbytes - 4:
                 raise PayloadRejected(Reason.TRUNCATED, f"index section of {n} bytes, {raw.nbytes - 4} present")
-            idx = self.index.decode(raw[4 : 4 + n], numel, self.spec.chunk)
+            idx = self.index.decode(raw[4 : 4 + n], numel, self.spec.chunk, device)
             values = self.value.decode(raw[4 + n :], kept, device)
         else:
             if raw.nbytes < 8:
