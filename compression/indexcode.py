@@ -149,19 +149,21 @@ class _Layout:
         self.counts = spec.counts(numel).to(device)  # kept per chunk, all >= 1
         n = len(self.counts)
         self.starts = torch.cumsum(self.counts, 0) - self.counts  # first position of each chunk
+        self.chunk = spec.chunk
+        short = numel - (n - 1) * spec.chunk  # the last chunk's length
         self.lengths = torch.full((n,), spec.chunk, dtype=torch.int64, device=device)  # elements per chunk
-        if n:
-            self.lengths[-1] = numel - (n - 1) * spec.chunk
-        self.offsets = torch.arange(n, dtype=torch.int64, device=device) * spec.chunk  # global index of local 0
+        self.lengths[n - 1 :] = short
         # every chunk but a short last one keeps spec.k, so index i is in chunk i // k
-        self.chunk_of = torch.arange(self.kept, dtype=torch.int64, device=device) // spec.k
+        self.chunk_of = torch.arange(n, device=device)[:, None].expand(n, spec.k).reshape(-1)[: self.kept]
+        self.index_lengths = torch.full((self.kept,), spec.chunk, dtype=torch.int64, device=device)  # of its chunk
+        self.index_lengths[(n - 1) * spec.k :] = short
 
     def per_index(self, per_chunk: torch.Tensor) -> torch.Tensor:
         """Broadcast a per-chunk tensor to one entry per kept index (no wait for a GPU)."""
         return per_chunk[self.chunk_of]
 
     def to_global(self, local: torch.Tensor) -> torch.Tensor:
-        return local + self.per_index(self.offsets)
+        return local + self.chunk_of * self.chunk
 
 
 def _device(device: torch.device | str | None) -> torch.device:
@@ -254,7 +256,7 @@ class Packed12:
         layout = _Layout(numel, spec, where)
         step = torch.diff(local)
         step[layout.starts[1:] - 1] = 1  # a new chunk restarts the order
-        verdict = torch.stack([padding != 0, (local >= layout.per_index(layout.lengths)).any(),
+        verdict = torch.stack([padding != 0, (local >= layout.index_lengths).any(),
                                (step < 0).any(), (step == 0).any()])
         padded, outside, descending, duplicate = verdict.tolist()  # the one wait for a GPU
         if padded:
@@ -346,23 +348,25 @@ class RiceGaps:
         if nbytes > limit:
             raise PayloadRejected(Reason.WRONG_SIZE, f"rice: {nbytes} bytes exceed the maximum {limit}")
 
-        bits = _unpack_bits(wire_bytes(view, 0, nbytes, where))
+        raw = torch.zeros(nbytes + 2, dtype=torch.uint8, device=where)  # + 2: the last remainder's window
+        raw[:nbytes] = wire_bytes(view, 0, nbytes, where)
         layout = _Layout(numel, spec, where)
-        rem_start = 4 * n
-        r_chunk = (bits[:rem_start].view(n, 4).to(torch.int64) << torch.arange(4, device=where)).sum(1)
+        halves = raw[: (n + 1) // 2]  # the parameters from bit 0, two a byte, low nibble first
+        r_chunk = torch.stack([halves & 0xF, halves >> 4], 1).reshape(-1)[:n].to(torch.int64)
         r_idx = layout.per_index(r_chunk)
-        sum_r, max_r = torch.stack([r_idx.sum(), r_chunk.max()]).tolist()  # the first wait for a GPU
-        unary_start = rem_start + sum_r
-        if unary_start + kept > len(bits):
+        rem_start = 4 * n
+        unary_start = rem_start + int(r_idx.sum())  # the first wait for a GPU
+        if unary_start + kept > 8 * nbytes:
             raise PayloadRejected(Reason.TRUNCATED, "rice: stream ends inside the remainders")
 
+        # A remainder of r <= 15 bits from bit p lies in the 24-bit little-endian window of bytes p // 8 .. + 2.
         position = rem_start + torch.cumsum(r_idx, 0) - r_idx
-        remainder = torch.zeros(kept, dtype=torch.int64, device=where)
-        for j in range(max_r):  # bit j of every remainder that has one; j < r_idx keeps the read inside the section
-            at = torch.where(r_idx > j, position + j, 0)
-            remainder |= (bits[at].to(torch.int64) & (r_idx > j)) << j
+        at = position >> 3
+        window = raw[at].to(torch.int64) | (raw[at + 1].to(torch.int64) << 8) | (raw[at + 2].to(torch.int64) << 16)
+        remainder = (window >> (position & 7)) & ((torch.ones_like(r_idx) << r_idx) - 1)
 
-        ones = torch.nonzero(bits[unary_start:]).squeeze(1)  # its size: the second wait
+        unary = _unpack_bits(raw[unary_start >> 3 : nbytes])[unary_start & 7 :]
+        ones = torch.nonzero(unary).squeeze(1)  # its size: the second wait
         if len(ones) < kept:
             raise PayloadRejected(Reason.TRUNCATED, f"rice: stream ends after {len(ones)} of {kept} indices")
         if len(ones) > kept:
@@ -373,7 +377,7 @@ class RiceGaps:
         before_chunk = running[layout.starts] - step[layout.starts]
         local = running - layout.per_index(before_chunk) - 1
         last = local[layout.starts + layout.counts - 1]
-        verdict = torch.stack([ones[-1], (quotient > (layout.per_index(layout.lengths) - 1) >> r_idx).any(),
+        verdict = torch.stack([ones[-1], (quotient > (layout.index_lengths - 1) >> r_idx).any(),
                                (last >= layout.lengths).any()])
         last_one, long_run, outside = verdict.tolist()
         needed = -(-(unary_start + last_one + 1) // 8)
