@@ -170,6 +170,18 @@ def _device(device: torch.device | str | None) -> torch.device:
     return torch.device("cpu") if device is None else torch.device(device)
 
 
+NONZERO_PIECE: Final[int] = 1 << 30
+"""Bits searched for ones at a time: torch before 2.6 cannot take `nonzero` of more than 2**31 - 1 elements on a GPU."""
+
+
+def _ones(bits: torch.Tensor) -> torch.Tensor:
+    """The positions of the one-bits of `bits` (int64), in order."""
+    if len(bits) <= NONZERO_PIECE:
+        return torch.nonzero(bits).squeeze(1)
+    return torch.cat([torch.nonzero(bits[i : i + NONZERO_PIECE]).squeeze(1) + i
+                      for i in range(0, len(bits), NONZERO_PIECE)])
+
+
 def _unpack_bits(raw: torch.Tensor) -> torch.Tensor:
     """The bits of ``raw`` (uint8), LSB-first: bit ``i`` is bit ``i % 8`` of byte ``i // 8``."""
     shifts = torch.arange(8, dtype=torch.uint8, device=raw.device)
@@ -366,7 +378,7 @@ class RiceGaps:
         remainder = (window >> (position & 7)) & ((torch.ones_like(r_idx) << r_idx) - 1)
 
         unary = _unpack_bits(raw[unary_start >> 3 : nbytes])[unary_start & 7 :]
-        ones = torch.nonzero(unary).squeeze(1)  # its size: the second wait
+        ones = _ones(unary)  # its size: the second wait
         if len(ones) < kept:
             raise PayloadRejected(Reason.TRUNCATED, f"rice: stream ends after {len(ones)} of {kept} indices")
         if len(ones) > kept:

@@ -166,13 +166,17 @@ def bin_totals(codes: torch.Tensor, weights: torch.Tensor, levels: int,
     Neighbouring GPU threads adding into the same 4 or 16 addresses serialise on their atomics (torch's
     ``bincount``, 1-3 ms at 16M values on an H200): there the totals gather in ``lanes`` addresses a level
     (``LANES`` by default where codecs work as on a GPU, :func:`~.codecs.whole`; one on the host, where
-    ``bincount`` adds in order) and are summed after. The sums differ from the host's in their float64 rounding
-    only, far below what could move an fp32 centroid (tests/test_quant.py compares the bytes)."""
+    ``bincount`` adds in order) and are summed after, each element's slot an int32 (4 bytes an element, on top of
+    the codec's scratch). The sums differ from the host's in their float64 rounding only: an fp32 centroid changes
+    (in its last bit) only where a sum lies within that rounding of an fp32 boundary, as with ``bincount``'s own
+    atomics (tests/test_quant.py compares the bytes)."""
     lanes = (LANES if whole(codes.device) else 1) if lanes is None else lanes
     if lanes == 1:
         return torch.bincount(codes, minlength=levels), torch.bincount(codes, weights=weights, minlength=levels)
-    slot = codes.to(torch.int64) * lanes
-    slot += torch.arange(codes.numel(), device=codes.device) % lanes
+    n, rows = codes.numel(), codes.numel() // lanes
+    slot = codes.to(torch.int32) * lanes  # levels * lanes <= 2**16
+    slot[: rows * lanes].view(rows, lanes).add_(torch.arange(lanes, dtype=torch.int32, device=codes.device))
+    slot[rows * lanes :].add_(torch.arange(n - rows * lanes, dtype=torch.int32, device=codes.device))
     counts = torch.bincount(slot, minlength=levels * lanes)
     sums = torch.zeros(levels * lanes, dtype=weights.dtype, device=codes.device).index_add_(0, slot, weights)
     return counts.view(levels, lanes).sum(1), sums.view(levels, lanes).sum(1)

@@ -19,7 +19,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from diloco.compression import PayloadRejected, Reason
+from diloco.compression import PayloadRejected, Reason, indexcode
 from diloco.compression.indexcode import (
     INDEX_CODECS,
     IndexCodec,
@@ -318,6 +318,25 @@ def test_rice_matches_bit_level_reference() -> None:
         indices = topk_select(torch.from_numpy(rng.standard_normal(numel).astype(np.float32)), spec)
         payload = RiceGaps().encode(indices, numel, spec)
         assert payload == reference_rice(chunk_local(indices, spec, numel)), (numel, spec)
+
+
+def test_rice_finds_the_unary_ones_in_pieces_as_in_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A GPU's nonzero takes at most 2**31 - 1 elements (torch < 2.6): a longer unary section is searched in pieces.
+    spec = ChunkSpec(64, 4096)
+    valid = (RiceGaps().encode(topk_select(torch.randn(9000, generator=torch.Generator().manual_seed(2)), spec),
+                               9000, spec), 9000, spec)  # 192 indices: a unary section of 38 pieces or more
+    cases = [valid] + [fuzz_case("rice", seed)[1:] for seed in range(60)]
+    whole = [outcome(RiceGaps(), *case) for case in cases]
+    monkeypatch.setattr(indexcode, "NONZERO_PIECE", 5)
+    assert [outcome(RiceGaps(), *case) for case in cases] == whole
+    assert len(whole[0]) == 192 and sum(isinstance(o, list) for o in whole) > 2
+
+
+def outcome(codec: IndexCodec, payload: bytes, numel: int, spec: ChunkSpec) -> list[int] | Reason:
+    try:
+        return codec.decode(payload, numel, spec).tolist()
+    except PayloadRejected as err:
+        return err.reason
 
 
 @pytest.mark.parametrize("kept_numel", [(1, 1), (2, 2), (3, 3), (5, 5), (64, 4096), (65, 4097)])
