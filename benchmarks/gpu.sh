@@ -6,7 +6,9 @@
 #   bash benchmarks/gpu.sh run DIR OUT   there, in the repository: those wheels and diloco into its Python,
 #                                        then `pytest -m gpu` and the benchmarks, their output into OUT
 #   bash benchmarks/gpu.sh codecs DIR OUT   the same install, `pytest -m gpu` and the codec benchmark alone
-#                                        (what a change to the codecs needs: 100 s against run's 437 s on an H200)
+#                                        (what a change to the codecs needs: 100 s against run's 340-437 s on an H200)
+#
+# Either ends by packing OUT's files into OUT/results.tar.gz too (for a lent machine that hands back few files).
 #
 # TARGET_PY (default 3.12) is the GPU machine's Python version. The wheels are those hivemind and diloco need
 # beyond what a CUDA machine with torch, numpy, scipy, rich, typer, msgpack and pytest already holds.
@@ -96,9 +98,15 @@ codecs_only() {
     return "$rc"
 }
 
+pack() {  # on the way out, whatever ended the run (the script's exit status stays the run's)
+    local packed
+    packed="$(mktemp)" && [ -d "$1" ] && tar czf "$packed" --exclude results.tar.gz -C "$1" . \
+        && mv "$packed" "$1/results.tar.gz" && ls -l "$1/results.tar.gz" || true
+}
+
 case "${1:-}" in
     wheels) wheels "${2:?wheels DIR}" ;;
-    run) run "${2:?run DIR OUT}" "${3:?run DIR OUT}" ;;
-    codecs) codecs_only "${2:?codecs DIR OUT}" "${3:?codecs DIR OUT}" ;;
+    run) trap "pack '$(realpath -m "${3:?run DIR OUT}")'" EXIT; run "${2:?run DIR OUT}" "$3" ;;
+    codecs) trap "pack '$(realpath -m "${3:?codecs DIR OUT}")'" EXIT; codecs_only "${2:?codecs DIR OUT}" "$3" ;;
     *) sed -n '2,12p' "$0"; exit 2 ;;
 esac
