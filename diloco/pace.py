@@ -47,6 +47,9 @@ TOLERANCE = 1e-9
 SMOOTHING = 0.2
 """Weight of the latest step's duration in the moving average of a step's seconds."""
 
+ROBUST_FROM = 4
+"""Timed steps a span needs before its slowest one is left out of the step time a worker publishes."""
+
 
 def adaptive_seconds(steps: float, own: float, others: Sequence[float], bound: float) -> float:
     """An adaptive span's seconds: `steps` inner steps at the fastest pace among ours (`own` seconds a step) and the
@@ -123,8 +126,8 @@ class Pace:
         """A site: the span's length the leader planned at its step `PLAN_AT` (None before)."""
         self.step_seconds: float | None = None
         """The leader's moving average of an inner step's duration (the slot's own work left out)."""
-        self._timed_seconds, self._timed_steps = 0.0, 0
-        """Seconds and count of the timed steps of this span (`span_step_seconds`)."""
+        self._timed_seconds, self._timed_steps, self._slowest = 0.0, 0, 0.0
+        """Seconds, count and the slowest of the timed steps of this span (`span_step_seconds`)."""
         self._start = now
         self._last: float | None = None
 
@@ -143,6 +146,7 @@ class Pace:
                 (1 - SMOOTHING) * self.step_seconds + SMOOTHING * took
             self._timed_seconds += took
             self._timed_steps += 1
+            self._slowest = max(self._slowest, took)
         self._last = now
         self.span += 1
         if not self.planned:
@@ -157,11 +161,18 @@ class Pace:
 
     @property
     def span_step_seconds(self) -> float | None:
-        """The mean duration of this span's timed steps (None before one is timed): the step time a worker publishes.
+        """The mean duration of this span's timed steps but its slowest (from `ROBUST_FROM` of them; None before one
+        is timed): the step time a worker publishes, which sizes the next adaptive span of every worker that reads it.
         Not the moving average, which follows the last few steps: one step held up by the scheduler (a busy machine
-        preempts a process for tens of ms) would triple it, and with it the next adaptive span of every worker that
-        reads it, while the mean of a span's steps is the worker's rate over the span."""
-        return self._timed_seconds / self._timed_steps if self._timed_steps else None
+        preempts a process for tens of ms) would triple it. Nor the plain mean: one stall in a span (a collection
+        pause, a page-in, a process of three workers preempted for a second) is no forecast of the next span's pace,
+        yet a second's stall in a span of 12 steps of 10 ms multiplied the mean by ten and stretched every worker's
+        next span as much. A pace that stalls every few steps (a data loader) still counts: only one step is left out."""
+        if not self._timed_steps:
+            return None
+        if self._timed_steps >= ROBUST_FROM:
+            return (self._timed_seconds - self._slowest) / (self._timed_steps - 1)
+        return self._timed_seconds / self._timed_steps
 
     def _adapt(self, own: float) -> None:
         assert self.adaptive is not None
@@ -191,4 +202,4 @@ class Pace:
         """A slot's work ended at `ended`: the next span, and the next step's duration, count from then."""
         self.span, self.plan = 0, None
         self._start, self._last = ended, ended
-        self._timed_seconds, self._timed_steps = 0.0, 0
+        self._timed_seconds, self._timed_steps, self._slowest = 0.0, 0, 0.0

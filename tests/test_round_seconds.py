@@ -294,8 +294,9 @@ def test_the_fastest_worker_paces_an_adaptive_span_by_the_step_time_its_record_s
 
 def test_a_worker_publishes_its_spans_mean_step_not_one_held_up_step():
     """A span of 20 steps of 0.1 s whose last step the scheduler held up for a second: the moving average jumps to
-    0.28 s, but the step time a worker publishes (which sizes every worker's next adaptive span) is the span's mean,
-    0.145 s; the next span's mean starts afresh at the slot, and a wait for a round's result is not a step's time."""
+    0.28 s and the span's plain mean to 0.145 s, but the step time a worker publishes (which sizes every worker's next
+    adaptive span) is the mean of the span's steps but the slowest, 0.1 s; a pace that is slow every other step
+    still counts; the next span starts afresh at the slot, and a wait for a round's result is not a step's time."""
     pace = Pace(None, 1, planned=False, now=0.0, adaptive_steps=20)
     told = lambda decide: decide()  # noqa: E731
     assert not pace.due(0.5, told) and pace.span_step_seconds is None  # the first step (set-up) is not timed
@@ -305,12 +306,21 @@ def test_a_worker_publishes_its_spans_mean_step_not_one_held_up_step():
         pace.due(t, told)
     t += 1.0
     pace.due(t, told)
-    assert pace.step_seconds == pytest.approx(0.28) and pace.span_step_seconds == pytest.approx(2.9 / 20)
+    assert pace.step_seconds == pytest.approx(0.28) and pace.span_step_seconds == pytest.approx(0.1)
     pace.slot(t)
     assert pace.span_step_seconds is None
     pace.pause(t, t + 5.0)
-    pace.due(t + 5.2, told)
+    t += 5.2
+    pace.due(t, told)
     assert pace.span_step_seconds == pytest.approx(0.2)
+    for took in (0.1, 0.3):  # three timed steps: too few to leave one out
+        t += took
+        pace.due(t, told)
+    assert pace.span_step_seconds == pytest.approx(0.2)
+    for took in (0.1, 0.3, 0.1, 0.3):  # slow every other step: the slowest one out of seven, the pace kept
+        t += took
+        pace.due(t, told)
+    assert pace.span_step_seconds == pytest.approx((1.4 - 0.3) / 6)
 
 
 def test_a_sites_leader_plans_an_adaptive_span_from_the_fastest_step_time():
