@@ -31,8 +31,8 @@ Rice bit layout. The payload is one bit stream, **LSB-first**: stream bit
 written least-significant bit first. It has three sections, one after the
 other, so that both directions are vectorised (cumulative sums give every
 field's position; no per-index or per-chunk Python loop): the encoder in tensor
-operations where the indices are (a GPU's selection is coded there), the
-decoder likewise where the caller wants the indices (a GPU receives the bytes
+operations where the indices are (a GPU's selection is coded there, as it is
+for ``idx12``), the decoder likewise where the caller wants the indices (a GPU receives the bytes
 and decodes them there)::
 
     section      bits                    content
@@ -78,7 +78,6 @@ from __future__ import annotations
 
 from typing import Final, Protocol, runtime_checkable
 
-import numpy as np
 import torch
 
 from .codecs import byte_view, host_bytes, wire_bytes
@@ -232,15 +231,12 @@ class Packed12:
         _check_spec(spec)
         if spec.chunk > PACKED12_MAX_CHUNK:
             raise ValueError(f"idx12 needs spec.chunk <= {PACKED12_MAX_CHUNK}, got {spec.chunk}; use 'rice'")
-        local = _local_indices(self.name, indices, numel, spec).cpu().numpy()
-        if len(local) % 2:
-            local = np.append(local, 0)
+        local = _local_indices(self.name, indices, numel, spec)  # where the indices are: only the bytes cross
+        if local.numel() % 2:
+            local = torch.cat([local, local.new_zeros(1)])
         word = local[0::2] | (local[1::2] << 12)
-        out = np.empty((len(word), 3), dtype=np.uint8)
-        out[:, 0] = word & 0xFF
-        out[:, 1] = (word >> 8) & 0xFF
-        out[:, 2] = word >> 16
-        return out.tobytes()[: self.encoded_size(numel, spec)]
+        out = torch.stack([word & 0xFF, (word >> 8) & 0xFF, word >> 16], 1).to(torch.uint8).reshape(-1)
+        return host_bytes(out[: self.encoded_size(numel, spec)])
 
     def decode(self, payload: bytes | bytearray | memoryview, numel: int, spec: ChunkSpec,
                device: torch.device | None = None) -> torch.Tensor:
@@ -304,8 +300,9 @@ class RiceGaps:
         return (_rice_max_bits(numel, spec) + 7) // 8
 
     def encode(self, indices: torch.Tensor, numel: int, spec: ChunkSpec) -> bytes:
-        """The stream, built where the indices are (on a GPU only the packed bytes cross to the host): a bit a byte,
-        then packed; three waits for a GPU (two validating the indices, one for the stream's length)."""
+        """The stream, built where the indices are (on a GPU only the packed bytes cross to the host): each byte the
+        sum of what the fields put in it (their bits are their own); three waits for a GPU (two validating the
+        indices, one for the stream's length)."""
         local = _local_indices(self.name, indices, numel, spec)
         kept, n = local.numel(), spec.n_chunks(numel)
         if kept == 0:
@@ -329,19 +326,22 @@ class RiceGaps:
         r_idx = torch.repeat_interleave(r_chunk, counts, output_size=kept)
         quotient = gaps >> r_idx
         remainder = gaps & ((torch.ones_like(r_idx) << r_idx) - 1)
-        sum_r, sum_q, max_r = torch.stack([r_idx.sum(), quotient.sum(), r_chunk.max()]).tolist()
+        sum_r, sum_q = torch.stack([r_idx.sum(), quotient.sum()]).tolist()
 
+        # Every field's bits are its own, so each byte is the sum of what the fields put in it.
         rem_start = 4 * n
         unary_start = rem_start + sum_r
-        size = -(-(unary_start + sum_q + kept) // 8) * 8
-        bits = torch.zeros(size + 1, dtype=torch.uint8, device=device)  # bits[size]: where absent remainder bits go
-        bits[:rem_start] = ((r_chunk[:, None] >> torch.arange(4, device=device)) & 1).reshape(-1)
-        position = rem_start + torch.cumsum(r_idx, 0) - r_idx
-        for j in range(max_r):
-            bits[torch.where(r_idx > j, position + j, size)] = ((remainder >> j) & 1).to(torch.uint8)
-        bits[unary_start + torch.cumsum(quotient + 1, 0) - 1] = 1
-        weights = torch.tensor([1 << b for b in range(8)], dtype=torch.uint8, device=device)
-        return host_bytes((bits[:size].view(-1, 8) * weights).sum(1, dtype=torch.uint8))
+        nbytes = -(-(unary_start + sum_q + kept) // 8)
+        out = torch.zeros(nbytes + 2, dtype=torch.int32, device=device)  # + 2: the last remainder's window
+        chunks = torch.arange(n, device=device)  # the parameters from bit 0, two a byte, low nibble first
+        out.index_add_(0, chunks >> 1, (r_chunk << ((chunks & 1) * 4)).to(torch.int32))
+        position = rem_start + torch.cumsum(r_idx, 0) - r_idx  # a remainder's r <= 15 bits: within 3 bytes
+        shifted = remainder << (position & 7)
+        for k in range(3):
+            out.index_add_(0, (position >> 3) + k, ((shifted >> (8 * k)) & 0xFF).to(torch.int32))
+        ones = unary_start + torch.cumsum(quotient + 1, 0) - 1  # each quotient's terminating one
+        out.index_add_(0, ones >> 3, (torch.ones_like(ones) << (ones & 7)).to(torch.int32))
+        return host_bytes(out[:nbytes].to(torch.uint8))
 
     def decode(self, payload: bytes | bytearray | memoryview, numel: int, spec: ChunkSpec,
                device: torch.device | None = None) -> torch.Tensor:

@@ -202,8 +202,7 @@ class Pipeline:
 
     def encode(self, t: torch.Tensor) -> bytes:
         """The wire bytes of `t` (any device and float dtype). Everything is computed where `t` is: on a GPU the
-        selection and the value codec run there, and only the encoded bytes (and top-k's indices where `idx12` packs
-        them, on the host) cross to the host. The bytes are the same on every device for every deterministic
+        selection, the index code and the value codec run there, and only the encoded bytes cross to the host. The bytes are the same on every device for every deterministic
         codec: top-k's selection is exact, rand-k's indices come from its seed, the value codecs do the same IEEE
         arithmetic (`s4`/`s2` sum their statistics in another order, so their bins may differ in the last bit)."""
         t = t.detach().reshape(-1).to(torch.float32)
