@@ -132,7 +132,9 @@ def _train_unequal(rounds: int, *, streaming: StreamingConfig | None = None, com
                         on_round=lambda r: covered[i].append(d.member.standing.covered)) as d:
                 start.wait()
                 k, deadline, stepping = 0, time.monotonic() + 60, 0.0
-                while d.round < rounds and time.monotonic() < deadline:
+                # not one round more: with τ a stall longer than a span (a busy machine's) brings the next slot
+                # before the last round applied, which launched round rounds + 1 among the faster workers only
+                while d.round + d.pending_rounds < rounds and time.monotonic() < deadline:
                     began = time.monotonic()
                     x, y = data[k % len(data)]
                     torch.nn.functional.mse_loss(model(x), y).backward()
@@ -143,6 +145,7 @@ def _train_unequal(rounds: int, *, streaming: StreamingConfig | None = None, com
                     k += 1
                     if published is not None and d.engine.pace.published is not None:
                         published[i].add(d.engine.pace.published)  # each lasts a span: every value is seen
+                d.flush()  # the last round, launched at the last slot
                 if measured is not None:
                     measured[i] = stepping / max(1, k)
                 shown[i] = {r.peer: r.round_steps for r in d.swarm.records()}  # what `diloco status` shows
