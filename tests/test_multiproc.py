@@ -486,15 +486,14 @@ def test_a_killed_peer_restarts_and_catches_up(peers):
 def test_a_poisoning_peer_is_banned_then_stops_naming_why_and_the_others_go_on(peers):
     """A poisoning peer with real processes: peer 2 contributes its pseudo-gradient x 1e4 from round 1
     (DILOCO_FAULTS=poison@1). The honest two clip it, strike it three times (--ban-after 3) and ban it;
-    refused as banned by both in its next round, it exits 1 with a message naming why, within seconds,
-    instead of training on alone; the honest two finish every round on one digest."""
+    refused as banned by both in its next round, it exits 1 with a message naming why there instead of
+    training on alone; the honest two finish every round on one digest."""
     common = ["--rounds", "8", "-H", "5", "--wait-for", "3", "--compression", "fp32", "--ban-after", "3", *TINY]
     first = peers.spawn(0, ["start", *common])
     addr = peers.address(0)
     honest = [first, peers.spawn(1, ["join", addr, *common])]
     bad = peers.spawn(2, ["join", addr, *common], env={"DILOCO_FAULTS": "poison@1"})
     assert peers.wait(bad, 120) == 1, peers.log(2)
-    stopped_at = time.time()
     assert "was banned from run" in peers.log(2) and "by 2 of the 2 other peers" in peers.log(2), peers.log(2)
     assert not peers.lines(2, "final")
     for i, p in enumerate(honest):
@@ -505,16 +504,11 @@ def test_a_poisoning_peer_is_banned_then_stops_naming_why_and_the_others_go_on(p
     bad_id = re.search(r"^peer (\S+) in run", peers.log(2, whole=True), re.M).group(1)
     for f in finals:
         assert f["banned"] == [bad_id] and f["robust"]["clipped"] >= 3, f
-    banned_at = min(_logged_at(line) for i in (0, 1) for line in peers.log(i, whole=True).splitlines() if "event=peer_banned" in line)
-    # it stops at its next round (its peers refuse it at once), then leaves: well within a round timeout (6 s)
-    assert stopped_at - banned_at < 6 + 10, (stopped_at, banned_at)
-
-
-def _logged_at(line: str) -> float:
-    """The time of a log line ("2026-11-23 11:51:49,645 INFO …", local time) as a Unix timestamp."""
-    from datetime import datetime
-
-    return datetime.strptime(line[:23], "%Y-%m-%d %H:%M:%S,%f").timestamp()
+    # it stops at its next round (its peers refuse it at once) instead of training on alone: its last round is the one
+    # in flight when they banned it, or the next (counted in rounds, not seconds: a loaded machine stretches both)
+    banned = [line for i in (0, 1) for line in peers.log(i, whole=True).splitlines() if "event=peer_banned" in line]
+    banned_round = min(int(re.search(r"last: round (\d+):", line).group(1)) for line in banned)
+    assert peers.lines(2, "round")[-1]["round"] <= banned_round + 2, (banned, peers.lines(2, "round")[-1])
 
 
 @pytest.mark.multiproc

@@ -203,8 +203,13 @@ def test_regions_of_unequal_workers_run_their_rounds_by_time_and_merge_into_one_
     lab = _Lab({"a1": "eu", "a2": "eu", "b1": "us", "b2": "us"}, merge_every=2, base=PATIENT)
     paces = {"a1": 0.005, "a2": 0.02, "b1": 0.03, "b2": 0.01}
     barrier = threading.Barrier(4, timeout=20)
+    steps: dict[str, list[int]] = {p: [] for p in lab.regions}  # what each region round's Δ covered
+
+    def covered_by(p: str):
+        return lambda r: None if r.merge else steps[p].append(lab.workers[p].member.standing.covered)
     try:
-        _run_threads([lab.worker(p, 6, barrier, pace=paces[p], round_seconds=0.4) for p in lab.regions], [barrier])
+        _run_threads([lab.worker(p, 6, barrier, pace=paces[p], round_seconds=0.4, on_round=covered_by(p))
+                      for p in lab.regions], [barrier])
     finally:
         lab.close()
     w = lab.workers
@@ -213,10 +218,11 @@ def test_regions_of_unequal_workers_run_their_rounds_by_time_and_merge_into_one_
     uppers = {p: d.regions.upper for p, d in w.items()}
     assert uppers["a1"].digest == uppers["b1"].digest and uppers["a1"].round == 2
     assert all(d.regions.merges == 2 and d.regions.skipped == 0 for d in w.values())
-    covered = {p: d.member.standing.covered for p, d in w.items()}
+    covered = {p: sum(s) for p, s in steps.items()}
     # paces 4x and 3x apart; each step's own compute, the same for both, narrows that on a loaded machine (20 against
-    # 10 seen with two cores busy), so the margin asked is 1.5x
-    assert covered["a1"] > 1.5 * covered["a2"] and covered["b2"] > 1.5 * covered["b1"], covered
+    # 10 seen with two cores busy), so the margin asked is 1.5x, over every region round: one span that a stall of
+    # the process took whole (the last round's alone: 1 step against 5, in the slowest hour seen) does not decide it
+    assert covered["a1"] > 1.5 * covered["a2"] and covered["b2"] > 1.5 * covered["b1"], steps
 
 
 def test_streamed_rounds_inside_regions_merge_and_keep_each_workers_inner_steps_since_its_fragments_rounds():
