@@ -224,7 +224,8 @@ def test_sigterm_to_the_owner_cleans_up(tmp_path):
     child, info = _start_owner(tmp_path)
     try:
         child.send_signal(signal.SIGTERM)
-        assert child.wait(timeout=30) == 143, (tmp_path / "owner.err").read_text()
+        # a deadline, not a speed: its cleanup outlasted 30 s in an hour when this machine ran 2.5x as slow
+        assert child.wait(timeout=120) == 143, (tmp_path / "owner.err").read_text()
     finally:
         if child.poll() is None:
             child.kill()
