@@ -127,13 +127,13 @@ def _pack_words(flat: torch.Tensor, bits: int) -> torch.Tensor:
     per_group, group_bytes = _group(bits)
     count = flat.numel()
     groups = -(-count // per_group)
-    padded = torch.zeros(groups * per_group, dtype=torch.int64)
+    padded = torch.zeros(groups * per_group, dtype=torch.int64, device=flat.device)
     padded[:count] = flat
     columns = padded.view(groups, per_group)
     word = columns[:, 0].clone()
     for j in range(1, per_group):
         word.bitwise_or_(columns[:, j] << (bits * j))
-    out = torch.empty(groups, group_bytes, dtype=torch.uint8)
+    out = torch.empty(groups, group_bytes, dtype=torch.uint8, device=flat.device)
     for k in range(group_bytes):
         out[:, k] = (word >> (8 * k)) & 0xFF
     return out.view(-1)[: packed_size(count, bits)].clone()
@@ -179,14 +179,14 @@ def unpack_codes(packed: torch.Tensor, bits: int, count: int) -> torch.Tensor:
 def _unpack_words(packed: torch.Tensor, bits: int, count: int) -> torch.Tensor:
     per_group, group_bytes = _group(bits)
     groups = -(-count // per_group)
-    padded = torch.zeros(groups * group_bytes, dtype=torch.int64)
+    padded = torch.zeros(groups * group_bytes, dtype=torch.int64, device=packed.device)
     padded[: packed.numel()] = packed
     columns = padded.view(groups, group_bytes)
     word = columns[:, 0].clone()
     for k in range(1, group_bytes):
         word.bitwise_or_(columns[:, k] << (8 * k))
     mask = (1 << bits) - 1
-    out = torch.empty(groups, per_group, dtype=torch.int64)
+    out = torch.empty(groups, per_group, dtype=torch.int64, device=packed.device)
     for j in range(per_group):
         out[:, j] = (word >> (bits * j)) & mask
     flat = out.view(-1)

@@ -80,6 +80,7 @@ from typing import Final, Protocol, runtime_checkable
 
 import torch
 
+from .bits import _pack_words, _unpack_words, unpack_codes
 from .codecs import byte_view, host_bytes, wire_bytes
 from .errors import PayloadRejected, Reason
 from .sparse import ChunkSpec
@@ -181,12 +182,6 @@ def _ones(bits: torch.Tensor) -> torch.Tensor:
                       for i in range(0, len(bits), NONZERO_PIECE)])
 
 
-def _unpack_bits(raw: torch.Tensor) -> torch.Tensor:
-    """The bits of ``raw`` (uint8), LSB-first: bit ``i`` is bit ``i % 8`` of byte ``i // 8``."""
-    shifts = torch.arange(8, dtype=torch.uint8, device=raw.device)
-    return ((raw[:, None] >> shifts) & 1).reshape(-1)
-
-
 def _local_indices(name: str, indices: torch.Tensor, numel: int, spec: ChunkSpec) -> torch.Tensor:
     """Validate an encode() argument; return its chunk-local indices, on its device (two waits for a GPU)."""
     if not isinstance(indices, torch.Tensor):
@@ -232,11 +227,7 @@ class Packed12:
         if spec.chunk > PACKED12_MAX_CHUNK:
             raise ValueError(f"idx12 needs spec.chunk <= {PACKED12_MAX_CHUNK}, got {spec.chunk}; use 'rice'")
         local = _local_indices(self.name, indices, numel, spec)  # where the indices are: only the bytes cross
-        if local.numel() % 2:
-            local = torch.cat([local, local.new_zeros(1)])
-        word = local[0::2] | (local[1::2] << 12)
-        out = torch.stack([word & 0xFF, (word >> 8) & 0xFF, word >> 16], 1).to(torch.uint8).reshape(-1)
-        return host_bytes(out[: self.encoded_size(numel, spec)])
+        return host_bytes(_pack_words(local, 12)) if local.numel() else b""  # bits.py's 12-bit layout
 
     def decode(self, payload: bytes | bytearray | memoryview, numel: int, spec: ChunkSpec,
                device: torch.device | None = None) -> torch.Tensor:
@@ -251,24 +242,14 @@ class Packed12:
         where = _device(device)
         if kept == 0:
             return torch.empty(0, dtype=torch.int64, device=where)
-        pairs = -(-kept // 2)
-        raw = torch.zeros(3 * pairs, dtype=torch.uint8, device=where)
-        raw[:expected] = wire_bytes(view, 0, expected, where)
-        triples = raw.view(pairs, 3).to(torch.int32)
-        word = triples[:, 0] | (triples[:, 1] << 8) | (triples[:, 2] << 16)
-        local = torch.empty(2 * pairs, dtype=torch.int64, device=where)
-        local[0::2] = word & 0xFFF
-        local[1::2] = word >> 12
-        padding = local[kept:].sum()  # the top half of an odd final pair
-        local = local[:kept]
+        if kept % 2 and view[expected - 1] >> 4:  # the top half of an odd final pair
+            raise PayloadRejected(Reason.WRONG_SIZE, "idx12: nonzero padding bits after the last index")
+        local = _unpack_words(wire_bytes(view, 0, expected, where), 12, kept)
         layout = _Layout(numel, spec, where)
         step = torch.diff(local)
         step[layout.starts[1:] - 1] = 1  # a new chunk restarts the order
-        verdict = torch.stack([padding != 0, (local >= layout.index_lengths).any(),
-                               (step < 0).any(), (step == 0).any()])
-        padded, outside, descending, duplicate = verdict.tolist()  # the one wait for a GPU
-        if padded:
-            raise PayloadRejected(Reason.WRONG_SIZE, "idx12: nonzero padding bits after the last index")
+        verdict = torch.stack([(local >= layout.index_lengths).any(), (step < 0).any(), (step == 0).any()])
+        outside, descending, duplicate = verdict.tolist()  # the one wait for a GPU
         if outside:
             raise PayloadRejected(Reason.BAD_HEADER, "idx12: index outside its chunk")
         if descending:
@@ -363,8 +344,7 @@ class RiceGaps:
         raw = torch.zeros(nbytes + 2, dtype=torch.uint8, device=where)  # + 2: the last remainder's window
         raw[:nbytes] = wire_bytes(view, 0, nbytes, where)
         layout = _Layout(numel, spec, where)
-        halves = raw[: (n + 1) // 2]  # the parameters from bit 0, two a byte, low nibble first
-        r_chunk = torch.stack([halves & 0xF, halves >> 4], 1).reshape(-1)[:n].to(torch.int64)
+        r_chunk = unpack_codes(raw[: (n + 1) // 2], 4, n).to(torch.int64)  # 4-bit codes from bit 0
         r_idx = layout.per_index(r_chunk)
         rem_start = 4 * n
         unary_start = rem_start + int(r_idx.sum())  # the first wait for a GPU
@@ -377,7 +357,8 @@ class RiceGaps:
         window = raw[at].to(torch.int64) | (raw[at + 1].to(torch.int64) << 8) | (raw[at + 2].to(torch.int64) << 16)
         remainder = (window >> (position & 7)) & ((torch.ones_like(r_idx) << r_idx) - 1)
 
-        unary = _unpack_bits(raw[unary_start >> 3 : nbytes])[unary_start & 7 :]
+        unary = raw[unary_start >> 3 : nbytes]
+        unary = unpack_codes(unary, 1, 8 * len(unary))[unary_start & 7 :]
         ones = _ones(unary)  # its size: the second wait
         if len(ones) < kept:
             raise PayloadRejected(Reason.TRUNCATED, f"rice: stream ends after {len(ones)} of {kept} indices")

@@ -159,19 +159,17 @@ LANES = 4096
 """On a GPU, each level's totals are split over this many lanes (element ``i`` into lane ``i % LANES``)."""
 
 
-def bin_totals(codes: torch.Tensor, weights: torch.Tensor, levels: int,
-               lanes: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def bin_totals(codes: torch.Tensor, weights: torch.Tensor, levels: int) -> tuple[torch.Tensor, torch.Tensor]:
     """How many ``codes`` fall in each of ``levels`` bins (int64) and the sum of their ``weights`` (float64).
 
     Neighbouring GPU threads adding into the same 4 or 16 addresses serialise on their atomics (torch's
     ``bincount``, 1-3 ms at 16M values on an H200): there the totals gather in ``lanes`` addresses a level
-    (``LANES`` by default where codecs work as on a GPU, :func:`~.codecs.whole`; one on the host, where
-    ``bincount`` adds in order) and are summed after, each element's slot an int32 (4 bytes an element, on top of
+    (where codecs work as on a GPU, :func:`~.codecs.whole`; on the host ``bincount`` adds in order) and are summed after, each element's slot an int32 (4 bytes an element, on top of
     the codec's scratch). The sums differ from the host's in their float64 rounding only: an fp32 centroid changes
     (in its last bit) only where a sum lies within that rounding of an fp32 boundary, as with ``bincount``'s own
     atomics (tests/test_quant.py compares the bytes)."""
-    lanes = (LANES if whole(codes.device) else 1) if lanes is None else lanes
-    if lanes == 1:
+    lanes = LANES
+    if not whole(codes.device):
         return torch.bincount(codes, minlength=levels), torch.bincount(codes, weights=weights, minlength=levels)
     n, rows = codes.numel(), codes.numel() // lanes
     slot = codes.to(torch.int32) * lanes  # levels * lanes <= 2**16

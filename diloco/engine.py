@@ -25,12 +25,13 @@ from typing import Callable, Sequence
 
 import torch
 
-from diloco.comms import PeerId, RoundKey, RoundOutcome
+from diloco.comms import RoundKey, RoundOutcome
 from diloco.comms.rounds import Handoff
 from diloco.comms.robust import RobustConfig, finite
 from diloco.compression.ef import ErrorFeedback
 from diloco.compression.pipeline import Pipeline, Spec
 from diloco.peers import stragglers
+from diloco.peers.membership import Voters
 
 from .fragments import Fragment, HSchedule, StreamingConfig, fragment_of_round, inner_steps_at
 from .holding import views
@@ -90,7 +91,7 @@ class RoundEngine:
     def __init__(self, member: Member, *, fragments: Sequence[Fragment], streaming: StreamingConfig,
                  inner_steps: int, h_schedule: HSchedule, outer_lr_schedule: Callable[[int], float], spec: Spec,
                  on_rollback: Callable[[], None] = lambda: None, round_seconds: float | None = None,
-                 adaptive: bool = False, voters: Callable[[Sequence[PeerId]], list[PeerId]] | None = None) -> None:
+                 adaptive: bool = False, voters: Voters | None = None) -> None:
         """`member`: the worker in its swarm (state, standing, catching up). `on_rollback()`: after a non-finite Δ
         rolled the model back (the inner optimizer's state holds the same NaN). `voters`: what our rounds' quorum
         counts of their peers (`Swarm.exchange_async`; a merge of regions: their regions)."""

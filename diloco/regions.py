@@ -39,12 +39,12 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import replace
-from typing import TYPE_CHECKING, Callable, Collection, Sequence
+from typing import TYPE_CHECKING, Collection, Sequence
 
 from diloco.comms import PeerId
 from diloco.compression.errors import ConfigError
 from diloco.compression.pipeline import parse
-from diloco.peers.membership import regions_of
+from diloco.peers.membership import Voters, regions_of
 from diloco.peers.records import PeerRecord
 
 from .accounting import Accounting
@@ -367,7 +367,7 @@ class Regions(Topology):
 
 
 def _global_level(worker: Member, compression: str, merge_every: int, outer: OuterFactory,
-                  voters: Callable[[Sequence[PeerId]], list[PeerId]]) -> tuple[Member, RoundEngine]:
+                  voters: Voters) -> tuple[Member, RoundEngine]:
     """The global level of a region's member: θ_G (a copy of the worker's state's shapes, with the global outer
     optimizer) held by a member of the peer's swarm, whose local copy is what a merge takes the difference to
     (the region state), and whose rounds are the merges (one fragment, `merge_every` region rounds a period),

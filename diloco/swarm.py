@@ -44,7 +44,7 @@ from diloco.comms.transport import InProcNetwork, ScopedTransport
 from diloco.compression import Reason
 from diloco.peers import (Directory, PeerRecord, banned_by_majority, plan_round, quorum, started_without,
                           voted_out)
-from diloco.peers.membership import GroupPlan, serving
+from diloco.peers.membership import GroupPlan, Voters, serving
 from diloco.peers.records import MAX_BANNED
 
 from . import connect
@@ -280,7 +280,7 @@ class Swarm:
                        fragment: int = 0,
                        previous: tuple[PeerId, ...] | None = None,
                        skip: Collection[PeerId] = (), weight: int = 1,
-                       voters: Callable[[Sequence[PeerId]], list[PeerId]] | None = None,
+                       voters: Voters | None = None,
                        ) -> concurrent.futures.Future[RoundOutcome]:
         """Start our next round in the background (training goes on) and return at once: which attempt
         to run and whom to wait for are decided there from fresh records, so the training thread does

@@ -26,7 +26,7 @@ from __future__ import annotations
 import hashlib
 from collections import Counter
 from dataclasses import dataclass
-from typing import Collection, Mapping, Sequence
+from typing import Callable, Collection, Mapping, Sequence
 
 from diloco.comms import PeerId, RoundKey
 from diloco.compression.errors import ConfigError
@@ -43,6 +43,10 @@ def serving(records: Sequence[PeerRecord]) -> list[PeerRecord]:
     in the swarm's records, `diloco.regions`: they hold the global state but leave its rounds to their
     representative)."""
     return [r for r in records if r.status in ("training", "standby")]
+
+
+Voters = Callable[[Sequence[PeerId]], list[PeerId]]
+"""What a round's quorum counts of its peers (`regions_of` for a merge of regions; the peers themselves by default)."""
 
 
 def regions_of(peers: Sequence[PeerId], region: Mapping[PeerId, str]) -> list[PeerId]:

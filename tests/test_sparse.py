@@ -332,9 +332,11 @@ def test_rice_finds_the_unary_ones_in_pieces_as_in_one(monkeypatch: pytest.Monke
     assert len(whole[0]) == 192 and sum(isinstance(o, list) for o in whole) > 2
 
 
-def outcome(codec: IndexCodec, payload: bytes, numel: int, spec: ChunkSpec) -> list[int] | Reason:
+def outcome(codec: IndexCodec, payload: bytes, numel: int, spec: ChunkSpec,
+            device: torch.device | None = None) -> list[int] | Reason:
+    """What decoding gives: the indices, or the reason it was refused (tests/test_gpu.py: on a GPU too)."""
     try:
-        return codec.decode(payload, numel, spec).tolist()
+        return codec.decode(payload, numel, spec, device).tolist()
     except PayloadRejected as err:
         return err.reason
 
