@@ -84,7 +84,7 @@ async def exchange(c: Collective, r: Exchange, handoff: Handoff) -> Value | None
                  {p: rs.incarnations[p] for p in r.view if p in rs.incarnations})
 
 
-def _encode(c: Collective, handoff: Handoff, bounds: list[tuple[int, int]], round_: int) -> list[bytes]:
+def _encode(c: Collective, handoff: Handoff, bounds: list[tuple[int, int]], round_: int) -> list[bytes | memoryview]:
     # after this, the round holds Δ only as its encoded spans (a poisoning plan scales each span first)
     return [c.pipeline.encode_parts([c.faults.outgoing(round_, part) for part in parts])
             for parts in handoff.span_parts(bounds)]

@@ -236,7 +236,7 @@ class Exchange:
     me: PeerId
     bounds: list[tuple[int, int]]
     closed_at: float
-    payloads: list[bytes] = field(default_factory=list)
+    payloads: list[bytes | memoryview] = field(default_factory=list)
     payload_bytes: int = 0
     """Encoded size of our whole contribution (payloads sent to other owners are dropped once sent)."""
     own: dict[int, Decoded] = field(default_factory=dict)

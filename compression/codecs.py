@@ -79,9 +79,17 @@ class Codec(abc.ABC):
     def encoded_size(self, numel: int) -> int:
         """Exact byte length of the encoding of ``numel`` values (no allocation)."""
 
-    @abc.abstractmethod
     def encode(self, t: torch.Tensor) -> bytes:
-        """Encode a 1-D fp32 tensor. Raises ``TypeError``/``ValueError`` on misuse."""
+        """Encode a 1-D fp32 tensor into a new ``bytes``. Raises ``TypeError``/``ValueError`` on misuse."""
+        payload = self.encode_view(t)
+        return payload if isinstance(payload, bytes) else payload.tobytes()
+
+    @abc.abstractmethod
+    def encode_view(self, t: torch.Tensor) -> bytes | memoryview:
+        """:meth:`encode` without copying the payload into a new ``bytes``: a read-only view of the buffer the
+        encoder wrote it into (:func:`landed`; from a GPU, the pinned host memory the codes crossed into), kept
+        alive by the view alone and never shared with anything else. Copying a payload of 32 MiB or more into a new
+        ``bytes`` costs more than encoding it on a GPU: its fresh pages fault in one by one."""
 
     @abc.abstractmethod
     def decode(self, payload: bytes | bytearray | memoryview, numel: int,
@@ -107,15 +115,21 @@ def payload_buffer(size: int, device: torch.device) -> np.ndarray:
     return np.empty(size, dtype=np.uint8)
 
 
-def host_bytes(t: torch.Tensor) -> bytes:
-    """The little-endian bytes of the values of a contiguous tensor, as a new ``bytes`` (from a GPU: one crossing
-    into a :func:`payload_buffer`)."""
+def landed(out: np.ndarray) -> memoryview:
+    """A :func:`payload_buffer` an encoder has filled, as its payload: a read-only view, no copy."""
+    view: memoryview = memoryview(out.data).toreadonly()
+    return view
+
+
+def host_bytes(t: torch.Tensor) -> bytes | memoryview:
+    """The little-endian bytes of the values of a contiguous tensor: in host memory a new ``bytes`` (the tensor may
+    be the caller's); from a GPU, one crossing into a :func:`payload_buffer`, :func:`landed`."""
     if t.device.type == "cpu":
         array = t.numpy()
         return array.astype(array.dtype.newbyteorder("<"), copy=False).tobytes()
     out = payload_buffer(t.numel() * t.element_size(), t.device)
     torch.from_numpy(out).copy_(t.reshape(-1).view(torch.uint8))
-    return out.tobytes()
+    return landed(out)
 
 
 def wire_bytes(view: memoryview, offset: int, count: int, device: torch.device) -> torch.Tensor:
@@ -179,7 +193,7 @@ class Fp32Codec(FixedWidthCodec):
     name = "fp32"
     bits_per_value = 32.0
 
-    def encode(self, t: torch.Tensor) -> bytes:
+    def encode_view(self, t: torch.Tensor) -> bytes | memoryview:
         return host_bytes(check_input(t))
 
     def own_bytes(self, t: torch.Tensor) -> memoryview | None:
@@ -217,7 +231,7 @@ class Fp16Codec(FixedWidthCodec):
     name = "fp16"
     bits_per_value = 16.0
 
-    def encode(self, t: torch.Tensor) -> bytes:
+    def encode_view(self, t: torch.Tensor) -> bytes | memoryview:
         source = check_input(t)
         clamped = source.clamp(-FP16_MAX, FP16_MAX)
         clamped = torch.where(torch.isinf(source), source, clamped)  # keep +-inf visible

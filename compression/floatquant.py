@@ -41,7 +41,7 @@ from .blockscale import (
     scratch,
     staging,
 )
-from .codecs import FixedWidthCodec, byte_view, check_input, expect_size, host_bytes, whole, wire_bytes
+from .codecs import FixedWidthCodec, byte_view, check_input, expect_size, host_bytes, landed, whole, wire_bytes
 from .errors import Reason
 
 __all__ = ["BF16_MAX", "FP8_MAX", "Bf16Codec", "Fp8Codec", "E3M0Codec"]
@@ -71,7 +71,7 @@ class Bf16Codec(FixedWidthCodec):
     name = "bf16"
     bits_per_value = 16.0
 
-    def encode(self, t: torch.Tensor) -> bytes:
+    def encode_view(self, t: torch.Tensor) -> bytes | memoryview:
         x = check_input(t)
         if x.numel() == 0:
             return b""
@@ -145,7 +145,7 @@ class Fp8Codec(BlockScaledCodec):
             raise ValueError(f"numel must be >= 0, got {numel}")
         return 4 * self._blocks(numel) + numel
 
-    def encode(self, t: torch.Tensor) -> bytes:
+    def encode_view(self, t: torch.Tensor) -> bytes | memoryview:
         x = check_input(t)
         n = x.numel()
         if n == 0:
@@ -161,7 +161,7 @@ class Fp8Codec(BlockScaledCodec):
             v.clamp_(-FP8_MAX, FP8_MAX)
             codes[start:stop].copy_(v.to(torch.float8_e4m3fn).view(torch.uint8))
         land(body, codes)
-        return out.tobytes()
+        return landed(out)
 
     def _decode_codes(self, view: memoryview, numel: int, scales: np.ndarray,
                       device: torch.device | None) -> torch.Tensor:
@@ -219,7 +219,7 @@ class E3M0Codec(BlockScaledCodec):
         block, stochastic = parse_block_args("e3m0", args, default_block=0, per_tensor_ok=True)
         return cls(block, stochastic=stochastic, seed=seed)
 
-    def encode(self, t: torch.Tensor) -> bytes:
+    def encode_view(self, t: torch.Tensor) -> bytes | memoryview:
         x = check_input(t)
         n = x.numel()
         if n == 0:
@@ -260,7 +260,7 @@ class E3M0Codec(BlockScaledCodec):
             first = start // 2
             codes[first : first + packed.numel()].copy_(packed)
         land(body, codes)
-        return out.tobytes()
+        return landed(out)
 
     def _decode_codes(self, view: memoryview, numel: int, scales: np.ndarray,
                       device: torch.device | None) -> torch.Tensor:

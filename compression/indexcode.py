@@ -112,7 +112,7 @@ class IndexCodec(Protocol):
         """Upper bound on the payload length (for a receiver's size limit)."""
         ...
 
-    def encode(self, indices: torch.Tensor, numel: int, spec: ChunkSpec) -> bytes:
+    def encode(self, indices: torch.Tensor, numel: int, spec: ChunkSpec) -> bytes | memoryview:
         """Encode ``indices`` shaped as :func:`~.sparse.topk_select` returns them.
 
         Raises ``TypeError``/``ValueError`` if they are not (local misuse)."""
@@ -222,7 +222,7 @@ class Packed12:
     def max_encoded_size(self, numel: int, spec: ChunkSpec) -> int:
         return self.encoded_size(numel, spec)
 
-    def encode(self, indices: torch.Tensor, numel: int, spec: ChunkSpec) -> bytes:
+    def encode(self, indices: torch.Tensor, numel: int, spec: ChunkSpec) -> bytes | memoryview:
         _check_spec(spec)
         if spec.chunk > PACKED12_MAX_CHUNK:
             raise ValueError(f"idx12 needs spec.chunk <= {PACKED12_MAX_CHUNK}, got {spec.chunk}; use 'rice'")
@@ -280,7 +280,7 @@ class RiceGaps:
     def max_encoded_size(self, numel: int, spec: ChunkSpec) -> int:
         return (_rice_max_bits(numel, spec) + 7) // 8
 
-    def encode(self, indices: torch.Tensor, numel: int, spec: ChunkSpec) -> bytes:
+    def encode(self, indices: torch.Tensor, numel: int, spec: ChunkSpec) -> bytes | memoryview:
         """The stream, built where the indices are (on a GPU only the packed bytes cross to the host): each byte the
         sum of what the fields put in it (their bits are their own); three waits for a GPU (two validating the
         indices, one for the stream's length)."""

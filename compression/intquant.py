@@ -50,7 +50,7 @@ from .blockscale import (
     staging,
     take_bytes,
 )
-from .codecs import Codec, byte_view, check_input, expect_size, payload_buffer, whole
+from .codecs import Codec, byte_view, check_input, expect_size, landed, payload_buffer, whole
 from .errors import PayloadRejected, Reason
 
 __all__ = ["BlockQuantCodec", "StatCodec"]
@@ -106,7 +106,7 @@ class BlockQuantCodec(BlockScaledCodec):
         block, stochastic = parse_block_args(f"q{bits}", args, default_block=256)
         return cls(bits, block, stochastic=stochastic, seed=seed)
 
-    def encode(self, t: torch.Tensor) -> bytes:
+    def encode_view(self, t: torch.Tensor) -> bytes | memoryview:
         x = check_input(t)
         n = x.numel()
         if n == 0:
@@ -143,7 +143,7 @@ class BlockQuantCodec(BlockScaledCodec):
                 packed = pack_codes(c.view(torch.uint8) & mask, self.bits)
                 staged[first : first + packed.numel()].copy_(packed)
         land(body, staged)
-        return out.tobytes()
+        return landed(out)
 
     def _decode_codes(self, view: memoryview, numel: int, scales: np.ndarray,
                       device: torch.device | None) -> torch.Tensor:
@@ -250,7 +250,7 @@ class StatCodec(Codec):
             count = total
         return mean, math.sqrt(m2 / (n - 1)) if n > 1 else 0.0
 
-    def encode(self, t: torch.Tensor) -> bytes:
+    def encode_view(self, t: torch.Tensor) -> bytes | memoryview:
         x = check_input(t)
         n = x.numel()
         if n == 0:
@@ -292,7 +292,7 @@ class StatCodec(Codec):
         counts_, sums_ = counts.cpu().numpy(), sums.cpu().numpy()
         centroids = np.where(counts_ > 0, sums_ / np.maximum(counts_, 1), centres)
         out[:head].view(F32)[:] = np.clip(centroids, -FLT_MAX, FLT_MAX).astype(np.float32)
-        return out.tobytes()
+        return landed(out)
 
     def decode(self, payload: bytes | bytearray | memoryview, numel: int,
                device: torch.device | None = None) -> torch.Tensor:

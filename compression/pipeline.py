@@ -202,32 +202,42 @@ class Pipeline:
 
     def encode(self, t: torch.Tensor) -> bytes:
         """The wire bytes of `t` (any device and float dtype). Everything is computed where `t` is: on a GPU the
-        selection, the index code and the value codec run there, and only the encoded bytes cross to the host. The bytes are the same on every device for every deterministic
-        codec: top-k's selection is exact, rand-k's indices come from its seed, the value codecs do the same IEEE
-        arithmetic (`s4`/`s2` sum their statistics in another order, so their bins may differ in the last bit)."""
+        selection, the index code and the value codec run there, and only the encoded bytes cross to the host. The
+        bytes are the same on every device for every deterministic codec: top-k's selection is exact, rand-k's
+        indices come from its seed, the value codecs do the same IEEE arithmetic (`s4`/`s2` sum their statistics in
+        another order, so their bins may differ in the last bit)."""
+        payload = self._encode(t)
+        return payload if isinstance(payload, bytes) else payload.tobytes()
+
+    def _encode(self, t: torch.Tensor) -> bytes | memoryview:
+        """`encode(t)`, a dense payload as the value codec wrote it (`Codec.encode_view`: no copy into a new
+        `bytes`; never a view of `t`)."""
         t = t.detach().reshape(-1).to(torch.float32)
+        raw: bytes | memoryview
         if self.spec.sparsifier == "topk":
             assert self.spec.chunk is not None and self.index is not None
             idx = topk_select(t, self.spec.chunk)
             kept = t[idx].contiguous()
             index_bytes = self.index.encode(idx, t.numel(), self.spec.chunk)
-            raw = _U32.pack(len(index_bytes)) + index_bytes + self.value.encode(kept)
+            raw = _U32.pack(len(index_bytes)) + index_bytes + self.value.encode_view(kept)
         elif self.spec.sparsifier is None:
-            raw = self.value.encode(t.contiguous())
+            raw = self.value.encode_view(t.contiguous())
         else:
             assert self.spec.chunk is not None
             seed = int.from_bytes(os.urandom(8), "little") >> 1  # torch seeds must fit in int64
             idx = randk_select(t.numel(), self.spec.chunk, seed)
-            raw = _U64.pack(seed) + self.value.encode(t[idx.to(t.device)].contiguous())
+            raw = _U64.pack(seed) + self.value.encode_view(t[idx.to(t.device)].contiguous())
         return self._zc.compress(raw) if self._zc is not None else raw
 
-    def encode_parts(self, parts: Sequence[torch.Tensor]) -> bytes:
-        """`encode` of the concatenation of `parts` (1-D): for dense fp32 without zstd in host memory, their bytes
-        joined into the payload, one copy and no concatenated tensor."""
+    def encode_parts(self, parts: Sequence[torch.Tensor]) -> bytes | memoryview:
+        """`encode` of the concatenation of `parts` (1-D), as the swarm sends it: for dense fp32 without zstd in host
+        memory, their bytes joined into the payload, one copy and no concatenated tensor; else a dense payload as the
+        value codec wrote it (`Codec.encode_view`: on a GPU, the pinned memory its bytes crossed into, not copied
+        again). Never a view of a part."""
         views = [self._own_bytes(p) for p in parts] if len(parts) > 1 else []
         if views and all(v is not None for v in views):
             return b"".join(v for v in views if v is not None)
-        return self.encode(parts[0] if len(parts) == 1 else torch.cat(list(parts)) if parts else torch.empty(0))
+        return self._encode(parts[0] if len(parts) == 1 else torch.cat(list(parts)) if parts else torch.empty(0))
 
     def _raw_fp32(self) -> Fp32Codec | None:
         """The value codec when its bytes are the payload (dense fp32, no other stage on): a tensor's own bytes are
@@ -244,7 +254,7 @@ class Pipeline:
         """`encode(t)`, as a view of `t`'s own memory where the encoding is `t`'s bytes themselves (dense fp32 without
         zstd, a contiguous fp32 tensor in host memory, a little-endian host): valid only while `t` is unchanged."""
         view = self._own_bytes(t)
-        return view if view is not None else self.encode(t)
+        return view if view is not None else self._encode(t)
 
     # ---------------------------------------------------------------------- decode
 

@@ -395,7 +395,7 @@ class RoundEngine:
         a lossy codec is applied, as a swarm's peers would apply it (with its error feedback)."""
         if self.local_pipeline.spec.text == "fp32":
             return acc, 4 * acc.numel()
-        payload = self.local_pipeline.encode(acc)
+        payload = self.local_pipeline.encode_parts([acc])
         onto = acc.device if acc.device.type != "cpu" else None  # θ on a GPU: the bytes decode there
         return self.local_pipeline.decode(payload, acc.numel(), onto).dense(acc.numel()), len(payload)
 

@@ -19,13 +19,37 @@ def test_the_wrapper_benchmark_times_bare_and_wrapped_runs_and_finds_the_syncs()
     bare, h4, h8 = report["rows"]
     assert [r["kind"] for r in report["rows"]] == ["bare", "DiLoCo H=4", "DiLoCo H=8"]
     # 20 steps a run, the first 4 untimed: syncs after steps 4, 8, ... (timed: 8, 12, 16, 20 / 8, 16)
-    assert h4["syncs"] == [4, 4] and h8["syncs"] == [2, 2] and bare["syncs"] == [0, 0]
+    assert h4["syncs"] == [4, 4] and h8["syncs"] == [2, 2] and bare["syncs"] == [0] * 4
     for r in (h4, h8):
         assert r["mean_step_ms"] > 0 and r["sync_ms"] is not None
-        assert r["overhead"] == pytest.approx(r["mean_step_ms"] / bare["mean_step_ms"] - 1)
-        assert len(r["runs"]) == 2
-    assert ticks[0] == (0, 6, "bare") and ticks[-1] == (6, 6, "done")
+        assert len(r["runs"]) == len(r["bare_runs"]) == 2
+        # each run's overhead is over the bare steps taken in turn with its own
+        lo, hi = sorted(w / b - 1 for w, b in zip(r["runs"], r["bare_runs"]))
+        assert lo - 1e-9 <= r["overhead"] <= hi + 1e-9
+        assert r["beside_steps"] is not None and 0 <= r["beside_steps"] <= 16
+    assert sorted(bare["runs"]) == sorted(h4["bare_runs"] + h8["bare_runs"])
+    assert ticks[0] == (0, 4, "H=4") and ticks[-1] == (4, 4, "done")
     assert markdown_table(report).count("\n") == 4 and report["params"] > 0
+
+
+def test_a_run_steps_both_loops_in_turns_and_marks_the_syncs_and_the_steps_beside_the_hash():
+    """`_run` steps the bare and the wrapped copy alike (same batches, same seed: the bare copy's weights are those
+    of plain training), flags exactly the steps that synchronized, and `_figures` splits the plain steps from the
+    syncs."""
+    from diloco.bench.wrapper import _figures, _run
+    from diloco.job.train import load_corpus
+
+    job = JobConfig(d_model=16, n_layer=1, batch_size=2, context=32, corpus_bytes=1 << 20)
+    setup = WrapperSetup(job=job, steps=12, warmup=2)
+    x = _run(setup, 3, load_corpus(job))
+    assert len(x["bare"]) == len(x["wrapped"]) == len(x["synced"]) == len(x["beside"]) == 12
+    # 14 steps after the warm-up's sync, the first 2 untimed: syncs at steps 3, 6, 9 and 12 (timed: 1st, 4th, 7th, 10th)
+    assert x["synced"] == [k % 3 == 0 for k in range(3, 15)]
+    f = _figures(x)
+    assert len(f["syncs"]) == 4
+    assert f["overhead"] == pytest.approx(sum(x["wrapped"]) / sum(x["bare"]) - 1)
+    plain = [(b, w) for b, w, s in zip(x["bare"], x["wrapped"], x["synced"]) if not s]
+    assert f["per_step"] == pytest.approx(sum(w for _, w in plain) / sum(b for b, _ in plain) - 1)
 
 
 def test_the_sync_is_timed_on_the_training_thread_against_its_floor_in_the_same_process():

@@ -11,6 +11,7 @@ launcher).
 from __future__ import annotations
 
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -262,9 +263,17 @@ def test_codecs_write_the_same_bytes_for_a_gpu_tensor_as_for_its_host_copy_and_d
     for spec in (*DEFAULT_SPECS, DEFAULT_PIPELINE):
         pipe = Pipeline(spec)
         payload = pipe.encode(on_gpu)
-        assert payload == pipe.encode(x), spec
+        assert isinstance(payload, bytes) and payload == pipe.encode(x), spec
         decoded = pipe.decode(payload, n, CUDA).dense(n)
         assert decoded.device == CUDA and torch.equal(decoded.cpu(), pipe.decode(payload, n).dense(n)), spec
+        # as the swarm encodes a span: the same bytes; a dense one is the pinned memory they crossed into
+        sent = pipe.encode_parts([on_gpu])
+        assert bytes(sent) == payload, spec
+        if pipe.spec.sparsifier is None and not pipe.spec.zstd:
+            assert isinstance(sent, memoryview) and sent.readonly, spec
+            with warnings.catch_warnings():  # read-only: the tensor over it is only asked where it lives
+                warnings.simplefilter("ignore", UserWarning)
+                assert torch.frombuffer(sent, dtype=torch.uint8).is_pinned(), spec
 
 
 @pytest.mark.parametrize("name", ["rice", "idx12"])

@@ -154,10 +154,17 @@ def test_encode_view_is_the_encoding_in_the_tensors_own_memory_where_that_is_the
     t[0] = 7.0  # the view is the tensor's memory: valid only while the tensor is unchanged
     assert bytes(view[:4]) == torch.tensor([7.0]).numpy().tobytes()
     assert torch.equal(fp32.decode(fp32.encode_view(t), 1000).values, t)  # exact: the very values back
-    for spec in ("q8", "fp32+zstd:3", "topk:8/64+fp32"):  # another encoding: encode's bytes, a copy
+    for spec in ("q8", "fp32+zstd:3", "topk:8/64+fp32"):  # another encoding: never a view of the tensor
         p = Pipeline(spec)
-        assert not isinstance(p.encode_view(t), memoryview)
+        view, parts = p.encode_view(t), p.encode_parts([t])
+        expected = bytes(view)
+        assert bytes(parts) == expected == p.encode(t)
+        t[0] += 1.0
+        assert bytes(view) == bytes(parts) == expected  # the payload outlives a change of the tensor
         assert p.exact == (spec == "fp32+zstd:3")
+    # q8's payload is the buffer its encoder wrote (no copy into a new bytes), read-only
+    assert isinstance(Pipeline("q8").encode_view(t), memoryview) and Pipeline("q8").encode_view(t).readonly
+    assert isinstance(Pipeline("q8").encode(t), bytes)
     assert isinstance(fp32.encode_view(t[::2]), bytes)  # not contiguous: encoded as usual
 
 

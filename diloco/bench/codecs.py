@@ -13,11 +13,15 @@ after H AdamW steps on the bundled corpus) tiled to the requested size, so codec
 pseudo-gradient's distribution at sizes where throughput is meaningful. Every figure is the
 median of `repeats` runs.
 
+Encoding is timed as the swarm encodes a span (`Pipeline.encode_parts`): the payload as the codec wrote it, not
+copied again into a new `bytes`.
+
 `device="cuda"` puts the inputs on the GPU: the codecs encode there and their encoded bytes cross to the host
-(`Pipeline.encode`), then decode back onto the GPU from those bytes (`Pipeline.decode(..., device)`); the clone
+(into pinned memory), then decode back onto the GPU from those bytes (`Pipeline.decode(..., device)`); the clone
 baseline is a copy on the GPU, and every timing waits for the GPU (`torch.cuda.synchronize`). Beside each, the
-time a plain copy of the encoded bytes to the host takes (`to_host_s`) and back onto the GPU (`to_device_s`): the
-part of encoding and decoding that the bus, not the codec, sets. `profile` writes, for each pipeline, the
+time a plain copy of as many bytes takes from the GPU into pinned host memory kept for it (`to_host_s`: the bus's
+rate) and from a `bytes` object, as they arrive, onto the GPU (`to_device_s`): the part of encoding and decoding
+that the bus, not the codec, sets. `profile` writes, for each pipeline, the
 `torch.profiler` and `cProfile` tables of one encode and one decode after the timed ones.
 """
 
@@ -55,7 +59,7 @@ class CodecResult:
     clone_s: float
     device: str = "cpu"
     to_host_s: float = 0.0
-    """A plain copy of the encoded bytes from the device to the host (0 on the host)."""
+    """A plain copy of as many bytes as the payload from the device into pinned host memory (0 on the host)."""
     to_device_s: float = 0.0
     """A plain copy of the encoded bytes from the host (a `bytes` object, as they arrive) to the device (0 on the
     host)."""
@@ -153,8 +157,8 @@ def bench_codecs(specs: list[str], inputs: dict[str, torch.Tensor], repeats: int
         onto = dev if dev.type != "cpu" else None
         for spec in specs:
             pipe = Pipeline(spec)
-            encode_s, payload = median_time(lambda: pipe.encode(x), repeats, finish)
-            assert isinstance(payload, bytes)
+            encode_s, payload = median_time(lambda: pipe.encode_parts([x]), repeats, finish)
+            assert isinstance(payload, (bytes, memoryview))
             decode_s, decoded = median_time(lambda: pipe.decode(payload, x.numel(), onto).dense(x.numel()), repeats,
                                             finish)
             assert isinstance(decoded, torch.Tensor)
@@ -162,15 +166,16 @@ def bench_codecs(specs: list[str], inputs: dict[str, torch.Tensor], repeats: int
             to_host_s = to_device_s = 0.0
             if onto is not None:
                 staged = torch.empty(len(payload), dtype=torch.uint8, device=dev)
-                to_host_s, _ = median_time(lambda: staged.cpu(), repeats, finish)
+                pinned = torch.empty(len(payload), dtype=torch.uint8, pin_memory=True)
+                to_host_s, _ = median_time(lambda: pinned.copy_(staged), repeats, finish)
                 arrived = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
                 to_device_s, _ = median_time(lambda: arrived.to(dev), repeats, finish)
             r = CodecResult(pipe.name, name, x.numel(), 8 * len(payload) / x.numel(), err, encode_s, decode_s, clone_s,
-                            str(dev), to_host_s, to_device_s, kernel_seconds(lambda: pipe.encode(x), dev),
+                            str(dev), to_host_s, to_device_s, kernel_seconds(lambda: pipe.encode_parts([x]), dev),
                             kernel_seconds(lambda: pipe.decode(payload, x.numel(), onto), dev), clone_kernels_s)
             results.append(r)
             if profile is not None:
-                profiles.append(f"# {pipe.name} on {name}: encode\n\n" + profile_tables(lambda: pipe.encode(x), dev))
+                profiles.append(f"# {pipe.name} on {name}: encode\n\n" + profile_tables(lambda: pipe.encode_parts([x]), dev))
                 profiles.append(f"# {pipe.name} on {name}: decode\n\n" + profile_tables(
                     lambda: pipe.decode(payload, x.numel(), onto).dense(x.numel()), dev))
             if progress is not None:

@@ -1,14 +1,16 @@
 """B5, `diloco bench wrapper`: what the wrapper costs a training loop, per inner step.
 
-The bundled GPT trains one process, with no network, in runs that alternate between the bare loop
-(forward, backward, AdamW step) and the same loop inside `DiLoCo(model, optimizer, inner_steps=H)`
-for each H asked; each run is timed step by step after a warm-up, and the median run of each kind is
-reported. A wrapped run's warm-up starts with one synchronization (`DiLoCo.sync()`): the first one of a process
+The bundled GPT trains in one process, with no network: each run of an H holds two copies of the model, one in
+the bare loop (forward, backward, AdamW step) and one inside `DiLoCo(model, optimizer, inner_steps=H)`, stepped in
+turns, so that the device's and the host's drift falls on both alike; every step is timed after a warm-up, and the
+median of each H's runs is reported. A wrapped run's warm-up starts with one synchronization (`DiLoCo.sync()`): the first one of a process
 allocates (and on a GPU pins) the buffers every later one reuses, a cost a run pays once, and with H as long as the
 timed steps it would be the only synchronization timed. The wrapper's cost is split in two: what every step pays (the post-step hook, accounting,
 the schedule's check), measured on the steps that do not synchronize, and what a synchronization
 costs (pseudo-gradient, the local encode and decode, the outer step, loading θ), spread over its H
-steps. Without a swarm the synchronization moves nothing: the network's share is what
+steps. The work a synchronization leaves beside training (hashing the new state) shares the host with both loops:
+the bare steps taken while it runs are compared with the other plain ones (`beside_steps`, `beside_slowdown`).
+Without a swarm the synchronization moves nothing: the network's share is what
 `diloco bench overlap` and `diloco simulate` measure.
 
 `device` puts the model and its batches on a GPU (`cuda`); θ and the outer state then stay in host memory
@@ -65,96 +67,141 @@ class WrapperSetup:
     thread, and on the GPU where there is one)."""
 
 
-def _run(setup: WrapperSetup, h: int | None, corpus: Any) -> dict[str, Any]:
-    """One run: per-step times (seconds) and which steps synchronized; `h` None is the bare loop."""
+class _Loop:
+    """One copy of the bundled GPT at `setup.job`'s size on `device`, its AdamW and its batches (the same seed, so
+    every copy starts equal), stepped and timed one step at a time."""
+
+    def __init__(self, setup: WrapperSetup, batches: list[tuple[torch.Tensor, torch.Tensor]], device: torch.device):
+        job = setup.job
+        self.model = build_model(GPTConfig(context=job.context, d_model=job.d_model, n_layer=job.n_layer),
+                                 seed=job.seed).to(device)
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=job.lr, betas=ADAMW_BETAS,
+                                     weight_decay=WEIGHT_DECAY)
+        self.batches, self.device, self.autocast = batches, device, setup.autocast
+        self.finish = waiter(device)
+
+    def step(self, k: int) -> float:
+        """One inner step (forward, backward, AdamW), in seconds to its end: a GPU step ends when its kernels have
+        run, not when Python has queued them."""
+        x, y = self.batches[k % len(self.batches)]
+        started = time.perf_counter()
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
+            _, loss = self.model(x, y)
+        loss.backward()
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        self.finish()
+        return time.perf_counter() - started
+
+
+def _run(setup: WrapperSetup, h: int, corpus: Any) -> dict[str, Any]:
+    """One run of H: the bare loop and the same loop inside `DiLoCo(inner_steps=h)`, on two copies of the model with
+    the same batches, in turns step by step (which of the two goes first alternates). A drift of the device or the
+    host moves the mean step of separate runs by several percent (measured on an H200: bare runs of 19.8-25.5 ms);
+    in turns it falls on both loops alike. Per timed step: both times (seconds), whether the wrapped one
+    synchronized, and whether the wrapper's state was being hashed beside training then (that work shares the host
+    with both loops: `beside`)."""
     job = setup.job
     torch.set_num_threads(job.threads)
     device = torch.device(setup.device)
-    model = build_model(GPTConfig(context=job.context, d_model=job.d_model, n_layer=job.n_layer), seed=job.seed)
-    model.to(device)
-    opt = torch.optim.AdamW(model.parameters(), lr=job.lr, betas=ADAMW_BETAS, weight_decay=WEIGHT_DECAY)
     sampler = BatchSampler(corpus.train, batch_size=job.batch_size, context=job.context, seed=job.seed, shard=0,
                            num_shards=100_000)
     # the same few batches, already on the device: the loop, not the sampler or the copy, is timed
     batches = [(x.to(device), y.to(device)) for x, y in (sampler.next() for _ in range(16))]
-    finish = waiter(device)
-    times: list[float] = []
+    bare, wrapped = _Loop(setup, batches, device), _Loop(setup, batches, device)
+    times: dict[str, list[float]] = {"bare": [], "wrapped": []}
     synced: list[bool] = []
+    beside: list[bool] = []
+    with DiLoCo(wrapped.model, wrapped.opt, swarm=None, inner_steps=h, compression=setup.compression,
+                global_device=setup.global_device) as d:
+        holding = d.member.holding
 
-    def step(k: int, d: DiLoCo | None) -> None:
-        x, y = batches[k % len(batches)]
-        before = d.round if d is not None else 0
-        started = time.perf_counter()
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=setup.autocast):
-            _, loss = model(x, y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        finish()  # a GPU step ends when its kernels have run, not when Python has queued them
-        times.append(time.perf_counter() - started)
-        synced.append(d is not None and d.round != before)
+        def hashing() -> bool:
+            return holding.known() == ""
 
-    total = setup.warmup + setup.steps
-    if h is None:
-        for k in range(total):
-            step(k, None)
-    else:
-        with DiLoCo(model, opt, swarm=None, inner_steps=h, compression=setup.compression,
-                    global_device=setup.global_device) as d:
-            d.sync()  # the first synchronization is the cold one: in the warm-up
-            for k in range(total):
-                step(k, d)
-    return {"times": times[setup.warmup:], "synced": synced[setup.warmup:],
-            "params": sum(p.numel() for p in model.parameters())}
+        d.sync()  # the first synchronization is the cold one: in the warm-up
+        for k in range(setup.warmup + setup.steps):
+            before, busy = d.round, hashing()
+            for name in ("bare", "wrapped") if k % 2 == 0 else ("wrapped", "bare"):
+                times[name].append((bare if name == "bare" else wrapped).step(k))
+            synced.append(d.round != before)
+            beside.append(busy or hashing())
+    cut = setup.warmup
+    return {"bare": times["bare"][cut:], "wrapped": times["wrapped"][cut:], "synced": synced[cut:],
+            "beside": beside[cut:], "params": sum(p.numel() for p in bare.model.parameters())}
+
+
+def _figures(x: dict[str, Any]) -> dict[str, Any]:
+    """One run's figures: each loop's mean step, the wrapper's overhead over the bare steps taken in turn with its
+    own, every step's share (the steps that do not synchronize), each sync less its bare partner, and the bare
+    steps beside the hash of the wrapper's state against the other plain ones."""
+    steps = list(zip(x["bare"], x["wrapped"], x["synced"], x["beside"]))
+    plain = [(b, w) for b, w, s, _ in steps if not s]
+    quiet = [b for b, _, s, h in steps if not s and not h]
+    near = [b for b, _, s, h in steps if not s and h]
+    syncs = max(1, sum(x["synced"]))
+    return {"bare": statistics.fmean(x["bare"]), "wrapped": statistics.fmean(x["wrapped"]),
+            "overhead": sum(x["wrapped"]) / sum(x["bare"]) - 1,
+            "per_step": sum(w for _, w in plain) / sum(b for b, _ in plain) - 1 if plain else 0.0,
+            "syncs": [w - b for b, w, s, _ in steps if s], "beside_steps": len(near) / syncs,
+            "beside": statistics.fmean(near) / statistics.fmean(quiet) - 1 if near and quiet else None}
 
 
 def run(setup: WrapperSetup, tick: Tick = lambda done, total, status: None, loops: bool = True) -> dict[str, Any]:
-    """Bare and each H, interleaved `repeats` times; per kind the median run's mean step, and for the
-    wrapper the overhead over bare, split into every step's share and the synchronizations' share (`loops`
-    False: none of this); then a synchronization's time on the training thread against its floor (`sync`)."""
+    """Each H `repeats` times (`_run`: the bare and the wrapped loop in turns); per H the median run's figures
+    (`_figures`); the bare row is the median of every run's bare mean. Then a synchronization's time on the training
+    thread against its floor (`sync`); `loops` False: only that."""
     if not loops:
         cost = sync_cost(setup)
         tick(1, 1, "done")
         return {"params": cost["params"], "rows": [], "sync": cost,
                 **({"checkpoint": checkpoint_cost(setup)} if setup.checkpoints else {})}
     corpus = load_corpus(setup.job)
-    kinds: list[int | None] = [None, *setup.inner_steps]
-    runs: dict[int | None, list[dict[str, Any]]] = {k: [] for k in kinds}
-    total = setup.repeats * len(kinds)
+    runs: dict[int, list[dict[str, Any]]] = {h: [] for h in setup.inner_steps}
+    total = setup.repeats * len(setup.inner_steps)
+    params = 0
     with subnormals_flushed(setup.flush_denormal):
         for r in range(setup.repeats):
-            for i, kind in enumerate(kinds):
-                tick(r * len(kinds) + i, total, "bare" if kind is None else f"H={kind}")
-                runs[kind].append(_run(setup, kind, corpus))
+            for i, h in enumerate(setup.inner_steps):
+                tick(r * len(setup.inner_steps) + i, total, f"H={h}")
+                x = _run(setup, h, corpus)
+                params = x["params"]
+                runs[h].append({"synced": sum(x["synced"]), **_figures(x)})
     tick(total, total, "done")
 
-    def mean(run_: dict[str, Any], only_plain: bool = False) -> float:
-        ts: list[float] = [t for t, s in zip(run_["times"], run_["synced"]) if not (only_plain and s)]
-        return sum(ts) / len(ts)
-
-    bare = statistics.median(mean(x) for x in runs[None])
+    bares = [f["bare"] for h in setup.inner_steps for f in runs[h]]
+    bare = statistics.median(bares)
     rows = [dict(kind="bare", inner_steps=None, mean_step_ms=bare * 1e3, overhead=0.0, per_step_overhead=0.0,
-                 sync_ms=None, sync_overhead=0.0, syncs=[0] * setup.repeats, runs=[mean(x) * 1e3 for x in runs[None]])]
+                 sync_ms=None, sync_overhead=0.0, syncs=[0] * len(bares), runs=[b * 1e3 for b in bares],
+                 beside_steps=None, beside_slowdown=None)]
     for h in setup.inner_steps:
-        median_run = sorted(runs[h], key=mean)[len(runs[h]) // 2]
-        with_d = mean(median_run)
-        plain = statistics.median(mean(x, only_plain=True) for x in runs[h])
-        syncs = [t for x in runs[h] for t, s in zip(x["times"], x["synced"]) if s]
-        sync = statistics.median(syncs) - plain if syncs else 0.0
-        rows.append(dict(kind=f"DiLoCo H={h}", inner_steps=h, mean_step_ms=with_d * 1e3, overhead=with_d / bare - 1,
-                         per_step_overhead=plain / bare - 1, sync_ms=sync * 1e3, sync_overhead=sync / h / bare,
-                         syncs=[sum(x["synced"]) for x in runs[h]], runs=[mean(x) * 1e3 for x in runs[h]]))
-    return {"params": runs[None][0]["params"], "rows": rows, "sync": sync_cost(setup),
+        figs = runs[h]
+        syncs = [t for f in figs for t in f["syncs"]]
+        sync = statistics.median(syncs) if syncs else 0.0
+        besides = [f["beside"] for f in figs if f["beside"] is not None]
+        rows.append(dict(kind=f"DiLoCo H={h}", inner_steps=h,
+                         mean_step_ms=statistics.median(f["wrapped"] for f in figs) * 1e3,
+                         overhead=statistics.median(f["overhead"] for f in figs),
+                         per_step_overhead=statistics.median(f["per_step"] for f in figs), sync_ms=sync * 1e3,
+                         sync_overhead=sync / h / statistics.median(f["bare"] for f in figs),
+                         syncs=[f["synced"] for f in figs], runs=[f["wrapped"] * 1e3 for f in figs],
+                         bare_runs=[f["bare"] * 1e3 for f in figs],
+                         beside_steps=statistics.median(f["beside_steps"] for f in figs),
+                         beside_slowdown=statistics.median(besides) if besides else None))
+    return {"params": params, "rows": rows, "sync": sync_cost(setup),
             **({"checkpoint": checkpoint_cost(setup)} if setup.checkpoints else {})}
 
 
 def markdown_table(report: dict[str, Any]) -> str:
-    lines = ["| loop | inner step (median run) | overhead | every step's share | a sync | its share over H |",
-             "|---|---|---|---|---|---|"]
+    lines = ["| loop | inner step (median run) | overhead | every step's share | a sync | its share over H "
+             "| steps beside the hash a round | a bare step there |",
+             "|---|---|---|---|---|---|---|---|"]
     for r in report["rows"]:
         sync = "-" if r["sync_ms"] is None else f"{r['sync_ms']:.1f} ms"
+        steps = "-" if r["beside_steps"] is None else f"{r['beside_steps']:.1f}"
+        slow = "-" if r["beside_slowdown"] is None else f"{r['beside_slowdown']:+.2%}"
         lines.append(f"| {r['kind']} | {r['mean_step_ms']:.2f} ms | {r['overhead']:+.2%} | {r['per_step_overhead']:+.2%} | "
-                     f"{sync} | {r['sync_overhead']:+.2%} |")
+                     f"{sync} | {r['sync_overhead']:+.2%} | {steps} | {slow} |")
     return "\n".join(lines)
 
 

@@ -680,7 +680,8 @@ def bench_wrapper_cmd(
     inner_steps: List[int] = typer.Option([50, 100, 500], "--inner-steps", "-H", help="H of the wrapped runs; repeat "
                                                                                        "it."),
     steps: int = typer.Option(500, help="Timed inner steps per run (after 20 untimed)."),
-    repeats: int = typer.Option(3, help="Runs of each kind, interleaved; the median run is reported."),
+    repeats: int = typer.Option(3, help="Runs of each H (each steps the bare and the wrapped loop in turns); "
+                                                   "the median is reported."),
     threads: Optional[int] = typer.Option(None, help="torch CPU threads (default: 1 for a model on the CPU; for a "
                                                      "model on a GPU torch's own, one a core, as in your process: "
                                                      "the host's cores step θ kept in host memory)."),
