@@ -73,18 +73,18 @@ run() {
     cd "$here"
     local rc=0  # every step runs whatever the one before did: a lent GPU is rare
     gpu_tier "$out" || rc=$?
-    python3 -m diloco bench transfer --device cuda --json "$out/transfer-gpt.json" || rc=$?
-    python3 -m diloco bench transfer --device cuda --d-model 1024 --layers 24 --json "$out/transfer-gpt-300m.json" \
-        || rc=$?
+    codecs "$out" || rc=$?
     python3 -m diloco bench wrapper --device cuda --quiet -H 50 -H 500 --repeats 2 --json "$out/wrapper.json" || rc=$?
     # 85M parameters in bf16 autocast, 16 × 256 bytes a step: θ in host memory (the default; H=50 and 500), then
     # on the GPU (H=50); each with a profile of its timed synchronizations
-    local big=(--device cuda --d-model 768 --layers 12 --batch-size 16 --context 256 --autocast --repeats 2 --quiet)
-    python3 -m diloco bench wrapper "${big[@]}" --global-device cpu -H 50 -H 500 --steps 500 \
+    local big=(--device cuda --d-model 768 --layers 12 --batch-size 16 --context 256 --autocast --quiet)
+    python3 -m diloco bench wrapper "${big[@]}" --repeats 3 --global-device cpu -H 50 -H 500 --steps 500 \
         --profile "$out/profile-85m-cpu.txt" --json "$out/wrapper-85m-cpu.json" || rc=$?
-    python3 -m diloco bench wrapper "${big[@]}" --global-device cuda -H 50 --steps 300 \
+    python3 -m diloco bench wrapper "${big[@]}" --repeats 2 --global-device cuda -H 50 --steps 300 \
         --profile "$out/profile-85m-cuda.txt" --json "$out/wrapper-85m-cuda.json" || rc=$?
-    codecs "$out" || rc=$?
+    python3 -m diloco bench transfer --device cuda --json "$out/transfer-gpt.json" || rc=$?
+    python3 -m diloco bench transfer --device cuda --d-model 1024 --layers 24 --json "$out/transfer-gpt-300m.json" \
+        || rc=$?
     return "$rc"
 }
 
