@@ -29,6 +29,7 @@ from typing import Sequence
 
 import torch
 
+from diloco.compression.codecs import all_finite
 from diloco.compression.errors import ConfigError
 from diloco.compression.pipeline import Decoded
 
@@ -74,12 +75,8 @@ class RobustConfig:
 _CHUNK = 1 << 20  # values per float64 piece: the norm's temporary stays 8 MiB whatever the span
 
 
-def finite(values: torch.Tensor) -> bool:
-    """No NaN or Inf in `values` (one pass, no temporary: the extremes propagate both)."""
-    if not values.numel():
-        return True
-    lo, hi = torch.aminmax(values)
-    return math.isfinite(float(lo)) and math.isfinite(float(hi))
+finite = all_finite
+"""No NaN or Inf in a tensor (`diloco.compression.codecs.all_finite`)."""
 
 
 def norm(part: Decoded) -> float:

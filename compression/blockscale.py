@@ -45,7 +45,6 @@ changing it (``quant.CHUNK = ...`` forwards to it) takes effect for every codec.
 from __future__ import annotations
 
 import abc
-import math
 import os
 import re
 import threading
@@ -56,7 +55,7 @@ import numpy as np
 import torch
 
 from .bits import packed_size, padding_bits_clear, unpack_codes
-from .codecs import Codec, byte_view, expect_size, payload_buffer, whole, wire_bytes
+from .codecs import Codec, all_finite, byte_view, expect_size, payload_buffer, whole, wire_bytes
 from .errors import PayloadRejected, Reason
 
 __all__ = ["CHUNK", "BLOCK_MIN", "BLOCK_MAX", "FLT_MAX", "BlockScaledCodec"]
@@ -337,10 +336,8 @@ def _decode_table_on(device: torch.device, codec: Codec, view: memoryview, numel
 
 
 def require_finite_output(codec: Codec, out: torch.Tensor, reason: Reason, what: str) -> None:
-    if out.numel():
-        low, high = torch.aminmax(out)  # NaN propagates; one pass, no allocation
-        if not (math.isfinite(float(low)) and math.isfinite(float(high))):
-            raise PayloadRejected(reason, f"{codec.name}: {what}")
+    if not all_finite(out):
+        raise PayloadRejected(reason, f"{codec.name}: {what}")
 
 
 def empty(device: torch.device | None = None) -> torch.Tensor:

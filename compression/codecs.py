@@ -41,6 +41,7 @@ Available codecs (:data:`CODECS`):
 from __future__ import annotations
 
 import abc
+import math
 import sys
 import warnings
 from typing import Any, Final
@@ -113,6 +114,20 @@ def payload_buffer(size: int, device: torch.device) -> np.ndarray:
     if device.type == "cuda":
         return torch.empty(size, dtype=torch.uint8, pin_memory=True).numpy()
     return np.empty(size, dtype=np.uint8)
+
+
+def all_finite(values: torch.Tensor) -> bool:
+    """No NaN or Inf in `values`: one pass, no temporary. The sum of squares is finite when every value is (NaN and
+    Inf propagate into it), at the speed of memory: a dot product takes half the time of `aminmax` on a CPU (85M
+    values: 49 against 94 ms). Only finite values so large that their squares overflow (above ~1.8e19) make it
+    infinite; the extremes then decide."""
+    if not values.numel():
+        return True
+    flat = values.reshape(-1)
+    if flat.dtype in (torch.float32, torch.float64) and math.isfinite(float(torch.dot(flat, flat))):
+        return True
+    low, high = torch.aminmax(flat)
+    return math.isfinite(float(low)) and math.isfinite(float(high))
 
 
 def landed(out: np.ndarray) -> memoryview:

@@ -50,7 +50,7 @@ from .blockscale import (
     staging,
     take_bytes,
 )
-from .codecs import Codec, byte_view, check_input, expect_size, landed, payload_buffer, whole
+from .codecs import Codec, all_finite, byte_view, check_input, expect_size, landed, payload_buffer, whole
 from .errors import PayloadRejected, Reason
 
 __all__ = ["BlockQuantCodec", "StatCodec"]
@@ -255,8 +255,7 @@ class StatCodec(Codec):
         n = x.numel()
         if n == 0:
             return b""
-        low, high = torch.aminmax(x)
-        if not (math.isfinite(float(low)) and math.isfinite(float(high))):
+        if not all_finite(x):
             raise ValueError("cannot quantize non-finite values (NaN or inf in the input)")
         mean, sigma = self._mean_std(x)
         half = self.levels // 2

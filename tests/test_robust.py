@@ -113,6 +113,24 @@ def test_trimmed_mean_drops_extremes_per_coordinate_in_any_order():
 
 
 @pytest.mark.unit
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_finite_is_false_for_any_nan_or_inf_and_true_for_huge_finite_values(dtype):
+    """`finite` answers from a dot product where it can; values whose squares overflow are still finite."""
+    finite = robust.finite
+    base = torch.randn(10_001, dtype=torch.float32).to(dtype)
+    assert finite(base) and finite(torch.empty(0, dtype=dtype)) and finite(base.view(1, -1)[:, ::2])
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        for at in (0, 5_000, 10_000):
+            x = base.clone()
+            x[at] = bad
+            assert not finite(x), (bad, at)
+    huge = base.clone()
+    huge[7] = 3e38 if dtype != torch.float64 else 1e300  # its square overflows; the value itself is finite
+    huge[8] = -huge[7]
+    assert finite(huge)
+
+
+@pytest.mark.unit
 def test_admission_refuses_non_finite_and_absurd_values():
     cfg = RobustConfig(max_rms=10.0)
     assert robust.admit(_dense([1.0, -2.0]), cfg) == (True, "")
