@@ -83,14 +83,37 @@ def wait_for_gpus(tensors: Iterable[torch.Tensor]) -> None:
         torch.cuda.current_stream(device).synchronize()
 
 
+PIECE = 1 << 22
+"""Values of θ in host memory that cross to a GPU at a time to form Δ there (`subtract_on_gpus`): 16 MiB of fp32,
+the GPU memory it borrows."""
+
+
+@torch.no_grad()
+def subtract_on_gpus(outs: Sequence[torch.Tensor], global_params: Sequence[torch.Tensor],
+                     local_params: Sequence[torch.Tensor]) -> None:
+    """outs[i] ← global_params[i] − local_params[i], for θ in host memory and a model on a GPU, where the model is:
+    each piece of θ (at most `PIECE` values) crosses to its parameter's GPU, is subtracted there and crosses back
+    into `outs[i]` (host memory, pinned, contiguous), all queued on the current stream without waiting; the caller
+    waits once (`wait_for_gpus`) before reading `outs` or changing θ. The bus twice and one kernel, instead of Δ's
+    crossing and a pass over host memory: the host's subtraction took 75 ms of a sync for 85M parameters on an
+    H200's host with 16 threads, the crossings 6.5 ms each way (docs/BENCHMARKS.md, "On a GPU"). The same values:
+    an fp32 subtraction is correctly rounded on either device."""
+    for out, g, p in zip(outs, global_params, local_params):
+        flat_out, flat_g, flat_p = out.view(-1), g.reshape(-1), p.detach().reshape(-1)
+        for lo in range(0, flat_g.numel(), PIECE):
+            hi = min(lo + PIECE, flat_g.numel())
+            piece = flat_g[lo:hi].to(flat_p.device, non_blocking=True, copy=True)  # never θ itself
+            torch.sub(piece, flat_p[lo:hi], out=piece)
+            flat_out[lo:hi].copy_(piece, non_blocking=True)  # the allocator reuses `piece` only after this copy
+
+
 @torch.no_grad()
 def pseudo_gradient(global_params: Sequence[torch.Tensor], local_params: Sequence[torch.Tensor],
                     out: torch.Tensor | None = None) -> torch.Tensor:
     """Δ = θ_global − θ_local, flat fp32, where θ_global lives. One allocation: Δ itself, or none into `out` (a
     flat fp32 buffer of the right size there: a fresh allocation this large costs more in page faults than the
-    subtraction). With the model on a GPU and θ in host memory, Δ is allocated pinned and every parameter is
-    copied into it without waiting, then the GPU is waited for once (not once per parameter), and the
-    subtraction runs in place on the host."""
+    subtraction). With the model on a GPU and θ in host memory, Δ is allocated pinned and formed on the GPU
+    (`subtract_on_gpus`), then the GPU is waited for once (not once per parameter)."""
     device = global_params[0].device if global_params else torch.device("cpu")
     crossing = _crosses(local_params, device)
     numel = sum(p.numel() for p in global_params)
@@ -100,11 +123,8 @@ def pseudo_gradient(global_params: Sequence[torch.Tensor], local_params: Sequenc
                                                              pin_memory=crossing)
     views = unflatten(delta, global_params)
     if crossing:
-        for out, p in zip(views, local_params):
-            out.copy_(p.detach(), non_blocking=True)
-        wait_for_gpus(local_params)  # every copy has landed before the host reads them
-        for out, g in zip(views, global_params):
-            torch.sub(g, out, out=out)
+        subtract_on_gpus(views, global_params, local_params)
+        wait_for_gpus(local_params)  # every piece has landed before the host reads Δ or θ changes
         return delta
     if _one_gpu_fp32(global_params, local_params):  # a few fused kernels, not a launch per parameter
         torch._foreach_copy_(views, list(global_params))
@@ -128,24 +148,24 @@ def pseudo_gradient_pieces(global_params: Sequence[torch.Tensor], local_params: 
                            piece: int = 1 << 24) -> list[torch.Tensor]:
     """`pseudo_gradient` as consecutive pieces of at most `piece` values, each its own allocation, in flat
     order: a round frees each once it has encoded it (`diloco.comms.rounds.PiecewiseHandoff`), so Δ and its
-    whole encoding never coexist. From a GPU, as `pseudo_gradient`: pinned pieces, one wait."""
+    whole encoding never coexist. From a GPU, as `pseudo_gradient`: pinned pieces formed on the GPU, one wait."""
     crossing = bool(global_params) and _crosses(local_params, global_params[0].device)
-    pairs, pieces = [], []
+    pieces = []
     for g, p in zip(global_params, local_params):
         flat_g, flat_p = g.reshape(-1), p.detach().reshape(-1)
         for lo in range(0, flat_g.numel(), piece):
             hi = min(lo + piece, flat_g.numel())
-            if not crossing and flat_p.device == g.device and flat_p.dtype == torch.float32:
+            if crossing:
+                out = torch.empty(hi - lo, dtype=torch.float32, pin_memory=True)
+                subtract_on_gpus([out], [flat_g[lo:hi]], [flat_p[lo:hi]])
+                pieces.append(out)
+            elif flat_p.device == g.device and flat_p.dtype == torch.float32:
                 pieces.append(torch.sub(flat_g[lo:hi], flat_p[lo:hi]))  # one pass, into the piece's fresh memory
-                continue
-            out = torch.empty(hi - lo, dtype=torch.float32, device=g.device, pin_memory=crossing)
-            out.copy_(flat_p[lo:hi], non_blocking=crossing)
-            pairs.append((len(pieces), out, flat_g[lo:hi]))
-            pieces.append(out)
+            else:  # another dtype: its values widened into the piece, then subtracted there
+                out = torch.empty(hi - lo, dtype=torch.float32, device=g.device)
+                pieces.append(torch.sub(flat_g[lo:hi], out.copy_(flat_p[lo:hi]), out=out))
     if crossing:
         wait_for_gpus(local_params)
-    for i, out, g in pairs:
-        pieces[i] = torch.sub(g, out, out=out)
     return pieces
 
 

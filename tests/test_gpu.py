@@ -18,6 +18,7 @@ import pytest
 import torch
 
 import diloco.compression.pipeline as pipeline_module
+import diloco.outer as outer_module
 from diloco import DiLoCo
 from diloco.bench.codecs import DEFAULT_SPECS, DEFAULT_PIPELINE
 from diloco.bench.transfer import TransferSetup
@@ -92,9 +93,12 @@ def test_a_gpu_model_keeps_theta_and_the_outer_state_in_pinned_host_memory_and_h
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_delta_from_the_gpu_and_theta_back_are_exact_and_land_before_the_host_reads_them(dtype):
-    """`pseudo_gradient` and its pieces queue every copy from the GPU and wait once; `copy_into` likewise: the
-    results are exactly the host arithmetic's, also right after a long kernel still writing the parameters."""
+@pytest.mark.parametrize("piece", [1 << 22, 1000])
+def test_delta_from_the_gpu_and_theta_back_are_exact_and_land_before_the_host_reads_them(dtype, piece, monkeypatch):
+    """`pseudo_gradient` and its pieces form Δ on the GPU (θ crossing there a piece at a time: `outer.PIECE`) and
+    wait once; `copy_into` likewise: the results are exactly the host arithmetic's, also right after a long kernel
+    still writing the parameters, and θ is left as it was."""
+    monkeypatch.setattr(outer_module, "PIECE", piece)
     g = torch.Generator().manual_seed(3)
     shapes = [(1000, 700), (700,), (5, 3), (4097,)]
     theta = [torch.randn(s, generator=g).pin_memory() for s in shapes]
@@ -106,8 +110,10 @@ def test_delta_from_the_gpu_and_theta_back_are_exact_and_land_before_the_host_re
     for p in local:
         p.add_(big[0, 0] * 0)
     expected = torch.cat([(t - p.float()).reshape(-1) for t, p in zip(theta, host_local)])
+    before = [t.clone() for t in theta]
     delta = pseudo_gradient(theta, local)
     assert delta.device.type == "cpu" and delta.is_pinned() and torch.equal(delta, expected)
+    assert all(torch.equal(t, b) for t, b in zip(theta, before))
     pieces = pseudo_gradient_pieces(theta, local, piece=1000)
     assert torch.equal(torch.cat(pieces), expected) and all(x.is_pinned() for x in pieces)
     copy_into(local, theta)

@@ -372,3 +372,22 @@ def test_delta_in_pieces_reads_as_the_whole_delta_span_by_span_and_frees_pieces_
     whole_spans = list(PiecewiseHandoff(pseudo_gradient_pieces(global_, local, piece)).spans(bounds))
     assert [t.numel() for t in whole_spans] == [hi - lo for lo, hi in bounds]  # spans: the parts concatenated
     assert torch.equal(torch.cat(whole_spans) if whole_spans else torch.empty(0), whole)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_delta_formed_where_the_model_is_crosses_theta_a_piece_at_a_time_and_leaves_theta_alone(dtype, monkeypatch):
+    """`subtract_on_gpus` (θ in host memory, a model on a GPU: there θ's pieces cross to the GPU) on the CPU: every
+    piece boundary lands where it should, the values are the host's subtraction bit for bit, and θ is only read
+    (the piece is a copy even where θ is already on the model's device). tests/test_gpu.py runs it across the bus."""
+    import diloco.outer as outer_module
+
+    monkeypatch.setattr(outer_module, "PIECE", 7)
+    g = torch.Generator().manual_seed(5)
+    shapes = [(3, 5), (7,), (1,), (30,)]
+    theta = [torch.randn(s, generator=g) for s in shapes]
+    local = [torch.randn(s, generator=g).to(dtype) for s in shapes]
+    before = [t.clone() for t in theta]
+    outs = [torch.full(s, float("nan")) for s in shapes]
+    outer_module.subtract_on_gpus(outs, theta, local)
+    for o, t, p, b in zip(outs, theta, local, before):
+        assert torch.equal(o, t - p.float()) and torch.equal(t, b)

@@ -214,13 +214,14 @@ def write_json(report: dict[str, Any], path: Path, setup: dict[str, Any]) -> Non
 def _floor(theta: list[torch.Tensor], local: list[torch.Tensor], delta: list[torch.Tensor],
            outer: torch.optim.Optimizer) -> None:
     """The least a synchronization does on the training thread, in bare torch: Δ = θ − θ_local into memory kept
-    for it (moved to θ's device first when the model is elsewhere), the Nesterov step with Δ as θ's gradient
+    for it (with θ in host memory and the model on a GPU: θ crosses to the GPU, the subtraction runs there and Δ
+    crosses back, which beats Δ's crossing and a pass over host memory), the Nesterov step with Δ as θ's gradient
     (foreach, in place), and θ copied back into the model."""
     if delta[0].device != local[0].device:
-        torch._foreach_copy_(delta, local, non_blocking=True)
+        for d, t, p in zip(delta, theta, local):
+            on_gpu = t.to(p.device, non_blocking=True)
+            d.copy_(on_gpu.sub_(p), non_blocking=True)
         wait_for_gpus(local)
-        for d, t in zip(delta, theta):
-            torch.sub(t, d, out=d)
     else:
         for d, t, p in zip(delta, theta, local):
             torch.sub(t, p, out=d)
