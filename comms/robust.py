@@ -29,7 +29,6 @@ from typing import Sequence
 
 import torch
 
-from diloco.compression.codecs import all_finite
 from diloco.compression.errors import ConfigError
 from diloco.compression.pipeline import Decoded
 
@@ -73,10 +72,6 @@ class RobustConfig:
 
 
 _CHUNK = 1 << 20  # values per float64 piece: the norm's temporary stays 8 MiB whatever the span
-
-
-finite = all_finite
-"""No NaN or Inf in a tensor (`diloco.compression.codecs.all_finite`)."""
 
 
 def norm(part: Decoded) -> float:

@@ -27,7 +27,8 @@ import torch
 
 from diloco.comms import RoundKey, RoundOutcome
 from diloco.comms.rounds import Handoff
-from diloco.comms.robust import RobustConfig, finite
+from diloco.comms.robust import RobustConfig
+from diloco.compression.codecs import all_finite as finite
 from diloco.compression.ef import ErrorFeedback
 from diloco.compression.pipeline import Pipeline, Spec
 from diloco.peers import stragglers
