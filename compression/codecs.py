@@ -116,6 +116,10 @@ def payload_buffer(size: int, device: torch.device) -> np.ndarray:
     return np.empty(size, dtype=np.uint8)
 
 
+DOT_PIECE = 1 << 30
+"""Values a dot product takes at a time in `all_finite` (a GPU's `dot` takes at most 2^31 − 1)."""
+
+
 def all_finite(values: torch.Tensor) -> bool:
     """No NaN or Inf in `values`: one pass, no temporary. The sum of squares is finite when every value is (NaN and
     Inf propagate into it), at the speed of memory: a dot product takes half the time of `aminmax` on a CPU (85M
@@ -124,7 +128,9 @@ def all_finite(values: torch.Tensor) -> bool:
     if not values.numel():
         return True
     flat = values.reshape(-1)
-    if flat.dtype in (torch.float32, torch.float64) and math.isfinite(float(torch.dot(flat, flat))):
+    if flat.dtype in (torch.float32, torch.float64) and all(
+            math.isfinite(float(torch.dot(piece, piece)))
+            for piece in (flat[lo:lo + DOT_PIECE] for lo in range(0, flat.numel(), DOT_PIECE))):
         return True
     low, high = torch.aminmax(flat)
     return math.isfinite(float(low)) and math.isfinite(float(high))

@@ -96,10 +96,15 @@ def subtract_on_gpus(outs: Sequence[torch.Tensor], global_params: Sequence[torch
     into `outs[i]` (host memory, pinned, contiguous), all queued on the current stream without waiting; the caller
     waits once (`wait_for_gpus`) before reading `outs` or changing θ. The bus twice and one kernel, instead of Δ's
     crossing and a pass over host memory: the host's subtraction took 75 ms of a sync for 85M parameters on an
-    H200's host with 16 threads, the crossings 6.5 ms each way (docs/BENCHMARKS.md, "On a GPU"). The same values:
-    an fp32 subtraction is correctly rounded on either device."""
+    H200's host with 16 threads, the crossings 6.5 ms each way (docs/BENCHMARKS.md, "On a GPU"). The same values
+    as the host's subtraction (an fp32 subtraction is correctly rounded on either device; a wider parameter is
+    rounded to fp32 first, as there), except where the host flushes subnormal results to zero
+    (`torch.set_flush_denormal`) and the GPU keeps them. A non-contiguous parameter is first made contiguous on its
+    GPU (the memory borrowed is then its size)."""
     for out, g, p in zip(outs, global_params, local_params):
         flat_out, flat_g, flat_p = out.view(-1), g.reshape(-1), p.detach().reshape(-1)
+        if flat_p.dtype == torch.float64:
+            flat_p = flat_p.float()
         for lo in range(0, flat_g.numel(), PIECE):
             hi = min(lo + PIECE, flat_g.numel())
             piece = flat_g[lo:hi].to(flat_p.device, non_blocking=True, copy=True)  # never θ itself

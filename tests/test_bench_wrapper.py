@@ -72,3 +72,24 @@ def test_a_checkpoint_due_is_timed_beside_training_against_the_same_checkpoint_o
     cost = checkpoint_cost(WrapperSetup(job=job, checkpoints=True), inner_steps=4, syncs=2)
     assert cost["syncs"] == 2 and cost["save_ms"] > 0
     assert checkpoint_table(cost).count("\n") == 2
+
+
+def test_a_sync_is_measured_against_the_bare_steps_before_it_not_its_partner_beside_the_hash():
+    """The bare step taken in turn with a sync may run beside the hash that sync starts (slower): the sync's cost is
+    its time less the median of the plain bare steps just before it; the steps beside the hash are counted per
+    sync and compared with the quiet ones."""
+    from diloco.bench.wrapper import _figures
+
+    bare = [1.0, 1.2, 0.8, 1.0, 4.0, 2.0, 1.0, 1.0]
+    wrapped = [1.0, 1.0, 1.0, 1.0, 9.0, 1.0, 1.0, 1.0]
+    synced = [False, False, False, False, True, False, False, False]
+    beside = [False, False, False, False, True, True, False, False]
+    f = _figures({"bare": bare, "wrapped": wrapped, "synced": synced, "beside": beside})
+    assert f["syncs"] == [9.0 - 1.0]  # the median of 1.0, 1.2, 0.8, 1.0; not 9.0 - 4.0
+    assert f["beside_steps"] == 1 and f["beside"] == pytest.approx(2.0 / 1.0 - 1)
+    assert f["per_step"] == pytest.approx(7.0 / 8.0 - 1)
+    first = _figures({"bare": [3.0, 1.0, 2.0], "wrapped": [5.0, 1.0, 1.0], "synced": [True, False, False],
+                      "beside": [False, False, False]})
+    assert first["syncs"] == [5.0 - 1.5] and first["beside_steps"] == 0  # no step before it: the ones after
+    none = _figures({"bare": [1.0], "wrapped": [1.0], "synced": [False], "beside": [True]})
+    assert none["syncs"] == [] and none["beside_steps"] is None

@@ -374,7 +374,7 @@ def test_delta_in_pieces_reads_as_the_whole_delta_span_by_span_and_frees_pieces_
     assert torch.equal(torch.cat(whole_spans) if whole_spans else torch.empty(0), whole)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
 def test_delta_formed_where_the_model_is_crosses_theta_a_piece_at_a_time_and_leaves_theta_alone(dtype, monkeypatch):
     """`subtract_on_gpus` (θ in host memory, a model on a GPU: there θ's pieces cross to the GPU) on the CPU: every
     piece boundary lands where it should, the values are the host's subtraction bit for bit, and θ is only read
@@ -390,4 +390,4 @@ def test_delta_formed_where_the_model_is_crosses_theta_a_piece_at_a_time_and_lea
     outs = [torch.full(s, float("nan")) for s in shapes]
     outer_module.subtract_on_gpus(outs, theta, local)
     for o, t, p, b in zip(outs, theta, local, before):
-        assert torch.equal(o, t - p.float()) and torch.equal(t, b)
+        assert torch.equal(o, t - p.float()) and torch.equal(t, b)  # a wider parameter rounded to fp32 first

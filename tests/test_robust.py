@@ -132,6 +132,21 @@ def test_finite_is_false_for_any_nan_or_inf_and_true_for_huge_finite_values(dtyp
 
 
 @pytest.mark.unit
+def test_finite_takes_its_dot_products_a_piece_at_a_time(monkeypatch):
+    """A GPU's dot takes at most 2^31 - 1 values: longer tensors are checked in pieces, a bad value in any one of
+    them found."""
+    import diloco.compression.codecs as codecs_module
+
+    monkeypatch.setattr(codecs_module, "DOT_PIECE", 10)
+    x = torch.randn(95)
+    assert codecs_module.all_finite(x)
+    for at in (0, 9, 10, 57, 94):
+        y = x.clone()
+        y[at] = float("nan")
+        assert not codecs_module.all_finite(y), at
+
+
+@pytest.mark.unit
 def test_admission_refuses_non_finite_and_absurd_values():
     cfg = RobustConfig(max_rms=10.0)
     assert robust.admit(_dense([1.0, -2.0]), cfg) == (True, "")

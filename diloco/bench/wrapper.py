@@ -131,19 +131,35 @@ def _run(setup: WrapperSetup, h: int, corpus: Any) -> dict[str, Any]:
             "beside": beside[cut:], "params": sum(p.numel() for p in bare.model.parameters())}
 
 
+REFERENCE = 8
+"""Plain bare steps just before a sync that its cost is measured against (`_reference`)."""
+
+
+def _reference(bare: list[float], synced: list[bool], i: int) -> float:
+    """What the bare loop took for a step around sync step `i`: the median of the last `REFERENCE` bare steps
+    before it that were not syncs (the first ones after it when there are none). Not the bare step taken in turn
+    with the sync: after the sync it runs beside the hash the sync starts, and which of the two goes first at a
+    sync depends on H's parity."""
+    before = [b for b, s in zip(bare[:i], synced[:i]) if not s][-REFERENCE:]
+    return statistics.median(before or [b for b, s in zip(bare[i + 1:], synced[i + 1:]) if not s][:REFERENCE]
+                             or [bare[i]])
+
+
 def _figures(x: dict[str, Any]) -> dict[str, Any]:
     """One run's figures: each loop's mean step, the wrapper's overhead over the bare steps taken in turn with its
-    own, every step's share (the steps that do not synchronize), each sync less its bare partner, and the bare
-    steps beside the hash of the wrapper's state against the other plain ones."""
+    own, every step's share (the steps that do not synchronize), each sync less the bare loop's step just before it
+    (`_reference`), and the bare steps beside the hash of the wrapper's state against the other plain ones, with
+    their number per sync (None when the run had no sync)."""
     steps = list(zip(x["bare"], x["wrapped"], x["synced"], x["beside"]))
     plain = [(b, w) for b, w, s, _ in steps if not s]
     quiet = [b for b, _, s, h in steps if not s and not h]
     near = [b for b, _, s, h in steps if not s and h]
-    syncs = max(1, sum(x["synced"]))
+    syncs = sum(x["synced"])
     return {"bare": statistics.fmean(x["bare"]), "wrapped": statistics.fmean(x["wrapped"]),
             "overhead": sum(x["wrapped"]) / sum(x["bare"]) - 1,
             "per_step": sum(w for _, w in plain) / sum(b for b, _ in plain) - 1 if plain else 0.0,
-            "syncs": [w - b for b, w, s, _ in steps if s], "beside_steps": len(near) / syncs,
+            "syncs": [w - _reference(x["bare"], x["synced"], i) for i, (_, w, s, _) in enumerate(steps) if s],
+            "beside_steps": len(near) / syncs if syncs else None,
             "beside": statistics.fmean(near) / statistics.fmean(quiet) - 1 if near and quiet else None}
 
 
@@ -178,7 +194,6 @@ def run(setup: WrapperSetup, tick: Tick = lambda done, total, status: None, loop
         figs = runs[h]
         syncs = [t for f in figs for t in f["syncs"]]
         sync = statistics.median(syncs) if syncs else 0.0
-        besides = [f["beside"] for f in figs if f["beside"] is not None]
         rows.append(dict(kind=f"DiLoCo H={h}", inner_steps=h,
                          mean_step_ms=statistics.median(f["wrapped"] for f in figs) * 1e3,
                          overhead=statistics.median(f["overhead"] for f in figs),
@@ -186,10 +201,15 @@ def run(setup: WrapperSetup, tick: Tick = lambda done, total, status: None, loop
                          sync_overhead=sync / h / statistics.median(f["bare"] for f in figs),
                          syncs=[f["synced"] for f in figs], runs=[f["wrapped"] * 1e3 for f in figs],
                          bare_runs=[f["bare"] * 1e3 for f in figs],
-                         beside_steps=statistics.median(f["beside_steps"] for f in figs),
-                         beside_slowdown=statistics.median(besides) if besides else None))
+                         beside_steps=_median_or_none([f["beside_steps"] for f in figs]),
+                         beside_slowdown=_median_or_none([f["beside"] for f in figs])))
     return {"params": params, "rows": rows, "sync": sync_cost(setup),
             **({"checkpoint": checkpoint_cost(setup)} if setup.checkpoints else {})}
+
+
+def _median_or_none(values: list[float | None]) -> float | None:
+    known = [v for v in values if v is not None]
+    return statistics.median(known) if known else None
 
 
 def markdown_table(report: dict[str, Any]) -> str:
@@ -284,6 +304,8 @@ def sync_cost(setup: WrapperSetup, inner_steps: int = 32, syncs: int = 5) -> dic
     local = [p.detach() for p in params]
     pinned = global_device.type == "cpu" and device.type == "cuda"
     theta = [p.detach().to(global_device, copy=True) for p in params]
+    if pinned:  # as the wrapper keeps θ: a copy from pageable memory would wait for the GPU before each parameter
+        theta = [t.pin_memory() for t in theta]
     delta = [torch.empty_like(t, pin_memory=pinned) for t in theta]
     outer = torch.optim.SGD(theta, lr=0.7, momentum=0.9, nesterov=True, foreach=True)
     floor, _ = median_time(lambda: _floor(theta, local, delta, outer), syncs, finish, warmup=1)
