@@ -93,3 +93,18 @@ def test_a_sync_is_measured_against_the_bare_steps_before_it_not_its_partner_bes
     assert first["syncs"] == [5.0 - 1.5] and first["beside_steps"] == 0  # no step before it: the ones after
     none = _figures({"bare": [1.0], "wrapped": [1.0], "synced": [False], "beside": [True]})
     assert none["syncs"] == [] and none["beside_steps"] is None
+
+
+def test_the_floor_and_the_sync_are_timed_with_subnormals_flushed_as_the_loops_are(monkeypatch):
+    """`run` times the sync against its floor under the same flushing as the loops (a CPU model's wrapper would
+    otherwise warn that its subnormals are not flushed), and restores the caller's setting after."""
+    import diloco.bench.wrapper as bench
+    from diloco.wrapper import flushes_subnormals
+
+    seen = []
+    monkeypatch.setattr(bench, "sync_cost", lambda setup: seen.append(flushes_subnormals()) or {"params": 1})
+    before = flushes_subnormals()
+    job = JobConfig(d_model=16, n_layer=1, batch_size=2, context=32, corpus_bytes=1 << 20)
+    for flush in (True, False):
+        run(WrapperSetup(job=job, flush_denormal=flush), loops=False)
+    assert seen == [True, False] and flushes_subnormals() == before

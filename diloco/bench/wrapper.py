@@ -166,7 +166,13 @@ def _figures(x: dict[str, Any]) -> dict[str, Any]:
 def run(setup: WrapperSetup, tick: Tick = lambda done, total, status: None, loops: bool = True) -> dict[str, Any]:
     """Each H `repeats` times (`_run`: the bare and the wrapped loop in turns); per H the median run's figures
     (`_figures`); the bare row is the median of every run's bare mean. Then a synchronization's time on the training
-    thread against its floor (`sync`); `loops` False: only that."""
+    thread against its floor (`sync`); `loops` False: only that. All of it with subnormals flushed or not as
+    `setup.flush_denormal` says (the floor and the sync as the loops)."""
+    with subnormals_flushed(setup.flush_denormal):
+        return _measured(setup, tick, loops)
+
+
+def _measured(setup: WrapperSetup, tick: Tick, loops: bool) -> dict[str, Any]:
     if not loops:
         cost = sync_cost(setup)
         tick(1, 1, "done")
@@ -176,13 +182,12 @@ def run(setup: WrapperSetup, tick: Tick = lambda done, total, status: None, loop
     runs: dict[int, list[dict[str, Any]]] = {h: [] for h in setup.inner_steps}
     total = setup.repeats * len(setup.inner_steps)
     params = 0
-    with subnormals_flushed(setup.flush_denormal):
-        for r in range(setup.repeats):
-            for i, h in enumerate(setup.inner_steps):
-                tick(r * len(setup.inner_steps) + i, total, f"H={h}")
-                x = _run(setup, h, corpus)
-                params = x["params"]
-                runs[h].append({"synced": sum(x["synced"]), **_figures(x)})
+    for r in range(setup.repeats):
+        for i, h in enumerate(setup.inner_steps):
+            tick(r * len(setup.inner_steps) + i, total, f"H={h}")
+            x = _run(setup, h, corpus)
+            params = x["params"]
+            runs[h].append({"synced": sum(x["synced"]), **_figures(x)})
     tick(total, total, "done")
 
     bares = [f["bare"] for h in setup.inner_steps for f in runs[h]]
