@@ -98,14 +98,15 @@ def pack_bits_tensor(values: torch.Tensor, bits: int) -> torch.Tensor:
                              f"got range [{int(low)}, {int(high)}]")
     if bits == 8:
         return flat.to(torch.uint8, copy=True)
-    if 8 % bits == 0:
-        return pack_codes(flat.to(torch.uint8), bits)
-    return _pack_words(flat.to(torch.int64), bits)
+    return pack_codes(flat.to(torch.uint8 if 8 % bits == 0 else torch.int64), bits)
 
 
 def pack_codes(flat: torch.Tensor, bits: int) -> torch.Tensor:
-    """Pack a 1-D uint8 tensor of codes already known to lie in ``[0, 2**bits)``, ``bits`` dividing 8, into a new
-    uint8 tensor on the same device (the codecs' own packing: no range check, no copy to the host)."""
+    """Pack a 1-D tensor of codes already known to lie in ``[0, 2**bits)`` into a new uint8 tensor on the same
+    device (the codecs' own packing: no range check, no copy to the host): uint8 codes for ``bits`` dividing 8,
+    int64 codes in little-endian words of whole bytes for the others (12 bits: two codes in three bytes)."""
+    if 8 % bits:
+        return _pack_words(flat, bits)
     per_byte = 8 // bits
     count = flat.numel()
     full = count // per_byte
@@ -159,14 +160,15 @@ def unpack_bits_tensor(packed: torch.Tensor, bits: int, count: int) -> torch.Ten
         return torch.empty(0, dtype=out_dtype)
     if bits == 8:
         return packed.clone()
-    if 8 % bits == 0:
-        return unpack_codes(packed, bits, count)
-    return _unpack_words(packed, bits, count).to(out_dtype)
+    return unpack_codes(packed, bits, count).to(out_dtype)
 
 
 def unpack_codes(packed: torch.Tensor, bits: int, count: int) -> torch.Tensor:
-    """``count`` codes of ``bits`` bits (dividing 8) from a 1-D uint8 tensor holding exactly their packed bytes,
-    as a new uint8 tensor on the same device (the codecs' own unpacking: sizes are checked before)."""
+    """``count`` codes of ``bits`` bits from a 1-D uint8 tensor holding exactly their packed bytes, as a new tensor
+    on the same device (the codecs' own unpacking: sizes are checked before): uint8 for ``bits`` dividing 8, int64
+    for the others (:func:`pack_codes`' words)."""
+    if 8 % bits:
+        return _unpack_words(packed, bits, count)
     per_byte = 8 // bits
     mask = (1 << bits) - 1
     out = torch.empty(packed.numel(), per_byte, dtype=torch.uint8, device=packed.device)

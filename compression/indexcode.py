@@ -80,7 +80,7 @@ from typing import Final, Protocol, runtime_checkable
 
 import torch
 
-from .bits import _pack_words, _unpack_words, unpack_codes
+from .bits import pack_codes, unpack_codes
 from .codecs import byte_view, host_bytes, wire_bytes
 from .errors import PayloadRejected, Reason
 from .sparse import ChunkSpec
@@ -227,7 +227,7 @@ class Packed12:
         if spec.chunk > PACKED12_MAX_CHUNK:
             raise ValueError(f"idx12 needs spec.chunk <= {PACKED12_MAX_CHUNK}, got {spec.chunk}; use 'rice'")
         local = _local_indices(self.name, indices, numel, spec)  # where the indices are: only the bytes cross
-        return host_bytes(_pack_words(local, 12)) if local.numel() else b""  # bits.py's 12-bit layout
+        return host_bytes(pack_codes(local, 12)) if local.numel() else b""  # bits.py's 12-bit layout
 
     def decode(self, payload: bytes | bytearray | memoryview, numel: int, spec: ChunkSpec,
                device: torch.device | None = None) -> torch.Tensor:
@@ -244,7 +244,7 @@ class Packed12:
             return torch.empty(0, dtype=torch.int64, device=where)
         if kept % 2 and view[expected - 1] >> 4:  # the top half of an odd final pair
             raise PayloadRejected(Reason.WRONG_SIZE, "idx12: nonzero padding bits after the last index")
-        local = _unpack_words(wire_bytes(view, 0, expected, where), 12, kept)
+        local = unpack_codes(wire_bytes(view, 0, expected, where), 12, kept)
         layout = _Layout(numel, spec, where)
         step = torch.diff(local)
         step[layout.starts[1:] - 1] = 1  # a new chunk restarts the order

@@ -67,15 +67,19 @@ class WrapperSetup:
     thread, and on the GPU where there is one)."""
 
 
+def _model(job: JobConfig, device: torch.device) -> torch.nn.Module:
+    """The bundled GPT at `job`'s size from `job`'s seed (every copy starts equal), on `device`."""
+    return build_model(GPTConfig(context=job.context, d_model=job.d_model, n_layer=job.n_layer),
+                       seed=job.seed).to(device)
+
+
 class _Loop:
     """One copy of the bundled GPT at `setup.job`'s size on `device`, its AdamW and its batches (the same seed, so
     every copy starts equal), stepped and timed one step at a time."""
 
     def __init__(self, setup: WrapperSetup, batches: list[tuple[torch.Tensor, torch.Tensor]], device: torch.device):
-        job = setup.job
-        self.model = build_model(GPTConfig(context=job.context, d_model=job.d_model, n_layer=job.n_layer),
-                                 seed=job.seed).to(device)
-        self.opt = torch.optim.AdamW(self.model.parameters(), lr=job.lr, betas=ADAMW_BETAS,
+        self.model = _model(setup.job, device)
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=setup.job.lr, betas=ADAMW_BETAS,
                                      weight_decay=WEIGHT_DECAY)
         self.batches, self.device, self.autocast = batches, device, setup.autocast
         self.finish = waiter(device)
@@ -263,8 +267,7 @@ def _fixed_gradients(setup: WrapperSetup) -> tuple[torch.nn.Module, list[torch.T
     job = setup.job
     torch.set_num_threads(job.threads)
     device = torch.device(setup.device)
-    model = build_model(GPTConfig(context=job.context, d_model=job.d_model, n_layer=job.n_layer), seed=job.seed)
-    model.to(device)
+    model = _model(job, device)
     params: list[torch.Tensor] = list(model.parameters())
     gen = torch.Generator().manual_seed(job.seed)
     grads = [(torch.randn(p.shape, generator=gen) * 1e-3).to(device) for p in params]
