@@ -10,6 +10,7 @@ frames of the others.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from functools import partial
@@ -91,8 +92,8 @@ def _encode(c: Collective, handoff: Handoff, bounds: list[tuple[int, int]], roun
 
 
 def _contribution(c: Collective, body: bytes | memoryview, decoded: Decoded, weight: int = 1,
-                  crc: int | None = None) -> Contribution:
-    return Contribution(order_key(body, crc), decoded, bytes(body) if c.pipeline.sparse else None, weight)
+                  crc: int | None = None, norm: float | None = None) -> Contribution:
+    return Contribution(order_key(body, crc), decoded, bytes(body) if c.pipeline.sparse else None, weight, norm)
 
 
 async def _send_contributions(c: Collective, r: Exchange) -> None:
@@ -149,10 +150,14 @@ def reduce_span(c: Collective, r: Exchange, span: int) -> bytes:
     """Reduce the contributions to `span` into its result: kept as ours, and returned as the frame to send."""
     got = r.rs.contribs.setdefault((r.rs.vid, span), {})
     refused = r.rs.refused.setdefault(span, set())
-    if c.me in got and not robust.admit(got[c.me].decoded, c.cfg.robust)[0]:
-        log.warning("event=own_contribution_refused round=%s reason=%s", r.key,
-                    robust.admit(got.pop(c.me).decoded, c.cfg.robust)[1])
-        refused.add(c.me)
+    if c.me in got and got[c.me].norm is None:
+        size, why = robust.assess(got[c.me].decoded, c.cfg.robust)
+        if why:
+            log.warning("event=own_contribution_refused round=%s reason=%s", r.key, why)
+            del got[c.me]
+            refused.add(c.me)
+        else:
+            got[c.me] = dataclasses.replace(got[c.me], norm=size)
     senders = [p for p in r.view if p in got]
     for i in robust.overweight([got[p].weight for p in senders], c.cfg.robust.max_weight):
         p, floor = senders[i], min(got[q].weight for q in senders)
@@ -168,7 +173,8 @@ def reduce_span(c: Collective, r: Exchange, span: int) -> bytes:
     numel = r.numel(span)
     order = summation_order([got[p].order for p in senders])
     combined = robust.combine([got[senders[i]].decoded for i in order], numel, c.cfg.robust,
-                              [weights[i] for i in order] if weighted else None)
+                              [weights[i] for i in order] if weighted else None,
+                              [got[senders[i]].norm for i in order])
     outliers = _judge(c, [senders[i] for i in order], combined.norms, r.key)
     marked = tuple(sorted(r.view.index(p) for p in (outliers | refused) if p in r.view))
     r.rs.marked[(r.rs.vid, span)] = marked
@@ -260,12 +266,12 @@ async def on_contrib(c: Collective, caller: PeerId, data: bytes) -> bytes:
             raise PayloadRejected(Reason.DUPLICATE, f"second contribution from {caller} for span {header.span}")
         decoded = c.pipeline.decode(body, header.numel)
         try:
-            results.admit(c, decoded, "contribution")
+            size = results.admit(c, decoded, "contribution")
         except PayloadRejected:  # a member's own pseudo-gradient: our result marks it (see `Collective._strike`)
             rs.refused.setdefault(header.span, set()).add(caller)
             rs.changed.set()
             raise
-        bucket[caller] = _contribution(c, body, decoded, weight, crc=header.crc32)  # unpack verified it
+        bucket[caller] = _contribution(c, body, decoded, weight, crc=header.crc32, norm=size)  # unpack verified it
         rs.changed.set()
         return msg.ack(run=c.run_id, sender=c.me)
     except PayloadRejected as e:

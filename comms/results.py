@@ -62,10 +62,9 @@ def decode_result(c: Collective, kind: str, body: memoryview, numel: int, idx: t
         payloads = [p for _, p in items]
         order = canonical_order(payloads)
         parts = [c.pipeline.decode(payloads[i], numel) for i in order]
-        for part in parts:
-            admit(c, part, "a bundled contribution")
+        norms = [admit(c, part, "a bundled contribution") for part in parts]
         values = robust.combine(parts, numel, c.cfg.robust,
-                                [weights[i] for i in order] if weights else None).values
+                                [weights[i] for i in order] if weights else None, norms).values
         if out is not None:
             values = out.copy_(values)
     else:
@@ -74,11 +73,13 @@ def decode_result(c: Collective, kind: str, body: memoryview, numel: int, idx: t
     return values
 
 
-def admit(c: Collective, part: Decoded, what: str) -> None:
-    ok, why = robust.admit(part, c.cfg.robust)
-    if not ok:
+def admit(c: Collective, part: Decoded, what: str) -> float:
+    """`part`'s L2 norm, when it may be combined; raises `PayloadRejected` naming why not."""
+    size, why = robust.assess(part, c.cfg.robust)
+    if why:
         reason = Reason.NON_FINITE if "NaN" in why else Reason.TOO_LARGE
         raise PayloadRejected(reason, f"{what} {why}")
+    return size
 
 
 def check_codec(c: Collective, header: Header) -> None:

@@ -88,15 +88,24 @@ def rms(part: Decoded) -> float:
     return norm(part) / math.sqrt(n) if n else 0.0
 
 
-def admit(part: Decoded, cfg: RobustConfig) -> tuple[bool, str]:
-    """Whether a decoded contribution may be combined at all, and why not. One pass: the norm, summed in float64,
-    is finite exactly when every value is (a float32's square cannot overflow it; NaN and Inf carry through)."""
-    r = rms(part)
+def assess(part: Decoded, cfg: RobustConfig) -> tuple[float, str]:
+    """(a decoded contribution's L2 norm, why it may not be combined at all: "" when it may). One pass: the norm,
+    summed in float64, is finite exactly when every value is (a float32's square cannot overflow it; NaN and Inf
+    carry through). `combine` takes the norm back, so an admitted contribution is read once, not twice."""
+    n = part.values.numel()
+    size = norm(part)
+    r = size / math.sqrt(n) if n else 0.0
     if not math.isfinite(r):
-        return False, "holds NaN or Inf"
+        return size, "holds NaN or Inf"
     if r > cfg.max_rms:
-        return False, f"root-mean-square {r:.3g} exceeds max_rms={cfg.max_rms:g}"
-    return True, ""
+        return size, f"root-mean-square {r:.3g} exceeds max_rms={cfg.max_rms:g}"
+    return size, ""
+
+
+def admit(part: Decoded, cfg: RobustConfig) -> tuple[bool, str]:
+    """Whether a decoded contribution may be combined at all, and why not (`assess`)."""
+    why = assess(part, cfg)[1]
+    return not why, why
 
 
 def median(values: Sequence[float]) -> float:
@@ -144,20 +153,23 @@ def overweight(weights: Sequence[float], bound: float) -> list[int]:
 
 
 def combine(parts: Sequence[Decoded], numel: int, cfg: RobustConfig,
-            weights: Sequence[float] | None = None) -> Combined:
+            weights: Sequence[float] | None = None, norms: Sequence[float | None] | None = None) -> Combined:
     """The robust mean of `parts` (in the given order, which fixes the summation order), each weighted by
     `weights` (the trimmed mean, per coordinate, ignores them). Weighted, clipping and strikes judge each part's
-    norm per unit of weight: a peer that trained four times as many steps may move four times as far."""
-    norms = [norm(p) for p in parts]
+    norm per unit of weight: a peer that trained four times as many steps may move four times as far. `norms`:
+    the parts' `norm`s where their admission measured them already (`assess`; None: measured here)."""
+    if norms is not None and len(norms) != len(parts):
+        raise ValueError(f"{len(norms)} norms for {len(parts)} contributions")
+    sizes = [norm(p) if known is None else known for p, known in zip(parts, norms or [None] * len(parts))]
     if weights is not None and uneven(weights):
-        norms = [n / w for n, w in zip(norms, weights)]
-    scales = clip_scales(norms, cfg.clip)
+        sizes = [n / w for n, w in zip(sizes, weights)]
+    scales = clip_scales(sizes, cfg.clip)
     scaled = [p if s == 1.0 else Decoded(p.indices, p.values * torch.tensor(s, dtype=torch.float32))
               for p, s in zip(parts, scales)]
     k = math.floor(cfg.trim * len(parts))
     if k > 0 and all(p.indices is None for p in scaled):
-        return Combined(trimmed_mean([p.values for p in scaled], k), norms, scales)
-    return Combined(average(scaled, numel, weights), norms, scales)
+        return Combined(trimmed_mean([p.values for p in scaled], k), sizes, scales)
+    return Combined(average(scaled, numel, weights), sizes, scales)
 
 
 def trimmed_mean(values: Sequence[torch.Tensor], k: int) -> torch.Tensor:

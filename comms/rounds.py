@@ -120,6 +120,8 @@ class Contribution:
     hold the span twice for nothing."""
     weight: int = 1
     """How much it counts in the span's mean: the inner steps its sender's Δ covers (1 when all are equal)."""
+    norm: float | None = None
+    """Its L2 norm as its admission measured it (`robust.assess`); None: not measured yet."""
 
 
 @dataclass

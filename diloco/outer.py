@@ -105,9 +105,10 @@ def subtract_on_gpus(outs: Sequence[torch.Tensor], global_params: Sequence[torch
         flat_out, flat_g, flat_p = out.view(-1), g.reshape(-1), p.detach().reshape(-1)
         if flat_p.dtype == torch.float64:
             flat_p = flat_p.float()
+        wide = torch.promote_types(flat_g.dtype, torch.float32)  # θ narrower than fp32 (never the wrapper's) widens
         for lo in range(0, flat_g.numel(), PIECE):
             hi = min(lo + PIECE, flat_g.numel())
-            piece = flat_g[lo:hi].to(flat_p.device, non_blocking=True, copy=True)  # never θ itself
+            piece = flat_g[lo:hi].to(flat_p.device, dtype=wide, non_blocking=True, copy=True)  # never θ itself
             torch.sub(piece, flat_p[lo:hi], out=piece)
             flat_out[lo:hi].copy_(piece, non_blocking=True)  # the allocator reuses `piece` only after this copy
 

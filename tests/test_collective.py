@@ -104,6 +104,31 @@ def test_four_peers_fp32_commit_the_mean_bit_identically():
     assert all(o.bytes_sent >= 4 * numel * 3 // 4 for o in outs.values())
 
 
+def test_each_contribution_and_result_is_measured_once(monkeypatch):
+    """An owner measures a contribution's norm once, when it admits it, and its robust mean reuses that norm: over
+    a round every peer's Δ is measured once as contributions (numel values a peer) and every span's result once
+    on each peer, 8 × numel values for 4 peers, not 12 × numel as when the mean measured them again."""
+    from diloco.comms import robust
+    measured: list[int] = []
+    plain = robust.norm
+
+    def counted(part):
+        measured.append(part.values.numel())
+        return plain(part)
+    monkeypatch.setattr(robust, "norm", counted)
+    numel = 1001
+
+    async def main():
+        cs = await _collectives(InProcNetwork(), PEERS)
+        deltas = _deltas(PEERS, numel)
+        return deltas, await _round(cs, RoundKey(0), PEERS, deltas)
+
+    deltas, outs = asyncio.run(main())
+    assert all(o.committed for o in outs.values())
+    assert torch.allclose(outs["p0"].aggregate, _mean(deltas, PEERS), rtol=0, atol=1e-6)
+    assert sum(measured) == 2 * len(PEERS) * numel, measured
+
+
 @pytest.mark.parametrize("compression", ["fp32", "topk:64/256"])
 def test_contributions_count_by_their_weights_bit_identically_on_every_peer(compression):
     """Workers of unequal speed: p0..p3 trained 1, 2, 4 and 4 steps' worth; every span's mean is Σ wᵢ·Δᵢ / Σ wᵢ

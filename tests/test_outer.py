@@ -391,3 +391,17 @@ def test_delta_formed_where_the_model_is_crosses_theta_a_piece_at_a_time_and_lea
     outer_module.subtract_on_gpus(outs, theta, local)
     for o, t, p, b in zip(outs, theta, local, before):
         assert torch.equal(o, t - p.float()) and torch.equal(t, b)  # a wider parameter rounded to fp32 first
+
+
+def test_delta_formed_where_the_model_is_from_a_narrow_theta_is_the_fp32_difference(monkeypatch):
+    """θ narrower than fp32 (the wrapper keeps θ in fp32; the function takes any) is widened before the subtraction:
+    Δ is the fp32 difference the host's path forms, not one rounded to θ's dtype."""
+    import diloco.outer as outer_module
+
+    monkeypatch.setattr(outer_module, "PIECE", 2)
+    theta = [torch.tensor([1.0, 3.0, 0.5], dtype=torch.bfloat16)]
+    local = [torch.tensor([1e-3, 0.1, 0.25])]
+    outs = [torch.full((3,), float("nan"))]
+    outer_module.subtract_on_gpus(outs, theta, local)
+    assert torch.equal(outs[0], theta[0].float() - local[0])
+    assert outs[0][1].item() != float(torch.tensor(2.9).to(torch.bfloat16))  # not rounded to bf16

@@ -91,6 +91,26 @@ def test_combine_clips_one_huge_contribution_to_the_bound():
 
 
 @pytest.mark.unit
+def test_combine_takes_the_norms_admission_measured_and_measures_the_rest():
+    g = torch.Generator().manual_seed(2)
+    parts = [Decoded(None, torch.randn(1000, generator=g)) for _ in range(4)] + \
+        [Decoded(None, 100 * torch.randn(1000, generator=g))]  # far above the others, below max_rms
+    cfg = RobustConfig(clip=4.0)
+    assessed = [robust.assess(p, cfg) for p in parts]
+    assert [why for _, why in assessed] == ["", "", "", "", ""]
+    plain = robust.combine(parts, 1000, cfg)
+    given = robust.combine(parts, 1000, cfg, norms=[size for size, _ in assessed])
+    partly = robust.combine(parts, 1000, cfg, norms=[assessed[0][0], None, None, assessed[3][0], None])
+    for out in (given, partly):
+        assert out.norms == plain.norms and out.scales == plain.scales and out.clipped == [4]
+        assert torch.equal(out.values, plain.values)
+    with pytest.raises(ValueError, match="4 norms for 5 contributions"):
+        robust.combine(parts, 1000, cfg, norms=[1.0] * 4)
+    size, why = robust.assess(Decoded(None, torch.tensor([3.0, float("nan")])), cfg)
+    assert why == "holds NaN or Inf" and math.isnan(size)
+
+
+@pytest.mark.unit
 def test_sparse_contributions_are_clipped_on_the_values_they_hold():
     parts = [Decoded(torch.tensor([0, 1]), torch.tensor([1.0, 1.0])),
              Decoded(torch.tensor([1, 2]), torch.tensor([1.0, -1.0])),
