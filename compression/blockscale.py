@@ -18,7 +18,10 @@ format:
 * **Devices** -- an encoder works where its input is. On a GPU (:func:`whole`)
   the tensor is one chunk (kernel launches, not the cache, set the pace there),
   the codes are written into a buffer beside it (:func:`staging`), and only the
-  encoded bytes cross to the host (:func:`land`). The bytes are the same as on
+  encoded bytes cross to the host (:func:`land`). A block-scaled encoder there
+  (:meth:`BlockScaledCodec._begin`) forms its scales on the device too and stages
+  the whole payload, scales and codes, so it waits for the device once, when the
+  payload lands, not also for the scales. The bytes are the same as on
   the host for every deterministic codec: the same IEEE divisions, roundings and
   casts, on the same values; decoders look up the same table entries there.
   Tests run this path on a CPU (:data:`.codecs.DEVICE_PATH_ON_CPU`).
@@ -55,7 +58,7 @@ import numpy as np
 import torch
 
 from .bits import packed_size, padding_bits_clear, unpack_codes
-from .codecs import Codec, all_finite, byte_view, expect_size, payload_buffer, whole, wire_bytes
+from .codecs import Codec, all_finite, byte_view, expect_size, landed, payload_buffer, whole, wire_bytes
 from .errors import PayloadRejected, Reason
 
 __all__ = ["CHUNK", "BLOCK_MIN", "BLOCK_MAX", "FLT_MAX", "BlockScaledCodec"]
@@ -176,26 +179,31 @@ def blockwise(op: Callable[..., torch.Tensor], src: torch.Tensor, scales: torch.
 # --------------------------------------------------------------------------- encoding
 
 
+NON_FINITE_INPUT = "cannot quantize non-finite values (NaN or inf in the input)"
+
+
+def device_absmax(x: torch.Tensor, block: int) -> torch.Tensor:
+    """fp32 ``max |x|`` of each block of ``block`` values (the last may be partial), on ``x``'s device, without
+    waiting for it. NaN and inf propagate; ``-0.0`` becomes ``+0.0``."""
+    full = x.numel() // block
+    parts = []
+    if full:
+        low, high = torch.aminmax(x[: full * block].view(full, block), dim=1)
+        parts.append(torch.maximum(high, low.neg()))
+    if x.numel() > full * block:
+        low, high = torch.aminmax(x[full * block :])
+        parts.append(torch.maximum(high, low.neg()).view(1))
+    return torch.cat(parts).abs()
+
+
 def block_absmax(x: torch.Tensor, block: int) -> np.ndarray:
-    """fp32 ``max |x|`` of each block of ``block`` values (the last may be partial), in host memory.
+    """fp32 ``max |x|`` of each block of ``block`` values of a tensor in host memory (the last block may be
+    partial), as a new array; raises ``ValueError`` for non-finite input.
 
     NaN and inf propagate, so one look at the (small) result checks the whole
-    input for finiteness. ``-0.0`` is canonicalised to ``+0.0``. A GPU tensor's
-    blocks are reduced there; only the maxima cross to the host.
+    input for finiteness. ``-0.0`` is canonicalised to ``+0.0``. (On a GPU,
+    :func:`device_absmax`, and the check comes with the landed payload.)
     """
-    if whole(x.device):
-        full = x.numel() // block
-        parts = []
-        if full:
-            low, high = torch.aminmax(x[: full * block].view(full, block), dim=1)
-            parts.append(torch.maximum(high, low.neg()))
-        if x.numel() > full * block:
-            low, high = torch.aminmax(x[full * block :])
-            parts.append(torch.maximum(high, low.neg()).view(1))
-        absmax = torch.cat(parts).abs().cpu().numpy()
-        if not np.isfinite(absmax).all():
-            raise ValueError("cannot quantize non-finite values (NaN or inf in the input)")
-        return np.asarray(absmax, dtype=np.float32)
     a = x.numpy()
     full = a.size // block
     parts = []
@@ -207,15 +215,13 @@ def block_absmax(x: torch.Tensor, block: int) -> np.ndarray:
         parts.append(np.maximum(tail.max(keepdims=True), -tail.min(keepdims=True)))
     absmax = np.abs(np.concatenate(parts))
     if not np.isfinite(absmax).all():
-        raise ValueError("cannot quantize non-finite values (NaN or inf in the input)")
+        raise ValueError(NON_FINITE_INPUT)
     return np.asarray(absmax, dtype=np.float32)
 
 
-def safe(scales: np.ndarray, device: torch.device | None = None) -> torch.Tensor:
-    """Scales to divide by, on ``device`` (the host when None): a zero scale (all-zero block) becomes 1 (its codes
-    are 0)."""
-    divisors = torch.from_numpy(np.where(scales > 0, scales, np.float32(1.0)).astype(np.float32))
-    return divisors if device is None else divisors.to(device)
+def safe(scales: np.ndarray) -> torch.Tensor:
+    """Scales to divide by, in host memory: a zero scale (all-zero block) becomes 1 (its codes are 0)."""
+    return torch.from_numpy(np.where(scales > 0, scales, np.float32(1.0)).astype(np.float32))
 
 
 class Dither:
@@ -374,20 +380,46 @@ class BlockScaledCodec(Codec):
             raise ValueError(f"numel must be >= 0, got {numel}")
         return 4 * self._blocks(numel) + packed_size(numel, self.bits)
 
-    def _clamped_scales(self, x: torch.Tensor, top: float) -> np.ndarray:
-        """Block scales ``absmax / top`` that map each block's largest value onto code
-        magnitude ``top``, clamped to ``_max_scale`` so ``top * s`` stays finite."""
-        absmax = block_absmax(x, self.block)
-        return np.asarray(np.minimum(np.divide(absmax, np.float32(top), dtype=np.float32),
-                                     np.float32(self._max_scale)), dtype=np.float32)
+    def _begin(self, x: torch.Tensor, top: float | None) -> tuple[np.ndarray, torch.Tensor, torch.Tensor,
+                                                                   torch.Tensor | None]:
+        """Start the payload of ``x``: its block scales ``absmax / top`` (``absmax`` itself when ``top`` is None),
+        which map each block's largest value onto code magnitude ``top``, clamped to ``_max_scale`` so ``top * s``
+        stays finite. Returns (the payload in host memory, :func:`.codecs.payload_buffer`, its scales written;
+        where the codes go, on ``x``'s device; the divisors per block there, :func:`safe`; the staged payload to
+        pass to :meth:`_finish`). Raises ``ValueError`` for non-finite input (on a GPU, at :meth:`_finish`).
 
-    def _new_payload(self, scales: np.ndarray, numel: int, device: torch.device) -> tuple[np.ndarray, torch.Tensor]:
-        """(payload with ``scales`` written, writable view of its code bytes), in host memory that codes encoded on
-        ``device`` land in (:func:`.codecs.payload_buffer`)."""
-        head = 4 * scales.size
-        out = payload_buffer(self.encoded_size(numel), device)
-        out[:head].view(F32)[:] = scales
-        return out, torch.from_numpy(out[head:])
+        On a GPU (:func:`.codecs.whole`) the scales are formed there with the same fp32 division and clamp, a NaN
+        scale marking a block that holds NaN or inf, and written into a staging buffer of the whole payload that
+        crosses to the host at once: the encoder waits for the device once, not first for its scales."""
+        n, block = x.numel(), self.block or x.numel()
+        if not whole(x.device):
+            scales = block_absmax(x, block)
+            if top is not None:
+                scales = np.asarray(np.minimum(np.divide(scales, np.float32(top), dtype=np.float32),
+                                               np.float32(self._max_scale)), dtype=np.float32)
+            head = 4 * scales.size
+            out = payload_buffer(self.encoded_size(n), x.device)
+            out[:head].view(F32)[:] = scales
+            return out, torch.from_numpy(out[head:]), safe(scales), None
+        absmax = device_absmax(x, block)
+        # a divisor on the device: CUDA divides by a host scalar as a multiply by its reciprocal (an ulp off)
+        fitted = absmax if top is None else \
+            torch.div(absmax, torch.full((), top, dtype=torch.float32, device=x.device)).clamp_(max=self._max_scale)
+        marked = torch.where(torch.isfinite(absmax), fitted, torch.nan)
+        out = payload_buffer(self.encoded_size(n), x.device)
+        staged = torch.empty(out.size, dtype=torch.uint8, device=x.device)
+        head = 4 * marked.numel()
+        staged[:head].view(torch.float32).copy_(marked)
+        return out, staged[head:], torch.where(marked > 0, marked, 1.0), staged
+
+    def _finish(self, out: np.ndarray, staged: torch.Tensor | None, numel: int) -> memoryview:
+        """The payload :meth:`_begin` started, its codes written: from a GPU its one crossing to the host, after
+        which its scales say whether the input held NaN or inf."""
+        if staged is not None:
+            torch.from_numpy(out).copy_(staged)
+            if not np.isfinite(np.frombuffer(out, dtype=F32, count=self._blocks(numel))).all():
+                raise ValueError(NON_FINITE_INPUT)
+        return landed(out)
 
     def _chunk_scales(self, scales: torch.Tensor, numel: int) -> tuple[int, torch.Tensor]:
         """(block, per-block scales) to use chunk by chunk; a per-tensor scale is

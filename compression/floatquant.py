@@ -27,21 +27,17 @@ from .blockscale import (
     FLT_MAX,
     BlockScaledCodec,
     Dither,
-    block_absmax,
     blockwise,
     byte_table,
     check_block,
     chunks,
     decode_table,
-    land,
     parse_block_args,
     require_finite_output,
-    safe,
     scale_limit,
     scratch,
-    staging,
 )
-from .codecs import FixedWidthCodec, byte_view, check_input, expect_size, host_bytes, landed, whole, wire_bytes
+from .codecs import FixedWidthCodec, byte_view, check_input, expect_size, host_bytes, whole, wire_bytes
 from .errors import Reason
 
 __all__ = ["BF16_MAX", "FP8_MAX", "Bf16Codec", "Fp8Codec", "E3M0Codec"]
@@ -150,18 +146,14 @@ class Fp8Codec(BlockScaledCodec):
         n = x.numel()
         if n == 0:
             return b""
-        scales = self._clamped_scales(x, FP8_MAX)
-        divisors = safe(scales, x.device)
-        out, body = self._new_payload(scales, n, x.device)
-        codes = staging(body, x.device)
+        out, codes, divisors, staged = self._begin(x, FP8_MAX)
         work = scratch(n, torch.float32, x.device)
         for start, stop in chunks(n, x.device):
             v = work[: stop - start]
             blockwise(torch.div, x[start:stop], divisors[start // self.block :], self.block, v)
             v.clamp_(-FP8_MAX, FP8_MAX)
             codes[start:stop].copy_(v.to(torch.float8_e4m3fn).view(torch.uint8))
-        land(body, codes)
-        return landed(out)
+        return self._finish(out, staged, n)
 
     def _decode_codes(self, view: memoryview, numel: int, scales: np.ndarray,
                       device: torch.device | None) -> torch.Tensor:
@@ -224,10 +216,8 @@ class E3M0Codec(BlockScaledCodec):
         n = x.numel()
         if n == 0:
             return b""
-        scales = block_absmax(x, self.block or n)
-        block, divisors = self._chunk_scales(safe(scales, x.device), n)
-        out, body = self._new_payload(scales, n, x.device)
-        codes = staging(body, x.device)
+        out, codes, per_block, staged = self._begin(x, None)
+        block, divisors = self._chunk_scales(per_block, n)
         ratio = scratch(n, torch.float32, x.device)
         exponent = scratch(n, torch.int32, x.device)
         flag = scratch(n, torch.bool, x.device)
@@ -259,8 +249,7 @@ class E3M0Codec(BlockScaledCodec):
             packed = pack_codes(k.to(torch.uint8), 4)
             first = start // 2
             codes[first : first + packed.numel()].copy_(packed)
-        land(body, codes)
-        return landed(out)
+        return self._finish(out, staged, n)
 
     def _decode_codes(self, view: memoryview, numel: int, scales: np.ndarray,
                       device: torch.device | None) -> torch.Tensor:

@@ -44,7 +44,6 @@ from .blockscale import (
     packed_chunk,
     parse_block_args,
     read_f32,
-    safe,
     scale_limit,
     scratch,
     staging,
@@ -111,10 +110,7 @@ class BlockQuantCodec(BlockScaledCodec):
         n = x.numel()
         if n == 0:
             return b""
-        scales = self._clamped_scales(x, self.qmax)
-        divisors = safe(scales, x.device)
-        out, body = self._new_payload(scales, n, x.device)
-        staged = staging(body, x.device)
+        out, staged, divisors, whole_payload = self._begin(x, self.qmax)
         work = scratch(n, torch.float32, x.device)
         codes = scratch(n, torch.int8, x.device)
         if self._dither is not None:
@@ -142,8 +138,7 @@ class BlockQuantCodec(BlockScaledCodec):
             else:
                 packed = pack_codes(c.view(torch.uint8) & mask, self.bits)
                 staged[first : first + packed.numel()].copy_(packed)
-        land(body, staged)
-        return landed(out)
+        return self._finish(out, whole_payload, n)
 
     def _decode_codes(self, view: memoryview, numel: int, scales: np.ndarray,
                       device: torch.device | None) -> torch.Tensor:

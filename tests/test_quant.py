@@ -452,6 +452,11 @@ def test_encode_rejects_non_finite_and_misuse(spec: str) -> None:
     for bad in (math.nan, math.inf, -math.inf):
         with pytest.raises(ValueError, match="non-finite"):
             c.encode(torch.tensor([1.0, bad, 2.0]))
+        for at in (0, 700, 1000):  # as on a GPU (where an inf's clamped scale would be finite), in any block
+            t = torch.ones(1001)
+            t[at] = bad
+            with device_path(), pytest.raises(ValueError, match="non-finite"):
+                c.encode(t)
     with pytest.raises(TypeError):
         c.encode(torch.zeros(3, dtype=torch.float64))
     with pytest.raises(ValueError):
