@@ -19,7 +19,7 @@ from typing import Callable
 
 from diloco.comms import PeerId
 from diloco.peers import holders, resync_source, vouched
-from diloco.peers.membership import gossip_source
+from diloco.peers.membership import gossip_source, serving
 from diloco.peers.records import PeerRecord
 
 from . import progress
@@ -67,6 +67,10 @@ class CatchUp:
         self.gossip = False
         """A gossip swarm (`diloco.gossip`): every peer holds its own state, so a joiner takes the newest peer's
         (`peers.membership.gossip_source`), checked against that peer's advertised digest; no majority vouches for any."""
+        self.swarm_round = 0
+        """The newest round of another peer's state in the last read that showed any (0: none seen yet): how far the
+        swarm had committed when we last saw it (`stranded`)."""
+        self._stranded_at: int | None = None  # the swarm round we last said we wait for (logged once)
 
     def source(self, swarm: Swarm, rnd: int, digest: str, *, cached: bool = False
                ) -> tuple[PeerRecord | None, str, list[PeerRecord]]:
@@ -78,7 +82,24 @@ class CatchUp:
             source, why = gossip_source(records, swarm.peer_id, rnd, self.bad_sources)
         else:
             source, why = resync_source(records, swarm.peer_id, rnd, digest, self.bad_sources)
+            self.swarm_round = max((r.round for r in serving(records) if r.peer != swarm.peer_id and r.digest),
+                                   default=self.swarm_round)
         return source, why, records
+
+    def stranded(self, rnd: int) -> str:
+        """Why we must not start a round at `rnd` although no record names a state to take ("" when we may): the
+        last read that showed other peers showed the swarm past `rnd`, and none shows a holder of its state now
+        (our DHT node an island, their records expired while our downloads failed). A round of our own would
+        commit rounds the swarm committed with other states: a fork of the run. We wait for a holder instead."""
+        if self.gossip or self.swarm_round <= rnd:
+            self._stranded_at = None
+            return ""
+        why = (f"the swarm was at round {self.swarm_round} when a record last showed it, we are at {rnd}, and no "
+               f"record shows a holder of its state now: waiting for one (a round of our own would fork the run)")
+        if self._stranded_at != self.swarm_round:
+            self._stranded_at = self.swarm_round
+            log.warning("event=stranded reason=%s", why)
+        return why
 
     def download(self, swarm: Swarm, source: PeerRecord, why: str, into: Callable[[Manifest], Receiver],
                  outer: OuterFactory) -> tuple[GlobalState, dict[str, object]] | None:

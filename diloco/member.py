@@ -284,6 +284,9 @@ class Member:
         assert self.swarm is not None
         source, why, _ = self.catch_up.source(self.swarm, self.holding.round, self.holding.digest, cached=cached)
         if source is None:
+            stuck = self.catch_up.stranded(self.holding.round)
+            if stuck:
+                return False, stuck, {}
             return None
         ok = self.resync(source, why)
         return ok, why, self.link.handed_out(self) if ok and self.link.hands_out else {}

@@ -173,3 +173,92 @@ def test_a_peer_whose_reads_lose_its_last_rounds_members_reaches_them_and_commit
         h.close()
     assert island.reached and island.reached[0] == ["b", "c"], island.reached
     assert rounds == {"a": 6, "b": 6, "c": 6}, rounds
+
+
+class _Stranded:
+    """A joiner's view of the shared board, in phases the test sets: "stale" shows the others' records as of a round
+    they hold no longer (its downloads fail), "none" shows nobody (its DHT node an island, their records expired),
+    "live" the board itself."""
+
+    def __init__(self, board, me: str) -> None:
+        self.board, self.me, self.phase = board, me, "stale"
+        self.dropped = board.dropped
+
+    async def publish(self, record, ttl):
+        await self.board.publish(record, ttl)
+
+    async def read(self):
+        records = await self.board.read()
+        if self.phase == "live":
+            return records
+        mine = [r for r in records if r.peer == self.me]
+        if self.phase == "none":
+            return mine
+        from dataclasses import replace
+        return mine + [replace(r, round=1, digest="f" * 16, recent=()) for r in records if r.peer != self.me]
+
+    async def reach(self, records):
+        return 0
+
+    async def close(self):
+        pass
+
+
+def test_a_joiner_that_saw_the_swarm_ahead_commits_no_round_of_its_own_while_no_holder_shows_and_joins_later():
+    """c joins a swarm at round 3 or later, but the records it reads first name a state nobody holds any more (its
+    downloads fail), then name nobody at all (an island). A round of its own from its initial state would commit a
+    round 1 the swarm holds with another digest (a fork, seen in a chaos soak): c waits instead, saying why, and
+    once the records show the swarm's holders it downloads their state and trains with them."""
+    import copy
+    import threading
+    import time
+
+    from test_swarm_inproc import Harness, _batches, _mlp, _run_threads, _train
+
+    import diloco
+    from diloco import DiLoCo
+
+    h = Harness()
+    view = _Stranded(h.board, "c")
+    base = _mlp(6)
+    ahead = threading.Event()
+    finished = threading.Event()
+    seen: dict[str, list] = {}
+
+    def worker(name: str) -> None:
+        model = copy.deepcopy(base)
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        data = _batches(hash(name) % 100, 8)
+        if name == "c":
+            ahead.wait(30)
+        swarm = diloco.Swarm.in_process(h.net, view if name == "c" else h.board, name, h.cfg, h.loop)
+        h.swarms.append(swarm)
+        with DiLoCo(model, opt, swarm=swarm, inner_steps=3, join_timeout=1.0) as d:
+            k, deadline = 0, time.monotonic() + 60
+            phase_at = time.monotonic()
+            while time.monotonic() < deadline and not finished.is_set():
+                _train(model, opt, [data[k % len(data)]])
+                k += 1
+                if name != "c":
+                    if d.round >= 3:
+                        ahead.set()
+                    continue
+                if view.phase == "stale" and time.monotonic() - phase_at > 2:
+                    view.phase, phase_at = "none", time.monotonic()
+                elif view.phase == "none" and time.monotonic() - phase_at > 8:
+                    seen["stranded"] = list(d.reports)  # what c did while no record named a holder
+                    view.phase = "live"
+                elif view.phase == "live" and sum(r.committed for r in d.reports) >= 2:
+                    finished.set()
+            seen[name] = list(d.reports)
+
+    try:
+        _run_threads([lambda: worker("a"), lambda: worker("b"), lambda: worker("c")], [])
+    finally:
+        h.close()
+    stranded = seen["stranded"]
+    assert stranded and not any(r.committed for r in stranded), [(r.round, r.peers, r.reason) for r in stranded]
+    assert any("no record shows a holder" in r.reason for r in stranded), [r.reason for r in stranded]
+    committed = [r for r in seen["c"] if r.committed]
+    assert committed and min(r.round for r in committed) > 3 and all(r.peers >= 2 for r in committed), \
+        [(r.round, r.peers) for r in committed]
