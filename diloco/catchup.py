@@ -70,6 +70,8 @@ class CatchUp:
         self.swarm_round = 0
         """The newest round of another peer's state in the last read that showed any (0: none seen yet): how far the
         swarm had committed when we last saw it (`stranded`)."""
+        self.swarm_peers: tuple[PeerId, ...] = ()
+        """The other peers that read showed: whom a stranded peer looks for (`Swarm.look_for`)."""
         self._stranded_at: int | None = None  # the swarm round we last said we wait for (logged once)
 
     def source(self, swarm: Swarm, rnd: int, digest: str, *, cached: bool = False
@@ -82,8 +84,10 @@ class CatchUp:
             source, why = gossip_source(records, swarm.peer_id, rnd, self.bad_sources)
         else:
             source, why = resync_source(records, swarm.peer_id, rnd, digest, self.bad_sources)
-            self.swarm_round = max((r.round for r in serving(records) if r.peer != swarm.peer_id and r.digest),
-                                   default=self.swarm_round)
+            shown = [r for r in serving(records) if r.peer != swarm.peer_id and r.digest]
+            if shown:
+                self.swarm_round = max(r.round for r in shown)
+                self.swarm_peers = tuple(sorted(r.peer for r in shown))
         return source, why, records
 
     def stranded(self, rnd: int) -> str:

@@ -286,6 +286,7 @@ class Member:
         if source is None:
             stuck = self.catch_up.stranded(self.holding.round)
             if stuck:
+                self.swarm.look_for(self.catch_up.swarm_peers)  # its DHT node may be an island: ping them back
                 return False, stuck, {}
             return None
         ok = self.resync(source, why)

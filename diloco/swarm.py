@@ -258,6 +258,12 @@ class Swarm:
                                     relayed=tuple(paths.get("relay", ())[:MAX_BANNED]),
                                     via=reach.via if reach is not None else ())
 
+    def look_for(self, peers: Sequence[PeerId]) -> None:
+        """Ping `peers` back into our directory when a read misses them, as the members of our last round are
+        (`Presence._reach_unseen`): a peer the swarm is ahead of that sees none of it (`CatchUp.stranded`) looks for
+        the peers it last saw, whose DHT nodes may be across an island from ours."""
+        self.presence.members = tuple(dict.fromkeys([*self.presence.members, *peers]))
+
     def keep_addresses(self, path: str) -> None:
         """Keep the addresses of the other members in `path` (one a line, refreshed with the heartbeat), so
         that a restarted process of this site can rejoin through them (the launcher reads the file)."""

@@ -181,7 +181,7 @@ class _Stranded:
     "live" the board itself."""
 
     def __init__(self, board, me: str) -> None:
-        self.board, self.me, self.phase = board, me, "stale"
+        self.board, self.me, self.phase, self.reached = board, me, "stale", []
         self.dropped = board.dropped
 
     async def publish(self, record, ttl):
@@ -198,6 +198,7 @@ class _Stranded:
         return mine + [replace(r, round=1, digest="f" * 16, recent=()) for r in records if r.peer != self.me]
 
     async def reach(self, records):
+        self.reached.append((self.phase, sorted(r.peer for r in records)))
         return 0
 
     async def close(self):
@@ -207,8 +208,9 @@ class _Stranded:
 def test_a_joiner_that_saw_the_swarm_ahead_commits_no_round_of_its_own_while_no_holder_shows_and_joins_later():
     """c joins a swarm at round 3 or later, but the records it reads first name a state nobody holds any more (its
     downloads fail), then name nobody at all (an island). A round of its own from its initial state would commit a
-    round 1 the swarm holds with another digest (a fork, seen in a chaos soak): c waits instead, saying why, and
-    once the records show the swarm's holders it downloads their state and trains with them."""
+    round 1 the swarm holds with another digest (a fork, seen in a chaos soak): c waits instead, saying why, pings
+    the peers it last saw (as an island's peer pings its last round's members), and once the records show the
+    swarm's holders it downloads their state and trains with them."""
     import copy
     import threading
     import time
@@ -259,6 +261,7 @@ def test_a_joiner_that_saw_the_swarm_ahead_commits_no_round_of_its_own_while_no_
     stranded = seen["stranded"]
     assert stranded and not any(r.committed for r in stranded), [(r.round, r.peers, r.reason) for r in stranded]
     assert any("no record shows a holder" in r.reason for r in stranded), [r.reason for r in stranded]
+    assert ("none", ["a", "b"]) in view.reached, view.reached
     committed = [r for r in seen["c"] if r.committed]
     assert committed and min(r.round for r in committed) > 3 and all(r.peers >= 2 for r in committed), \
         [(r.round, r.peers) for r in committed]
