@@ -130,6 +130,13 @@ def test_a_cut_off_minority_committing_is_reported():
              [_round(14.0, 4, "b", committed=False)]]
     assert commits_cut_off(hits, lines) == [{"worker": 1, "round": 4, "side": [1, 2]}]
     assert commits_cut_off(hits, [lines[0], lines[1][:1] + lines[1][2:], lines[2]]) == []
+    # cut off, 2 of 5 workers up, but 2 of the 3 that committed the last round before the cut (3 and 4 were
+    # joining): the side holds the quorum, so its rounds are the swarm's; a side of 1 of those 3 does not
+    members = [[_round(8.0, 2, "y"), _round(15.0, 4, "b")], [_round(8.0, 2, "y"), _round(15.0, 4, "b")],
+               [_round(8.0, 2, "y")], [], []]
+    assert commits_cut_off([Hit("partition", 0, at=10.0, ended=20.0, side=(0, 1))], members) == []
+    assert commits_cut_off([Hit("partition", 0, at=10.0, ended=20.0, side=(0, 3))], members) == \
+        [{"worker": 0, "round": 4, "side": [0, 3]}]
 
 
 @pytest.mark.unit

@@ -314,11 +314,21 @@ votes were in; the line is written a moment later)."""
 
 def commits_cut_off(hits: Sequence[Hit], lines: Sequence[Lines]) -> list[dict[str, Any]]:
     """Rounds a partition's cut-off minority committed while cut off (from `CUT_MARGIN` after the cut until it
-    healed): a minority has no quorum, so this must be empty."""
+    healed): a minority has no quorum, so this must be empty. A side is a minority of the workers up when the fault
+    cuts it; where it held the majority of the last round the swarm committed before the cut (the workers whose
+    lines committed that round: a quorum counts those, not the workers that were joining or catching up), its rounds
+    are the swarm's and are not counted."""
     out = []
     for h in hits:
         if h.kind != "partition" or h.skipped or not h.side:
             continue
+        before = [(ln["round"], i) for i, worker in enumerate(lines) for ln in worker
+                  if ln.get("event") == "round" and ln.get("committed") and not ln.get("merge") and ln["time"] < h.at]
+        if before:
+            last = max(r for r, _ in before)
+            members = {i for r, i in before if r == last}
+            if 2 * len(members & set(h.side)) > len(members):
+                continue
         until = h.ended if h.ended is not None else float("inf")
         for w in h.side:
             for ln in lines[w] if w < len(lines) else []:
