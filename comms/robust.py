@@ -82,12 +82,6 @@ def norm(part: Decoded) -> float:
     return math.sqrt(squares)
 
 
-def rms(part: Decoded) -> float:
-    """Root-mean-square of the values a contribution sent (the coordinates it holds)."""
-    n = part.values.numel()
-    return norm(part) / math.sqrt(n) if n else 0.0
-
-
 def assess(part: Decoded, cfg: RobustConfig) -> tuple[float, str]:
     """(a decoded contribution's L2 norm, why it may not be combined at all: "" when it may). One pass: the norm,
     summed in float64, is finite exactly when every value is (a float32's square cannot overflow it; NaN and Inf

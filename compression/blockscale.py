@@ -219,9 +219,10 @@ def block_absmax(x: torch.Tensor, block: int) -> np.ndarray:
     return np.asarray(absmax, dtype=np.float32)
 
 
-def safe(scales: np.ndarray) -> torch.Tensor:
-    """Scales to divide by, in host memory: a zero scale (all-zero block) becomes 1 (its codes are 0)."""
-    return torch.from_numpy(np.where(scales > 0, scales, np.float32(1.0)).astype(np.float32))
+def safe(scales: torch.Tensor) -> torch.Tensor:
+    """Scales to divide by, where ``scales`` are: a zero scale (all-zero block) becomes 1 (its codes are 0), and so
+    does the NaN scale that marks a non-finite block on a GPU (the encoder refuses that input)."""
+    return torch.where(scales > 0, scales, 1.0)
 
 
 class Dither:
@@ -400,7 +401,7 @@ class BlockScaledCodec(Codec):
             head = 4 * scales.size
             out = payload_buffer(self.encoded_size(n), x.device)
             out[:head].view(F32)[:] = scales
-            return out, torch.from_numpy(out[head:]), safe(scales), None
+            return out, torch.from_numpy(out[head:]), safe(torch.from_numpy(scales)), None
         absmax = device_absmax(x, block)
         # a divisor on the device: CUDA divides by a host scalar as a multiply by its reciprocal (an ulp off)
         fitted = absmax if top is None else \
@@ -410,7 +411,7 @@ class BlockScaledCodec(Codec):
         staged = torch.empty(out.size, dtype=torch.uint8, device=x.device)
         head = 4 * marked.numel()
         staged[:head].view(torch.float32).copy_(marked)
-        return out, staged[head:], torch.where(marked > 0, marked, 1.0), staged
+        return out, staged[head:], safe(marked), staged
 
     def _finish(self, out: np.ndarray, staged: torch.Tensor | None, numel: int) -> memoryview:
         """The payload :meth:`_begin` started, its codes written: from a GPU its one crossing to the host, after
