@@ -15,9 +15,10 @@ from __future__ import annotations
 import collections
 import logging
 import time
-from typing import Callable
+from typing import Any, Callable, Sequence
 
 from diloco.comms import PeerId
+from diloco.compression import Reason
 from diloco.peers import holders, resync_source, vouched
 from diloco.peers.membership import gossip_source, serving
 from diloco.peers.records import PeerRecord
@@ -25,7 +26,7 @@ from diloco.peers.records import PeerRecord
 from . import progress
 from .outer import OuterFactory
 from .state import GlobalState, Manifest, Receiver, StateError
-from .statesync import Progress
+from .statesync import NotHeld, Progress, download
 from .swarm import StateNotHeld, Swarm, SwarmError
 
 log = logging.getLogger(__name__)
@@ -121,7 +122,7 @@ class CatchUp:
                      *(p for p in others if p != source.peer and p in self.bad_sources)]
             started, shown = time.monotonic(), _DownloadLog(source.digest)
             try:
-                receiver, info, moved = swarm.fetch_state(source.digest, order, into, on_progress=shown)
+                receiver, info, moved = fetch_state(swarm, source.digest, order, into, on_progress=shown)
             finally:
                 shown.close(ok=shown.task is not None and shown.task.done >= (shown.task.total or 0))
             fresh = receiver.assemble(outer)
@@ -178,3 +179,30 @@ class CatchUp:
             if ok is False or time.monotonic() >= deadline:
                 raise StateError(f"state {digest} (round {rnd}) is not the swarm's: {why}")
             time.sleep(0.05)
+
+
+def fetch_state(swarm: Swarm, digest: str, holders: Sequence[PeerId], receiver: Callable[[Manifest], Receiver],
+                on_progress: Callable[[Progress], None] = lambda p: None,
+                ) -> tuple[Receiver, dict[str, Any], Progress]:
+    """Download the state named `digest` from `holders` at once over `swarm`'s connections, chunk by chunk, each
+    chunk checked against the manifest (`diloco.statesync.download`). Returns the filled receiver, the serving
+    peer's info (unchecked: validate before use) and how it went.
+
+    Raises:
+        StateNotHeld: no holder holds that state any more (the swarm moved on): ask again for the new one.
+        SwarmError: the download failed otherwise (every holder refused, timed out or sent bad chunks)."""
+    def refused(peer: PeerId, reason: str) -> None:
+        if reason == Reason.BANNED.value:
+            swarm.collective.banned_by.add(peer)  # its own sealed reply: see `Swarm.check_standing`
+
+    async def get() -> tuple[Receiver, dict[str, Any], Progress]:
+        return await download(swarm.transport.call, run_id=swarm.cfg.run_id, me=swarm.peer_id, digest=digest,
+                              holders=holders, receiver=receiver, chunk_timeout=swarm.cfg.round.call_timeout,
+                              on_progress=on_progress, on_refused=refused)
+
+    try:
+        return swarm.loop.run(get())
+    except NotHeld as e:
+        raise StateNotHeld(f"state download failed: {e}") from e
+    except StateError as e:
+        raise SwarmError(f"state download failed: {e}") from e

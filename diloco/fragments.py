@@ -172,6 +172,17 @@ def check_round_seconds(round_seconds: float | None, fragments: int, cfg: Stream
                             "inner_steps (-H) alone")
 
 
+def check_rounds(inner_steps: int, fragments: int, cfg: StreamingConfig, h_schedule: HSchedule,
+                 round_seconds: float | None = None, adaptive: bool = False) -> None:
+    """A worker's rounds as a whole: by time (`check_round_seconds`), or H fit for the fragments and overlap
+    (`check_schedule`; by time the slots do not count inner steps), and the H schedule (`check_h_schedule`).
+    Raises FragmentError."""
+    check_round_seconds(round_seconds, fragments, cfg, h_schedule, adaptive)
+    if round_seconds is None:
+        check_schedule(inner_steps, fragments, cfg)
+    check_h_schedule(h_schedule, fragments, cfg)
+
+
 def inner_steps_at(committed: int, inner_steps: int, schedule: HSchedule = ()) -> int:
     """H of the round that follows `committed` committed global rounds: `inner_steps`, or the H of the
     schedule's last change at or before `committed`. A function of the round alone, so every peer (and one

@@ -9,9 +9,12 @@ training, and H=1 with inner SGD and that outer optimizer is data-parallel SGD.
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Callable, Iterable, Sequence
 
 import torch
+
+from .compression.errors import ConfigError
 
 OuterFactory = Callable[[list[torch.Tensor]], torch.optim.Optimizer]
 
@@ -39,6 +42,17 @@ def warmup_scale(rnd: int, warmup: int) -> float:
     if rnd < 1:
         raise ValueError(f"rounds are counted from 1, got {rnd}")
     return 1.0 if warmup <= 0 else min(1.0, rnd / warmup)
+
+
+def lr_schedule(warmup: int = 0, schedule: Callable[[int], float] | None = None) -> Callable[[int], float]:
+    """The outer lr's factor for the step that commits global round r (1-based): `schedule`, or a linear warmup over
+    `warmup` rounds (`warmup_scale`); a function of r alone, so every peer (and one that caught up) steps with the
+    same lr. Raises ConfigError for a negative warmup, or for both."""
+    if warmup < 0:
+        raise ConfigError(f"outer_warmup must be >= 0 rounds, got {warmup}")
+    if warmup and schedule is not None:
+        raise ConfigError("give outer_warmup or outer_lr_schedule, not both (a schedule can warm up itself)")
+    return schedule or partial(warmup_scale, warmup=warmup)
 
 
 def set_outer_lr(outer: torch.optim.Optimizer, scale: float) -> None:

@@ -24,6 +24,7 @@ from .outer import copy_into
 from .shards import ShardedHandoff, SiteShards
 from .site import Site
 from .state import GlobalState
+from .topology import Followed
 
 if TYPE_CHECKING:
     from .member import Member
@@ -140,6 +141,15 @@ class SiteLink:
         s = member.standing
         return {**held, "steps": s.steps, "last_slot": s.last_slot, "attempt": s.attempt, "members": s.members,
                 "offset": s.offset}
+
+    def follow(self, member: Member, taken: dict[str, Any]) -> Followed:
+        """A site rank other than the leader, as it attaches: take what the leader handed out (`take`) and whether
+        it has a swarm; returns the leader's topology as far as this rank acts on it."""
+        self.follows = bool(taken.pop("swarm"))
+        flags = taken.pop("topology")
+        assert isinstance(flags, dict)
+        self.take(member, taken)
+        return Followed(flags)
 
     def take(self, member: Member, taken: dict[str, Any]) -> None:
         """A site rank other than the leader: start from the leader's state and place in the schedule."""

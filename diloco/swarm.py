@@ -41,7 +41,6 @@ from diloco.comms.auth import HELLO
 from diloco.comms.dataplane import DirectTransport, data_paths
 from diloco.comms.loop import LoopThread
 from diloco.comms.transport import InProcNetwork, ScopedTransport
-from diloco.compression import Reason
 from diloco.peers import (Directory, PeerRecord, banned_by_majority, plan_round, quorum, started_without,
                           voted_out)
 from diloco.peers.membership import GroupPlan, Voters, serving
@@ -52,8 +51,7 @@ from .config import SwarmConfig
 from .connect import Connection
 from .connect import SwarmError as SwarmError  # raised here too, and caught from here
 from .presence import Presence
-from .state import Manifest, Receiver, StateError
-from .statesync import NotHeld, Progress, SnapshotProvider, StateServer, download
+from .statesync import SnapshotProvider, StateServer
 
 log = logging.getLogger(__name__)
 
@@ -383,32 +381,6 @@ class Swarm:
         its slot, takes a snapshot, and then waits for them (`wait_for_unserved`)."""
         self._server.snapshot, self._server.wait_unserved = snapshot, wait_unserved
 
-    def fetch_state(self, digest: str, holders: Sequence[PeerId], receiver: Callable[[Manifest], Receiver],
-                    on_progress: Callable[[Progress], None] = lambda p: None,
-                    ) -> tuple[Receiver, dict[str, Any], Progress]:
-        """Download the state named `digest` from `holders` at once, chunk by chunk, each chunk checked
-        against the manifest (`diloco.statesync.download`). Returns the filled receiver, the serving
-        peer's info (unchecked: validate before use) and how it went.
-
-        Raises:
-            StateNotHeld: no holder holds that state any more (the swarm moved on): ask again for the new one.
-            SwarmError: the download failed otherwise (every holder refused, timed out or sent bad chunks)."""
-        def refused(peer: PeerId, reason: str) -> None:
-            if reason == Reason.BANNED.value:
-                self.collective.banned_by.add(peer)  # its own sealed reply: see check_standing
-
-        async def get() -> tuple[Receiver, dict[str, Any], Progress]:
-            return await download(self.transport.call, run_id=self.cfg.run_id, me=self.peer_id, digest=digest,
-                                  holders=holders, receiver=receiver, chunk_timeout=self.cfg.round.call_timeout,
-                                  on_progress=on_progress, on_refused=refused)
-
-        try:
-            return self.loop.run(get())
-        except NotHeld as e:
-            raise StateNotHeld(f"state download failed: {e}") from e
-        except StateError as e:
-            raise SwarmError(f"state download failed: {e}") from e
-
     def unserved(self) -> set[PeerId]:
         """Peers that asked us for a state we did not hold within the last `call_timeout` (`serve_state` with
         `wait_unserved` off)."""
@@ -443,22 +415,6 @@ class Swarm:
     def bytes_on_wire(self) -> tuple[int, int]:
         """(sent, received) bytes of this peer so far, every message included."""
         return self.transport.counter.snapshot()
-
-    NO_DEFENCES: dict[str, Any] = dict(auth_refused={}, auth_held=0, rejections={}, records_dropped={}, robust={},
-                                       banned=[])
-    """`defences()` of a run without a swarm: nothing refused."""
-
-    def defences(self) -> dict[str, Any]:
-        """What this peer refused and why: calls refused by the credential check (`auth_refused`, by reason)
-        and how many of those the tarpit held (`auth_held`), frames rejected by reason (`rejections`),
-        directory records dropped by reason (`records_dropped`: unsigned, signed by another key,
-        malformed, off the allowlist), robust-aggregation events (`robust`), peers banned (`banned`)."""
-        c, guard = self.collective, self.transport.guard
-        return dict(auth_refused=dict(sorted(guard.refused.items())) if guard is not None else {},
-                    auth_held=guard.tarpit.held_total if guard is not None else 0,
-                    rejections=dict(sorted(c.rejections.items())),
-                    records_dropped=dict(sorted(self.directory.dropped.items())),
-                    robust=dict(sorted(c.robust_events.items())), banned=sorted(c.banned))
 
     # ------------------------------------------------------------------ leaving
 
@@ -502,3 +458,23 @@ class Swarm:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+NO_DEFENCES: dict[str, Any] = dict(auth_refused={}, auth_held=0, rejections={}, records_dropped={}, robust={},
+                                   banned=[])
+"""`defences(None)`: a run without a swarm refused nothing."""
+
+
+def defences(swarm: Swarm | None) -> dict[str, Any]:
+    """What `swarm`'s peer refused and why: calls refused by the credential check (`auth_refused`, by reason)
+    and how many of those the tarpit held (`auth_held`), frames rejected by reason (`rejections`),
+    directory records dropped by reason (`records_dropped`: unsigned, signed by another key,
+    malformed, off the allowlist), robust-aggregation events (`robust`), peers banned (`banned`)."""
+    if swarm is None:
+        return dict(NO_DEFENCES)
+    c, guard = swarm.collective, swarm.transport.guard
+    return dict(auth_refused=dict(sorted(guard.refused.items())) if guard is not None else {},
+                auth_held=guard.tarpit.held_total if guard is not None else 0,
+                rejections=dict(sorted(c.rejections.items())),
+                records_dropped=dict(sorted(swarm.directory.dropped.items())),
+                robust=dict(sorted(c.robust_events.items())), banned=sorted(c.banned))

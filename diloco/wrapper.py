@@ -44,7 +44,6 @@ import logging
 import os
 import time
 from contextlib import contextmanager
-from functools import partial
 from pathlib import Path
 from typing import Callable, Iterator, Literal
 
@@ -52,7 +51,7 @@ import torch
 from torch.utils.hooks import RemovableHandle
 
 from diloco.comms import PeerId, RoundOutcome
-from diloco.compression.pipeline import parse
+from diloco.compression.pipeline import Spec, parse
 
 from .accounting import Accounting, Usage
 from .catchup import CatchUp
@@ -60,13 +59,14 @@ from .compression.errors import ConfigError, UsageError
 from .ending import RunEnded
 from .engine import RoundEngine
 from .environment import data_shard
-from .fragments import HSchedule, StreamingConfig, check_h_schedule, check_round_seconds, check_schedule, partition
+from .config import SwarmConfig
+from .fragments import HSchedule, StreamingConfig, check_rounds, partition
 from .gossip import Gossip
 from .holding import Holding
 from .launched import LaunchedRun
 from .lifecycle import linger
 from .member import Member
-from .outer import OuterFactory, copy_into, default_outer, warmup_scale
+from .outer import OuterFactory, copy_into, default_outer, lr_schedule
 from .persist import Checkpoints, save_model
 from .regions import Regions
 from .report import RoundReport
@@ -75,7 +75,7 @@ from .site import Site
 from .sitelink import SiteLink
 from .state import GlobalState, schema_digest
 from .swarm import Swarm
-from .topology import Followed, Topology
+from .topology import Topology
 
 __all__ = ["DiLoCo", "RoundReport"]
 
@@ -176,6 +176,26 @@ def _warn_once(event: str, fix: str, reason: str) -> None:
                     event, fix, reason)
 
 
+def _compression(swarm: SwarmConfig | None, compression: str | None) -> Spec:
+    """The compression our rounds use: the swarm's (every peer must agree), or locally the argument (fp32 by
+    default). Error feedback (the spec's ef:BETA stage) keeps this peer's unsent residual. Raises ConfigError when
+    both are given and differ."""
+    spec = parse(swarm.round.compression if swarm is not None else compression or "fp32")
+    if swarm is not None and compression is not None and parse(compression).text != spec.text:
+        raise ConfigError(f"compression={compression!r} differs from the swarm's {spec.text!r}; "
+                          "set it once, in SwarmConfig(round=CollectiveConfig(compression=...))")
+    return spec
+
+
+def _topology(d: DiLoCo, swarm: Swarm) -> Topology:
+    """The topology `swarm`'s settings name for worker `d`: a region's two levels, gossip, or flat."""
+    if swarm.cfg.region:
+        return Regions(d.member, swarm, d.streaming, shift=d.streams)
+    if swarm.cfg.topology == "gossip":
+        return Gossip(d.member, d.outer_lr_schedule, d.fragments, d.streaming)
+    return Topology()
+
+
 class DiLoCo:
     """A DiLoCo worker around the user's model and inner optimizer (see the module docstring).
 
@@ -208,16 +228,11 @@ class DiLoCo:
     ) -> None:
         if inner_steps < 1:
             raise ConfigError(f"inner_steps must be >= 1, got {inner_steps}")
-        if outer_warmup < 0:
-            raise ConfigError(f"outer_warmup must be >= 0 rounds, got {outer_warmup}")
-        if outer_warmup and outer_lr_schedule is not None:
-            raise ConfigError("give outer_warmup or outer_lr_schedule, not both (a schedule can warm up itself)")
         self.inner_steps = inner_steps
         """H at the start; `h_schedule` changes it after a number of committed rounds (`inner_steps_now`)."""
         self.h_schedule = tuple((int(r), int(h)) for r, h in h_schedule)
-        self.outer_lr_schedule = outer_lr_schedule or partial(warmup_scale, warmup=outer_warmup)
-        """The outer lr's factor for the step that commits global round r (1-based), `outer_warmup`'s linear
-        warmup unless given; a function of r alone, so every peer (and one that caught up) steps with the same lr."""
+        self.outer_lr_schedule = lr_schedule(outer_warmup, outer_lr_schedule)
+        """The outer lr's factor for the step that commits global round r (1-based; `diloco.outer.lr_schedule`)."""
         self.streaming = streaming or StreamingConfig()
         # "auto": a command started by `diloco start/join -- CMD` finds its swarm in the environment
         # (connected when we attach); without the launcher's variables, a single worker, no network.
@@ -238,17 +253,8 @@ class DiLoCo:
         named = [(_canonical(n), p) for n, p in model.named_parameters() if p.requires_grad]
         self._params = [p for _, p in named]
         self.fragments = partition([n for n, _ in named], [p.numel() for _, p in named], self.streaming)
-        check_round_seconds(round_seconds, len(self.fragments), self.streaming, self.h_schedule, adaptive)
-        if round_seconds is None:  # by a fixed time, the slots do not count inner steps (adaptive: H of the fastest)
-            check_schedule(inner_steps, len(self.fragments), self.streaming)
-        check_h_schedule(self.h_schedule, len(self.fragments), self.streaming)
-        # Compression is a property of the swarm (every peer must agree); locally, take it from the
-        # argument. Error feedback (the spec's ef:BETA stage) keeps this peer's unsent residual.
-        swarm_cfg = given.cfg if given is not None else launch.swarm if launch else None
-        spec = parse(swarm_cfg.round.compression if swarm_cfg is not None else compression or "fp32")
-        if swarm_cfg is not None and compression is not None and parse(compression).text != spec.text:
-            raise ConfigError(f"compression={compression!r} differs from the swarm's {spec.text!r}; "
-                              "set it once, in SwarmConfig(round=CollectiveConfig(compression=...))")
+        check_rounds(inner_steps, len(self.fragments), self.streaming, self.h_schedule, round_seconds, adaptive)
+        spec = _compression(given.cfg if given is not None else launch.swarm if launch else None, compression)
         self.compression = spec.text
         self._outer_factory = outer_optimizer or default_outer(spec.ef is not None)
         state = GlobalState(self.local_params, self._outer_factory, self.global_device)
@@ -287,13 +293,8 @@ class DiLoCo:
     def _enter(self, swarm: Swarm) -> None:
         """Take `swarm`'s topology (its settings name it), and the swarm our rounds run on."""
         _tell_of_subnormals(self.model, swarm)
-        member = self.member
-        if swarm.cfg.region:
-            self.topology = Regions(member, swarm, self.streaming, shift=self.streams)
-        elif swarm.cfg.topology == "gossip":
-            self.topology = Gossip(member, self.outer_lr_schedule, self.fragments, self.streaming)
-        member.topology = self.topology
-        member.swarm = self.topology.rounds(swarm)
+        self.topology = self.member.topology = _topology(self, swarm)
+        self.member.swarm = self.topology.rounds(swarm)
 
     # ------------------------------------------------------------------ what the worker is
 
@@ -412,13 +413,10 @@ class DiLoCo:
 
     @property
     def ended(self) -> bool:
-        """The whole swarm's run ended for this worker (docs/USAGE.md, "Ending the whole run"): a peer announced the
-        round it ends at and our rounds got there. A loop that checks it before each step (`while not d.ended:`)
-        stops there; leaving the `with` then ends the run as a completed one. On a site every rank learns it at the
-        same synchronization slot (which launches no round), so every rank's loop stops after the same step. A loop
-        that does not check it leaves by `RunEnded` at the slot after that one (a SystemExit with status 0; the
-        `with` ends the run the same way). Never for a worker without a swarm. Cheap on every inner step: our rounds
-        move only at a slot, so the swarm's end is read right after one (and found there once, for good)."""
+        """The whole swarm's run ended for this worker: a peer announced the round it ends at and our rounds got
+        there (docs/USAGE.md, "Ending the whole run"). Check it before each step (`while not d.ended:`); a loop that
+        does not leaves by `RunEnded` (status 0) at the next slot. Every rank of a site learns it at the same slot.
+        Never without a swarm. Cheap on every step: the swarm's end is read right after a slot, and found once."""
         ending = self.member.ending
         if not ending.over and self.site is None and self.steps == 0:
             ending.over = self.member.run_ended(self.round + self.pending_rounds)
@@ -471,11 +469,7 @@ class DiLoCo:
         assert isinstance(shard, int)
         self._data_shard = shard
         if self.site is not None and not self.site.leader:
-            self.link.follows = bool(taken.pop("swarm"))
-            flags = taken.pop("topology")
-            assert isinstance(flags, dict)
-            self.topology = self.member.topology = Followed(flags)
-            self.link.take(self.member, taken)
+            self.topology = self.member.topology = self.link.follow(self.member, taken)
         if self.shards is not None and taken.get("incoming"):
             self.link.adopt_incoming(self.member)
         if self.launched is not None:

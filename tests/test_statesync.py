@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import diloco
+from diloco.catchup import fetch_state
 from diloco.comms import InProcNetwork, TransportError
 from diloco.comms.loop import LoopThread
 from diloco.outer import nesterov, outer_step
@@ -168,7 +169,7 @@ def test_a_150m_parameter_state_moves_between_two_swarm_peers_with_default_setti
         snap = Snapshot.take(state, manifest, {})
         server.serve_state(lambda digest: snap if digest == snap.digest else None)
         started = time.monotonic()
-        receiver, _, progress = joiner.fetch_state(snap.digest, ["server"], _like(numel).receiver)
+        receiver, _, progress = fetch_state(joiner, snap.digest, ["server"], _like(numel).receiver)
         took = time.monotonic() - started
         got = receiver.assemble(nesterov())
         assert progress.total == 8 * numel and len(manifest.hashes) == -(-8 * numel // (4 << 20))

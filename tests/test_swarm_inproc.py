@@ -20,6 +20,7 @@ import torch
 
 import diloco
 from diloco import DiLoCo
+from diloco.catchup import fetch_state
 from diloco.comms import InProcNetwork, RoundKey
 from diloco.comms.faults import NO_FAULTS, Faults
 from diloco.comms.loop import LoopThread
@@ -479,11 +480,11 @@ def test_a_peer_most_members_refuse_as_banned_learns_it_and_gets_no_state(harnes
         s.update(status="training")
     _until(lambda: len(peers["x"].records()) == 4)
     x, members = peers["x"], ("a", "b", "c", "x")
-    got, _, _ = x.fetch_state(snapshot.digest, ["a"], GlobalState([torch.zeros(3)], nesterov()).receiver)
+    got, _, _ = fetch_state(x, snapshot.digest, ["a"], GlobalState([torch.zeros(3)], nesterov()).receiver)
     assert got.assemble(nesterov()).digest() == state.digest()
     peers["a"].collective.adopt_bans(["x"], "test")
     with pytest.raises(diloco.SwarmError, match="banned"):  # a peer that banned x serves it nothing
-        x.fetch_state(snapshot.digest, ["a"], GlobalState([torch.zeros(3)], nesterov()).receiver)
+        fetch_state(x, snapshot.digest, ["a"], GlobalState([torch.zeros(3)], nesterov()).receiver)
     assert x.collective.banned_by == {"a"}
     x.check_standing(members)  # one of three is no majority
     for p in ("b", "c"):

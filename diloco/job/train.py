@@ -26,11 +26,10 @@ from diloco.compression.pipeline import parse as parse_compression
 from ..checkpoint import CheckpointError, require_safetensors
 from ..config import ConfigError
 from ..environment import SHARDS, data_shard
-from ..fragments import (FragmentError, HSchedule, StreamingConfig, check_h_schedule, check_round_seconds,
-                         check_schedule, inner_steps_at)
+from ..fragments import FragmentError, HSchedule, StreamingConfig, check_rounds, inner_steps_at
 from ..metrics import MetricsWriter, write_failures, write_status
 from ..outer import OuterFactory, default_outer
-from ..swarm import Swarm
+from ..swarm import Swarm, defences
 from ..lifecycle import end_run, final_fields
 from ..wrapper import DiLoCo, RoundReport
 from .corpus import BatchSampler, Corpus, CorpusConfig, evaluate, heldout_batches
@@ -221,10 +220,8 @@ class JobConfig:
             raise ConfigError("the bundled job counts rounds in fragments: give StreamingConfig(fragments=P), "
                               "not blocks_per_fragment")
         try:
-            if self.round_seconds is None:  # by time, the slots do not count inner steps
-                check_schedule(self.inner_steps, self.fragments, self.streaming)
-            check_h_schedule(self.h_schedule, self.fragments, self.streaming)
-            check_round_seconds(self.round_seconds, self.fragments, self.streaming, self.h_schedule, self.adaptive)
+            check_rounds(self.inner_steps, self.fragments, self.streaming, self.h_schedule, self.round_seconds,
+                         self.adaptive)
         except FragmentError as e:
             raise ConfigError(str(e)) from e
         if self.resume and not self.checkpoint_dir:
@@ -483,7 +480,7 @@ def run_job(cfg: JobConfig, swarm: Swarm | None, *, metrics: MetricsWriter | Non
                    alpha=cfg.streaming.alpha, outer_overlap=cfg.streaming.outer_overlap, usage=d.usage().as_dict(),
                    rollbacks=d.rollbacks,
                    write_failures=dict(sorted(write_failures.items())),
-                   **(swarm.defences() if swarm is not None else Swarm.NO_DEFENCES))
+                   **defences(swarm))
     metrics.write("final", **summary)
     metrics.flush()
     if status_path:
