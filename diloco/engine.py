@@ -29,7 +29,6 @@ from diloco.comms import RoundKey, RoundOutcome
 from diloco.comms.rounds import Handoff
 from diloco.comms.robust import RobustConfig
 from diloco.compression.codecs import all_finite as finite
-from diloco.compression.ef import ErrorFeedback
 from diloco.compression.pipeline import Pipeline, Spec
 from diloco.peers import stragglers
 from diloco.peers.membership import Voters
@@ -39,6 +38,7 @@ from .holding import views
 from .member import Member
 from .outer import copy_into, is_pinned, mix_into, outer_step, pseudo_gradient, pseudo_gradient_pieces
 from .pace import Pace, scaled_overlap
+from .perfragment import PerFragment
 from .report import RoundReport
 from .shards import ShardedHandoff
 from .swarm import Banned
@@ -65,23 +65,6 @@ class _Pending:
     blocked: bool = False
 
 
-@dataclass
-class _FragmentState:
-    """What a worker keeps per fragment of the model (torchft's `_StreamingDiLoCoFragment` plays this part):
-    its error-feedback residual (compression with an ef:BETA stage), and, with a whole outer step overlapped,
-    the Δ of its last round that failed, delivered with its next one."""
-
-    fragment: Fragment
-    ef: ErrorFeedback | None
-    carry: torch.Tensor | None = None
-    since: int = 0
-    """The inner step from which the local copy of this fragment has trained away from θ: the slot of its last
-    committed round, or where the worker last took θ whole (joined, downloaded, rolled back). Its next Δ covers
-    the steps after it, failed rounds' included: that Δ's weight in a round by time."""
-    buffer: torch.Tensor | None = None
-    """A lone worker's Δ of this fragment, formed in the same memory every slot (`RoundEngine._buffer`)."""
-
-
 FIRST_PUBLISHED = 4
 """Inner steps into its first span after which a worker publishes its step time (adaptive rounds read it)."""
 
@@ -106,8 +89,8 @@ class RoundEngine:
         self._on_rollback = on_rollback
         self.error_feedback = spec.ef is not None
         self.local_pipeline = Pipeline(spec)  # a lone worker's rounds encode as a swarm's would (what `usage` counts)
-        self.per_fragment = [_FragmentState(f, ErrorFeedback(spec.ef, f.numel) if spec.ef is not None else None)
-                             for f in self.fragments]
+        self.per_fragment = PerFragment(self.fragments, spec.ef)
+        """What we keep per fragment between rounds (`diloco.perfragment`)."""
         self.rollbacks = 0
         """Syncs at which our own pseudo-gradient was not finite: rolled back to θ, nothing sent."""
         self.pending: _Pending | None = None
@@ -128,12 +111,7 @@ class RoundEngine:
     def residuals(self) -> list[torch.Tensor] | None:
         """The error-feedback residual of each fragment (what compression has not delivered yet), or None without
         error feedback."""
-        return [k.ef.residual for k in self.per_fragment if k.ef is not None] if self.error_feedback else None
-
-    def forget_carry(self) -> None:
-        """We took another peer's state: a failed round's Δ carried for the next one refers to ours, not to it."""
-        for kept in self.per_fragment:
-            kept.carry = None
+        return self.per_fragment.residuals() if self.error_feedback else None
 
     # ------------------------------------------------------------------ the schedule
 
@@ -207,15 +185,14 @@ class RoundEngine:
     def restart_clock(self) -> None:
         """We start from θ whole (joined, or took another peer's state): every fragment's Δ covers the steps from
         here, and with rounds by time the span of inner steps to the next slot begins now."""
-        for kept in self.per_fragment:
-            kept.since = self.standing.steps
+        self.per_fragment.restart(self.standing.steps)
         if self.pace is not None:
             self.pace.restart(self.clock())
 
     def covered(self, frag: Fragment) -> int:
         """Inner steps the Δ of `frag` formed now covers (at least one): since its last committed round, or since
         we last started from θ whole."""
-        return max(1, self.standing.steps - self.per_fragment[frag.index].since)
+        return self.per_fragment.covered(frag, self.standing.steps)
 
     def sync(self) -> RoundReport:
         """Synchronize the next fragment now and wait for its result (`DiLoCo.sync`)."""
@@ -287,7 +264,7 @@ class RoundEngine:
             elif report is not None and report.resynced:
                 self.start = None
                 return  # the swarm's θ replaced ours: this phase's Δ is not comparable; start over
-        kept = self.per_fragment[frag.index]
+        kept = self.per_fragment[frag]
         carry, kept.carry = kept.carry, None
         if carry is not None:  # the round just finished failed: its Δ is still ours to deliver
             delta = delta + carry
@@ -324,23 +301,18 @@ class RoundEngine:
                     "the global state, sent nothing (lower the inner lr or clip gradients if this repeats)",
                     self.holding.round)
         copy_into(self.local(), self.holding.params)
-        for kept in self.per_fragment:
-            kept.since = self.standing.steps
+        self.per_fragment.restart(self.standing.steps)
         self._on_rollback()
         return self.member.report(RoundReport(self.holding.round, False, "non-finite pseudo-gradient: rolled back, "
                                               "sent nothing", 1, 0, 0, time.monotonic() - started, self.standing.steps))
 
     def _buffer(self, frag: Fragment) -> torch.Tensor | None:
-        """Where a lone worker forms Δ of `frag`: the same buffer every slot (a fresh one as large costs more in
-        page faults than forming Δ). Only without a swarm and without a whole outer step overlapped: there
-        nothing holds the last slot's Δ by the time this fragment's next slot comes (τ < H/P)."""
+        """Where a lone worker forms Δ of `frag`: the same buffer every slot (`PerFragment.buffer`). Only without a
+        swarm and without a whole outer step overlapped: there nothing holds the last slot's Δ by the time this
+        fragment's next slot comes (τ < H/P)."""
         if self.member.swarm is not None or self.overlapped or self.link.site is not None:
             return None
-        kept = self.per_fragment[frag.index]
-        if kept.buffer is None:
-            kept.buffer = torch.empty(frag.numel, dtype=torch.float32, device=self.holding.device,
-                                      pin_memory=any(is_pinned(p) for p in self.holding.params))
-        return kept.buffer
+        return self.per_fragment.buffer(frag, self.holding.device, any(is_pinned(p) for p in self.holding.params))
 
     @property
     def lean(self) -> bool:
@@ -371,7 +343,7 @@ class RoundEngine:
             self.pending = _Pending(frag, None, steps + tau, started, steps,
                                     future=self._exchange(frag, delta), key=key)
             return self.pending
-        ef = self.per_fragment[frag.index].ef
+        ef = self.per_fragment[frag].ef
         acc = ef.accumulate(delta) if ef is not None else delta
         due = steps + (self.inner_steps_now if self.overlapped else tau)
         if self.link.follows:  # the leader sends; we apply the outcome it tells us (`complete`)
@@ -457,7 +429,7 @@ class RoundEngine:
     def _apply(self, pending: _Pending, outcome: RoundOutcome) -> RoundReport:
         """The outer step of a committed round (θ moves, the local model mixes in), or a failed round's bookkeeping."""
         frag, s, swarm = pending.fragment, self.standing, self.member.swarm
-        kept = self.per_fragment[frag.index]
+        kept = self.per_fragment[frag]
         if outcome.committed:
             aggregate = self.link.aggregate(frag, outcome, swarm)
             if kept.ef is not None:

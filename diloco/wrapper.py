@@ -481,7 +481,7 @@ class DiLoCo:
     def _downloaded(self) -> None:
         """We took a state another peer served: what we carried for it is gone, and our span of inner steps
         (rounds by time) begins now."""
-        self.engine.forget_carry()
+        self.engine.per_fragment.forget_carry()
         self.engine.restart_clock()
 
     def _join(self) -> dict[str, object]:

@@ -508,6 +508,33 @@ class _Faults:
 # ---------------------------------------------------------------------------------------- the lab
 
 
+def _check_lab(hosts: int, rate_mbit: float | None, delay_ms: float, backend: str, mtu: int,
+               regions: Sequence[int]) -> None:
+    """`WanLab`'s arguments, each in its range; raises ValueError naming the one that is not."""
+    if not 1 <= hosts <= MAX_HOSTS:
+        raise ValueError(f"hosts must be between 1 and {MAX_HOSTS}, got {hosts}")
+    if rate_mbit is not None and rate_mbit < 0:
+        raise ValueError(f"rate_mbit must be positive (or None for unlimited), got {rate_mbit}")
+    if delay_ms < 0:
+        raise ValueError(f"delay_ms must be >= 0, got {delay_ms}")
+    if backend not in ("auto", "netem", "tun"):
+        raise ValueError(f"backend must be 'auto', 'netem' or 'tun', got {backend!r}")
+    if not 576 <= mtu <= 65535:
+        raise ValueError(f"mtu must be between 576 and 65535, got {mtu}")
+    if regions and (len(regions) != hosts or backend == "netem"):
+        raise ValueError(f"regions needs one region per host ({hosts}) and the tun backend, got {list(regions)}"
+                         f" with backend {backend!r}")
+
+
+def _region_args(regions: Sequence[int], cross_rate_mbit: float | None, cross_delay_ms: float) -> list[str]:
+    """The forwarder's arguments for links between regions (none for a lab of one region)."""
+    if not regions:
+        return []
+    queue = max(20.0, cross_delay_ms)  # as the host links' shaper: the larger of 20 ms and the delay
+    return ["--groups", ",".join(str(g) for g in regions), "--cross-delay-ms", repr(cross_delay_ms),
+            "--cross-rate-mbit", repr(cross_rate_mbit or 0.0), "--cross-queue-ms", repr(queue)]
+
+
 class WanLab:
     """Hosts (network namespaces) joined by emulated WAN links; a context manager (see module docstring).
 
@@ -521,19 +548,7 @@ class WanLab:
                  backend: str = "auto", mtu: int = 1500, queue_ms: float | None = None,
                  grace_s: float = 5.0, regions: Sequence[int] = (), cross_rate_mbit: float | None = None,
                  cross_delay_ms: float | None = None) -> None:
-        if not 1 <= hosts <= MAX_HOSTS:
-            raise ValueError(f"hosts must be between 1 and {MAX_HOSTS}, got {hosts}")
-        if rate_mbit is not None and rate_mbit < 0:
-            raise ValueError(f"rate_mbit must be positive (or None for unlimited), got {rate_mbit}")
-        if delay_ms < 0:
-            raise ValueError(f"delay_ms must be >= 0, got {delay_ms}")
-        if backend not in ("auto", "netem", "tun"):
-            raise ValueError(f"backend must be 'auto', 'netem' or 'tun', got {backend!r}")
-        if not 576 <= mtu <= 65535:
-            raise ValueError(f"mtu must be between 576 and 65535, got {mtu}")
-        if regions and (len(regions) != hosts or backend == "netem"):
-            raise ValueError(f"regions needs one region per host ({hosts}) and the tun backend, got {list(regions)}"
-                             f" with backend {backend!r}")
+        _check_lab(hosts, rate_mbit, delay_ms, backend, mtu, regions)
         self.regions = tuple(regions)
         """A region per host (empty: one region). Between two regions a host sends through its own link
         of `cross_rate_mbit` with `cross_delay_ms` one way; inside one, `rate_mbit` and `delay_ms`."""
@@ -748,8 +763,8 @@ class WanLab:
     def _build_tun(self) -> None:
         addresses = [self.address(i) for i in range(self.hosts)]
         self._switch = subprocess.Popen(
-            [sys.executable, "-I", _THIS_FILE, "_switch", "--delay-ms", repr(self.delay_ms),
-             "--addresses", ",".join(addresses), *self._region_args()],
+            [sys.executable, "-I", _THIS_FILE, "_switch", "--delay-ms", repr(self.delay_ms), "--addresses",
+             ",".join(addresses), *_region_args(self.regions, self.cross_rate_mbit, self.cross_delay_ms)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, close_fds=True)
         ready = self._switch.stdout.readline() if self._switch.stdout else ""
         if not ready.startswith("ready "):
@@ -770,14 +785,6 @@ class WanLab:
                   f"echo 1 > /proc/sys/net/ipv6/conf/{IFNAME}/disable_ipv6"], check=False)
             self._host_if_up(name, i)
             self._shaping(name)
-
-    def _region_args(self) -> list[str]:
-        if not self.regions:
-            return []
-        rate = self.cross_rate_mbit or 0.0
-        queue = max(20.0, self.cross_delay_ms)  # as the host links' shaper: the larger of 20 ms and the delay
-        return ["--groups", ",".join(str(g) for g in self.regions), "--cross-delay-ms", repr(self.cross_delay_ms),
-                "--cross-rate-mbit", repr(rate), "--cross-queue-ms", repr(queue)]
 
     def _tune_tcp(self, name: str) -> None:
         rate = (self.rate_mbit or 1000.0) * 1e6 / 8
