@@ -23,7 +23,7 @@ class RoundReport:
     fragment: int = 0  # which fragment this round synchronized (0 when the model is one fragment)
     blocked: bool = False  # the training loop had to wait for this round's result
     phases: dict[str, float] = field(default_factory=dict)
-    """Where the round's time went, in seconds: gather, encode, exchange (or fetch), decide (`RoundOutcome.phases`)."""
+    """Where the round's time went, in seconds: plan, gather, encode, exchange (or fetch), decide (`RoundOutcome.phases`)."""
     merge: bool = False
     """A merge of the regions (`diloco.regions`): our representative's round of the swarm, or our download of
     the region state it merged into; `round` is the region round it made."""

@@ -306,6 +306,7 @@ class Swarm:
 
         async def go() -> RoundOutcome:
             self.check_standing(previous)
+            began = time.monotonic()
             records = await self.presence.for_round()
             self.collective.adopt_bans(banned_by_majority(records, self.peer_id), "banned by a majority of the "
                                        "peers' records")
@@ -319,8 +320,10 @@ class Swarm:
                 count = voters or list
                 return quorum(count(view), prev and count(prev), count(plan.left), self.cfg.round.min_peers)
 
+            planned = time.monotonic()
             outcome = await self.collective.run_round(plan.key, digest, plan.ask, handoff, fragment=fragment,
                                                       admit=admit, wait_for=plan.wait_for, weight=weight)
+            outcome.phases = {"plan": planned - began, **outcome.phases}  # reading the records, the round's plan
             if not outcome.committed:
                 self.check_standing(previous)  # refused as banned by most of them: stop now, not next slot
             return outcome

@@ -56,7 +56,7 @@ def _bit_identical(peers: Peers, rounds: int, bits: Callable[[float], bool]) -> 
     assert all(r["bytes_sent"] > 0 for r in committed)
     # where each round's time went, as a metrics reader sees it
     timed = [(r["phases"], r["seconds"]) for r in committed]
-    assert all(set(phases) == {"gather", "encode", "exchange", "decide"} for phases, _ in timed), timed
+    assert all(set(phases) == {"plan", "gather", "encode", "exchange", "decide"} for phases, _ in timed), timed
     assert all(sum(phases.values()) <= seconds + 0.005 for phases, seconds in timed), timed  # both rounded to ms
     assert all(bits(r["bits_per_param"]) for r in committed), committed  # the codec's cost per parameter, as reported
     return finals

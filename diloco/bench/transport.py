@@ -46,7 +46,7 @@ from ..lines import write_lines
 from .size import launch_peer, wait_file
 
 RECV_CHUNK = 1 << 20
-PHASES = ("gather", "encode", "exchange", "decide")
+PHASES = ("plan", "gather", "encode", "exchange", "decide")
 
 
 @dataclass(frozen=True)
