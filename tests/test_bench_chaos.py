@@ -13,7 +13,8 @@ import pytest
 from dataclasses import replace
 
 from cli_util import invoke, refuse_to_start
-from diloco.bench.chaos import (KINDS, ChaosSetup, Hit, commits, commits_cut_off, final_states, forks, markdown,
+from diloco.bench.chaos import (KINDS, ChaosSetup, Hit, commits, commits_cut_off, final_states, forks, last_members,
+                                markdown, minority,
                                 merged_in_log, plan, quantile, recovery, sides, stalls, summary, useful_steps)
 
 
@@ -137,6 +138,23 @@ def test_a_cut_off_minority_committing_is_reported():
     assert commits_cut_off([Hit("partition", 0, at=10.0, ended=20.0, side=(0, 1))], members) == []
     assert commits_cut_off([Hit("partition", 0, at=10.0, ended=20.0, side=(0, 3))], members) == \
         [{"worker": 0, "round": 4, "side": [0, 3]}]
+
+
+@pytest.mark.unit
+def test_a_partition_cuts_off_a_minority_of_the_last_rounds_members_not_of_every_worker_up():
+    """Five workers up, of which three committed the last round (3 and 4 still joining): cut from the workers up, a
+    side of two could hold two of those three, the quorum, and test nothing; cut from the members it is one of them."""
+    lines = [[_round(8.0, 2, "y")], [_round(8.0, 2, "y")], [_round(8.0, 2, "y"), _round(9.0, 1, "x")], [], []]
+    members = last_members(lines, 10.0)
+    assert members == {0, 1, 2} and last_members(lines, 8.0) == set()
+    for pick in (0.0, 0.3, 0.6, 0.99):
+        for amount in (0.0, 0.5, 1.0):
+            side = minority(range(5), members, pick, amount)
+            assert side is not None and len(side) == 1 and side <= members, (pick, amount, side)
+    assert minority(range(5), set(), 0.0, 0.99) == {0, 1}  # none known: a minority of the workers up
+    assert minority([0, 1, 3, 4], members, 0.5, 1.0) is None  # two members up: no minority to cut
+    sides = [minority(range(7), range(7), p / 7, 1.0) for p in range(7)]  # every worker can be cut off, 3 at a time
+    assert all(s is not None and len(s) == 3 for s in sides) and set().union(*sides) == set(range(7))  # type: ignore[arg-type]
 
 
 @pytest.mark.unit

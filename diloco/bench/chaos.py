@@ -22,8 +22,9 @@ six workers, the last a 2-rank site, on the WAN lab for 20 minutes, a fault of a
 With `wan` every worker runs on a host of its own in a WAN lab (diloco.bench.wan, TUN backend: `rate_mbit` per
 host link, `delay_ms` one way), and four more kinds apply to the links:
 
-- `partition`: a random minority of the workers (at least one, fewer than half) is cut off from the others for
-  `outage_seconds` (each side still reaches its own);
+- `partition`: a random minority (at least one, fewer than half) of the workers that committed the swarm's last
+  round is cut off from the others for `outage_seconds` (each side still reaches its own; workers still joining
+  stay with the majority);
 - `flap`: a worker's link goes down and up three times, 1–3 s each way;
 - `lossy`: a worker's link drops 2–20% of its packets for `outage_seconds`;
 - `slow`: a worker's packets take 100–500 ms more one way for `outage_seconds`.
@@ -69,7 +70,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from functools import partial
 from pathlib import Path
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Collection, Iterable, Sequence
 
 from ..comms.faults import CLOCK_STEP_FILE
 from ..lines import write_lines
@@ -312,6 +313,28 @@ CUT_MARGIN = 1.0
 votes were in; the line is written a moment later)."""
 
 
+def last_members(lines: Sequence[Lines], before: float) -> set[int]:
+    """The workers whose lines committed the last round the swarm committed before time `before` (its quorum's
+    members; a region's merges left out); empty before any."""
+    done = [(ln["round"], i) for i, worker in enumerate(lines) for ln in worker
+            if ln.get("event") == "round" and ln.get("committed") and not ln.get("merge") and ln["time"] < before]
+    last = max((r for r, _ in done), default=None)
+    return {i for r, i in done if r == last}
+
+
+def minority(up: Sequence[int], members: Collection[int], pick: float, amount: float) -> frozenset[int] | None:
+    """A partition's cut-off side: a minority of the last committed round's `members` that are `up` (the quorum a
+    round counts; all of `up` when none is known), from the one `pick` (0..1) points at on, its size rising with
+    `amount` (0..1) from one to just under half. None when fewer than three are there to split."""
+    among = [i for i in up if i in members] or list(up)
+    most = (len(among) - 1) // 2
+    if most < 1:
+        return None
+    size = 1 + min(most - 1, int(amount * most))
+    start = min(len(among) - 1, int(pick * len(among)))
+    return frozenset(among[(start + k) % len(among)] for k in range(size))
+
+
 def commits_cut_off(hits: Sequence[Hit], lines: Sequence[Lines]) -> list[dict[str, Any]]:
     """Rounds a partition's cut-off minority committed while cut off (from `CUT_MARGIN` after the cut until it
     healed): a minority has no quorum, so this must be empty. A side is a minority of the workers up when the fault
@@ -322,13 +345,9 @@ def commits_cut_off(hits: Sequence[Hit], lines: Sequence[Lines]) -> list[dict[st
     for h in hits:
         if h.kind != "partition" or h.skipped or not h.side:
             continue
-        before = [(ln["round"], i) for i, worker in enumerate(lines) for ln in worker
-                  if ln.get("event") == "round" and ln.get("committed") and not ln.get("merge") and ln["time"] < h.at]
-        if before:
-            last = max(r for r, _ in before)
-            members = {i for r, i in before if r == last}
-            if 2 * len(members & set(h.side)) > len(members):
-                continue
+        members = last_members(lines, h.at)
+        if members and 2 * len(members & set(h.side)) > len(members):
+            continue
         until = h.ended if h.ended is not None else float("inf")
         for w in h.side:
             for ln in lines[w] if w < len(lines) else []:
@@ -642,13 +661,11 @@ class _Swarm:
                 self.cuts[cut_id] = hosts
             lab.sides(sides(lab.hosts, self.cuts.values()))
 
-        if fault.kind == "partition":
-            size = 1 + int(fault.amount * ((len(up) - 1) // 2))
-            if (len(up) - 1) // 2 < 1:
+        if fault.kind == "partition":  # a minority of the last round's members: a side that cannot commit
+            side = minority([u.index for u in up], last_members(self.lines(), time.time()), fault.pick, fault.amount)
+            if side is None:
                 hit.skipped, hit.detail = True, "too few workers up for a minority"
                 return
-            first = up.index(w)
-            side = frozenset(up[(first + k) % len(up)].index for k in range(size))
             cut(side)
             hit.side = tuple(sorted(side))
             hit.detail = f"workers {sorted(side)} cut off for {fault.seconds:.0f} s"
