@@ -336,12 +336,19 @@ class Swarm:
         topology's: `membership.gossip_plan`) picks the round, what the group's members say they hold and who they
         are; one round of the protocol, whose view can only be members that say the same, averages `data` (fp32,
         1-D). It commits with two members or more (its `aggregate` is the group's mean, its key the round it ran);
-        nothing is retried; a plan that skips says why in the outcome. `finish_exchange` collects the outcome."""
+        nothing is retried; a plan that skips says why in the outcome. `finish_exchange` collects the outcome. The
+        peers a read last showed are the ones our heartbeat pings back when its reads lose them (a DHT island: a
+        partition healed while no round of ours named them)."""
         handoff = Handoff(data)
         del data
 
         async def go() -> RoundOutcome:
-            p = plan(await self.presence.read(), self.collective.banned)
+            records = await self.presence.read()
+            banned = self.collective.banned
+            seen = tuple(r.peer for r in serving(records) if r.peer != self.peer_id and r.peer not in banned)
+            if seen:  # the peers we gossip among: a read that misses them all (an island) pings them (`_reach_unseen`)
+                self.presence.members = seen
+            p = plan(records, self.collective.banned)
             if p.skip:
                 return RoundOutcome(p.key, False, p.skip)
             await self._verify(p.others)

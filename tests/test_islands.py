@@ -265,3 +265,62 @@ def test_a_joiner_that_saw_the_swarm_ahead_commits_no_round_of_its_own_while_no_
     committed = [r for r in seen["c"] if r.committed]
     assert committed and min(r.round for r in committed) > 3 and all(r.peers >= 2 for r in committed), \
         [(r.round, r.peers) for r in committed]
+
+
+def test_a_gossiping_peer_whose_reads_lose_everyone_reaches_the_peers_it_gossiped_among_and_meets_them_again():
+    """Gossip has no round members to reach: a peer whose DHT node became an island after a partition healed read
+    nobody and gossiped alone for good (a chaos soak, seed 7: 2.75 minutes, until the run's end). a, b and c gossip;
+    then a's reads show a alone. Its heartbeat reaches the peers its last reads showed, and a meets a partner again."""
+    import copy
+    import threading
+    import time
+    from dataclasses import replace
+
+    from test_gossip import CALM
+    from test_swarm_inproc import Harness, _batches, _mlp, _run_threads, _train
+
+    import diloco
+    from diloco import DiLoCo
+
+    h = Harness(replace(CALM, heartbeat_interval=0.5))
+    island = _Island(h.board, {"b", "c"})
+    base = _mlp(5)
+    together = threading.Barrier(3, timeout=20)
+    isolated_at: list[int] = []
+    reports: dict[str, list] = {}
+
+    def worker(name: str) -> None:
+        model = copy.deepcopy(base)
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        data = _batches(hash(name) % 100, 8)
+        board = island if name == "a" else h.board
+        swarm = diloco.Swarm.in_process(h.net, board, name, h.cfg, h.loop)
+        h.swarms.append(swarm)
+        with DiLoCo(model, opt, swarm=swarm, inner_steps=3) as d:
+            together.wait()
+            k, deadline = 0, time.monotonic() + 30
+            while time.monotonic() < deadline:
+                if name == "a" and not isolated_at and sum(r.committed for r in d.reports) >= 2:
+                    isolated_at.append(len(d.reports))
+                    island.isolate()
+                if name == "a" and isolated_at and len(isolated_at) == 1 and island.reached:
+                    isolated_at.append(len(d.reports))  # the reach joined the island: rounds from here on
+                if name == "a" and len(isolated_at) == 2 and any(r.committed for r in d.reports[isolated_at[1]:]):
+                    break  # met a partner after the island was joined
+                if name != "a" and reports.get("a") is not None:
+                    break
+                _train(model, opt, [data[k % len(data)]])
+                k += 1
+                time.sleep(0.005)
+            reports[name] = list(d.reports)
+
+    try:
+        _run_threads([lambda: worker("a"), lambda: worker("b"), lambda: worker("c")], [together])
+    finally:
+        h.close()
+    assert len(isolated_at) == 2, (island.reached, [(r.round, r.committed, r.reason) for r in reports["a"][-6:]])
+    alone = reports["a"][isolated_at[0]:isolated_at[1]]
+    after = reports["a"][isolated_at[1]:]
+    assert island.reached[0] and set(island.reached[0]) <= {"b", "c"}, island.reached
+    assert any(r.committed and r.peers >= 2 for r in after), [(r.round, r.reason) for r in after]
+    assert all(not r.committed for r in alone[1:]), [(r.round, r.reason) for r in alone]  # the island: alone
