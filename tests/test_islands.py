@@ -5,6 +5,7 @@ pings the members of its last round that its reads miss."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import pytest
 import torch
@@ -131,18 +132,33 @@ class _Island:
         pass
 
 
+@contextlib.contextmanager
+def _worker(h, island: _Island, base: torch.nn.Module, name: str):
+    """Peer `name` of the in-process harness `h` as a DiLoCo worker (SGD, H=3): peer a reads the board through
+    `island`, the others the board itself. Yields (model, optimizer, its batches, the worker)."""
+    import copy
+
+    from test_swarm_inproc import _batches
+
+    import diloco
+    from diloco import DiLoCo
+
+    model = copy.deepcopy(base)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    swarm = diloco.Swarm.in_process(h.net, island if name == "a" else h.board, name, h.cfg, h.loop)
+    h.swarms.append(swarm)
+    with DiLoCo(model, opt, swarm=swarm, inner_steps=3) as d:
+        yield model, opt, _batches(hash(name) % 100, 8), d
+
+
 def test_a_peer_whose_reads_lose_its_last_rounds_members_reaches_them_and_commits_again():
     """a, b and c commit rounds; then a's directory shows a alone (its DHT node an island), so a's rounds have no
     quorum (1 of the last round's 3 members). a's heartbeat reaches b and c, its next read sees them again, and
     all three commit further rounds together."""
-    import copy
     import threading
     import time
 
-    from test_swarm_inproc import Harness, _batches, _mlp, _run_threads, _train
-
-    import diloco
-    from diloco import DiLoCo
+    from test_swarm_inproc import Harness, _mlp, _run_threads, _train
 
     h = Harness()
     island = _Island(h.board, {"b", "c"})
@@ -151,13 +167,7 @@ def test_a_peer_whose_reads_lose_its_last_rounds_members_reaches_them_and_commit
     rounds: dict[str, int] = {}
 
     def worker(name: str) -> None:
-        model = copy.deepcopy(base)
-        opt = torch.optim.SGD(model.parameters(), lr=0.05)
-        data = _batches(hash(name) % 100, 8)
-        board = island if name == "a" else h.board
-        swarm = diloco.Swarm.in_process(h.net, board, name, h.cfg, h.loop)
-        h.swarms.append(swarm)
-        with DiLoCo(model, opt, swarm=swarm, inner_steps=3) as d:
+        with _worker(h, island, base, name) as (model, opt, data, d):
             together.wait()
             k, deadline = 0, time.monotonic() + 40
             while d.round < 6 and time.monotonic() < deadline:
@@ -271,16 +281,12 @@ def test_a_gossiping_peer_whose_reads_lose_everyone_reaches_the_peers_it_gossipe
     """Gossip has no round members to reach: a peer whose DHT node became an island after a partition healed read
     nobody and gossiped alone for good (a chaos soak, seed 7: 2.75 minutes, until the run's end). a, b and c gossip;
     then a's reads show a alone. Its heartbeat reaches the peers its last reads showed, and a meets a partner again."""
-    import copy
     import threading
     import time
     from dataclasses import replace
 
     from test_gossip import CALM
-    from test_swarm_inproc import Harness, _batches, _mlp, _run_threads, _train
-
-    import diloco
-    from diloco import DiLoCo
+    from test_swarm_inproc import Harness, _mlp, _run_threads, _train
 
     h = Harness(replace(CALM, heartbeat_interval=0.5))
     island = _Island(h.board, {"b", "c"})
@@ -290,13 +296,7 @@ def test_a_gossiping_peer_whose_reads_lose_everyone_reaches_the_peers_it_gossipe
     reports: dict[str, list] = {}
 
     def worker(name: str) -> None:
-        model = copy.deepcopy(base)
-        opt = torch.optim.SGD(model.parameters(), lr=0.05)
-        data = _batches(hash(name) % 100, 8)
-        board = island if name == "a" else h.board
-        swarm = diloco.Swarm.in_process(h.net, board, name, h.cfg, h.loop)
-        h.swarms.append(swarm)
-        with DiLoCo(model, opt, swarm=swarm, inner_steps=3) as d:
+        with _worker(h, island, base, name) as (model, opt, data, d):
             together.wait()
             k, deadline = 0, time.monotonic() + 30
             while time.monotonic() < deadline:
