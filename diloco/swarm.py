@@ -348,7 +348,7 @@ class Swarm:
             seen = tuple(r.peer for r in serving(records) if r.peer != self.peer_id and r.peer not in banned)
             if seen:  # the peers we gossip among: a read that misses them all (an island) pings them (`_reach_unseen`)
                 self.presence.members = seen
-            p = plan(records, self.collective.banned)
+            p = plan(records, banned)
             if p.skip:
                 return RoundOutcome(p.key, False, p.skip)
             await self._verify(p.others)
